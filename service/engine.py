@@ -1,0 +1,147 @@
+"""The decode loop: draft → tree → one forward pass → verify → compact the cache.
+
+State convention (one everywhere): the cache holds every committed token but the newest;
+that newest ("pending") token is fed as the root of the next tree. A plain decode step is
+the one-node tree, so k = 0 runs through exactly the same code as speculation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from drafting import Drafter
+from service.config import GenerationParams
+from service.kv_cache import TreeKVCache
+from service.model_runner import ModelRunner
+from service.tree import build_tree, chain_tree
+from service.verifier import verify_greedy
+
+
+@dataclass(frozen=True)
+class RoundOutput:
+    """The tokens one round committed, and what it cost."""
+
+    token_ids: list[int]  # committed by this round, truncated at a stop or at max_new_tokens
+    num_draft_tokens: int  # drafted tree nodes (root excluded)
+    num_accepted_tokens: int  # drafted tokens the model agreed with
+    accepted_strategies: list[str]  # strategy of each accepted token, in order
+    draft_seconds: float
+    forward_seconds: float
+    finish_reason: str | None  # "stop" | "length" | None while generating
+
+
+@dataclass
+class Completion:
+    """A whole generation, gathered from its rounds."""
+
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_passes: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, round_output: RoundOutput) -> None:
+        self.token_ids.extend(round_output.token_ids)
+        self.finish_reason = round_output.finish_reason
+        self.num_passes += 1
+        self.num_draft_tokens += round_output.num_draft_tokens
+        self.num_accepted_tokens += round_output.num_accepted_tokens
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return len(self.token_ids) / self.num_passes if self.num_passes else 0.0
+
+
+class ContextTooLong(ValueError):
+    """The prompt plus the requested tokens do not fit the model's context."""
+
+
+class Engine:
+    """Generates for one sequence at a time over a `ModelRunner` and a `Drafter`."""
+
+    def __init__(
+        self, runner: ModelRunner, drafter: Drafter, eos_token_ids: Sequence[int], max_context: int
+    ) -> None:
+        self.runner = runner
+        self.drafter = drafter
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_context = max_context
+
+    def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[RoundOutput]:
+        """Yield each round's committed tokens until a stop token or `max_new_tokens`."""
+        if not prompt_ids:
+            raise ValueError("the prompt holds no tokens")
+        if len(prompt_ids) + params.max_new_tokens > self.max_context:
+            raise ContextTooLong(
+                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} "
+                f"exceeds the context of {self.max_context} tokens"
+            )
+        context = list(prompt_ids)
+        cache = self._prefill(context)
+        stops = self.eos_token_ids | params.stop_token_ids
+        generated = 0
+        while True:
+            output = self._round(cache, context, params, stops, params.max_new_tokens - generated)
+            context.extend(output.token_ids)
+            generated += len(output.token_ids)
+            yield output
+            if output.finish_reason is not None:
+                return
+
+    def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> Completion:
+        """Run `generate` to the end and gather the result."""
+        completion, start = Completion(), time.perf_counter()
+        for round_output in self.generate(prompt_ids, params):
+            completion.add(round_output)
+        completion.seconds = time.perf_counter() - start
+        return completion
+
+    def _prefill(self, context: list[int]) -> TreeKVCache:
+        cache = self.runner.new_cache()
+        if len(context) > 1:
+            prompt = chain_tree(context[:-1])
+            self.runner.forward(cache, [prompt], logits=False)
+            cache.commit(0, range(prompt.num_nodes))
+        return cache
+
+    def _round(
+        self,
+        cache: TreeKVCache,
+        context: list[int],
+        params: GenerationParams,
+        stops: frozenset[int],
+        budget: int,
+    ) -> RoundOutput:
+        spec = params.speculation
+        started = time.perf_counter()
+        drafts = self.drafter.propose(context, spec.k, spec.w) if spec.k > 0 else []
+        tree = build_tree(context[-1], drafts, max_nodes=spec.max_tree_nodes)
+        drafted = time.perf_counter()
+        logits = self.runner.forward(cache, [tree])
+        assert logits is not None
+        verdict = verify_greedy(tree, logits[0])  # reads the logits back: the pass is done
+        verified = time.perf_counter()
+        cache.commit(0, [0, *verdict.accepted_nodes])
+        token_ids, finish_reason = _truncate(verdict.token_ids, stops, budget)
+        return RoundOutput(
+            token_ids=token_ids,
+            num_draft_tokens=tree.num_nodes - 1,
+            num_accepted_tokens=len(verdict.accepted_nodes),
+            accepted_strategies=[tree.strategies[i] or "" for i in verdict.accepted_nodes],
+            draft_seconds=drafted - started,
+            forward_seconds=verified - drafted,
+            finish_reason=finish_reason,
+        )
+
+
+def _truncate(token_ids: list[int], stops: frozenset[int], budget: int) -> tuple[list[int], str | None]:
+    """Cut a round's tokens after the first stop token, or at the remaining token budget."""
+    for i, token in enumerate(token_ids[:budget]):
+        if token in stops:
+            return token_ids[: i + 1], "stop"
+    if len(token_ids) >= budget:
+        return token_ids[:budget], "length"
+    return token_ids, None

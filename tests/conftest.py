@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny random Llama (fast, no download) and the embedded model (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafting import ContextNgramDrafter
+from service.engine import Engine
+from service.model_runner import ModelRunner
+
+TINY_VOCAB = 64
+
+
+def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa") -> LlamaForCausalLM:
+    """A 2-layer Llama with random weights: real attention code, milliseconds per pass."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+        attn_implementation=attn_implementation,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LlamaForCausalLM:
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_runner(tiny_model: LlamaForCausalLM) -> ModelRunner:
+    return ModelRunner(tiny_model)
+
+
+@pytest.fixture
+def tiny_engine(tiny_runner: ModelRunner) -> Engine:
+    # EOS is not a stop here, so runs go the full length and compare more tokens.
+    return Engine(tiny_runner, ContextNgramDrafter(), eos_token_ids=[], max_context=512)

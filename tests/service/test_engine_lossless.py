@@ -1,0 +1,107 @@
+"""Speculative greedy output must equal plain greedy decoding, token for token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from drafting import ContextNgramDrafter, Draft
+from service.config import GenerationParams, SpeculationParams
+from service.engine import ContextTooLong, Engine
+from service.model_runner import ModelRunner
+
+PROMPTS = [
+    [5, 9, 13, 2, 7, 7, 30, 41],
+    [3, 4, 5, 6, 3, 4, 5, 6, 3, 4],  # repetitive: context lookup has matches
+    [11],  # a one-token prompt: nothing to prefill
+    list(range(2, 60)),
+]
+NEW_TOKENS = 40
+
+
+def reference_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Plain greedy decoding with a full recompute per token: no cache code involved."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+class OracleDrafter:
+    """Proposes the true continuation (known in advance) among decoys, cut to random lengths.
+
+    Makes long accepted paths happen on a random model, so compaction is exercised deeply.
+    """
+
+    name = "oracle"
+
+    def __init__(self, prompt: list[int], truth: list[int], seed: int) -> None:
+        self.full = prompt + truth
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def propose(self, context: Sequence[int], k: int, w: int) -> list[Draft]:
+        true_next = self.full[len(context) : len(context) + w]
+        cut = int(torch.randint(0, w + 1, (1,), generator=self.generator))
+        decoys = [tuple(((t + 1 + j) % 64) for t in true_next) for j in range(k)]
+        drafts = [tuple(true_next[:cut]) + d[cut:] for d in decoys]
+        position = int(torch.randint(0, k, (1,), generator=self.generator))
+        drafts[position] = tuple(true_next)
+        return [Draft(d, self.name) for d in drafts[:k] if d]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["mixed", "repetitive", "one-token", "long"])
+@pytest.mark.parametrize("k,w", [(0, 0), (1, 1), (1, 4), (3, 3), (8, 5)])
+def test_context_drafts_are_lossless(tiny_model, tiny_engine: Engine, prompt, k, w) -> None:
+    expected = reference_greedy(tiny_model, prompt, NEW_TOKENS)
+    params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=SpeculationParams(k, w))
+    completion = tiny_engine.complete(prompt, params)
+    assert completion.token_ids == expected
+    assert completion.finish_reason == "length"
+
+
+@pytest.mark.parametrize("k,w", [(1, 6), (4, 4), (6, 8)])
+def test_long_accepted_paths_are_lossless(tiny_model, tiny_runner: ModelRunner, k, w) -> None:
+    prompt = PROMPTS[0]
+    truth = reference_greedy(tiny_model, prompt, NEW_TOKENS + w)
+    engine = Engine(tiny_runner, OracleDrafter(prompt, truth, seed=k), [], max_context=512)
+    params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=SpeculationParams(k, w))
+    completion = engine.complete(prompt, params)
+    assert completion.token_ids == truth[:NEW_TOKENS]
+    # the oracle's true branch is always accepted in full: w + 1 tokens per pass
+    assert completion.num_passes <= -(-NEW_TOKENS // (w + 1))
+
+
+def test_context_lookup_accepts_on_repetitive_text(tiny_engine: Engine) -> None:
+    params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=SpeculationParams(4, 4))
+    completion = tiny_engine.complete(PROMPTS[1], params)
+    assert completion.num_accepted_tokens > 0
+    assert completion.num_passes < NEW_TOKENS
+
+
+def test_stops_at_stop_token_and_counts_it(tiny_model, tiny_engine: Engine) -> None:
+    expected = reference_greedy(tiny_model, PROMPTS[0], NEW_TOKENS)
+    stop = expected[10]
+    first = expected.index(stop)
+    params = GenerationParams(
+        max_new_tokens=NEW_TOKENS, stop_token_ids=frozenset({stop}), speculation=SpeculationParams(4, 3)
+    )
+    completion = tiny_engine.complete(PROMPTS[0], params)
+    assert completion.token_ids == expected[: first + 1]
+    assert completion.finish_reason == "stop"
+
+
+def test_rounds_stream_the_tokens_they_accept(tiny_engine: Engine) -> None:
+    params = GenerationParams(max_new_tokens=25, speculation=SpeculationParams(4, 4))
+    rounds = list(tiny_engine.generate(PROMPTS[1], params))
+    assert [r.finish_reason for r in rounds[:-1]] == [None] * (len(rounds) - 1)
+    assert rounds[-1].finish_reason == "length"
+    assert all(1 <= len(r.token_ids) <= 5 for r in rounds)
+    assert sum(len(r.token_ids) for r in rounds) == 25
+
+
+def test_context_too_long_is_refused(tiny_engine: Engine) -> None:
+    with pytest.raises(ContextTooLong, match="exceeds the context of 512"):
+        tiny_engine.complete(list(range(2, 60)) * 8, GenerationParams(max_new_tokens=100))
