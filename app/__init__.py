@@ -1,0 +1,1 @@
+"""The HTTP edge: settings, OpenAI-compatible routes, health probes and the CLI."""

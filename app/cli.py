@@ -1,0 +1,100 @@
+"""`ngrammys serve` and `ngrammys bench`.
+
+`serve` flags are generated from the `Settings` fields, so a flag, its `NGRAMMYS_*`
+variable and its documentation never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings
+from service.model_loader import DEFAULT_CACHE_DIR
+
+
+def _settings_flags(parser: argparse.ArgumentParser) -> None:
+    for name, info in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        shown_default = "" if info.default is None else f"; default: {info.default}"
+        parser.add_argument(
+            flag, dest=name, default=None, metavar=name.upper(),
+            help=f"{info.description} [env NGRAMMYS_{name.upper()}{shown_default}]",
+        )
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from app.main import create_app
+
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
+    settings = Settings(**given)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level.lower())
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from service.bench import format_table, load_specbench, results_as_json, run_bench
+    from service.config import SpeculationParams
+    from service.model_loader import load_model
+    from service.runtime import Runtime
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
+    engine = Runtime.build(loaded).engine
+    prompts = load_specbench(args.dataset, loaded.tokenizer, args.per_category)
+    speculation = SpeculationParams(args.k, args.w)
+    print(f"{loaded.name}: {len(prompts)} prompts, k={args.k} w={args.w}, "
+          f"max_new_tokens={args.max_new_tokens}, device={loaded.model.device}", flush=True)
+
+    def progress(prompt: Any, plain: Any, spec: Any) -> None:
+        same = "identical" if plain.token_ids == spec.token_ids else "DIFFERENT"
+        print(f"  {prompt.category}/{prompt.question_id}: plain {len(plain.token_ids)} tok "
+              f"{plain.seconds:.2f}s | spec {spec.tokens_per_pass:.2f} tok/pass {spec.seconds:.2f}s | {same}",
+              flush=True)
+
+    results = run_bench(engine, prompts, speculation, args.max_new_tokens, progress)
+    print(format_table(results))
+    if args.json:
+        args.json.write_text(results_as_json(
+            results, model=loaded.name, k=args.k, w=args.w, max_new_tokens=args.max_new_tokens,
+            device=str(loaded.model.device), dtype=str(loaded.model.dtype),
+        ))
+        print(f"wrote {args.json}")
+    if any(r.identical != r.prompts for r in results):
+        sys.exit("speculative output differed from plain greedy output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ngrammys", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _settings_flags(serve)
+    serve.set_defaults(run=_serve)
+    bench = commands.add_parser("bench", help="plain vs speculative decoding on Spec-Bench prompts")
+    bench.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
+    bench.add_argument("--per-category", type=int, default=None, help="first N questions per category")
+    bench.add_argument("--k", type=int, default=4, help="speculations per round")
+    bench.add_argument("--w", type=int, default=4, help="tokens per speculation")
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--model", default=None, help="model directory or .gguf (default: embedded)")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default=None)
+    bench.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    bench.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

