@@ -25,14 +25,20 @@ def sequential_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0, -1]
 
 
+def prefilled(runner: ModelRunner, prompt: list[int]):
+    """A cache holding `prompt` minus its last (pending) token."""
+    cache = runner.new_cache()
+    prefix = chain_tree(prompt[:-1])
+    runner.forward(cache, [prefix], logits=False)
+    cache.commit(0, range(prefix.num_nodes))
+    return cache
+
+
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_tree_node_logits_equal_sequential_decoding(attn_implementation: str) -> None:
     model = make_tiny_model(seed=1, attn_implementation=attn_implementation)
     runner = ModelRunner(model)
-    cache = runner.new_cache()
-    prefix = chain_tree(PROMPT[:-1])
-    runner.forward(cache, [prefix], logits=False)
-    cache.commit(0, range(prefix.num_nodes))
+    cache = prefilled(runner, PROMPT)
 
     tree = build_tree(PROMPT[-1], DRAFTS)
     logits = runner.forward(cache, [tree])[0]  # [num_nodes, vocab]
@@ -50,10 +56,7 @@ def test_compacted_cache_continues_like_a_fresh_decode() -> None:
     """After keeping one branch, the next pass sees exactly prompt + that branch."""
     model = make_tiny_model(seed=2)
     runner = ModelRunner(model)
-    cache = runner.new_cache()
-    prefix = chain_tree(PROMPT[:-1])
-    runner.forward(cache, [prefix], logits=False)
-    cache.commit(0, range(prefix.num_nodes))
+    cache = prefilled(runner, PROMPT)
     tree = build_tree(PROMPT[-1], DRAFTS)
     runner.forward(cache, [tree])
     branch = [0, tree.children[0][3], tree.children[tree.children[0][3]][9]]  # root, 3, 9
