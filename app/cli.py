@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from app.settings import Settings
+from drafting import MIXED, STRATEGY_NAMES
 from service.model_loader import DEFAULT_CACHE_DIR
 
 
@@ -39,34 +40,41 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from service.bench import format_table, load_specbench, results_as_json, run_bench
+    from service.bench import format_summary, format_table, load_specbench, results_as_json, run_bench
     from service.config import SpeculationParams
     from service.model_loader import load_model
-    from service.runtime import Runtime
+    from service.runtime import build_engine_with_tables
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
-    engine = Runtime.build(loaded).engine
+    engine = build_engine_with_tables(loaded, args.cache_dir)
     prompts = load_specbench(args.dataset, loaded.tokenizer, args.per_category)
     speculation = SpeculationParams(args.k, args.w)
-    print(f"{loaded.name}: {len(prompts)} prompts, k={args.k} w={args.w}, "
+    strategies = list(dict.fromkeys(args.strategy))
+    print(f"{loaded.name}: {len(prompts)} prompts, strategies={','.join(strategies)} k={args.k} w={args.w}, "
           f"max_new_tokens={args.max_new_tokens}, device={loaded.model.device}", flush=True)
 
-    def progress(prompt: Any, plain: Any, spec: Any) -> None:
-        same = "identical" if plain.token_ids == spec.token_ids else "DIFFERENT"
+    def progress(prompt: Any, plain: Any, specs: dict[str, Any]) -> None:
+        cells = [
+            f"{name} {spec.tokens_per_pass:.2f} tok/pass {spec.seconds:.2f}s"
+            + ("" if spec.token_ids == plain.token_ids else " DIFFERENT")
+            for name, spec in specs.items()
+        ]
         print(f"  {prompt.category}/{prompt.question_id}: plain {len(plain.token_ids)} tok "
-              f"{plain.seconds:.2f}s | spec {spec.tokens_per_pass:.2f} tok/pass {spec.seconds:.2f}s | {same}",
-              flush=True)
+              f"{plain.seconds:.2f}s | " + " | ".join(cells), flush=True)
 
-    results = run_bench(engine, prompts, speculation, args.max_new_tokens, progress)
-    print(format_table(results))
+    results = run_bench(engine, prompts, speculation, args.max_new_tokens, strategies, progress)
+    for strategy, by_category in results.items():
+        print(f"\n### strategy: {strategy}\n\n{format_table(by_category)}")
+    if len(results) > 1:
+        print(f"\n### tokens per pass (speedup over plain)\n\n{format_summary(results)}")
     if args.json:
         args.json.write_text(results_as_json(
             results, model=loaded.name, k=args.k, w=args.w, max_new_tokens=args.max_new_tokens,
             device=str(loaded.model.device), dtype=str(loaded.model.dtype),
         ))
         print(f"wrote {args.json}")
-    if any(r.identical != r.prompts for r in results):
+    if any(r.identical != r.prompts for rows in results.values() for r in rows):
         sys.exit("speculative output differed from plain greedy output")
 
 
@@ -81,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--per-category", type=int, default=None, help="first N questions per category")
     bench.add_argument("--k", type=int, default=4, help="speculations per round")
     bench.add_argument("--w", type=int, default=4, help="tokens per speculation")
+    bench.add_argument("--strategy", choices=STRATEGY_NAMES, nargs="+", default=[MIXED],
+                       help="draft strategies to compare (each against the same plain run)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--model", default=None, help="model directory or .gguf (default: embedded)")
     bench.add_argument("--device", default=None)

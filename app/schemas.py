@@ -6,10 +6,22 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.settings import Strategy
+
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str
+
+
+class SpeculationOptions(BaseModel):
+    """Extension: per-request speculation shape and draft strategy (server settings otherwise)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    k: int | None = Field(None, ge=0, le=64)
+    w: int | None = Field(None, ge=0, le=64)
+    strategy: Strategy | None = None
 
 
 class ChatCompletionRequest(BaseModel):
@@ -24,6 +36,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2)
     stream: bool = False
     user: str | None = None
+    speculation: SpeculationOptions | None = None
 
 
 class ResponseMessage(BaseModel):

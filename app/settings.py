@@ -5,10 +5,16 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from drafting import STRATEGY_NAMES
 from service.model_loader import DEFAULT_CACHE_DIR
+
+
+Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
 
 
 class Settings(BaseSettings):
@@ -27,6 +33,8 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
     spec_k: int = Field(4, ge=0, le=64, description="Speculations per round (0 = plain decoding)")
     spec_w: int = Field(4, ge=0, le=64, description="Tokens per speculation")
+    spec_strategy: Strategy = Field("mixed", description="Draft strategy: context, unigram, bigram, extended_bigram or mixed")
+    model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
     log_level: str = Field("info", description="Logging level")
 

@@ -1,6 +1,33 @@
 """Learning-free draft strategies: pure functions of token ids (no model code, no engine)."""
 
-from drafting.base import Draft, Drafter
-from drafting.context_ngram import ContextNgramDrafter
+from drafting.base import Draft, Strategy
+from drafting.context_ngram import ContextNgram
+from drafting.history import TokenHistory
+from drafting.mixer import MIXED, DraftSession, Mixer
+from drafting.model_ngram import ExtendedBigram, ModelBigram, ModelTables, ModelUnigram, TableSlot
 
-__all__ = ["ContextNgramDrafter", "Draft", "Drafter"]
+STRATEGY_NAMES = ("context", "unigram", "bigram", "extended_bigram", MIXED)
+
+
+def default_mixer(tables: TableSlot | None = None) -> Mixer:
+    """All learning-free strategies over one (possibly still empty) table slot."""
+    slot = tables or TableSlot()
+    return Mixer([ContextNgram(), ModelUnigram(slot), ModelBigram(slot), ExtendedBigram(slot)], slot)
+
+
+__all__ = [
+    "MIXED",
+    "STRATEGY_NAMES",
+    "ContextNgram",
+    "Draft",
+    "DraftSession",
+    "ExtendedBigram",
+    "Mixer",
+    "ModelBigram",
+    "ModelTables",
+    "ModelUnigram",
+    "Strategy",
+    "TableSlot",
+    "TokenHistory",
+    "default_mixer",
+]

@@ -1,35 +1,38 @@
 """The contract between the engine and every draft strategy.
 
-The engine asks a `Drafter` for up to k guesses of up to w tokens that would follow the
+Each round the engine asks for up to k guesses of up to w tokens that would follow the
 context; it merges them into a token tree and verifies them all in one forward pass. A
-strategy never sees the model or the engine, only token ids, so it can be tested on literal
-arrays.
+strategy sees only the request's token history (and, for the model-derived ones, tables of
+token ids), never the model or the engine, so it can be tested on literal arrays.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from drafting.history import TokenHistory
 
 
 @dataclass(frozen=True)
 class Draft:
-    """One guessed continuation of the context and the strategy that proposed it."""
+    """One guessed continuation, the strategy that proposed it and its rank there (0 = best)."""
 
     token_ids: tuple[int, ...]
     strategy: str
+    rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             raise ValueError("a draft holds at least one token")
 
 
-class Drafter(Protocol):
-    """A draft strategy: proposes continuations of `context` (prompt + generated ids)."""
+class Strategy(Protocol):
+    """A draft strategy: ranked continuations of the history's newest token."""
 
     name: str
 
-    def propose(self, context: Sequence[int], k: int, w: int) -> list[Draft]:
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
         """Return at most `k` distinct drafts of at most `w` tokens each, best first."""
         ...

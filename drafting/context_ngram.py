@@ -1,9 +1,10 @@
 """Context n-gram lookup ("prompt lookup"): guess that the text repeats itself.
 
-The last n tokens of the context are searched for earlier in the context; the tokens that
-followed each earlier occurrence are candidate continuations. Longer matches are more
-specific, so n runs from `max_n` down to `min_n`, and within one n candidates are ranked by
-how often they followed the match, then by how recently.
+The last n tokens of the context are looked up among their earlier occurrences (through the
+request's incremental index, so a round costs the same at any context length); the tokens
+that followed each occurrence are candidate continuations. Longer matches are more specific,
+so n runs from `max_n` down to `min_n`; within one n, candidates are ranked by how often
+they followed the match, then by how recently.
 """
 
 from __future__ import annotations
@@ -11,50 +12,42 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
-
 from drafting.base import Draft
+from drafting.history import TokenHistory
 
 
-@dataclass
-class ContextNgramDrafter:
+@dataclass(frozen=True)
+class ContextNgram:
     """Proposes continuations that followed earlier occurrences of the context's suffix."""
 
     max_n: int = 4
     min_n: int = 1
+    most_recent: int = 64  # occurrences examined per n: bounds the work on repetitive text
     name: str = "context"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
 
-    def propose(self, context: Sequence[int], k: int, w: int) -> list[Draft]:
-        if k <= 0 or w <= 0 or len(context) < 2:
-            return []
-        ids = np.asarray(context, dtype=np.int64)  # [L]
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
         found: list[tuple[int, ...]] = []
-        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
-            for continuation in _ranked_continuations(ids, n, w):
+        if k <= 0 or w <= 0:
+            return []
+        for n in range(min(self.max_n, history.max_n), self.min_n - 1, -1):
+            for continuation in _ranked(history, history.continuation_starts(n, self.most_recent), w):
                 if continuation not in found:
                     found.append(continuation)
                     if len(found) == k:
-                        return [Draft(c, self.name) for c in found]
-        return [Draft(c, self.name) for c in found]
+                        return [Draft(c, self.name, rank) for rank, c in enumerate(found)]
+        return [Draft(c, self.name, rank) for rank, c in enumerate(found)]
 
 
-def _ranked_continuations(ids: np.ndarray, n: int, w: int) -> list[tuple[int, ...]]:
-    """Continuations (≤ w tokens) of earlier occurrences of the last n ids, best first.
-
-    Best = followed the suffix most often; ties go to the most recent occurrence.
-    """
-    suffix = ids[-n:]  # [n]
-    windows = sliding_window_view(ids[:-1], n)  # [L-n, n]: starts 0..L-n-1, each has a successor
-    starts = np.flatnonzero((windows == suffix).all(axis=1))  # [num_matches]
+def _ranked(history: TokenHistory, starts: Sequence[int], w: int) -> list[tuple[int, ...]]:
+    """Distinct continuations (≤ w tokens) by count, then by most recent occurrence."""
     counts: dict[tuple[int, ...], int] = {}
     last_seen: dict[tuple[int, ...], int] = {}
-    for start in starts.tolist():
-        continuation = tuple(ids[start + n : start + n + w].tolist())
+    for start in starts:
+        continuation = tuple(history.token_ids[start : start + w])
         counts[continuation] = counts.get(continuation, 0) + 1
         last_seen[continuation] = start
     return sorted(counts, key=lambda c: (counts[c], last_seen[c]), reverse=True)

@@ -8,7 +8,7 @@ must be token-identical, and the table says whether they were.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,9 @@ class MethodTotals:
     passes: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    accepted_by_strategy: dict[str, int] = field(default_factory=dict)  # plain dict: asdict-safe
+    draft_seconds: float = 0.0
+    forward_seconds: float = 0.0
 
     def add(self, completion: Completion) -> None:
         self.tokens += len(completion.token_ids)
@@ -42,6 +45,21 @@ class MethodTotals:
         self.passes += completion.num_passes
         self.draft_tokens += completion.num_draft_tokens
         self.accepted_tokens += completion.num_accepted_tokens
+        for strategy, count in completion.accepted_by_strategy.items():
+            self.accepted_by_strategy[strategy] = self.accepted_by_strategy.get(strategy, 0) + count
+        self.draft_seconds += completion.draft_seconds
+        self.forward_seconds += completion.forward_seconds
+
+    @property
+    def draft_share(self) -> float:
+        """Time spent drafting relative to the forward passes it fed."""
+        return self.draft_seconds / self.forward_seconds if self.forward_seconds else 0.0
+
+    def strategy_shares(self) -> dict[str, float]:
+        """Fraction of accepted draft tokens each strategy proposed."""
+        total = sum(self.accepted_by_strategy.values())
+        ranked = sorted(self.accepted_by_strategy.items(), key=lambda item: -item[1])
+        return {name: count / total for name, count in ranked} if total else {}
 
     @property
     def tokens_per_second(self) -> float:
@@ -91,58 +109,91 @@ def run_bench(
     prompts: Iterable[BenchPrompt],
     speculation: SpeculationParams,
     max_new_tokens: int,
-    progress: Callable[[BenchPrompt, Completion, Completion], None] | None = None,
-) -> list[CategoryResult]:
-    """Decode every prompt plainly and speculatively; return per-category totals + overall."""
+    strategies: Sequence[str] = ("mixed",),
+    progress: Callable[[BenchPrompt, Completion, dict[str, Completion]], None] | None = None,
+) -> dict[str, list[CategoryResult]]:
+    """Decode every prompt plainly and with each strategy, in a rotating order.
+
+    Returns, per strategy, its per-category totals (the plain ones shared) and an `overall`.
+    """
     plain_params = GenerationParams(max_new_tokens=max_new_tokens)
-    spec_params = GenerationParams(max_new_tokens=max_new_tokens, speculation=speculation)
-    results: dict[str, CategoryResult] = {}
+    methods = ["plain", *strategies]
+    results: dict[str, dict[str, CategoryResult]] = {s: {} for s in strategies}
     for index, prompt in enumerate(prompts):
-        if index % 2 == 0:
-            plain = engine.complete(prompt.prompt_ids, plain_params)
-            spec = engine.complete(prompt.prompt_ids, spec_params)
-        else:
-            spec = engine.complete(prompt.prompt_ids, spec_params)
-            plain = engine.complete(prompt.prompt_ids, plain_params)
-        for key in (prompt.category, "overall"):
-            result = results.setdefault(key, CategoryResult(key))
-            result.prompts += 1
-            result.identical += plain.token_ids == spec.token_ids
-            result.plain.add(plain)
-            result.speculative.add(spec)
+        shift = index % len(methods)
+        done: dict[str, Completion] = {}
+        for method in methods[shift:] + methods[:shift]:
+            params = plain_params if method == "plain" else GenerationParams(
+                max_new_tokens=max_new_tokens, speculation=speculation, strategy=method
+            )
+            done[method] = engine.complete(prompt.prompt_ids, params)
+        plain = done.pop("plain")
+        for strategy, spec in done.items():
+            for key in (prompt.category, "overall"):
+                result = results[strategy].setdefault(key, CategoryResult(key))
+                result.prompts += 1
+                result.identical += plain.token_ids == spec.token_ids
+                result.plain.add(plain)
+                result.speculative.add(spec)
         if progress is not None:
-            progress(prompt, plain, spec)
-    overall = results.pop("overall", None)
-    return [*results.values(), *([overall] if overall else [])]
+            progress(prompt, plain, done)
+    return {strategy: _overall_last(by_category) for strategy, by_category in results.items()}
+
+
+def _overall_last(by_category: dict[str, CategoryResult]) -> list[CategoryResult]:
+    overall = by_category.pop("overall", None)
+    return [*by_category.values(), *([overall] if overall else [])]
+
+
+def format_summary(results: dict[str, list[CategoryResult]]) -> str:
+    """Tokens per pass (speedup over plain) of every strategy, one row per category."""
+    names = list(results)
+    header = "| category | " + " | ".join(names) + " |\n|---|" + "---|" * len(names)
+    rows = []
+    for row in zip(*results.values()):
+        cells = [f"{r.speculative.tokens_per_pass:.2f} ({r.speedup:.2f}x)" for r in row]
+        rows.append(f"| {row[0].category} | " + " | ".join(cells) + " |")
+    return "\n".join([header, *rows])
 
 
 def format_table(results: list[CategoryResult]) -> str:
     """A Markdown table, one row per category."""
     header = (
         "| category | prompts | plain tok/s | spec tok/s | speedup | tokens/pass "
-        "| accepted/drafted | identical |\n|---|---|---|---|---|---|---|---|"
+        "| accepted/drafted | accepted by strategy | draft time | identical |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = [
         f"| {r.category} | {r.prompts} | {r.plain.tokens_per_second:.1f} "
         f"| {r.speculative.tokens_per_second:.1f} | {r.speedup:.2f}x "
         f"| {r.speculative.tokens_per_pass:.2f} "
         f"| {r.speculative.accepted_tokens}/{r.speculative.draft_tokens} "
+        f"| {_shares(r.speculative.strategy_shares())} | {r.speculative.draft_share:.1%} "
         f"| {r.identical}/{r.prompts} |"
         for r in results
     ]
     return "\n".join([header, *rows])
 
 
-def results_as_json(results: list[CategoryResult], **run: object) -> str:
-    """The numbers of a run, with its settings, as JSON."""
-    categories = [
-        {
-            **asdict(r),
-            "speedup": r.speedup,
-            "plain_tokens_per_second": r.plain.tokens_per_second,
-            "speculative_tokens_per_second": r.speculative.tokens_per_second,
-            "speculative_tokens_per_pass": r.speculative.tokens_per_pass,
-        }
-        for r in results
-    ]
-    return json.dumps({"run": run, "categories": categories}, indent=2)
+def _shares(shares: dict[str, float]) -> str:
+    return " ".join(f"{name} {share:.0%}" for name, share in shares.items()) or "-"
+
+
+def results_as_json(results: dict[str, list[CategoryResult]], **run: object) -> str:
+    """The numbers of a run, with its settings, as JSON: per strategy, per category."""
+    strategies = {
+        strategy: [
+            {
+                **asdict(r),
+                "speedup": r.speedup,
+                "plain_tokens_per_second": r.plain.tokens_per_second,
+                "speculative_tokens_per_second": r.speculative.tokens_per_second,
+                "speculative_tokens_per_pass": r.speculative.tokens_per_pass,
+                "speculative_draft_share": r.speculative.draft_share,
+                "accepted_share_by_strategy": r.speculative.strategy_shares(),
+            }
+            for r in by_category
+        ]
+        for strategy, by_category in results.items()
+    }
+    return json.dumps({"run": run, "strategies": strategies}, indent=2)

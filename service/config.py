@@ -31,6 +31,7 @@ class GenerationParams:
     max_new_tokens: int = 256
     stop_token_ids: frozenset[int] = frozenset()
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
+    strategy: str = "mixed"  # a draft strategy name, or "mixed" for all of them
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

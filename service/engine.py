@@ -8,10 +8,11 @@ the one-node tree, so k = 0 runs through exactly the same code as speculation.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from drafting import Drafter
+from drafting import DraftSession, Mixer
 from service.config import GenerationParams
 from service.kv_cache import TreeKVCache
 from service.model_runner import ModelRunner
@@ -41,6 +42,9 @@ class Completion:
     num_passes: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    accepted_by_strategy: Counter[str] = field(default_factory=Counter)
+    draft_seconds: float = 0.0
+    forward_seconds: float = 0.0
     seconds: float = 0.0
 
     def add(self, round_output: RoundOutput) -> None:
@@ -49,6 +53,9 @@ class Completion:
         self.num_passes += 1
         self.num_draft_tokens += round_output.num_draft_tokens
         self.num_accepted_tokens += round_output.num_accepted_tokens
+        self.accepted_by_strategy.update(round_output.accepted_strategies)
+        self.draft_seconds += round_output.draft_seconds
+        self.forward_seconds += round_output.forward_seconds
 
     @property
     def tokens_per_pass(self) -> float:
@@ -60,13 +67,13 @@ class ContextTooLong(ValueError):
 
 
 class Engine:
-    """Generates for one sequence at a time over a `ModelRunner` and a `Drafter`."""
+    """Generates for one sequence at a time over a `ModelRunner` and a draft `Mixer`."""
 
     def __init__(
-        self, runner: ModelRunner, drafter: Drafter, eos_token_ids: Sequence[int], max_context: int
+        self, runner: ModelRunner, mixer: Mixer, eos_token_ids: Sequence[int], max_context: int
     ) -> None:
         self.runner = runner
-        self.drafter = drafter
+        self.mixer = mixer
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
 
@@ -79,13 +86,12 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} "
                 f"exceeds the context of {self.max_context} tokens"
             )
-        context = list(prompt_ids)
-        cache = self._prefill(context)
+        drafts = self.mixer.session(prompt_ids, params.strategy)
+        cache = self._prefill(prompt_ids)
         stops = self.eos_token_ids | params.stop_token_ids
         generated = 0
         while True:
-            output = self._round(cache, context, params, stops, params.max_new_tokens - generated)
-            context.extend(output.token_ids)
+            output = self._round(cache, drafts, params, stops, params.max_new_tokens - generated)
             generated += len(output.token_ids)
             yield output
             if output.finish_reason is not None:
@@ -99,10 +105,10 @@ class Engine:
         completion.seconds = time.perf_counter() - start
         return completion
 
-    def _prefill(self, context: list[int]) -> TreeKVCache:
+    def _prefill(self, prompt_ids: Sequence[int]) -> TreeKVCache:
         cache = self.runner.new_cache()
-        if len(context) > 1:
-            prompt = chain_tree(context[:-1])
+        if len(prompt_ids) > 1:
+            prompt = chain_tree(prompt_ids[:-1])
             self.runner.forward(cache, [prompt], logits=False)
             cache.commit(0, range(prompt.num_nodes))
         return cache
@@ -110,21 +116,22 @@ class Engine:
     def _round(
         self,
         cache: TreeKVCache,
-        context: list[int],
+        drafts: DraftSession,
         params: GenerationParams,
         stops: frozenset[int],
         budget: int,
     ) -> RoundOutput:
         spec = params.speculation
         started = time.perf_counter()
-        drafts = self.drafter.propose(context, spec.k, spec.w) if spec.k > 0 else []
-        tree = build_tree(context[-1], drafts, max_nodes=spec.max_tree_nodes)
+        proposed = drafts.propose(spec.k, spec.w) if spec.k > 0 else []
+        tree = build_tree(drafts.history.last_token, proposed, max_nodes=spec.max_tree_nodes)
         drafted = time.perf_counter()
         logits = self.runner.forward(cache, [tree])
         assert logits is not None
         verdict = verify_greedy(tree, logits[0])  # reads the logits back: the pass is done
         verified = time.perf_counter()
         cache.commit(0, [0, *verdict.accepted_nodes])
+        drafts.observe(verdict.token_ids)
         token_ids, finish_reason = _truncate(verdict.token_ids, stops, budget)
         return RoundOutput(
             token_ids=token_ids,

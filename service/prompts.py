@@ -22,3 +22,18 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[
     ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
     ids = [*ids, tokenizer.eos_token_id]
     return sorted({i for i in ids if i is not None})
+
+
+def assistant_prefix_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The tokens that open an assistant turn (what `add_generation_prompt` appends), or BOS.
+
+    A neutral context for probing the model one token at a time: alone at position 0 a token
+    acts as an attention sink and the model's predictions degenerate to punctuation.
+    """
+    if tokenizer.chat_template:
+        messages = [{"role": "user", "content": "x"}]
+        plain = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        opened = chat_prompt_ids(tokenizer, messages)
+        if opened[: len(plain)] == list(plain) and len(opened) > len(plain):
+            return opened[len(plain) :]
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []

@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafting import ContextNgramDrafter
+from drafting import TableSlot, default_mixer
 from service.engine import Engine
 from service.model_runner import ModelRunner
+from service.model_tables import compute_tables
 
 TINY_VOCAB = 64
 
@@ -42,10 +43,15 @@ def tiny_runner(tiny_model: LlamaForCausalLM) -> ModelRunner:
     return ModelRunner(tiny_model)
 
 
+@pytest.fixture(scope="session")
+def tiny_tables(tiny_model: LlamaForCausalLM) -> TableSlot:
+    return TableSlot(compute_tables(tiny_model, batch_size=16, show_progress=False))
+
+
 @pytest.fixture
-def tiny_engine(tiny_runner: ModelRunner) -> Engine:
+def tiny_engine(tiny_runner: ModelRunner, tiny_tables: TableSlot) -> Engine:
     # EOS is not a stop here, so runs go the full length and compare more tokens.
-    return Engine(tiny_runner, ContextNgramDrafter(), eos_token_ids=[], max_context=512)
+    return Engine(tiny_runner, default_mixer(tiny_tables), eos_token_ids=[], max_context=512)
 
 
 @pytest.fixture(scope="session")

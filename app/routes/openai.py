@@ -8,7 +8,14 @@ import uuid
 from fastapi import APIRouter, Request
 
 from app.errors import ApiError
-from app.schemas import ChatChoice, ChatCompletion, ChatCompletionRequest, ResponseMessage, Usage
+from app.schemas import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ResponseMessage,
+    SpeculationOptions,
+    Usage,
+)
 from service.config import GenerationParams, SpeculationParams
 from service.engine import ContextTooLong
 from service.prompts import chat_prompt_ids
@@ -38,9 +45,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Cha
     if body.temperature:
         raise ApiError(400, "only greedy decoding (temperature 0) is supported yet", param="temperature")
     prompt_ids = chat_prompt_ids(runtime.loaded.tokenizer, [m.model_dump() for m in body.messages])
+    options = body.speculation or SpeculationOptions()
+    k = settings.spec_k if options.k is None else options.k
+    w = settings.spec_w if options.w is None else options.w
+    try:
+        speculation = SpeculationParams(k, w)
+    except ValueError as error:
+        raise ApiError(400, str(error), param="speculation") from error
     params = GenerationParams(
         max_new_tokens=body.max_completion_tokens or body.max_tokens or settings.max_tokens,
-        speculation=SpeculationParams(settings.spec_k, settings.spec_w),
+        speculation=speculation,
+        strategy=options.strategy or settings.spec_strategy,
     )
     try:
         completion = await runtime.complete(prompt_ids, params)

@@ -11,9 +11,10 @@ import pytest
 
 from app.main import create_app
 from app.settings import Settings
+from drafting import TableSlot
 from service.config import GenerationParams
 from service.prompts import chat_prompt_ids
-from service.runtime import Runtime
+from service.runtime import build_engine
 from tests.app.server import serving
 
 MESSAGES = [{"role": "user", "content": "List the first five prime numbers."}]
@@ -28,7 +29,7 @@ def wait_ready(base: str, timeout: float = 60) -> None:
 
 @pytest.fixture(scope="module")
 def server(embedded):
-    settings = Settings(spec_k=4, spec_w=4, max_tokens=24)
+    settings = Settings(spec_k=4, spec_w=4, max_tokens=24, model_tables=False)
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
         yield base
@@ -38,7 +39,7 @@ def test_chat_completion_equals_engine_output(server: str, embedded) -> None:
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     reply = client.chat.completions.create(model=embedded.name, messages=MESSAGES, max_tokens=24)
 
-    engine = Runtime.build(embedded).engine
+    engine = build_engine(embedded, TableSlot())
     prompt_ids = chat_prompt_ids(embedded.tokenizer, MESSAGES)
     direct = engine.complete(prompt_ids, GenerationParams(max_new_tokens=24))  # plain decoding
     assert reply.choices[0].message.content == embedded.tokenizer.decode(
@@ -66,6 +67,9 @@ def test_model_field_is_optional_and_defaults_apply(server: str) -> None:
         ({"messages": MESSAGES, "stream": True}, 400, "stream"),
         ({"messages": MESSAGES, "temperature": 0.7}, 400, "temperature"),
         ({"messages": MESSAGES, "max_tokens": 9000}, 400, "messages"),
+        ({"messages": MESSAGES, "speculation": {"strategy": "trigram"}}, 400, "speculation.strategy"),
+        ({"messages": MESSAGES, "speculation": {"k": 2, "w": 0}}, 400, "speculation"),
+        ({"messages": MESSAGES, "speculation": {"k": -1}}, 400, "speculation.k"),
     ],
 )
 def test_bad_requests_get_openai_errors(server: str, body, status: int, param: str) -> None:
@@ -84,7 +88,7 @@ def test_ready_waits_for_the_model_and_health_does_not(embedded) -> None:
         release.wait(timeout=30)
         return embedded
 
-    with serving(create_app(Settings(), loader=slow_loader)) as base:
+    with serving(create_app(Settings(model_tables=False), loader=slow_loader)) as base:
         assert httpx.get(f"{base}/health").status_code == 200
         assert httpx.get(f"{base}/ready").json()["status"] == "loading"
         busy = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES})
@@ -97,7 +101,7 @@ def test_failed_load_is_reported_not_fatal() -> None:
     def broken_loader(_: Settings):
         raise FileNotFoundError("no model at /nowhere")
 
-    with serving(create_app(Settings(), loader=broken_loader)) as base:
+    with serving(create_app(Settings(model_tables=False), loader=broken_loader)) as base:
         deadline = time.monotonic() + 10
         while (ready := httpx.get(f"{base}/ready").json())["status"] == "loading":
             assert time.monotonic() < deadline
@@ -110,8 +114,18 @@ def test_greedy_text_is_the_same_with_and_without_speculation(embedded) -> None:
     """Lossless end to end: plain and speculating servers answer with the same text."""
     texts = []
     for k, w in [(0, 0), (6, 3)]:
-        with serving(create_app(Settings(spec_k=k, spec_w=w), loader=lambda _: embedded)) as base:
+        settings = Settings(spec_k=k, spec_w=w, model_tables=False)
+        with serving(create_app(settings, loader=lambda _: embedded)) as base:
             wait_ready(base)
             body = {"messages": MESSAGES, "max_tokens": 20}
             texts.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json())
     assert texts[0]["choices"] == texts[1]["choices"]
+
+
+@pytest.mark.parametrize("strategy", ["context", "extended_bigram", "mixed"])
+def test_speculation_options_per_request(server: str, strategy: str) -> None:
+    plain = {"messages": MESSAGES, "max_tokens": 16, "speculation": {"k": 0}}
+    chosen = {**plain, "speculation": {"k": 3, "w": 2, "strategy": strategy}}
+    answers = [httpx.post(f"{server}/v1/chat/completions", json=b, timeout=60) for b in (plain, chosen)]
+    assert [a.status_code for a in answers] == [200, 200]
+    assert answers[0].json()["choices"] == answers[1].json()["choices"]

@@ -1,14 +1,15 @@
-"""Context n-gram lookup on literal token arrays."""
+"""Context n-gram lookup and its incremental index, on literal token arrays."""
 
 from __future__ import annotations
 
 import pytest
 
-from drafting import ContextNgramDrafter, Draft
+from drafting import ContextNgram, Draft, TokenHistory
 
 
-def tokens(drafts: list[Draft]) -> list[tuple[int, ...]]:
-    return [d.token_ids for d in drafts]
+def proposals(context: list[int], k: int, w: int, max_n: int = 3) -> list[tuple[int, ...]]:
+    history = TokenHistory(context, max_n=max_n)
+    return [d.token_ids for d in ContextNgram(max_n=max_n).propose(history, k, w)]
 
 
 @pytest.mark.parametrize(
@@ -36,14 +37,33 @@ def tokens(drafts: list[Draft]) -> list[tuple[int, ...]]:
     ],
 )
 def test_context_ngram_proposals(context, k, w, expected) -> None:
-    assert tokens(ContextNgramDrafter(max_n=3).propose(context, k, w)) == expected
+    assert proposals(context, k, w) == expected
 
 
-def test_drafts_carry_the_strategy_name() -> None:
-    drafts = ContextNgramDrafter().propose([1, 2, 1], 1, 1)
-    assert drafts == [Draft((2,), "context")]
+def test_drafts_carry_strategy_and_rank() -> None:
+    drafts = ContextNgram().propose(TokenHistory([5, 1, 5, 2, 5]), 2, 1)
+    assert drafts == [Draft((2,), "context", 0), Draft((1,), "context", 1)]
+
+
+def test_index_grows_with_the_history() -> None:
+    """Extending token by token gives the same proposals as indexing the whole context."""
+    context = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    incremental = TokenHistory(context[:1])
+    for end in range(2, len(context) + 1):
+        incremental.extend(context[end - 1 : end])
+        batch = TokenHistory(context[:end])
+        for n in range(1, 5):
+            assert incremental.continuation_starts(n, 100) == batch.continuation_starts(n, 100)
+        drafter = ContextNgram()
+        assert drafter.propose(incremental, 3, 4) == drafter.propose(batch, 3, 4)
+
+
+def test_only_the_most_recent_occurrences_are_examined() -> None:
+    history = TokenHistory([7, 1] * 5 + [7, 2] + [7])  # 7 was followed by 1 five times, then 2
+    assert ContextNgram(max_n=1, most_recent=1).propose(history, 2, 1) == [Draft((2,), "context", 0)]
+    assert [d.token_ids for d in ContextNgram(max_n=1).propose(history, 2, 1)] == [(1,), (2,)]
 
 
 def test_invalid_match_lengths_are_refused() -> None:
     with pytest.raises(ValueError, match="min_n"):
-        ContextNgramDrafter(max_n=1, min_n=2)
+        ContextNgram(max_n=1, min_n=2)

@@ -22,16 +22,29 @@ def test_bench_prints_table_and_writes_json(tmp_path, capsys, embedded) -> None:
     dataset.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
     out = tmp_path / "bench.json"
     main(["bench", "--dataset", str(dataset), "--per-category", "2", "--k", "4", "--w", "3",
-          "--max-new-tokens", "12", "--json", str(out)])
+          "--max-new-tokens", "12", "--strategy", "context", "mixed", "--json", str(out)])
 
     printed = capsys.readouterr().out
+    assert "### strategy: context" in printed and "### strategy: mixed" in printed
     assert "| summarization | 2 |" in printed and "| math | 1 |" in printed
+    assert "### tokens per pass (speedup over plain)" in printed
     report = json.loads(out.read_text())
     assert report["run"]["k"] == 4 and report["run"]["w"] == 3
-    by_name = {c["category"]: c for c in report["categories"]}
+    assert set(report["strategies"]) == {"context", "mixed"}
+    for strategy, categories in report["strategies"].items():
+        check_report(strategy, categories)
+
+
+def check_report(strategy: str, categories: list[dict]) -> None:
+    by_name = {c["category"]: c for c in categories}
     assert set(by_name) == {"summarization", "math", "overall"}
     overall = by_name["overall"]
     assert overall["prompts"] == 3 and overall["identical"] == 3
     assert overall["plain"]["tokens"] == overall["speculative"]["tokens"] > 0
     assert overall["plain"]["passes"] == overall["plain"]["tokens"]  # plain: one token per pass
     assert overall["speculative_tokens_per_pass"] >= 1.0
+    shares = overall["accepted_share_by_strategy"]
+    assert set(shares) <= ({"context"} if strategy == "context" else {"context", "unigram", "bigram", "extended_bigram"})
+    if shares:
+        assert sum(shares.values()) == pytest.approx(1.0)
+    assert 0 < overall["speculative_draft_share"] < 1

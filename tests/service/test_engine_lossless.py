@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
 import torch
 
-from drafting import ContextNgramDrafter, Draft
+from drafting import STRATEGY_NAMES, Draft, Mixer, TokenHistory
 from service.config import GenerationParams, SpeculationParams
 from service.engine import ContextTooLong, Engine
 from service.model_runner import ModelRunner
@@ -42,19 +40,19 @@ class OracleDrafter:
         self.full = prompt + truth
         self.generator = torch.Generator().manual_seed(seed)
 
-    def propose(self, context: Sequence[int], k: int, w: int) -> list[Draft]:
-        true_next = self.full[len(context) : len(context) + w]
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        true_next = self.full[len(history) : len(history) + w]
         cut = int(torch.randint(0, w + 1, (1,), generator=self.generator))
         decoys = [tuple(((t + 1 + j) % 64) for t in true_next) for j in range(k)]
         drafts = [tuple(true_next[:cut]) + d[cut:] for d in decoys]
         position = int(torch.randint(0, k, (1,), generator=self.generator))
         drafts[position] = tuple(true_next)
-        return [Draft(d, self.name) for d in drafts[:k] if d]
+        return [Draft(d, self.name, rank) for rank, d in enumerate(drafts[:k]) if d]
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["mixed", "repetitive", "one-token", "long"])
 @pytest.mark.parametrize("k,w", [(0, 0), (1, 1), (1, 4), (3, 3), (8, 5)])
-def test_context_drafts_are_lossless(tiny_model, tiny_engine: Engine, prompt, k, w) -> None:
+def test_mixed_drafts_are_lossless(tiny_model, tiny_engine: Engine, prompt, k, w) -> None:
     expected = reference_greedy(tiny_model, prompt, NEW_TOKENS)
     params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=SpeculationParams(k, w))
     completion = tiny_engine.complete(prompt, params)
@@ -62,12 +60,24 @@ def test_context_drafts_are_lossless(tiny_model, tiny_engine: Engine, prompt, k,
     assert completion.finish_reason == "length"
 
 
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+@pytest.mark.parametrize("prompt", PROMPTS[:2], ids=["mixed", "repetitive"])
+def test_every_strategy_is_lossless(tiny_model, tiny_engine: Engine, prompt, strategy) -> None:
+    expected = reference_greedy(tiny_model, prompt, NEW_TOKENS)
+    params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy=strategy)
+    completion = tiny_engine.complete(prompt, params)
+    assert completion.token_ids == expected
+    allowed = set(STRATEGY_NAMES) - {"mixed"} if strategy == "mixed" else {strategy}
+    assert set(completion.accepted_by_strategy) <= allowed
+
+
 @pytest.mark.parametrize("k,w", [(1, 6), (4, 4), (6, 8)])
 def test_long_accepted_paths_are_lossless(tiny_model, tiny_runner: ModelRunner, k, w) -> None:
     prompt = PROMPTS[0]
     truth = reference_greedy(tiny_model, prompt, NEW_TOKENS + w)
-    engine = Engine(tiny_runner, OracleDrafter(prompt, truth, seed=k), [], max_context=512)
-    params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=SpeculationParams(k, w))
+    engine = Engine(tiny_runner, Mixer([OracleDrafter(prompt, truth, seed=k)]), [], max_context=512)
+    spec = SpeculationParams(k, w)
+    params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=spec, strategy="oracle")
     completion = engine.complete(prompt, params)
     assert completion.token_ids == truth[:NEW_TOKENS]
     # the oracle's true branch is always accepted in full: w + 1 tokens per pass
@@ -75,7 +85,8 @@ def test_long_accepted_paths_are_lossless(tiny_model, tiny_runner: ModelRunner, 
 
 
 def test_context_lookup_accepts_on_repetitive_text(tiny_engine: Engine) -> None:
-    params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=SpeculationParams(4, 4))
+    spec = SpeculationParams(4, 4)
+    params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=spec, strategy="context")
     completion = tiny_engine.complete(PROMPTS[1], params)
     assert completion.num_accepted_tokens > 0
     assert completion.num_passes < NEW_TOKENS

@@ -1,0 +1,47 @@
+"""A request's token ids with an incremental n-gram index, shared by every strategy.
+
+Appending a token registers, for each n up to `max_n`, the n-gram that ends there; a lookup
+of the context's last n tokens is then a dict access, not a scan of the context. Each
+n-gram keeps the positions its continuations start at, oldest first, so recency is the
+order of that list.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+
+class TokenHistory:
+    """Prompt and generated ids of one request, indexed for context lookup."""
+
+    def __init__(self, token_ids: Iterable[int] = (), max_n: int = 4) -> None:
+        self.max_n = max_n
+        self.token_ids: list[int] = []
+        # n-gram -> positions right after its earlier occurrences (where a continuation starts)
+        self._follows: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self.extend(token_ids)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    def extend(self, token_ids: Iterable[int]) -> None:
+        for token in token_ids:
+            self._index_suffixes()  # the n-grams ending at the old last token now have a successor
+            self.token_ids.append(token)
+
+    def _index_suffixes(self) -> None:
+        end = len(self.token_ids)
+        for n in range(1, min(self.max_n, end) + 1):
+            self._follows[tuple(self.token_ids[end - n :])].append(end)
+
+    def continuation_starts(self, n: int, most_recent: int) -> Sequence[int]:
+        """Where continuations of the last n tokens start (≤ `most_recent` newest, oldest first)."""
+        if not 1 <= n <= min(self.max_n, len(self.token_ids)):
+            return ()
+        starts = self._follows.get(tuple(self.token_ids[-n:]), ())
+        return starts[-most_recent:]

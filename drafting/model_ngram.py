@@ -1,0 +1,86 @@
+"""Strategies from tables the model itself yields: unigram, bigram, extended bigram.
+
+`ModelTables` holds, for a model, its most likely tokens with no context (unigram) and, for
+every token x, its top next tokens after x alone (bigram, [vocab, K]). The engine computes
+them by running the model; here they are plain integer arrays. The N-Grammys observation:
+the model's next token is rarely a table's top-1 guess but often within its top-k, so k
+parallel guesses pay where the hardware has spare compute.
+
+The tables may not exist yet (they are computed in the background at start); until a
+`TableSlot` is filled, these strategies propose nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from drafting.base import Draft
+from drafting.history import TokenHistory
+
+
+@dataclass(frozen=True)
+class ModelTables:
+    """Model-derived token tables."""
+
+    unigram: np.ndarray  # [num_unigram] token ids, most likely first
+    bigram: np.ndarray  # [vocab, top_k] uint32: next-token ids after each token alone, best first
+
+    def chain(self, token_ids: tuple[int, ...], w: int) -> tuple[int, ...]:
+        """Extend `token_ids` to `w` tokens by following each last token's top-1 bigram."""
+        extended = list(token_ids)
+        while len(extended) < w:
+            extended.append(int(self.bigram[extended[-1], 0]))
+        return tuple(extended)
+
+
+class TableSlot:
+    """Where the tables appear once computed; strategies read it every round."""
+
+    def __init__(self, tables: ModelTables | None = None) -> None:
+        self.tables = tables
+
+
+@dataclass(frozen=True)
+class ModelUnigram:
+    """The model's most likely tokens regardless of context, one token each."""
+
+    slot: TableSlot
+    name: str = "unigram"
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        tables = self.slot.tables
+        if tables is None or k <= 0 or w <= 0:
+            return []
+        return [Draft((int(t),), self.name, rank) for rank, t in enumerate(tables.unigram[:k])]
+
+
+@dataclass(frozen=True)
+class ModelBigram:
+    """The model's top next tokens after the newest token alone, one token each."""
+
+    slot: TableSlot
+    name: str = "bigram"
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        tables = self.slot.tables
+        if tables is None or k <= 0 or w <= 0:
+            return []
+        row = tables.bigram[history.last_token, :k]
+        return [Draft((int(t),), self.name, rank) for rank, t in enumerate(row)]
+
+
+@dataclass(frozen=True)
+class ExtendedBigram:
+    """Bigram first guesses, each lengthened to w tokens by chaining top-1 bigrams."""
+
+    slot: TableSlot
+    name: str = "extended_bigram"
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        tables = self.slot.tables
+        if tables is None or k <= 0 or w <= 0:
+            return []
+        row = tables.bigram[history.last_token, :k]
+        return [Draft(tables.chain((int(t),), w), self.name, rank) for rank, t in enumerate(row)]

@@ -1,0 +1,119 @@
+"""Derive the unigram and bigram tables from the model itself, and cache them on disk.
+
+Bigram: for every vocabulary token x, the model's top-K next tokens given x alone, found by
+running all V single-token inputs through the model in batches. "Alone" means after a fixed
+neutral prefix (the tokens that open an assistant turn): a token at position 0 is an
+attention sink and the model then predicts little but punctuation. The prefix's KV cache is
+computed once and shared by every batch, so each input still costs one token. Unigram: the
+tokens with the highest next-token probability averaged over those same V inputs — the
+model's preference with no real context. One pass over the vocabulary yields both: seconds on a GPU, a few
+minutes on a CPU, so it runs in the background at start and the table strategies switch on
+when it is done. The result is a few MB ([V, K] uint32) saved under the cache directory,
+keyed by a fingerprint of the weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache, PreTrainedModel
+
+from drafting import ModelTables, TableSlot
+
+log = logging.getLogger(__name__)
+
+BIGRAM_TOP_K = 8
+UNIGRAM_SIZE = 64
+_computing = threading.Lock()  # one computation at a time; later callers then find the file
+
+
+def model_fingerprint(model: PreTrainedModel) -> str:
+    """A short hash of the weights: names, shapes and a sample of every tensor's values."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        sample = tensor.detach().flatten()[:256].float().cpu().numpy().tobytes()
+        digest.update(f"{name}{tuple(tensor.shape)}".encode())
+        digest.update(sample)
+    return digest.hexdigest()[:16]
+
+
+@torch.inference_mode()
+def compute_tables(
+    model: PreTrainedModel, prefix_ids: Sequence[int] = (), batch_size: int = 512, show_progress: bool = True
+) -> ModelTables:
+    """Run every token after `prefix_ids` through `model`; keep top-K next tokens and the mean."""
+    vocab = model.config.vocab_size
+    bigram = np.zeros((vocab, BIGRAM_TOP_K), dtype=np.uint32)  # [vocab, K]
+    mean_probs = torch.zeros(vocab, dtype=torch.float64, device=model.device)  # [vocab]
+    prefix = _prefix_cache(model, prefix_ids)
+    batches = range(0, vocab, batch_size)
+    for start in tqdm(batches, desc="bigram table", unit="batch", disable=not show_progress):
+        ids = torch.arange(start, min(start + batch_size, vocab), device=model.device)[:, None]  # [B, 1]
+        logits = _next_token_logits(model, ids, prefix, len(prefix_ids))  # [B, vocab]
+        bigram[start : start + len(ids)] = logits.topk(BIGRAM_TOP_K, dim=-1).indices.cpu().numpy()
+        mean_probs += logits.softmax(dim=-1).sum(dim=0, dtype=torch.float64)
+    unigram = mean_probs.topk(min(UNIGRAM_SIZE, vocab)).indices.cpu().numpy().astype(np.uint32)
+    return ModelTables(unigram=unigram, bigram=bigram)
+
+
+def _prefix_cache(model: PreTrainedModel, prefix_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values) [1, kv_heads, len(prefix), head_dim] of the prefix."""
+    if not prefix_ids:
+        return []
+    cache = model(torch.tensor([list(prefix_ids)], device=model.device), use_cache=True).past_key_values
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _next_token_logits(
+    model: PreTrainedModel, ids: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]], position: int
+) -> torch.Tensor:
+    """Logits [B, vocab] after prefix + each id of `ids` [B, 1]."""
+    cache = DynamicCache()
+    for layer, (keys, values) in enumerate(prefix):
+        cache.update(keys.expand(len(ids), -1, -1, -1), values.expand(len(ids), -1, -1, -1), layer)
+    positions = torch.full_like(ids, position)
+    output = model(ids, position_ids=positions, past_key_values=cache if prefix else None, use_cache=bool(prefix))
+    return output.logits[:, -1].float()
+
+
+def load_or_compute_tables(
+    model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[int] = (), show_progress: bool = True
+) -> ModelTables:
+    """Tables from `cache_dir/tables/<fingerprint>.npz`, computing and saving them if absent."""
+    key = hashlib.sha256(f"{model_fingerprint(model)}{list(prefix_ids)}".encode()).hexdigest()[:16]
+    path = cache_dir / "tables" / f"{key}.npz"
+    with _computing:
+        if path.exists():
+            with np.load(path) as saved:
+                return ModelTables(unigram=saved["unigram"], bigram=saved["bigram"])
+        log.info("computing the model's unigram/bigram tables (cached at %s)", path)
+        tables = compute_tables(model, prefix_ids, show_progress=show_progress)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(path.stem + ".partial.npz")
+        np.savez(staging, unigram=tables.unigram, bigram=tables.bigram)
+        staging.rename(path)
+        return tables
+
+
+def fill_in_background(
+    model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[int], slot: TableSlot
+) -> threading.Thread:
+    """Start filling `slot`; the table strategies propose nothing until it is filled."""
+
+    def work() -> None:
+        try:
+            slot.tables = load_or_compute_tables(model, cache_dir, prefix_ids)
+            log.info("model tables ready: unigram/bigram strategies enabled")
+        except Exception:  # drafting degrades to context lookup; serving goes on
+            log.exception("computing the model tables failed")
+
+    thread = threading.Thread(target=work, name="ngrammys-tables", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,73 @@
+"""The mixer: slots follow measured acceptance, duplicates are skipped, all candidates learn."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from drafting import Draft, Mixer, ModelTables, TableSlot, TokenHistory, default_mixer
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """A strategy that always proposes the same ranked drafts."""
+
+    name: str
+    drafts: tuple[tuple[int, ...], ...]
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        return [Draft(d[:w], self.name, rank) for rank, d in enumerate(self.drafts[:k])]
+
+
+def test_slots_go_to_the_strategy_that_gets_accepted() -> None:
+    mixer = Mixer([Fixed("a", ((1, 2), (3, 4))), Fixed("b", ((5, 6), (7, 8)))])
+    session = mixer.session([0, 0])
+    for _ in range(10):
+        session.propose(2, 2)
+        session.observe([5, 6, 9])  # b's first draft matches fully, a's never
+    assert [d.strategy for d in session.propose(2, 2)] == ["b", "a"]
+    assert [d.strategy for d in session.propose(1, 2)] == ["b"]
+
+
+def test_unchosen_candidates_are_measured_too() -> None:
+    mixer = Mixer([Fixed("a", ((1,),)), Fixed("b", ((2,),))])
+    session = mixer.session([0])
+    for _ in range(10):
+        session.propose(1, 1)  # one slot: only one strategy is verified
+        session.observe([2])  # ...but b is scored even while a holds the slot
+    assert session.propose(1, 1)[0].strategy == "b"
+
+
+def test_global_statistics_inform_new_requests() -> None:
+    mixer = Mixer([Fixed("a", ((1,),)), Fixed("b", ((2,),))])
+    first = mixer.session([0])
+    for _ in range(20):
+        first.propose(1, 1)
+        first.observe([2])
+    assert mixer.session([0]).propose(1, 1)[0].strategy == "b"
+
+
+def test_duplicates_and_prefixes_do_not_take_slots() -> None:
+    mixer = Mixer([Fixed("a", ((1, 2, 3),)), Fixed("b", ((1, 2), (1, 2, 3), (4,)))])
+    drafts = mixer.session([0]).propose(3, 3)
+    assert sorted(d.token_ids for d in drafts) == [(1, 2, 3), (4,)]
+
+
+def test_single_strategy_sessions_and_unknown_names() -> None:
+    mixer = default_mixer()
+    assert mixer.names == ["context", "unigram", "bigram", "extended_bigram", "mixed"]
+    assert mixer.session([1, 2, 1], "context").propose(2, 2) == [Draft((2, 1), "context", 0)]
+    with pytest.raises(ValueError, match="unknown strategy 'trigram'"):
+        mixer.session([1], "trigram")
+
+
+def test_mixed_mode_lengthens_short_context_drafts_by_bigram_chaining() -> None:
+    bigram = np.array([[1], [2], [3], [0]], dtype=np.uint32)  # x -> x + 1 (mod 4)
+    slot = TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram))
+    session = default_mixer(slot).session([2, 3, 2])  # context: after 2 came 3
+    context_drafts = [d for d in session.propose(4, 3) if d.strategy == "context"]
+    assert context_drafts == [Draft((3, 2, 3), "context", 0)]  # (3, 2) then 2 -> 3
+    alone = default_mixer(slot).session([2, 3, 2], "context").propose(4, 3)
+    assert alone == [Draft((3, 2), "context", 0)]  # single strategy: not lengthened
