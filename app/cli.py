@@ -40,18 +40,17 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from service.bench import format_summary, format_table, load_specbench, results_as_json, run_bench
-    from service.config import SpeculationParams
+    from service import bench
     from service.model_loader import load_model
     from service.runtime import build_engine_with_tables
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
-    engine = build_engine_with_tables(loaded, args.cache_dir)
-    prompts = load_specbench(args.dataset, loaded.tokenizer, args.per_category)
-    speculation = SpeculationParams(args.k, args.w)
+    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto)
+    prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category)
     strategies = list(dict.fromkeys(args.strategy))
-    print(f"{loaded.name}: {len(prompts)} prompts, strategies={','.join(strategies)} k={args.k} w={args.w}, "
+    methods = bench.bench_methods(strategies, args.k, args.w, args.grid, args.auto)
+    print(f"{loaded.name}: {len(prompts)} prompts; methods: {', '.join(methods)}; "
           f"max_new_tokens={args.max_new_tokens}, device={loaded.model.device}", flush=True)
 
     def progress(prompt: Any, plain: Any, specs: dict[str, Any]) -> None:
@@ -63,19 +62,53 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"  {prompt.category}/{prompt.question_id}: plain {len(plain.token_ids)} tok "
               f"{plain.seconds:.2f}s | " + " | ".join(cells), flush=True)
 
-    results = run_bench(engine, prompts, speculation, args.max_new_tokens, strategies, progress)
-    for strategy, by_category in results.items():
-        print(f"\n### strategy: {strategy}\n\n{format_table(by_category)}")
+    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress)
+    for name, by_category in results.items():
+        print(f"\n### {name}\n\n{bench.format_table(by_category)}")
     if len(results) > 1:
-        print(f"\n### tokens per pass (speedup over plain)\n\n{format_summary(results)}")
+        print(f"\n### tokens per pass (speedup over plain)\n\n{bench.format_summary(results)}")
+    if args.auto:
+        print(f"\n### auto vs fixed\n\n{bench.format_auto_report(results)}")
     if args.json:
-        args.json.write_text(results_as_json(
+        args.json.write_text(bench.results_as_json(
             results, model=loaded.name, k=args.k, w=args.w, max_new_tokens=args.max_new_tokens,
             device=str(loaded.model.device), dtype=str(loaded.model.dtype),
         ))
         print(f"wrote {args.json}")
     if any(r.identical != r.prompts for rows in results.values() for r in rows):
         sys.exit("speculative output differed from plain greedy output")
+
+
+def _profile(args: argparse.Namespace) -> None:
+    from service.heatmap import write_heatmap
+    from service.model_loader import load_model
+    from service.model_runner import ModelRunner
+    from service.profiler import load_or_measure
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
+    profile = load_or_measure(ModelRunner(loaded.model), args.cache_dir, remeasure=args.remeasure)
+    print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=1)\n")
+    print("| L \\ n | " + " | ".join(str(n) for n in profile.tree_sizes) + " |")
+    print("|---" * (len(profile.tree_sizes) + 1) + "|")
+    for length, row in zip(profile.context_lengths, profile.seconds):
+        cells = [f"{row[0] * 1e3:.1f}"] + [f"x{s / row[0]:.2f}" for s in row[1:]]
+        print(f"| {length} | " + " | ".join(cells) + " |")
+    if args.png:
+        write_heatmap(profile, args.context_length, args.png)
+        print(f"\nwrote {args.png}")
+
+
+def _shape(text: str) -> tuple[int, int]:
+    k, _, w = text.lower().partition("x")
+    return int(k), int(w)
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded)")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,17 +120,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="plain vs speculative decoding on Spec-Bench prompts")
     bench.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
     bench.add_argument("--per-category", type=int, default=None, help="first N questions per category")
-    bench.add_argument("--k", type=int, default=4, help="speculations per round")
-    bench.add_argument("--w", type=int, default=4, help="tokens per speculation")
+    bench.add_argument("--k", type=int, default=4, help="speculations per round (the maximum in auto)")
+    bench.add_argument("--w", type=int, default=4, help="tokens per speculation (the maximum in auto)")
+    bench.add_argument("--grid", type=_shape, nargs="*", default=[], metavar="KxW",
+                       help="more fixed shapes for the first strategy, e.g. 1x1 2x4 8x8")
+    bench.add_argument("--auto", action="store_true",
+                       help="also run the first strategy in auto mode (measures the cost profile first)")
     bench.add_argument("--strategy", choices=STRATEGY_NAMES, nargs="+", default=[MIXED],
                        help="draft strategies to compare (each against the same plain run)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
-    bench.add_argument("--model", default=None, help="model directory or .gguf (default: embedded)")
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--dtype", default=None)
-    bench.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    _model_flags(bench)
     bench.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     bench.set_defaults(run=_bench)
+    profile = commands.add_parser("profile", help="measure forward-pass cost over tree size and context length")
+    _model_flags(profile)
+    profile.add_argument("--remeasure", action="store_true", help="ignore the saved profile")
+    profile.add_argument("--png", type=Path, default=None, help="write the (k, w) slowdown heatmap here")
+    profile.add_argument("--context-length", type=int, default=256, help="context length of the heatmap")
+    profile.set_defaults(run=_profile)
     return parser
 
 

@@ -55,5 +55,7 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader) -> None:
         app.state.load_error = f"{type(error).__name__}: {error}"
         return
     app.state.model_name = settings.served_model_name or loaded.name
-    app.state.runtime = Runtime.start(loaded, settings.cache_dir, settings.model_tables)
+    app.state.runtime = Runtime.start(
+        loaded, settings.cache_dir, settings.model_tables, settings.cost_profile
+    )
     log.info("ready: %s (loaded in %.1f s)", app.state.model_name, loaded.load_seconds)

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.settings import Strategy
+from service.config import SpeculationMode
 
 
 class ChatMessage(BaseModel):
@@ -19,6 +20,7 @@ class SpeculationOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    mode: SpeculationMode | None = None
     k: int | None = Field(None, ge=0, le=64)
     w: int | None = Field(None, ge=0, le=64)
     strategy: Strategy | None = None

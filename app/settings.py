@@ -11,6 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
+from service.config import SpeculationMode
 from service.model_loader import DEFAULT_CACHE_DIR
 
 
@@ -31,10 +32,12 @@ class Settings(BaseSettings):
     device: str | None = Field(None, description="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
     dtype: str | None = Field(None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
-    spec_k: int = Field(4, ge=0, le=64, description="Speculations per round (0 = plain decoding)")
-    spec_w: int = Field(4, ge=0, le=64, description="Tokens per speculation")
+    spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
+    spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
+    spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")
     spec_strategy: Strategy = Field("mixed", description="Draft strategy: context, unigram, bigram, extended_bigram or mixed")
     model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
+    cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
     log_level: str = Field("info", description="Logging level")
 

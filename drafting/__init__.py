@@ -3,7 +3,8 @@
 from drafting.base import Draft, Strategy
 from drafting.context_ngram import ContextNgram
 from drafting.history import TokenHistory
-from drafting.mixer import MIXED, DraftSession, Mixer
+from drafting.acceptance import Acceptance
+from drafting.mixer import MIXED, DraftSession, Mixer, ScoredDraft, select
 from drafting.model_ngram import ExtendedBigram, ModelBigram, ModelTables, ModelUnigram, TableSlot
 
 STRATEGY_NAMES = ("context", "unigram", "bigram", "extended_bigram", MIXED)
@@ -17,12 +18,14 @@ def default_mixer(tables: TableSlot | None = None) -> Mixer:
 
 __all__ = [
     "MIXED",
+    "Acceptance",
     "STRATEGY_NAMES",
     "ContextNgram",
     "Draft",
     "DraftSession",
     "ExtendedBigram",
     "Mixer",
+    "ScoredDraft",
     "ModelBigram",
     "ModelTables",
     "ModelUnigram",
@@ -30,4 +33,5 @@ __all__ = [
     "TableSlot",
     "TokenHistory",
     "default_mixer",
+    "select",
 ]

@@ -1,23 +1,24 @@
 """Split k speculation slots among strategies by how well each has been accepted.
 
-Value of a candidate = the expected number of its tokens the model will accept, estimated
-per (strategy, rank) from running statistics. Every round, *every* candidate a strategy
-proposed — chosen or not — is scored against the tokens the model actually committed (the
-length of their common prefix), so a strategy that gets no slot still gets measured and can
-win slots back; no exploration schedule is needed. A request's own statistics dominate once
-it has some; until then the global ones (over all requests) stand in as the prior.
+Each candidate is valued by the expected number of its tokens the model will accept,
+estimated per (strategy, rank) with the censored geometric model of `acceptance.py`. Every
+round, *every* candidate a strategy proposed — chosen or not — is scored against the tokens
+the model actually committed, so a strategy that gets no slot is still measured and can win
+slots back: no exploration schedule is needed. A request's own statistics dominate once it
+has some; until then the global ones (over all requests) stand in as the prior.
 
-The k best-valued candidates are chosen, skipping any that repeat (or are a prefix of) one
-already chosen: the tree would merge them and the slot would be wasted. Draft sessions are
-per request; the `Mixer` that makes them is shared and holds the global statistics.
+The k best-valued candidates are chosen, skipping any that would add no node to the tree
+(a duplicate, or a prefix of one already chosen). Sessions are per request; the `Mixer`
+that opens them is shared and holds the global statistics.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from drafting.acceptance import Acceptance, AcceptanceCounts, blend
 from drafting.base import Draft, Strategy
 from drafting.history import TokenHistory
 from drafting.model_ngram import TableSlot
@@ -25,32 +26,17 @@ from drafting.model_ngram import TableSlot
 MIXED = "mixed"
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
-
-
-@dataclass
-class RunningMean:
-    total: float = 0.0
-    count: float = 0.0
-
-    def add(self, value: float) -> None:
-        self.total += value
-        self.count += 1
-
-    def blended(self, prior: float, prior_weight: float) -> float:
-        return (self.total + prior * prior_weight) / (self.count + prior_weight)
-
+UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every (strategy, rank) gets tried
 
 Key = tuple[str, int]  # (strategy, rank)
 
 
-@dataclass
-class AcceptanceStats:
-    """Mean accepted length per (strategy, rank)."""
+@dataclass(frozen=True)
+class ScoredDraft:
+    """A candidate and the acceptance estimated for its (strategy, rank)."""
 
-    means: dict[Key, RunningMean] = field(default_factory=lambda: defaultdict(RunningMean))
-
-    def observe(self, draft: Draft, accepted: int) -> None:
-        self.means[(draft.strategy, draft.rank)].add(accepted)
+    draft: Draft
+    acceptance: Acceptance
 
 
 class Mixer:
@@ -59,7 +45,7 @@ class Mixer:
     def __init__(self, strategies: Iterable[Strategy], tables: TableSlot | None = None) -> None:
         self.strategies = {s.name: s for s in strategies}
         self.tables = tables or TableSlot()
-        self.global_stats = AcceptanceStats()
+        self.global_counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
 
     @property
     def names(self) -> list[str]:
@@ -72,13 +58,14 @@ class Mixer:
         chosen = list(self.strategies.values()) if strategy == MIXED else [self.strategies[strategy]]
         return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=strategy == MIXED)
 
-    def prior(self, key: Key) -> float:
-        """Global mean for (strategy, rank); unseen keys start optimistic so they get tried."""
-        return self.global_stats.means[key].blended(prior=1.0 / (key[1] + 1), prior_weight=1.0)
+    def prior(self, key: Key) -> Acceptance:
+        """Global estimate for (strategy, rank)."""
+        unseen = Acceptance(UNSEEN.p / (key[1] + 1), UNSEEN.c)
+        return blend(self.global_counts[key], unseen, prior_weight=1.0)
 
 
 class DraftSession:
-    """One request's drafting: propose k drafts per round, learn from what was committed."""
+    """One request's drafting: propose drafts each round, learn from what was committed."""
 
     def __init__(
         self, history: TokenHistory, strategies: list[Strategy], mixer: Mixer, extend_short_drafts: bool
@@ -87,30 +74,32 @@ class DraftSession:
         self.strategies = strategies
         self.mixer = mixer
         self.extend_short_drafts = extend_short_drafts
-        self.stats = AcceptanceStats()
+        self.counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
         self._candidates: list[Draft] = []
 
-    def value(self, draft: Draft) -> float:
+    def acceptance(self, draft: Draft) -> Acceptance:
         key = (draft.strategy, draft.rank)
-        return self.stats.means[key].blended(self.mixer.prior(key), REQUEST_PRIOR_WEIGHT)
+        return blend(self.counts[key], self.mixer.prior(key), REQUEST_PRIOR_WEIGHT)
+
+    def candidates(self, k: int, w: int) -> list[ScoredDraft]:
+        """Up to k drafts of ≤ w tokens from each strategy, best expected acceptance first."""
+        drafts = [d for s in self.strategies for d in self._lengthen(s.propose(self.history, k, w), w)]
+        self._candidates = list(dict.fromkeys(drafts))
+        scored = [ScoredDraft(d, self.acceptance(d)) for d in self._candidates]
+        return sorted(scored, key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
 
     def propose(self, k: int, w: int) -> list[Draft]:
-        """The k most valuable distinct drafts of ≤ w tokens over all strategies."""
-        self._candidates = [d for s in self.strategies for d in self._lengthen(s.propose(self.history, k, w), w)]
-        chosen: list[Draft] = []
-        for draft in sorted(self._candidates, key=self.value, reverse=True):
-            if len(chosen) == k:
-                break
-            if not any(c.token_ids[: len(draft.token_ids)] == draft.token_ids for c in chosen):
-                chosen.append(draft)
-        return chosen
+        """The k most valuable drafts that each add a node to the tree."""
+        return select(self.candidates(k, w), k, w)
 
     def observe(self, committed: Sequence[int]) -> None:
         """Score every candidate of the round against the committed tokens; extend history."""
         for draft in self._candidates:
             accepted = _common_prefix(draft.token_ids, committed)
-            self.stats.observe(draft, accepted)
-            self.mixer.global_stats.observe(draft, accepted)
+            cap = min(len(draft.token_ids), len(committed))
+            key = (draft.strategy, draft.rank)
+            self.counts[key].observe(accepted, cap)
+            self.mixer.global_counts[key].observe(accepted, cap)
         self._candidates = []
         self.history.extend(committed)
 
@@ -122,6 +111,20 @@ class DraftSession:
             Draft(tables.chain(d.token_ids, w), d.strategy, d.rank) if d.strategy == CONTEXT else d
             for d in drafts
         ]
+
+
+def select(scored: Sequence[ScoredDraft], k: int, w: int) -> list[Draft]:
+    """Take drafts in order, cut to w tokens, skipping those that add no tree node."""
+    chosen: list[Draft] = []
+    nodes: set[tuple[int, ...]] = set()
+    for candidate in scored:
+        if len(chosen) == k:
+            break
+        tokens = candidate.draft.token_ids[:w]
+        if tokens not in nodes:
+            chosen.append(Draft(tokens, candidate.draft.strategy, candidate.draft.rank))
+            nodes.update(tokens[:depth] for depth in range(1, len(tokens) + 1))
+    return chosen
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -104,40 +104,49 @@ def load_specbench(
     return prompts
 
 
+def bench_methods(
+    strategies: Sequence[str], k: int, w: int, grid: Sequence[tuple[int, int]] = (), auto: bool = False
+) -> dict[str, tuple[str, SpeculationParams]]:
+    """Named methods to compare with plain decoding: each strategy at (k, w); the first
+    strategy at each extra grid shape; and the first strategy in auto mode (k, w as maxima)."""
+    methods = {f"{s} k{k}w{w}": (s, SpeculationParams(k, w)) for s in strategies}
+    methods |= {f"{strategies[0]} k{gk}w{gw}": (strategies[0], SpeculationParams(gk, gw)) for gk, gw in grid}
+    if auto:
+        methods[f"{strategies[0]} auto"] = (strategies[0], SpeculationParams(k, w, mode="auto"))
+    return methods
+
+
 def run_bench(
     engine: Engine,
     prompts: Iterable[BenchPrompt],
-    speculation: SpeculationParams,
+    methods: dict[str, tuple[str, SpeculationParams]],
     max_new_tokens: int,
-    strategies: Sequence[str] = ("mixed",),
     progress: Callable[[BenchPrompt, Completion, dict[str, Completion]], None] | None = None,
 ) -> dict[str, list[CategoryResult]]:
-    """Decode every prompt plainly and with each strategy, in a rotating order.
+    """Decode every prompt plainly and with each method, in a rotating order.
 
-    Returns, per strategy, its per-category totals (the plain ones shared) and an `overall`.
+    Returns, per method, its per-category totals (the plain ones shared) and an `overall`.
     """
-    plain_params = GenerationParams(max_new_tokens=max_new_tokens)
-    methods = ["plain", *strategies]
-    results: dict[str, dict[str, CategoryResult]] = {s: {} for s in strategies}
+    params = {"plain": GenerationParams(max_new_tokens=max_new_tokens)} | {
+        name: GenerationParams(max_new_tokens=max_new_tokens, speculation=spec, strategy=strategy)
+        for name, (strategy, spec) in methods.items()
+    }
+    order = list(params)
+    results: dict[str, dict[str, CategoryResult]] = {name: {} for name in methods}
     for index, prompt in enumerate(prompts):
-        shift = index % len(methods)
-        done: dict[str, Completion] = {}
-        for method in methods[shift:] + methods[:shift]:
-            params = plain_params if method == "plain" else GenerationParams(
-                max_new_tokens=max_new_tokens, speculation=speculation, strategy=method
-            )
-            done[method] = engine.complete(prompt.prompt_ids, params)
+        shift = index % len(order)
+        done = {name: engine.complete(prompt.prompt_ids, params[name]) for name in order[shift:] + order[:shift]}
         plain = done.pop("plain")
-        for strategy, spec in done.items():
+        for name, spec in done.items():
             for key in (prompt.category, "overall"):
-                result = results[strategy].setdefault(key, CategoryResult(key))
+                result = results[name].setdefault(key, CategoryResult(key))
                 result.prompts += 1
                 result.identical += plain.token_ids == spec.token_ids
                 result.plain.add(plain)
                 result.speculative.add(spec)
         if progress is not None:
             progress(prompt, plain, done)
-    return {strategy: _overall_last(by_category) for strategy, by_category in results.items()}
+    return {name: _overall_last(by_category) for name, by_category in results.items()}
 
 
 def _overall_last(by_category: dict[str, CategoryResult]) -> list[CategoryResult]:
@@ -146,7 +155,7 @@ def _overall_last(by_category: dict[str, CategoryResult]) -> list[CategoryResult
 
 
 def format_summary(results: dict[str, list[CategoryResult]]) -> str:
-    """Tokens per pass (speedup over plain) of every strategy, one row per category."""
+    """Tokens per pass (speedup over plain) of every method, one row per category."""
     names = list(results)
     header = "| category | " + " | ".join(names) + " |\n|---|" + "---|" * len(names)
     rows = []
@@ -180,9 +189,9 @@ def _shares(shares: dict[str, float]) -> str:
 
 
 def results_as_json(results: dict[str, list[CategoryResult]], **run: object) -> str:
-    """The numbers of a run, with its settings, as JSON: per strategy, per category."""
-    strategies = {
-        strategy: [
+    """The numbers of a run, with its settings, as JSON: per method, per category."""
+    methods = {
+        name: [
             {
                 **asdict(r),
                 "speedup": r.speedup,
@@ -194,6 +203,26 @@ def results_as_json(results: dict[str, list[CategoryResult]], **run: object) -> 
             }
             for r in by_category
         ]
-        for strategy, by_category in results.items()
+        for name, by_category in results.items()
     }
-    return json.dumps({"run": run, "strategies": strategies}, indent=2)
+    return json.dumps({"run": run, "methods": methods}, indent=2)
+
+
+def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
+    """Per category: plain, the best fixed method, and auto — tokens/s and ratios."""
+    auto_name = next(name for name in results if name.endswith(" auto"))
+    fixed_names = [name for name in results if name != auto_name]
+    header = (
+        "| category | plain tok/s | best fixed | its tok/s | auto tok/s | auto vs plain "
+        "| auto vs best fixed |\n|---|---|---|---|---|---|---|"
+    )
+    rows = []
+    for index, auto in enumerate(results[auto_name]):
+        best_name = max(fixed_names, key=lambda n: results[n][index].speculative.tokens_per_second)
+        best = results[best_name][index].speculative.tokens_per_second
+        spec = auto.speculative.tokens_per_second
+        rows.append(
+            f"| {auto.category} | {auto.plain.tokens_per_second:.1f} | {best_name} | {best:.1f} "
+            f"| {spec:.1f} | {auto.speedup:.2f}x | {spec / best:.0%} |"
+        )
+    return "\n".join([header, *rows])

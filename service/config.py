@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+
+SpeculationMode = Literal["off", "fixed", "auto"]
 
 
 @dataclass(frozen=True)
 class SpeculationParams:
-    """k speculations of up to w tokens per round; k = 0 is plain decoding."""
+    """How to speculate.
+
+    `fixed`: k speculations of up to w tokens every round (k = 0 is plain decoding).
+    `auto`: before each round the controller picks the shape with the most expected tokens
+    per second, at most k × w (plain decoding included). `off`: plain decoding.
+    """
 
     k: int = 0
     w: int = 0
+    mode: SpeculationMode = "fixed"
 
     def __post_init__(self) -> None:
         if self.k < 0 or self.w < 0:
             raise ValueError(f"k and w must be >= 0, got k={self.k}, w={self.w}")
         if self.k > 0 and self.w == 0:
             raise ValueError("w must be >= 1 when k > 0")
+        if self.mode not in ("off", "fixed", "auto"):
+            raise ValueError(f"mode must be off, fixed or auto, got {self.mode!r}")
 
     @property
     def max_tree_nodes(self) -> int:

@@ -13,9 +13,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from drafting import DraftSession, Mixer
-from service.config import GenerationParams
+from service.config import GenerationParams, SpeculationParams
 from service.kv_cache import TreeKVCache
 from service.model_runner import ModelRunner
+from service.regime import CostProfile, Shape, choose_shape
 from service.tree import build_tree, chain_tree
 from service.verifier import verify_greedy
 
@@ -31,6 +32,13 @@ class RoundOutput:
     draft_seconds: float
     forward_seconds: float
     finish_reason: str | None  # "stop" | "length" | None while generating
+    k: int = 0  # the speculation shape this round used
+    w: int = 0
+    predicted_tokens_per_second: float | None = None  # the controller's forecast (auto mode)
+
+    @property
+    def realized_tokens_per_second(self) -> float:
+        return len(self.token_ids) / (self.draft_seconds + self.forward_seconds)
 
 
 @dataclass
@@ -74,6 +82,7 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.mixer = mixer
+        self.profile: CostProfile | None = None  # set once measured; auto mode needs it
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
 
@@ -121,10 +130,9 @@ class Engine:
         stops: frozenset[int],
         budget: int,
     ) -> RoundOutput:
-        spec = params.speculation
         started = time.perf_counter()
-        proposed = drafts.propose(spec.k, spec.w) if spec.k > 0 else []
-        tree = build_tree(drafts.history.last_token, proposed, max_nodes=spec.max_tree_nodes)
+        shape = self._shape(drafts, params.speculation)
+        tree = build_tree(drafts.history.last_token, shape.drafts, max_nodes=1 + shape.k * shape.w)
         drafted = time.perf_counter()
         logits = self.runner.forward(cache, [tree])
         assert logits is not None
@@ -141,7 +149,20 @@ class Engine:
             draft_seconds=drafted - started,
             forward_seconds=verified - drafted,
             finish_reason=finish_reason,
+            k=shape.k,
+            w=shape.w,
+            predicted_tokens_per_second=shape.forecast.tokens_per_second if shape.forecast else None,
         )
+
+    def _shape(self, drafts: DraftSession, spec: SpeculationParams) -> Shape:
+        """This round's drafts: the controller's choice in auto mode (once the cost profile
+        exists), else k drafts of w tokens; none when off."""
+        if spec.mode == "off" or spec.k == 0:
+            return Shape(0, 0, [])
+        if spec.mode == "auto" and self.profile is not None:
+            candidates = drafts.candidates(spec.k, spec.w)
+            return choose_shape(candidates, self.profile, len(drafts.history), spec.k, spec.w)
+        return Shape(spec.k, spec.w, drafts.propose(spec.k, spec.w))
 
 
 def _truncate(token_ids: list[int], stops: frozenset[int], budget: int) -> tuple[list[int], str | None]:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from drafting import ModelTables, TableSlot
+from drafting import ModelTables
 
 log = logging.getLogger(__name__)
 
@@ -100,20 +100,3 @@ def load_or_compute_tables(
         np.savez(staging, unigram=tables.unigram, bigram=tables.bigram)
         staging.rename(path)
         return tables
-
-
-def fill_in_background(
-    model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[int], slot: TableSlot
-) -> threading.Thread:
-    """Start filling `slot`; the table strategies propose nothing until it is filled."""
-
-    def work() -> None:
-        try:
-            slot.tables = load_or_compute_tables(model, cache_dir, prefix_ids)
-            log.info("model tables ready: unigram/bigram strategies enabled")
-        except Exception:  # drafting degrades to context lookup; serving goes on
-            log.exception("computing the model tables failed")
-
-    thread = threading.Thread(target=work, name="ngrammys-tables", daemon=True)
-    thread.start()
-    return thread

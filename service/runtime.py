@@ -8,6 +8,8 @@ order. (The scheduler with a bounded queue and continuous batching replaces this
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +19,11 @@ from service.config import GenerationParams
 from service.engine import Completion, Engine
 from service.model_loader import LoadedModel
 from service.model_runner import ModelRunner
-from service.model_tables import fill_in_background, load_or_compute_tables
+from service.model_tables import load_or_compute_tables
+from service.profiler import load_or_measure
 from service.prompts import assistant_prefix_ids, stop_token_ids
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(loaded: LoadedModel, tables: TableSlot) -> Engine:
@@ -32,10 +37,26 @@ def build_engine(loaded: LoadedModel, tables: TableSlot) -> Engine:
     )
 
 
-def build_engine_with_tables(loaded: LoadedModel, cache_dir: Path) -> Engine:
-    """An engine whose model tables are ready before it returns (benchmarks, tools)."""
+def build_engine_with_tables(loaded: LoadedModel, cache_dir: Path, profile: bool = False) -> Engine:
+    """An engine whose model tables (and cost profile, if asked) are ready before it returns."""
     prefix = assistant_prefix_ids(loaded.tokenizer)
-    return build_engine(loaded, TableSlot(load_or_compute_tables(loaded.model, cache_dir, prefix)))
+    engine = build_engine(loaded, TableSlot(load_or_compute_tables(loaded.model, cache_dir, prefix)))
+    if profile:
+        engine.profile = load_or_measure(engine.runner, cache_dir)
+    return engine
+
+
+def _warm_up(engine: Engine, loaded: LoadedModel, cache_dir: Path, model_tables: bool, profile: bool) -> None:
+    try:
+        if profile:
+            engine.profile = load_or_measure(engine.runner, cache_dir)
+            log.info("cost profile ready: auto mode enabled")
+        if model_tables:
+            prefix = assistant_prefix_ids(loaded.tokenizer)
+            engine.mixer.tables.tables = load_or_compute_tables(loaded.model, cache_dir, prefix)
+            log.info("model tables ready: unigram/bigram strategies enabled")
+    except Exception:  # serving goes on with what is ready
+        log.exception("warm-up failed")
 
 
 @dataclass
@@ -49,12 +70,16 @@ class Runtime:
     )
 
     @classmethod
-    def start(cls, loaded: LoadedModel, cache_dir: Path, model_tables: bool = True) -> Runtime:
-        """Serve at once; the model tables are computed (or loaded) in the background."""
-        slot = TableSlot()
-        if model_tables:
-            fill_in_background(loaded.model, cache_dir, assistant_prefix_ids(loaded.tokenizer), slot)
-        return cls(loaded, build_engine(loaded, slot))
+    def start(cls, loaded: LoadedModel, cache_dir: Path, model_tables: bool = True, profile: bool = True) -> Runtime:
+        """Serve at once; the cost profile, then the model tables, are measured (or loaded
+        from the cache) on a background thread. Until then auto mode runs as fixed, and the
+        table strategies propose nothing."""
+        engine = build_engine(loaded, TableSlot())
+        threading.Thread(
+            target=_warm_up, args=(engine, loaded, cache_dir, model_tables, profile),
+            name="ngrammys-warm-up", daemon=True,
+        ).start()
+        return cls(loaded, engine)
 
     async def complete(self, prompt_ids: list[int], params: GenerationParams) -> Completion:
         loop = asyncio.get_running_loop()

@@ -49,7 +49,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Cha
     k = settings.spec_k if options.k is None else options.k
     w = settings.spec_w if options.w is None else options.w
     try:
-        speculation = SpeculationParams(k, w)
+        speculation = SpeculationParams(k, w, options.mode or settings.spec_mode)
     except ValueError as error:
         raise ApiError(400, str(error), param="speculation") from error
     params = GenerationParams(

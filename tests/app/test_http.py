@@ -29,7 +29,8 @@ def wait_ready(base: str, timeout: float = 60) -> None:
 
 @pytest.fixture(scope="module")
 def server(embedded):
-    settings = Settings(spec_k=4, spec_w=4, max_tokens=24, model_tables=False)
+    settings = Settings(spec_mode="fixed", spec_k=4, spec_w=4, max_tokens=24, model_tables=False,
+                        cost_profile=False)
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
         yield base
@@ -70,6 +71,7 @@ def test_model_field_is_optional_and_defaults_apply(server: str) -> None:
         ({"messages": MESSAGES, "speculation": {"strategy": "trigram"}}, 400, "speculation.strategy"),
         ({"messages": MESSAGES, "speculation": {"k": 2, "w": 0}}, 400, "speculation"),
         ({"messages": MESSAGES, "speculation": {"k": -1}}, 400, "speculation.k"),
+        ({"messages": MESSAGES, "speculation": {"mode": "turbo"}}, 400, "speculation.mode"),
     ],
 )
 def test_bad_requests_get_openai_errors(server: str, body, status: int, param: str) -> None:
@@ -88,7 +90,7 @@ def test_ready_waits_for_the_model_and_health_does_not(embedded) -> None:
         release.wait(timeout=30)
         return embedded
 
-    with serving(create_app(Settings(model_tables=False), loader=slow_loader)) as base:
+    with serving(create_app(Settings(model_tables=False, cost_profile=False), loader=slow_loader)) as base:
         assert httpx.get(f"{base}/health").status_code == 200
         assert httpx.get(f"{base}/ready").json()["status"] == "loading"
         busy = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES})
@@ -101,7 +103,7 @@ def test_failed_load_is_reported_not_fatal() -> None:
     def broken_loader(_: Settings):
         raise FileNotFoundError("no model at /nowhere")
 
-    with serving(create_app(Settings(model_tables=False), loader=broken_loader)) as base:
+    with serving(create_app(Settings(model_tables=False, cost_profile=False), loader=broken_loader)) as base:
         deadline = time.monotonic() + 10
         while (ready := httpx.get(f"{base}/ready").json())["status"] == "loading":
             assert time.monotonic() < deadline
@@ -114,7 +116,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation(embedded) -> None:
     """Lossless end to end: plain and speculating servers answer with the same text."""
     texts = []
     for k, w in [(0, 0), (6, 3)]:
-        settings = Settings(spec_k=k, spec_w=w, model_tables=False)
+        settings = Settings(spec_mode="fixed", spec_k=k, spec_w=w, model_tables=False, cost_profile=False)
         with serving(create_app(settings, loader=lambda _: embedded)) as base:
             wait_ready(base)
             body = {"messages": MESSAGES, "max_tokens": 20}
@@ -124,8 +126,8 @@ def test_greedy_text_is_the_same_with_and_without_speculation(embedded) -> None:
 
 @pytest.mark.parametrize("strategy", ["context", "extended_bigram", "mixed"])
 def test_speculation_options_per_request(server: str, strategy: str) -> None:
-    plain = {"messages": MESSAGES, "max_tokens": 16, "speculation": {"k": 0}}
-    chosen = {**plain, "speculation": {"k": 3, "w": 2, "strategy": strategy}}
+    plain = {"messages": MESSAGES, "max_tokens": 16, "speculation": {"mode": "off"}}
+    chosen = {**plain, "speculation": {"mode": "fixed", "k": 3, "w": 2, "strategy": strategy}}
     answers = [httpx.post(f"{server}/v1/chat/completions", json=b, timeout=60) for b in (plain, chosen)]
     assert [a.status_code for a in answers] == [200, 200]
     assert answers[0].json()["choices"] == answers[1].json()["choices"]

@@ -9,6 +9,7 @@ from drafting import STRATEGY_NAMES, Draft, Mixer, TokenHistory
 from service.config import GenerationParams, SpeculationParams
 from service.engine import ContextTooLong, Engine
 from service.model_runner import ModelRunner
+from tests.service.test_regime import COMPUTE_BOUND, MEMORY_BOUND
 
 PROMPTS = [
     [5, 9, 13, 2, 7, 7, 30, 41],
@@ -116,3 +117,37 @@ def test_rounds_stream_the_tokens_they_accept(tiny_engine: Engine) -> None:
 def test_context_too_long_is_refused(tiny_engine: Engine) -> None:
     with pytest.raises(ContextTooLong, match="exceeds the context of 512"):
         tiny_engine.complete(list(range(2, 60)) * 8, GenerationParams(max_new_tokens=100))
+
+
+@pytest.mark.parametrize("profile", [MEMORY_BOUND, COMPUTE_BOUND], ids=["memory-bound", "compute-bound"])
+@pytest.mark.parametrize("prompt", PROMPTS[:2], ids=["mixed", "repetitive"])
+def test_auto_mode_is_lossless_and_stays_within_its_maxima(
+    tiny_model, tiny_engine: Engine, prompt, profile
+) -> None:
+    tiny_engine.profile = profile
+    expected = reference_greedy(tiny_model, prompt, NEW_TOKENS)
+    params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(6, 5, mode="auto"))
+    rounds = list(tiny_engine.generate(prompt, params))
+    assert [t for r in rounds for t in r.token_ids] == expected
+    assert all(r.k <= 6 and r.w <= 5 and r.predicted_tokens_per_second for r in rounds)
+
+
+def test_auto_mode_speculates_big_where_passes_are_free_and_not_where_they_cost(tiny_engine: Engine) -> None:
+    params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(6, 5, mode="auto"))
+    tiny_engine.profile = MEMORY_BOUND
+    wide = list(tiny_engine.generate(PROMPTS[1], params))
+    tiny_engine.profile = COMPUTE_BOUND
+    narrow = list(tiny_engine.generate(PROMPTS[1], params))
+    assert max(r.k * r.w for r in wide) > max(r.k * r.w for r in narrow)
+
+
+def test_auto_mode_without_a_profile_runs_as_fixed(tiny_engine: Engine) -> None:
+    params = GenerationParams(8, speculation=SpeculationParams(2, 3, mode="auto"))
+    rounds = list(tiny_engine.generate(PROMPTS[1], params))
+    assert all((r.k, r.w, r.predicted_tokens_per_second) == (2, 3, None) for r in rounds)
+
+
+def test_off_mode_is_plain_decoding(tiny_engine: Engine) -> None:
+    params = GenerationParams(8, speculation=SpeculationParams(4, 4, mode="off"))
+    completion = tiny_engine.complete(PROMPTS[1], params)
+    assert completion.num_passes == 8 and completion.num_draft_tokens == 0
