@@ -13,21 +13,22 @@ class ApiError(Exception):
 
     def __init__(
         self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None,
+        code: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
 
 def error_response(status: int, message: str, type_: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:

@@ -56,6 +56,7 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader) -> None:
         return
     app.state.model_name = settings.served_model_name or loaded.name
     app.state.runtime = Runtime.start(
-        loaded, settings.cache_dir, settings.model_tables, settings.cost_profile
+        loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
+        settings.max_waiting, settings.request_timeout,
     )
     log.info("ready: %s (loaded in %.1f s)", app.state.model_name, loaded.load_seconds)

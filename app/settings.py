@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     spec_strategy: Strategy = Field("mixed", description="Draft strategy: context, unigram, bigram, extended_bigram or mixed")
     model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
     cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
+    max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
+    request_timeout: float | None = Field(600.0, gt=0, description="Seconds a request may take, queueing included")
+    retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with 429")
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
     log_level: str = Field("info", description="Logging level")
 

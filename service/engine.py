@@ -90,11 +90,7 @@ class Engine:
         """Yield each round's committed tokens until a stop token or `max_new_tokens`."""
         if not prompt_ids:
             raise ValueError("the prompt holds no tokens")
-        if len(prompt_ids) + params.max_new_tokens > self.max_context:
-            raise ContextTooLong(
-                f"prompt of {len(prompt_ids)} tokens + max_new_tokens {params.max_new_tokens} "
-                f"exceeds the context of {self.max_context} tokens"
-            )
+        self.check_fits(len(prompt_ids), params.max_new_tokens)
         drafts = self.mixer.session(prompt_ids, params.strategy)
         cache = self._prefill(prompt_ids)
         stops = self.eos_token_ids | params.stop_token_ids
@@ -105,6 +101,15 @@ class Engine:
             yield output
             if output.finish_reason is not None:
                 return
+
+    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise `ContextTooLong` unless prompt + max_new_tokens fits the model's context."""
+        if num_prompt_tokens + max_new_tokens > self.max_context:
+            raise ContextTooLong(
+                f"this model's context is {self.max_context} tokens, but the prompt has "
+                f"{num_prompt_tokens} tokens and max_tokens asks for {max_new_tokens} more "
+                f"(at most {max(self.max_context - num_prompt_tokens, 0)} fit)"
+            )
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> Completion:
         """Run `generate` to the end and gather the result."""

@@ -1,22 +1,16 @@
-"""A loaded model and its engine, driven from an asyncio server without blocking it.
-
-Forward passes run on one dedicated worker thread, so the event loop keeps answering health
-probes and new requests while a generation runs; requests queue on that thread in arrival
-order. (The scheduler with a bounded queue and continuous batching replaces this later.)
-"""
+"""What a server runs: the loaded model, its engine behind the async queue, and the
+background warm-up (cost profile, model tables) that enables auto mode and the table drafts."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from drafting import TableSlot, default_mixer
-from service.config import GenerationParams
-from service.engine import Completion, Engine
+from service.async_engine import AsyncEngine
+from service.engine import Engine
 from service.model_loader import LoadedModel
 from service.model_runner import ModelRunner
 from service.model_tables import load_or_compute_tables
@@ -61,16 +55,22 @@ def _warm_up(engine: Engine, loaded: LoadedModel, cache_dir: Path, model_tables:
 
 @dataclass
 class Runtime:
-    """What a server needs to answer requests: tokenizer, engine and its worker thread."""
+    """What a server needs to answer requests: tokenizer, engine, and the engine's queue."""
 
     loaded: LoadedModel
     engine: Engine
-    executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngrammys-engine")
-    )
+    async_engine: AsyncEngine
 
     @classmethod
-    def start(cls, loaded: LoadedModel, cache_dir: Path, model_tables: bool = True, profile: bool = True) -> Runtime:
+    def start(
+        cls,
+        loaded: LoadedModel,
+        cache_dir: Path,
+        model_tables: bool = True,
+        profile: bool = True,
+        max_waiting: int = 64,
+        request_timeout: float | None = None,
+    ) -> Runtime:
         """Serve at once; the cost profile, then the model tables, are measured (or loaded
         from the cache) on a background thread. Until then auto mode runs as fixed, and the
         table strategies propose nothing."""
@@ -79,11 +79,7 @@ class Runtime:
             target=_warm_up, args=(engine, loaded, cache_dir, model_tables, profile),
             name="ngrammys-warm-up", daemon=True,
         ).start()
-        return cls(loaded, engine)
-
-    async def complete(self, prompt_ids: list[int], params: GenerationParams) -> Completion:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self.engine.complete, prompt_ids, params)
+        return cls(loaded, engine, AsyncEngine(engine, max_waiting, request_timeout))
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.async_engine.shutdown()

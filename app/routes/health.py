@@ -9,8 +9,13 @@ router = APIRouter()
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(request: Request) -> dict[str, object]:
+    """Alive; with the engine's load once it runs (a freed slot shows here at once)."""
+    runtime = request.app.state.runtime
+    if runtime is None:
+        return {"status": "ok"}
+    engine = runtime.async_engine
+    return {"status": "ok", "requests_running": engine.num_running, "requests_waiting": engine.num_waiting}
 
 
 @router.get("/ready")

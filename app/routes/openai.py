@@ -1,50 +1,79 @@
-"""OpenAI-compatible routes: validate, template, hand to the engine, shape the answer."""
+"""OpenAI-compatible routes: validate, tokenize, submit to the engine, stream or collect."""
 
 from __future__ import annotations
 
 import time
-import uuid
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.errors import ApiError
-from app.schemas import (
-    ChatChoice,
-    ChatCompletion,
-    ChatCompletionRequest,
-    ResponseMessage,
-    SpeculationOptions,
-    Usage,
-)
+from app.generation import Generation, Kind
+from app.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, SpeculationOptions
+from app.settings import Settings
+from app.sse import stream_events
+from service.async_engine import QueueFull, RequestTimeout
 from service.config import GenerationParams, SpeculationParams
+from service.detokenizer import TextStream
 from service.engine import ContextTooLong
 from service.prompts import chat_prompt_ids
 from service.runtime import Runtime
 
 router = APIRouter(prefix="/v1")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 
 
-def _runtime(request: Request) -> Runtime:
+@router.get("/models")
+async def models(request: Request) -> dict[str, object]:
+    name = request.app.state.model_name
+    cards = [] if name is None else [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "ngrammys"}]
+    return {"object": "list", "data": cards}
+
+
+@router.post("/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    runtime = _runtime(request, body)
+    for name in ("echo", "logprobs", "suffix"):
+        if getattr(body, name):
+            raise ApiError(400, f"`{name}` is not supported", param=name)
+    tokenizer = runtime.loaded.tokenizer
+    if isinstance(body.prompt, str):
+        prompt_ids = tokenizer.encode(body.prompt)
+    else:
+        prompt_ids = _checked_ids(body.prompt, len(tokenizer))
+    max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    return await _respond("text_completion", body, request, runtime, prompt_ids, max_tokens, "prompt")
+
+
+@router.post("/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    runtime = _runtime(request, body)
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt_ids = chat_prompt_ids(runtime.loaded.tokenizer, messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens or request.app.state.settings.max_tokens
+    return await _respond("chat.completion", body, request, runtime, prompt_ids, max_tokens, "messages")
+
+
+def _runtime(request: Request, body: GenerationRequest) -> Runtime:
     runtime: Runtime | None = request.app.state.runtime
     if runtime is None:
-        raise ApiError(503, "the model is still loading; retry when /ready answers 200",
-                       "service_unavailable")
-    return runtime
-
-
-@router.post("/chat/completions", response_model=ChatCompletion)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> ChatCompletion:
-    runtime = _runtime(request)
-    settings = request.app.state.settings
+        raise ApiError(503, "the model is still loading; retry when /ready answers 200", "service_unavailable")
     name = request.app.state.model_name
     if body.model is not None and body.model != name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{name}`",
                        param="model", code="model_not_found")
-    if body.stream:
-        raise ApiError(400, "stream=true is not supported yet", param="stream")
     if body.temperature:
         raise ApiError(400, "only greedy decoding (temperature 0) is supported yet", param="temperature")
-    prompt_ids = chat_prompt_ids(runtime.loaded.tokenizer, [m.model_dump() for m in body.messages])
+    return runtime
+
+
+def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+    if any(not 0 <= i < vocab_size for i in ids):
+        raise ApiError(400, f"token ids must be in [0, {vocab_size})", param="prompt")
+    return ids
+
+
+def _params(body: GenerationRequest, settings: Settings, max_tokens: int) -> GenerationParams:
     options = body.speculation or SpeculationOptions()
     k = settings.spec_k if options.k is None else options.k
     w = settings.spec_w if options.w is None else options.w
@@ -52,22 +81,36 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Cha
         speculation = SpeculationParams(k, w, options.mode or settings.spec_mode)
     except ValueError as error:
         raise ApiError(400, str(error), param="speculation") from error
-    params = GenerationParams(
-        max_new_tokens=body.max_completion_tokens or body.max_tokens or settings.max_tokens,
-        speculation=speculation,
-        strategy=options.strategy or settings.spec_strategy,
-    )
+    return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
+                            strategy=options.strategy or settings.spec_strategy)
+
+
+async def _respond(
+    kind: Kind, body: GenerationRequest, request: Request, runtime: Runtime, prompt_ids: list[int],
+    max_tokens: int, prompt_param: str,
+) -> JSONResponse | StreamingResponse:
+    settings: Settings = request.app.state.settings
     try:
-        completion = await runtime.complete(prompt_ids, params)
+        runtime.engine.check_fits(len(prompt_ids), max_tokens)
     except ContextTooLong as error:
-        raise ApiError(400, str(error), param="messages", code="context_length_exceeded") from error
-    text = runtime.loaded.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-    return ChatCompletion(
-        id=f"chatcmpl-{uuid.uuid4().hex}",
-        created=int(time.time()),
-        model=name,
-        choices=[ChatChoice(index=0, message=ResponseMessage(content=text),
-                            finish_reason=completion.finish_reason)],
-        usage=Usage(prompt_tokens=len(prompt_ids), completion_tokens=len(completion.token_ids),
-                    total_tokens=len(prompt_ids) + len(completion.token_ids)),
+        raise ApiError(400, str(error), param=prompt_param, code="context_length_exceeded") from error
+    params = _params(body, settings, max_tokens)
+    try:
+        handle = runtime.async_engine.submit(prompt_ids, params)
+    except QueueFull as error:
+        raise ApiError(429, f"the server is busy: {error}; retry shortly", "rate_limit_exceeded",
+                       headers={"Retry-After": str(settings.retry_after_seconds)}) from error
+    generation = Generation(
+        kind, request.app.state.model_name, runtime.async_engine, handle,
+        TextStream(runtime.loaded.tokenizer, body.stop or []),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
+    if body.stream:
+        return StreamingResponse(stream_events(generation), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return JSONResponse(await generation.collect())
+    except RequestTimeout as error:
+        raise ApiError(504, str(error), "timeout", code="timeout") from error
+    except Exception as error:
+        raise ApiError(500, f"generation failed: {error}", "server_error") from error

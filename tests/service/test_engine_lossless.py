@@ -115,7 +115,7 @@ def test_rounds_stream_the_tokens_they_accept(tiny_engine: Engine) -> None:
 
 
 def test_context_too_long_is_refused(tiny_engine: Engine) -> None:
-    with pytest.raises(ContextTooLong, match="exceeds the context of 512"):
+    with pytest.raises(ContextTooLong, match="context is 512 tokens, but the prompt has 464"):
         tiny_engine.complete(list(range(2, 60)) * 8, GenerationParams(max_new_tokens=100))
 
 
