@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
     request_timeout: float | None = Field(600.0, gt=0, description="Seconds a request may take, queueing included")
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with 429")
+    default_temperature: float = Field(1.0, ge=0, le=2, description="Temperature when a request gives none (OpenAI's default is 1; 0 = greedy)")
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
     log_level: str = Field("info", description="Logging level")
 

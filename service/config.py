@@ -37,6 +37,28 @@ class SpeculationParams:
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """Temperature 0 is greedy; otherwise sample from p after top-k and top-p."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) = no top-k cut
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= -1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
 class GenerationParams:
     """What to generate for one request (greedy for now)."""
 
@@ -44,6 +66,7 @@ class GenerationParams:
     stop_token_ids: frozenset[int] = frozenset()
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     strategy: str = "mixed"  # a draft strategy name, or "mixed" for all of them
+    sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -18,7 +18,8 @@ from service.kv_cache import TreeKVCache
 from service.model_runner import ModelRunner
 from service.regime import CostProfile, Shape, choose_shape
 from service.tree import build_tree, chain_tree
-from service.verifier import verify_greedy
+from service.sampling import PositionUniforms
+from service.verifier import verify
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,12 @@ class Engine:
             raise ValueError("the prompt holds no tokens")
         self.check_fits(len(prompt_ids), params.max_new_tokens)
         drafts = self.mixer.session(prompt_ids, params.strategy)
+        uniforms = None if params.sampling.greedy else PositionUniforms(params.sampling.seed)
         cache = self._prefill(prompt_ids)
         stops = self.eos_token_ids | params.stop_token_ids
         generated = 0
         while True:
-            output = self._round(cache, drafts, params, stops, params.max_new_tokens - generated)
+            output = self._round(cache, drafts, uniforms, params, stops, params.max_new_tokens - generated)
             generated += len(output.token_ids)
             yield output
             if output.finish_reason is not None:
@@ -131,6 +133,7 @@ class Engine:
         self,
         cache: TreeKVCache,
         drafts: DraftSession,
+        uniforms: PositionUniforms | None,
         params: GenerationParams,
         stops: frozenset[int],
         budget: int,
@@ -141,7 +144,8 @@ class Engine:
         drafted = time.perf_counter()
         logits = self.runner.forward(cache, [tree])
         assert logits is not None
-        verdict = verify_greedy(tree, logits[0])  # reads the logits back: the pass is done
+        # reads the choices back: the pass is done when this returns
+        verdict = verify(tree, logits[0], params.sampling, uniforms, first_position=len(drafts.history))
         verified = time.perf_counter()
         cache.commit(0, [0, *verdict.accepted_nodes])
         drafts.observe(verdict.token_ids)

@@ -1,13 +1,20 @@
-"""Greedy verification of a token tree: keep the longest path the model agrees with.
+"""Verification of a token tree: keep the longest path the model itself would have taken.
 
-Terms. The tree's root is the pending token p; every other node is a drafted token. The
-model's greedy choice after node i is y_i = argmax(logits[i]). Starting at the root, if a
-child of the current node carries y_current, that child is *accepted* and the walk moves to
-it; otherwise the walk stops. The *bonus* token is y at the stopping node: the model's own
-next token, free from the same pass. So a round commits m accepted tokens + 1 bonus token,
-and the sequence committed is exactly what plain greedy decoding would produce (each accepted
-token is the argmax given its full prefix, because the tree mask gave its node exactly that
-prefix).
+Terms. The tree's root is the pending token; every other node is a drafted token. After
+each node i the model *chooses* a token y_i: its argmax when greedy, else a sample of its
+target distribution p_i (see `sampling.py`). Starting at the root, if a child of the current
+node carries y_current, that child is *accepted* and the walk moves on; otherwise the walk
+stops and y at the stopping node is the *bonus* token. A round commits m accepted tokens
+plus the bonus.
+
+Why this is lossless. Every node's logits are those of its full prefix (the tree mask), so
+y_i is exactly the token plain decoding would pick after that prefix. Greedy: the committed
+tokens are plain greedy's. Sampling: drafts are deterministic (one-hot proposals), and the
+rule "sample y ~ p at the node; descend into the child carrying y, else emit y" emits each
+child x with probability p(x) and any other token with its own p — the law p itself (the
+one-hot case of Leviathan et al.'s rule, applied per node as in SpecInfer's multi-draft
+verification; siblings are distinct tokens, which the trie guarantees). With the per-
+position uniforms of `sampling.py`, y_i is even the same token plain sampling would draw.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from service.config import SamplingParams
+from service.sampling import PositionUniforms, choose_tokens
 from service.tree import TokenTree
 
 
@@ -33,9 +42,21 @@ class Verdict:
         return [*self.accepted_token_ids, self.bonus_token_id]
 
 
-def verify_greedy(tree: TokenTree, logits: torch.Tensor) -> Verdict:
-    """Walk `tree` along the model's argmax; `logits` is [num_nodes, vocab] for this row."""
-    choices: list[int] = logits[: tree.num_nodes].argmax(dim=-1).tolist()  # [num_nodes]
+def verify(
+    tree: TokenTree,
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    uniforms: PositionUniforms | None,
+    first_position: int,
+) -> Verdict:
+    """Walk `tree` along the model's choices; `logits` is [num_nodes, vocab] for this row.
+
+    `first_position` is the output position the root's choice fills (the committed length);
+    node i's choice fills `first_position + depth_i`.
+    """
+    positions = [first_position + depth for depth in tree.depths]
+    u = None if sampling.greedy or uniforms is None else uniforms.at(positions)
+    choices = choose_tokens(logits[: tree.num_nodes], sampling, u)  # [num_nodes]
     node, path = 0, []
     while (child := tree.children[node].get(choices[node])) is not None:
         path.append(child)

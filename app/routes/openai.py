@@ -13,7 +13,7 @@ from app.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequ
 from app.settings import Settings
 from app.sse import stream_events
 from service.async_engine import QueueFull, RequestTimeout
-from service.config import GenerationParams, SpeculationParams
+from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.detokenizer import TextStream
 from service.engine import ContextTooLong
 from service.prompts import chat_prompt_ids
@@ -62,8 +62,6 @@ def _runtime(request: Request, body: GenerationRequest) -> Runtime:
     if body.model is not None and body.model != name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{name}`",
                        param="model", code="model_not_found")
-    if body.temperature:
-        raise ApiError(400, "only greedy decoding (temperature 0) is supported yet", param="temperature")
     return runtime
 
 
@@ -81,8 +79,10 @@ def _params(body: GenerationRequest, settings: Settings, max_tokens: int) -> Gen
         speculation = SpeculationParams(k, w, options.mode or settings.spec_mode)
     except ValueError as error:
         raise ApiError(400, str(error), param="speculation") from error
+    temperature = settings.default_temperature if body.temperature is None else body.temperature
+    sampling = SamplingParams(temperature, body.top_p or 1.0, max(body.top_k or 0, 0), body.seed)
     return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
-                            strategy=options.strategy or settings.spec_strategy)
+                            strategy=options.strategy or settings.spec_strategy, sampling=sampling)
 
 
 async def _respond(

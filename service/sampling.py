@@ -1,0 +1,67 @@
+"""From logits to the target distribution p, and the randomness that samples from it.
+
+p: temperature, then top-k, then top-p (nucleus), the order OpenAI-style servers apply
+them. Temperature 0 is greedy (argmax), with no randomness at all.
+
+Sampling is by inverse CDF with one uniform number per *output position*: the token at
+position t is F⁻¹_p(u_t), where p is the model's distribution given the prefix and u_t comes
+from the request's seeded generator. Plain decoding and speculation look the same u_t up
+for the same position, so with the same seed they emit the same tokens — the speculative
+output is not just distributed like plain sampling, it *is* the plain sample — and a seed
+reproduces a request whatever speculation shape the controller picked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service.config import SamplingParams
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] logits → [n, vocab] probabilities after temperature, top-k, top-p."""
+    scaled = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scaled.shape[-1]:
+        kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = scaled.softmax(dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, vocab]
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)  # keeps the top one
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> list[int]:
+    """The token chosen after each node: argmax when greedy, else F⁻¹_p(u) per node.
+
+    logits: [n, vocab]; uniforms: [n], the u of the position each node's choice would fill.
+    """
+    if params.greedy:
+        return logits.argmax(dim=-1).tolist()
+    assert uniforms is not None
+    cdf = target_probs(logits, params).cumsum(dim=-1)  # [n, vocab]
+    u = uniforms.to(cdf.device)[:, None] * cdf[:, -1:]  # [n, 1]: scaled to the float total
+    return torch.searchsorted(cdf, u).clamp_(max=cdf.shape[-1] - 1).squeeze(-1).tolist()
+
+
+class PositionUniforms:
+    """u_t for output positions t = 0, 1, ... drawn in order from a seeded generator."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.generator = torch.Generator()
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+        self._drawn = torch.empty(0)
+
+    def at(self, positions: list[int]) -> torch.Tensor:
+        """[len(positions)] uniforms; a position always gets the same one."""
+        needed = max(positions, default=-1) + 1
+        if needed > len(self._drawn):
+            extra = torch.rand(max(needed - len(self._drawn), 64), generator=self.generator, dtype=torch.float64)
+            self._drawn = torch.cat([self._drawn.double(), extra])
+        return self._drawn[positions]

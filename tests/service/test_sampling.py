@@ -1,0 +1,69 @@
+"""Target distribution (temperature, top-k, top-p) and inverse-CDF sampling per position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from service.config import SamplingParams
+from service.sampling import PositionUniforms, choose_tokens, target_probs
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # [1, 5]
+
+
+def test_temperature_scales_the_logits() -> None:
+    probs = target_probs(LOGITS, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(probs, (LOGITS * 2).softmax(-1))
+
+
+def test_top_k_keeps_the_k_most_likely() -> None:
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(probs[0, :2], LOGITS[0, :2].softmax(-1))
+    assert probs[0, 2:].sum() == 0
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
+    full = LOGITS.softmax(-1)[0]  # ≈ [0.53, 0.20, 0.12, 0.07, 0.03]
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.7))
+    kept = full[:2] / full[:2].sum()  # 0.53 < 0.7 ≤ 0.53 + 0.20
+    torch.testing.assert_close(probs[0, :2], kept)
+    assert probs[0, 2:].sum() == 0
+    only_top = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.01))
+    assert only_top[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_top_k_then_top_p() -> None:
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
+    three = LOGITS[0, :3].softmax(-1)  # ≈ [0.63, 0.23, 0.14]: 0.63 < 0.8 ≤ 0.86
+    torch.testing.assert_close(probs[0, :2], three[:2] / three[:2].sum())
+
+
+def test_greedy_is_argmax_without_randomness() -> None:
+    assert choose_tokens(LOGITS, SamplingParams(temperature=0.0), None) == [0]
+    assert choose_tokens(LOGITS, SamplingParams(temperature=1.0, top_k=1), None) == [0]
+
+
+def test_inverse_cdf_samples_follow_p() -> None:
+    params = SamplingParams(temperature=0.8, top_k=4)
+    draws = 20000
+    uniforms = torch.rand(draws, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    tokens = choose_tokens(LOGITS.expand(draws, -1), params, uniforms)
+    observed = torch.bincount(torch.tensor(tokens), minlength=5)
+    expected = target_probs(LOGITS, params)[0] * draws
+    assert observed[4] == 0  # cut by top-k
+    assert chisquare(observed[:4].numpy(), expected[:4].numpy()).pvalue > 0.01
+
+
+def test_uniforms_are_fixed_per_position_and_seed() -> None:
+    a, b = PositionUniforms(7), PositionUniforms(7)
+    first = a.at([3, 0, 5]).tolist()
+    assert a.at([200, 3]).tolist()[1] == first[0]  # drawing further does not move old positions
+    assert b.at([0, 3, 5]).tolist() == [first[1], first[0], first[2]]
+    assert PositionUniforms(8).at([0]).tolist() != a.at([0]).tolist()
+
+
+@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}])
+def test_invalid_parameters_are_refused(bad) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
