@@ -7,7 +7,7 @@ PORT ?= 8000
 DATASET ?= ../shared/specbench/question.jsonl
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup test-tools serve test lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,10 +23,15 @@ setup: $(STAMP)
 serve: setup
 	$(BIN)/ngrammys serve --host $(HOST) --port $(PORT)
 
+# The metrics tests scrape with a real Prometheus and check with promtool (Debian's package).
+test-tools:
+	command -v prometheus >/dev/null 2>&1 || { apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+
 lint: setup
 	$(BIN)/lint-imports
 
-test: lint
+test: lint test-tools
 	$(BIN)/python -m pytest
 
 bench: setup

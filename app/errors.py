@@ -20,30 +20,34 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def error_response(status: int, message: str, type_: str, param: str | None = None,
+def error_response(request: Request, status: int, message: str, type_: str, param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The error body; API requests refused before reaching the engine are counted here."""
+    if request.url.path.startswith("/v1/") and request.method == "POST" and status < 500:
+        outcome = "rejected" if status in (429, 503) else "invalid"
+        request.app.state.metrics.requests.labels(outcome).inc()
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+    return error_response(request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0]
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(location) or None
-    return error_response(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
+    return error_response(request, 400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
                           "invalid_request_error", param)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error_response(exc.status_code, str(exc.detail), kind)
+    return error_response(request, exc.status_code, str(exc.detail), kind)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.metrics import Metrics
 from app.schemas import Usage, completion_body
 from service.async_engine import AsyncEngine, RequestHandle, RequestTimeout
+from service.engine import RoundOutput
 from service.detokenizer import TextStream
 from service.stats import SpecDecodingStats
 
@@ -27,12 +29,15 @@ class Generation:
     engine: AsyncEngine
     handle: RequestHandle
     text_stream: TextStream
+    metrics: Metrics
     include_usage: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     completion_tokens: int = 0
     finish_reason: str | None = None
+    _last_output_at: float | None = None
+    _sent_text: bool = False
 
     @property
     def response_id(self) -> str:
@@ -41,6 +46,7 @@ class Generation:
     async def texts(self) -> AsyncIterator[str]:
         """Text deltas, one per round that released text; ends at a stop or the end."""
         async for output in self.engine.stream(self.handle):
+            self._time(output)
             self.stats.observe(output)
             self.completion_tokens += len(output.token_ids)
             delta = self.text_stream.push(output.token_ids)
@@ -50,11 +56,32 @@ class Generation:
             else:
                 self.finish_reason = output.finish_reason
             if delta.text:
+                if not self._sent_text:
+                    self._sent_text = True
+                    self.metrics.ttft.observe(time.monotonic() - self.handle.submitted_at)
                 yield delta.text
             if delta.stopped:
                 return
         if tail := self.text_stream.finish().text:
             yield tail
+
+    def _time(self, output: RoundOutput) -> None:
+        now = time.monotonic()
+        if self._last_output_at is None and self.handle.started_at is not None:
+            self.metrics.queue_time.observe(self.handle.started_at - self.handle.submitted_at)
+        elif self._last_output_at is not None and output.token_ids:
+            per_token = (now - self._last_output_at) / len(output.token_ids)
+            for _ in output.token_ids:
+                self.metrics.itl.observe(per_token)
+        self._last_output_at = now
+        self.metrics.record_round(output)
+
+    def finish(self, status: str) -> None:
+        """Account for the end of the request: outcome and end-to-end latency."""
+        self.metrics.requests.labels(status).inc()
+        self.metrics.e2e.observe(time.monotonic() - self.handle.submitted_at)
+        if status == "aborted":
+            self.metrics.disconnects.inc()
 
     async def collect(self) -> dict[str, Any]:
         """Run to the end; the whole response object."""
@@ -79,6 +106,10 @@ class Generation:
         body = self._body(None, None, self.usage(), chunk=True, with_stats=False)
         body["choices"] = []
         return body
+
+    @staticmethod
+    def status_of(error: Exception) -> str:
+        return "timeout" if isinstance(error, RequestTimeout) else "error"
 
     @staticmethod
     def error_fields(error: Exception) -> dict[str, Any]:

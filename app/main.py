@@ -10,6 +10,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from app.errors import install_error_handlers
+from app.metrics import Metrics
+from app.metrics import router as metrics_router
 from app.routes import health, openai
 from app.settings import Settings
 from service.model_loader import LoadedModel, load_model
@@ -40,9 +42,11 @@ def create_app(settings: Settings, loader: Loader = load_from_settings) -> FastA
     app.state.runtime = None
     app.state.load_error = None
     app.state.model_name = settings.served_model_name
+    app.state.metrics = Metrics()
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(metrics_router)
     return app
 
 
@@ -55,8 +59,10 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader) -> None:
         app.state.load_error = f"{type(error).__name__}: {error}"
         return
     app.state.model_name = settings.served_model_name or loaded.name
-    app.state.runtime = Runtime.start(
+    runtime = Runtime.start(
         loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
         settings.max_waiting, settings.request_timeout,
     )
+    app.state.metrics.watch_queue(lambda: runtime.async_engine.num_waiting, lambda: runtime.async_engine.num_running)
+    app.state.runtime = runtime
     log.info("ready: %s (loaded in %.1f s)", app.state.model_name, loaded.load_seconds)

@@ -16,15 +16,21 @@ def event(payload: dict[str, Any] | str) -> str:
 
 async def stream_events(generation: Generation) -> AsyncIterator[str]:
     """The SSE body of a streamed completion; an engine failure becomes an error event."""
-    if generation.kind == "chat.completion":
-        yield event(generation.chunk("", role=True))
+    status = "aborted"  # unless the stream gets to its end: the client left
     try:
+        if generation.kind == "chat.completion":
+            yield event(generation.chunk("", role=True))
         async for text in generation.texts():
             yield event(generation.chunk(text))
     except Exception as error:  # the stream ends with an error event; the server lives on
+        status = generation.status_of(error)
         yield event({"error": generation.error_fields(error)})
         yield event("[DONE]")
         return
+    else:
+        status = "ok"
+    finally:
+        generation.finish(status)
     yield event(generation.final_chunk())
     if generation.include_usage:
         yield event(generation.usage_chunk())

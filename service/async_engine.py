@@ -46,6 +46,7 @@ class RequestHandle:
     outputs: asyncio.Queue[RoundOutput | BaseException | None] = field(default_factory=asyncio.Queue)
     aborted: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # when the engine took it up (queue time = the difference)
 
     def deliver(self, item: RoundOutput | BaseException | None) -> None:
         """Called on the worker thread; `None` marks the end."""
@@ -106,7 +107,10 @@ class AsyncEngine:
                 handle = self._waiting.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if not handle.aborted.is_set():
+            if handle.deadline is not None and time.monotonic() > handle.deadline:
+                self._time_out(handle)
+            elif not handle.aborted.is_set():
+                handle.started_at = time.monotonic()
                 self._running = handle
                 self._run(handle)
                 self._running = None
@@ -117,10 +121,15 @@ class AsyncEngine:
                 if handle.aborted.is_set():
                     break
                 if handle.deadline is not None and time.monotonic() > handle.deadline:
-                    handle.deliver(RequestTimeout(f"the request timed out after {self.request_timeout:g} s"))
-                    break
+                    self._time_out(handle)
+                    return
                 handle.deliver(output)
         except Exception as error:  # this request fails; the engine and the others go on
             log.exception("request %s failed", handle.request_id)
             handle.deliver(error)
+        handle.deliver(None)
+
+    def _time_out(self, handle: RequestHandle) -> None:
+        """Fail a request whose deadline passed, whether it was still waiting or running."""
+        handle.deliver(RequestTimeout(f"the request timed out after {self.request_timeout:g} s"))
         handle.deliver(None)

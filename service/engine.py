@@ -30,6 +30,7 @@ class RoundOutput:
     num_draft_tokens: int  # drafted tree nodes (root excluded)
     num_accepted_tokens: int  # drafted tokens the model agreed with
     accepted_strategies: list[str]  # strategy of each accepted token, in order
+    drafted_by_strategy: dict[str, int]  # tree nodes each strategy put in the tree
     draft_seconds: float
     forward_seconds: float
     finish_reason: str | None  # "stop" | "length" | None while generating
@@ -155,6 +156,7 @@ class Engine:
             num_draft_tokens=tree.num_nodes - 1,
             num_accepted_tokens=len(verdict.accepted_nodes),
             accepted_strategies=[tree.strategies[i] or "" for i in verdict.accepted_nodes],
+            drafted_by_strategy=dict(Counter(s for s in tree.strategies[1:] if s)),
             draft_seconds=drafted - started,
             forward_seconds=verified - drafted,
             finish_reason=finish_reason,

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.errors import ApiError
 from app.generation import Generation, Kind
+from app.metrics import Metrics
 from app.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, SpeculationOptions
 from app.settings import Settings
 from app.sse import stream_events
@@ -100,17 +101,22 @@ async def _respond(
     except QueueFull as error:
         raise ApiError(429, f"the server is busy: {error}; retry shortly", "rate_limit_exceeded",
                        headers={"Retry-After": str(settings.retry_after_seconds)}) from error
+    metrics: Metrics = request.app.state.metrics
+    metrics.prompt_tokens.inc(len(prompt_ids))
     generation = Generation(
         kind, request.app.state.model_name, runtime.async_engine, handle,
-        TextStream(runtime.loaded.tokenizer, body.stop or []),
+        TextStream(runtime.loaded.tokenizer, body.stop or []), metrics,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
     )
     if body.stream:
         return StreamingResponse(stream_events(generation), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return JSONResponse(await generation.collect())
-    except RequestTimeout as error:
-        raise ApiError(504, str(error), "timeout", code="timeout") from error
+        body_json = await generation.collect()
     except Exception as error:
+        generation.finish(generation.status_of(error))
+        if isinstance(error, RequestTimeout):
+            raise ApiError(504, str(error), "timeout", code="timeout") from error
         raise ApiError(500, f"generation failed: {error}", "server_error") from error
+    generation.finish("ok")
+    return JSONResponse(body_json)

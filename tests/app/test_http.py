@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -16,9 +17,10 @@ from drafting import TableSlot
 from service.config import GenerationParams
 from service.prompts import chat_prompt_ids
 from service.runtime import build_engine
-from tests.app.server import serving
+from tests.app.server import serving, slowed
 
 MESSAGES = [{"role": "user", "content": "List the first five prime numbers."}]
+LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
 EMOJI = [{"role": "user", "content": "Repeat exactly: 🙂🙂🙂 café naïve 日本"}]
 # greedy by default (so texts compare with the engine's), no background warm-up in tests
 QUIET = {"model_tables": False, "cost_profile": False, "default_temperature": 0.0}
@@ -159,14 +161,18 @@ def test_stop_strings_cut_the_text_across_rounds(server: str, direct, stream: bo
     assert got == text[: text.index(stop)] and finish == "stop"
 
 
-def test_disconnect_mid_stream_frees_the_engine(server: str) -> None:
-    body = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
-    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
-        lines = response.iter_lines()
-        next(line for line in lines if '"content"' in line and '""' not in line)
-        assert httpx.get(f"{server}/health").json()["requests_running"] == 1
-    # the client is gone: the worker notices within a round
-    wait_until(lambda: httpx.get(f"{server}/health").json()["requests_running"] == 0, timeout=10)
+def test_disconnect_mid_stream_frees_the_engine(embedded) -> None:
+    app = create_app(Settings(**QUIET), loader=lambda _: embedded)
+    with serving(app) as base, slowed(app, 0.2):
+        wait_ready(base)
+        body = {"messages": LONG, "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            next(line for line in lines if '"content"' in line and '""' not in line)
+            assert httpx.get(f"{base}/health").json()["requests_running"] == 1
+        # the client is gone: the worker notices within a round, long before 400 tokens
+        wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=3)
+        assert 'ngrammys_client_disconnects_total 1.0' in httpx.get(f"{base}/metrics").text
 
 
 # --- errors --------------------------------------------------------------------------
@@ -216,9 +222,10 @@ def test_unknown_fields_are_ignored(server: str) -> None:
 
 def test_queue_full_gets_429_with_retry_after(embedded) -> None:
     settings = Settings(max_waiting=1, retry_after_seconds=3, **QUIET)
-    with serving(create_app(settings, loader=lambda _: embedded)) as base:
+    app = create_app(settings, loader=lambda _: embedded)
+    with serving(app) as base, slowed(app, 0.2):
         wait_ready(base)
-        long = {"messages": MESSAGES, "max_tokens": 400, "stream": True}
+        long = {"messages": LONG, "max_tokens": 400, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as running:
             next(running.iter_lines())
             with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as waiting:
@@ -232,15 +239,21 @@ def test_queue_full_gets_429_with_retry_after(embedded) -> None:
 
 
 def test_timeout_and_engine_failures_fail_only_their_request(embedded) -> None:
-    settings = Settings(request_timeout=3.0, **QUIET)
+    settings = Settings(request_timeout=2.0, **QUIET)
     app = create_app(settings, loader=lambda _: embedded)
     with serving(app) as base:
         wait_ready(base)
-        slow = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 300}, timeout=60)
-        assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
+        body = {"messages": MESSAGES, "max_tokens": 300}
+        with slowed(app, 2.5), ThreadPoolExecutor(2) as pool:  # every pass outlives the deadline
+            # one runs past its deadline, the other waits past it in the queue
+            both = list(pool.map(lambda _: httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60), range(2)))
+        for slow in both:
+            assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
+            assert "2 s" in slow.json()["error"]["message"]
 
         engine = app.state.runtime.engine
         original = engine.runner.forward
+
         engine.runner.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
         broken = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60)
         assert broken.status_code == 500 and "device lost" in broken.json()["error"]["message"]

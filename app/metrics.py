@@ -1,0 +1,100 @@
+"""Prometheus metrics: the only importer of prometheus_client.
+
+Names follow vLLM's speculative-decoding schema (llama.cpp's server copied it too) with the
+`ngrammys_` prefix and no colons, so existing dashboards and habits carry over. Labels take
+small fixed value sets only (strategy, position, status, tree-size bucket). Each app owns its
+registry (one worker process per server), so tests can build many apps side by side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from service.engine import RoundOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TREE_SIZE_BUCKETS = ((1, "1"), (4, "2-4"), (8, "5-8"), (16, "9-16"), (32, "17-32"), (64, "33-64"))
+MAX_POSITION_LABEL = 16  # accepted positions beyond this share the last label
+
+
+disable_created_metrics()  # `*_created` series only double the scrape size here
+
+
+def tree_size_bucket(nodes: int) -> str:
+    return next((label for limit, label in TREE_SIZE_BUCKETS if nodes <= limit), "65+")
+
+
+class Metrics:
+    """Every exported metric, and the recording calls the edge makes."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter("ngrammys_spec_decode_num_drafts", "Rounds that verified drafts", registry=r)
+        self.num_draft_tokens = Counter(
+            "ngrammys_spec_decode_num_draft_tokens", "Drafted tokens verified", ["strategy"], registry=r)
+        self.num_accepted_tokens = Counter(
+            "ngrammys_spec_decode_num_accepted_tokens", "Drafted tokens accepted", ["strategy"], registry=r)
+        self.accepted_per_pos = Counter(
+            "ngrammys_spec_decode_num_accepted_tokens_per_pos", "Accepted drafted tokens by depth (0 = first)",
+            ["position"], registry=r)
+        self.tokens_per_pass = Histogram(
+            "ngrammys_spec_decode_tokens_per_pass", "Tokens committed per forward pass (bonus included)",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+        self.k = Gauge("ngrammys_spec_decode_k", "Speculations in the last round", registry=r)
+        self.w = Gauge("ngrammys_spec_decode_w", "Tokens per speculation in the last round", registry=r)
+        self.predicted = Gauge("ngrammys_spec_decode_predicted_tokens_per_second",
+                               "Controller's forecast for the last auto round", registry=r)
+        self.realized = Gauge("ngrammys_spec_decode_realized_tokens_per_second",
+                              "Tokens per second the last round achieved (drafting + pass)", registry=r)
+        self.ttft = Histogram("ngrammys_time_to_first_token_seconds", "Arrival to first text",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ngrammys_inter_token_latency_seconds", "Time per token between outputs",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("ngrammys_e2e_request_latency_seconds", "Arrival to completion",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("ngrammys_request_queue_time_seconds", "Arrival to engine start",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.forward = Histogram("ngrammys_forward_pass_seconds", "One verification pass", ["tree_size"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.waiting = Gauge("ngrammys_num_requests_waiting", "Requests in the queue", registry=r)
+        self.running = Gauge("ngrammys_num_requests_running", "Requests the engine is decoding", registry=r)
+        self.prompt_tokens = Counter("ngrammys_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("ngrammys_generation_tokens", "Generated tokens", registry=r)
+        self.requests = Counter("ngrammys_requests", "Finished requests by outcome", ["status"], registry=r)
+        self.disconnects = Counter("ngrammys_client_disconnects", "Clients gone before the end", registry=r)
+
+    def watch_queue(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
+        """Read the queue gauges from the engine at scrape time."""
+        self.waiting.set_function(waiting)
+        self.running.set_function(running)
+
+    def record_round(self, output: RoundOutput) -> None:
+        self.generation_tokens.inc(len(output.token_ids))
+        self.tokens_per_pass.observe(len(output.token_ids))
+        self.forward.labels(tree_size_bucket(output.num_draft_tokens + 1)).observe(output.forward_seconds)
+        self.k.set(output.k)
+        self.w.set(output.w)
+        self.realized.set(output.realized_tokens_per_second)
+        if output.predicted_tokens_per_second is not None:
+            self.predicted.set(output.predicted_tokens_per_second)
+        if output.num_draft_tokens == 0:
+            return
+        self.num_drafts.inc()
+        for strategy, count in output.drafted_by_strategy.items():
+            self.num_draft_tokens.labels(strategy).inc(count)
+        for position, strategy in enumerate(output.accepted_strategies):
+            self.num_accepted_tokens.labels(strategy).inc()
+            self.accepted_per_pos.labels(str(min(position, MAX_POSITION_LABEL))).inc()
+
+
+router = APIRouter()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
