@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from app.settings import Settings
 from drafting import MIXED, STRATEGY_NAMES
+from service.config import SamplingParams
 from service.model_loader import DEFAULT_CACHE_DIR
 
 
@@ -47,11 +49,12 @@ def _bench(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
     engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto)
-    prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category)
+    prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category, args.category)
     strategies = list(dict.fromkeys(args.strategy))
     methods = bench.bench_methods(strategies, args.k, args.w, args.grid, args.auto)
     print(f"{loaded.name}: {len(prompts)} prompts; methods: {', '.join(methods)}; "
-          f"max_new_tokens={args.max_new_tokens}, device={loaded.model.device}", flush=True)
+          f"max_new_tokens={args.max_new_tokens}, temperature={args.temperature}, device={loaded.model.device}",
+          flush=True)
 
     def progress(prompt: Any, plain: Any, specs: dict[str, Any]) -> None:
         cells = [
@@ -62,7 +65,8 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"  {prompt.category}/{prompt.question_id}: plain {len(plain.token_ids)} tok "
               f"{plain.seconds:.2f}s | " + " | ".join(cells), flush=True)
 
-    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress)
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling)
     for name, by_category in results.items():
         print(f"\n### {name}\n\n{bench.format_table(by_category)}")
     if len(results) > 1:
@@ -71,12 +75,12 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"\n### auto vs fixed\n\n{bench.format_auto_report(results)}")
     if args.json:
         args.json.write_text(bench.results_as_json(
-            results, model=loaded.name, k=args.k, w=args.w, max_new_tokens=args.max_new_tokens,
+            results, model=loaded.name, k=args.k, w=args.w, max_new_tokens=args.max_new_tokens, sampling=asdict(sampling),
             device=str(loaded.model.device), dtype=str(loaded.model.dtype),
         ))
         print(f"wrote {args.json}")
     if any(r.identical != r.prompts for rows in results.values() for r in rows):
-        sys.exit("speculative output differed from plain greedy output")
+        sys.exit("speculative output differed from plain decoding with the same sampling and seed")
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -120,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="plain vs speculative decoding on Spec-Bench prompts")
     bench.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
     bench.add_argument("--per-category", type=int, default=None, help="first N questions per category")
+    bench.add_argument("--category", nargs="+", default=None, help="only these categories (default: all)")
     bench.add_argument("--k", type=int, default=4, help="speculations per round (the maximum in auto)")
     bench.add_argument("--w", type=int, default=4, help="tokens per speculation (the maximum in auto)")
     bench.add_argument("--grid", type=_shape, nargs="*", default=[], metavar="KxW",
@@ -129,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--strategy", choices=STRATEGY_NAMES, nargs="+", default=[MIXED],
                        help="draft strategies to compare (each against the same plain run)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; every run samples alike")
+    bench.add_argument("--top-p", type=float, default=1.0)
+    bench.add_argument("--top-k", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0,
+                       help="sampling seed of every run, so plain and speculative samples compare token for token")
     _model_flags(bench)
     bench.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     bench.set_defaults(run=_bench)

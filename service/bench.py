@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from service.config import GenerationParams, SpeculationParams
+from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.engine import Completion, Engine
 from service.prompts import chat_prompt_ids
 
@@ -85,9 +85,13 @@ class CategoryResult:
 
 
 def load_specbench(
-    path: Path, tokenizer: PreTrainedTokenizerBase, per_category: int | None = None
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    per_category: int | None = None,
+    categories: Sequence[str] | None = None,
 ) -> list[BenchPrompt]:
-    """First turn of each question, chat-templated; at most `per_category` per category."""
+    """First turn of each question, chat-templated; at most `per_category` per category, and
+    only the given `categories` if any."""
     prompts: list[BenchPrompt] = []
     taken: dict[str, int] = {}
     for line in path.read_text().splitlines():
@@ -95,6 +99,8 @@ def load_specbench(
             continue
         question = json.loads(line)
         category = question["category"]
+        if categories and category not in categories:
+            continue
         if per_category is not None and taken.get(category, 0) >= per_category:
             continue
         taken[category] = taken.get(category, 0) + 1
@@ -122,13 +128,16 @@ def run_bench(
     methods: dict[str, tuple[str, SpeculationParams]],
     max_new_tokens: int,
     progress: Callable[[BenchPrompt, Completion, dict[str, Completion]], None] | None = None,
+    sampling: SamplingParams = SamplingParams(),
 ) -> dict[str, list[CategoryResult]]:
     """Decode every prompt plainly and with each method, in a rotating order.
 
+    All runs share `sampling`; with a seed, a lossless method reproduces the plain sample token
+    for token, so `identical` checks sampling as strictly as greedy decoding.
     Returns, per method, its per-category totals (the plain ones shared) and an `overall`.
     """
-    params = {"plain": GenerationParams(max_new_tokens=max_new_tokens)} | {
-        name: GenerationParams(max_new_tokens=max_new_tokens, speculation=spec, strategy=strategy)
+    params = {"plain": GenerationParams(max_new_tokens=max_new_tokens, sampling=sampling)} | {
+        name: GenerationParams(max_new_tokens=max_new_tokens, speculation=spec, strategy=strategy, sampling=sampling)
         for name, (strategy, spec) in methods.items()
     }
     order = list(params)

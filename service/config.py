@@ -60,7 +60,7 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """What to generate for one request (greedy for now)."""
+    """What to generate for one request, and how to speculate while doing it."""
 
     max_new_tokens: int = 256
     stop_token_ids: frozenset[int] = frozenset()

@@ -16,6 +16,7 @@ from drafting import DraftSession, Mixer
 from service.config import GenerationParams, SpeculationParams
 from service.kv_cache import TreeKVCache
 from service.model_runner import ModelRunner
+from service.calibration import Calibration, RequestCalibration
 from service.regime import CostProfile, Shape, choose_shape
 from service.tree import build_tree, chain_tree
 from service.sampling import PositionUniforms
@@ -85,6 +86,7 @@ class Engine:
         self.runner = runner
         self.mixer = mixer
         self.profile: CostProfile | None = None  # set once measured; auto mode needs it
+        self.calibration = Calibration()  # how far auto mode's forecasts fall from what happens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
 
@@ -94,12 +96,14 @@ class Engine:
             raise ValueError("the prompt holds no tokens")
         self.check_fits(len(prompt_ids), params.max_new_tokens)
         drafts = self.mixer.session(prompt_ids, params.strategy)
+        calibration = self.calibration.session()
         uniforms = None if params.sampling.greedy else PositionUniforms(params.sampling.seed)
         cache = self._prefill(prompt_ids)
         stops = self.eos_token_ids | params.stop_token_ids
         generated = 0
         while True:
-            output = self._round(cache, drafts, uniforms, params, stops, params.max_new_tokens - generated)
+            budget = params.max_new_tokens - generated
+            output = self._round(cache, drafts, calibration, uniforms, params, stops, budget)
             generated += len(output.token_ids)
             yield output
             if output.finish_reason is not None:
@@ -134,13 +138,14 @@ class Engine:
         self,
         cache: TreeKVCache,
         drafts: DraftSession,
+        calibration: RequestCalibration,
         uniforms: PositionUniforms | None,
         params: GenerationParams,
         stops: frozenset[int],
         budget: int,
     ) -> RoundOutput:
         started = time.perf_counter()
-        shape = self._shape(drafts, params.speculation)
+        shape = self._shape(drafts, calibration, params.speculation)
         tree = build_tree(drafts.history.last_token, shape.drafts, max_nodes=1 + shape.k * shape.w)
         drafted = time.perf_counter()
         logits = self.runner.forward(cache, [tree])
@@ -149,6 +154,8 @@ class Engine:
         verdict = verify(tree, logits[0], params.sampling, uniforms, first_position=len(drafts.history))
         verified = time.perf_counter()
         cache.commit(0, [0, *verdict.accepted_nodes])
+        if shape.forecast is not None:
+            calibration.observe(shape.forecast, len(verdict.accepted_nodes), verified - drafted)
         drafts.observe(verdict.token_ids)
         token_ids, finish_reason = _truncate(verdict.token_ids, stops, budget)
         return RoundOutput(
@@ -165,14 +172,16 @@ class Engine:
             predicted_tokens_per_second=shape.forecast.tokens_per_second if shape.forecast else None,
         )
 
-    def _shape(self, drafts: DraftSession, spec: SpeculationParams) -> Shape:
+    def _shape(self, drafts: DraftSession, calibration: RequestCalibration, spec: SpeculationParams) -> Shape:
         """This round's drafts: the controller's choice in auto mode (once the cost profile
         exists), else k drafts of w tokens; none when off."""
         if spec.mode == "off" or spec.k == 0:
             return Shape(0, 0, [])
         if spec.mode == "auto" and self.profile is not None:
             candidates = drafts.candidates(spec.k, spec.w)
-            return choose_shape(candidates, self.profile, len(drafts.history), spec.k, spec.w)
+            return choose_shape(
+                candidates, self.profile, len(drafts.history), spec.k, spec.w, calibration.correction()
+            )
         return Shape(spec.k, spec.w, drafts.propose(spec.k, spec.w))
 
 

@@ -61,16 +61,36 @@ def _interpolate(grid: Sequence[int], x: float, extrapolate: bool = False) -> tu
 
 
 @dataclass(frozen=True)
+class Correction:
+    """Multipliers for a forecast, realized over predicted (learned by `calibration.py`)."""
+
+    draft_tokens: float = 1.0  # accepted draft tokens
+    spec_seconds: float = 1.0  # seconds of a speculative pass
+    plain_seconds: float = 1.0  # seconds of a one-token pass
+
+
+@dataclass(frozen=True)
 class Forecast:
-    """What the controller expects of a round."""
+    """What the controller expects of a round: the model's raw figures and their correction."""
 
     tree_nodes: int  # root included
-    expected_tokens: float  # per pass, bonus included
-    seconds: float  # predicted cost of the pass
+    draft_tokens: float  # Σ P(node accepted): expected accepted draft tokens, uncorrected
+    seconds: float  # the profile's cost of the pass, uncorrected
+    correction: Correction = Correction()
+
+    @property
+    def expected_tokens(self) -> float:
+        """Per pass, bonus included."""
+        return 1.0 + self.draft_tokens * self.correction.draft_tokens
+
+    @property
+    def expected_seconds(self) -> float:
+        factor = self.correction.spec_seconds if self.tree_nodes > 1 else self.correction.plain_seconds
+        return self.seconds * factor
 
     @property
     def tokens_per_second(self) -> float:
-        return self.expected_tokens / self.seconds
+        return self.expected_tokens / self.expected_seconds
 
 
 @dataclass(frozen=True)
@@ -89,6 +109,7 @@ def choose_shape(
     context_length: int,
     k_max: int,
     w_max: int,
+    correction: Correction = Correction(),
     min_gain: float = 1.02,
 ) -> Shape:
     """The (k, w) with the most expected tokens per second; plain decoding unless a shape
@@ -96,9 +117,9 @@ def choose_shape(
 
     Expected tokens of a tree = 1 (bonus) + Σ over its nodes of P(node accepted), each node's
     probability from the draft that put it there (its (strategy, rank) acceptance at that
-    depth; the most likely one when drafts share a node).
+    depth; the most likely one when drafts share a node), scaled by the learned `correction`.
     """
-    plain = Shape(0, 0, [], Forecast(1, 1.0, profile.cost(1, context_length)))
+    plain = Shape(0, 0, [], Forecast(1, 0.0, profile.cost(1, context_length), correction))
     best, best_rate = plain, plain.forecast.tokens_per_second * min_gain
     for w in range(1, w_max + 1):
         ranked = sorted(candidates, key=lambda s: s.acceptance.expected_tokens(w), reverse=True)
@@ -116,7 +137,7 @@ def choose_shape(
                 node_probability[prefix] = max(probability, node_probability.get(prefix, 0.0))
             drafts.append(Draft(tokens, candidate.draft.strategy, candidate.draft.rank))
             nodes = 1 + len(node_probability)
-            forecast = Forecast(nodes, 1 + sum(node_probability.values()), profile.cost(nodes, context_length))
+            forecast = Forecast(nodes, sum(node_probability.values()), profile.cost(nodes, context_length), correction)
             if forecast.tokens_per_second > best_rate:
                 best, best_rate = Shape(len(drafts), w, list(drafts), forecast), forecast.tokens_per_second
     return best

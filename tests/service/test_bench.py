@@ -51,3 +51,20 @@ def check_report(strategy: str, categories: list[dict]) -> None:
     if shares:
         assert sum(shares.values()) == pytest.approx(1.0)
     assert 0 <= overall["speculative_draft_share"] < 1
+
+
+@pytest.mark.slow
+def test_bench_samples_alike_so_speculation_still_matches_plain(tmp_path, capsys, embedded) -> None:
+    dataset = tmp_path / "question.jsonl"
+    dataset.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    out = tmp_path / "bench.json"
+    main(["bench", "--dataset", str(dataset), "--category", "math", "--k", "4", "--w", "3",
+          "--max-new-tokens", "12", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5",
+          "--json", str(out)])
+
+    report = json.loads(out.read_text())
+    assert report["run"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 5}
+    by_category = {c["category"]: c for c in report["methods"]["mixed k4w3"]}
+    assert set(by_category) == {"math", "overall"}
+    assert by_category["overall"]["identical"] == by_category["overall"]["prompts"] == 1
+    assert by_category["overall"]["plain"]["tokens"] == by_category["overall"]["speculative"]["tokens"] > 0

@@ -12,6 +12,8 @@ def test_profile_covers_the_grid_and_leaves_the_cache_length_alone(tiny_runner: 
     assert profile.tree_sizes == [1, 4, 16] and profile.context_lengths == [8, 64]
     assert len(profile.seconds) == 2 and all(len(row) == 3 for row in profile.seconds)
     assert all(s > 0 for row in profile.seconds for s in row)
+    # a tiny model's passes are all about as fast, so noise would make dips: they are flattened
+    assert all(row == sorted(row) for row in profile.seconds)
     assert profile.dtype == "torch.float32" and profile.device
 
 
