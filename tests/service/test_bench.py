@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -16,12 +17,16 @@ QUESTIONS = [
 ]
 
 
+def write_dataset(directory: Path) -> str:
+    dataset = directory / "question.jsonl"
+    dataset.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
+    return str(dataset)
+
+
 @pytest.mark.slow
 def test_bench_prints_table_and_writes_json(tmp_path, capsys, embedded) -> None:
-    dataset = tmp_path / "question.jsonl"
-    dataset.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
-    out = tmp_path / "bench.json"
-    main(["bench", "--dataset", str(dataset), "--per-category", "2", "--k", "4", "--w", "3",
+    dataset, out = write_dataset(tmp_path), tmp_path / "bench.json"
+    main(["bench", "--dataset", dataset, "--per-category", "2", "--k", "4", "--w", "3",
           "--max-new-tokens", "12", "--strategy", "context", "mixed", "--grid", "1x2", "--auto",
           "--json", str(out)])
 
@@ -55,10 +60,8 @@ def check_report(strategy: str, categories: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_bench_samples_alike_so_speculation_still_matches_plain(tmp_path, capsys, embedded) -> None:
-    dataset = tmp_path / "question.jsonl"
-    dataset.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
-    out = tmp_path / "bench.json"
-    main(["bench", "--dataset", str(dataset), "--category", "math", "--k", "4", "--w", "3",
+    dataset, out = write_dataset(tmp_path), tmp_path / "bench.json"
+    main(["bench", "--dataset", dataset, "--category", "math", "--k", "4", "--w", "3",
           "--max-new-tokens", "12", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5",
           "--json", str(out)])
 
