@@ -38,6 +38,7 @@ class MethodTotals:
     accepted_by_strategy: dict[str, int] = field(default_factory=dict)  # plain dict: asdict-safe
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
+    predicted_seconds: float = 0.0  # what the controller forecast for the same tokens (auto)
 
     def add(self, completion: Completion) -> None:
         self.tokens += len(completion.token_ids)
@@ -49,6 +50,7 @@ class MethodTotals:
             self.accepted_by_strategy[strategy] = self.accepted_by_strategy.get(strategy, 0) + count
         self.draft_seconds += completion.draft_seconds
         self.forward_seconds += completion.forward_seconds
+        self.predicted_seconds += completion.predicted_seconds
 
     @property
     def draft_share(self) -> float:
@@ -64,6 +66,16 @@ class MethodTotals:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Over the rounds' drafting and passes (what the controller forecasts)."""
+        busy = self.draft_seconds + self.forward_seconds
+        return self.tokens / busy if busy else 0.0
+
+    @property
+    def forecast_tokens_per_second(self) -> float:
+        return self.tokens / self.predicted_seconds if self.predicted_seconds else 0.0
 
     @property
     def tokens_per_pass(self) -> float:
@@ -84,15 +96,19 @@ class CategoryResult:
         return spec / plain if plain else 0.0
 
 
-def load_specbench(
-    path: Path,
-    tokenizer: PreTrainedTokenizerBase,
-    per_category: int | None = None,
-    categories: Sequence[str] | None = None,
-) -> list[BenchPrompt]:
-    """First turn of each question, chat-templated; at most `per_category` per category, and
-    only the given `categories` if any."""
-    prompts: list[BenchPrompt] = []
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    category: str
+    text: str  # the first turn
+
+
+def specbench_questions(
+    path: Path, per_category: int | None = None, categories: Sequence[str] | None = None
+) -> list[Question]:
+    """First turn of each Spec-Bench question; at most `per_category` per category, and only
+    the given `categories` if any."""
+    questions: list[Question] = []
     taken: dict[str, int] = {}
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -104,10 +120,21 @@ def load_specbench(
         if per_category is not None and taken.get(category, 0) >= per_category:
             continue
         taken[category] = taken.get(category, 0) + 1
-        messages = [{"role": "user", "content": question["turns"][0]}]
-        ids = chat_prompt_ids(tokenizer, messages)
-        prompts.append(BenchPrompt(str(question["question_id"]), category, ids))
-    return prompts
+        questions.append(Question(str(question["question_id"]), category, question["turns"][0]))
+    return questions
+
+
+def load_specbench(
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    per_category: int | None = None,
+    categories: Sequence[str] | None = None,
+) -> list[BenchPrompt]:
+    """`specbench_questions`, chat-templated into prompt ids."""
+    return [
+        BenchPrompt(q.question_id, q.category, chat_prompt_ids(tokenizer, [{"role": "user", "content": q.text}]))
+        for q in specbench_questions(path, per_category, categories)
+    ]
 
 
 def bench_methods(
@@ -223,7 +250,7 @@ def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
     fixed_names = [name for name in results if name != auto_name]
     header = (
         "| category | plain tok/s | best fixed | its tok/s | auto tok/s | auto vs plain "
-        "| auto vs best fixed |\n|---|---|---|---|---|---|---|"
+        "| auto vs best fixed | auto forecast tok/s | auto realized tok/s |\n|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for index, auto in enumerate(results[auto_name]):
@@ -232,6 +259,7 @@ def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
         spec = auto.speculative.tokens_per_second
         rows.append(
             f"| {auto.category} | {auto.plain.tokens_per_second:.1f} | {best_name} | {best:.1f} "
-            f"| {spec:.1f} | {auto.speedup:.2f}x | {spec / best:.0%} |"
+            f"| {spec:.1f} | {auto.speedup:.2f}x | {spec / best:.0%} "
+            f"| {auto.speculative.forecast_tokens_per_second:.1f} | {auto.speculative.decode_tokens_per_second:.1f} |"
         )
     return "\n".join([header, *rows])
