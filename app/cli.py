@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,12 @@ def _serve(args: argparse.Namespace) -> None:
     given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
     settings = Settings(**given)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level.lower())
+    from app.shutdown import DrainingServer
+
+    app = create_app(settings)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, app, settings.drain_timeout).run()
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -92,15 +97,57 @@ def _profile(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
     profile = load_or_measure(ModelRunner(loaded.model), args.cache_dir, remeasure=args.remeasure)
-    print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=1)\n")
-    print("| L \\ n | " + " | ".join(str(n) for n in profile.tree_sizes) + " |")
-    print("|---" * (len(profile.tree_sizes) + 1) + "|")
-    for length, row in zip(profile.context_lengths, profile.seconds):
-        cells = [f"{row[0] * 1e3:.1f}"] + [f"x{s / row[0]:.2f}" for s in row[1:]]
-        print(f"| {length} | " + " | ".join(cells) + " |")
+    print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=rows)")
+    for rows, sizes, table in zip(profile.rows, profile.tree_sizes, profile.seconds):
+        print(f"\n{rows} row(s); n = tokens in the pass\n")
+        print("| L \\ n | " + " | ".join(str(n) for n in sizes) + " |")
+        print("|---" * (len(sizes) + 1) + "|")
+        for length, row in zip(profile.context_lengths, table):
+            cells = [f"{row[0] * 1e3:.1f}"] + [f"x{s / row[0]:.2f}" for s in row[1:]]
+            print(f"| {length} | " + " | ".join(cells) + " |")
     if args.png:
         write_heatmap(profile, args.context_length, args.png)
         print(f"\nwrote {args.png}")
+
+
+def _loadtest(args: argparse.Namespace) -> None:
+    from contextlib import nullcontext
+
+    from app import loadtest
+    from app.background import serving
+    from app.main import create_app
+    from service.bench import specbench_questions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    questions = specbench_questions(args.dataset, args.per_category)
+    settings = Settings(model=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
+                        max_running_requests=args.max_running_requests, max_waiting=max(args.concurrency) * 2,
+                        max_tokens_per_pass=args.max_tokens_per_pass)
+    with (nullcontext(args.url) if args.url else serving(create_app(settings))) as base:
+        _wait_warm(base, args.url is None)
+        print(f"{len(questions)} questions, {args.max_tokens} tokens each, greedy; server {base}\n", flush=True)
+        print(loadtest.HEADER, flush=True)
+        results = loadtest.run_loadtest(base, questions, args.concurrency, args.requests_per_client,
+                                        args.max_tokens, progress=lambda row: print(row, flush=True))
+    if args.json:
+        loadtest.write_json(results, args.json, max_tokens=args.max_tokens, per_category=args.per_category,
+                            max_running_requests=args.max_running_requests)
+        print(f"wrote {args.json}")
+    if args.png:
+        loadtest.write_plot(results, args.png, f"{args.max_tokens} tokens per request, greedy")
+        print(f"wrote {args.png}")
+
+
+def _wait_warm(base: str, warm_up: bool) -> None:
+    """Until /ready, and (for a server started here) until the cost profile and tables exist."""
+    import httpx
+
+    while True:
+        ready = httpx.get(f"{base}/ready", timeout=10).status_code == 200
+        health = httpx.get(f"{base}/health", timeout=10).json()
+        if ready and (not warm_up or (health.get("cost_profile") and health.get("model_tables"))):
+            return
+        time.sleep(1)
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -144,10 +191,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench)
     profile = commands.add_parser("profile", help="measure forward-pass cost over tree size and context length")
     _model_flags(profile)
-    profile.add_argument("--remeasure", action="store_true", help="ignore the saved profile")
+    profile.add_argument("--remeasure", action="store_true",
+                         help="ignore the saved profile (the remedy when auto mode misjudges costs: run it on an "
+                              "idle machine; a profile failing validation is never saved)")
     profile.add_argument("--png", type=Path, default=None, help="write the (k, w) slowdown heatmap here")
     profile.add_argument("--context-length", type=int, default=256, help="context length of the heatmap")
     profile.set_defaults(run=_profile)
+    load = commands.add_parser("loadtest", help="concurrent streaming clients: throughput and latency, off vs auto")
+    load.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
+    load.add_argument("--per-category", type=int, default=2, help="questions per category to cycle through")
+    load.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="client counts C")
+    load.add_argument("--requests-per-client", type=int, default=2, help="requests = C x this (at least 4)")
+    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--url", default=None, help="a running server (default: start one here)")
+    load.add_argument("--max-running-requests", type=int, default=64, help="for the server started here")
+    load.add_argument("--max-tokens-per-pass", type=int, default=512, help="for the server started here")
+    _model_flags(load)
+    load.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    load.add_argument("--png", type=Path, default=None, help="plot tokens/s and p99 ITL against C")
+    load.set_defaults(run=_loadtest)
     return parser
 
 

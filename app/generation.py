@@ -31,6 +31,7 @@ class Generation:
     text_stream: TextStream
     metrics: Metrics
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
@@ -94,7 +95,7 @@ class Generation:
                      total_tokens=prompt + self.completion_tokens)
 
     def chunk(self, text: str, role: bool = False) -> dict[str, Any]:
-        body = self._body(text, None, None, chunk=True, with_stats=False)
+        body = self._body(text, None, self.usage() if self.continuous_usage else None, chunk=True, with_stats=False)
         if role:
             body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return body

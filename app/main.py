@@ -41,6 +41,7 @@ def create_app(settings: Settings, loader: Loader = load_from_settings) -> FastA
     app.state.settings = settings
     app.state.runtime = None
     app.state.load_error = None
+    app.state.draining = False
     app.state.model_name = settings.served_model_name
     app.state.metrics = Metrics()
     install_error_handlers(app)
@@ -61,7 +62,8 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader) -> None:
     app.state.model_name = settings.served_model_name or loaded.name
     runtime = Runtime.start(
         loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
-        settings.max_waiting, settings.request_timeout,
+        settings.max_waiting, settings.request_timeout, settings.scheduler_config(),
+        on_step=app.state.metrics.record_step,
     )
     app.state.metrics.watch_queue(lambda: runtime.async_engine.num_waiting, lambda: runtime.async_engine.num_running)
     app.state.runtime = runtime

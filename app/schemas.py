@@ -23,6 +23,7 @@ class SpeculationOptions(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (as vLLM), for exact per-token timing
 
 
 class GenerationRequest(BaseModel):

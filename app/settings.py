@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
 from service.config import SpeculationMode
+from service.scheduler import SchedulerConfig
 from service.model_loader import DEFAULT_CACHE_DIR
 
 
@@ -39,11 +40,20 @@ class Settings(BaseSettings):
     model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
     cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
     max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
+    max_running_requests: int = Field(16, ge=1, description="Requests decoded together in one batch (one pass per step)")
+    max_tokens_per_pass: int = Field(512, ge=16, description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the whole batch")
+    kv_cache_memory_mb: int | None = Field(4096, ge=1, description="KV cache budget in MiB; a request waits until it fits (none = unbounded)")
     request_timeout: float | None = Field(600.0, gt=0, description="Seconds a request may take, queueing included")
+    drain_timeout: float = Field(30.0, ge=0, description="On SIGTERM: seconds running requests may take to finish before they are ended with an error")
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with 429")
     default_temperature: float = Field(1.0, ge=0, le=2, description="Temperature when a request gives none (OpenAI's default is 1; 0 = greedy)")
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
     log_level: str = Field("info", description="Logging level")
+
+
+    def scheduler_config(self) -> SchedulerConfig:
+        memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20
+        return SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory)
 
 
 @lru_cache

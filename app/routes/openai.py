@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.errors import ApiError
 from app.generation import Generation, Kind
@@ -13,15 +15,18 @@ from app.metrics import Metrics
 from app.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, SpeculationOptions
 from app.settings import Settings
 from app.sse import stream_events
-from service.async_engine import QueueFull, RequestTimeout
+from service.async_engine import QueueFull, RequestTimeout, ShuttingDown
 from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.detokenizer import TextStream
 from service.engine import ContextTooLong
+from service.scheduler import DoesNotFit
 from service.prompts import chat_prompt_ids
 from service.runtime import Runtime
 
 router = APIRouter(prefix="/v1")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks for its client
+CLIENT_CLOSED_REQUEST = 499
 
 
 @router.get("/models")
@@ -32,7 +37,7 @@ async def models(request: Request) -> dict[str, object]:
 
 
 @router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+async def completions(body: CompletionRequest, request: Request) -> Response:
     runtime = _runtime(request, body)
     for name in ("echo", "logprobs", "suffix"):
         if getattr(body, name):
@@ -47,7 +52,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
 
 
 @router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     runtime = _runtime(request, body)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt_ids = chat_prompt_ids(runtime.loaded.tokenizer, messages)
@@ -89,34 +94,62 @@ def _params(body: GenerationRequest, settings: Settings, max_tokens: int) -> Gen
 async def _respond(
     kind: Kind, body: GenerationRequest, request: Request, runtime: Runtime, prompt_ids: list[int],
     max_tokens: int, prompt_param: str,
-) -> JSONResponse | StreamingResponse:
+) -> Response:
     settings: Settings = request.app.state.settings
+    params = _params(body, settings, max_tokens)
     try:
-        runtime.engine.check_fits(len(prompt_ids), max_tokens)
+        runtime.engine.check_fits(len(prompt_ids), params)
     except ContextTooLong as error:
         raise ApiError(400, str(error), param=prompt_param, code="context_length_exceeded") from error
-    params = _params(body, settings, max_tokens)
+    except DoesNotFit as error:
+        raise ApiError(400, str(error), param="max_tokens", code="kv_cache_budget_exceeded") from error
     try:
         handle = runtime.async_engine.submit(prompt_ids, params)
     except QueueFull as error:
         raise ApiError(429, f"the server is busy: {error}; retry shortly", "rate_limit_exceeded",
                        headers={"Retry-After": str(settings.retry_after_seconds)}) from error
+    except ShuttingDown as error:
+        raise ApiError(503, str(error), "service_unavailable") from error
     metrics: Metrics = request.app.state.metrics
     metrics.prompt_tokens.inc(len(prompt_ids))
     generation = Generation(
         kind, request.app.state.model_name, runtime.async_engine, handle,
         TextStream(runtime.loaded.tokenizer, body.stop or []), metrics,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
     )
     if body.stream:
         return StreamingResponse(stream_events(generation), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        body_json = await generation.collect()
+        body_json = await _collect_while_connected(generation, request)
+    except ClientGone:
+        generation.finish("aborted")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
     except Exception as error:
         generation.finish(generation.status_of(error))
         if isinstance(error, RequestTimeout):
             raise ApiError(504, str(error), "timeout", code="timeout") from error
+        if isinstance(error, ShuttingDown):
+            raise ApiError(503, str(error), "service_unavailable", code="shutting_down") from error
         raise ApiError(500, f"generation failed: {error}", "server_error") from error
     generation.finish("ok")
     return JSONResponse(body_json)
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+async def _collect_while_connected(generation: Generation, request: Request) -> dict[str, Any]:
+    """The whole response; the request is aborted as soon as its client disconnects (so a
+    `curl -m 2` with a large max_tokens does not keep the engine busy for nobody)."""
+    collecting = asyncio.ensure_future(generation.collect())
+    while True:
+        done, _ = await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)
+        if done:
+            return collecting.result()
+        if await request.is_disconnected():
+            generation.engine.abort(generation.handle)
+            collecting.cancel()
+            raise ClientGone
