@@ -53,7 +53,7 @@ def _bench(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
-    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto)
+    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike)
     prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category, args.category)
     strategies = list(dict.fromkeys(args.strategy))
     methods = bench.bench_methods(strategies, args.k, args.w, args.grid, args.auto)
@@ -71,6 +71,9 @@ def _bench(args: argparse.Namespace) -> None:
               f"{plain.seconds:.2f}s | " + " | ".join(cells), flush=True)
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.spike:
+        _spike(engine, prompts, args, sampling)
+        return
     results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling)
     for name, by_category in results.items():
         print(f"\n### {name}\n\n{bench.format_table(by_category)}")
@@ -86,6 +89,20 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
     if any(r.identical != r.prompts for rows in results.values() for r in rows):
         sys.exit("speculative output differed from plain decoding with the same sampling and seed")
+
+
+def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: SamplingParams) -> None:
+    from service import bench
+    from service.config import GenerationParams, SpeculationParams
+
+    params = GenerationParams(args.max_new_tokens, speculation=SpeculationParams(args.k, args.w, "auto"),
+                              strategy=args.strategy[0], sampling=sampling)
+    print("| prompt | fresh tok/s | under load | after: first 50 rounds | after: later rounds | after: rounds with drafts |")
+    print("|---|---|---|---|---|---|")
+    for prompt in prompts:
+        r = bench.spike_recovery(engine, prompt.prompt_ids, params)
+        print(f"| {prompt.category}/{prompt.question_id} | {r.fresh:.1f} | {r.during:.1f} | {r.after_first_rounds:.1f} "
+              f"({r.after_first_rounds / r.fresh:.0%}) | {r.after_rest:.1f} | {r.after_drafted_rounds} |", flush=True)
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -178,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="more fixed shapes for the first strategy, e.g. 1x1 2x4 8x8")
     bench.add_argument("--auto", action="store_true",
                        help="also run the first strategy in auto mode (measures the cost profile first)")
+    bench.add_argument("--spike", action="store_true",
+                       help="instead: auto mode fresh, under 3 busy processes, then after (load-spike recovery)")
     bench.add_argument("--strategy", choices=STRATEGY_NAMES, nargs="+", default=[MIXED],
                        help="draft strategies to compare (each against the same plain run)")
     bench.add_argument("--max-new-tokens", type=int, default=128)

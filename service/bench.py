@@ -8,6 +8,8 @@ must be token-identical, and the table says whether they were.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from service.config import GenerationParams, SamplingParams, SpeculationParams
-from service.engine import Completion, Engine
+from service.engine import Completion, Engine, RoundOutput
 from service.prompts import chat_prompt_ids
 
 
@@ -263,3 +265,41 @@ def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
             f"| {auto.speculative.forecast_tokens_per_second:.1f} | {auto.speculative.decode_tokens_per_second:.1f} |"
         )
     return "\n".join([header, *rows])
+
+
+@dataclass(frozen=True)
+class SpikeReport:
+    """Tokens/s of one prompt in auto mode: fresh, under outside CPU load, and after it."""
+
+    fresh: float
+    during: float
+    after_first_rounds: float  # the first `rounds` rounds after the load stopped
+    after_rest: float  # the rounds after those
+    after_drafted_rounds: int  # rounds after the spike that verified drafts
+    rounds: int
+
+
+def spike_recovery(engine: Engine, prompt_ids: list[int], params: GenerationParams, busy_processes: int = 3,
+                   rounds: int = 50) -> SpikeReport:
+    """The issue's scenario: a request in auto mode on a fresh engine; one while `busy_processes`
+    spinning processes load the CPU; then the same request again, timed round by round."""
+    fresh = engine.complete(prompt_ids, params)
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_processes)]
+    try:
+        during = engine.complete(prompt_ids, params)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    after = list(engine.generate(prompt_ids, params))
+    first, rest = after[:rounds], after[rounds:]
+    return SpikeReport(
+        fresh=len(fresh.token_ids) / fresh.seconds, during=len(during.token_ids) / during.seconds,
+        after_first_rounds=_rate(first), after_rest=_rate(rest),
+        after_drafted_rounds=sum(1 for r in after if r.num_draft_tokens), rounds=rounds,
+    )
+
+
+def _rate(rounds: Sequence[RoundOutput]) -> float:
+    seconds = sum(r.draft_seconds + r.forward_seconds for r in rounds)
+    return sum(len(r.token_ids) for r in rounds) / seconds if seconds else 0.0

@@ -82,3 +82,21 @@ def test_a_real_difference_is_not_taken_for_a_tie(embedded) -> None:
     wrong = want[:3] + [(want[3] + 1) % len(embedded.tokenizer)] + want[4:]
     outcome = compare(embedded.model, prompt, wrong, want)
     assert outcome.startswith("differs at token 3")
+
+
+@pytest.mark.slow
+def test_a_batch_of_requests_matches_generate_request_by_request(embedded) -> None:
+    """All questions at once, in one batch, each with another speculation mode: every output
+    is still the reference's (ties counted as above)."""
+    engine = build_engine(embedded, TableSlot())
+    model, tokenizer = embedded.model, embedded.tokenizer
+    modes = [SpeculationParams(0, 0, "off"), SpeculationParams(4, 4), SpeculationParams(8, 6), SpeculationParams(1, 3)]
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    requests = [(p, GenerationParams(NEW_TOKENS, speculation=m, strategy="context")) for p, m in zip(prompts, modes)]
+    outcomes: dict[str, int] = {}
+    for prompt, completion in zip(prompts, engine.complete_many(requests)):
+        outcome = compare(model, prompt, completion.token_ids, reference_generate(model, prompt, sorted(engine.eos_token_ids)))
+        assert outcome in ("identical", "tie"), outcome
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"\nbatched, against transformers' generate: {outcomes}")
+    assert engine.cache.nbytes == 0
