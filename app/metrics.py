@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from app.auth import metrics_identity
 from service.engine import RoundOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -92,7 +93,7 @@ class Metrics:
             self.accepted_per_pos.labels(str(min(position, MAX_POSITION_LABEL))).inc()
 
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(metrics_identity)])
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -1,24 +1,51 @@
-"""Kubernetes probes: /health says the process is alive, /ready that it can serve."""
+"""Kubernetes probes: /health says the process is alive, /ready that it can serve.
+
+A model that failed to load fails both (503): the process can never serve, so an
+orchestrator should restart it (the CLI also exits non-zero then).
+"""
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(request: Request) -> dict[str, object]:
+class Health(BaseModel):
+    status: Literal["ok", "failed"]
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    error: str | None = None
+
+
+class Ready(BaseModel):
+    status: Literal["ready", "loading", "failed"]
+    model: str | None = None
+    error: str | None = None
+
+
+def _probe_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    return {503: {"model": model, "description": "Not serving (see `status`)"}}
+
+
+@router.get("/health", response_model=Health, responses=_probe_responses(Health))
+async def health(request: Request) -> JSONResponse:
     """Alive; with the engine's load once it runs (a freed slot shows here at once)."""
-    runtime = request.app.state.runtime
-    if runtime is None:
-        return {"status": "ok"}
-    engine = runtime.async_engine
-    return {"status": "ok", "requests_running": engine.num_running, "requests_waiting": engine.num_waiting}
+    state = request.app.state
+    if state.load_error:
+        return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+    if state.runtime is None:
+        return JSONResponse({"status": "ok"})
+    engine = state.runtime.async_engine
+    load = {"requests_running": engine.num_running, "requests_waiting": engine.num_waiting}
+    return JSONResponse({"status": "ok", **load})
 
 
-@router.get("/ready")
+@router.get("/ready", response_model=Ready, responses=_probe_responses(Ready))
 async def ready(request: Request) -> JSONResponse:
     state = request.app.state
     if state.runtime is None:
