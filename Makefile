@@ -7,7 +7,7 @@ PORT ?= 8000
 DATASET ?= ../shared/specbench/question.jsonl
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test-tools serve test lint bench clean
+.PHONY: setup test-tools serve test test-full lint bench clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ lint: setup
 
 test: lint test-tools
 	$(BIN)/python -m pytest
+
+# tests/stress at full size (schemathesis: >= 2,000 generated requests)
+test-full: setup
+	NGRAMMYS_STRESS_FULL=1 $(BIN)/python -m pytest tests/stress
 
 bench: setup
 	$(BIN)/ngrammys bench --dataset $(DATASET) --per-category 3

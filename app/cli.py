@@ -34,16 +34,27 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from app.main import create_app
-
-    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
-    settings = Settings(**given)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from app.shutdown import DrainingServer
 
-    app = create_app(settings)
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
+
+    def stop() -> None:  # the model failed to load: this process can never serve
+        server.should_exit = True
+
+    try:
+        settings = Settings(**given)
+        app = create_app(settings, on_load_failure=stop)
+    except (ValueError, OSError) as error:  # bad settings, an unreadable key file
+        sys.exit(f"ngrammys serve: {error}")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                             timeout_graceful_shutdown=5)
-    DrainingServer(config, app, settings.drain_timeout).run()
+    server = DrainingServer(config, app, settings.drain_timeout)
+    server.run()
+    if app.state.load_error:
+        sys.exit(f"ngrammys serve: the model failed to load: {app.state.load_error}")
+    if not server.started:
+        sys.exit(3)  # uvicorn could not start (e.g. the port is taken); it logged why
 
 
 def _bench(args: argparse.Namespace) -> None:

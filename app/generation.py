@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,6 +32,7 @@ class Generation:
     metrics: Metrics
     include_usage: bool = False
     continuous_usage: bool = False  # usage on every chunk
+    on_finish: Callable[[], None] | None = None  # called once, when the request ends
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
@@ -79,6 +80,9 @@ class Generation:
 
     def finish(self, status: str) -> None:
         """Account for the end of the request: outcome and end-to-end latency."""
+        if self.on_finish is not None:
+            self.on_finish, release = None, self.on_finish
+            release()
         self.metrics.requests.labels(status).inc()
         self.metrics.e2e.observe(time.monotonic() - self.handle.submitted_at)
         if status == "aborted":

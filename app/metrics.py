@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from app.auth import metrics_identity
 from service.engine import RoundOutput, StepStats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -107,7 +108,7 @@ class Metrics:
             self.accepted_per_pos.labels(str(min(position, MAX_POSITION_LABEL))).inc()
 
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(metrics_identity)])
 
 
 @router.get("/metrics", include_in_schema=False)

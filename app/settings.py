@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
@@ -49,6 +49,32 @@ class Settings(BaseSettings):
     default_temperature: float = Field(1.0, ge=0, le=2, description="Temperature when a request gives none (OpenAI's default is 1; 0 = greedy)")
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
     log_level: str = Field("info", description="Logging level")
+
+    # Limits: a request beyond one gets a 4xx in OpenAI's error shape (README: Limits).
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body in bytes; more gets 413")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Most prompt tokens a request may send (default: the model's context); more gets 400")
+    max_tokens_cap: int = Field(
+        4096, ge=1,
+        description="Largest max_tokens / max_completion_tokens a request may ask for; more gets 400 (not clamped)")
+    max_stop_sequences: int = Field(4, ge=0, description="Most stop strings per request; more gets 400")
+    max_stop_length: int = Field(256, ge=1, description="Longest stop string in characters; longer gets 400")
+    max_concurrent_per_key: int = Field(
+        0, ge=0,
+        description="Requests one API key may have in flight (0 = no limit; without keys all clients are one); more get 429")
+
+    # Authentication (README: Authentication).
+    api_keys: str | None = Field(
+        None, description="Comma-separated API keys accepted as `Authorization: Bearer KEY` (none and no file: no auth)")
+    api_key_file: Path | None = Field(
+        None, description="A file of API keys, one per line (# comments and blank lines skipped)")
+    metrics_auth: bool = Field(False, description="Require an API key on /metrics too")
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> Settings:
+        if self.max_tokens > self.max_tokens_cap:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap ({self.max_tokens_cap})")
+        return self
 
 
     def scheduler_config(self) -> SchedulerConfig:
