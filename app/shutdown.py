@@ -34,12 +34,14 @@ class DrainingServer(uvicorn.Server):
             super().handle_exit(sig, frame)
             return
         self._draining = True
-        threading.Thread(target=self._drain_then_exit, args=(sig, frame), name="ngrammys-drain", daemon=True).start()
+        threading.Thread(target=self._drain_then_exit, name="ngrammys-drain", daemon=True).start()
 
-    def _drain_then_exit(self, sig: int, frame: FrameType | None) -> None:
+    def _drain_then_exit(self) -> None:
         state = self.fastapi_app.state
         state.draining = True
         if state.runtime is not None:
             log.info("draining: finishing running requests for up to %.0f s", self.drain_timeout)
             state.runtime.async_engine.drain(self.drain_timeout)
-        super().handle_exit(sig, frame)
+        # exit as uvicorn would, but without re-raising the signal afterwards: a drained
+        # shutdown is a clean one (exit code 0, not 128 + SIGTERM)
+        self.should_exit = True
