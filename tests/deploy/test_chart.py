@@ -12,8 +12,19 @@ from typing import Any
 import pytest
 
 from tests.deploy.helpers import (
-    CHART, CRD_VALIDATOR, GPU_EXAMPLE, OLDEST_KUBERNETES, WRITABLE_CACHE, BAKED_CACHE,
-    by_kind, helm_sdk, load_yaml, notes, render, seed_command, tool,
+    BAKED_CACHE,
+    CHART,
+    CRD_VALIDATOR,
+    GPU_EXAMPLE,
+    OLDEST_KUBERNETES,
+    WRITABLE_CACHE,
+    by_kind,
+    helm_sdk,
+    load_yaml,
+    notes,
+    render,
+    seed_command,
+    tool,
 )
 
 KEDA_ON = {"autoscaling": {"enabled": True, "maxReplicas": 6, "keda": {"enabled": True}}}
