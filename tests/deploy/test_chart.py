@@ -300,6 +300,7 @@ def test_values_schema_accepts_the_shipped_values(case: str) -> None:
 @pytest.mark.parametrize("values, message", [
     ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "maxReplicas"),
     ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}, "requests.cpu"),
+    ({"cache": {"mountPath": "/opt/ngrammys/cache/"}}, "hide the baked cache"),
 ])
 def test_checks_the_schema_cannot_express(values: dict[str, Any], message: str) -> None:
     helm = helm_sdk()

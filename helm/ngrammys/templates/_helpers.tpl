@@ -67,6 +67,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* Checks the schema cannot express. */}}
 {{- define "ngrammys.validate" -}}
+{{- if eq (trimSuffix "/" .Values.cache.mountPath) (trimSuffix "/" .Values.image.cacheDir) }}
+{{- fail "cache.mountPath must differ from image.cacheDir: the volume would hide the baked cache" }}
+{{- end }}
 {{- if and .Values.autoscaling.enabled (lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas)) }}
 {{- fail "autoscaling.maxReplicas must be at least autoscaling.minReplicas" }}
 {{- end }}
