@@ -1,4 +1,4 @@
-"""`ngrammys serve` and `ngrammys bench`.
+"""`ngrammys serve`, `ngrammys prepare`, `ngrammys bench` and `ngrammys profile`.
 
 `serve` flags are generated from the `Settings` fields, so a flag, its `NGRAMMYS_*`
 variable and its documentation never drift apart.
@@ -55,6 +55,24 @@ def _serve(args: argparse.Namespace) -> None:
         sys.exit(f"ngrammys serve: the model failed to load: {app.state.load_error}")
     if not server.started:
         sys.exit(3)  # uvicorn could not start (e.g. the port is taken); it logged why
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """Convert the model and compute its tables into the cache `serve` will read (an image bakes them)."""
+    from service.model_loader import load_model
+    from service.model_tables import load_or_compute_tables
+    from service.prompts import assistant_prefix_ids
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env = Settings()  # unset flags fall back to NGRAMMYS_*, as `serve` reads them
+    model, device, dtype = args.model or env.model, args.device or env.device, args.dtype or env.dtype
+    cache_dir = args.cache_dir or env.cache_dir
+    loaded = load_model(model, device, dtype, cache_dir)
+    before = set((cache_dir / "tables").glob("*.npz"))
+    load_or_compute_tables(loaded.model, cache_dir, assistant_prefix_ids(loaded.tokenizer), show_progress=False)
+    tables = "computed" if set((cache_dir / "tables").glob("*.npz")) - before else "cached"
+    print(f"{loaded.name} ({loaded.model.dtype}) in {cache_dir}: weights "
+          f"{'cached' if loaded.from_cache else 'converted'}, tables {tables}", flush=True)
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -196,6 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _settings_flags(serve)
     serve.set_defaults(run=_serve)
+    prepare = commands.add_parser(
+        "prepare", help="convert the model and compute its draft tables into the cache (for images)")
+    prepare.add_argument("--model", default=None, help="model directory or .gguf [env NGRAMMYS_MODEL; default: embedded]")
+    prepare.add_argument("--device", default=None, help="[env NGRAMMYS_DEVICE]")
+    prepare.add_argument("--dtype", default=None,
+                         help="the dtype `serve` will use: the tables are keyed by it [env NGRAMMYS_DTYPE]")
+    prepare.add_argument("--cache-dir", type=Path, default=None, help="[env NGRAMMYS_CACHE_DIR]")
+    prepare.set_defaults(run=_prepare)
     bench = commands.add_parser("bench", help="plain vs speculative decoding on Spec-Bench prompts")
     bench.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
     bench.add_argument("--per-category", type=int, default=None, help="first N questions per category")
