@@ -143,6 +143,8 @@ async def _respond(
     max_tokens: int, prompt_param: str,
 ) -> JSONResponse | StreamingResponse:
     settings: Settings = request.app.state.settings
+    if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
+        raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
     try:
         runtime.engine.check_fits(len(prompt_ids), max_tokens)
