@@ -142,6 +142,8 @@ async def _respond(
     max_tokens: int, prompt_param: str,
 ) -> Response:
     settings: Settings = request.app.state.settings
+    if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
+        raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
     params = _params(body, settings, max_tokens)
     try:

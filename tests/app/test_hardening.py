@@ -123,6 +123,13 @@ def test_malformed_json_is_400_without_a_byte_offset_as_param(server: str, raw: 
     assert "not valid JSON" in error["message"]
 
 
+@pytest.mark.parametrize("prompt", ["\u0013", "\u0004\u0006"])
+def test_prompt_the_tokenizer_drops_entirely_is_400(server: str, prompt: str) -> None:
+    """Found by the fuzzer: control characters tokenize to no tokens; the engine raised (500)."""
+    error = assert_openai_error(post(server, "completions", {"prompt": prompt}), 400, "prompt")
+    assert "no tokens" in error["message"]
+
+
 def test_token_ids_are_checked_against_the_models_vocabulary(embedded) -> None:
     """The bound is the model's embedding (config.vocab_size), not len(tokenizer): here the
     model's vocabulary is padded past the tokenizer's, as many checkpoints' are."""
