@@ -72,6 +72,8 @@ def measure_steps(
             for index, trees in enumerate(passes):
                 cells[index].append(_timed_pass(runner, cache, trees))
             yield
+        medians = " ".join(f"n{n}={statistics.median(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count), cells))
+        log.info("profiled rows=%d L=%d: %s", count, length, medians)
     profile = CostProfile(
         rows=list(rows), context_lengths=list(context_lengths), tree_sizes=[pass_sizes(r) for r in rows],
         seconds=[[[statistics.median(c) for c in samples[(r, length)]] for length in context_lengths] for r in rows],
