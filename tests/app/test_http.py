@@ -239,7 +239,7 @@ def test_queue_full_gets_429_with_retry_after(embedded) -> None:
                 assert refused.json()["error"]["type"] == "rate_limit_exceeded"
                 del waiting
         idle = {"status": "ok", "requests_running": 0, "requests_waiting": 0}
-        wait_until(lambda: httpx.get(f"{base}/health").json().items() >= idle.items(), timeout=10)
+        wait_until(lambda: httpx.get(f"{base}/health").json().items() >= idle.items(), timeout=30)
 
 
 def test_timeout_and_engine_failures_fail_only_their_request(embedded) -> None:
