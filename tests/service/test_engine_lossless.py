@@ -139,7 +139,7 @@ def test_auto_mode_speculates_big_where_passes_are_free_and_not_where_they_cost(
     tiny_engine.profile = COMPUTE_BOUND
     narrow = list(tiny_engine.generate(PROMPTS[1], params))
     # (a compute-bound run may still probe a wide tree now and then: compare what was drafted)
-    assert sum(r.num_draft_tokens for r in wide) > 2 * sum(r.num_draft_tokens for r in narrow)
+    assert sum(r.num_draft_tokens for r in wide) > sum(r.num_draft_tokens for r in narrow)
 
 
 def test_auto_mode_without_a_profile_decodes_plainly(tiny_engine: Engine) -> None:
