@@ -231,7 +231,8 @@ def test_queue_full_gets_429_with_retry_after(embedded) -> None:
         wait_ready(base)
         long = {"messages": LONG, "max_tokens": 400, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as running:
-            next(running.iter_lines())
+            lines = running.iter_lines()  # kept: a dropped iterator closes the stream, aborting it
+            next(lines)
             with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as waiting:
                 wait_until(lambda: httpx.get(f"{base}/health").json()["requests_waiting"] == 1)
                 refused = httpx.post(f"{base}/v1/chat/completions", json=long, timeout=60)
