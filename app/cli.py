@@ -160,16 +160,18 @@ def _loadtest(args: argparse.Namespace) -> None:
     from contextlib import nullcontext
 
     from app import loadtest
-    from app.background import serving
-    from app.main import create_app
+    from app.background import serving_process
     from service.bench import specbench_questions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
     questions = specbench_questions(args.dataset, args.per_category)
-    settings = Settings(model=args.model, device=args.device, dtype=args.dtype, cache_dir=args.cache_dir,
-                        max_running_requests=args.max_running_requests, max_waiting=max(args.concurrency) * 2,
-                        max_tokens_per_pass=args.max_tokens_per_pass)
-    with (nullcontext(args.url) if args.url else serving(create_app(settings))) as base:
+    flags = ["--max-running-requests", str(args.max_running_requests), "--max-waiting", str(max(args.concurrency) * 2),
+             "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--cache-dir", str(args.cache_dir)]
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype)):
+        if value is not None:
+            flags += [flag, value]
+    with (nullcontext(args.url) if args.url else serving_process(flags)) as base:
         _wait_warm(base, args.url is None)
         print(f"{len(questions)} questions, {args.max_tokens} tokens each, greedy; server {base}\n", flush=True)
         print(loadtest.HEADER, flush=True)
