@@ -223,16 +223,17 @@ class Engine:
         auto = []
         for row in decoding:
             spec = row.request.params.speculation
+            w = self._max_depth(row.request, spec.w)
             if spec.mode == "auto" and spec.k > 0:
                 if self.profile is not None:
                     auto.append(row)
                     continue
                 drafts = []  # until the cost profile exists, auto decodes plainly
-            elif spec.mode == "off" or spec.k == 0:
+            elif spec.mode == "off" or spec.k == 0 or w == 0:
                 drafts = []
             else:
-                drafts = row.request.drafts.propose(spec.k, spec.w)
-            row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * spec.w, budget))
+                drafts = row.request.drafts.propose(spec.k, w)
+            row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * w, budget))
             budget -= row.tree.num_nodes - 1
         plan = self._plan_auto(auto, rows, budget) if auto else None
         return rows, plan
@@ -249,8 +250,9 @@ class Engine:
         candidates = []
         for row in auto:
             request, spec = row.request, row.request.params.speculation
+            w = self._max_depth(request, spec.w)
             candidates.append(RowCandidates(
-                request.drafts.candidates(spec.k, spec.w), spec.k, spec.w,
+                request.drafts.candidates(spec.k, w), spec.k, w,
                 request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe,
             ))
         fixed_expected = sum(1 for r in rows if r.tree is not None)
@@ -261,6 +263,12 @@ class Engine:
             row.choice = choice
             row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
         return plan
+
+    def _max_depth(self, request: Request, w: int) -> int:
+        """The deepest tree worth building for `request`: a round commits at most depth + 1
+        tokens, so nodes past its remaining budget would be discarded, and node d sits at
+        position context_length - 1 + d, which must stay inside the model's context."""
+        return max(min(w, request.token_budget - 1, self.max_context - request.context_length), 0)
 
     def _verify(self, row: _Row, logits) -> RoundOutput | Exception | None:
         """Verify a decoding row, commit its KV and tokens; commit a prefill chunk."""
