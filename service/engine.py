@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from drafting import Mixer
 from service.calibration import Calibration
 from service.config import GenerationParams
+from service.logprobs import TokenLogprob, token_logprobs
 from service.model_runner import ModelRunner, RowInput
 from service.regime import CostProfile, RowCandidates, RowTree, TreePlan, plan_trees
 from service.request import Request, Status, kv_tokens_needed
@@ -50,6 +51,7 @@ class RoundOutput:
     w: int = 0
     predicted_tokens_per_second: float | None = None  # the controller's forecast (auto mode)
     batch_size: int = 1  # requests in the pass
+    logprobs: list[TokenLogprob] | None = None  # one per token in `token_ids`, when asked for
 
     @property
     def realized_tokens_per_second(self) -> float:
@@ -72,6 +74,7 @@ class Completion:
     """A whole generation, gathered from its rounds."""
 
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless asked for
     finish_reason: str | None = None
     num_passes: int = 0
     num_draft_tokens: int = 0
@@ -84,6 +87,7 @@ class Completion:
 
     def add(self, round_output: RoundOutput) -> None:
         self.token_ids.extend(round_output.token_ids)
+        self.logprobs.extend(round_output.logprobs or [])
         self.finish_reason = round_output.finish_reason
         self.num_passes += 1
         self.num_draft_tokens += round_output.num_draft_tokens
@@ -291,8 +295,12 @@ class Engine:
             token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
             request.num_generated += len(token_ids)
             request.finish_reason = finish_reason
+            asked = request.params.logprobs
+            logprobs = None if asked is None else token_logprobs(
+                logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked)
             return RoundOutput(
                 token_ids=token_ids,
+                logprobs=logprobs,
                 num_draft_tokens=row.tree.num_nodes - 1,
                 num_accepted_tokens=len(verdict.accepted_nodes),
                 accepted_strategies=[row.tree.strategies[i] or "" for i in verdict.accepted_nodes],
