@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.generation import Generation
+from app.generation import Generation, Piece
 
 
 def event(payload: dict[str, Any] | str) -> str:
@@ -19,9 +19,9 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
     status = "aborted"  # unless the stream gets to its end: the client left
     try:
         if generation.kind == "chat.completion":
-            yield event(generation.chunk("", role=True))
-        async for text in generation.texts():
-            yield event(generation.chunk(text))
+            yield event(generation.chunk(Piece("", []), role=True))
+        async for piece in generation.pieces():
+            yield event(generation.chunk(piece))
     except Exception as error:  # the stream ends with an error event; the server lives on
         status = generation.status_of(error)
         yield event({"error": generation.error_fields(error)})
