@@ -52,6 +52,7 @@ class Generation:
     finish_reason: str | None = None
     _last_output_at: float | None = None
     _sent_text: bool = False
+    _finished: bool = False
     _unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
@@ -101,7 +102,10 @@ class Generation:
         self.metrics.record_round(output)
 
     def finish(self, status: str) -> None:
-        """Account for the end of the request: outcome and end-to-end latency."""
+        """Account for the end of the request (once): outcome and end-to-end latency."""
+        if self._finished:
+            return
+        self._finished = True
         if self.on_finish is not None:
             self.on_finish, release = None, self.on_finish
             release()
@@ -109,6 +113,13 @@ class Generation:
         self.metrics.e2e.observe(time.monotonic() - self.handle.submitted_at)
         if status == "aborted":
             self.metrics.disconnects.inc()
+
+    def abandon(self) -> None:
+        """The response ended, whatever happened to its body: stop the request if it still
+        runs (a no-op once it finished)."""
+        if not self._finished:
+            self.engine.abort(self.handle)
+            self.finish("aborted")
 
     async def collect(self) -> dict[str, Any]:
         """Run to the end; the whole response object."""

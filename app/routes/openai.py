@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from app.auth import ClientDep, ConcurrencyLimit, client_identity
 from app.errors import ApiError
@@ -30,7 +30,7 @@ from app.schemas import (
     event_stream_schema,
 )
 from app.settings import Settings
-from app.sse import stream_events
+from app.sse import GenerationStream
 from service.async_engine import QueueFull, RequestTimeout, ShuttingDown
 from service.config import MIN_TEMPERATURE, GenerationParams, SamplingParams, SpeculationParams
 from service.detokenizer import TextStream
@@ -181,8 +181,7 @@ async def _respond(
         logprobs=None if logprobs is None else LogprobsFormatter(runtime.loaded.tokenizer, kind == "chat.completion"),
     )
     if body.stream:
-        return StreamingResponse(stream_events(generation), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return GenerationStream(generation)
     try:
         body_json = await _collect_while_connected(generation, request)
     except ClientGone:
