@@ -21,6 +21,8 @@ def _valid_unicode(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 MAX_REQUEST_SEED = 2**63 - 1  # a signed 64-bit integer, as OpenAI clients send it
+MAX_COMPLETION_LOGPROBS = 5  # alternatives per token on /v1/completions (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # alternatives per token on /v1/chat/completions (OpenAI's limit)
 
 
 class _Request(BaseModel):
@@ -50,8 +52,6 @@ class StreamOptions(_Request):
 # OpenAI fields this server does not implement, with the values that ask for nothing: any
 # other value is refused with a 400 naming the field, on both routes alike.
 UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -84,8 +84,6 @@ class GenerationRequest(_Request):
     user: str | None = None
     speculation: SpeculationOptions | None = None
     # not implemented: only the values in UNSUPPORTED_DEFAULTS are accepted
-    logprobs: bool | int | None = None
-    top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -122,6 +120,22 @@ class GenerationRequest(_Request):
 class CompletionRequest(GenerationRequest):
     prompt: Text | list[Text] | list[int] = Field(
         description="a string, a one-element list of strings, or token ids")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | Literal[False] | None = Field(
+        None, description="each token's logprob and this many likeliest alternatives (raw: temperature 1); "
+                          "`false` (what some clients send by default) asks for none")
+    top_logprobs: int | None = Field(None, description="chat only: here `logprobs` is the count (0 or null only)")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _chat_only(cls, top_logprobs: int | None) -> int | None:
+        if top_logprobs:  # silently ignoring it would answer without what was asked
+            raise ValueError("`top_logprobs` is a chat field; on completions `logprobs` is the number of alternatives")
+        return top_logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """What the engine computes: None, or the number of alternatives per token."""
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -151,6 +165,21 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(None, description="each token's logprob (raw: temperature 1)")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="likeliest alternatives per token; needs `logprobs: true`")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and info.data.get("logprobs") is not True:
+            raise ValueError("`top_logprobs` needs `logprobs: true`")
+        return top_logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """What the engine computes: None, or the number of alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # --- responses (documented in the OpenAPI schema; the routes build them as dicts) ---------
@@ -178,10 +207,31 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class CompletionLogprobs(_Open):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ChatTopLogprob(_Open):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(_Open):
+    content: list[ChatTokenLogprob] | None
+
+
 class CompletionChoice(_Open):
     index: int
     text: str
-    logprobs: dict[str, Any] | None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     speculative_decoding_stats: SpeculativeDecodingStats | None = None
 
@@ -203,6 +253,7 @@ class AssistantMessage(_Open):
 class ChatChoice(_Open):
     index: int
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     speculative_decoding_stats: SpeculativeDecodingStats | None = None
 
@@ -224,6 +275,7 @@ class ChatDelta(_Open):
 class ChatChunkChoice(_Open):
     index: int
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     speculative_decoding_stats: SpeculativeDecodingStats | None = None
 
@@ -300,17 +352,17 @@ ERROR_MEANINGS = {
 def completion_body(
     kind: Literal["text_completion", "chat.completion"], request_id: str, created: int, model: str,
     text: str | None, finish_reason: str | None, stats: dict[str, Any], usage: Usage | None,
-    chunk: bool = False,
+    chunk: bool = False, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One response object or stream chunk, in either endpoint's shape."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if kind == "text_completion":
         choice["text"] = text or ""
-        choice["logprobs"] = None
     elif chunk:
         choice["delta"] = {} if text is None else {"content": text}
     else:
         choice["message"] = {"role": "assistant", "content": text}
+    choice["logprobs"] = logprobs
     if stats:
         choice["speculative_decoding_stats"] = stats
     body: dict[str, Any] = {

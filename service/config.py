@@ -77,7 +77,10 @@ class GenerationParams:
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     strategy: str = "mixed"  # a draft strategy name, or "mixed" for all of them
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")

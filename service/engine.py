@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from drafting import Mixer
 from service.calibration import Calibration
 from service.config import GenerationParams
+from service.logprobs import TokenLogprob, token_logprobs
 from service.model_runner import ModelRunner, RowInput
 from service.regime import CostProfile, RowCandidates, RowTree, TreePlan, plan_trees
 from service.request import Request, Status, kv_tokens_needed
@@ -50,6 +51,7 @@ class RoundOutput:
     w: int = 0
     predicted_tokens_per_second: float | None = None  # the controller's forecast (auto mode)
     batch_size: int = 1  # requests in the pass
+    logprobs: list[TokenLogprob] | None = None  # one per token in `token_ids`, when asked for
 
     @property
     def realized_tokens_per_second(self) -> float:
@@ -72,6 +74,7 @@ class Completion:
     """A whole generation, gathered from its rounds."""
 
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless asked for
     finish_reason: str | None = None
     num_passes: int = 0
     num_draft_tokens: int = 0
@@ -84,6 +87,7 @@ class Completion:
 
     def add(self, round_output: RoundOutput) -> None:
         self.token_ids.extend(round_output.token_ids)
+        self.logprobs.extend(round_output.logprobs or [])
         self.finish_reason = round_output.finish_reason
         self.num_passes += 1
         self.num_draft_tokens += round_output.num_draft_tokens
@@ -223,16 +227,17 @@ class Engine:
         auto = []
         for row in decoding:
             spec = row.request.params.speculation
+            w = self._max_depth(row.request, spec.w)
             if spec.mode == "auto" and spec.k > 0:
                 if self.profile is not None:
                     auto.append(row)
                     continue
                 drafts = []  # until the cost profile exists, auto decodes plainly
-            elif spec.mode == "off" or spec.k == 0:
+            elif spec.mode == "off" or spec.k == 0 or w == 0:
                 drafts = []
             else:
-                drafts = row.request.drafts.propose(spec.k, spec.w)
-            row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * spec.w, budget))
+                drafts = row.request.drafts.propose(spec.k, w)
+            row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * w, budget))
             budget -= row.tree.num_nodes - 1
         plan = self._plan_auto(auto, rows, budget) if auto else None
         return rows, plan
@@ -249,8 +254,9 @@ class Engine:
         candidates = []
         for row in auto:
             request, spec = row.request, row.request.params.speculation
+            w = self._max_depth(request, spec.w)
             candidates.append(RowCandidates(
-                request.drafts.candidates(spec.k, spec.w), spec.k, spec.w,
+                request.drafts.candidates(spec.k, w), spec.k, w,
                 request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe,
             ))
         fixed_expected = sum(1 for r in rows if r.tree is not None)
@@ -261,6 +267,12 @@ class Engine:
             row.choice = choice
             row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
         return plan
+
+    def _max_depth(self, request: Request, w: int) -> int:
+        """The deepest tree worth building for `request`: a round commits at most depth + 1
+        tokens, so nodes past its remaining budget would be discarded, and node d sits at
+        position context_length - 1 + d, which must stay inside the model's context."""
+        return max(min(w, request.token_budget - 1, self.max_context - request.context_length), 0)
 
     def _verify(self, row: _Row, logits) -> RoundOutput | Exception | None:
         """Verify a decoding row, commit its KV and tokens; commit a prefill chunk."""
@@ -283,8 +295,12 @@ class Engine:
             token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
             request.num_generated += len(token_ids)
             request.finish_reason = finish_reason
+            asked = request.params.logprobs
+            logprobs = None if asked is None else token_logprobs(
+                logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked)
             return RoundOutput(
                 token_ids=token_ids,
+                logprobs=logprobs,
                 num_draft_tokens=row.tree.num_nodes - 1,
                 num_accepted_tokens=len(verdict.accepted_nodes),
                 accepted_strategies=[row.tree.strategies[i] or "" for i in verdict.accepted_nodes],

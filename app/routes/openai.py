@@ -9,12 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from app.auth import ClientDep, ConcurrencyLimit, client_identity
 from app.errors import ApiError
 from app.generation import Generation, Kind
 from app.limits import check_generation_limits, check_prompt_length
+from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
 from app.schemas import (
     ChatCompletionChunk,
@@ -29,7 +30,7 @@ from app.schemas import (
     event_stream_schema,
 )
 from app.settings import Settings
-from app.sse import stream_events
+from app.sse import GenerationStream
 from service.async_engine import QueueFull, RequestTimeout, ShuttingDown
 from service.config import MIN_TEMPERATURE, GenerationParams, SamplingParams, SpeculationParams
 from service.detokenizer import TextStream
@@ -70,7 +71,8 @@ async def completions(body: CompletionRequest, request: Request, client: ClientD
         prompt_ids = await _tokenize(request, "prompt", runtime.loaded.tokenizer.encode, body.prompt)
     else:
         prompt_ids = _checked_ids(body.prompt, runtime.loaded.model.config.vocab_size)
-    return await _respond("text_completion", body, request, client, runtime, prompt_ids, max_tokens, "prompt")
+    return await _respond("text_completion", body, request, client, runtime, prompt_ids, max_tokens, "prompt",
+                          body.num_logprobs)
 
 
 @router.post("/chat/completions", response_model=None,
@@ -83,7 +85,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, client
     check_generation_limits(body, settings, max_tokens, asked)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     prompt_ids = await _tokenize(request, "messages", chat_prompt_ids, runtime.loaded.tokenizer, messages)
-    return await _respond("chat.completion", body, request, client, runtime, prompt_ids, max_tokens, "messages")
+    return await _respond("chat.completion", body, request, client, runtime, prompt_ids, max_tokens, "messages",
+                          body.num_logprobs)
 
 
 def _runtime(request: Request, body: GenerationRequest) -> Runtime:
@@ -121,7 +124,7 @@ def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
     return ids
 
 
-def _params(body: GenerationRequest, settings: Settings, max_tokens: int) -> GenerationParams:
+def _params(body: GenerationRequest, settings: Settings, max_tokens: int, logprobs: int | None) -> GenerationParams:
     options = body.speculation or SpeculationOptions()
     k = settings.spec_k if options.k is None else options.k
     w = settings.spec_w if options.w is None else options.w
@@ -134,18 +137,19 @@ def _params(body: GenerationRequest, settings: Settings, max_tokens: int) -> Gen
         temperature = 0.0  # that close to 0 the distribution is the argmax (see MIN_TEMPERATURE)
     sampling = SamplingParams(temperature, body.top_p or 1.0, max(body.top_k or 0, 0), body.seed)
     return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
-                            strategy=options.strategy or settings.spec_strategy, sampling=sampling)
+                            strategy=options.strategy or settings.spec_strategy, sampling=sampling,
+                            logprobs=logprobs)
 
 
 async def _respond(
     kind: Kind, body: GenerationRequest, request: Request, client: str, runtime: Runtime, prompt_ids: list[int],
-    max_tokens: int, prompt_param: str,
+    max_tokens: int, prompt_param: str, logprobs: int | None,
 ) -> Response:
     settings: Settings = request.app.state.settings
     if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
         raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
-    params = _params(body, settings, max_tokens)
+    params = _params(body, settings, max_tokens, logprobs)
     try:
         runtime.engine.check_fits(len(prompt_ids), params)
     except ContextTooLong as error:
@@ -174,10 +178,10 @@ async def _respond(
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
         on_finish=lambda: limit.release(client),
+        logprobs=None if logprobs is None else LogprobsFormatter(runtime.loaded.tokenizer, kind == "chat.completion"),
     )
     if body.stream:
-        return StreamingResponse(stream_events(generation), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return GenerationStream(generation)
     try:
         body_json = await _collect_while_connected(generation, request)
     except ClientGone:

@@ -22,8 +22,8 @@ from app.main import create_app
 from app.settings import Settings
 from service.model_loader import LoadedModel
 from app.background import free_port, serving
-from tests.app.server import slowed
-from tests.app.test_http import QUIET, wait_ready
+from tests.app.server import Asgi24, slowed
+from tests.app.test_http import QUIET, wait_ready, wait_until
 from tests.conftest import make_tiny_model
 
 ROOT = Path(__file__).parents[2]
@@ -143,7 +143,6 @@ def test_token_ids_are_checked_against_the_models_vocabulary(embedded) -> None:
 
 
 UNSUPPORTED = [
-    ("logprobs", True), ("logprobs", 2), ("logprobs", 0), ("top_logprobs", 3),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
     ("logit_bias", {"42": 5}), ("echo", True), ("suffix", "end"), ("functions", [{"name": "f"}]),
@@ -153,7 +152,7 @@ UNSUPPORTED = [
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("field,value", UNSUPPORTED)
 def test_unsupported_fields_are_400_naming_the_field_on_both_routes(server: str, route: str, field: str, value) -> None:
-    """Chat used to accept and silently ignore logprobs, tools, response_format and the penalties."""
+    """Chat used to accept and silently ignore tools, response_format and the penalties."""
     error = assert_openai_error(post(server, route, {**ROUTES[route], field: value}), 400, field)
     assert "not supported" in error["message"]
 
@@ -349,3 +348,32 @@ def test_openapi_documents_what_the_server_answers(server: str) -> None:
         assert "text/event-stream" in responses["200"]["content"]
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     assert "ChatCompletionChunk" in schema["components"]["schemas"]
+
+
+@pytest.mark.parametrize("asgi_2_4", [False, True], ids=["uvicorn", "asgi-2.4"])
+def test_a_stream_whose_client_left_before_its_body_began_is_aborted(tiny_served, monkeypatch, asgi_2_4: bool) -> None:
+    """Under ASGI 2.4 the response's first send fails once the client is gone, before the SSE
+    body generator was ever entered, so the generator's cleanup never ran: the request went on
+    decoding for nobody until its deadline, holding its KV row and its client's concurrency
+    slot. (uvicorn speaks 2.3, where the generator happens to start first; both must abort.)"""
+    tokenizer = tiny_served.tokenizer
+    encode = tokenizer.encode
+
+    def slow_encode(*args, **kwargs):
+        time.sleep(0.5)  # the client is gone before the route returns its response
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    app = create_app(Settings(max_concurrent_per_key=1, **QUIET), loader=lambda _: tiny_served)
+    with serving(Asgi24(app) if asgi_2_4 else app) as base, slowed(app, 0.2):
+        wait_ready(base)
+        body = {"prompt": "Count to a thousand.", "max_tokens": 400, "stream": True}
+        with pytest.raises(httpx.ReadTimeout):  # sent, then the connection is dropped unread
+            httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.05))
+        # the route returns after 0.5 s, and a pass after that the request is gone (it would
+        # otherwise run its 400 tokens, some 80 s at 0.2 s a pass)
+        wait_until(lambda: "ngrammys_client_disconnects_total 1.0" in httpx.get(f"{base}/metrics").text, timeout=5)
+        wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=5)
+        assert httpx.get(f"{base}/health").json()["requests_waiting"] == 0
+        # and its concurrency slot is free again (one per client here)
+        assert post(base, "completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
