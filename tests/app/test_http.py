@@ -23,6 +23,10 @@ from tests.app.server import slowed
 MESSAGES = [{"role": "user", "content": "List the first five prime numbers."}]
 LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
 EMOJI = [{"role": "user", "content": "Repeat exactly: 🙂🙂🙂 café naïve 日本"}]
+PARAGRAPH = ("The committee met on Tuesday to review the budget. It approved the new library, "
+             "postponed the bridge repairs until spring, and asked the treasurer for a report on "
+             "the water rates before the next meeting.")
+COPY = [{"role": "user", "content": f"Repeat this paragraph word for word:\n\n{PARAGRAPH}"}]
 # greedy by default (so texts compare with the engine's), no background warm-up in tests
 QUIET = {"model_tables": False, "cost_profile": False, "default_temperature": 0.0}
 
@@ -306,12 +310,38 @@ def test_failed_load_fails_ready_and_health() -> None:
 @pytest.mark.parametrize("speculation", [
     {"mode": "fixed", "k": 6, "w": 3, "strategy": "context"},
     {"mode": "fixed", "k": 3, "w": 2, "strategy": "extended_bigram"},
-    {"mode": "auto", "k": 8, "w": 6, "strategy": "mixed"},
+    {"mode": "auto", "k": 8, "w": 6, "strategy": "mixed"},  # no cost profile here: the plain fallback
 ])
 def test_greedy_text_is_the_same_whatever_the_speculation(server: str, direct, speculation) -> None:
     body = {"messages": MESSAGES, "max_tokens": 24, "speculation": speculation}
     reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()
     assert reply["choices"][0]["message"]["content"] == direct(MESSAGES)[0]
+
+
+@pytest.fixture(scope="module")
+def auto_server(embedded):
+    """A server in auto mode with a real cost profile: the one this machine's profiler
+    measured into the cache directory (as the embedded weights are converted there once),
+    measured now by the server's own warm-up if there is none yet."""
+    settings = Settings(spec_mode="auto", max_tokens=64, model_tables=False, cost_profile=True,
+                        default_temperature=0.0)
+    with serving(create_app(settings, loader=lambda _: embedded)) as base:
+        wait_ready(base)
+        wait_until(lambda: httpx.get(f"{base}/health").json()["cost_profile"], timeout=600)
+        yield base
+
+
+@pytest.mark.slow
+def test_auto_speculates_on_a_copy_task_and_keeps_the_greedy_text(auto_server: str, direct) -> None:
+    """A copy task is where drafts pay even where every token costs (a CPU), so the controller
+    must speculate on it; without a profile auto decodes plainly and accepts nothing."""
+    body = {"messages": COPY, "max_tokens": 64, "speculation": {"mode": "auto", "k": 8, "w": 6}}
+    reply = httpx.post(f"{auto_server}/v1/chat/completions", json=body, timeout=120).json()
+    choice = reply["choices"][0]
+    stats = choice["speculative_decoding_stats"]
+    print(f"\nauto on a copy task: {stats}")
+    assert choice["message"]["content"] == direct(COPY, max_tokens=64)[0]
+    assert stats["num_accepted_draft_tokens"] > 0
 
 
 def test_sampling_with_a_seed_is_reproducible_and_speculation_keeps_it(server: str) -> None:
