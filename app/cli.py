@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from app.loadtest import MODES as LOAD_MODES
 from app.settings import Settings
 from drafting import MIXED, STRATEGY_NAMES
 from service.config import SamplingParams
@@ -165,18 +167,21 @@ def _loadtest(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
     questions = specbench_questions(args.dataset, args.per_category)
     flags = ["--max-running-requests", str(args.max_running_requests), "--max-waiting", str(max(args.concurrency) * 2),
              "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--cache-dir", str(args.cache_dir)]
-    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype)):
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                        ("--max-prefill-tokens-while-decoding", args.max_prefill_tokens_while_decoding)):
         if value is not None:
-            flags += [flag, value]
+            flags += [flag, str(value)]
     with (nullcontext(args.url) if args.url else serving_process(flags)) as base:
         _wait_warm(base, args.url is None)
         print(f"{len(questions)} questions, {args.max_tokens} tokens each, greedy; server {base}\n", flush=True)
         print(loadtest.HEADER, flush=True)
         results = loadtest.run_loadtest(base, questions, args.concurrency, args.requests_per_client,
-                                        args.max_tokens, progress=lambda row: print(row, flush=True))
+                                        args.max_tokens, progress=lambda row: print(row, flush=True),
+                                        modes=tuple(args.modes))
     if args.json:
         loadtest.write_json(results, args.json, max_tokens=args.max_tokens, per_category=args.per_category,
                             max_running_requests=args.max_running_requests)
@@ -264,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--url", default=None, help="a running server (default: start one here)")
     load.add_argument("--max-running-requests", type=int, default=64, help="for the server started here")
     load.add_argument("--max-tokens-per-pass", type=int, default=512, help="for the server started here")
+    load.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                      help="for the server started here (default: the server's)")
+    load.add_argument("--modes", nargs="+", choices=LOAD_MODES, default=list(LOAD_MODES),
+                      help="speculation modes to compare")
     _model_flags(load)
     load.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     load.add_argument("--png", type=Path, default=None, help="plot tokens/s and p99 ITL against C")

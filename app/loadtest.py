@@ -29,6 +29,8 @@ class RequestTiming:
     itl: list[float]  # one per token after the first
     tokens: int
     seconds: float
+    passes: int = 0  # verification passes (rounds) the request took
+    drafted: int = 0  # tree nodes drafted over all its rounds
 
 
 @dataclass
@@ -46,12 +48,15 @@ class LoadResult:
     def summary(self) -> dict[str, float | int | str]:
         ttft = [t.ttft for t in self.timings]
         itl = [x for t in self.timings for x in t.itl] or [0.0]
+        passes = sum(t.passes for t in self.timings) or 1
         return {
             "concurrency": self.concurrency, "mode": self.mode, "requests": self.requests,
             "requests_per_second": self.requests / self.seconds,
             "output_tokens_per_second": self.output_tokens / self.seconds,
             "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p99_ms": _quantile(ttft, 0.99) * 1e3,
             "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p99_ms": _quantile(itl, 0.99) * 1e3,
+            "tokens_per_pass": self.output_tokens / passes,
+            "drafted_per_pass": sum(t.drafted for t in self.timings) / passes,
         }
 
 
@@ -70,6 +75,7 @@ async def _one(client: httpx.AsyncClient, question: Question, mode: str, max_tok
     first = last = None
     itl: list[float] = []
     tokens = 0
+    stats: dict = {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -79,6 +85,8 @@ async def _one(client: httpx.AsyncClient, question: Question, mode: str, max_tok
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             usage = chunk.get("usage")
+            for choice in chunk.get("choices", []):  # the last chunk of a choice carries them
+                stats = choice.get("speculative_decoding_stats") or stats
             if not usage or usage["completion_tokens"] == tokens:
                 continue
             now, new = time.perf_counter(), usage["completion_tokens"] - tokens
@@ -89,7 +97,8 @@ async def _one(client: httpx.AsyncClient, question: Question, mode: str, max_tok
                 itl.extend([(now - last) / new] * new)  # type: ignore[operator]
             last, tokens = now, usage["completion_tokens"]
     end = time.perf_counter()
-    return RequestTiming((first or end) - started, itl, tokens, end - started)
+    return RequestTiming((first or end) - started, itl, tokens, end - started,
+                         stats.get("num_spec_steps", 0), stats.get("num_draft_tokens", 0))
 
 
 async def run_level(
@@ -115,13 +124,12 @@ async def run_level(
 
 def run_loadtest(
     base_url: str, questions: list[Question], levels: list[int], requests_per_client: int, max_tokens: int,
-    progress=print,  # type: ignore[no-untyped-def]
+    progress=print, modes: tuple[str, ...] = MODES,  # type: ignore[no-untyped-def]
 ) -> list[LoadResult]:
-    """Every concurrency level, off and auto back to back (order alternating)."""
+    """Every concurrency level, each mode back to back (order alternating)."""
     results = []
     for index, concurrency in enumerate(levels):
-        modes = MODES if index % 2 == 0 else MODES[::-1]
-        for mode in modes:
+        for mode in modes if index % 2 == 0 else modes[::-1]:
             requests = max(concurrency * requests_per_client, 4)
             result = asyncio.run(run_level(base_url, questions, concurrency, mode, requests, max_tokens))
             progress(_row(result.summary()))
@@ -129,14 +137,15 @@ def run_loadtest(
     return results
 
 
-HEADER = ("| C | mode | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| C | mode | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+          "| tokens/pass | drafted/pass |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(s: dict[str, float | int | str]) -> str:
     return (f"| {s['concurrency']} | {s['mode']} | {s['requests']} | {s['requests_per_second']:.2f} "
             f"| {s['output_tokens_per_second']:.1f} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
-            f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} |")
+            f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['tokens_per_pass']:.2f} "
+            f"| {s['drafted_per_pass']:.1f} |")
 
 
 def format_table(results: list[LoadResult]) -> str:
@@ -154,7 +163,7 @@ def write_plot(results: list[LoadResult], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in MODES:
+    for mode in dict.fromkeys(r.mode for r in results):
         rows = [r.summary() for r in results if r.mode == mode]
         levels = [row["concurrency"] for row in rows]
         left.plot(levels, [row["output_tokens_per_second"] for row in rows], marker="o", label=f"speculation {mode}")

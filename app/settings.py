@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
     max_running_requests: int = Field(16, ge=1, description="Requests decoded together in one batch (one pass per step)")
     max_tokens_per_pass: int = Field(512, ge=16, description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the whole batch")
+    max_prefill_tokens_while_decoding: int | None = Field(
+        None, ge=1,
+        description="Prompt tokens a pass may carry while other requests decode (default: 64 on CPU, max_tokens_per_pass on GPU)")
     kv_cache_memory_mb: int | None = Field(4096, ge=1, description="KV cache budget in MiB; a request waits until it fits (none = unbounded)")
     request_timeout: float | None = Field(600.0, gt=0, description="Seconds a request may take, queueing included")
     drain_timeout: float = Field(30.0, ge=0, description="On SIGTERM: seconds running requests may take to finish before they are ended with an error")
@@ -79,7 +82,8 @@ class Settings(BaseSettings):
 
     def scheduler_config(self) -> SchedulerConfig:
         memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20
-        return SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory)
+        return SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory,
+                               self.max_prefill_tokens_while_decoding)
 
 
 @lru_cache

@@ -136,7 +136,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.cache = runner.new_cache()
-        self.scheduler = Scheduler(scheduler_config, self.cache, runner.kv_bytes_per_token)
+        self.scheduler = Scheduler(scheduler_config.for_device(runner.device.type), self.cache,
+                                   runner.kv_bytes_per_token)
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------------------

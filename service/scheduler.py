@@ -12,11 +12,17 @@ upper bound of the KV memory, and admission keeps it under `kv_cache_bytes`.
 Chunked prefill: each step every running request brings something to the one pass. Decoding
 requests bring their pending token (plus the tree the controller adds); prefilling requests
 share what is left of `max_tokens_per_pass`, oldest first, so a long prompt is cut into
-chunks and running streams keep flowing while it loads.
+chunks and running streams keep flowing while it loads. While any request decodes, prompt
+chunks take at most `max_prefill_tokens_while_decoding` of a pass: every prompt token in the
+pass delays every running stream's next token. On a CPU a pass costs about in proportion to
+its tokens, so the default there is small (64: README, "Continuous batching", has the run that
+chose it); on a GPU a pass of hundreds of tokens costs little more than one, so the default is
+the whole pass. With nothing decoding, a prompt takes the whole pass (first token sooner).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -32,10 +38,23 @@ class SchedulerConfig:
     max_running_requests: int = 16
     max_tokens_per_pass: int = 512  # prefill chunks + decode tokens + tree nodes in one pass
     kv_cache_bytes: int | None = None  # budget of the KV buffers; None = unbounded
+    max_prefill_tokens_while_decoding: int | None = None  # None: by device (`for_device`)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1 or self.max_tokens_per_pass < 1:
             raise ValueError("max_running_requests and max_tokens_per_pass must be >= 1")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the prefill cap resolved for a device ("cpu", "cuda", ...)."""
+        if self.max_prefill_tokens_while_decoding is not None:
+            return self
+        cap = CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else self.max_tokens_per_pass
+        return dataclasses.replace(self, max_prefill_tokens_while_decoding=cap)
+
+
+CPU_PREFILL_TOKENS_WHILE_DECODING = 64
 
 
 class DoesNotFit(ValueError):
@@ -124,15 +143,20 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         """Split this pass's token budget: one token per decoding row first, then prefill
-        chunks oldest first (each prefilling row brings at least one token)."""
-        decoding = sum(1 for r in self.running if r.prefill_remaining == 0)
+        chunks oldest first, capped while others decode (each prefilling row brings at least
+        one token)."""
+        prefilling = [r for r in self.running if r.prefill_remaining > 0]
+        decoding = len(self.running) - len(prefilling)
         left = self.config.max_tokens_per_pass - decoding
+        prefill_left = left
+        if decoding and self.config.max_prefill_tokens_while_decoding is not None:
+            prefill_left = min(left, self.config.max_prefill_tokens_while_decoding)
         prefill: dict[Request, int] = {}
-        for request in self.running:
-            if request.prefill_remaining > 0:
-                chunk = max(1, min(request.prefill_remaining, left))
-                prefill[request] = chunk
-                left -= chunk
+        for request in prefilling:
+            chunk = max(1, min(request.prefill_remaining, prefill_left))
+            prefill[request] = chunk
+            left -= chunk
+            prefill_left -= chunk
         return StepPlan(prefill, max(left, 0))
 
     def finish(self, request: Request) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from app import loadtest
 from app.background import serving
+from app.cli import main
 from app.main import create_app
 from app.settings import Settings
 from service.bench import Question
@@ -30,3 +33,20 @@ def test_loadtest_counts_every_token_and_reports_both_modes(embedded, tmp_path) 
     assert loadtest.format_table(results).count("\n") == len(results) + 1
     loadtest.write_plot(results, tmp_path / "plot.png", "test")
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_the_loadtest_command_runs_its_own_server_process(tiny_served, tmp_path) -> None:
+    """`ngrammys loadtest` without --url: a child `ngrammys serve`, warmed up, then stopped."""
+    model_dir = tmp_path / "model"
+    tiny_served.model.save_pretrained(model_dir)
+    tiny_served.tokenizer.save_pretrained(model_dir)
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text("\n".join(
+        json.dumps({"question_id": q.question_id, "category": q.category, "turns": [q.text]}) for q in QUESTIONS))
+    report = tmp_path / "load.json"
+    main(["loadtest", "--dataset", str(dataset), "--concurrency", "1", "2", "--max-tokens", "4",
+          "--model", str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--json", str(report)])
+    levels = json.loads(report.read_text())["levels"]
+    assert [(level["concurrency"], level["mode"]) for level in levels] == [(1, "off"), (1, "auto"), (2, "auto"), (2, "off")]
+    assert all(level["requests"] == 4 and level["tokens_per_pass"] >= 1 for level in levels)
+    assert all(level["drafted_per_pass"] == 0 for level in levels if level["mode"] == "off")

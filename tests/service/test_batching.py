@@ -9,7 +9,7 @@ from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.engine import Engine
 from service.model_runner import ModelRunner
 from service.request import Status
-from service.scheduler import DoesNotFit, SchedulerConfig
+from service.scheduler import CPU_PREFILL_TOKENS_WHILE_DECODING, DoesNotFit, SchedulerConfig
 from tests.service.test_engine_lossless import reference_greedy
 from tests.service.test_regime import MEMORY_BOUND
 
@@ -93,6 +93,38 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(tiny_mo
         engine.step()
     assert long.output_ids == reference_greedy(tiny_model, list(range(2, 60)) * 3, 8)
     assert streaming.output_ids == reference_greedy(tiny_model, PROMPTS[0], 30)
+
+
+def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, tiny_tables) -> None:
+    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=24, max_prefill_tokens_while_decoding=5)
+    prompt = list(range(2, 60))
+    first = engine.add_request(prompt[:20], GenerationParams(40))
+    _, stats = engine.step()
+    assert stats is not None and stats.prefill_tokens == 19  # nothing decodes: the whole prompt
+    # (a prompt's last token is not cached by its prefill: it is the root of the first tree)
+    decoding = [first, *(engine.add_request(p, GenerationParams(40)) for p in PROMPTS[:3])]
+    while any(r.prefill_remaining for r in decoding):
+        engine.step()
+    joining = engine.add_request(prompt, GenerationParams(4))
+    chunks = []
+    while joining.num_generated == 0:
+        _, stats = engine.step()
+        assert stats is not None
+        chunks.append(stats.prefill_tokens)
+    assert max(chunks) == 5 and sum(chunks) == len(prompt) - 1
+    while engine.has_work:
+        engine.step()
+    assert joining.output_ids == reference_greedy(tiny_model, prompt, 4)
+    for request in decoding:
+        assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 40)
+
+
+def test_the_prefill_cap_defaults_by_device() -> None:
+    config = SchedulerConfig(max_tokens_per_pass=300)
+    assert config.for_device("cpu").max_prefill_tokens_while_decoding == CPU_PREFILL_TOKENS_WHILE_DECODING
+    assert config.for_device("cuda").max_prefill_tokens_while_decoding == 300
+    chosen = SchedulerConfig(max_prefill_tokens_while_decoding=7)
+    assert chosen.for_device("cpu") == chosen.for_device("cuda") == chosen
 
 
 def test_the_kv_budget_is_never_exceeded_and_admission_is_first_come_first_served(tiny_runner, tiny_tables) -> None:
