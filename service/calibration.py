@@ -14,9 +14,12 @@ Pass costs are observed on EVERY pass, speculative or plain, and split in two:
   in use. They capture what the profile got wrong about *relative* costs. Every pass decays
   all of them, so the factor of a size no longer used returns to the profile's word within
   tens of passes instead of freezing at its last (perhaps spiked) value.
-And when a request's forecast keeps saying "plain", it still probes speculation every
+And when a request's forecast keeps saying "plain", it still probes speculation after
 `PROBE_EVERY` rounds, so a pessimistic profile or factor is measured again instead of being
-believed forever; symmetrically, when the all-plain pass size has gone unobserved that long,
+believed forever. Each probe that does not change the forecast's mind doubles the wait for the
+next (up to `PROBE_MAX_EVERY`): on free text where drafts never pay on a CPU, probes were most of
+auto mode's speculative rounds, each a loss. A round the forecast itself chose to speculate
+resets the wait. Symmetrically, when the all-plain pass size has gone unobserved that long,
 one pass is plain (a slowdown that hits trees harder than plain passes shows that way). If the observed relative costs stay far from the profile, `drifted()` asks
 the engine to measure the profile again when it is idle.
 """
@@ -32,6 +35,7 @@ SHAPE_DECAY = 0.9  # horizon ≈ 10 passes, applied to every size on every pass
 PRIOR_ROUNDS = 4.0  # an acceptance factor is trusted like its prior until about this many rounds
 SHAPE_PRIOR_ROUNDS = 0.25  # a fresh pass-time measurement outweighs the profile's word at once
 PROBE_EVERY = 16  # plain rounds with drafts on offer before a request probes speculation
+PROBE_MAX_EVERY = 128  # ... after probes that kept finding plain the better choice
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # upper bounds of pass-size buckets
 DRIFT_LIMIT = 1.6  # relative costs of two sizes off by more than this from the profile's
 DRIFT_ROUNDS = 3.0  # ... each with this many recent rounds: measure the profile again
@@ -123,6 +127,7 @@ class RequestCalibration:
         self.shared = shared
         self.draft_tokens = Ratio()
         self.plain_rounds = 0  # rounds since it last speculated while drafts were on offer
+        self.probe_every = PROBE_EVERY  # plain rounds before the next probe
 
     def acceptance_factor(self) -> float:
         return self.draft_tokens.factor(prior=self.shared.draft_tokens.factor())
@@ -132,10 +137,12 @@ class RequestCalibration:
         if not speculated:
             self.plain_rounds += 1
             return
+        probed = self.due_for_probe
+        self.probe_every = min(2 * self.probe_every, PROBE_MAX_EVERY) if probed else PROBE_EVERY
         self.plain_rounds = 0
         self.draft_tokens.observe(predicted_draft_tokens, accepted)
         self.shared.draft_tokens.observe(predicted_draft_tokens, accepted)
 
     @property
     def due_for_probe(self) -> bool:
-        return self.plain_rounds >= PROBE_EVERY
+        return self.plain_rounds >= self.probe_every

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from service.calibration import PRIOR_ROUNDS, PROBE_EVERY, Calibration, Ratio
+from service.calibration import PRIOR_ROUNDS, PROBE_EVERY, PROBE_MAX_EVERY, Calibration, Ratio
 from service.regime import CostProfile, RowCandidates, plan_trees
 from tests.service.test_regime import CPU_LIKE, candidates
 
@@ -137,3 +137,22 @@ def test_an_overpromising_request_stops_speculating_but_still_probes() -> None:
     for _ in range(PROBE_EVERY):
         request.observe_round(0.0, 0, speculated=False)
     assert request.due_for_probe
+
+
+def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them() -> None:
+    """A request whose drafts never pay probes after 16, 32, 64, 128, 128 ... plain rounds; once
+    the forecast itself speculates again, the wait is back to 16."""
+    request = Calibration().session()
+    waits = []
+    for _ in range(6):
+        plain = 0
+        while not request.due_for_probe:
+            request.observe_round(0.0, 0, speculated=False)
+            plain += 1
+        waits.append(plain)
+        request.observe_round(2.0, accepted=0, speculated=True)  # the probe: nothing accepted
+    assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, PROBE_MAX_EVERY, PROBE_MAX_EVERY]
+    for _ in range(5):
+        request.observe_round(0.0, 0, speculated=False)
+    request.observe_round(2.0, accepted=2, speculated=True)  # chosen by the forecast, not due
+    assert request.probe_every == PROBE_EVERY
