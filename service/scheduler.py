@@ -14,7 +14,10 @@ requests bring their pending token (plus the tree the controller adds); prefilli
 share what is left of `max_tokens_per_pass`, oldest first, so a long prompt is cut into
 chunks and running streams keep flowing while it loads. While any request decodes, prompt
 chunks take at most `max_prefill_tokens_while_decoding` of a pass: every prompt token in the
-pass delays every running stream's next token. On a CPU a pass costs about in proportion to
+pass delays every running stream's next token. But when many requests wait for their first
+token (a burst of arrivals), prompts get the share of the pass in proportion to their number,
+or a burst of 64 prompts behind a few decoding streams would wait minutes for its first tokens
+(TGI's `waiting_served_ratio` answers the same problem). On a CPU a pass costs about in proportion to
 its tokens, so the default there is small (64: README, "Continuous batching", has the run that
 chose it); on a GPU a pass of hundreds of tokens costs little more than one, so the default is
 the whole pass. With nothing decoding, a prompt takes the whole pass (first token sooner).
@@ -143,14 +146,16 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         """Split this pass's token budget: one token per decoding row first, then prefill
-        chunks oldest first, capped while others decode (each prefilling row brings at least
-        one token)."""
+        chunks oldest first (each prefilling row brings at least one token). While others
+        decode, prompts get `max_prefill_tokens_while_decoding`, or their share of the pass
+        if larger: in proportion to the requests still waiting for their first token."""
         prefilling = [r for r in self.running if r.prefill_remaining > 0]
         decoding = len(self.running) - len(prefilling)
         left = self.config.max_tokens_per_pass - decoding
         prefill_left = left
-        if decoding and self.config.max_prefill_tokens_while_decoding is not None:
-            prefill_left = min(left, self.config.max_prefill_tokens_while_decoding)
+        cap = self.config.max_prefill_tokens_while_decoding
+        if decoding and cap is not None:
+            prefill_left = min(left, max(cap, left * len(prefilling) // len(self.running)))
         prefill: dict[Request, int] = {}
         for request in prefilling:
             chunk = max(1, min(request.prefill_remaining, prefill_left))

@@ -107,7 +107,7 @@ def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, t
         engine.step()
     joining = engine.add_request(prompt, GenerationParams(4))
     chunks = []
-    while joining.num_generated == 0:
+    while joining.num_generated == 0:  # 4 rows decode, 1 prefills: its share (4) is under the cap
         _, stats = engine.step()
         assert stats is not None
         chunks.append(stats.prefill_tokens)
@@ -117,6 +117,18 @@ def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, t
     assert joining.output_ids == reference_greedy(tiny_model, prompt, 4)
     for request in decoding:
         assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 40)
+
+
+def test_a_burst_of_prompts_gets_its_share_of_the_pass(tiny_runner, tiny_tables) -> None:
+    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5)
+    engine.add_request(PROMPTS[0], GenerationParams(40))
+    engine.step()
+    for _ in range(3):
+        engine.add_request(list(range(2, 60)), GenerationParams(4))
+    _, stats = engine.step()
+    # 1 row decodes, 3 wait for their first token: prompts get 3/4 of the 40 tokens left, the
+    # oldest all 30; the two others still bring one token each (every running row takes part)
+    assert stats is not None and stats.prefill_tokens == 30 + 1 + 1
 
 
 def test_the_prefill_cap_defaults_by_device() -> None:
