@@ -17,6 +17,7 @@ from app.settings import Settings
 from drafting import MIXED, STRATEGY_NAMES
 from service.config import SamplingParams
 from service.model_loader import DEFAULT_CACHE_DIR
+from service.packed_linear import QUANTIZATIONS
 
 
 def _settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +48,7 @@ def _bench(args: argparse.Namespace) -> None:
     from service.runtime import build_engine_with_tables
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
     engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto)
     prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category, args.category)
     strategies = list(dict.fromkeys(args.strategy))
@@ -90,7 +91,7 @@ def _profile(args: argparse.Namespace) -> None:
     from service.profiler import load_or_measure
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
     profile = load_or_measure(ModelRunner(loaded.model), args.cache_dir, remeasure=args.remeasure)
     print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=1)\n")
     print("| L \\ n | " + " | ".join(str(n) for n in profile.tree_sizes) + " |")
@@ -111,7 +112,10 @@ def _shape(text: str) -> tuple[int, int]:
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded)")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16 or float16 (default: bfloat16 on GPUs and on CPUs with native bf16)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=Settings.model_fields["quantization"].default,
+                        help="none: float32 weights; gguf: keep the GGUF's Q4_1 linears packed (CPU fast path)")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
 
 

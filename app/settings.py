@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from drafting import STRATEGY_NAMES
 from service.config import SpeculationMode
 from service.model_loader import DEFAULT_CACHE_DIR
+from service.packed_linear import Quantization
 
 
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
@@ -30,7 +31,12 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on")
     device: str | None = Field(None, description="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
-    dtype: str | None = Field(None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    dtype: str | None = Field(
+        None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU and on CPUs with native bf16, else float32)"
+    )
+    quantization: Quantization = Field(
+        "none", description="none (float32 weights) or gguf (keep the GGUF's Q4_1 linears packed: the CPU fast path)"
+    )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")

@@ -1,0 +1,273 @@
+"""Linear layers that keep a GGUF's Q4_1 blocks packed and compute with them (CPU fast path).
+
+`--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
+layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16
+scale d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4,
+and the numba kernel (service/packed_kernels.py) dequantizes each block once per pass and
+applies it to every row of the pass, so a tree of up to 16 tokens costs little more than one
+token. Without numba the same module dequantizes and calls `F.linear` (slower, same weights).
+
+The served weights are bit-for-bit those of the float32 path (the converted cache holds the
+same dequantized values); what differs is only the order of the float32 sums inside a matmul,
+so the two paths' greedy outputs part only where the top two logits nearly tie. Within the
+packed path a row's result does not depend on the pass size, so speculation reproduces plain
+decoding bit for bit in the linears.
+
+Embeddings, norms and tensors of other GGUF types (here the Q8_0 embedding and the LM head
+tied to it) stay as loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Quantization = Literal["none", "gguf"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "gguf")
+TILE = 32  # output rows per tile, as in service/packed_kernels.py
+Q4_1_BLOCK_BYTES = 20  # f16 d, f16 m, 16 bytes of nibbles
+# Passes above this many rows dequantize the layer and call F.linear (prefill-sized passes,
+# where a BLAS GEMM is faster than the register-tiled kernel). Trees stay below it.
+KERNEL_MAX_ROWS = 64
+
+# GGUF tensor name (per block) -> Hugging Face Llama module name.
+LLAMA_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_kernels: Any = None
+_kernels_error: str | None = None
+
+
+def load_kernels(cache_dir: Path | None = None) -> Any:
+    """The compiled numba kernels module, or None when numba is not installed (or fails).
+
+    The first call per machine compiles them (~10-20 s on 2 cores) into numba's cache (next
+    to the source, or `<cache_dir>/numba` where that is not writable); later starts load it.
+    """
+    global _kernels, _kernels_error
+    if _kernels is not None or _kernels_error is not None:
+        return _kernels
+    # Must be set before numba is first imported: the kernels rely on the SLP vectorizer.
+    os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
+    if cache_dir is not None and not os.access(Path(__file__).parent, os.W_OK):
+        os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir / "numba"))
+    try:
+        import numba
+
+        numba.config.SLP_VECTORIZE = 1
+        from service import packed_kernels
+    except Exception as error:  # noqa: BLE001 - any import failure means: use the fallback
+        _kernels_error = f"{type(error).__name__}: {error}"
+        log.warning("numba kernels unavailable (%s); packed linears use the torch fallback", _kernels_error)
+        return None
+    started = time.perf_counter()
+    _warm_up(packed_kernels)
+    log.info("numba Q4_1 kernels ready in %.1f s (threading layer %s, %d threads)",
+             time.perf_counter() - started, numba.threading_layer(), numba.get_num_threads())
+    _kernels = packed_kernels
+    return _kernels
+
+
+def _warm_up(kernels: Any) -> None:
+    qs = np.zeros((1, 1, 16, TILE), np.uint8)
+    scales = np.zeros((1, 1, TILE), np.float32)
+    kernels.q4_1_matmul(np.zeros((3, 32), np.float32), qs, scales, scales, np.empty((3, TILE), np.float32), 1)
+    kernels.q4_1_dequantize(qs, scales, scales, np.empty((TILE, 32), np.float32))
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+@dataclass(frozen=True)
+class Q4_1Tiles:
+    """Q4_1 blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
+
+    qs: np.ndarray  # [T, K/32, 16, TILE] uint8
+    d: np.ndarray  # [T, K/32, TILE] float32
+    m: np.ndarray  # [T, K/32, TILE] float32
+    out_features: int
+    in_features: int
+
+
+def tiles_from_blocks(raw: np.ndarray, out_features: int, in_features: int) -> Q4_1Tiles:
+    """`raw`: GGUF Q4_1 bytes of a weight, [out_features, in_features/32*20] uint8 (row-major
+    blocks, as `gguf.GGUFReader` gives them). Rows are padded to a whole tile with zeros."""
+    if in_features % 32:
+        raise ValueError(f"Q4_1 needs in_features divisible by 32, got {in_features}")
+    blocks = in_features // 32
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(out_features, blocks, Q4_1_BLOCK_BYTES)
+    tiles = -(-out_features // TILE)
+    padded = np.zeros((tiles * TILE, blocks, Q4_1_BLOCK_BYTES), np.uint8)
+    padded[:out_features] = raw
+    d = padded[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
+    m = padded[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = padded[:, :, 4:]  # [rows, blocks, 16]
+
+    def tiled(a: np.ndarray) -> np.ndarray:  # [rows, blocks, ...] -> [T, blocks, ..., TILE]
+        a = a.reshape(tiles, TILE, *a.shape[1:])
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+    return Q4_1Tiles(tiled(qs), tiled(d), tiled(m), out_features, in_features)
+
+
+def dequantize_tiles(tiles: Q4_1Tiles) -> torch.Tensor:
+    """The float32 weight [out_features, in_features], in plain torch (the reference)."""
+    qs = torch.from_numpy(tiles.qs)  # [T, B, 16, TILE]
+    q = torch.cat([qs & 15, qs >> 4], dim=2).float()  # [T, B, 32, TILE]
+    d = torch.from_numpy(tiles.d)[:, :, None, :]
+    m = torch.from_numpy(tiles.m)[:, :, None, :]
+    w = d * q + m  # float32: one rounding for the product, one for the sum, as gguf does
+    w = w.permute(0, 3, 1, 2).reshape(-1, tiles.in_features)  # [T*TILE, K]
+    return w[: tiles.out_features]
+
+
+class PackedQ4_1Linear(nn.Module):
+    """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 tensor kept packed."""
+
+    def __init__(self, tiles: Q4_1Tiles, kernels: Any = None) -> None:
+        super().__init__()
+        self.in_features = tiles.in_features
+        self.out_features = tiles.out_features
+        # Buffers, so state_dict (and the model fingerprint keying the caches) shows them.
+        self.register_buffer("qs", torch.from_numpy(tiles.qs), persistent=True)
+        self.register_buffer("d", torch.from_numpy(tiles.d), persistent=True)
+        self.register_buffer("m", torch.from_numpy(tiles.m), persistent=True)
+        self.kernels = kernels
+
+    def extra_repr(self) -> str:
+        path = "numba" if self.kernels is not None else "torch fallback"
+        return f"in_features={self.in_features}, out_features={self.out_features}, Q4_1 ({path})"
+
+    def tiles(self) -> Q4_1Tiles:
+        return Q4_1Tiles(self.qs.numpy(), self.d.numpy(), self.m.numpy(), self.out_features, self.in_features)
+
+    def dequantized(self) -> torch.Tensor:
+        if self.kernels is None:
+            return dequantize_tiles(self.tiles())
+        out = np.empty((self.qs.shape[0] * TILE, self.in_features), np.float32)
+        self.kernels.q4_1_dequantize(self.qs.numpy(), self.d.numpy(), self.m.numpy(), out)
+        return torch.from_numpy(out[: self.out_features])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features)
+        if self.kernels is None or rows.shape[0] > KERNEL_MAX_ROWS or x.device.type != "cpu":
+            return F.linear(x, self.dequantized().to(x.device, x.dtype))
+        xs = rows.to(torch.float32).contiguous().numpy()
+        out = np.empty((xs.shape[0], self.qs.shape[0] * TILE), np.float32)
+        with torch.profiler.record_function("q4_1_matmul"):
+            self.kernels.q4_1_matmul(xs, self.qs.numpy(), self.d.numpy(), self.m.numpy(), out, _threads())
+        y = torch.from_numpy(out)
+        if out.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (as transformers' GGUF loader does):
+    `weight_hf = weight_gguf[index]`, a permutation of whole rows, so of whole Q4_1 blocks."""
+    dim = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(-1)
+
+
+def read_q4_1_linears(model: nn.Module, gguf_path: Path) -> tuple[dict[str, Q4_1Tiles], int]:
+    """The Q4_1 linear weights of `gguf_path` as tiles keyed by the model's module names
+    ("model.layers.3.mlp.up_proj"), q/k rows un-permuted; and how many linears are of other
+    types (left as loaded)."""
+    import gguf
+
+    config = model.config
+    reader = gguf.GGUFReader(gguf_path)
+    tiles: dict[str, Q4_1Tiles] = {}
+    kept = 0
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")  # blk.{i}.{kind}.weight
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LLAMA_LINEARS:
+            continue
+        name = f"model.layers.{int(parts[1])}.{LLAMA_LINEARS[parts[2]]}"
+        linear = model.get_submodule(name)
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or getattr(linear, "bias", None) is not None:
+            kept += 1
+            continue
+        out_features, in_features = linear.weight.shape
+        raw = np.asarray(tensor.data).reshape(out_features, -1)
+        if parts[2] == "attn_q":
+            raw = raw[unpermute_rows(out_features, config.num_attention_heads)]
+        elif parts[2] == "attn_k":
+            raw = raw[unpermute_rows(out_features, config.num_key_value_heads)]
+        tiles[name] = tiles_from_blocks(raw, out_features, in_features)
+    return tiles, kept
+
+
+def _save_tiles(tiles: dict[str, Q4_1Tiles], path: Path) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    for name, t in tiles.items():
+        arrays |= {f"{name}:qs": t.qs, f"{name}:d": t.d, f"{name}:m": t.m,
+                   f"{name}:shape": np.array([t.out_features, t.in_features])}
+    staging = path.with_name(path.name + ".partial.npz")
+    np.savez(staging, **arrays)
+    staging.rename(path)
+
+
+def _load_tiles(path: Path) -> dict[str, Q4_1Tiles]:
+    with np.load(path) as arrays:
+        names = [key[: -len(":shape")] for key in arrays.files if key.endswith(":shape")]
+        return {name: Q4_1Tiles(arrays[f"{name}:qs"], arrays[f"{name}:d"], arrays[f"{name}:m"],
+                                *(int(v) for v in arrays[f"{name}:shape"])) for name in names}
+
+
+def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None = None,
+                      tiles_file: Path | None = None, use_kernels: bool = True) -> int:
+    """Replace every Llama linear whose GGUF tensor is Q4_1 by a `PackedQ4_1Linear`; returns
+    how many. Other linears are left as loaded.
+
+    Reading a GGUF's header takes seconds (its tokenizer), so the tiles are saved to
+    `tiles_file` (if given) and read from there on later starts. When they are read from the
+    GGUF, each packed weight is checked against the loaded one: they must be equal, bit for
+    bit (same file, same dequantization), so a wrong name mapping or permutation fails loudly.
+    """
+    config = model.config
+    if getattr(config, "model_type", None) not in ("llama", "mistral"):
+        raise ValueError(f"--quantization gguf supports Llama-family models, not {config.model_type!r}")
+    kernels = load_kernels(cache_dir) if use_kernels else None
+    from_file = tiles_file is not None and tiles_file.exists()
+    if from_file:
+        assert tiles_file is not None
+        tiles, kept = _load_tiles(tiles_file), -1
+    else:
+        tiles, kept = read_q4_1_linears(model, gguf_path)
+    if not tiles:
+        raise ValueError(f"{gguf_path.name} has no Q4_1 linear weights to keep packed")
+    for name, t in tiles.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        packed = PackedQ4_1Linear(t, kernels)
+        if not from_file and not torch.equal(packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()):
+            raise ValueError(f"{name}: packed blocks differ from the loaded weight "
+                             f"(is {gguf_path.name} the file this model was converted from?)")
+        setattr(parent, attr, packed)
+    if tiles_file is not None and not from_file:
+        _save_tiles(tiles, tiles_file)
+    log.info("packed %d Q4_1 linears (%s)%s", len(tiles),
+             "numba kernels" if kernels is not None else "torch fallback: numba not installed",
+             f"; kept {kept} of other types" if kept >= 0 else "")
+    return len(tiles)
