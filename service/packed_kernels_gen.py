@@ -23,8 +23,9 @@ block's 16 bytes of nibbles: low nibble = weight j, high nibble = weight j+16), 
 dequantized once (w = d*q + m, float32, as gguf's own dequantizer computes it) into a
 [K, {tile}] buffer, then every row of x is run against it with accumulators in registers.
 
-Every output element is the plain sum over k, in k order, of w[k]*x[k] (a multiply, then an
-add: no fused multiply-add, no reassociation). So a row's result does not depend on how many
+Every output element is the plain sum of w[k]*x[k] in one fixed order of k (per block: j, j+16
+for j = 0..15), a multiply then an add (no fused multiply-add, no reassociation). A one-row
+pass dequantizes in registers instead of through the buffer, with the same arithmetic. So a row's result does not depend on how many
 rows come with it, nor where it sits among them: a tree pass computes each node's linears
 bit-for-bit as a one-token pass would.
 """
@@ -60,6 +61,9 @@ def q4_1_matmul(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
     for c in prange(chunks):
         w = np.empty((qs.shape[1] * 32, TILE), np.float32)
         for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
+            if rows == 1:
+                _row_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+                continue
             _dequantize_tile(qs[t], d[t], m[t], w)
             r = 0
             while r + 2 <= rows:
@@ -82,27 +86,59 @@ def q4_1_dequantize(qs, d, m, out):  # pragma: no cover - compiled
 
 
 def rows_kernel(rows: int, tile: int = TILE) -> str:
-    """Rows r..r+rows-1 of x against one dequantized tile, accumulators in registers."""
+    """Rows r..r+rows-1 of x against one dequantized tile, accumulators in registers. The sum
+    runs over k in block order: for each block, j then j+16 for j = 0..15 (the order in which
+    a Q4_1 byte holds its two weights, so the fused one-row kernel can follow it too)."""
     lines = [
         "",
         "",
         '@njit(cache=True, inline="always")',
         f"def _rows{rows}(w, x, r, out, o0):  # pragma: no cover - compiled",
     ]
-    for i in range(rows):
-        for g in range(0, tile, 8):
-            names = " = ".join(f"a{i}_{c}" for c in range(g, g + 8))
-            lines.append(f"    {names} = np.float32(0.0)")
-    lines.append("    for k in range(w.shape[0]):")
-    lines += [f"        x{i} = x[r + {i}, k]" for i in range(rows)]
-    lines += [f"        w{g} = w[k, {g}]" for g in range(tile)]
-    lines += [f"        a{i}_{g} += w{g} * x{i}" for i in range(rows) for g in range(tile)]
+    lines += _zero_accumulators(rows, tile)
+    lines.append("    for b in range(w.shape[0] // 32):")
+    lines.append("        for j in range(16):")
+    for half, offset in (("lo", "j"), ("hi", "j + 16")):
+        lines += [f"            x{i} = x[r + {i}, b * 32 + {offset}]" for i in range(rows)]
+        lines += [f"            w{g} = w[b * 32 + {offset}, {g}]" for g in range(tile)]
+        lines += [f"            a{i}_{g} += w{g} * x{i}" for i in range(rows) for g in range(tile)]
     lines += [f"    out[r + {i}, o0 + {g}] = a{i}_{g}" for i in range(rows) for g in range(tile)]
     return "\n".join(lines)
 
 
+def fused_row_kernel(tile: int = TILE) -> str:
+    """One row of x against one tile, dequantizing in registers (no buffer): the one-token
+    pass. Same weights (d*q + m, two roundings) and the same summation order as `_rows1`."""
+    lines = [
+        "",
+        "",
+        '@njit(cache=True, inline="always")',
+        "def _row_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled",
+    ]
+    lines += _zero_accumulators(1, tile)
+    lines.append("    for b in range(qs.shape[0]):")
+    lines += [f"        d{g} = d[b, {g}]" for g in range(tile)]
+    lines += [f"        m{g} = m[b, {g}]" for g in range(tile)]
+    lines.append("        for j in range(16):")
+    lines.append("            xl = x[r, b * 32 + j]")
+    lines.append("            xh = x[r, b * 32 + 16 + j]")
+    lines += [f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)]
+    lines += [f"            a0_{g} += (d{g} * np.float32(q{g} & 15) + m{g}) * xl" for g in range(tile)]
+    lines += [f"            a0_{g} += (d{g} * np.float32(q{g} >> 4) + m{g}) * xh" for g in range(tile)]
+    lines += [f"    out[r, o0 + {g}] = a0_{g}" for g in range(tile)]
+    return "\n".join(lines)
+
+
+def _zero_accumulators(rows: int, tile: int) -> list[str]:
+    return [
+        "    " + " = ".join(f"a{i}_{c}" for c in range(g, g + 8)) + " = np.float32(0.0)"
+        for i in range(rows)
+        for g in range(0, tile, 8)
+    ]
+
+
 def source(tile: int = TILE) -> str:
-    return HEADER.format(tile=tile) + rows_kernel(1, tile) + rows_kernel(2, tile) + FOOTER
+    return HEADER.format(tile=tile) + rows_kernel(1, tile) + rows_kernel(2, tile) + fused_row_kernel(tile) + FOOTER
 
 
 if __name__ == "__main__":
