@@ -114,8 +114,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None,
                         help="float32, bfloat16 or float16 (default: bfloat16 on GPUs and on CPUs with native bf16)")
-    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=Settings.model_fields["quantization"].default,
-                        help="none: float32 weights; gguf: keep the GGUF's Q4_1 linears packed (CPU fast path)")
+    parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=Settings.model_fields["quantization"].default,
+                        help=Settings.model_fields["quantization"].description)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
 
 

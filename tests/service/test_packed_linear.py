@@ -20,7 +20,7 @@ from service.model_tables import compute_tables
 from service.packed_linear import (
     KERNEL_MAX_ROWS,
     LLAMA_LINEARS,
-    PackedQ4_1Linear,
+    PackedLinear,
     dequantize_tiles,
     load_kernels,
     pack_gguf_linears,
@@ -30,48 +30,51 @@ from service.packed_linear import (
 from tests.conftest import make_tiny_model
 
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 kernels = load_kernels()
 needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")
 
 
-def random_blocks(out_features: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """GGUF Q4_1 bytes of a random weight, as gguf's own quantizer writes them."""
+def random_blocks(out_features: int, in_features: int, seed: int = 0, kind=Q4_1) -> np.ndarray:
+    """GGUF bytes of a random weight, as gguf's own quantizer writes them."""
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
-    return gguf.quants.quantize(weight, Q4_1)
+    return gguf.quants.quantize(weight, kind)
 
 
-def reference(blocks: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+def reference(blocks: np.ndarray, x: torch.Tensor, kind=Q4_1) -> torch.Tensor:
     """gguf's dequantization, then a float64 matmul."""
-    weight = torch.from_numpy(gguf.quants.dequantize(blocks, Q4_1))
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
     return (x.double() @ weight.double().T).float()
 
 
-def test_dequantization_is_ggufs_bit_for_bit() -> None:
-    blocks = random_blocks(70, 96)
-    tiles = tiles_from_blocks(blocks, 70, 96)
-    want = torch.from_numpy(gguf.quants.dequantize(blocks, Q4_1))
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_dequantization_is_ggufs_bit_for_bit(kind) -> None:
+    blocks = random_blocks(70, 96, kind=kind)
+    tiles = tiles_from_blocks(blocks, 70, 96, kind.name)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
     assert torch.equal(dequantize_tiles(tiles), want)
     if kernels is not None:
-        assert torch.equal(PackedQ4_1Linear(tiles, kernels).dequantized(), want)
+        assert torch.equal(PackedLinear(tiles, kernels).dequantized(), want)
 
 
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
 @pytest.mark.parametrize("out_features, in_features", [(64, 32), (45, 96), (200, 608), (576, 576), (33, 1536)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 33])
-def test_packed_linear_matches_the_torch_reference(use_numba, out_features, in_features, rows) -> None:
-    blocks = random_blocks(out_features, in_features, seed=rows)
-    layer = PackedQ4_1Linear(tiles_from_blocks(blocks, out_features, in_features), kernels if use_numba else None)
+def test_packed_linear_matches_the_torch_reference(use_numba, kind, out_features, in_features, rows) -> None:
+    blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
+    layer = PackedLinear(tiles_from_blocks(blocks, out_features, in_features, kind.name), kernels if use_numba else None)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features))
     got = layer(x)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
-    torch.testing.assert_close(got, reference(blocks, x), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=2e-5)
 
 
 @needs_numba
 def test_batched_leading_dims_and_large_passes() -> None:
     blocks = random_blocks(96, 64)
-    layer = PackedQ4_1Linear(tiles_from_blocks(blocks, 96, 64), kernels)
+    layer = PackedLinear(tiles_from_blocks(blocks, 96, 64), kernels)
     x = torch.randn(2, KERNEL_MAX_ROWS, 64)  # 128 rows: the dequantize + F.linear path
     got = layer(x)
     assert got.shape == (2, KERNEL_MAX_ROWS, 96)
@@ -80,10 +83,11 @@ def test_batched_leading_dims_and_large_passes() -> None:
 
 
 @needs_numba
-def test_a_rows_result_does_not_depend_on_the_pass_size() -> None:
-    """Each output is the same float32 sum in k order whatever the pass: bit-identical rows."""
-    blocks = random_blocks(100, 576)
-    layer = PackedQ4_1Linear(tiles_from_blocks(blocks, 100, 576), kernels)
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_a_rows_result_does_not_depend_on_the_pass_size(kind) -> None:
+    """Each output is the same float32 sum in one k order whatever the pass: bit-identical rows."""
+    blocks = random_blocks(100, 576, kind=kind)
+    layer = PackedLinear(tiles_from_blocks(blocks, 100, 576, kind.name), kernels)
     x = torch.randn(17, 576)
     together = layer(x)
     for i in range(17):
@@ -110,8 +114,8 @@ def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def write_tiny_gguf(model, path: Path) -> None:
-    """Quantize the tiny Llama's linears to Q4_1 into a GGUF (llama.cpp's names and q/k
-    permutation), and set the model's weights to exactly what that file holds."""
+    """Quantize the tiny Llama's linears to Q4_1 and its LM head to Q8_0 into a GGUF (llama.cpp's
+    names and q/k permutation), and set the model's weights to exactly what that file holds."""
     config = model.config
     writer = gguf.GGUFWriter(path, "llama")
     for index, layer in enumerate(model.model.layers):
@@ -126,6 +130,9 @@ def write_tiny_gguf(model, path: Path) -> None:
                 served = served[unpermute_rows(served.shape[0], heads)]
             linear.weight.data = torch.from_numpy(np.ascontiguousarray(served))
             writer.add_tensor(f"blk.{index}.{kind}.weight", blocks, raw_dtype=Q4_1)
+    head = gguf.quants.quantize(model.lm_head.weight.detach().numpy(), Q8_0)
+    model.lm_head.weight.data = torch.from_numpy(gguf.quants.dequantize(head, Q8_0))
+    writer.add_tensor("output.weight", head, raw_dtype=Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -141,22 +148,22 @@ def tiny_packed(tmp_path_factory):
     packed = make_tiny_model(seed=3)
     packed.load_state_dict(plain.state_dict())
     tiles_file = path.with_suffix(".npz")
-    assert pack_gguf_linears(packed, path, tiles_file=tiles_file) == 14  # 2 layers x 7
+    assert pack_gguf_linears(packed, path, tiles_file=tiles_file) == 15  # 2 layers x 7, and the LM head
     return plain, packed, path, tiles_file
 
 
 def test_pack_gguf_linears_swaps_every_linear_and_keeps_the_served_weights(tiny_packed) -> None:
     plain, packed, path, tiles_file = tiny_packed
     for name, module in packed.named_modules():
-        if name.endswith(tuple(LLAMA_LINEARS.values())):
-            assert isinstance(module, PackedQ4_1Linear)
+        if name.endswith((*LLAMA_LINEARS.values(), "lm_head")):
+            assert isinstance(module, PackedLinear)
             assert torch.equal(module.dequantized(), plain.get_submodule(name).weight)
     ids = torch.randint(64, (1, 12))
     with torch.inference_mode():
         torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
     again = make_tiny_model(seed=3)  # second load: from the saved tiles, same modules
     again.load_state_dict(plain.state_dict())
-    assert tiles_file.exists() and pack_gguf_linears(again, path, tiles_file=tiles_file) == 14
+    assert tiles_file.exists() and pack_gguf_linears(again, path, tiles_file=tiles_file) == 15
     with torch.inference_mode():
         assert torch.equal(again(ids).logits, packed(ids).logits)
 
@@ -194,11 +201,16 @@ def test_real_layers_hold_the_files_weights_and_match_float32(embedded, embedded
         for name in LLAMA_LINEARS.values():
             module = packed.model.layers[index].get_submodule(name)
             weight = float32.model.layers[index].get_submodule(name).weight
-            assert isinstance(module, PackedQ4_1Linear)
+            assert isinstance(module, PackedLinear)
             assert torch.equal(module.dequantized(), weight)
             for rows in (1, 3, 16):
                 xs = x[:rows, : module.in_features]
                 torch.testing.assert_close(module(xs), F.linear(xs, weight), rtol=1e-4, atol=1e-4)
+    head = packed.lm_head  # tied to the Q8_0 token embedding in the file
+    assert isinstance(head, PackedLinear) and head.kind == "Q8_0"
+    assert torch.equal(head.dequantized(), float32.lm_head.weight)
+    assert torch.equal(packed.model.embed_tokens.weight, float32.model.embed_tokens.weight)
+    torch.testing.assert_close(head(x[:5, :576]), F.linear(x[:5, :576], float32.lm_head.weight), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
