@@ -24,10 +24,10 @@ dequantized once (w = d*q + m, float32, as gguf's own dequantizer computes it) i
 [K, {tile}] buffer, then every row of x is run against it with accumulators in registers.
 
 Every output element is the plain sum of w[k]*x[k] in one fixed order of k (per block: j, j+16
-for j = 0..15), a multiply then an add (no fused multiply-add, no reassociation). A one-row
-pass dequantizes in registers instead of through the buffer, with the same arithmetic. So a
-row's result does not depend on how many rows come with it, nor where it sits among them: a
-tree pass computes each node's linears bit-for-bit as a one-token pass would.
+for j = 0..15), a multiply then an add (no fused multiply-add, no reassociation). Passes of
+one or two rows dequantize in registers instead of through the buffer, with the same
+arithmetic. So a row's result does not depend on how many rows come with it, nor where it sits
+among them: a tree pass computes each node's linears bit-for-bit as a one-token pass would.
 
 `q8_0_matmul(x, qs, d, out, chunks)` does the same for Q8_0 blocks (32 int8 and a float16
 scale d; w = d*q): qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32.
@@ -39,6 +39,7 @@ import numpy as np
 from numba import njit, prange
 
 TILE = {tile}
+FUSED_MAX_ROWS = 2  # passes up to this many rows dequantize in registers (measured faster)
 
 
 @njit(cache=True, inline="always")
@@ -73,8 +74,13 @@ def q4_1_matmul(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
     for c in prange(chunks):
         w = np.empty((qs.shape[1] * 32, TILE), np.float32)
         for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            if rows == 1:
-                _row_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+            if rows <= FUSED_MAX_ROWS:
+                r = 0
+                while r + 2 <= rows:
+                    _rows2_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
+                    r += 2
+                if r < rows:
+                    _rows1_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
                 continue
             _dequantize_tile(qs[t], d[t], m[t], w)
             r = 0
@@ -94,8 +100,13 @@ def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
     for c in prange(chunks):
         w = np.empty((qs.shape[1] * 32, TILE), np.float32)
         for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            if rows == 1:
-                _row_fused_q8(qs[t], d[t], x, 0, out, t * TILE)
+            if rows <= FUSED_MAX_ROWS:
+                r = 0
+                while r + 2 <= rows:
+                    _rows2_fused_q8(qs[t], d[t], x, r, out, t * TILE)
+                    r += 2
+                if r < rows:
+                    _rows1_fused_q8(qs[t], d[t], x, r, out, t * TILE)
                 continue
             _dequantize_tile_q8(qs[t], d[t], w)
             r = 0
@@ -137,8 +148,13 @@ def q4_1_matmul_serial(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
     for c in range(chunks):
         w = np.empty((qs.shape[1] * 32, TILE), np.float32)
         for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            if rows == 1:
-                _row_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+            if rows <= FUSED_MAX_ROWS:
+                r = 0
+                while r + 2 <= rows:
+                    _rows2_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
+                    r += 2
+                if r < rows:
+                    _rows1_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
                 continue
             _dequantize_tile(qs[t], d[t], m[t], w)
             r = 0
@@ -158,8 +174,13 @@ def q8_0_matmul_serial(x, qs, d, out, chunks):  # pragma: no cover - compiled
     for c in range(chunks):
         w = np.empty((qs.shape[1] * 32, TILE), np.float32)
         for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            if rows == 1:
-                _row_fused_q8(qs[t], d[t], x, 0, out, t * TILE)
+            if rows <= FUSED_MAX_ROWS:
+                r = 0
+                while r + 2 <= rows:
+                    _rows2_fused_q8(qs[t], d[t], x, r, out, t * TILE)
+                    r += 2
+                if r < rows:
+                    _rows1_fused_q8(qs[t], d[t], x, r, out, t * TILE)
                 continue
             _dequantize_tile_q8(qs[t], d[t], w)
             r = 0
@@ -192,46 +213,53 @@ def rows_kernel(rows: int, tile: int = TILE) -> str:
     return "\n".join(lines)
 
 
-def fused_row_kernel(tile: int = TILE) -> str:
-    """One row of x against one tile, dequantizing in registers (no buffer): the one-token
-    pass. Same weights (d*q + m, two roundings) and the same summation order as `_rows1`."""
+def fused_row_kernel(tile: int = TILE, rows: int = 1) -> str:
+    """`rows` rows of x against one tile, dequantizing in registers (no buffer): one- and
+    two-token passes. Same weights (d*q + m, two roundings) and the same summation order as
+    `_rows1`."""
     lines = [
         "",
         "",
         '@njit(cache=True, inline="always")',
-        "def _row_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled",
+        f"def _rows{rows}_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled",
     ]
-    lines += _zero_accumulators(1, tile)
+    lines += _zero_accumulators(rows, tile)
     lines.append("    for b in range(qs.shape[0]):")
     lines += [f"        d{g} = d[b, {g}]" for g in range(tile)]
     lines += [f"        m{g} = m[b, {g}]" for g in range(tile)]
     lines.append("        for j in range(16):")
-    lines.append("            xl = x[r, b * 32 + j]")
-    lines.append("            xh = x[r, b * 32 + 16 + j]")
+    for i in range(rows):
+        lines.append(f"            xl{i} = x[r + {i}, b * 32 + j]")
+        lines.append(f"            xh{i} = x[r + {i}, b * 32 + 16 + j]")
     lines += [f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)]
-    lines += [f"            a0_{g} += (d{g} * np.float32(q{g} & 15) + m{g}) * xl" for g in range(tile)]
-    lines += [f"            a0_{g} += (d{g} * np.float32(q{g} >> 4) + m{g}) * xh" for g in range(tile)]
-    lines += [f"    out[r, o0 + {g}] = a0_{g}" for g in range(tile)]
+    lines += [f"            w{g} = d{g} * np.float32(q{g} & 15) + m{g}" for g in range(tile)]
+    lines += [f"            a{i}_{g} += w{g} * xl{i}" for i in range(rows) for g in range(tile)]
+    lines += [f"            w{g} = d{g} * np.float32(q{g} >> 4) + m{g}" for g in range(tile)]
+    lines += [f"            a{i}_{g} += w{g} * xh{i}" for i in range(rows) for g in range(tile)]
+    lines += [f"    out[r + {i}, o0 + {g}] = a{i}_{g}" for i in range(rows) for g in range(tile)]
     return "\n".join(lines)
 
 
-def fused_row_kernel_q8(tile: int = TILE) -> str:
+def fused_row_kernel_q8(tile: int = TILE, rows: int = 1) -> str:
     """`fused_row_kernel` for Q8_0 blocks (w = d*q, exact in float32), same summation order."""
     lines = [
         "",
         "",
         '@njit(cache=True, inline="always")',
-        "def _row_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled",
+        f"def _rows{rows}_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled",
     ]
-    lines += _zero_accumulators(1, tile)
+    lines += _zero_accumulators(rows, tile)
     lines.append("    for b in range(qs.shape[0]):")
     lines += [f"        d{g} = d[b, {g}]" for g in range(tile)]
     lines.append("        for j in range(16):")
-    lines.append("            xl = x[r, b * 32 + j]")
-    lines.append("            xh = x[r, b * 32 + 16 + j]")
-    lines += [f"            a0_{g} += (d{g} * np.float32(qs[b, j, {g}])) * xl" for g in range(tile)]
-    lines += [f"            a0_{g} += (d{g} * np.float32(qs[b, j + 16, {g}])) * xh" for g in range(tile)]
-    lines += [f"    out[r, o0 + {g}] = a0_{g}" for g in range(tile)]
+    for i in range(rows):
+        lines.append(f"            xl{i} = x[r + {i}, b * 32 + j]")
+        lines.append(f"            xh{i} = x[r + {i}, b * 32 + 16 + j]")
+    lines += [f"            w{g} = d{g} * np.float32(qs[b, j, {g}])" for g in range(tile)]
+    lines += [f"            a{i}_{g} += w{g} * xl{i}" for i in range(rows) for g in range(tile)]
+    lines += [f"            w{g} = d{g} * np.float32(qs[b, j + 16, {g}])" for g in range(tile)]
+    lines += [f"            a{i}_{g} += w{g} * xh{i}" for i in range(rows) for g in range(tile)]
+    lines += [f"    out[r + {i}, o0 + {g}] = a{i}_{g}" for i in range(rows) for g in range(tile)]
     return "\n".join(lines)
 
 
@@ -244,7 +272,7 @@ def _zero_accumulators(rows: int, tile: int) -> list[str]:
 
 
 def source(tile: int = TILE) -> str:
-    return HEADER.format(tile=tile) + rows_kernel(1, tile) + rows_kernel(2, tile) + fused_row_kernel(tile) + fused_row_kernel_q8(tile) + FOOTER
+    return HEADER.format(tile=tile) + rows_kernel(1, tile) + rows_kernel(2, tile) + fused_row_kernel(tile) + fused_row_kernel(tile, 2) + fused_row_kernel_q8(tile) + fused_row_kernel_q8(tile, 2) + FOOTER
 
 
 if __name__ == "__main__":
