@@ -37,7 +37,7 @@ def _dequantize_tile(qs, d, m, w):  # pragma: no cover - compiled
                 w[b * 32 + 16 + j, g] = d[b, g] * np.float32(q >> 4) + m[b, g]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows1(w, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -208,7 +208,7 @@ def _rows1(w, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 0, o0 + 30] = a0_30
     out[r + 0, o0 + 31] = a0_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows2(w, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -1634,57 +1634,81 @@ def _dequantize_tile_q8(qs, d, w):  # pragma: no cover - compiled
                 w[b * 32 + j, g] = d[b, g] * np.float32(qs[b, j, g])
 
 
+@njit(cache=True)
+def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
+    """Tiles t0..t1-1 of a Q4_1 weight against every row of x."""
+    rows = x.shape[0]
+    w = np.empty((qs.shape[1] * 32, TILE), np.float32)
+    for t in range(t0, t1):
+        if rows <= FUSED_MAX_ROWS:
+            r = 0
+            while r + 2 <= rows:
+                _rows2_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
+                r += 2
+            if r < rows:
+                _rows1_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
+            continue
+        _dequantize_tile(qs[t], d[t], m[t], w)
+        r = 0
+        while r + 2 <= rows:
+            _rows2(w, x, r, out, t * TILE)
+            r += 2
+        if r < rows:
+            _rows1(w, x, r, out, t * TILE)
+
+
+@njit(cache=True)
+def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
+    """Tiles t0..t1-1 of a Q8_0 weight against every row of x."""
+    rows = x.shape[0]
+    w = np.empty((qs.shape[1] * 32, TILE), np.float32)
+    for t in range(t0, t1):
+        if rows <= FUSED_MAX_ROWS:
+            r = 0
+            while r + 2 <= rows:
+                _rows2_fused_q8(qs[t], d[t], x, r, out, t * TILE)
+                r += 2
+            if r < rows:
+                _rows1_fused_q8(qs[t], d[t], x, r, out, t * TILE)
+            continue
+        _dequantize_tile_q8(qs[t], d[t], w)
+        r = 0
+        while r + 2 <= rows:
+            _rows2(w, x, r, out, t * TILE)
+            r += 2
+        if r < rows:
+            _rows1(w, x, r, out, t * TILE)
+
+
 @njit(parallel=True, cache=True)
 def q4_1_matmul(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
     """out[M, T*TILE] = x[M, K] @ dequantized(qs, d, m).T; the tiles are split in `chunks`
     (one per thread) of consecutive tiles."""
-    rows = x.shape[0]
     tiles = qs.shape[0]
     chunks = max(1, min(tiles, chunks))
     for c in prange(chunks):
-        w = np.empty((qs.shape[1] * 32, TILE), np.float32)
-        for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            if rows <= FUSED_MAX_ROWS:
-                r = 0
-                while r + 2 <= rows:
-                    _rows2_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
-                    r += 2
-                if r < rows:
-                    _rows1_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
-                continue
-            _dequantize_tile(qs[t], d[t], m[t], w)
-            r = 0
-            while r + 2 <= rows:
-                _rows2(w, x, r, out, t * TILE)
-                r += 2
-            if r < rows:
-                _rows1(w, x, r, out, t * TILE)
+        _q4_1_tiles(x, qs, d, m, out, c * tiles // chunks, (c + 1) * tiles // chunks)
+
+
+@njit(cache=True)
+def q4_1_matmul_serial(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
+    """`q4_1_matmul` on the calling thread (`chunks` is ignored): for small layers."""
+    _q4_1_tiles(x, qs, d, m, out, 0, qs.shape[0])
 
 
 @njit(parallel=True, cache=True)
 def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q4_1_matmul` for Q8_0 tiles: qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32."""
-    rows = x.shape[0]
     tiles = qs.shape[0]
     chunks = max(1, min(tiles, chunks))
     for c in prange(chunks):
-        w = np.empty((qs.shape[1] * 32, TILE), np.float32)
-        for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            if rows <= FUSED_MAX_ROWS:
-                r = 0
-                while r + 2 <= rows:
-                    _rows2_fused_q8(qs[t], d[t], x, r, out, t * TILE)
-                    r += 2
-                if r < rows:
-                    _rows1_fused_q8(qs[t], d[t], x, r, out, t * TILE)
-                continue
-            _dequantize_tile_q8(qs[t], d[t], w)
-            r = 0
-            while r + 2 <= rows:
-                _rows2(w, x, r, out, t * TILE)
-                r += 2
-            if r < rows:
-                _rows1(w, x, r, out, t * TILE)
+        _q8_0_tiles(x, qs, d, out, c * tiles // chunks, (c + 1) * tiles // chunks)
+
+
+@njit(cache=True)
+def q8_0_matmul_serial(x, qs, d, out, chunks):  # pragma: no cover - compiled
+    """`q8_0_matmul` on the calling thread (`chunks` is ignored): for small layers."""
+    _q8_0_tiles(x, qs, d, out, 0, qs.shape[0])
 
 
 @njit(parallel=True, cache=True)
@@ -1707,55 +1731,3 @@ def q4_1_dequantize(qs, d, m, out):  # pragma: no cover - compiled
         for g in range(TILE):
             for k in range(w.shape[0]):
                 out[t * TILE + g, k] = w[k, g]
-
-
-@njit(cache=True)
-def q4_1_matmul_serial(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
-    """`q4_1_matmul` on the calling thread (`chunks` is ignored): for small layers."""
-    rows = x.shape[0]
-    tiles = qs.shape[0]
-    chunks = 1
-    for c in range(chunks):
-        w = np.empty((qs.shape[1] * 32, TILE), np.float32)
-        for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            if rows <= FUSED_MAX_ROWS:
-                r = 0
-                while r + 2 <= rows:
-                    _rows2_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
-                    r += 2
-                if r < rows:
-                    _rows1_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
-                continue
-            _dequantize_tile(qs[t], d[t], m[t], w)
-            r = 0
-            while r + 2 <= rows:
-                _rows2(w, x, r, out, t * TILE)
-                r += 2
-            if r < rows:
-                _rows1(w, x, r, out, t * TILE)
-
-
-@njit(cache=True)
-def q8_0_matmul_serial(x, qs, d, out, chunks):  # pragma: no cover - compiled
-    """`q8_0_matmul` on the calling thread (`chunks` is ignored): for small layers."""
-    rows = x.shape[0]
-    tiles = qs.shape[0]
-    chunks = 1
-    for c in range(chunks):
-        w = np.empty((qs.shape[1] * 32, TILE), np.float32)
-        for t in range(c * tiles // chunks, (c + 1) * tiles // chunks):
-            if rows <= FUSED_MAX_ROWS:
-                r = 0
-                while r + 2 <= rows:
-                    _rows2_fused_q8(qs[t], d[t], x, r, out, t * TILE)
-                    r += 2
-                if r < rows:
-                    _rows1_fused_q8(qs[t], d[t], x, r, out, t * TILE)
-                continue
-            _dequantize_tile_q8(qs[t], d[t], w)
-            r = 0
-            while r + 2 <= rows:
-                _rows2(w, x, r, out, t * TILE)
-                r += 2
-            if r < rows:
-                _rows1(w, x, r, out, t * TILE)

@@ -4,8 +4,9 @@
 layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16
 scale d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4,
 and the numba kernel (service/packed_kernels.py) dequantizes each block once per pass and
-applies it to every row of the pass, so a tree of up to 16 tokens costs little more than one
-token. Without numba the same module dequantizes and calls `F.linear` (slower, same weights).
+applies it to every row of the pass (up to KERNEL_MAX_ROWS rows; larger passes dequantize the
+layer and call `F.linear`). Without numba the same modules dequantize and call `F.linear`
+(slower, same weights).
 
 The served weights are bit-for-bit those of the float32 path (the converted cache holds the
 same dequantized values); what differs is only the order of the float32 sums inside a matmul,
@@ -26,7 +27,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,7 +36,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-Quantization = Literal["none", "gguf"]
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf")
 TILE = 32  # output rows per tile, as in service/packed_kernels.py
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
@@ -63,8 +63,9 @@ _kernels_error: str | None = None
 def load_kernels(cache_dir: Path | None = None) -> Any:
     """The compiled numba kernels module, or None when numba is not installed (or fails).
 
-    The first call per machine compiles them (~10-20 s on 2 cores) into numba's cache (next
-    to the source, or `<cache_dir>/numba` where that is not writable); later starts load it.
+    The first call per machine compiles them (tens of seconds on 2 cores; logged) into numba's
+    cache (next to the source, or `<cache_dir>/numba` where that is not writable); later starts
+    load them from there in about a second.
     """
     global _kernels, _kernels_error
     if _kernels is not None or _kernels_error is not None:
@@ -84,7 +85,7 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
         return None
     started = time.perf_counter()
     _warm_up(packed_kernels)
-    log.info("numba Q4_1 kernels ready in %.1f s (threading layer %s, %d threads)",
+    log.info("numba packed-linear kernels ready in %.1f s (threading layer %s, %d threads)",
              time.perf_counter() - started, numba.threading_layer(), numba.get_num_threads())
     _kernels = packed_kernels
     return _kernels
