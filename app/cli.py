@@ -1,4 +1,4 @@
-"""`ngrammys serve` and `ngrammys bench`.
+"""`ngrammys serve`, `ngrammys prepare`, `ngrammys bench` and `ngrammys profile`.
 
 `serve` flags are generated from the `Settings` fields, so a flag, its `NGRAMMYS_*`
 variable and its documentation never drift apart.
@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from app.loadtest import MODES as LOAD_MODES
 from app.settings import Settings
 from drafting import MIXED, STRATEGY_NAMES
 from service.config import SamplingParams
@@ -34,12 +37,47 @@ def _serve(args: argparse.Namespace) -> None:
     import uvicorn
 
     from app.main import create_app
+    from app.shutdown import DrainingServer
 
     given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
-    settings = Settings(**given)
+
+    def stop() -> None:  # the model failed to load: this process can never serve
+        server.should_exit = True
+
+    try:
+        settings = Settings(**given)
+        app = create_app(settings, on_load_failure=stop)
+    except (ValueError, OSError) as error:  # bad settings, an unreadable key file
+        sys.exit(f"ngrammys serve: {error}")
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level.lower())
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                            timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app, settings.drain_timeout)
+    server.run()
+    if app.state.load_error:
+        sys.exit(f"ngrammys serve: the model failed to load: {app.state.load_error}")
+    if not server.started:
+        sys.exit(3)  # uvicorn could not start (e.g. the port is taken); it logged why
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    """Convert the model and compute its tables into the cache `serve` will read (an image bakes them);
+    when the quantization resolves to gguf, also the packed tiles and the compiled numba kernels
+    (`<cache>/numba`), so a server with the same settings starts without compiling."""
+    from service.model_loader import load_model
+    from service.model_tables import load_or_compute_tables
+    from service.prompts import assistant_prefix_ids
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env = Settings()  # unset flags fall back to NGRAMMYS_*, as `serve` reads them
+    model, device, dtype = args.model or env.model, args.device or env.device, args.dtype or env.dtype
+    cache_dir, quantization = args.cache_dir or env.cache_dir, args.quantization or env.quantization
+    loaded = load_model(model, device, dtype, cache_dir, quantization)
+    before = set((cache_dir / "tables").glob("*.npz"))
+    load_or_compute_tables(loaded.model, cache_dir, assistant_prefix_ids(loaded.tokenizer), show_progress=False)
+    tables = "computed" if set((cache_dir / "tables").glob("*.npz")) - before else "cached"
+    print(f"{loaded.name} ({loaded.model.dtype}) in {cache_dir}: weights "
+          f"{'cached' if loaded.from_cache else 'converted'}, tables {tables}", flush=True)
 
 
 def _bench(args: argparse.Namespace) -> None:
@@ -49,7 +87,7 @@ def _bench(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
-    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto)
+    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike)
     prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category, args.category)
     strategies = list(dict.fromkeys(args.strategy))
     methods = bench.bench_methods(strategies, args.k, args.w, args.grid, args.auto)
@@ -67,6 +105,9 @@ def _bench(args: argparse.Namespace) -> None:
               f"{plain.seconds:.2f}s | " + " | ".join(cells), flush=True)
 
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    if args.spike:
+        _spike(engine, prompts, args, sampling)
+        return
     results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling)
     for name, by_category in results.items():
         print(f"\n### {name}\n\n{bench.format_table(by_category)}")
@@ -84,6 +125,20 @@ def _bench(args: argparse.Namespace) -> None:
         sys.exit("speculative output differed from plain decoding with the same sampling and seed")
 
 
+def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: SamplingParams) -> None:
+    from service import bench
+    from service.config import GenerationParams, SpeculationParams
+
+    params = GenerationParams(args.max_new_tokens, speculation=SpeculationParams(args.k, args.w, "auto"),
+                              strategy=args.strategy[0], sampling=sampling)
+    print("| prompt | fresh tok/s | under load | after: first 50 rounds | after: later rounds | after: rounds with drafts |")
+    print("|---|---|---|---|---|---|")
+    for prompt in prompts:
+        r = bench.spike_recovery(engine, prompt.prompt_ids, params)
+        print(f"| {prompt.category}/{prompt.question_id} | {r.fresh:.1f} | {r.during:.1f} | {r.after_first_rounds:.1f} "
+              f"({r.after_first_rounds / r.fresh:.0%}) | {r.after_rest:.1f} | {r.after_drafted_rounds} |", flush=True)
+
+
 def _profile(args: argparse.Namespace) -> None:
     from service.heatmap import write_heatmap
     from service.model_loader import load_model
@@ -93,15 +148,63 @@ def _profile(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
     profile = load_or_measure(ModelRunner(loaded.model), args.cache_dir, remeasure=args.remeasure)
-    print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=1)\n")
-    print("| L \\ n | " + " | ".join(str(n) for n in profile.tree_sizes) + " |")
-    print("|---" * (len(profile.tree_sizes) + 1) + "|")
-    for length, row in zip(profile.context_lengths, profile.seconds):
-        cells = [f"{row[0] * 1e3:.1f}"] + [f"x{s / row[0]:.2f}" for s in row[1:]]
-        print(f"| {length} | " + " | ".join(cells) + " |")
+    print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=rows)")
+    for rows, sizes, table in zip(profile.rows, profile.tree_sizes, profile.seconds):
+        print(f"\n{rows} row(s); n = tokens in the pass\n")
+        print("| L \\ n | " + " | ".join(str(n) for n in sizes) + " |")
+        print("|---" * (len(sizes) + 1) + "|")
+        for length, row in zip(profile.context_lengths, table):
+            cells = [f"{row[0] * 1e3:.1f}"] + [f"x{s / row[0]:.2f}" for s in row[1:]]
+            print(f"| {length} | " + " | ".join(cells) + " |")
     if args.png:
         write_heatmap(profile, args.context_length, args.png)
         print(f"\nwrote {args.png}")
+
+
+def _loadtest(args: argparse.Namespace) -> None:
+    from contextlib import nullcontext
+
+    from app import loadtest
+    from app.background import serving_process
+    from service.bench import specbench_questions
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
+    questions = specbench_questions(args.dataset, args.per_category)
+    flags = ["--max-running-requests", str(args.max_running_requests), "--max-waiting", str(max(args.concurrency) * 2),
+             "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--cache-dir", str(args.cache_dir)]
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                        ("--quantization", args.quantization),
+                        ("--max-prefill-tokens-while-decoding", args.max_prefill_tokens_while_decoding)):
+        if value is not None:
+            flags += [flag, str(value)]
+    with (nullcontext(args.url) if args.url else serving_process(flags)) as base:
+        _wait_warm(base, args.url is None)
+        print(f"{len(questions)} questions, {args.max_tokens} tokens each, greedy; server {base}\n", flush=True)
+        print(loadtest.HEADER, flush=True)
+        results = loadtest.run_loadtest(base, questions, args.concurrency, args.requests_per_client,
+                                        args.max_tokens, progress=lambda row: print(row, flush=True),
+                                        modes=tuple(args.modes))
+    if args.json:
+        loadtest.write_json(results, args.json, max_tokens=args.max_tokens, per_category=args.per_category,
+                            max_running_requests=args.max_running_requests)
+        print(f"wrote {args.json}")
+    if args.png:
+        loadtest.write_plot(results, args.png, f"{args.max_tokens} tokens per request, greedy")
+        print(f"wrote {args.png}")
+
+
+def _wait_warm(base: str, warm_up: bool) -> None:
+    """Until /ready, and (for a server started here) until the cost profile and tables exist."""
+    import httpx
+
+    while True:
+        ready = httpx.get(f"{base}/ready", timeout=10).status_code == 200
+        health = httpx.get(f"{base}/health", timeout=10).json()
+        if ready and (not warm_up or (health.get("cost_profile") and health.get("model_tables"))):
+            return
+        time.sleep(1)
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -125,6 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _settings_flags(serve)
     serve.set_defaults(run=_serve)
+    prepare = commands.add_parser(
+        "prepare", help="convert the model and compute its draft tables into the cache (for images)")
+    prepare.add_argument("--model", default=None, help="model directory or .gguf [env NGRAMMYS_MODEL; default: embedded]")
+    prepare.add_argument("--device", default=None, help="[env NGRAMMYS_DEVICE]")
+    prepare.add_argument("--dtype", default=None,
+                         help="the dtype `serve` will use: the tables are keyed by it [env NGRAMMYS_DTYPE]")
+    prepare.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None,
+                         help="the quantization `serve` will use: gguf also bakes the packed tiles and "
+                              "compiles the numba kernels [env NGRAMMYS_QUANTIZATION; default: auto]")
+    prepare.add_argument("--cache-dir", type=Path, default=None, help="[env NGRAMMYS_CACHE_DIR]")
+    prepare.set_defaults(run=_prepare)
     bench = commands.add_parser("bench", help="plain vs speculative decoding on Spec-Bench prompts")
     bench.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
     bench.add_argument("--per-category", type=int, default=None, help="first N questions per category")
@@ -135,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="more fixed shapes for the first strategy, e.g. 1x1 2x4 8x8")
     bench.add_argument("--auto", action="store_true",
                        help="also run the first strategy in auto mode (measures the cost profile first)")
+    bench.add_argument("--spike", action="store_true",
+                       help="instead: auto mode fresh, under 3 busy processes, then after (load-spike recovery)")
     bench.add_argument("--strategy", choices=STRATEGY_NAMES, nargs="+", default=[MIXED],
                        help="draft strategies to compare (each against the same plain run)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
@@ -148,10 +264,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench)
     profile = commands.add_parser("profile", help="measure forward-pass cost over tree size and context length")
     _model_flags(profile)
-    profile.add_argument("--remeasure", action="store_true", help="ignore the saved profile")
+    profile.add_argument("--remeasure", action="store_true",
+                         help="ignore the saved profile (the remedy when auto mode misjudges costs: run it on an "
+                              "idle machine; a profile failing validation is never saved)")
     profile.add_argument("--png", type=Path, default=None, help="write the (k, w) slowdown heatmap here")
     profile.add_argument("--context-length", type=int, default=256, help="context length of the heatmap")
     profile.set_defaults(run=_profile)
+    load = commands.add_parser("loadtest", help="concurrent streaming clients: throughput and latency, off vs auto")
+    load.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
+    load.add_argument("--per-category", type=int, default=2, help="questions per category to cycle through")
+    load.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="client counts C")
+    load.add_argument("--requests-per-client", type=int, default=2, help="requests = C x this (at least 4)")
+    load.add_argument("--max-tokens", type=int, default=64)
+    load.add_argument("--url", default=None, help="a running server (default: start one here)")
+    load.add_argument("--max-running-requests", type=int, default=64, help="for the server started here")
+    load.add_argument("--max-tokens-per-pass", type=int, default=512, help="for the server started here")
+    load.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                      help="for the server started here (default: the server's)")
+    load.add_argument("--modes", nargs="+", choices=LOAD_MODES, default=list(LOAD_MODES),
+                      help="speculation modes to compare")
+    _model_flags(load)
+    load.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    load.add_argument("--png", type=Path, default=None, help="plot tokens/s and p99 ITL against C")
+    load.set_defaults(run=_loadtest)
     return parser
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -26,6 +30,7 @@ def error_response(request: Request, status: int, message: str, type_: str, para
     if request.url.path.startswith("/v1/") and request.method == "POST" and status < 500:
         outcome = "rejected" if status in (429, 503) else "invalid"
         request.app.state.metrics.requests.labels(outcome).inc()
+    message = message.encode("utf-8", "replace").decode("utf-8")  # a lone surrogate echoed back stays valid
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -37,20 +42,42 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    first = exc.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    errors = exc.errors()
+    # A union reports one error per member; the member whose own check failed says most.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    message = str(first.get("msg")).removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":  # the location is a byte offset, not a field
+        position = first.get("loc", ("body", "?"))[-1]
+        return error_response(request, 400, f"the request body is not valid JSON ({message} at byte {position})",
+                              "invalid_request_error", code="invalid_json")
+    location = [str(part) for part in first.get("loc", ())[1:] if _is_field(part)]
     param = ".".join(location) or None
-    return error_response(request, 400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")),
-                          "invalid_request_error", param)
+    return error_response(request, 400, f"{param}: {message}" if param else message, "invalid_request_error", param)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def _is_field(part: str | int) -> bool:
+    """A location part that names a field or an index, not a union member's tag such as
+    `str`, `list[int]`, `function-after[...]` or a model's class name."""
+    return isinstance(part, int) or (part.isidentifier() and part.islower() and part not in _UNION_TAGS)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return error_response(request, exc.status_code, str(exc.detail), kind)
+    code = "request_too_large" if exc.status_code == 413 else None
+    return error_response(request, exc.status_code, str(exc.detail), kind, code=code, headers=exc.headers)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(request, 500, f"internal error: {type(exc).__name__}", "server_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

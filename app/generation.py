@@ -8,18 +8,29 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
 from app.schemas import Usage, completion_body
 from service.async_engine import AsyncEngine, RequestHandle, RequestTimeout
 from service.engine import RoundOutput
 from service.detokenizer import TextStream
+from service.logprobs import TokenLogprob
 from service.stats import SpecDecodingStats
 
 Kind = Literal["text_completion", "chat.completion"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one chunk carries: text that can be sent, and the logprobs of the tokens received
+    since the previous piece (their text may have been held back until now)."""
+
+    text: str
+    logprobs: list[TokenLogprob]
 
 
 @dataclass
@@ -31,6 +42,9 @@ class Generation:
     text_stream: TextStream
     metrics: Metrics
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk
+    on_finish: Callable[[], None] | None = None  # called once, when the request ends
+    logprobs: LogprobsFormatter | None = None  # set when the request asked for logprobs
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
@@ -38,17 +52,21 @@ class Generation:
     finish_reason: str | None = None
     _last_output_at: float | None = None
     _sent_text: bool = False
+    _finished: bool = False
+    _unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def response_id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat.completion" else "cmpl-") + self.request_id
 
-    async def texts(self) -> AsyncIterator[str]:
-        """Text deltas, one per round that released text; ends at a stop or the end."""
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Text deltas, one per round that released text (or, with logprobs, reached a stop);
+        ends at a stop or the end."""
         async for output in self.engine.stream(self.handle):
             self._time(output)
             self.stats.observe(output)
             self.completion_tokens += len(output.token_ids)
+            self._unsent_logprobs.extend(output.logprobs or [])
             delta = self.text_stream.push(output.token_ids)
             if delta.stopped:
                 self.finish_reason = "stop"
@@ -59,11 +77,18 @@ class Generation:
                 if not self._sent_text:
                     self._sent_text = True
                     self.metrics.ttft.observe(time.monotonic() - self.handle.submitted_at)
-                yield delta.text
+                yield self._piece(delta.text)
             if delta.stopped:
-                return
-        if tail := self.text_stream.finish().text:
-            yield tail
+                break
+        else:
+            if tail := self.text_stream.finish().text:
+                yield self._piece(tail)
+        if self._unsent_logprobs:  # tokens whose text was held back, cut by a stop, or empty
+            yield self._piece("")
+
+    def _piece(self, text: str) -> Piece:
+        piece, self._unsent_logprobs = Piece(text, self._unsent_logprobs), []
+        return piece
 
     def _time(self, output: RoundOutput) -> None:
         now = time.monotonic()
@@ -77,24 +102,40 @@ class Generation:
         self.metrics.record_round(output)
 
     def finish(self, status: str) -> None:
-        """Account for the end of the request: outcome and end-to-end latency."""
+        """Account for the end of the request (once): outcome and end-to-end latency."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.on_finish is not None:
+            self.on_finish, release = None, self.on_finish
+            release()
         self.metrics.requests.labels(status).inc()
         self.metrics.e2e.observe(time.monotonic() - self.handle.submitted_at)
         if status == "aborted":
             self.metrics.disconnects.inc()
 
+    def abandon(self) -> None:
+        """The response ended, whatever happened to its body: stop the request if it still
+        runs (a no-op once it finished)."""
+        if not self._finished:
+            self.engine.abort(self.handle)
+            self.finish("aborted")
+
     async def collect(self) -> dict[str, Any]:
         """Run to the end; the whole response object."""
-        text = "".join([piece async for piece in self.texts()])
-        return self._body(text, self.finish_reason, self.usage(), chunk=False)
+        pieces = [piece async for piece in self.pieces()]
+        logprobs = [lp for piece in pieces for lp in piece.logprobs]
+        return self._body("".join(p.text for p in pieces), self.finish_reason, self.usage(), chunk=False,
+                          logprobs=logprobs)
 
     def usage(self) -> Usage:
         prompt = len(self.handle.prompt_ids)
         return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
                      total_tokens=prompt + self.completion_tokens)
 
-    def chunk(self, text: str, role: bool = False) -> dict[str, Any]:
-        body = self._body(text, None, None, chunk=True, with_stats=False)
+    def chunk(self, piece: Piece, role: bool = False) -> dict[str, Any]:
+        body = self._body(piece.text, None, self.usage() if self.continuous_usage else None, chunk=True,
+                          with_stats=False, logprobs=None if role else piece.logprobs)
         if role:
             body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return body
@@ -118,7 +159,8 @@ class Generation:
         return {"message": f"generation failed: {error}", "type": "server_error", "param": None, "code": None}
 
     def _body(self, text: str | None, finish_reason: str | None, usage: Usage | None, chunk: bool,
-              with_stats: bool = True) -> dict[str, Any]:
+              with_stats: bool = True, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         stats = self.stats.as_dict() if with_stats else {}
+        formatted = None if self.logprobs is None or logprobs is None else self.logprobs.format(logprobs)
         return completion_body(self.kind, self.response_id, self.created, self.model, text, finish_reason,
-                               stats, usage, chunk=chunk)
+                               stats, usage, chunk=chunk, logprobs=formatted)

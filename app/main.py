@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
+from pydantic.json_schema import models_json_schema
 
+from app.auth import ApiKeys, ConcurrencyLimit
 from app.errors import install_error_handlers
+from app.limits import BodySizeLimit
 from app.metrics import Metrics
 from app.metrics import router as metrics_router
 from app.routes import health, openai
+from app.schemas import STREAM_MODELS
 from app.settings import Settings
 from service.model_loader import LoadedModel, load_model
 from service.runtime import Runtime
@@ -26,12 +32,18 @@ def load_from_settings(settings: Settings) -> LoadedModel:
     return load_model(settings.model, settings.device, settings.dtype, settings.cache_dir, settings.quantization)
 
 
-def create_app(settings: Settings, loader: Loader = load_from_settings) -> FastAPI:
-    """An app that answers /health at once and /ready once `loader` has built the model."""
+def create_app(
+    settings: Settings, loader: Loader = load_from_settings, on_load_failure: Callable[[], None] | None = None,
+) -> FastAPI:
+    """An app that answers /health at once and /ready once `loader` has built the model.
+
+    If loading fails, /health and /ready answer 503 and `on_load_failure` is called: the CLI
+    passes one that stops the server, so the process exits non-zero and is restarted.
+    """
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_load(app, settings, loader))
+        task = asyncio.create_task(_load(app, settings, loader, on_load_failure))
         yield
         task.cancel()
         if app.state.runtime is not None:
@@ -41,28 +53,61 @@ def create_app(settings: Settings, loader: Loader = load_from_settings) -> FastA
     app.state.settings = settings
     app.state.runtime = None
     app.state.load_error = None
+    app.state.draining = False
     app.state.model_name = settings.served_model_name
     app.state.metrics = Metrics()
+    app.state.api_keys = ApiKeys.from_settings(settings)
+    app.state.concurrency = ConcurrencyLimit(settings.max_concurrent_per_key, settings.retry_after_seconds)
+    app.state.tokenizer_lock = threading.Lock()
+    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
     app.include_router(metrics_router)
+    _finish_openapi(app)
     return app
 
 
-async def _load(app: FastAPI, settings: Settings, loader: Loader) -> None:
-    """Load off the event loop so probes answer meanwhile; record a failure for /ready."""
+async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Callable[[], None] | None) -> None:
+    """Load and start the engine off the event loop so probes answer meanwhile; a failure
+    is recorded for /health and /ready, and `on_failure` is told."""
     try:
         loaded = await asyncio.to_thread(loader, settings)
-    except Exception as error:  # surfaced through /ready instead of killing the process
+        runtime = Runtime.start(
+            loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
+            settings.max_waiting, settings.request_timeout, settings.scheduler_config(),
+            on_step=app.state.metrics.record_step,
+        )
+    except Exception as error:
         log.exception("model load failed")
         app.state.load_error = f"{type(error).__name__}: {error}"
+        if on_failure is not None:
+            on_failure()
         return
     app.state.model_name = settings.served_model_name or loaded.name
-    runtime = Runtime.start(
-        loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
-        settings.max_waiting, settings.request_timeout,
-    )
     app.state.metrics.watch_queue(lambda: runtime.async_engine.num_waiting, lambda: runtime.async_engine.num_running)
     app.state.runtime = runtime
     log.info("ready: %s (loaded in %.1f s)", app.state.model_name, loaded.load_seconds)
+
+
+def _finish_openapi(app: FastAPI) -> None:
+    """Make the generated schema say what the server answers: validation errors leave as 400
+    in OpenAI's shape (app/errors.py), not 422; stream chunks get their components."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            for operations in schema.get("paths", {}).values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                components.pop(name, None)
+            _, definitions = models_json_schema([(m, "serialization") for m in STREAM_MODELS],
+                                                ref_template="#/components/schemas/{model}")
+            for name, definition in definitions.get("$defs", {}).items():
+                components.setdefault(name, definition)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]

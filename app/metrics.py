@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from service.engine import RoundOutput
+from app.auth import metrics_identity
+from service.engine import RoundOutput, StepStats
 
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+PASS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TREE_SIZE_BUCKETS = ((1, "1"), (4, "2-4"), (8, "5-8"), (16, "9-16"), (32, "17-32"), (64, "33-64"))
 MAX_POSITION_LABEL = 16  # accepted positions beyond this share the last label
@@ -59,8 +62,14 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("ngrammys_request_queue_time_seconds", "Arrival to engine start",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.forward = Histogram("ngrammys_forward_pass_seconds", "One verification pass", ["tree_size"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.forward = Histogram("ngrammys_forward_pass_seconds", "One pass over the batch, by its tokens",
+                                 ["tree_size"], buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("ngrammys_batch_size", "Requests in one pass", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.pass_tokens = Histogram("ngrammys_pass_tokens", "Tokens one pass computed (prompt chunks, "
+                                     "roots, tree nodes), summed over the batch", buckets=PASS_BUCKETS, registry=r)
+        self.pass_committed = Histogram("ngrammys_pass_committed_tokens", "Tokens one pass committed, summed "
+                                        "over the batch", buckets=PASS_BUCKETS, registry=r)
         self.waiting = Gauge("ngrammys_num_requests_waiting", "Requests in the queue", registry=r)
         self.running = Gauge("ngrammys_num_requests_running", "Requests the engine is decoding", registry=r)
         self.prompt_tokens = Counter("ngrammys_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
@@ -73,10 +82,17 @@ class Metrics:
         self.waiting.set_function(waiting)
         self.running.set_function(running)
 
+    def record_step(self, stats: StepStats) -> None:
+        """One pass of the engine (called on the engine's thread; the client is thread-safe)."""
+        self.forward.labels(tree_size_bucket(stats.tokens)).observe(stats.seconds)
+        self.batch_size.observe(stats.batch_size)
+        self.pass_tokens.observe(stats.tokens)
+        self.pass_committed.observe(stats.committed_tokens)
+
     def record_round(self, output: RoundOutput) -> None:
+        """One request's round: its tokens and speculation."""
         self.generation_tokens.inc(len(output.token_ids))
         self.tokens_per_pass.observe(len(output.token_ids))
-        self.forward.labels(tree_size_bucket(output.num_draft_tokens + 1)).observe(output.forward_seconds)
         self.k.set(output.k)
         self.w.set(output.w)
         self.realized.set(output.realized_tokens_per_second)
@@ -92,7 +108,7 @@ class Metrics:
             self.accepted_per_pos.labels(str(min(position, MAX_POSITION_LABEL))).inc()
 
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(metrics_identity)])
 
 
 @router.get("/metrics", include_in_schema=False)

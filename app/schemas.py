@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from app.settings import Strategy
-from service.config import SpeculationMode
+from service.config import MIN_TEMPERATURE, SpeculationMode
 
 
-class SpeculationOptions(BaseModel):
-    """Extension: per-request speculation; unset fields take the server settings."""
+def _valid_unicode(text: str) -> str:
+    """JSON may escape a lone surrogate ("\\ud800"); such a string is no text and no tokenizer takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"invalid Unicode: a lone surrogate at character {error.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+MAX_REQUEST_SEED = 2**63 - 1  # a signed 64-bit integer, as OpenAI clients send it
+MAX_COMPLETION_LOGPROBS = 5  # alternatives per token on /v1/completions (OpenAI's limit)
+MAX_TOP_LOGPROBS = 20  # alternatives per token on /v1/chat/completions (OpenAI's limit)
+
+
+class _Request(BaseModel):
+    """Request parts are validated strictly, as their JSON schema reads: `"5"` is no integer
+    and `false` no token id (pydantic's lax mode would take both)."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class SpeculationOptions(_Request):
+    """Extension: per-request speculation; unset fields take the server settings, and k and w
+    may not exceed the server's `--spec-k` / `--spec-w`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -21,49 +44,98 @@ class SpeculationOptions(BaseModel):
     strategy: Strategy | None = None
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (as vLLM), for exact per-token timing
 
 
-class GenerationRequest(BaseModel):
+# OpenAI fields this server does not implement, with the values that ask for nothing: any
+# other value is refused with a 400 naming the field, on both routes alike.
+UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+}
+
+
+class GenerationRequest(_Request):
     """Fields common to both endpoints; unknown fields are ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
+    temperature: float | None = Field(
+        None, ge=0, le=2, description=f"0 = greedy; below {MIN_TEMPERATURE} also greedy (no sampling that close to 0)")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_REQUEST_SEED)
+    stop: Text | list[Text] | None = Field(None, description="stop strings (count and length capped by the server)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=1, description="only 1")
     user: str | None = None
     speculation: SpeculationOptions | None = None
+    # not implemented: only the values in UNSUPPORTED_DEFAULTS are accepted
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    echo: bool | None = None
+    suffix: str | None = None
 
     @field_validator("stop")
     @classmethod
-    def _at_most_four(cls, stop: str | list[str] | None) -> list[str]:
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        return stops
+    def _as_list(cls, stop: str | list[str] | None) -> list[str]:
+        return [stop] if isinstance(stop, str) else list(stop or [])
 
-    @field_validator("n")
+    @field_validator("n", mode="before")
     @classmethod
-    def _single_choice(cls, n: int) -> int:
-        if n != 1:
+    def _single_choice(cls, n: Any) -> Any:
+        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
             raise ValueError("only n=1 is supported")
         return n
 
+    @field_validator(*UNSUPPORTED_DEFAULTS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        harmless = UNSUPPORTED_DEFAULTS[info.field_name]  # type: ignore[index]
+        # `False == 0` in Python, but `logprobs: 0` asks for something and `false` does not
+        if not any(value == h and isinstance(value, bool) == isinstance(h, bool) for h in harmless):
+            raise ValueError(f"`{info.field_name}` is not supported by this server")
+        return value
+
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[str] | list[int]
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
+    prompt: Text | list[Text] | list[int] = Field(
+        description="a string, a one-element list of strings, or token ids")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | Literal[False] | None = Field(
+        None, description="each token's logprob and this many likeliest alternatives (raw: temperature 1); "
+                          "`false` (what some clients send by default) asks for none")
+    top_logprobs: int | None = Field(None, description="chat only: here `logprobs` is the count (0 or null only)")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _chat_only(cls, top_logprobs: int | None) -> int | None:
+        if top_logprobs:  # silently ignoring it would answer without what was asked
+            raise ValueError("`top_logprobs` is a chat field; on completions `logprobs` is the number of alternatives")
+        return top_logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """What the engine computes: None, or the number of alternatives per token."""
+        return None if self.logprobs is None or self.logprobs is False else self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -77,14 +149,14 @@ class CompletionRequest(GenerationRequest):
         return prompt  # type: ignore[return-value]
 
 
-class TextPart(BaseModel):
+class TextPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Request):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]
+    content: Text | list[TextPart]
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -93,6 +165,24 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = Field(None, description="each token's logprob (raw: temperature 1)")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="likeliest alternatives per token; needs `logprobs: true`")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, top_logprobs: int | None, info: ValidationInfo) -> int | None:
+        if top_logprobs and info.data.get("logprobs") is not True:
+            raise ValueError("`top_logprobs` needs `logprobs: true`")
+        return top_logprobs
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """What the engine computes: None, or the number of alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# --- responses (documented in the OpenAPI schema; the routes build them as dicts) ---------
 
 
 class Usage(BaseModel):
@@ -101,20 +191,178 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class SpeculativeDecodingStats(BaseModel):
+    num_spec_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: list[int]
+    k: int
+    w: int
+    accepted_by_strategy: dict[str, int]
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class CompletionLogprobs(_Open):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ChatTopLogprob(_Open):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(_Open):
+    content: list[ChatTokenLogprob] | None
+
+
+class CompletionChoice(_Open):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+    speculative_decoding_stats: SpeculativeDecodingStats | None = None
+
+
+class CompletionResponse(_Open):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(_Open):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Open):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    speculative_decoding_stats: SpeculativeDecodingStats | None = None
+
+
+class ChatCompletionResponse(_Open):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(_Open):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Open):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+    speculative_decoding_stats: SpeculativeDecodingStats | None = None
+
+
+class ChatCompletionChunk(_Open):
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, as OpenAI sends it."""
+
+    error: ErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+STREAM_MODELS = (ChatCompletionChunk, CompletionResponse)  # CompletionResponse doubles as its own chunk
+
+
+def event_stream_schema(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event: `data` is `[DONE]`, or JSON of a chunk or of an error.
+
+    (`$ref`s point into the schema's components, where `app.main` puts `STREAM_MODELS`.)"""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                         {"$ref": "#/components/schemas/ErrorResponse"}]}
+    return {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string"}},
+        "if": {"properties": {"data": {"const": "[DONE]"}}},
+        "else": {"properties": {"data": {"contentMediaType": "application/json", "contentSchema": payload}}},
+    }
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` entries: each status answers with an `ErrorResponse`."""
+    return {status: {"model": ErrorResponse, "description": ERROR_MEANINGS[status]} for status in statuses}
+
+
+ERROR_MEANINGS = {
+    400: "Invalid request (the field is named in `param`)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body too large",
+    429: "Queue full, or too many concurrent requests for this API key (see Retry-After)",
+    500: "The engine failed on this request",
+    503: "The model is not loaded yet",
+    504: "The request timed out",
+}
+
+
 def completion_body(
     kind: Literal["text_completion", "chat.completion"], request_id: str, created: int, model: str,
     text: str | None, finish_reason: str | None, stats: dict[str, Any], usage: Usage | None,
-    chunk: bool = False,
+    chunk: bool = False, logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One response object or stream chunk, in either endpoint's shape."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if kind == "text_completion":
         choice["text"] = text or ""
-        choice["logprobs"] = None
     elif chunk:
         choice["delta"] = {} if text is None else {"content": text}
     else:
         choice["message"] = {"role": "assistant", "content": text}
+    choice["logprobs"] = logprobs
     if stats:
         choice["speculative_decoding_stats"] = stats
     body: dict[str, Any] = {

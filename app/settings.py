@@ -7,11 +7,12 @@ from pathlib import Path
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
 from service.config import SpeculationMode
+from service.scheduler import SchedulerConfig
 from service.model_loader import DEFAULT_CACHE_DIR
 
 
@@ -46,11 +47,50 @@ class Settings(BaseSettings):
     model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
     cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
     max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
+    max_running_requests: int = Field(16, ge=1, description="Requests decoded together in one batch (one pass per step)")
+    max_tokens_per_pass: int = Field(512, ge=16, description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the whole batch")
+    max_prefill_tokens_while_decoding: int | None = Field(
+        None, ge=1,
+        description="Prompt tokens a pass may carry while other requests decode (default: 64 on CPU, max_tokens_per_pass on GPU)")
+    kv_cache_memory_mb: int | None = Field(4096, ge=1, description="KV cache budget in MiB; a request waits until it fits (none = unbounded)")
     request_timeout: float | None = Field(600.0, gt=0, description="Seconds a request may take, queueing included")
+    drain_timeout: float = Field(30.0, ge=0, description="On SIGTERM: seconds running requests may take to finish before they are ended with an error")
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with 429")
     default_temperature: float = Field(1.0, ge=0, le=2, description="Temperature when a request gives none (OpenAI's default is 1; 0 = greedy)")
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
     log_level: str = Field("info", description="Logging level")
+
+    # Limits: a request beyond one gets a 4xx in OpenAI's error shape (README: Limits).
+    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body in bytes; more gets 413")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Most prompt tokens a request may send (default: the model's context); more gets 400")
+    max_tokens_cap: int = Field(
+        4096, ge=1,
+        description="Largest max_tokens / max_completion_tokens a request may ask for; more gets 400 (not clamped)")
+    max_stop_sequences: int = Field(4, ge=0, description="Most stop strings per request; more gets 400")
+    max_stop_length: int = Field(256, ge=1, description="Longest stop string in characters; longer gets 400")
+    max_concurrent_per_key: int = Field(
+        0, ge=0,
+        description="Requests one API key may have in flight (0 = no limit; without keys all clients are one); more get 429")
+
+    # Authentication (README: Authentication).
+    api_keys: str | None = Field(
+        None, description="Comma-separated API keys accepted as `Authorization: Bearer KEY` (none and no file: no auth)")
+    api_key_file: Path | None = Field(
+        None, description="A file of API keys, one per line (# comments and blank lines skipped)")
+    metrics_auth: bool = Field(False, description="Require an API key on /metrics too")
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> Settings:
+        if self.max_tokens > self.max_tokens_cap:
+            raise ValueError(f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap ({self.max_tokens_cap})")
+        return self
+
+
+    def scheduler_config(self) -> SchedulerConfig:
+        memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20
+        return SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory,
+                               self.max_prefill_tokens_while_decoding)
 
 
 @lru_cache

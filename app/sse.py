@@ -6,7 +6,10 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from app.generation import Generation
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from app.generation import Generation, Piece
 
 
 def event(payload: dict[str, Any] | str) -> str:
@@ -19,9 +22,9 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
     status = "aborted"  # unless the stream gets to its end: the client left
     try:
         if generation.kind == "chat.completion":
-            yield event(generation.chunk("", role=True))
-        async for text in generation.texts():
-            yield event(generation.chunk(text))
+            yield event(generation.chunk(Piece("", []), role=True))
+        async for piece in generation.pieces():
+            yield event(generation.chunk(piece))
     except Exception as error:  # the stream ends with an error event; the server lives on
         status = generation.status_of(error)
         yield event({"error": generation.error_fields(error)})
@@ -35,3 +38,24 @@ async def stream_events(generation: Generation) -> AsyncIterator[str]:
     if generation.include_usage:
         yield event(generation.usage_chunk())
     yield event("[DONE]")
+
+
+class GenerationStream(StreamingResponse):
+    """The SSE response of one generation, which ends the request when the response ends.
+
+    `stream_events` cleans up in its `finally`, but only once it has started: a client that
+    disconnects before the body's first chunk makes Starlette cancel the response while the
+    generator was never entered, so its `finally` never runs, and the request would go on
+    decoding for nobody until its deadline (holding its KV row and concurrency slot).
+    """
+
+    def __init__(self, generation: Generation) -> None:
+        super().__init__(stream_events(generation), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.abandon()

@@ -8,6 +8,8 @@ must be token-identical, and the table says whether they were.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from service.config import GenerationParams, SamplingParams, SpeculationParams
-from service.engine import Completion, Engine
+from service.engine import Completion, Engine, RoundOutput
 from service.prompts import chat_prompt_ids
 
 
@@ -38,6 +40,7 @@ class MethodTotals:
     accepted_by_strategy: dict[str, int] = field(default_factory=dict)  # plain dict: asdict-safe
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
+    predicted_seconds: float = 0.0  # what the controller forecast for the same tokens (auto)
 
     def add(self, completion: Completion) -> None:
         self.tokens += len(completion.token_ids)
@@ -49,6 +52,7 @@ class MethodTotals:
             self.accepted_by_strategy[strategy] = self.accepted_by_strategy.get(strategy, 0) + count
         self.draft_seconds += completion.draft_seconds
         self.forward_seconds += completion.forward_seconds
+        self.predicted_seconds += completion.predicted_seconds
 
     @property
     def draft_share(self) -> float:
@@ -64,6 +68,16 @@ class MethodTotals:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Over the rounds' drafting and passes (what the controller forecasts)."""
+        busy = self.draft_seconds + self.forward_seconds
+        return self.tokens / busy if busy else 0.0
+
+    @property
+    def forecast_tokens_per_second(self) -> float:
+        return self.tokens / self.predicted_seconds if self.predicted_seconds else 0.0
 
     @property
     def tokens_per_pass(self) -> float:
@@ -84,15 +98,19 @@ class CategoryResult:
         return spec / plain if plain else 0.0
 
 
-def load_specbench(
-    path: Path,
-    tokenizer: PreTrainedTokenizerBase,
-    per_category: int | None = None,
-    categories: Sequence[str] | None = None,
-) -> list[BenchPrompt]:
-    """First turn of each question, chat-templated; at most `per_category` per category, and
-    only the given `categories` if any."""
-    prompts: list[BenchPrompt] = []
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    category: str
+    text: str  # the first turn
+
+
+def specbench_questions(
+    path: Path, per_category: int | None = None, categories: Sequence[str] | None = None
+) -> list[Question]:
+    """First turn of each Spec-Bench question; at most `per_category` per category, and only
+    the given `categories` if any."""
+    questions: list[Question] = []
     taken: dict[str, int] = {}
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -104,10 +122,21 @@ def load_specbench(
         if per_category is not None and taken.get(category, 0) >= per_category:
             continue
         taken[category] = taken.get(category, 0) + 1
-        messages = [{"role": "user", "content": question["turns"][0]}]
-        ids = chat_prompt_ids(tokenizer, messages)
-        prompts.append(BenchPrompt(str(question["question_id"]), category, ids))
-    return prompts
+        questions.append(Question(str(question["question_id"]), category, question["turns"][0]))
+    return questions
+
+
+def load_specbench(
+    path: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    per_category: int | None = None,
+    categories: Sequence[str] | None = None,
+) -> list[BenchPrompt]:
+    """`specbench_questions`, chat-templated into prompt ids."""
+    return [
+        BenchPrompt(q.question_id, q.category, chat_prompt_ids(tokenizer, [{"role": "user", "content": q.text}]))
+        for q in specbench_questions(path, per_category, categories)
+    ]
 
 
 def bench_methods(
@@ -223,7 +252,7 @@ def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
     fixed_names = [name for name in results if name != auto_name]
     header = (
         "| category | plain tok/s | best fixed | its tok/s | auto tok/s | auto vs plain "
-        "| auto vs best fixed |\n|---|---|---|---|---|---|---|"
+        "| auto vs best fixed | auto forecast tok/s | auto realized tok/s |\n|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for index, auto in enumerate(results[auto_name]):
@@ -232,6 +261,45 @@ def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
         spec = auto.speculative.tokens_per_second
         rows.append(
             f"| {auto.category} | {auto.plain.tokens_per_second:.1f} | {best_name} | {best:.1f} "
-            f"| {spec:.1f} | {auto.speedup:.2f}x | {spec / best:.0%} |"
+            f"| {spec:.1f} | {auto.speedup:.2f}x | {spec / best:.0%} "
+            f"| {auto.speculative.forecast_tokens_per_second:.1f} | {auto.speculative.decode_tokens_per_second:.1f} |"
         )
     return "\n".join([header, *rows])
+
+
+@dataclass(frozen=True)
+class SpikeReport:
+    """Tokens/s of one prompt in auto mode: fresh, under outside CPU load, and after it."""
+
+    fresh: float
+    during: float
+    after_first_rounds: float  # the first `rounds` rounds after the load stopped
+    after_rest: float  # the rounds after those
+    after_drafted_rounds: int  # rounds after the spike that verified drafts
+    rounds: int
+
+
+def spike_recovery(engine: Engine, prompt_ids: list[int], params: GenerationParams, busy_processes: int = 3,
+                   rounds: int = 50) -> SpikeReport:
+    """The issue's scenario: a request in auto mode on a fresh engine; one while `busy_processes`
+    spinning processes load the CPU; then the same request again, timed round by round."""
+    fresh = engine.complete(prompt_ids, params)
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_processes)]
+    try:
+        during = engine.complete(prompt_ids, params)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+    after = list(engine.generate(prompt_ids, params))
+    first, rest = after[:rounds], after[rounds:]
+    return SpikeReport(
+        fresh=len(fresh.token_ids) / fresh.seconds, during=len(during.token_ids) / during.seconds,
+        after_first_rounds=_rate(first), after_rest=_rate(rest),
+        after_drafted_rounds=sum(1 for r in after if r.num_draft_tokens), rounds=rounds,
+    )
+
+
+def _rate(rounds: Sequence[RoundOutput]) -> float:
+    seconds = sum(r.draft_seconds + r.forward_seconds for r in rounds)
+    return sum(len(r.token_ids) for r in rounds) / seconds if seconds else 0.0

@@ -1,80 +1,141 @@
-"""How far the controller's forecasts are from what happens, learned while it runs.
+"""How far the controller's forecasts are from what happens, learned while it runs — and
+unlearned when it stops being true.
 
-Two biases make a forecast too rosy. The acceptance model over-promises exactly where the
-controller looks: it picks the candidates whose estimates look best, and the best-looking
-estimate is more often lucky than good (the winner's curse). And the cost profile was measured
-once, perhaps under another load. Both show in every auto round, as predicted vs accepted draft
-tokens and predicted vs measured pass seconds; decayed sums of those give correction factors,
-so a forecast that keeps failing stops winning rounds, and speculation stays no slower than
-plain decoding.
+Acceptance. The acceptance model over-promises exactly where the controller looks: it picks
+the candidates whose estimates look best, and the best-looking estimate is more often lucky
+than good (the winner's curse). Every request therefore carries a factor, realized over
+predicted accepted draft tokens, starting from the global one.
 
-Pass costs are the device's business, so their factors are global. Acceptance depends on the
-text, so each request has its own factor, which starts at the global one and moves away as the
-request's rounds are observed.
+Pass costs are observed on EVERY pass, speculative or plain, and split in two:
+- the load `level`: measured over profiled seconds of all passes, with a short horizon. Other
+  work on the machine slows every pass alike; the level absorbs it, and since the controller
+  compares shapes with each other, a uniform slowdown changes no decision at all.
+- per pass-size `shape` factors: measured over profiled seconds × level, for the pass sizes
+  in use. They capture what the profile got wrong about *relative* costs. Every pass decays
+  all of them, so the factor of a size no longer used returns to the profile's word within
+  tens of passes instead of freezing at its last (perhaps spiked) value.
+And when a request's forecast keeps saying "plain", it still probes speculation every
+`PROBE_EVERY` rounds, so a pessimistic profile or factor is measured again instead of being
+believed forever; symmetrically, when the all-plain pass size has gone unobserved that long,
+one pass is plain (a slowdown that hits trees harder than plain passes shows that way). If the observed relative costs stay far from the profile, `drifted()` asks
+the engine to measure the profile again when it is idle.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
-from service.regime import Correction, Forecast
-
-DECAY = 0.98  # sums forget with a horizon of about 50 rounds, so a change of load shows
-PRIOR_ROUNDS = 4.0  # a factor is trusted like the prior until about this many rounds
+ACCEPTANCE_DECAY = 0.98  # horizon ≈ 50 rounds
+LEVEL_DECAY = 0.8  # horizon ≈ 5 passes: load changes show at once
+SHAPE_DECAY = 0.9  # horizon ≈ 10 passes, applied to every size on every pass
+PRIOR_ROUNDS = 4.0  # an acceptance factor is trusted like its prior until about this many rounds
+SHAPE_PRIOR_ROUNDS = 0.25  # a fresh pass-time measurement outweighs the profile's word at once
+PROBE_EVERY = 16  # plain rounds with drafts on offer before a request probes speculation
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # upper bounds of pass-size buckets
+DRIFT_LIMIT = 1.6  # relative costs of two sizes off by more than this from the profile's
+DRIFT_ROUNDS = 3.0  # ... each with this many recent rounds: measure the profile again
 
 
 @dataclass
 class Ratio:
     """Decayed sums of predicted and realized amounts, and how many rounds fed them."""
 
+    decay: float = ACCEPTANCE_DECAY
+    prior_rounds: float = PRIOR_ROUNDS
     predicted: float = 0.0
     realized: float = 0.0
     rounds: float = 0.0
 
+    def fade(self) -> None:
+        self.predicted *= self.decay
+        self.realized *= self.decay
+        self.rounds *= self.decay
+
+    def add(self, predicted: float, realized: float) -> None:
+        self.predicted += predicted
+        self.realized += realized
+        self.rounds += 1.0
+
     def observe(self, predicted: float, realized: float) -> None:
-        self.predicted = self.predicted * DECAY + predicted
-        self.realized = self.realized * DECAY + realized
-        self.rounds = self.rounds * DECAY + 1.0
+        self.fade()
+        self.add(predicted, realized)
 
     def factor(self, prior: float = 1.0) -> float:
         """realized / predicted, shrunk toward `prior` while few rounds are in."""
         if self.predicted <= 0.0:
             return prior
         ratio = self.realized / self.predicted
-        return (self.rounds * ratio + PRIOR_ROUNDS * prior) / (self.rounds + PRIOR_ROUNDS)
+        return (self.rounds * ratio + self.prior_rounds * prior) / (self.rounds + self.prior_rounds)
 
 
+def size_bucket(tokens: int) -> int:
+    return min(bisect.bisect_left(SIZE_BUCKETS, tokens), len(SIZE_BUCKETS) - 1)
+
+
+@dataclass
 class Calibration:
-    """The global factors (one per engine); `session` opens a request's own."""
+    """The engine's factors: global acceptance, load level and relative pass costs."""
 
-    def __init__(self) -> None:
-        self.draft_tokens = Ratio()
-        self.spec_seconds = Ratio()
-        self.plain_seconds = Ratio()
+    draft_tokens: Ratio = field(default_factory=Ratio)
+    level: Ratio = field(default_factory=lambda: Ratio(LEVEL_DECAY))
+    shapes: list[Ratio] = field(default_factory=lambda: _shape_ratios())
 
     def session(self) -> RequestCalibration:
         return RequestCalibration(self)
 
+    def shape_factor(self, tokens: int) -> float:
+        """How much dearer (>1) or cheaper a pass of `tokens` is, relative to the others,
+        than the profile says."""
+        return self.shapes[size_bucket(tokens)].factor()
+
+    def plain_is_stale(self, tokens: int) -> bool:
+        """The all-plain pass size (`tokens`) has gone unobserved for about `PROBE_EVERY`
+        passes: the next pass should be plain, so relative costs stay measured both ways."""
+        return self.shapes[size_bucket(tokens)].rounds < SHAPE_DECAY**PROBE_EVERY
+
+    def observe_pass(self, tokens: int, profiled_seconds: float, seconds: float) -> None:
+        """One pass of `tokens` tokens that the profile priced at `profiled_seconds`."""
+        self.level.observe(profiled_seconds, seconds)
+        for ratio in self.shapes:
+            ratio.fade()
+        self.shapes[size_bucket(tokens)].add(profiled_seconds * self.level.factor(), seconds)
+
+    def drifted(self) -> bool:
+        """The observed relative costs of pass sizes disagree with the profile's, steadily."""
+        factors = [r.factor() for r in self.shapes if r.rounds >= DRIFT_ROUNDS]
+        return len(factors) >= 2 and max(factors) > DRIFT_LIMIT * min(factors)
+
+    def reset_costs(self) -> None:
+        """Forget the pass-cost factors (a new profile was measured)."""
+        self.level = Ratio(LEVEL_DECAY)
+        self.shapes = _shape_ratios()
+
+
+def _shape_ratios() -> list[Ratio]:
+    return [Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS) for _ in SIZE_BUCKETS]
+
 
 class RequestCalibration:
-    """One request's acceptance factor, over the global one; feeds both."""
+    """One request's acceptance factor over the global one, and its probe clock."""
 
     def __init__(self, shared: Calibration) -> None:
         self.shared = shared
         self.draft_tokens = Ratio()
+        self.plain_rounds = 0  # rounds since it last speculated while drafts were on offer
 
-    def correction(self) -> Correction:
-        return Correction(
-            draft_tokens=self.draft_tokens.factor(prior=self.shared.draft_tokens.factor()),
-            spec_seconds=self.shared.spec_seconds.factor(),
-            plain_seconds=self.shared.plain_seconds.factor(),
-        )
+    def acceptance_factor(self) -> float:
+        return self.draft_tokens.factor(prior=self.shared.draft_tokens.factor())
 
-    def observe(self, forecast: Forecast, accepted: int, seconds: float) -> None:
-        """One auto round: its forecast (uncorrected parts), what it accepted and cost."""
-        if forecast.tree_nodes > 1:
-            self.draft_tokens.observe(forecast.draft_tokens, accepted)
-            self.shared.draft_tokens.observe(forecast.draft_tokens, accepted)
-            self.shared.spec_seconds.observe(forecast.seconds, seconds)
-        else:
-            self.shared.plain_seconds.observe(forecast.seconds, seconds)
+    def observe_round(self, predicted_draft_tokens: float, accepted: int, speculated: bool) -> None:
+        """One auto round: its uncorrected forecast of accepted draft tokens and the outcome."""
+        if not speculated:
+            self.plain_rounds += 1
+            return
+        self.plain_rounds = 0
+        self.draft_tokens.observe(predicted_draft_tokens, accepted)
+        self.shared.draft_tokens.observe(predicted_draft_tokens, accepted)
+
+    @property
+    def due_for_probe(self) -> bool:
+        return self.plain_rounds >= PROBE_EVERY

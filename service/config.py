@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,6 +37,13 @@ class SpeculationParams:
         return 1 + self.k * self.w
 
 
+# Smallest sampling temperature. Logits divided by less overflow float32 (1e-45 gives inf, and
+# softmax then NaN); so close to 0 the distribution is the argmax anyway. The HTTP edge sends
+# temperatures below this as 0 (greedy); the engine refuses them.
+MIN_TEMPERATURE = 1e-3
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Temperature 0 is greedy; otherwise sample from p after top-k and top-p."""
@@ -46,12 +54,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be >= -1, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -67,7 +77,10 @@ class GenerationParams:
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     strategy: str = "mixed"  # a draft strategy name, or "mixed" for all of them
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")

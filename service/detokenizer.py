@@ -31,6 +31,7 @@ class TextStream:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self._failures = [_failure_function(s) for s in self.stop]
         self._ids: list[int] = []
         self._prefix_offset = 0  # start of the window decoded for context
         self._read_offset = 0  # end of the text already released from the tokenizer
@@ -67,7 +68,7 @@ class TextStream:
         if hits:
             cut = min(hits)[0]
             return self._emit(self._pending[:cut], "", stopped=True)
-        keep = 0 if final else _longest_stop_prefix_suffix(self._pending, self.stop)
+        keep = 0 if final else _longest_stop_prefix_suffix(self._pending, self.stop, self._failures)
         return self._emit(self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :])
 
     def _emit(self, text: str, held: str, stopped: bool = False) -> TextDelta:
@@ -77,12 +78,35 @@ class TextStream:
         return TextDelta(text, stopped)
 
 
-def _longest_stop_prefix_suffix(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of `text` that begins some stop string."""
+def _failure_function(pattern: str) -> list[int]:
+    """KMP: failure[i] = length of the longest proper prefix of pattern[:i + 1] that is also its suffix."""
+    failure = [0] * len(pattern)
+    matched = 0
+    for i in range(1, len(pattern)):
+        while matched and pattern[i] != pattern[matched]:
+            matched = failure[matched - 1]
+        if pattern[i] == pattern[matched]:
+            matched += 1
+        failure[i] = matched
+    return failure
+
+
+def _longest_stop_prefix_suffix(text: str, stops: Sequence[str], failures: Sequence[list[int]] | None = None) -> int:
+    """Length of the longest end of `text` that begins some stop string (shorter than it).
+
+    Runs the KMP automaton of each stop string over the last len(stop) - 1 characters of
+    `text`: the state at the end is the answer, in time linear in the stop's length (checking
+    every candidate length with `startswith` is quadratic, and the stop strings are the
+    client's).
+    """
     longest = 0
-    for stop in stops:
-        for length in range(min(len(stop) - 1, len(text)), longest, -1):
-            if stop.startswith(text[len(text) - length :]):
-                longest = length
-                break
+    for index, stop in enumerate(stops):
+        failure = failures[index] if failures is not None else _failure_function(stop)
+        matched = 0  # stays < len(stop): the window is one character shorter than the stop
+        for char in text[max(len(text) - len(stop) + 1, 0) :]:
+            while matched and char != stop[matched]:
+                matched = failure[matched - 1]
+            if char == stop[matched]:
+                matched += 1
+        longest = max(longest, matched)
     return longest

@@ -1,47 +1,72 @@
-"""The decode loop: draft → tree → one forward pass → verify → compact the cache.
+"""The engine: every step, ONE forward pass over every running request.
 
-State convention (one everywhere): the cache holds every committed token but the newest;
-that newest ("pending") token is fed as the root of the next tree. A plain decode step is
-the one-node tree, so k = 0 runs through exactly the same code as speculation.
+    step():  admit → plan the pass (prefill chunks, decode rows) → drafts and trees for every
+             decoding request (the controller chooses them jointly) → one flat pass → verify
+             each row → commit each row's KV → a `RoundOutput` per request that decoded
+
+State convention (one everywhere): a request's KV row holds every committed token but the
+newest; that newest ("pending") token is the root of its next tree. A plain decode step is
+the one-node tree, so k = 0 runs through exactly the same code as speculation, and the last
+chunk of a prompt carries the request's first tree in the same row.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from drafting import DraftSession, Mixer
-from service.config import GenerationParams, SpeculationParams
-from service.kv_cache import TreeKVCache
-from service.model_runner import ModelRunner
-from service.calibration import Calibration, RequestCalibration
-from service.regime import CostProfile, Shape, choose_shape
-from service.tree import build_tree, chain_tree
+from drafting import Mixer
+from service.calibration import Calibration
+from service.config import GenerationParams
+from service.logprobs import TokenLogprob, token_logprobs
+from service.model_runner import ModelRunner, RowInput
+from service.regime import CostProfile, RowCandidates, RowTree, TreePlan, plan_trees
+from service.request import Request, Status, kv_tokens_needed
 from service.sampling import PositionUniforms
+from service.scheduler import Scheduler, SchedulerConfig
+from service.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from service.verifier import verify
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RoundOutput:
-    """The tokens one round committed, and what it cost."""
+    """The tokens one round committed for one request, and what it cost."""
 
     token_ids: list[int]  # committed by this round, truncated at a stop or at max_new_tokens
     num_draft_tokens: int  # drafted tree nodes (root excluded)
     num_accepted_tokens: int  # drafted tokens the model agreed with
     accepted_strategies: list[str]  # strategy of each accepted token, in order
     drafted_by_strategy: dict[str, int]  # tree nodes each strategy put in the tree
-    draft_seconds: float
-    forward_seconds: float
+    draft_seconds: float  # drafting and planning of the whole step
+    forward_seconds: float  # the step's pass and verification (shared by its batch)
     finish_reason: str | None  # "stop" | "length" | None while generating
     k: int = 0  # the speculation shape this round used
     w: int = 0
     predicted_tokens_per_second: float | None = None  # the controller's forecast (auto mode)
+    batch_size: int = 1  # requests in the pass
+    logprobs: list[TokenLogprob] | None = None  # one per token in `token_ids`, when asked for
 
     @property
     def realized_tokens_per_second(self) -> float:
         return len(self.token_ids) / (self.draft_seconds + self.forward_seconds)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One pass, for metrics: its batch and its size."""
+
+    batch_size: int  # running requests in the pass
+    tokens: int  # tokens in the pass (prefill chunks, roots, tree nodes)
+    prefill_tokens: int
+    committed_tokens: int  # tokens all requests committed
+    seconds: float
 
 
 @dataclass
@@ -49,6 +74,7 @@ class Completion:
     """A whole generation, gathered from its rounds."""
 
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless asked for
     finish_reason: str | None = None
     num_passes: int = 0
     num_draft_tokens: int = 0
@@ -57,9 +83,11 @@ class Completion:
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
     seconds: float = 0.0
+    predicted_seconds: float = 0.0  # Σ over auto rounds of tokens / forecast tokens per second
 
     def add(self, round_output: RoundOutput) -> None:
         self.token_ids.extend(round_output.token_ids)
+        self.logprobs.extend(round_output.logprobs or [])
         self.finish_reason = round_output.finish_reason
         self.num_passes += 1
         self.num_draft_tokens += round_output.num_draft_tokens
@@ -67,6 +95,8 @@ class Completion:
         self.accepted_by_strategy.update(round_output.accepted_strategies)
         self.draft_seconds += round_output.draft_seconds
         self.forward_seconds += round_output.forward_seconds
+        if round_output.predicted_tokens_per_second:
+            self.predicted_seconds += len(round_output.token_ids) / round_output.predicted_tokens_per_second
 
     @property
     def tokens_per_pass(self) -> float:
@@ -77,11 +107,27 @@ class ContextTooLong(ValueError):
     """The prompt plus the requested tokens do not fit the model's context."""
 
 
+@dataclass
+class _Row:
+    """One running request's part of a pass."""
+
+    request: Request
+    chunk: list[int]  # prompt tokens this pass puts in the cache
+    tree: TokenTree | None = None  # the speculation tree (None: prefill only)
+    choice: RowTree | None = None  # the controller's forecast (auto mode)
+
+    def input(self) -> RowInput:
+        if self.tree is None:
+            return RowInput(chain_tree(self.chunk), logits_from=len(self.chunk))
+        return RowInput(prepend_chain(self.chunk, self.tree), logits_from=len(self.chunk))
+
+
 class Engine:
-    """Generates for one sequence at a time over a `ModelRunner` and a draft `Mixer`."""
+    """Runs every admitted request in one batch over a `ModelRunner` and a draft `Mixer`."""
 
     def __init__(
-        self, runner: ModelRunner, mixer: Mixer, eos_token_ids: Sequence[int], max_context: int
+        self, runner: ModelRunner, mixer: Mixer, eos_token_ids: Sequence[int], max_context: int,
+        scheduler_config: SchedulerConfig = SchedulerConfig(),
     ) -> None:
         self.runner = runner
         self.mixer = mixer
@@ -89,100 +135,258 @@ class Engine:
         self.calibration = Calibration()  # how far auto mode's forecasts fall from what happens
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
+        self.cache = runner.new_cache()
+        self.scheduler = Scheduler(scheduler_config.for_device(runner.device.type), self.cache,
+                                   runner.kv_bytes_per_token)
+        self._ids = itertools.count()
 
-    def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[RoundOutput]:
-        """Yield each round's committed tokens until a stop token or `max_new_tokens`."""
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: Sequence[int], params: GenerationParams, request_id: str | None = None) -> Request:
+        """Queue a request (raises `ContextTooLong` or `DoesNotFit` if it can never run)."""
         if not prompt_ids:
             raise ValueError("the prompt holds no tokens")
-        self.check_fits(len(prompt_ids), params.max_new_tokens)
-        drafts = self.mixer.session(prompt_ids, params.strategy)
-        calibration = self.calibration.session()
-        uniforms = None if params.sampling.greedy else PositionUniforms(params.sampling.seed)
-        cache = self._prefill(prompt_ids)
-        stops = self.eos_token_ids | params.stop_token_ids
-        generated = 0
-        while True:
-            budget = params.max_new_tokens - generated
-            output = self._round(cache, drafts, calibration, uniforms, params, stops, budget)
-            generated += len(output.token_ids)
-            yield output
-            if output.finish_reason is not None:
-                return
+        self.check_fits(len(prompt_ids), params)
+        request = Request(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_ids=list(prompt_ids),
+            params=params,
+            drafts=self.mixer.session(prompt_ids, params.strategy),
+            calibration=self.calibration.session(),
+            uniforms=None if params.sampling.greedy else PositionUniforms(params.sampling.seed),
+            stop_ids=self.eos_token_ids | params.stop_token_ids,
+        )
+        self.scheduler.add(request)
+        return request
 
-    def check_fits(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise `ContextTooLong` unless prompt + max_new_tokens fits the model's context."""
+    def check_fits(self, num_prompt_tokens: int, params: GenerationParams) -> None:
+        """Raise `ContextTooLong` unless prompt + max_new_tokens fits the model's context, or
+        `DoesNotFit` if the request alone would exceed the KV memory budget (thread-safe: it
+        only reads settings)."""
+        max_new_tokens = params.max_new_tokens
         if num_prompt_tokens + max_new_tokens > self.max_context:
             raise ContextTooLong(
                 f"this model's context is {self.max_context} tokens, but the prompt has "
                 f"{num_prompt_tokens} tokens and max_tokens asks for {max_new_tokens} more "
                 f"(at most {max(self.max_context - num_prompt_tokens, 0)} fit)"
             )
+        self.scheduler.check_fits(kv_tokens_needed(num_prompt_tokens, params))
+
+    def abort(self, request: Request) -> None:
+        """Stop a request; it leaves the batch (or the queue) at the next step."""
+        request.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- the step -------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[tuple[Request, RoundOutput | Exception]], StepStats | None]:
+        """One pass over every running request; returns each decoding request's round (or the
+        error that ended it) and the pass's statistics (None when nothing ran)."""
+        self._drop_aborted()
+        self.scheduler.admit()
+        if not self.scheduler.running:
+            return [], None
+        started = time.perf_counter()
+        rows, plan = self._plan()
+        drafted = time.perf_counter()
+        try:
+            logits = self.runner.forward(self.cache, [row.input() for row in rows])
+        except Exception as error:  # the pass failed: its requests end, the engine goes on
+            log.exception("a forward pass failed; ending the %d requests in it", len(rows))
+            for row in rows:
+                self._finish(row.request, "error")
+            return [(row.request, error) for row in rows], None
+        verdicts = [(row, self._verify(row, row_logits)) for row, row_logits in zip(rows, logits)]
+        verified = time.perf_counter()
+        timing = dict(draft_seconds=drafted - started, forward_seconds=verified - drafted, batch_size=len(rows))
+        results = [(row.request, self._stamp(out, row, plan, timing)) for row, out in verdicts if out is not None]
+        stats = StepStats(
+            batch_size=len(rows), tokens=sum(len(row.chunk) + (row.tree.num_nodes if row.tree else 0) for row in rows),
+            prefill_tokens=sum(len(row.chunk) for row in rows),
+            committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
+            seconds=verified - started,
+        )
+        self._observe_pass(stats, verified - drafted)
+        for request, out in results:
+            if isinstance(out, Exception) or out.finish_reason is not None:
+                self.scheduler.finish(request)
+        return results, stats
+
+    def _plan(self) -> tuple[list[_Row], TreePlan | None]:
+        """Each running request's chunk and tree; auto rows chosen jointly by the controller."""
+        step_plan = self.scheduler.plan()
+        rows = []
+        for request in self.scheduler.running:
+            chunk = step_plan.prefill_tokens.get(request, 0)
+            ids = request.prompt_ids[request.num_cached : request.num_cached + chunk]
+            rows.append(_Row(request, ids))
+        decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
+        budget = step_plan.tree_budget
+        auto = []
+        for row in decoding:
+            spec = row.request.params.speculation
+            w = self._max_depth(row.request, spec.w)
+            if spec.mode == "auto" and spec.k > 0:
+                if self.profile is not None:
+                    auto.append(row)
+                    continue
+                drafts = []  # until the cost profile exists, auto decodes plainly
+            elif spec.mode == "off" or spec.k == 0 or w == 0:
+                drafts = []
+            else:
+                drafts = row.request.drafts.propose(spec.k, w)
+            row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * w, budget))
+            budget -= row.tree.num_nodes - 1
+        plan = self._plan_auto(auto, rows, budget) if auto else None
+        return rows, plan
+
+    def _plan_auto(self, auto: list[_Row], rows: list[_Row], budget: int) -> TreePlan:
+        assert self.profile is not None
+        profile, shapes = self.profile, self.calibration
+        fixed = sum(len(r.chunk) + (r.tree.num_nodes if r.tree else 0) for r in rows) + len(auto)
+        context = sum(r.request.context_length for r in rows) / len(rows)
+
+        def cost(tokens: int) -> float:
+            return profile.cost(tokens, context, len(rows)) * shapes.shape_factor(tokens)
+
+        candidates = []
+        for row in auto:
+            request, spec = row.request, row.request.params.speculation
+            w = self._max_depth(request, spec.w)
+            candidates.append(RowCandidates(
+                request.drafts.candidates(spec.k, w), spec.k, w,
+                request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe,
+            ))
+        fixed_expected = sum(1 for r in rows if r.tree is not None)
+        if shapes.plain_is_stale(fixed) and shapes.level.rounds > 0:
+            budget = 0  # a plain probe: keeps the relative cost of speculating measured
+        plan = plan_trees(candidates, cost, fixed, fixed_expected, budget)
+        for row, choice in zip(auto, plan.trees):
+            row.choice = choice
+            row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
+        return plan
+
+    def _max_depth(self, request: Request, w: int) -> int:
+        """The deepest tree worth building for `request`: a round commits at most depth + 1
+        tokens, so nodes past its remaining budget would be discarded, and node d sits at
+        position context_length - 1 + d, which must stay inside the model's context."""
+        return max(min(w, request.token_budget - 1, self.max_context - request.context_length), 0)
+
+    def _verify(self, row: _Row, logits) -> RoundOutput | Exception | None:
+        """Verify a decoding row, commit its KV and tokens; commit a prefill chunk."""
+        request = row.request
+        try:
+            if row.tree is None:
+                self.cache.commit(request.row, range(len(row.chunk)))  # type: ignore[arg-type]
+                request.num_cached += len(row.chunk)
+                return None
+            request.num_cached += len(row.chunk)
+            verdict = verify(row.tree, logits, request.params.sampling, request.uniforms,
+                             first_position=request.context_length)
+            offset = len(row.chunk)
+            kept = [*range(offset), offset, *(offset + node for node in verdict.accepted_nodes)]
+            self.cache.commit(request.row, kept)  # type: ignore[arg-type]
+            if row.choice is not None:
+                request.calibration.observe_round(
+                    row.choice.expected_draft_tokens, len(verdict.accepted_nodes), row.tree.num_nodes > 1)
+            request.drafts.observe(verdict.token_ids)
+            token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
+            request.num_generated += len(token_ids)
+            request.finish_reason = finish_reason
+            asked = request.params.logprobs
+            logprobs = None if asked is None else token_logprobs(
+                logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked)
+            return RoundOutput(
+                token_ids=token_ids,
+                logprobs=logprobs,
+                num_draft_tokens=row.tree.num_nodes - 1,
+                num_accepted_tokens=len(verdict.accepted_nodes),
+                accepted_strategies=[row.tree.strategies[i] or "" for i in verdict.accepted_nodes],
+                drafted_by_strategy=dict(Counter(s for s in row.tree.strategies[1:] if s)),
+                draft_seconds=0.0, forward_seconds=0.0, finish_reason=finish_reason,
+                **_shape_used(row),
+            )
+        except Exception as error:  # this request fails; the others in the pass go on
+            log.exception("request %s failed", request.request_id)
+            request.finish_reason = "error"
+            return error
+
+    def _stamp(self, out: RoundOutput | Exception, row: _Row, plan: TreePlan | None,
+               timing: dict[str, float]) -> RoundOutput | Exception:
+        """Fill in the step's timings and, in auto mode, the row's forecast."""
+        if isinstance(out, Exception):
+            return out
+        predicted = None
+        if plan is not None and row.choice is not None:
+            predicted = row.choice.expected_tokens / (plan.seconds * self.calibration.level.factor())
+        return dataclasses.replace(out, predicted_tokens_per_second=predicted, **timing)
+
+    def _observe_pass(self, stats: StepStats, seconds: float) -> None:
+        if self.profile is not None:
+            context = sum(r.context_length for r in self.scheduler.running) / max(len(self.scheduler.running), 1)
+            profiled = self.profile.cost(stats.tokens, context, stats.batch_size)
+            self.calibration.observe_pass(stats.tokens, profiled, seconds)
+
+    def _drop_aborted(self) -> None:
+        self.scheduler.drop_aborted_waiting()
+        for request in [r for r in self.scheduler.running if r.aborted]:
+            self._finish(request, "abort")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        request.finish_reason = request.finish_reason or reason
+        self.scheduler.finish(request)
+
+    # -- offline use (benchmarks, tests): the caller owns the engine ------------------------
+
+    def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[RoundOutput]:
+        """Yield one request's rounds until a stop token or `max_new_tokens` (stepping the
+        whole engine: for callers that own it, like the benchmark)."""
+        request = self.add_request(prompt_ids, params)
+        try:
+            while request.status is not Status.FINISHED:
+                results, _ = self.step()
+                for owner, out in results:
+                    if owner is request:
+                        if isinstance(out, Exception):
+                            raise out
+                        yield out
+        finally:
+            if request.status is not Status.FINISHED:
+                self.abort(request)
+                self._drop_aborted()
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> Completion:
         """Run `generate` to the end and gather the result."""
-        completion, start = Completion(), time.perf_counter()
-        for round_output in self.generate(prompt_ids, params):
-            completion.add(round_output)
-        completion.seconds = time.perf_counter() - start
-        return completion
+        return self.complete_many([(prompt_ids, params)])[0]
 
-    def _prefill(self, prompt_ids: Sequence[int]) -> TreeKVCache:
-        cache = self.runner.new_cache()
-        if len(prompt_ids) > 1:
-            prompt = chain_tree(prompt_ids[:-1])
-            self.runner.forward(cache, [prompt], logits=False)
-            cache.commit(0, range(prompt.num_nodes))
-        return cache
-
-    def _round(
-        self,
-        cache: TreeKVCache,
-        drafts: DraftSession,
-        calibration: RequestCalibration,
-        uniforms: PositionUniforms | None,
-        params: GenerationParams,
-        stops: frozenset[int],
-        budget: int,
-    ) -> RoundOutput:
+    def complete_many(self, requests: Sequence[tuple[Sequence[int], GenerationParams]]) -> list[Completion]:
+        """Run several requests together in one batch to the end; one `Completion` each."""
         started = time.perf_counter()
-        shape = self._shape(drafts, calibration, params.speculation)
-        tree = build_tree(drafts.history.last_token, shape.drafts, max_nodes=1 + shape.k * shape.w)
-        drafted = time.perf_counter()
-        logits = self.runner.forward(cache, [tree])
-        assert logits is not None
-        # reads the choices back: the pass is done when this returns
-        verdict = verify(tree, logits[0], params.sampling, uniforms, first_position=len(drafts.history))
-        verified = time.perf_counter()
-        cache.commit(0, [0, *verdict.accepted_nodes])
-        if shape.forecast is not None:
-            calibration.observe(shape.forecast, len(verdict.accepted_nodes), verified - drafted)
-        drafts.observe(verdict.token_ids)
-        token_ids, finish_reason = _truncate(verdict.token_ids, stops, budget)
-        return RoundOutput(
-            token_ids=token_ids,
-            num_draft_tokens=tree.num_nodes - 1,
-            num_accepted_tokens=len(verdict.accepted_nodes),
-            accepted_strategies=[tree.strategies[i] or "" for i in verdict.accepted_nodes],
-            drafted_by_strategy=dict(Counter(s for s in tree.strategies[1:] if s)),
-            draft_seconds=drafted - started,
-            forward_seconds=verified - drafted,
-            finish_reason=finish_reason,
-            k=shape.k,
-            w=shape.w,
-            predicted_tokens_per_second=shape.forecast.tokens_per_second if shape.forecast else None,
-        )
+        added = [self.add_request(prompt, params) for prompt, params in requests]
+        completions = {id(r): Completion() for r in added}
+        while any(r.status is not Status.FINISHED for r in added):
+            results, _ = self.step()
+            for request, out in results:
+                if isinstance(out, Exception):
+                    raise out
+                if id(request) in completions:
+                    completions[id(request)].add(out)
+                    if out.finish_reason is not None:
+                        completions[id(request)].seconds = time.perf_counter() - started
+        return [completions[id(r)] for r in added]
 
-    def _shape(self, drafts: DraftSession, calibration: RequestCalibration, spec: SpeculationParams) -> Shape:
-        """This round's drafts: the controller's choice in auto mode (once the cost profile
-        exists), else k drafts of w tokens; none when off."""
-        if spec.mode == "off" or spec.k == 0:
-            return Shape(0, 0, [])
-        if spec.mode == "auto" and self.profile is not None:
-            candidates = drafts.candidates(spec.k, spec.w)
-            return choose_shape(
-                candidates, self.profile, len(drafts.history), spec.k, spec.w, calibration.correction()
-            )
-        return Shape(spec.k, spec.w, drafts.propose(spec.k, spec.w))
+
+def _shape_used(row: _Row) -> dict[str, int]:
+    """The round's (k, w): the configured shape in fixed mode, the chosen tree in auto mode."""
+    spec = row.request.params.speculation
+    if row.choice is not None:
+        return {"k": row.choice.k, "w": row.choice.w}
+    if spec.mode == "fixed":
+        return {"k": spec.k, "w": spec.w}
+    return {"k": 0, "w": 0}
 
 
 def _truncate(token_ids: list[int], stops: frozenset[int], budget: int) -> tuple[list[int], str | None]:

@@ -1,29 +1,39 @@
-"""A KV cache that a tree pass can write into and a verifier can compact, row by row.
+"""A KV cache with one row per running request, written by flat passes and compacted per row.
 
 transformers' `DynamicCache` concatenates on every forward (copying the whole prefix each
-round) and assumes one write position shared by all rows. Speculation needs neither: each
-row (sequence) appends its tree's n entries at its own length, the verifier keeps the
-accepted path, and the rest is dropped. So every layer here owns a growable buffer
-[rows, kv_heads, capacity, head_dim]; `lengths[row]` says how much of it is committed.
+round) and assumes one write position shared by all rows. Batched speculation needs neither:
+each row (request) appends its tree's entries at its own length, the verifier keeps the
+accepted path, and the rest is dropped. So every layer owns a buffer
+[rows, kv_heads, capacity, head_dim]; `lengths[row]` says how much of a row is committed.
 
-Protocol of one pass: `begin_pass(widths)` reserves room; the model's attention layers call
-`update()`, which writes row b's new entries at [lengths[b], lengths[b] + widths[b]) and
-returns the buffer up to the longest row (holes are masked by the caller's 4D mask);
-`commit(row, kept)` then keeps the listed pass offsets (root and accepted nodes, in order)
-as the row's next committed entries. Only kept entries move: the committed prefix is never
-copied.
+Rows come and go with requests: `add_row()` appends one, `remove_row(row)` moves the last row
+into the freed slot (one row copied, once), so the running rows are always rows [0, num_rows)
+and a pass reads them as a view, never a gathered copy. When the last row leaves, the buffers
+are released: memory returns to the idle baseline after a burst.
+
+Protocol of one pass (see `service/attention.py`): the runner sets `layout` (where each of the
+pass's T flat tokens goes: row and position); the model's attention layers call `update()`,
+which scatters the T new entries into their rows and returns the rows' buffers up to the
+pass's end; `commit(row, kept)` then keeps the listed pass offsets (root and accepted nodes,
+in order) as the row's next committed entries. Only kept entries move.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+if TYPE_CHECKING:
+    from service.attention import PassLayout
+
+INITIAL_CAPACITY = 256
+
 
 class _RowBufferLayer(CacheLayerMixin):
-    """One layer's keys and values for every row, in a buffer that doubles when full."""
+    """One layer's keys and values for every row, in buffers that grow when needed."""
 
     is_compileable = False
     is_sliding = False
@@ -33,46 +43,68 @@ class _RowBufferLayer(CacheLayerMixin):
         self._owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        rows, heads, _, head_dim = key_states.shape
-        shape = (rows, heads, self._owner.capacity, head_dim)
+        _, heads, _, head_dim = key_states.shape
+        shape = (self._owner.num_rows, heads, self._owner.capacity, head_dim)
         self.keys = key_states.new_zeros(shape)  # [rows, kv_heads, capacity, head_dim]
         self.values = value_states.new_zeros(shape)
         self.is_initialized = True
 
-    def _grow_to(self, capacity: int) -> None:
-        if self.keys is None or capacity <= self.keys.shape[2]:
+    def _fit(self) -> None:
+        """Grow the buffers to the owner's row count and capacity (copying what is there)."""
+        assert self.keys is not None and self.values is not None
+        rows, heads, capacity, head_dim = self.keys.shape
+        if rows >= self._owner.num_rows and capacity >= self._owner.capacity:
             return
-        rows, heads, used, head_dim = self.keys.shape
+        shape = (max(rows, self._owner.num_rows), heads, max(capacity, self._owner.capacity), head_dim)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = old.new_zeros((rows, heads, capacity, head_dim))
-            new[:, :, :used] = old
+            new = old.new_zeros(shape)
+            new[:rows, :, :capacity] = old
             setattr(self, name, new)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this pass's entries (key_states: [rows, kv_heads, n, head_dim]) per row."""
+        """Scatter this pass's T entries (key_states: [1, kv_heads, T, head_dim]) into their rows."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._grow_to(self._owner.capacity)
-        for row, (start, width) in enumerate(zip(self._owner.lengths, self._owner.widths)):
-            self.keys[row, :, start : start + width] = key_states[row, :, :width]
-            self.values[row, :, start : start + width] = value_states[row, :, :width]
-        end = self._owner.pass_end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        self._fit()
+        assert self.keys is not None and self.values is not None
+        layout = self._owner.layout
+        assert layout is not None, "a pass needs a layout (ModelRunner.forward sets it)"
+        rows, positions = layout.write_rows, layout.write_positions  # [T] each
+        self.keys[rows, :, positions] = key_states[0].transpose(0, 1)  # [T, kv_heads, head_dim]
+        self.values[rows, :, positions] = value_states[0].transpose(0, 1)
+        end, num_rows = layout.pass_end, self._owner.num_rows
+        return self.keys[:num_rows, :, :end], self.values[:num_rows, :, :end]
 
     def keep(self, row: int, start: int, kept: Sequence[int]) -> None:
         """Move pass entries `start + kept` of `row` to [start, start + len(kept))."""
-        if self.keys is None:
+        if self.keys is None or self.values is None:
             return
         source = torch.tensor(kept, dtype=torch.long, device=self.keys.device) + start  # [m]
         target = slice(start, start + len(kept))
         self.keys[row, :, target] = self.keys[row, :, source]
         self.values[row, :, target] = self.values[row, :, source]
 
+    def move_row(self, source: int, target: int, length: int) -> None:
+        if self.keys is None or self.values is None:
+            return
+        self.keys[target, :, :length] = self.keys[source, :, :length]
+        self.values[target, :, :length] = self.values[source, :, :length]
+
+    def release(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._owner.pass_end, 0
+        return self._owner.layout.pass_end if self._owner.layout else 0, 0
 
     def get_seq_length(self) -> int:
         return max(self._owner.lengths, default=0)
@@ -84,23 +116,48 @@ class _RowBufferLayer(CacheLayerMixin):
 class TreeKVCache(Cache):
     """Per-row committed lengths over growable per-layer buffers; see the module docstring."""
 
-    def __init__(self, num_layers: int, rows: int = 1, initial_capacity: int = 256) -> None:
+    def __init__(self, num_layers: int, rows: int = 1) -> None:
         self.lengths: list[int] = [0] * rows
-        self.widths: list[int] = [0] * rows
-        self.capacity = initial_capacity
+        self.capacity = INITIAL_CAPACITY
+        self.layout: PassLayout | None = None
         super().__init__(layers=[_RowBufferLayer(self) for _ in range(num_layers)])
 
     @property
-    def pass_end(self) -> int:
-        """Columns the current pass attends over: the longest row's length plus its width."""
-        return max(length + width for length, width in zip(self.lengths, self.widths))
+    def num_rows(self) -> int:
+        return len(self.lengths)
 
-    def begin_pass(self, widths: Sequence[int]) -> None:
-        """Reserve room for `widths[row]` new entries per row before a forward pass."""
-        if len(widths) != len(self.lengths):
-            raise ValueError(f"{len(widths)} widths for {len(self.lengths)} rows")
-        self.widths = list(widths)
-        while self.capacity < self.pass_end:
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffers now (0 when no row is in use)."""
+        return sum(layer.nbytes for layer in self.layers)  # type: ignore[attr-defined]
+
+    def add_row(self) -> int:
+        """A new, empty row; returns its index."""
+        self.lengths.append(0)
+        return self.num_rows - 1
+
+    @torch.inference_mode()
+    def remove_row(self, row: int) -> int | None:
+        """Free `row` by moving the last row into it; returns the moved row's old index
+        (None if nothing moved). The last row leaving releases the buffers."""
+        last = self.num_rows - 1
+        moved = None
+        if row != last:
+            for layer in self.layers:
+                layer.move_row(last, row, self.lengths[last])  # type: ignore[attr-defined]
+            self.lengths[row] = self.lengths[last]
+            moved = last
+        self.lengths.pop()
+        if not self.lengths:
+            for layer in self.layers:
+                layer.release()  # type: ignore[attr-defined]
+            self.capacity = INITIAL_CAPACITY
+        return moved
+
+    def begin_pass(self, layout: PassLayout) -> None:
+        """Reserve room for the pass described by `layout` (doubling the capacity if needed)."""
+        self.layout = layout
+        while self.capacity < layout.pass_end:
             self.capacity *= 2
 
     @torch.inference_mode()  # the buffers were made in inference mode by the forward pass
@@ -109,6 +166,5 @@ class TreeKVCache(Cache):
         start = self.lengths[row]
         if list(kept) != list(range(len(kept))):  # a prefix of the pass is already in place
             for layer in self.layers:
-                layer.keep(row, start, kept)
+                layer.keep(row, start, kept)  # type: ignore[attr-defined]
         self.lengths[row] = start + len(kept)
-        self.widths[row] = 0

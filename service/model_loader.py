@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,8 +19,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -33,6 +36,10 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
 PACKED_TILES_FILE = "packed_tiles_v2.npz"  # beside the converted weights: the tiles of --quantization gguf
+
+
+class UnsupportedModel(ValueError):
+    """A model this server cannot serve exactly."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,7 @@ def load_model(
         path = directory
     else:
         name = path.name
+    check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
     torch_device = resolve_device(device)
     if quantization == "gguf":
         if torch_device.type != "cpu":
@@ -157,6 +165,30 @@ def load_model(
     return LoadedModel(model.eval(), tokenizer, name, seconds, from_cache)
 
 
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse models with sliding-window attention that the context can outgrow.
+
+    The tree pass attends with a dense mask over the whole cache; past the window such a
+    model attends to less, so its output here would differ from the model's own. A window
+    that is off (`use_sliding_window: false`), on no layer (`layer_types`) or at least the
+    context length is no window at all.
+    """
+    window = getattr(config, "sliding_window", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
+        return
+    if context is not None and window >= context:
+        return
+    raise UnsupportedModel(
+        f"{config.model_type} models with sliding-window attention are not supported: the window "
+        f"({window} tokens) is shorter than the context ({context}), and ngrammys attends densely, "
+        "so its output would differ from the model's past the window"
+    )
+
+
 def _file_hash(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -171,7 +203,7 @@ def _convert_gguf(gguf: Path, directory: Path) -> None:
     Written to a temporary sibling and renamed, so a crash never leaves half a cache entry.
     """
     log.info("converting %s (first start; cached for later ones)", gguf.name)
-    staging = directory.with_name(directory.name + ".partial")
+    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")  # per process: starts may race
     shutil.rmtree(staging, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
@@ -182,4 +214,9 @@ def _convert_gguf(gguf: Path, directory: Path) -> None:
     del model.config.quantization_config
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    staging.rename(directory)
+    try:
+        staging.rename(directory)
+    except OSError:
+        if not directory.is_dir():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # another process finished first: use its copy

@@ -1,68 +1,78 @@
-"""The one place that runs the transformer: a tree pass over the KV cache.
+"""The one place that runs the transformer: one flat pass over every running row.
 
-Every pass — prompt prefill, plain decode step, speculation round — is the same call: each
-row brings a token tree; its nodes get position ids `length + depth` and a 4D additive mask
-that lets a node see the row's committed cache plus itself and its ancestors, nothing else.
-The logits of each node then equal those of decoding its path token by token (a unit test
-holds the project to that).
+Every pass — prompt prefill chunks, plain decode steps, speculation rounds, for all running
+requests at once — is the same call: each KV row brings a token tree; its nodes get position
+ids `length + depth` and see the row's committed cache plus their own ancestors, nothing else
+(`service/attention.py`). All rows' tokens go through the model as one flat sequence, so the
+linear layers compute exactly the tokens brought, and the LM head runs only on the nodes whose
+next-token distribution is asked for (tree nodes, not prompt chunks). The logits of each node
+then equal those of decoding its path token by token (a unit test holds the project to that).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
+from service.attention import build_layout, use_ragged_attention
 from service.kv_cache import TreeKVCache
 from service.tree import TokenTree
 
 
+@dataclass(frozen=True)
+class RowInput:
+    """What one KV row brings to a pass: a tree, and from which node on it needs logits."""
+
+    tree: TokenTree
+    logits_from: int = 0  # nodes [logits_from, num_nodes) get logits; num_nodes for none
+
+
 class ModelRunner:
-    """Holds a causal LM in eval mode and runs tree passes for one or more rows."""
+    """Holds a causal LM in eval mode and runs flat passes over the rows of a `TreeKVCache`."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
+        use_ragged_attention(self.model)
         self.device = model.device
         self.dtype = model.dtype
         self.vocab_size: int = model.config.vocab_size
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # keys + values of one token over all layers
+        self.kv_bytes_per_token = (
+            2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * self.dtype.itemsize
+        )
 
-    def new_cache(self, rows: int = 1) -> TreeKVCache:
+    def new_cache(self, rows: int = 0) -> TreeKVCache:
         return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows)
 
     @torch.inference_mode()
-    def forward(
-        self, cache: TreeKVCache, trees: Sequence[TokenTree], logits: bool = True
-    ) -> torch.Tensor | None:
-        """Append each row's tree to `cache` and return logits [rows, width, vocab].
+    def forward(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        """Append row r's tree to cache row r (for every row) and return, per row, the logits
+        [num_nodes - logits_from, vocab] of its nodes from `logits_from` on.
 
-        With `logits=False` (prefill) the LM head is skipped and None is returned. The caller
-        must `cache.commit()` each row afterwards.
+        The caller must `cache.commit()` each row afterwards.
         """
-        widths = [tree.num_nodes for tree in trees]
-        width = max(widths)
-        starts = list(cache.lengths)
-        cache.begin_pass(widths)
-        input_ids = torch.zeros(len(trees), width, dtype=torch.long)  # [rows, width]
-        position_ids = torch.zeros(len(trees), width, dtype=torch.long)  # [rows, width]
-        allowed = torch.zeros(len(trees), 1, width, cache.pass_end, dtype=torch.bool)
-        for row, (tree, start) in enumerate(zip(trees, starts)):
-            n = tree.num_nodes
-            input_ids[row, :n] = torch.tensor(tree.token_ids)
-            position_ids[row, :n] = start + torch.tensor(tree.depths)
-            allowed[row, 0, :n, :start] = True
-            allowed[row, 0, :n, start : start + n] = tree.ancestor_mask()
-            allowed[row, 0, n:, 0] = True  # padding rows attend somewhere, then are ignored
-        mask = torch.zeros(allowed.shape, dtype=self.dtype)  # [rows, 1, width, pass_end]
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        inputs = dict(
-            input_ids=input_ids.to(self.device),
-            position_ids=position_ids.to(self.device),
-            attention_mask=mask.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        if not logits:
-            self.model.base_model(**inputs)
-            return None
-        return self.model(**inputs).logits  # [rows, width, vocab]
+        if len(rows) != cache.num_rows:
+            raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
+        trees = [row.tree for row in rows]
+        layout = build_layout(trees, cache.lengths, self.device)
+        cache.begin_pass(layout)
+        input_ids = torch.tensor([[t for tree in trees for t in tree.token_ids]], device=self.device)  # [1, T]
+        hidden = self.model.base_model(
+            input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
+            use_cache=True, pass_layout=layout,
+        ).last_hidden_state[0]  # [T, hidden]
+        wanted = [
+            offset + node
+            for offset, row in zip(layout.offsets, rows)
+            for node in range(row.logits_from, row.tree.num_nodes)
+        ]
+        if not wanted:
+            return [hidden.new_empty(0, self.vocab_size) for _ in rows]
+        logits = self.model.get_output_embeddings()(hidden[wanted])  # [num_wanted, vocab]
+        sizes = [row.tree.num_nodes - row.logits_from for row in rows]
+        return list(logits.split(sizes))

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 from drafting import ModelTables
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BIGRAM_TOP_K = 8
 UNIGRAM_SIZE = 64
@@ -44,23 +47,41 @@ def model_fingerprint(model: PreTrainedModel) -> str:
     return digest.hexdigest()[:16]
 
 
-@torch.inference_mode()
 def compute_tables(
     model: PreTrainedModel, prefix_ids: Sequence[int] = (), batch_size: int = 512, show_progress: bool = True
 ) -> ModelTables:
     """Run every token after `prefix_ids` through `model`; keep top-K next tokens and the mean."""
+    return run_to_end(compute_tables_steps(model, prefix_ids, batch_size, show_progress))
+
+
+def compute_tables_steps(
+    model: PreTrainedModel, prefix_ids: Sequence[int] = (), batch_size: int = 512, show_progress: bool = True
+) -> Generator[None, None, ModelTables]:
+    """`compute_tables` one batch per increment (the engine runs them between steps)."""
     vocab = model.config.vocab_size
     bigram = np.zeros((vocab, BIGRAM_TOP_K), dtype=np.uint32)  # [vocab, K]
     mean_probs = torch.zeros(vocab, dtype=torch.float64, device=model.device)  # [vocab]
-    prefix = _prefix_cache(model, prefix_ids)
+    with torch.inference_mode():
+        prefix = _prefix_cache(model, prefix_ids)
     batches = range(0, vocab, batch_size)
     for start in tqdm(batches, desc="bigram table", unit="batch", disable=not show_progress):
-        ids = torch.arange(start, min(start + batch_size, vocab), device=model.device)[:, None]  # [B, 1]
-        logits = _next_token_logits(model, ids, prefix, len(prefix_ids))  # [B, vocab]
-        bigram[start : start + len(ids)] = logits.topk(BIGRAM_TOP_K, dim=-1).indices.cpu().numpy()
-        mean_probs += logits.softmax(dim=-1).sum(dim=0, dtype=torch.float64)
+        with torch.inference_mode():
+            ids = torch.arange(start, min(start + batch_size, vocab), device=model.device)[:, None]  # [B, 1]
+            logits = _next_token_logits(model, ids, prefix, len(prefix_ids))  # [B, vocab]
+            bigram[start : start + len(ids)] = logits.topk(BIGRAM_TOP_K, dim=-1).indices.cpu().numpy()
+            mean_probs += logits.softmax(dim=-1).sum(dim=0, dtype=torch.float64)
+        yield
     unigram = mean_probs.topk(min(UNIGRAM_SIZE, vocab)).indices.cpu().numpy().astype(np.uint32)
     return ModelTables(unigram=unigram, bigram=bigram)
+
+
+def run_to_end(steps: Generator[object, None, T]) -> T:
+    """Run an incremental computation at once; its result."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
 
 
 def _prefix_cache(model: PreTrainedModel, prefix_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -87,16 +108,24 @@ def load_or_compute_tables(
     model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[int] = (), show_progress: bool = True
 ) -> ModelTables:
     """Tables from `cache_dir/tables/<fingerprint>.npz`, computing and saving them if absent."""
+    with _computing:
+        return run_to_end(load_or_compute_tables_steps(model, cache_dir, prefix_ids, show_progress=show_progress))
+
+
+def load_or_compute_tables_steps(
+    model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[int] = (), batch_size: int = 512,
+    show_progress: bool = True,
+) -> Generator[None, None, ModelTables]:
+    """`load_or_compute_tables` in increments of one batch."""
     key = hashlib.sha256(f"{model_fingerprint(model)}{list(prefix_ids)}".encode()).hexdigest()[:16]
     path = cache_dir / "tables" / f"{key}.npz"
-    with _computing:
-        if path.exists():
-            with np.load(path) as saved:
-                return ModelTables(unigram=saved["unigram"], bigram=saved["bigram"])
-        log.info("computing the model's unigram/bigram tables (cached at %s)", path)
-        tables = compute_tables(model, prefix_ids, show_progress=show_progress)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(path.stem + ".partial.npz")
-        np.savez(staging, unigram=tables.unigram, bigram=tables.bigram)
-        staging.rename(path)
-        return tables
+    if path.exists():
+        with np.load(path) as saved:
+            return ModelTables(unigram=saved["unigram"], bigram=saved["bigram"])
+    log.info("computing the model's unigram/bigram tables (cached at %s)", path)
+    tables = yield from compute_tables_steps(model, prefix_ids, batch_size, show_progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
+    np.savez(staging, unigram=tables.unigram, bigram=tables.bigram)
+    staging.rename(path)
+    return tables

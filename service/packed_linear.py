@@ -64,20 +64,25 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
     """The compiled numba kernels module, or None when numba is not installed (or fails).
 
     The first call per machine compiles them (tens of seconds on 2 cores; logged) into numba's
-    cache (next to the source, or `<cache_dir>/numba` where that is not writable); later starts
-    load them from there in about a second.
+    cache, `<cache_dir>/numba` (next to the source without a `cache_dir`; `NUMBA_CACHE_DIR`
+    overrides both); later starts load them from there in about a second. The cache dir, not
+    the package, so that `ngrammys prepare` bakes them where an image's server finds them: numba
+    only uses a cache directory it can write, and an installed package is read-only to a
+    non-root server. (numba compiles again, once, on a CPU other than the one that compiled.)
     """
     global _kernels, _kernels_error
     if _kernels is not None or _kernels_error is not None:
         return _kernels
     # Must be set before numba is first imported: the kernels rely on the SLP vectorizer.
     os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
-    if cache_dir is not None and not os.access(Path(__file__).parent, os.W_OK):
+    if cache_dir is not None:
         os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir / "numba"))
     try:
         import numba
 
         numba.config.SLP_VECTORIZE = 1
+        if os.environ.get("NUMBA_CACHE_DIR"):  # numba may have been imported (and configured) before
+            numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
         from service import packed_kernels
     except Exception as error:  # noqa: BLE001 - any import failure means: use the fallback
         _kernels_error = f"{type(error).__name__}: {error}"
@@ -270,9 +275,13 @@ def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
     for name, t in tiles.items():
         arrays |= {f"{name}:qs": t.qs, f"{name}:d": t.d, f"{name}:m": t.m,
                    f"{name}:shape": np.array([t.out_features, t.in_features]), f"{name}:kind": np.array(t.kind)}
-    staging = path.with_name(path.name + ".partial.npz")
-    np.savez(staging, **arrays)
-    staging.rename(path)
+    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")  # per process: starts may race
+    try:
+        np.savez(staging, **arrays)
+        staging.rename(path)
+    except OSError as error:  # a read-only cache: serve anyway, read the GGUF again next start
+        staging.unlink(missing_ok=True)
+        log.warning("could not save the packed tiles to %s (%s)", path, error)
 
 
 def _load_tiles(path: Path) -> dict[str, PackedTiles]:

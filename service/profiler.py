@@ -1,14 +1,17 @@
-"""Measure what a forward pass costs on this device: T(tree size n, context length L).
+"""Measure what a forward pass costs on this device: T(tokens, rows, context length).
 
-Each context length gets a real cache (a random prompt prefilled); then passes of n tokens
-are timed on top of it and rolled back (committing nothing), so L stays fixed. The logits are
-read back so GPU timings include the work. The profile is saved per (device, model, dtype) and
-reused on later starts.
+For each (rows R, context L) a cache of R rows of length L is set up (the entries' values do
+not change the work, so nothing is prefilled), then passes of R × m tokens are timed on top of
+it and rolled back, so L stays fixed. The logits are read back so GPU timings include the work.
 
-The controller trades tokens against the *ratio* T(n)/T(1), so the ratio must survive a busy
-machine: each repeat times every tree size in turn (a slow spell hits all sizes alike, not one),
-medians are taken per size, and a larger tree is never recorded as cheaper than a smaller one
-(a dip is noise or a kernel quirk the controller should not bet on).
+The controller trades tokens against *ratios* of costs, so the ratios must survive a busy
+machine: each repeat times every size in turn (a slow spell hits all sizes alike), medians are
+taken per size, and the result is validated before it is trusted or saved — costs must not
+fall as passes grow (within noise), must not fall as context grows (a profile whose short-
+context passes look slower than long ones was measured under changing load), and repeats must
+agree. A profile that fails is measured again; one that keeps failing is used for this run
+only and never saved. Measurement is a generator of small increments, so the engine runs it
+between steps, only while idle.
 """
 
 from __future__ import annotations
@@ -18,21 +21,27 @@ import logging
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 
 import torch
 
-from service.model_runner import ModelRunner
-from service.model_tables import model_fingerprint
-from service.regime import CostProfile
 from service.kv_cache import TreeKVCache
-from service.tree import TokenTree, chain_tree
+from service.model_runner import ModelRunner, RowInput
+from service.model_tables import model_fingerprint, run_to_end
+from service.regime import CostProfile
+from service.tree import chain_tree
 
 log = logging.getLogger(__name__)
 
-TREE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+ROWS = (1, 4, 16)
 CONTEXT_LENGTHS = (32, 256, 1024)
+TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
+MAX_PASS_TOKENS = 128  # larger passes are extrapolated
+REPEATS = 5
+NOISE = 0.15  # relative slack of the validation rules
+MAX_SPREAD = 0.3  # (p75 - p25) / median of a cell's repeats
+ATTEMPTS = 3
 
 
 def device_name(device: torch.device) -> str:
@@ -41,43 +50,98 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def measure_profile(
-    runner: ModelRunner,
-    tree_sizes: Sequence[int] = TREE_SIZES,
-    context_lengths: Sequence[int] = CONTEXT_LENGTHS,
-    repeats: int = 7,
-) -> CostProfile:
-    """Time passes over the grid; returns the medians, non-decreasing in n."""
+def pass_sizes(rows: int) -> list[int]:
+    return [rows * m for m in TOKENS_PER_ROW if rows * m <= MAX_PASS_TOKENS]
+
+
+def measure_steps(
+    runner: ModelRunner, rows: Sequence[int] = ROWS, context_lengths: Sequence[int] = CONTEXT_LENGTHS,
+    repeats: int = REPEATS,
+) -> Generator[None, None, tuple[CostProfile, list[str]]]:
+    """Yield after every increment (one repeat of one (rows, L) sweep); return the profile and
+    the validation problems found (empty when it can be trusted)."""
     generator = torch.Generator().manual_seed(0)
-    seconds = []
-    for length in context_lengths:
-        cache = runner.new_cache()
-        prompt = torch.randint(runner.vocab_size, (length,), generator=generator).tolist()
-        runner.forward(cache, [chain_tree(prompt)], logits=False)
-        cache.commit(0, range(length))
-        trees = [chain_tree(torch.randint(runner.vocab_size, (n,), generator=generator).tolist()) for n in tree_sizes]
-        for tree in trees:  # warm-up
-            _timed_pass(runner, cache, tree)
-        samples: list[list[float]] = [[] for _ in trees]
+    samples: dict[tuple[int, int], list[list[float]]] = {}
+    for count, length in itertools.product(rows, context_lengths):
+        cache = _filled_cache(runner, count, length)
+        passes = [_chains(runner, count, size // count, generator) for size in pass_sizes(count)]
+        for trees in passes:  # warm-up
+            _timed_pass(runner, cache, trees)
+        cells = samples.setdefault((count, length), [[] for _ in passes])
         for _ in range(repeats):
-            for index, tree in enumerate(trees):
-                samples[index].append(_timed_pass(runner, cache, tree))
-        row = list(itertools.accumulate((statistics.median(s) for s in samples), max))
-        seconds.append(row)
-        log.info("profiled L=%d: %s", length, " ".join(f"n{n}={s * 1e3:.1f}ms" for n, s in zip(tree_sizes, row)))
-    return CostProfile(
-        list(tree_sizes), list(context_lengths), seconds,
+            for index, trees in enumerate(passes):
+                cells[index].append(_timed_pass(runner, cache, trees))
+            yield
+        medians = " ".join(f"n{n}={statistics.median(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count), cells))
+        log.info("profiled rows=%d L=%d: %s", count, length, medians)
+    profile = CostProfile(
+        rows=list(rows), context_lengths=list(context_lengths), tree_sizes=[pass_sizes(r) for r in rows],
+        seconds=[[[statistics.median(c) for c in samples[(r, length)]] for length in context_lengths] for r in rows],
         device=device_name(runner.device), model=model_fingerprint(runner.model), dtype=str(runner.dtype),
     )
+    problems = validate(profile, samples)
+    return _monotone(profile), problems
 
 
-def _timed_pass(runner: ModelRunner, cache: TreeKVCache, tree: TokenTree) -> float:
+def measure_profile(runner: ModelRunner, **grid: Sequence[int]) -> tuple[CostProfile, list[str]]:
+    """`measure_steps` run to the end at once."""
+    return run_to_end(measure_steps(runner, **grid))  # type: ignore[arg-type]
+
+
+def validate(profile: CostProfile, samples: dict[tuple[int, int], list[list[float]]] | None = None) -> list[str]:
+    """What makes `profile` untrustworthy (nothing if it is fine)."""
+    problems = []
+    for r, table in zip(profile.rows, profile.seconds):
+        for length, row in zip(profile.context_lengths, table):
+            if any(b < a * (1 - NOISE) for a, b in zip(row, row[1:])):
+                problems.append(f"rows={r} L={length}: a bigger pass measured cheaper: {_ms(row)}")
+        for index in range(len(table[0])):
+            column = [row[index] for row in table]
+            if column[-1] < column[0] * (1 - NOISE):
+                problems.append(f"rows={r} n={profile.tree_sizes[profile.rows.index(r)][index]}: "
+                                f"longer context measured cheaper: {_ms(column)}")
+    for (r, length), cells in (samples or {}).items():
+        spread = [_spread(c) for c in cells]
+        if statistics.median(spread) > MAX_SPREAD:
+            problems.append(f"rows={r} L={length}: repeats disagree (median spread {statistics.median(spread):.0%})")
+    return problems
+
+
+def _spread(values: list[float]) -> float:
+    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
+    return (q3 - q1) / statistics.median(values)
+
+
+def _ms(values: Sequence[float]) -> str:
+    return " ".join(f"{v * 1e3:.1f}" for v in values) + " ms"
+
+
+def _monotone(profile: CostProfile) -> CostProfile:
+    """A larger pass is never recorded as cheaper (a dip is noise the controller must not bet on)."""
+    seconds = [[list(itertools.accumulate(row, max)) for row in table] for table in profile.seconds]
+    return CostProfile(**{**profile.__dict__, "seconds": seconds})
+
+
+def _filled_cache(runner: ModelRunner, rows: int, length: int) -> TreeKVCache:
+    cache = runner.new_cache()
+    for _ in range(rows):
+        cache.add_row()
+    cache.lengths = [length] * rows  # the entries' values do not change the work
+    return cache
+
+
+def _chains(runner: ModelRunner, rows: int, m: int, generator: torch.Generator) -> list[RowInput]:
+    return [RowInput(chain_tree(torch.randint(runner.vocab_size, (m,), generator=generator).tolist()))
+            for _ in range(rows)]
+
+
+def _timed_pass(runner: ModelRunner, cache: TreeKVCache, rows: list[RowInput]) -> float:
     started = time.perf_counter()
-    logits = runner.forward(cache, [tree])
-    assert logits is not None
-    float(logits[0, -1, 0])  # wait for the device
+    logits = runner.forward(cache, rows)
+    float(logits[-1][-1, 0])  # wait for the device
     elapsed = time.perf_counter() - started
-    cache.commit(0, [])  # roll back: the context length stays fixed
+    for row in range(cache.num_rows):
+        cache.commit(row, [])  # roll back: the context length stays fixed
     return elapsed
 
 
@@ -87,18 +151,44 @@ def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
     return cache_dir / "profiles" / f"{safe}.json"
 
 
+def load_saved(runner: ModelRunner, cache_dir: Path) -> CostProfile | None:
+    """The saved profile for this device/model/dtype, if there is one that passes validation."""
+    path = profile_path(cache_dir, runner)
+    if not path.exists():
+        return None
+    try:
+        profile = CostProfile.load(path)
+    except (ValueError, TypeError, KeyError) as error:
+        log.warning("ignoring the saved cost profile: %s", error)
+        return None
+    if problems := validate(profile):
+        log.warning("ignoring the saved cost profile %s: %s; it will be measured again", path, "; ".join(problems))
+        return None
+    return profile
+
+
+def measure_and_save_steps(
+    runner: ModelRunner, cache_dir: Path, **grid: Sequence[int]
+) -> Generator[None, None, CostProfile]:
+    """Measure (up to `ATTEMPTS` times until valid); save only a valid profile."""
+    for attempt in range(1, ATTEMPTS + 1):
+        profile, problems = yield from measure_steps(runner, **grid)  # type: ignore[arg-type]
+        if not problems:
+            profile.save(profile_path(cache_dir, runner))
+            return profile
+        log.warning("cost profile attempt %d failed validation (was the machine busy?): %s",
+                    attempt, "; ".join(problems))
+    log.warning("using the last cost profile for this run only (not saved); "
+                "remedy: `ngrammys profile --remeasure` on an idle machine")
+    return profile
+
+
 def load_or_measure(
-    runner: ModelRunner,
-    cache_dir: Path,
-    remeasure: bool = False,
-    tree_sizes: Sequence[int] = TREE_SIZES,
-    context_lengths: Sequence[int] = CONTEXT_LENGTHS,
+    runner: ModelRunner, cache_dir: Path, remeasure: bool = False, **grid: Sequence[int]
 ) -> CostProfile:
     """The saved profile for this device/model/dtype, measuring (and saving) it if absent."""
-    path = profile_path(cache_dir, runner)
-    if path.exists() and not remeasure:
-        return CostProfile.load(path)
-    log.info("measuring forward-pass costs (saved to %s)", path)
-    profile = measure_profile(runner, tree_sizes, context_lengths)
-    profile.save(path)
-    return profile
+    saved = None if remeasure else load_saved(runner, cache_dir)
+    if saved is not None:
+        return saved
+    log.info("measuring forward-pass costs (saved to %s)", profile_path(cache_dir, runner))
+    return run_to_end(measure_and_save_steps(runner, cache_dir, **grid))

@@ -1,44 +1,63 @@
-"""The hardware policy: what a pass costs here, and which speculation shape pays most.
+"""The hardware policy: what a pass costs here, and which tree nodes pay for themselves.
 
-A forward pass over n new tokens costs about as much as over one while the device is
+A forward pass over N tokens costs about as much as over one while the device is
 memory-bound (weights dominate the bytes moved), then grows once it is compute-bound. Where
-that knee lies depends on the device, model, dtype and context length, so it is measured
-(`service/profiler.py`) into a `CostProfile` T(n, L). The `choose_shape` controller then
-weighs, for every (k, w), the expected tokens a round yields against T(tree size, L) and
-picks the best tokens per second — k = 0 (plain decoding) whenever nothing beats it.
+that knee lies depends on the device, model, dtype, the number of rows (requests) in the pass
+and their context length, so it is measured (`service/profiler.py`) into a `CostProfile`
+T(N tokens, R rows, L context).
+
+`plan_trees` then chooses the trees of ALL running requests jointly. Every candidate node
+(a prefix of some request's draft) has a probability of being accepted; adding it adds that
+much to the pass's expected tokens and one token to the pass. Nodes are added best first
+(a parent is never less likely than its child, so trees stay connected), and the controller
+keeps the number of additions with the most expected tokens per second for the whole pass —
+plain decoding for everyone unless speculation beats it by `min_gain`. On a device where a
+bigger pass is nearly free, many nodes pay; where it costs (a CPU, or a large batch on a
+GPU), few or none do, per request, without any table of switch-off points.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from drafting import Draft, ScoredDraft
 
+PROFILE_VERSION = 2  # rows dimension; older files are measured again
+
 
 @dataclass(frozen=True)
 class CostProfile:
-    """Median seconds of one pass, measured on a grid of tree sizes × context lengths."""
+    """Median seconds of one pass, measured per rows × context length × total tokens."""
 
-    tree_sizes: list[int]  # ascending, starting at 1
+    rows: list[int]  # ascending, starting at 1
     context_lengths: list[int]  # ascending
-    seconds: list[list[float]]  # [len(context_lengths)][len(tree_sizes)]
+    tree_sizes: list[list[int]]  # [rows]: total tokens measured (ascending) for that row count
+    seconds: list[list[list[float]]]  # [rows][context_lengths][tree_sizes[rows]]
     device: str = ""
     model: str = ""
     dtype: str = ""
+    version: int = PROFILE_VERSION
 
-    def cost(self, n: int, context_length: int) -> float:
-        """Seconds of a pass of `n` tokens at `context_length`: interpolated in L (clamped)
-        and in n (extrapolated linearly past the largest measured tree)."""
+    def cost(self, n: int, context_length: float, rows: int = 1) -> float:
+        """Seconds of a pass of `n` tokens over `rows` rows at mean context `context_length`:
+        linear in L (clamped), in n (extrapolated past the largest measured pass) and in the
+        row count (extrapolated past the largest measured)."""
+        per_rows = [self._cost_at(i, n, context_length) for i in range(len(self.rows))]
+        lower, upper, weight = _interpolate(self.rows, rows, extrapolate=True)
+        return max((1 - weight) * per_rows[lower] + weight * per_rows[upper], 1e-9)
+
+    def _cost_at(self, rows_index: int, n: int, context_length: float) -> float:
+        table = self.seconds[rows_index]
         lower, upper, a = _interpolate(self.context_lengths, context_length)
-        row = [(1 - a) * x + a * y for x, y in zip(self.seconds[lower], self.seconds[upper])]
-        lower, upper, b = _interpolate(self.tree_sizes, n, extrapolate=True)
+        row = [(1 - a) * x + a * y for x, y in zip(table[lower], table[upper])]
+        lower, upper, b = _interpolate(self.tree_sizes[rows_index], n, extrapolate=True)
         return (1 - b) * row[lower] + b * row[upper]
 
-    def slowdown(self, n: int, context_length: int) -> float:
+    def slowdown(self, n: int, context_length: float) -> float:
         return self.cost(n, context_length) / self.cost(1, context_length)
 
     def save(self, path: Path) -> None:
@@ -47,10 +66,13 @@ class CostProfile:
 
     @classmethod
     def load(cls, path: Path) -> CostProfile:
-        return cls(**json.loads(path.read_text()))
+        data = json.loads(path.read_text())
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"{path} is a profile of another format (version {data.get('version')})")
+        return cls(**data)
 
 
-def _interpolate(grid: Sequence[int], x: float, extrapolate: bool = False) -> tuple[int, int, float]:
+def _interpolate(grid: Sequence[float], x: float, extrapolate: bool = False) -> tuple[int, int, float]:
     """(lower index, upper index, weight of upper) for linear interpolation on `grid`."""
     if len(grid) == 1:
         return 0, 0, 0.0
@@ -61,83 +83,115 @@ def _interpolate(grid: Sequence[int], x: float, extrapolate: bool = False) -> tu
 
 
 @dataclass(frozen=True)
-class Correction:
-    """Multipliers for a forecast, realized over predicted (learned by `calibration.py`)."""
+class RowCandidates:
+    """One decoding request's say in the plan: its ranked drafts, caps and acceptance factor."""
 
-    draft_tokens: float = 1.0  # accepted draft tokens
-    spec_seconds: float = 1.0  # seconds of a speculative pass
-    plain_seconds: float = 1.0  # seconds of a one-token pass
+    candidates: Sequence[ScoredDraft]
+    k_max: int  # at most this many branches
+    w_max: int  # at most this deep
+    acceptance_factor: float = 1.0  # learned realized/predicted accepted tokens (calibration)
+    probe: bool = False  # speculate a little even if the forecast says no (re-measures)
 
 
 @dataclass(frozen=True)
-class Forecast:
-    """What the controller expects of a round: the model's raw figures and their correction."""
+class RowTree:
+    """The controller's choice for one request: drafts to verify and what it expects of them."""
 
-    tree_nodes: int  # root included
-    draft_tokens: float  # Σ P(node accepted): expected accepted draft tokens, uncorrected
-    seconds: float  # the profile's cost of the pass, uncorrected
-    correction: Correction = Correction()
+    drafts: list[Draft]
+    k: int
+    w: int
+    expected_draft_tokens: float  # Σ P(node accepted), uncorrected (what calibration compares)
+    expected_tokens: float  # corrected, bonus included
 
-    @property
-    def expected_tokens(self) -> float:
-        """Per pass, bonus included."""
-        return 1.0 + self.draft_tokens * self.correction.draft_tokens
 
-    @property
-    def expected_seconds(self) -> float:
-        factor = self.correction.spec_seconds if self.tree_nodes > 1 else self.correction.plain_seconds
-        return self.seconds * factor
+@dataclass(frozen=True)
+class TreePlan:
+    trees: list[RowTree]  # one per RowCandidates, in order
+    tokens: int  # total tokens of the pass
+    expected_tokens: float  # over the whole pass
+    seconds: float  # forecast of the pass
 
     @property
     def tokens_per_second(self) -> float:
-        return self.expected_tokens / self.expected_seconds
+        return self.expected_tokens / self.seconds
 
 
 @dataclass(frozen=True)
-class Shape:
-    """A round's speculation: k drafts of ≤ w tokens, and the forecast when one was made."""
+class _Node:
+    probability: float  # uncorrected
+    factor: float  # the row's acceptance factor
+    depth: int
+    row: int
+    prefix: tuple[int, ...]
+    strategy: str
+    rank: int
 
-    k: int
-    w: int
-    drafts: list[Draft]
-    forecast: Forecast | None = None
 
-
-def choose_shape(
-    candidates: Sequence[ScoredDraft],
-    profile: CostProfile,
-    context_length: int,
-    k_max: int,
-    w_max: int,
-    correction: Correction = Correction(),
+def plan_trees(
+    rows: Sequence[RowCandidates],
+    cost: Callable[[int], float],
+    fixed_tokens: int,
+    fixed_expected: float,
+    budget: int,
     min_gain: float = 1.02,
-) -> Shape:
-    """The (k, w) with the most expected tokens per second; plain decoding unless a shape
-    beats it by `min_gain` (estimates are noisy, and a loss costs more than a tie gains).
+) -> TreePlan:
+    """Choose every row's tree for one pass.
 
-    Expected tokens of a tree = 1 (bonus) + Σ over its nodes of P(node accepted), each node's
-    probability from the draft that put it there (its (strategy, rank) acceptance at that
-    depth; the most likely one when drafts share a node), scaled by the learned `correction`.
+    `cost(n)` is the forecast seconds of the pass with n tokens in all; `fixed_tokens` and
+    `fixed_expected` are what the pass holds regardless (one root per row here, prefill chunks
+    and fixed-mode trees) and the tokens it yields for sure; `budget` caps the added nodes.
     """
-    plain = Shape(0, 0, [], Forecast(1, 0.0, profile.cost(1, context_length), correction))
-    best, best_rate = plain, plain.forecast.tokens_per_second * min_gain
-    for w in range(1, w_max + 1):
-        ranked = sorted(candidates, key=lambda s: s.acceptance.expected_tokens(w), reverse=True)
-        node_probability: dict[tuple[int, ...], float] = {}
-        drafts: list[Draft] = []
-        for candidate in ranked:
-            if len(drafts) == k_max:
-                break
-            tokens = candidate.draft.token_ids[:w]
-            if tokens in node_probability:
-                continue  # adds no node
-            for depth in range(1, len(tokens) + 1):
-                prefix = tokens[:depth]
-                probability = candidate.acceptance.node_probability(depth)
-                node_probability[prefix] = max(probability, node_probability.get(prefix, 0.0))
-            drafts.append(Draft(tokens, candidate.draft.strategy, candidate.draft.rank))
-            nodes = 1 + len(node_probability)
-            forecast = Forecast(nodes, sum(node_probability.values()), profile.cost(nodes, context_length), correction)
-            if forecast.tokens_per_second > best_rate:
-                best, best_rate = Shape(len(drafts), w, list(drafts), forecast), forecast.tokens_per_second
-    return best
+    nodes = sorted(
+        (n for index, row in enumerate(rows) for n in _row_nodes(index, row)),
+        key=lambda n: (-n.probability * n.factor, n.depth),
+    )[:budget]
+    expected = fixed_expected + len(rows)
+    base_rate = expected / cost(fixed_tokens)
+    best_count, best_rate = 0, base_rate * min_gain
+    speculative_count, speculative_rate = 0, 0.0  # the best plan with at least one node
+    for count, node in enumerate(nodes, start=1):
+        expected += node.probability * node.factor
+        rate = expected / cost(fixed_tokens + count)
+        if rate > best_rate:
+            best_count, best_rate = count, rate
+        if rate > speculative_rate:
+            speculative_count, speculative_rate = count, rate
+    chosen = nodes[:best_count]
+    probing = {i for i, row in enumerate(rows) if row.probe}
+    if best_count == 0 and probing:  # measure the speculation the forecast rejects
+        chosen = [n for n in nodes[:speculative_count] if n.row in probing]
+    trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
+    tokens = fixed_tokens + len(chosen)
+    total = fixed_expected + sum(t.expected_tokens for t in trees)
+    return TreePlan(trees, tokens, total, cost(tokens))
+
+
+def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
+    """The distinct prefixes of the row's k_max best drafts (cut to w_max), each with the
+    probability of the most likely draft through it."""
+    best: dict[tuple[int, ...], _Node] = {}
+    drafts = 0
+    for candidate in sorted(row.candidates, key=lambda s: s.acceptance.expected_tokens(row.w_max), reverse=True):
+        if drafts == row.k_max:
+            break
+        tokens = candidate.draft.token_ids[: row.w_max]
+        if tokens in best:
+            continue  # adds no node
+        drafts += 1
+        for depth in range(1, len(tokens) + 1):
+            prefix = tokens[:depth]
+            probability = candidate.acceptance.node_probability(depth)
+            if prefix not in best or best[prefix].probability < probability:
+                best[prefix] = _Node(probability, row.acceptance_factor, depth, index, prefix,
+                                     candidate.draft.strategy, candidate.draft.rank)
+    return list(best.values())
+
+
+def _row_tree(nodes: list[_Node]) -> RowTree:
+    """Drafts = the chosen prefixes that no other chosen prefix extends (the leaves)."""
+    parents = {n.prefix[:-1] for n in nodes}
+    leaves = [n for n in nodes if n.prefix not in parents]
+    drafts = [Draft(n.prefix, n.strategy, n.rank) for n in leaves]
+    raw = sum(n.probability for n in nodes)
+    corrected = sum(n.probability * n.factor for n in nodes)
+    return RowTree(drafts, len(drafts), max((n.depth for n in nodes), default=0), raw, 1.0 + corrected)

@@ -1,26 +1,28 @@
-"""What a server runs: the loaded model, its engine behind the async queue, and the
-background warm-up (cost profile, model tables) that enables auto mode and the table drafts."""
+"""What a server runs: the loaded model, its engine behind the async worker, and the warm-up
+(cost profile, model tables) that the worker runs in increments while idle."""
 
 from __future__ import annotations
 
 import logging
-import threading
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from pathlib import Path
 
 from drafting import TableSlot, default_mixer
 from service.async_engine import AsyncEngine
-from service.engine import Engine
+from service.engine import Engine, StepStats
 from service.model_loader import LoadedModel
 from service.model_runner import ModelRunner
-from service.model_tables import load_or_compute_tables
-from service.profiler import load_or_measure
+from service.model_tables import load_or_compute_tables, load_or_compute_tables_steps
+from service.profiler import load_or_measure, load_saved, measure_and_save_steps
 from service.prompts import assistant_prefix_ids, stop_token_ids
+from service.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
+TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (a fraction of a second on a CPU)
 
 
-def build_engine(loaded: LoadedModel, tables: TableSlot) -> Engine:
+def build_engine(loaded: LoadedModel, tables: TableSlot, scheduler: SchedulerConfig = SchedulerConfig()) -> Engine:
     """The engine for `loaded`, drafting with every strategy over `tables`."""
     config = loaded.model.config
     return Engine(
@@ -28,6 +30,7 @@ def build_engine(loaded: LoadedModel, tables: TableSlot) -> Engine:
         default_mixer(tables),
         eos_token_ids=stop_token_ids(loaded.tokenizer, config.eos_token_id),
         max_context=config.max_position_embeddings,
+        scheduler_config=scheduler,
     )
 
 
@@ -40,22 +43,34 @@ def build_engine_with_tables(loaded: LoadedModel, cache_dir: Path, profile: bool
     return engine
 
 
-def _warm_up(engine: Engine, loaded: LoadedModel, cache_dir: Path, model_tables: bool, profile: bool) -> None:
-    try:
-        if profile:
-            engine.profile = load_or_measure(engine.runner, cache_dir)
-            log.info("cost profile ready: auto mode enabled")
-        if model_tables:
-            prefix = assistant_prefix_ids(loaded.tokenizer)
-            engine.mixer.tables.tables = load_or_compute_tables(loaded.model, cache_dir, prefix)
-            log.info("model tables ready: unigram/bigram strategies enabled")
-    except Exception:  # serving goes on with what is ready
-        log.exception("warm-up failed")
+def warm_up(
+    engine: Engine, loaded: LoadedModel, cache_dir: Path, model_tables: bool, profile: bool
+) -> Generator[bool | None, None, None]:
+    """The warm-up as increments: the cost profile, then the model tables;
+    then, for as long as the server runs, a new profile whenever live pass times drift from
+    it (yields False while there is nothing to do)."""
+    if profile:
+        engine.profile = load_saved(engine.runner, cache_dir)
+        if engine.profile is None:
+            engine.profile = yield from measure_and_save_steps(engine.runner, cache_dir)
+        log.info("cost profile ready: auto mode enabled")
+    if model_tables:
+        prefix = assistant_prefix_ids(loaded.tokenizer)
+        steps = load_or_compute_tables_steps(loaded.model, cache_dir, prefix, TABLE_BATCH, show_progress=False)
+        engine.mixer.tables.tables = yield from steps
+        log.info("model tables ready: unigram/bigram strategies enabled")
+    while profile:
+        if engine.calibration.drifted():
+            log.warning("live pass times drifted from the cost profile: measuring it again")
+            engine.profile = yield from measure_and_save_steps(engine.runner, cache_dir)
+            engine.calibration.reset_costs()
+        else:
+            yield False
 
 
 @dataclass
 class Runtime:
-    """What a server needs to answer requests: tokenizer, engine, and the engine's queue."""
+    """What a server needs to answer requests: tokenizer, engine, and the engine's worker."""
 
     loaded: LoadedModel
     engine: Engine
@@ -70,16 +85,15 @@ class Runtime:
         profile: bool = True,
         max_waiting: int = 64,
         request_timeout: float | None = None,
+        scheduler: SchedulerConfig = SchedulerConfig(),
+        on_step: Callable[[StepStats], None] | None = None,
     ) -> Runtime:
-        """Serve at once; the cost profile, then the model tables, are measured (or loaded
-        from the cache) on a background thread. Until then auto mode runs as fixed, and the
-        table strategies propose nothing."""
-        engine = build_engine(loaded, TableSlot())
-        threading.Thread(
-            target=_warm_up, args=(engine, loaded, cache_dir, model_tables, profile),
-            name="ngrammys-warm-up", daemon=True,
-        ).start()
-        return cls(loaded, engine, AsyncEngine(engine, max_waiting, request_timeout))
+        """Serve at once; the worker measures (or loads) the cost profile, then the model
+        tables, while idle. Until then auto mode decodes plainly and the table strategies
+        propose nothing."""
+        engine = build_engine(loaded, TableSlot(), scheduler)
+        steps = warm_up(engine, loaded, cache_dir, model_tables, profile)
+        return cls(loaded, engine, AsyncEngine(engine, max_waiting, request_timeout, steps, on_step))
 
     def close(self) -> None:
         self.async_engine.shutdown()

@@ -90,6 +90,22 @@ def chain_tree(token_ids: Sequence[int]) -> TokenTree:
     )
 
 
+def prepend_chain(chain_ids: Sequence[int], tree: TokenTree) -> TokenTree:
+    """`chain_ids` followed by `tree` (its root the chain's child): the last chunk of a prompt
+    prefill and the request's first speculation tree, in one row of one pass. Node
+    `len(chain_ids)` is the tree's root."""
+    if not chain_ids:
+        return tree
+    chain, c = chain_tree(chain_ids), len(chain_ids)
+    return TokenTree(
+        token_ids=chain.token_ids + tree.token_ids,
+        parents=chain.parents + [p + c if p >= 0 else c - 1 for p in tree.parents],
+        depths=chain.depths + [d + c for d in tree.depths],
+        strategies=chain.strategies + tree.strategies,
+        children=chain.children[:-1] + [{tree.token_ids[0]: c}] + [{t: n + c for t, n in kids.items()} for kids in tree.children],
+    )
+
+
 def _breadth_first(kids: list[dict[int, int]]) -> list[int]:
     order, frontier = [0], [0]
     while frontier:

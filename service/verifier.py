@@ -41,6 +41,11 @@ class Verdict:
         """All tokens this round commits: accepted drafts then the bonus."""
         return [*self.accepted_token_ids, self.bonus_token_id]
 
+    @property
+    def choosing_nodes(self) -> list[int]:
+        """The node whose choice is each of `token_ids`: the root, then each accepted node."""
+        return [0, *self.accepted_nodes]
+
 
 def verify(
     tree: TokenTree,

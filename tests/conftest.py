@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -14,11 +16,11 @@ from service.model_tables import compute_tables
 TINY_VOCAB = 64
 
 
-def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa") -> LlamaForCausalLM:
+def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = TINY_VOCAB) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights: real attention code, milliseconds per pass."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=TINY_VOCAB,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -61,3 +63,23 @@ def embedded():
     from service.model_loader import load_model
 
     return load_model(quantization="none")
+
+
+@pytest.fixture(scope="session")
+def tiny_served(embedded):
+    """The tiny random Llama behind the embedded model's tokenizer (and vocabulary size): a
+    model an HTTP server can load in milliseconds and generate with at hundreds of tokens per
+    second, for tests of the edge rather than of the text."""
+    from service.model_loader import LoadedModel
+
+    model = make_tiny_model(vocab_size=embedded.model.config.vocab_size)
+    return LoadedModel(model, embedded.tokenizer, "tiny-random-llama", 0.0, False)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", help="tests/stress at full size (as NGRAMMYS_STRESS_FULL=1)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--full"):
+        os.environ["NGRAMMYS_STRESS_FULL"] = "1"

@@ -1,26 +1,61 @@
-"""Kubernetes probes: /health says the process is alive, /ready that it can serve."""
+"""Kubernetes probes: /health says the process is alive, /ready that it can serve.
+
+A model that failed to load fails both (503): the process can never serve, so an
+orchestrator should restart it (the CLI also exits non-zero then).
+"""
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(request: Request) -> dict[str, object]:
-    """Alive; with the engine's load once it runs (a freed slot shows here at once)."""
-    runtime = request.app.state.runtime
-    if runtime is None:
-        return {"status": "ok"}
-    engine = runtime.async_engine
-    return {"status": "ok", "requests_running": engine.num_running, "requests_waiting": engine.num_waiting}
+class Health(BaseModel):
+    status: Literal["ok", "failed", "engine stopped"]
+    requests_running: int | None = None
+    requests_waiting: int | None = None
+    cost_profile: bool | None = None  # measured or loaded: auto mode speculates
+    model_tables: bool | None = None  # computed or loaded: the table strategies draft
+    error: str | None = None
 
 
-@router.get("/ready")
+class Ready(BaseModel):
+    status: Literal["ready", "loading", "failed", "draining"]
+    model: str | None = None
+    error: str | None = None
+
+
+def _probe_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    return {503: {"model": model, "description": "Not serving (see `status`)"}}
+
+
+@router.get("/health", response_model=Health, responses=_probe_responses(Health))
+async def health(request: Request) -> JSONResponse:
+    """Alive; with the engine's load once it runs (a freed slot shows here at once). 503 when
+    the model failed to load or the engine's worker died, so an orchestrator restarts it."""
+    state = request.app.state
+    if state.load_error:
+        return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
+    if state.runtime is None:
+        return JSONResponse({"status": "ok"})
+    engine = state.runtime.async_engine
+    body = {"status": "ok" if engine.alive else "engine stopped",
+            "requests_running": engine.num_running, "requests_waiting": engine.num_waiting,
+            "cost_profile": state.runtime.engine.profile is not None,
+            "model_tables": state.runtime.engine.mixer.tables.tables is not None}
+    return JSONResponse(body, status_code=200 if engine.alive else 503)
+
+
+@router.get("/ready", response_model=Ready, responses=_probe_responses(Ready))
 async def ready(request: Request) -> JSONResponse:
     state = request.app.state
+    if state.draining:
+        return JSONResponse({"status": "draining"}, status_code=503)
     if state.runtime is None:
         status = "failed" if state.load_error else "loading"
         return JSONResponse({"status": status, "error": state.load_error}, status_code=503)

@@ -2,57 +2,91 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
 
+from app.auth import ClientDep, ConcurrencyLimit, client_identity
 from app.errors import ApiError
 from app.generation import Generation, Kind
+from app.limits import check_generation_limits, check_prompt_length
+from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
-from app.schemas import ChatCompletionRequest, CompletionRequest, GenerationRequest, SpeculationOptions
+from app.schemas import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    GenerationRequest,
+    ModelList,
+    SpeculationOptions,
+    error_responses,
+    event_stream_schema,
+)
 from app.settings import Settings
-from app.sse import stream_events
-from service.async_engine import QueueFull, RequestTimeout
-from service.config import GenerationParams, SamplingParams, SpeculationParams
+from app.sse import GenerationStream
+from service.async_engine import QueueFull, RequestTimeout, ShuttingDown
+from service.config import MIN_TEMPERATURE, GenerationParams, SamplingParams, SpeculationParams
 from service.detokenizer import TextStream
 from service.engine import ContextTooLong
+from service.scheduler import DoesNotFit
 from service.prompts import chat_prompt_ids
 from service.runtime import Runtime
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", dependencies=[Depends(client_identity)],
+                   responses=error_responses(401))
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks for its client
+CLIENT_CLOSED_REQUEST = 499
+GENERATION_ERRORS = error_responses(400, 404, 413, 429, 500, 503, 504)
 
 
-@router.get("/models")
+def _generation_responses(model: type, chunk: type) -> dict[int | str, dict[str, Any]]:
+    ok = {"model": model, "description": "The completion; with `stream: true`, server-sent events of chunks",
+          "content": {"text/event-stream": {"schema": event_stream_schema(chunk)}}}
+    return {200: ok, **GENERATION_ERRORS}
+
+
+@router.get("/models", response_model=ModelList)
 async def models(request: Request) -> dict[str, object]:
     name = request.app.state.model_name
     cards = [] if name is None else [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "ngrammys"}]
     return {"object": "list", "data": cards}
 
 
-@router.post("/completions", response_model=None)
-async def completions(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+@router.post("/completions", response_model=None,
+             responses=_generation_responses(CompletionResponse, CompletionResponse))
+async def completions(body: CompletionRequest, request: Request, client: ClientDep) -> Response:
     runtime = _runtime(request, body)
-    for name in ("echo", "logprobs", "suffix"):
-        if getattr(body, name):
-            raise ApiError(400, f"`{name}` is not supported", param=name)
-    tokenizer = runtime.loaded.tokenizer
+    settings: Settings = request.app.state.settings
+    max_tokens = body.max_tokens or min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_tokens_cap)
+    check_generation_limits(body, settings, max_tokens, "max_tokens")
     if isinstance(body.prompt, str):
-        prompt_ids = tokenizer.encode(body.prompt)
+        prompt_ids = await _tokenize(request, "prompt", runtime.loaded.tokenizer.encode, body.prompt)
     else:
-        prompt_ids = _checked_ids(body.prompt, len(tokenizer))
-    max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-    return await _respond("text_completion", body, request, runtime, prompt_ids, max_tokens, "prompt")
+        prompt_ids = _checked_ids(body.prompt, runtime.loaded.model.config.vocab_size)
+    return await _respond("text_completion", body, request, client, runtime, prompt_ids, max_tokens, "prompt",
+                          body.num_logprobs)
 
 
-@router.post("/chat/completions", response_model=None)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+@router.post("/chat/completions", response_model=None,
+             responses=_generation_responses(ChatCompletionResponse, ChatCompletionChunk))
+async def chat_completions(body: ChatCompletionRequest, request: Request, client: ClientDep) -> Response:
     runtime = _runtime(request, body)
+    settings: Settings = request.app.state.settings
+    asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = body.max_completion_tokens or body.max_tokens or settings.max_tokens
+    check_generation_limits(body, settings, max_tokens, asked)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt_ids = chat_prompt_ids(runtime.loaded.tokenizer, messages)
-    max_tokens = body.max_completion_tokens or body.max_tokens or request.app.state.settings.max_tokens
-    return await _respond("chat.completion", body, request, runtime, prompt_ids, max_tokens, "messages")
+    prompt_ids = await _tokenize(request, "messages", chat_prompt_ids, runtime.loaded.tokenizer, messages)
+    return await _respond("chat.completion", body, request, client, runtime, prompt_ids, max_tokens, "messages",
+                          body.num_logprobs)
 
 
 def _runtime(request: Request, body: GenerationRequest) -> Runtime:
@@ -66,13 +100,31 @@ def _runtime(request: Request, body: GenerationRequest) -> Runtime:
     return runtime
 
 
-def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
-    if any(not 0 <= i < vocab_size for i in ids):
-        raise ApiError(400, f"token ids must be in [0, {vocab_size})", param="prompt")
+async def _tokenize(request: Request, param: str, encode: Callable[..., list[int]], *args: Any) -> list[int]:
+    """Tokenize on a worker thread (a long prompt must not stall the event loop), one at a
+    time (a fast tokenizer shared across threads may fail with "Already borrowed")."""
+    lock: threading.Lock = request.app.state.tokenizer_lock
+
+    def run() -> list[int]:
+        with lock:
+            return list(encode(*args))
+
+    try:
+        ids = await asyncio.to_thread(run)
+    except Exception as error:  # the input's fault: a template that refuses the messages, ...
+        raise ApiError(400, f"{param}: could not be tokenized: {error}", param=param) from error
     return ids
 
 
-def _params(body: GenerationRequest, settings: Settings, max_tokens: int) -> GenerationParams:
+def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+    """Token ids must exist in the model's embedding (its config's vocabulary, which may be
+    larger or smaller than the tokenizer's)."""
+    if any(not 0 <= i < vocab_size for i in ids):
+        raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+    return ids
+
+
+def _params(body: GenerationRequest, settings: Settings, max_tokens: int, logprobs: int | None) -> GenerationParams:
     options = body.speculation or SpeculationOptions()
     k = settings.spec_k if options.k is None else options.k
     w = settings.spec_w if options.w is None else options.w
@@ -81,42 +133,87 @@ def _params(body: GenerationRequest, settings: Settings, max_tokens: int) -> Gen
     except ValueError as error:
         raise ApiError(400, str(error), param="speculation") from error
     temperature = settings.default_temperature if body.temperature is None else body.temperature
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0  # that close to 0 the distribution is the argmax (see MIN_TEMPERATURE)
     sampling = SamplingParams(temperature, body.top_p or 1.0, max(body.top_k or 0, 0), body.seed)
     return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
-                            strategy=options.strategy or settings.spec_strategy, sampling=sampling)
+                            strategy=options.strategy or settings.spec_strategy, sampling=sampling,
+                            logprobs=logprobs)
 
 
 async def _respond(
-    kind: Kind, body: GenerationRequest, request: Request, runtime: Runtime, prompt_ids: list[int],
-    max_tokens: int, prompt_param: str,
-) -> JSONResponse | StreamingResponse:
+    kind: Kind, body: GenerationRequest, request: Request, client: str, runtime: Runtime, prompt_ids: list[int],
+    max_tokens: int, prompt_param: str, logprobs: int | None,
+) -> Response:
     settings: Settings = request.app.state.settings
+    if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
+        raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
+    check_prompt_length(len(prompt_ids), settings, prompt_param)
+    params = _params(body, settings, max_tokens, logprobs)
     try:
-        runtime.engine.check_fits(len(prompt_ids), max_tokens)
+        runtime.engine.check_fits(len(prompt_ids), params)
     except ContextTooLong as error:
         raise ApiError(400, str(error), param=prompt_param, code="context_length_exceeded") from error
-    params = _params(body, settings, max_tokens)
+    except DoesNotFit as error:
+        raise ApiError(400, str(error), param="max_tokens", code="kv_cache_budget_exceeded") from error
+    limit: ConcurrencyLimit = request.app.state.concurrency
+    limit.acquire(client)
     try:
         handle = runtime.async_engine.submit(prompt_ids, params)
     except QueueFull as error:
+        limit.release(client)
         raise ApiError(429, f"the server is busy: {error}; retry shortly", "rate_limit_exceeded",
                        headers={"Retry-After": str(settings.retry_after_seconds)}) from error
+    except ShuttingDown as error:
+        limit.release(client)
+        raise ApiError(503, str(error), "service_unavailable") from error
+    except BaseException:
+        limit.release(client)
+        raise
     metrics: Metrics = request.app.state.metrics
     metrics.prompt_tokens.inc(len(prompt_ids))
     generation = Generation(
         kind, request.app.state.model_name, runtime.async_engine, handle,
         TextStream(runtime.loaded.tokenizer, body.stop or []), metrics,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+        on_finish=lambda: limit.release(client),
+        logprobs=None if logprobs is None else LogprobsFormatter(runtime.loaded.tokenizer, kind == "chat.completion"),
     )
     if body.stream:
-        return StreamingResponse(stream_events(generation), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return GenerationStream(generation)
     try:
-        body_json = await generation.collect()
+        body_json = await _collect_while_connected(generation, request)
+    except ClientGone:
+        generation.finish("aborted")
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
     except Exception as error:
         generation.finish(generation.status_of(error))
         if isinstance(error, RequestTimeout):
             raise ApiError(504, str(error), "timeout", code="timeout") from error
+        if isinstance(error, ShuttingDown):
+            raise ApiError(503, str(error), "service_unavailable", code="shutting_down") from error
         raise ApiError(500, f"generation failed: {error}", "server_error") from error
+    except BaseException:  # cancelled: the client left
+        generation.finish("aborted")
+        raise
     generation.finish("ok")
     return JSONResponse(body_json)
+
+
+class ClientGone(Exception):
+    """The client of a non-streaming request disconnected before its answer was ready."""
+
+
+async def _collect_while_connected(generation: Generation, request: Request) -> dict[str, Any]:
+    """The whole response; the request is aborted as soon as its client disconnects (so a
+    `curl -m 2` with a large max_tokens does not keep the engine busy for nobody)."""
+    collecting = asyncio.ensure_future(generation.collect())
+    while True:
+        done, _ = await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)
+        if done:
+            return collecting.result()
+        if await request.is_disconnected():
+            generation.engine.abort(generation.handle)
+            collecting.cancel()
+            raise ClientGone

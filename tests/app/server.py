@@ -1,40 +1,14 @@
-"""Run an app under a real uvicorn server on a free loopback port, for real HTTP clients."""
+"""Test helpers around an app served by `app.background.serving`."""
 
 from __future__ import annotations
 
-import socket
-import threading
+import asyncio
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import uvicorn
 from fastapi import FastAPI
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def serving(app: FastAPI) -> Iterator[str]:
-    """Serve `app` on 127.0.0.1 and yield its base URL; shut it down afterwards."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
 
 
 @contextmanager
@@ -56,3 +30,49 @@ def slowed(app: FastAPI, seconds: float) -> Iterator[None]:
         yield
     finally:
         runner.forward = original
+
+
+class Asgi24:
+    """Serves `app` as an ASGI 2.4 server would, on top of uvicorn (which speaks 2.3).
+
+    Under 2.4 a `send` after the client left raises `OSError`, and Starlette, relying on
+    that, stops listening for `http.disconnect` while it streams (so a response is ended by
+    the first failing send, possibly before its body iterator ever started). uvicorn instead
+    drops such sends silently; this wrapper watches for the disconnect once the request body
+    is in and raises from `send` from then on.
+    """
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.4"}}
+        gone = asyncio.Event()
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone.set()
+
+        async def receive_body():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                gone.set()
+            elif not message.get("more_body", False):
+                watcher.append(asyncio.ensure_future(watch()))  # the body is in: only a disconnect is left
+            return message
+
+        async def checked_send(message) -> None:
+            if gone.is_set():
+                raise OSError("the client disconnected")
+            await send(message)
+
+        watcher: list[asyncio.Future] = []
+        try:
+            await self.app(scope, receive_body, checked_send)
+        finally:
+            for task in watcher:
+                task.cancel()

@@ -14,7 +14,7 @@ import pytest
 
 from app.main import create_app
 from app.settings import Settings
-from tests.app.server import free_port, serving
+from app.background import free_port, serving
 from tests.app.test_http import LONG, MESSAGES, QUIET, wait_ready, wait_until
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "ngrammys.json"
@@ -33,6 +33,9 @@ EXPECTED = {  # name -> type, as issue-level contract
     "ngrammys_e2e_request_latency_seconds": "histogram",
     "ngrammys_request_queue_time_seconds": "histogram",
     "ngrammys_forward_pass_seconds": "histogram",
+    "ngrammys_batch_size": "histogram",
+    "ngrammys_pass_tokens": "histogram",
+    "ngrammys_pass_committed_tokens": "histogram",
     "ngrammys_num_requests_waiting": "gauge",
     "ngrammys_num_requests_running": "gauge",
     "ngrammys_prompt_tokens": "counter",
@@ -125,6 +128,7 @@ QUERIES = [
     "sum(ngrammys_spec_decode_num_accepted_tokens_total)",
     "sum(ngrammys_time_to_first_token_seconds_count)",
     "sum(ngrammys_forward_pass_seconds_count)",
+    "sum(ngrammys_batch_size_count)",
     "sum(ngrammys_client_disconnects_total)",
 ]
 

@@ -1,15 +1,103 @@
-"""Correction factors learned from forecasts vs outcomes, and their effect on the controller."""
+"""Forecasts corrected by what happens — and auto mode that recovers when conditions change.
+
+The scenarios run the controller and the calibration round after round against a simulated
+cost source (true seconds of a pass of n tokens at round t), the way the engine drives them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from service.calibration import PRIOR_ROUNDS, Calibration, Ratio
-from service.regime import Correction, Forecast, choose_shape
+from service.calibration import PRIOR_ROUNDS, PROBE_EVERY, Calibration, Ratio
+from service.regime import CostProfile, RowCandidates, plan_trees
 from tests.service.test_regime import CPU_LIKE, candidates
 
-SPECULATIVE = Forecast(tree_nodes=9, draft_tokens=2.0, seconds=0.2)
-PLAIN = Forecast(tree_nodes=1, draft_tokens=0.0, seconds=0.1)
+# drafts that pay on the CPU-like curve: about 2.5 expected tokens for a small tree
+DRAFTS = candidates(0.9, 0.8, k=2, w=4)
+
+TrueCost = Callable[[int, int], float]  # (tokens, round) -> seconds
+
+
+def simulate(profile: CostProfile, true_cost: TrueCost, rounds: int) -> list[int]:
+    """Drive one auto request for `rounds` rounds; the tree size chosen at each round."""
+    shared = Calibration()
+    request = shared.session()
+    chosen = []
+    for t in range(rounds):
+        row = RowCandidates(DRAFTS, 2, 4, request.acceptance_factor(), probe=request.due_for_probe)
+        budget = 0 if shared.plain_is_stale(1) and shared.level.rounds > 0 else 8  # as the engine does
+        plan = plan_trees([row], lambda n: profile.cost(n, 100) * shared.shape_factor(n), 1, 0.0, budget)
+        tree = plan.trees[0]
+        speculated = plan.tokens > 1
+        # acceptance as forecast: the simulation isolates the pass-cost side
+        request.observe_round(tree.expected_draft_tokens, round(tree.expected_draft_tokens), speculated)
+        shared.observe_pass(plan.tokens, profile.cost(plan.tokens, 100), true_cost(plan.tokens, t))
+        chosen.append(plan.tokens)
+    return chosen
+
+
+def true_profile(n: int) -> float:
+    return CPU_LIKE.cost(n, 100)
+
+
+def test_without_disturbance_auto_speculates_but_for_rare_plain_probes() -> None:
+    sizes = simulate(CPU_LIKE, lambda n, t: true_profile(n), 100)
+    assert sizes.count(1) <= 100 // PROBE_EVERY
+
+
+def test_a_uniform_load_spike_changes_no_decision() -> None:
+    """Three busy loops slow every pass alike: the load level absorbs it."""
+    spike = lambda n, t: true_profile(n) * (3.0 if 20 <= t < 60 else 1.0)  # noqa: E731
+    sizes = simulate(CPU_LIKE, spike, 120)
+    assert sizes.count(1) <= 120 // PROBE_EVERY
+
+
+def test_a_spike_that_hits_speculation_hardest_is_recovered_from_within_a_bounded_number_of_rounds() -> None:
+    """During the spike trees cost 4× their price and plain passes 1×: auto stops speculating.
+    After it ends, the unused sizes' factors decay back and probes re-measure them."""
+    end = 60
+    spike = lambda n, t: true_profile(n) * (4.0 if 20 <= t < end and n > 1 else 1.0)  # noqa: E731
+    sizes = simulate(CPU_LIKE, spike, 200)
+    print("rounds speculating during the spike's second half:", sum(s > 1 for s in sizes[40:end]))
+    assert sizes[40:end].count(1) > (end - 40) // 2  # plain probes showed that trees got dear
+    recovered = next(t for t in range(end, 200) if sum(s > 1 for s in sizes[t : t + 20]) >= 18)
+    print(f"speculating steadily again {recovered - end} rounds after the spike")
+    assert recovered - end <= 40
+    assert sizes[end + 40 :].count(1) <= (200 - end - 40) // PROBE_EVERY + 1
+
+
+def test_a_slow_drift_keeps_the_right_choice() -> None:
+    drift = lambda n, t: true_profile(n) * (1.0 + t / 300)  # noqa: E731  twice as slow by the end
+    sizes = simulate(CPU_LIKE, drift, 300)
+    assert sizes.count(1) <= 300 // PROBE_EVERY
+
+
+def test_a_profile_measured_under_load_is_corrected_by_probes() -> None:
+    """The profile says trees cost 3× a plain pass (measured while something else ran); truly
+    they cost what CPU_LIKE says. Auto starts plain, probes, and learns the truth."""
+    pessimistic = CostProfile([1], [100], [CPU_LIKE.tree_sizes[0]],
+                              [[[s * (1 if i == 0 else 3) for i, s in enumerate(CPU_LIKE.seconds[0][0])]]])
+    sizes = simulate(pessimistic, lambda n, t: true_profile(n), 200)
+    assert sizes[0] == 1  # believed the profile at first
+    switched = next(t for t in range(200) if sum(s > 1 for s in sizes[t : t + 20]) >= 18)
+    print(f"speculating steadily from round {switched}")
+    assert switched <= 4 * PROBE_EVERY
+    assert sizes[switched:].count(1) <= (200 - switched) // PROBE_EVERY + 1
+
+
+def test_steady_disagreement_with_the_profile_asks_for_a_new_one() -> None:
+    shared = Calibration()
+    for _ in range(20):
+        shared.observe_pass(2, 0.1, 0.1)
+    assert not shared.drifted()
+    for _ in range(20):
+        shared.observe_pass(2, 0.1, 0.1)
+        shared.observe_pass(9, 0.1, 0.3)  # 9-token passes cost 3× their price, plain ones do not
+    assert shared.drifted()
+    shared.reset_costs()
+    assert not shared.drifted() and shared.shape_factor(9) == 1.0
 
 
 def test_a_ratio_starts_at_its_prior_and_converges_to_what_happens() -> None:
@@ -25,38 +113,27 @@ def test_a_ratio_starts_at_its_prior_and_converges_to_what_happens() -> None:
     assert ratio.factor() == pytest.approx(1.0, abs=0.02)
 
 
-def test_speculative_rounds_teach_acceptance_and_pass_cost_plain_rounds_the_plain_cost() -> None:
-    shared = Calibration()
-    request = shared.session()
-    for _ in range(50):
-        request.observe(SPECULATIVE, accepted=1, seconds=0.3)  # half the tokens, 1.5x the time
-        request.observe(PLAIN, accepted=0, seconds=0.1)
-    correction = request.correction()
-    assert correction.draft_tokens == pytest.approx(0.5, abs=0.06)
-    assert correction.spec_seconds == pytest.approx(1.5, abs=0.08)
-    assert correction.plain_seconds == pytest.approx(1.0)
-
-
-def test_a_request_starts_from_the_global_factor_and_keeps_its_own() -> None:
+def test_a_request_starts_from_the_global_acceptance_factor_and_keeps_its_own() -> None:
     shared = Calibration()
     pessimist = shared.session()
     for _ in range(50):
-        pessimist.observe(SPECULATIVE, accepted=0, seconds=0.2)
+        pessimist.observe_round(2.0, accepted=0, speculated=True)
     newcomer = shared.session()
-    assert newcomer.correction().draft_tokens == pytest.approx(shared.draft_tokens.factor())
+    assert newcomer.acceptance_factor() == pytest.approx(shared.draft_tokens.factor())
     for _ in range(50):
-        newcomer.observe(SPECULATIVE, accepted=4, seconds=0.2)  # this text is easy to draft
-    assert newcomer.correction().draft_tokens > 1.5
-    assert pessimist.correction().draft_tokens < newcomer.correction().draft_tokens
+        newcomer.observe_round(2.0, accepted=4, speculated=True)  # this text is easy to draft
+    assert newcomer.acceptance_factor() > 1.5
+    assert pessimist.acceptance_factor() < newcomer.acceptance_factor()
     assert shared.draft_tokens.rounds > PRIOR_ROUNDS
 
 
-def test_a_corrected_forecast_turns_an_unpaying_speculation_into_plain_decoding() -> None:
-    drafts = candidates(0.6, 0.7)
-    assert choose_shape(drafts, CPU_LIKE, 100, 8, 8).k > 0
-    overpromised = Correction(draft_tokens=0.3)
-    assert choose_shape(drafts, CPU_LIKE, 100, 8, 8, overpromised).k == 0
-    slow_trees = Correction(spec_seconds=2.0)
-    assert choose_shape(drafts, CPU_LIKE, 100, 8, 8, slow_trees).k == 0
-    slow_plain = Correction(plain_seconds=3.0, draft_tokens=0.3)  # plain got slower than measured too
-    assert choose_shape(drafts, CPU_LIKE, 100, 8, 8, slow_plain).k > 0
+def test_an_overpromising_request_stops_speculating_but_still_probes() -> None:
+    shared = Calibration()
+    request = shared.session()
+    for _ in range(60):
+        request.observe_round(2.0, accepted=0, speculated=True)
+    row = RowCandidates(DRAFTS, 2, 4, request.acceptance_factor())
+    assert plan_trees([row], lambda n: CPU_LIKE.cost(n, 100), 1, 0.0, 8).tokens == 1
+    for _ in range(PROBE_EVERY):
+        request.observe_round(0.0, 0, speculated=False)
+    assert request.due_for_probe

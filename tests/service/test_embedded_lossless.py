@@ -5,6 +5,10 @@ A pass over n tokens may round differently from n one-token passes, so when the 
 logits are (nearly) equal the argmax can flip. Such a position is reported as a tie, counted,
 and ends the comparison of that prompt (the sequences legitimately part there); any other
 difference fails.
+
+The table strategies draft from the model's own unigram/bigram tables, computed by
+`service/model_tables.py` the first time and then read from the cache directory the server
+uses (as the embedded weights are converted there once).
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ import torch
 
 from drafting import TableSlot
 from service.config import GenerationParams, SpeculationParams
+from service.model_loader import DEFAULT_CACHE_DIR
 from service.prompts import chat_prompt_ids
-from service.runtime import build_engine
+from service.runtime import build_engine, build_engine_with_tables
 
 QUESTIONS = [
     "List the first five prime numbers.",
@@ -25,6 +30,7 @@ QUESTIONS = [
 ]
 NEW_TOKENS = 48
 TIE_TOLERANCE = 1e-3  # float32 logits of a tree pass and a one-token pass differ by ~1e-5
+TABLE_STRATEGIES = ["unigram", "bigram", "extended_bigram", "mixed"]
 
 
 def reference_generate(model, prompt: list[int], eos: list[int]) -> list[int]:
@@ -82,3 +88,46 @@ def test_a_real_difference_is_not_taken_for_a_tie(embedded) -> None:
     wrong = want[:3] + [(want[3] + 1) % len(embedded.tokenizer)] + want[4:]
     outcome = compare(embedded.model, prompt, wrong, want)
     assert outcome.startswith("differs at token 3")
+
+
+@pytest.mark.slow
+def test_a_batch_of_requests_matches_generate_request_by_request(embedded) -> None:
+    """All questions at once, in one batch, each with another speculation mode: every output
+    is still the reference's (ties counted as above)."""
+    engine = build_engine(embedded, TableSlot())
+    model, tokenizer = embedded.model, embedded.tokenizer
+    modes = [SpeculationParams(0, 0, "off"), SpeculationParams(4, 4), SpeculationParams(8, 6), SpeculationParams(1, 3)]
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    requests = [(p, GenerationParams(NEW_TOKENS, speculation=m, strategy="context")) for p, m in zip(prompts, modes)]
+    outcomes: dict[str, int] = {}
+    for prompt, completion in zip(prompts, engine.complete_many(requests)):
+        outcome = compare(model, prompt, completion.token_ids, reference_generate(model, prompt, sorted(engine.eos_token_ids)))
+        assert outcome in ("identical", "tie"), outcome
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"\nbatched, against transformers' generate: {outcomes}")
+    assert engine.cache.nbytes == 0
+
+
+@pytest.mark.slow
+def test_table_strategies_match_transformers_generate(embedded) -> None:
+    """The unigram/bigram drafts of real tables: output still the reference's, and the drafts
+    were accepted (so the comparison cannot pass with empty tables drafting nothing)."""
+    engine = build_engine_with_tables(embedded, DEFAULT_CACHE_DIR)
+    model, tokenizer = embedded.model, embedded.tokenizer
+    outcomes: dict[str, int] = {}
+    accepted = {strategy: 0 for strategy in TABLE_STRATEGIES}
+    for question in QUESTIONS:
+        prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
+        want = reference_generate(model, prompt, sorted(engine.eos_token_ids))
+        for strategy in TABLE_STRATEGIES:
+            params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy=strategy)
+            completion = engine.complete(prompt, params)
+            outcome = compare(model, prompt, completion.token_ids, want)
+            assert outcome in ("identical", "tie"), f"{question!r} {strategy}: {outcome}"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+            # mixed counts only its table drafts: context drafts alone must not pass for it
+            by_strategy = completion.accepted_by_strategy.items()
+            accepted[strategy] += sum(n for name, n in by_strategy if name != "context")
+    print(f"\ntable strategies against transformers' generate: {outcomes}; accepted: {accepted}")
+    assert outcomes.get("identical", 0) >= 0.9 * len(QUESTIONS) * len(TABLE_STRATEGIES)
+    assert all(accepted.values()), accepted

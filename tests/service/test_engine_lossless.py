@@ -138,13 +138,14 @@ def test_auto_mode_speculates_big_where_passes_are_free_and_not_where_they_cost(
     wide = list(tiny_engine.generate(PROMPTS[1], params))
     tiny_engine.profile = COMPUTE_BOUND
     narrow = list(tiny_engine.generate(PROMPTS[1], params))
-    assert max(r.k * r.w for r in wide) > max(r.k * r.w for r in narrow)
+    # (a compute-bound run may still probe a wide tree now and then: compare what was drafted)
+    assert sum(r.num_draft_tokens for r in wide) > sum(r.num_draft_tokens for r in narrow)
 
 
-def test_auto_mode_without_a_profile_runs_as_fixed(tiny_engine: Engine) -> None:
+def test_auto_mode_without_a_profile_decodes_plainly(tiny_engine: Engine) -> None:
     params = GenerationParams(8, speculation=SpeculationParams(2, 3, mode="auto"))
     rounds = list(tiny_engine.generate(PROMPTS[1], params))
-    assert all((r.k, r.w, r.predicted_tokens_per_second) == (2, 3, None) for r in rounds)
+    assert all((r.k, r.w, r.num_draft_tokens, r.predicted_tokens_per_second) == (0, 0, 0, None) for r in rounds)
 
 
 def test_off_mode_is_plain_decoding(tiny_engine: Engine) -> None:

@@ -8,7 +8,14 @@ import pytest
 import torch
 
 import service.model_loader as model_loader
-from service.model_loader import cpu_has_native_bf16, load_model, resolve_dtype, resolve_quantization
+from service.model_loader import (
+    UnsupportedModel,
+    check_supported,
+    cpu_has_native_bf16,
+    load_model,
+    resolve_dtype,
+    resolve_quantization,
+)
 
 
 @pytest.mark.slow
@@ -83,3 +90,40 @@ def test_quantization_gguf_needs_a_gguf_model(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="needs a .gguf model"):
         load_model(tmp_path, quantization="gguf")
+
+
+def _tiny(config_class, **fields):
+    return config_class(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **fields)
+
+
+def test_a_sliding_window_model_is_refused_at_load(tmp_path) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    directory = tmp_path / "windowed"
+    MistralForCausalLM(_tiny(MistralConfig, sliding_window=16)).save_pretrained(directory)
+    with pytest.raises(UnsupportedModel, match=r"sliding-window.*\(16 tokens\).*\(512\)"):
+        load_model(directory)
+
+
+@pytest.mark.parametrize(
+    "config_name,fields,refused",
+    [
+        ("MistralConfig", {"sliding_window": 16}, True),  # a window inside the context
+        ("MistralConfig", {"sliding_window": 512}, False),  # a window as long as the context: none
+        ("MistralConfig", {"sliding_window": None}, False),  # no window
+        ("Qwen2Config", {"sliding_window": 16, "use_sliding_window": False}, False),  # switched off
+        ("Qwen2Config", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0}, True),
+        ("Gemma2Config", {"sliding_window": 16}, True),  # every other layer is windowed
+        ("LlamaConfig", {}, False),  # dense attention only
+    ],
+)
+def test_only_windows_the_context_can_outgrow_are_refused(config_name: str, fields, refused: bool) -> None:
+    import transformers
+
+    config = _tiny(getattr(transformers, config_name), **fields)
+    if refused:
+        with pytest.raises(UnsupportedModel):
+            check_supported(config)
+    else:
+        check_supported(config)

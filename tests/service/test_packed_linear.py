@@ -168,6 +168,19 @@ def test_pack_gguf_linears_swaps_every_linear_and_keeps_the_served_weights(tiny_
         assert torch.equal(again(ids).logits, packed(ids).logits)
 
 
+def test_an_unwritable_tiles_file_only_costs_the_cache(tiny_packed, tmp_path, monkeypatch) -> None:
+    plain, _, path, _ = tiny_packed
+
+    def read_only(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(np, "savez", read_only)
+    again = make_tiny_model(seed=3)
+    again.load_state_dict(plain.state_dict())
+    assert pack_gguf_linears(again, path, tiles_file=tmp_path / "tiles.npz") == 15
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_wrong_gguf_is_refused(tiny_packed, tmp_path) -> None:
     _, _, path, _ = tiny_packed
     other = make_tiny_model(seed=4)  # not the weights the file holds
@@ -184,6 +197,24 @@ def test_speculation_on_the_packed_path_equals_its_plain_decoding(tiny_packed) -
     for k, w in ((1, 1), (2, 3), (4, 4)):
         params = GenerationParams(max_new_tokens=40, speculation=SpeculationParams(k, w))
         assert engine.complete(prompt, params).token_ids == plain, (k, w)
+
+
+def test_packed_rows_batched_with_other_requests_equal_each_request_alone(tiny_packed) -> None:
+    """Continuous batching runs every request's rows (prompt chunks, trees) in one flat pass; the
+    packed linears and the packed LM head on the tree nodes must give each request what it gets
+    alone (here all passes stay at or under KERNEL_MAX_ROWS, so every linear runs the kernel)."""
+    from tests.service.test_batching import LENGTHS, MODES, PROMPTS, make_engine
+
+    _, packed, _, _ = tiny_packed
+    runner = ModelRunner(packed)
+    assert isinstance(runner.model.get_output_embeddings(), PackedLinear)
+    tables = TableSlot(compute_tables(packed, batch_size=16, show_progress=False))
+    engine = make_engine(runner, tables, max_tokens_per_pass=KERNEL_MAX_ROWS)
+    requests = [(p, GenerationParams(n, speculation=m)) for p, n, m in zip(PROMPTS, LENGTHS, MODES)]
+    together = engine.complete_many(requests)
+    for (prompt, params), completion in zip(requests, together):
+        assert completion.token_ids == engine.complete(prompt, GenerationParams(params.max_new_tokens)).token_ids
+    assert engine.cache.nbytes == 0 and engine.cache.num_rows == 0
 
 
 @pytest.fixture(scope="module")

@@ -1,26 +1,64 @@
-"""Measuring the cost profile on a real (tiny) model, and keeping it per device/model/dtype."""
+"""Measuring the cost profile on a real (tiny) model, validating it, and keeping it."""
 
 from __future__ import annotations
 
 from service.model_runner import ModelRunner
-from service.profiler import load_or_measure, measure_profile, profile_path
+from service.profiler import load_or_measure, measure_profile, profile_path, validate
+from service.regime import CostProfile
 from tests.conftest import make_tiny_model
 
+GRID = {"rows": (1, 4), "context_lengths": (8, 64), "repeats": 2}
 
-def test_profile_covers_the_grid_and_leaves_the_cache_length_alone(tiny_runner: ModelRunner) -> None:
-    profile = measure_profile(tiny_runner, tree_sizes=(1, 4, 16), context_lengths=(8, 64), repeats=2)
-    assert profile.tree_sizes == [1, 4, 16] and profile.context_lengths == [8, 64]
-    assert len(profile.seconds) == 2 and all(len(row) == 3 for row in profile.seconds)
-    assert all(s > 0 for row in profile.seconds for s in row)
-    # a tiny model's passes are all about as fast, so noise would make dips: they are flattened
-    assert all(row == sorted(row) for row in profile.seconds)
+
+def test_profile_covers_the_grid(tiny_runner: ModelRunner) -> None:
+    profile, _ = measure_profile(tiny_runner, **GRID)
+    assert profile.rows == [1, 4] and profile.context_lengths == [8, 64]
+    assert profile.tree_sizes[0][:3] == [1, 2, 4] and profile.tree_sizes[1][:3] == [4, 8, 16]
+    assert all(s > 0 for table in profile.seconds for row in table for s in row)
     assert profile.dtype == "torch.float32" and profile.device
 
 
-def test_profile_is_saved_and_reused(tmp_path) -> None:
+def test_a_dip_is_flattened_to_the_cost_before_it_and_reported(tiny_runner: ModelRunner, monkeypatch) -> None:
+    """A bigger pass measured cheaper is noise the controller must not bet on: it is recorded at
+    the cost of the pass before it (the others keep their own medians), and flagged."""
+    import service.profiler as profiler
+
+    measured = {1: 1.0, 2: 2.0, 4: 1.5, 8: 8.0, 16: 7.0, 32: 32.0, 64: 64.0}  # dips at 4 and 16 tokens
+    monkeypatch.setattr(profiler, "_timed_pass", lambda runner, cache, rows: measured[
+        sum(row.tree.num_nodes for row in rows)])
+    profile, problems = measure_profile(tiny_runner, rows=(1,), context_lengths=(8,), repeats=2)
+    assert profile.tree_sizes == [[1, 2, 4, 8, 16, 32, 64]]
+    assert profile.seconds == [[[1.0, 2.0, 2.0, 8.0, 8.0, 32.0, 64.0]]]
+    assert any("a bigger pass measured cheaper" in p for p in problems)
+
+
+def test_profile_is_saved_and_reused(tmp_path, monkeypatch) -> None:
+    import service.profiler as profiler
+
+    monkeypatch.setattr(profiler, "validate", lambda *args: [])  # the tiny model's timings are noise
     runner = ModelRunner(make_tiny_model(seed=3))
-    grid = {"tree_sizes": (1, 2), "context_lengths": (4,)}
+    grid = {"rows": (1,), "context_lengths": (4,), "repeats": 2}
     first = load_or_measure(runner, tmp_path, **grid)
     assert profile_path(tmp_path, runner).exists()
-    assert load_or_measure(runner, tmp_path, tree_sizes=(1, 8)) == first  # loaded, not measured
+    assert load_or_measure(runner, tmp_path, **grid) == first  # loaded, not measured
     assert load_or_measure(runner, tmp_path, remeasure=True, **grid) != first  # new timings
+
+
+def profile_from(l32: list[float], l1024: list[float]) -> CostProfile:
+    return CostProfile([1], [32, 1024], [[1, 2, 4, 8]], [[l32, l1024]])
+
+
+def test_a_profile_measured_under_changing_load_is_rejected() -> None:
+    # the real case: one-token passes at L=32 "cost" 348 ms, at L=1024 105 ms
+    assert validate(profile_from([0.348, 0.35, 0.36, 0.37], [0.105, 0.17, 0.18, 0.19]))
+    # bigger passes measured much cheaper than smaller ones
+    assert validate(profile_from([0.1, 0.05, 0.05, 0.06], [0.1, 0.17, 0.18, 0.19]))
+    assert validate(profile_from([0.1, 0.17, 0.18, 0.19], [0.11, 0.18, 0.19, 0.2])) == []
+
+
+def test_repeats_that_disagree_are_rejected() -> None:
+    good = profile_from([0.1, 0.17, 0.18, 0.19], [0.11, 0.18, 0.19, 0.2])
+    steady = {(1, 32): [[0.1, 0.1, 0.101, 0.099]] * 4}
+    noisy = {(1, 32): [[0.1, 0.3, 0.05, 0.2]] * 4}
+    assert validate(good, steady) == []
+    assert validate(good, noisy)

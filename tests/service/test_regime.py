@@ -1,77 +1,84 @@
-"""Cost profile interpolation and the (k, w) controller on synthetic curves and statistics."""
+"""Cost profile interpolation and the batch-aware tree controller on synthetic curves."""
 
 from __future__ import annotations
 
 import pytest
 
 from drafting import Acceptance, Draft, ScoredDraft
-from service.regime import CostProfile, choose_shape
+from service.regime import CostProfile, RowCandidates, RowTree, plan_trees
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 
 def flat_profile(slope: float) -> CostProfile:
-    """T(n) = 1 + slope·(n − 1) seconds at every context length."""
+    """T(n) = 1 + slope·(n − 1) seconds at every context length, for any number of rows."""
     row = [1.0 + slope * (n - 1) for n in SIZES]
-    return CostProfile(SIZES, [100, 1000], [row, row])
+    return CostProfile([1], [100, 1000], [SIZES], [[row, row]])
 
 
 MEMORY_BOUND = flat_profile(0.001)  # a GPU below its knee: 64 tokens cost 6% more than 1
 COMPUTE_BOUND = flat_profile(0.5)  # every extra token costs half a pass
-CPU_LIKE = CostProfile(SIZES, [100], [[0.110, 0.165, 0.20, 0.23, 0.30, 0.37, 0.55]])
+CPU_LIKE = CostProfile([1], [100], [SIZES], [[[0.110, 0.165, 0.20, 0.23, 0.30, 0.37, 0.55]]])
 
 
-def candidates(p: float, c: float, k: int = 8, w: int = 8) -> list[ScoredDraft]:
+def candidates(p: float, c: float, k: int = 8, w: int = 8, first: int = 1) -> list[ScoredDraft]:
     """k disjoint drafts (distinct first tokens) of w tokens; rank r accepted with p/(r+1)."""
     return [
-        ScoredDraft(Draft(tuple(range(10 * r + 1, 10 * r + 1 + w)), "s", r), Acceptance(p / (r + 1), c))
+        ScoredDraft(Draft(tuple(range(first + 10 * r, first + 10 * r + w)), "s", r), Acceptance(p / (r + 1), c))
         for r in range(k)
     ]
 
 
+def choose(drafts: list[ScoredDraft], profile: CostProfile, k: int, w: int, context: int = 500) -> RowTree:
+    """The controller's choice for one request alone."""
+    plan = plan_trees([RowCandidates(drafts, k, w)], lambda n: profile.cost(n, context), 1, 0.0, budget=k * w)
+    return plan.trees[0]
+
+
 def test_interpolation_and_extrapolation() -> None:
-    profile = CostProfile([1, 3], [10, 20], [[1.0, 2.0], [3.0, 4.0]])
+    profile = CostProfile([1, 3], [10, 20], [[1, 3], [3, 9]], [[[1.0, 2.0], [3.0, 4.0]], [[2.0, 8.0], [4.0, 8.0]]])
     assert profile.cost(1, 10) == 1.0
     assert profile.cost(2, 10) == pytest.approx(1.5)  # between sizes
     assert profile.cost(1, 15) == pytest.approx(2.0)  # between context lengths
     assert profile.cost(1, 99) == 3.0  # context clamped
     assert profile.cost(5, 10) == pytest.approx(3.0)  # size extrapolated linearly
     assert profile.slowdown(3, 20) == pytest.approx(4 / 3)
+    assert profile.cost(3, 10, rows=3) == pytest.approx(2.0)  # the 3-row table
+    assert profile.cost(9, 10, rows=2) == pytest.approx((5.0 + 8.0) / 2)  # between row counts
 
 
 def test_memory_bound_curve_gets_large_trees() -> None:
-    shape = choose_shape(candidates(0.6, 0.8), MEMORY_BOUND, 500, k_max=8, w_max=8)
-    assert shape.k == 8 and shape.w == 8
-    assert shape.forecast.tree_nodes == 65
+    tree = choose(candidates(0.6, 0.8), MEMORY_BOUND, k=8, w=8)
+    assert tree.k == 8 and tree.w == 8
+    assert sum(len(d.token_ids) for d in tree.drafts) == 64
 
 
 def test_compute_bound_curve_gets_small_trees() -> None:
-    shape = choose_shape(candidates(0.6, 0.8), COMPUTE_BOUND, 500, k_max=8, w_max=8)
-    assert 1 <= shape.k * shape.w <= 3
+    tree = choose(candidates(0.6, 0.8), COMPUTE_BOUND, k=8, w=8)
+    assert 1 <= sum(len(d.token_ids) for d in tree.drafts) <= 3
 
 
 def test_no_acceptance_means_plain_decoding() -> None:
     for profile in (MEMORY_BOUND, COMPUTE_BOUND, CPU_LIKE):
-        shape = choose_shape(candidates(0.0, 0.0), profile, 500, k_max=8, w_max=8)
-        assert (shape.k, shape.w, shape.drafts) == (0, 0, [])
-    assert choose_shape([], MEMORY_BOUND, 500, 8, 8).k == 0  # nothing proposed
+        tree = choose(candidates(0.0, 0.0), profile, k=8, w=8)
+        assert (tree.k, tree.w, tree.drafts) == (0, 0, [])
+    assert choose([], MEMORY_BOUND, 8, 8).k == 0  # nothing proposed
 
 
 def test_speculation_must_beat_plain_by_a_margin() -> None:
-    # one draft, tiny acceptance: 1.01 expected tokens for a 1% more costly pass
-    weak = [ScoredDraft(Draft((5,), "s", 0), Acceptance(0.02, 0.0))]
-    assert choose_shape(weak, MEMORY_BOUND, 100, 1, 1).k == 0
+    # one draft, tiny acceptance: 1.01 expected tokens for a 0.1% more costly pass
+    weak = [ScoredDraft(Draft((5,), "s", 0), Acceptance(0.01, 0.0))]
+    assert choose(weak, MEMORY_BOUND, 1, 1).k == 0
     strong = [ScoredDraft(Draft((5,), "s", 0), Acceptance(0.9, 0.0))]
-    assert choose_shape(strong, MEMORY_BOUND, 100, 1, 1).k == 1
+    assert choose(strong, MEMORY_BOUND, 1, 1).k == 1
 
 
 def test_cpu_curve_prefers_a_few_good_drafts() -> None:
-    """With the dev CPU's costs, an 8-node tree needs > 2.1 tokens/pass to pay."""
+    """With the dev CPU's costs only a long, likely draft pays; weak ones are left out."""
     good_first = [ScoredDraft(Draft((1, 2, 3, 4), "context", 0), Acceptance(0.9, 0.9))]
-    shape = choose_shape(good_first + candidates(0.05, 0.1)[1:], CPU_LIKE, 100, 8, 8)
-    assert shape.k == 1 and shape.w == 4
-    forecast = shape.forecast
-    assert forecast.expected_tokens == pytest.approx(1 + 0.9 * (1 - 0.9**4) / 0.1)
+    tree = choose(good_first + candidates(0.05, 0.1, first=100)[1:], CPU_LIKE, 8, 8)
+    assert tree.k == 1 and tree.w == 4
+    assert tree.expected_tokens == pytest.approx(1 + 0.9 * (1 - 0.9**4) / 0.1)
 
 
 def test_shared_prefixes_count_once() -> None:
@@ -79,7 +86,49 @@ def test_shared_prefixes_count_once() -> None:
         ScoredDraft(Draft((1, 2), "a", 0), Acceptance(0.5, 0.5)),
         ScoredDraft(Draft((1, 3), "b", 0), Acceptance(0.4, 0.2)),
     ]
-    shape = choose_shape(shared, MEMORY_BOUND, 100, 2, 2)
-    assert shape.k == 2 and shape.forecast.tree_nodes == 4  # root, 1, 2, 3
+    tree = choose(shared, MEMORY_BOUND, 2, 2)
+    assert tree.k == 2 and {d.token_ids for d in tree.drafts} == {(1, 2), (1, 3)}
     # node 1: max(0.5, 0.4); node 2: 0.5·0.5; node 3: 0.4·0.2
-    assert shape.forecast.expected_tokens == pytest.approx(1 + 0.5 + 0.25 + 0.08)
+    assert tree.expected_draft_tokens == pytest.approx(0.5 + 0.25 + 0.08)
+
+
+def test_caps_hold_per_request() -> None:
+    tree = choose(candidates(0.9, 0.9), MEMORY_BOUND, k=3, w=2)
+    assert tree.k <= 3 and tree.w <= 2
+
+
+def test_the_batch_shares_the_pass_where_nodes_pay_most() -> None:
+    """Two requests, one copy-heavy and one free text, on a device where every token costs:
+    the nodes go to the request whose drafts are likely; a memory-bound device takes both."""
+    easy = RowCandidates(candidates(0.9, 0.9, k=2, w=4), 2, 4)
+    hard = RowCandidates(candidates(0.05, 0.1, k=2, w=4, first=200), 2, 4)
+    costly = plan_trees([easy, hard], lambda n: COMPUTE_BOUND.cost(n, 100) * 0.3, 2, 0.0, budget=64)
+    assert costly.trees[0].k >= 1 and costly.trees[1].k == 0
+    cheap = plan_trees([easy, hard], lambda n: MEMORY_BOUND.cost(n, 100), 2, 0.0, budget=64)
+    assert cheap.trees[0].k == 2 and cheap.trees[1].k >= 1
+
+
+def test_a_large_batch_on_a_compute_bound_device_speculates_less() -> None:
+    """Per-row acceptance alike; the pass already holds many rows, so a node's marginal cost
+    is a bigger share of what it buys: fewer nodes per row than for one row alone."""
+    def nodes_per_row(rows: int) -> float:
+        row = RowCandidates(candidates(0.5, 0.6, k=4, w=4), 4, 4)
+        cost = lambda n: 0.05 + 0.01 * n  # noqa: E731  a pass of n tokens, compute-bound beyond a base
+        plan = plan_trees([row] * rows, cost, rows, 0.0, budget=1024)
+        return (plan.tokens - rows) / rows
+
+    assert nodes_per_row(1) > nodes_per_row(32)
+
+
+def test_a_probe_speculates_even_when_the_forecast_says_plain() -> None:
+    row = RowCandidates(candidates(0.3, 0.3), 4, 4, probe=True)
+    plan = plan_trees([row], lambda n: COMPUTE_BOUND.cost(n, 100), 1, 0.0, budget=16)
+    assert plan.trees[0].k >= 1 and plan.tokens > 1  # the best speculative plan, though plain wins
+    no_probe = plan_trees([RowCandidates(candidates(0.3, 0.3), 4, 4)], lambda n: COMPUTE_BOUND.cost(n, 100), 1, 0.0, 16)
+    assert no_probe.tokens == 1
+
+
+def test_the_budget_caps_the_added_nodes() -> None:
+    rows = [RowCandidates(candidates(0.9, 0.9), 8, 8)] * 3
+    plan = plan_trees(rows, lambda n: MEMORY_BOUND.cost(n, 100), 3, 0.0, budget=10)
+    assert plan.tokens == 13

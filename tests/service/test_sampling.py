@@ -63,7 +63,12 @@ def test_uniforms_are_fixed_per_position_and_seed() -> None:
     assert PositionUniforms(8).at([0]).tolist() != a.at([0]).tolist()
 
 
-@pytest.mark.parametrize("bad", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2}])
+@pytest.mark.parametrize("bad", [
+    {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
+    {"temperature": 1e-45},  # logits / 1e-45 overflow to inf, softmax to NaN: refused, not sampled
+    {"temperature": float("nan")}, {"temperature": float("inf")},
+    {"seed": -1}, {"seed": 2**64},  # outside torch.Generator's range
+])
 def test_invalid_parameters_are_refused(bad) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)

@@ -1,4 +1,5 @@
-"""A tree pass must give each node the logits of decoding its path token by token."""
+"""A pass must give each tree node the logits of decoding its path token by token — alone,
+and with other rows of other lengths and widths in the same flat pass."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ import pytest
 import torch
 
 from drafting import Draft
-from service.model_runner import ModelRunner
-from service.tree import build_tree, chain_tree
+from service.model_runner import ModelRunner, RowInput
+from service.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from tests.conftest import make_tiny_model
 
 PROMPT = [5, 9, 13, 2, 7, 7, 30, 41]
@@ -25,43 +26,94 @@ def sequential_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([token_ids])).logits[0, -1]
 
 
-def prefilled(runner: ModelRunner, prompt: list[int]):
-    """A cache holding `prompt` minus its last (pending) token."""
+def prefilled(runner: ModelRunner, prompts: list[list[int]]):
+    """A cache with one row per prompt, holding the prompt minus its last (pending) token."""
     cache = runner.new_cache()
-    prefix = chain_tree(prompt[:-1])
-    runner.forward(cache, [prefix], logits=False)
-    cache.commit(0, range(prefix.num_nodes))
+    for _ in prompts:
+        cache.add_row()
+    chains = [chain_tree(prompt[:-1]) for prompt in prompts]
+    runner.forward(cache, [RowInput(chain, chain.num_nodes) for chain in chains])
+    for row, chain in enumerate(chains):
+        cache.commit(row, range(chain.num_nodes))
     return cache
+
+
+def path_to(tree: TokenTree, node: int) -> list[int]:
+    path = []
+    while node > 0:
+        path.append(tree.token_ids[node])
+        node = tree.parents[node]
+    return path[::-1]
+
+
+def assert_nodes_match(model, prompt: list[int], tree: TokenTree, logits: torch.Tensor) -> None:
+    for node in range(tree.num_nodes):
+        expected = sequential_logits(model, prompt + path_to(tree, node))
+        torch.testing.assert_close(logits[node], expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 def test_tree_node_logits_equal_sequential_decoding(attn_implementation: str) -> None:
     model = make_tiny_model(seed=1, attn_implementation=attn_implementation)
     runner = ModelRunner(model)
-    cache = prefilled(runner, PROMPT)
-
+    cache = prefilled(runner, [PROMPT])
     tree = build_tree(PROMPT[-1], DRAFTS)
-    logits = runner.forward(cache, [tree])[0]  # [num_nodes, vocab]
+    logits = runner.forward(cache, [RowInput(tree)])[0]  # [num_nodes, vocab]
+    assert_nodes_match(model, PROMPT, tree, logits)
 
-    for node in range(tree.num_nodes):
-        path, cursor = [], node
-        while cursor > 0:
-            path.append(tree.token_ids[cursor])
-            cursor = tree.parents[cursor]
-        expected = sequential_logits(model, PROMPT + path[::-1])
-        torch.testing.assert_close(logits[node], expected, atol=1e-5, rtol=1e-5)
+
+@pytest.mark.parametrize("widths", ["alike", "ragged"])
+def test_rows_of_other_lengths_and_widths_do_not_disturb_each_other(widths: str) -> None:
+    """Three rows: different prompt lengths; trees of similar sizes (one batched attention
+    call) or of very different sizes (row-by-row attention)."""
+    model = make_tiny_model(seed=3)
+    runner = ModelRunner(model)
+    prompts = [PROMPT, [7, 3], list(range(2, 40))]
+    cache = prefilled(runner, prompts)
+    drafts = [DRAFTS, DRAFTS[2:3], DRAFTS[:2]] if widths == "alike" else [DRAFTS, [], [Draft(tuple(range(10, 40)), "x")]]
+    trees = [build_tree(prompt[-1], d) for prompt, d in zip(prompts, drafts)]
+    logits = runner.forward(cache, [RowInput(tree) for tree in trees])
+    for prompt, tree, row_logits in zip(prompts, trees, logits):
+        assert_nodes_match(model, prompt, tree, row_logits)
+
+
+def test_a_prompt_chunk_and_a_first_tree_share_one_row() -> None:
+    """Chunked prefill: the last chunk of a prompt carries the first speculation tree."""
+    model = make_tiny_model(seed=4)
+    runner = ModelRunner(model)
+    cache = prefilled(runner, [PROMPT[:3]])
+    chunk = PROMPT[2:-1]  # the pending token of the first chunk, then the rest but the last
+    tree = build_tree(PROMPT[-1], DRAFTS)
+    row = prepend_chain(chunk, tree)
+    logits = runner.forward(cache, [RowInput(row, logits_from=len(chunk))])[0]
+    assert_nodes_match(model, PROMPT, tree, logits)
 
 
 def test_compacted_cache_continues_like_a_fresh_decode() -> None:
     """After keeping one branch, the next pass sees exactly prompt + that branch."""
     model = make_tiny_model(seed=2)
     runner = ModelRunner(model)
-    cache = prefilled(runner, PROMPT)
+    cache = prefilled(runner, [PROMPT])
     tree = build_tree(PROMPT[-1], DRAFTS)
-    runner.forward(cache, [tree])
+    runner.forward(cache, [RowInput(tree)])
     branch = [0, tree.children[0][3], tree.children[tree.children[0][3]][9]]  # root, 3, 9
     cache.commit(0, branch)
     assert cache.lengths == [len(PROMPT) + 2]
-
-    logits = runner.forward(cache, [chain_tree([10])])[0, 0]
+    logits = runner.forward(cache, [RowInput(chain_tree([10]))])[0][0]
     torch.testing.assert_close(logits, sequential_logits(model, PROMPT + [3, 9, 10]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_removed_row_leaves_the_others_intact_and_the_last_frees_memory() -> None:
+    model = make_tiny_model(seed=2)
+    runner = ModelRunner(model)
+    prompts = [PROMPT, [7, 3, 9], list(range(2, 30))]
+    cache = prefilled(runner, prompts)
+    assert cache.remove_row(0) == 2  # the last row moved into the freed slot
+    survivors = [prompts[2], prompts[1]]
+    logits = runner.forward(cache, [RowInput(chain_tree([p[-1]])) for p in survivors])
+    for prompt, row_logits in zip(survivors, logits):
+        torch.testing.assert_close(row_logits[0], sequential_logits(model, prompt), atol=1e-5, rtol=1e-5)
+    cache.remove_row(1)
+    assert cache.nbytes > 0
+    cache.remove_row(0)
+    assert cache.nbytes == 0 and cache.num_rows == 0

@@ -1,0 +1,184 @@
+"""`ngrammys loadtest`: C concurrent streaming clients against the HTTP server.
+
+For each concurrency C, speculation off and auto run back to back on the same server (their
+order alternating between C values), each client sending Spec-Bench questions one after
+another. Per (C, mode): requests/s, output tokens/s, and p50/p99 of the time to first token
+and of the inter-token latency. Every chunk carries the usage so far
+(`stream_options.continuous_usage_stats`), so a chunk of several tokens counts as that many
+tokens sharing the gap: ITL is per token, as clients of a speculative server see it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from service.bench import Question
+
+if TYPE_CHECKING:  # imported where used: `ngrammys serve` and `prepare` (this module's MODES) run without httpx
+    import httpx
+
+MODES = ("off", "auto")
+
+
+@dataclass
+class RequestTiming:
+    ttft: float
+    itl: list[float]  # one per token after the first
+    tokens: int
+    seconds: float
+    passes: int = 0  # verification passes (rounds) the request took
+    drafted: int = 0  # tree nodes drafted over all its rounds
+
+
+@dataclass
+class LoadResult:
+    concurrency: int
+    mode: str
+    requests: int
+    seconds: float
+    timings: list[RequestTiming] = field(default_factory=list, repr=False)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(t.tokens for t in self.timings)
+
+    def summary(self) -> dict[str, float | int | str]:
+        ttft = [t.ttft for t in self.timings]
+        itl = [x for t in self.timings for x in t.itl] or [0.0]
+        passes = sum(t.passes for t in self.timings) or 1
+        return {
+            "concurrency": self.concurrency, "mode": self.mode, "requests": self.requests,
+            "requests_per_second": self.requests / self.seconds,
+            "output_tokens_per_second": self.output_tokens / self.seconds,
+            "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p99_ms": _quantile(ttft, 0.99) * 1e3,
+            "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p99_ms": _quantile(itl, 0.99) * 1e3,
+            "tokens_per_pass": self.output_tokens / passes,
+            "drafted_per_pass": sum(t.drafted for t in self.timings) / passes,
+        }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
+
+
+async def _one(client: httpx.AsyncClient, question: Question, mode: str, max_tokens: int) -> RequestTiming:
+    body = {
+        "messages": [{"role": "user", "content": question.text}], "max_tokens": max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "speculation": {"mode": mode},
+    }
+    started = time.perf_counter()
+    first = last = None
+    itl: list[float] = []
+    tokens = 0
+    stats: dict = {}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"]["message"])
+            usage = chunk.get("usage")
+            for choice in chunk.get("choices", []):  # the last chunk of a choice carries them
+                stats = choice.get("speculative_decoding_stats") or stats
+            if not usage or usage["completion_tokens"] == tokens:
+                continue
+            now, new = time.perf_counter(), usage["completion_tokens"] - tokens
+            if first is None:
+                first = now
+                itl.extend([0.0] * (new - 1))  # tokens that came with the first
+            else:
+                itl.extend([(now - last) / new] * new)  # type: ignore[operator]
+            last, tokens = now, usage["completion_tokens"]
+    end = time.perf_counter()
+    return RequestTiming((first or end) - started, itl, tokens, end - started,
+                         stats.get("num_spec_steps", 0), stats.get("num_draft_tokens", 0))
+
+
+async def run_level(
+    base_url: str, questions: list[Question], concurrency: int, mode: str, requests: int, max_tokens: int
+) -> LoadResult:
+    """`requests` requests from `concurrency` clients, each sending its next one when done."""
+    queue: asyncio.Queue[Question] = asyncio.Queue()
+    for index in range(requests):
+        queue.put_nowait(questions[index % len(questions)])
+    timings: list[RequestTiming] = []
+    import httpx
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
+
+        async def client_loop() -> None:
+            while not queue.empty():
+                timings.append(await _one(client, queue.get_nowait(), mode, max_tokens))
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+        seconds = time.perf_counter() - started
+    return LoadResult(concurrency, mode, requests, seconds, timings)
+
+
+def run_loadtest(
+    base_url: str, questions: list[Question], levels: list[int], requests_per_client: int, max_tokens: int,
+    progress=print, modes: tuple[str, ...] = MODES,  # type: ignore[no-untyped-def]
+) -> list[LoadResult]:
+    """Every concurrency level, each mode back to back (order alternating)."""
+    results = []
+    for index, concurrency in enumerate(levels):
+        for mode in modes if index % 2 == 0 else modes[::-1]:
+            requests = max(concurrency * requests_per_client, 4)
+            result = asyncio.run(run_level(base_url, questions, concurrency, mode, requests, max_tokens))
+            progress(_row(result.summary()))
+            results.append(result)
+    return results
+
+
+HEADER = ("| C | mode | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+          "| tokens/pass | drafted/pass |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def _row(s: dict[str, float | int | str]) -> str:
+    return (f"| {s['concurrency']} | {s['mode']} | {s['requests']} | {s['requests_per_second']:.2f} "
+            f"| {s['output_tokens_per_second']:.1f} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
+            f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['tokens_per_pass']:.2f} "
+            f"| {s['drafted_per_pass']:.1f} |")
+
+
+def format_table(results: list[LoadResult]) -> str:
+    return "\n".join([HEADER, *(_row(r.summary()) for r in results)])
+
+
+def write_json(results: list[LoadResult], path: Path, **run: object) -> None:
+    path.write_text(json.dumps({"run": run, "levels": [r.summary() for r in results]}, indent=2))
+
+
+def write_plot(results: list[LoadResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(r.mode for r in results):
+        rows = [r.summary() for r in results if r.mode == mode]
+        levels = [row["concurrency"] for row in rows]
+        left.plot(levels, [row["output_tokens_per_second"] for row in rows], marker="o", label=f"speculation {mode}")
+        right.plot(levels, [row["itl_p99_ms"] for row in rows], marker="o", label=f"speculation {mode}")
+    for axes, label in ((left, "output tokens/s"), (right, "p99 inter-token latency (ms)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("concurrent clients C")
+        axes.set_ylabel(label)
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

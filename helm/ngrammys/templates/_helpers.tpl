@@ -1,0 +1,80 @@
+{{/* Names and labels. */}}
+{{- define "ngrammys.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ngrammys.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "ngrammys.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "ngrammys.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ngrammys.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "ngrammys.labels" -}}
+helm.sh/chart: {{ include "ngrammys.chart" . }}
+{{ include "ngrammys.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "ngrammys.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "ngrammys.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "ngrammys.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* NGRAMMYS_MODEL: empty for the embedded model of the image. */}}
+{{- define "ngrammys.modelPath" -}}
+{{- if ne .Values.model.source "image" }}
+{{- printf "/models/%s" (trimPrefix "/" .Values.model.path) | trimSuffix "/" }}
+{{- end }}
+{{- end }}
+
+{{/* The PromQL query KEDA scales on: requests waiting, summed over this release's pods. */}}
+{{- define "ngrammys.queueQuery" -}}
+{{- if .Values.autoscaling.keda.query }}
+{{- tpl .Values.autoscaling.keda.query . }}
+{{- else }}
+{{- printf "sum(ngrammys_num_requests_waiting{namespace=\"%s\",pod=~\"%s-[a-z0-9]+-[a-z0-9]+\"}) or vector(0)" .Release.Namespace (include "ngrammys.fullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Seconds the kubelet waits after SIGTERM: the preStop sleep, the drain, and a margin. */}}
+{{- define "ngrammys.terminationGracePeriod" -}}
+{{- add .Values.server.preStopSleepSeconds .Values.server.drainTimeoutSeconds 10 }}
+{{- end }}
+
+{{/* Checks the schema cannot express. */}}
+{{- define "ngrammys.validate" -}}
+{{- if eq (trimSuffix "/" .Values.cache.mountPath) (trimSuffix "/" .Values.image.cacheDir) }}
+{{- fail "cache.mountPath must differ from image.cacheDir: the volume would hide the baked cache" }}
+{{- end }}
+{{- if and .Values.autoscaling.enabled (lt (int .Values.autoscaling.maxReplicas) (int .Values.autoscaling.minReplicas)) }}
+{{- fail "autoscaling.maxReplicas must be at least autoscaling.minReplicas" }}
+{{- end }}
+{{- $cpuScaling := or (not .Values.autoscaling.keda.enabled) .Values.autoscaling.keda.cpuTrigger }}
+{{- if and .Values.autoscaling.enabled $cpuScaling (not (and .Values.resources.requests .Values.resources.requests.cpu)) }}
+{{- fail "scaling on CPU needs resources.requests.cpu" }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,152 @@
+"""Attention for a flat pass: the tokens of every running row in one sequence, each row
+attending to its own KV row.
+
+One pass carries rows of very different widths: a prompt chunk of hundreds of tokens beside
+decode rows of one token or a small tree. Padding every row to the widest would make the
+linear layers (most of the compute) work on padding, so the runner feeds all rows' tokens as
+ONE flat sequence [1, T]: the linear layers see exactly T rows. Only attention needs the
+rows apart, and this module's function does that: registered with transformers as the
+`ngrammys_ragged` attention implementation, it receives the flat queries and the per-row KV
+buffers (`TreeKVCache.update` returns them as a view) plus a `PassLayout`, and runs
+scaled-dot-product attention per row — in one batched call when the rows' widths are alike
+(plain decoding of many requests), else row by row so no row pays for another's width.
+
+Masks: row r's node i sees the row's committed cache [0, start_r) and its own ancestors in
+the tree (itself included), nothing else — the same rule as a single sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from service.tree import TokenTree
+
+IMPLEMENTATION = "ngrammys_ragged"
+MAX_PADDING_FACTOR = 2.0  # one batched call while padded queries ≤ this × real queries
+
+
+@dataclass(frozen=True)
+class PassLayout:
+    """Where each of a pass's T flat tokens sits: its row, its cache position, its mask."""
+
+    starts: list[int]  # [rows]: committed length of each row when the pass began
+    widths: list[int]  # [rows]: tokens each row brings
+    write_rows: torch.Tensor  # [T] long: the KV row of each flat token
+    write_positions: torch.Tensor  # [T] long: its position in that row
+    position_ids: torch.Tensor  # [1, T] long: RoPE positions (start + depth)
+    pass_end: int  # columns the pass attends over: max(start + width)
+    row_masks: list[torch.Tensor]  # per row [1, 1, width, start + width] bool (True = attend)
+    batched_mask: torch.Tensor | None  # [rows, 1, D, pass_end] bool, when batched
+    query_index: torch.Tensor | None  # [rows, D] long: flat token of each padded query slot
+    output_index: torch.Tensor | None  # [T] long: padded slot (row * D + i) of each flat token
+
+    @property
+    def offsets(self) -> list[int]:
+        """Flat index of each row's first token."""
+        out, total = [], 0
+        for width in self.widths:
+            out.append(total)
+            total += width
+        return out
+
+
+def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device) -> PassLayout:
+    """The layout of a pass in which row r brings `trees[r]` on top of `starts[r]` entries."""
+    widths = [tree.num_nodes for tree in trees]
+    pass_end = max(s + w for s, w in zip(starts, widths))
+    write_rows = torch.cat([torch.full((w,), r, dtype=torch.long) for r, w in enumerate(widths)])
+    slots = torch.cat([torch.arange(s, s + w) for s, w in zip(starts, widths)])  # [T]: node i at start + i
+    depths = torch.cat([torch.tensor(tree.depths, dtype=torch.long) for tree in trees])
+    positions = slots - torch.cat([torch.arange(w) for w in widths]) + depths  # [T]: start + depth
+    row_masks = [_row_mask(tree, start) for tree, start in zip(trees, starts)]
+    batched = max(widths) * len(widths) <= MAX_PADDING_FACTOR * sum(widths)
+    batched_mask = query_index = output_index = None
+    if batched:
+        batched_mask, query_index, output_index = _batched(row_masks, widths, pass_end)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return PassLayout(
+        starts=list(starts), widths=widths, write_rows=write_rows.to(device),
+        write_positions=slots.to(device), position_ids=positions[None].to(device), pass_end=pass_end,
+        row_masks=[m.to(device) for m in row_masks], batched_mask=to(batched_mask),
+        query_index=to(query_index), output_index=to(output_index),
+    )
+
+
+def _row_mask(tree: TokenTree, start: int) -> torch.Tensor:
+    """[1, 1, n, start + n] bool: the whole committed cache, then the tree's ancestors."""
+    n = tree.num_nodes
+    mask = torch.ones(1, 1, n, start + n, dtype=torch.bool)
+    mask[0, 0, :, start:] = tree.ancestor_mask()
+    return mask
+
+
+def _batched(
+    row_masks: list[torch.Tensor], widths: list[int], pass_end: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One padded mask for all rows, with the gather/scatter indices between flat and padded."""
+    rows, width = len(widths), max(widths)
+    mask = torch.zeros(rows, 1, width, pass_end, dtype=torch.bool)
+    mask[:, :, :, 0] = True  # padding slots attend somewhere (their output is dropped)
+    query_index = torch.zeros(rows, width, dtype=torch.long)
+    output_index = []
+    offset = 0
+    for row, (row_mask, w) in enumerate(zip(row_masks, widths)):
+        mask[row, :, :w, : row_mask.shape[-1]] = row_mask[0]
+        query_index[row, :w] = torch.arange(offset, offset + w)
+        output_index.extend(range(row * width, row * width + w))
+        offset += w
+    return mask, query_index, torch.tensor(output_index, dtype=torch.long)
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, head_dim]
+    key: torch.Tensor,  # [rows, kv_heads, pass_end, head_dim] (a pass) or [b, kv_heads, n, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    pass_layout: PassLayout | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Per-row attention of a flat pass; other calls (no layout) go to the model's own kind."""
+    if pass_layout is None:
+        fallback = getattr(module.config, "ngrammys_inner_attention", "sdpa")
+        inner = ALL_ATTENTION_FUNCTIONS.get_interface(fallback, sdpa_attention_forward)
+        return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layout = pass_layout
+    if layout.batched_mask is not None:
+        assert layout.query_index is not None and layout.output_index is not None
+        padded = query[0][:, layout.query_index].transpose(0, 1)  # [rows, heads, D, head_dim]
+        out = F.scaled_dot_product_attention(
+            padded, key, value, attn_mask=layout.batched_mask, scale=scaling, enable_gqa=True
+        )  # [rows, heads, D, head_dim]
+        flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[layout.output_index]  # [T, heads, d]
+        return flat[None], None
+    pieces = []
+    for row, (offset, width, start) in enumerate(zip(layout.offsets, layout.widths, layout.starts)):
+        end = start + width
+        pieces.append(F.scaled_dot_product_attention(
+            query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
+            attn_mask=layout.row_masks[row], scale=scaling, enable_gqa=True,
+        ))  # [1, heads, width, head_dim]
+    return torch.cat(pieces, dim=2).transpose(1, 2), None  # [1, T, heads, head_dim]
+
+
+def use_ragged_attention(model: torch.nn.Module) -> None:
+    """Route `model`'s attention through `ragged_attention`, keeping its own kind as the
+    fallback for calls that are not flat passes (e.g. the model-table computation)."""
+    config = model.config  # type: ignore[attr-defined]
+    if config._attn_implementation != IMPLEMENTATION:
+        config.ngrammys_inner_attention = config._attn_implementation
+        config._attn_implementation = IMPLEMENTATION
+
+
+AttentionInterface.register(IMPLEMENTATION, ragged_attention)

@@ -1,0 +1,172 @@
+"""Waiting queue → running batch: admission, chunked prefill, and every status transition.
+
+Admission is first come, first served: the oldest waiting request is admitted when a running
+slot is free and the KV memory budget still holds with it; if it does not fit, nothing behind
+it jumps the queue (no request starves). Nothing is preempted once running.
+
+Memory. The KV buffers are [rows, capacity] per layer, with the capacity shared by all rows,
+and it never grows past the longest row any running request can reach (`Request.max_kv_tokens`,
+rounded up to the cache's power-of-two growth). So rows × that bound × bytes per token is an
+upper bound of the KV memory, and admission keeps it under `kv_cache_bytes`.
+
+Chunked prefill: each step every running request brings something to the one pass. Decoding
+requests bring their pending token (plus the tree the controller adds); prefilling requests
+share what is left of `max_tokens_per_pass`, oldest first, so a long prompt is cut into
+chunks and running streams keep flowing while it loads. While any request decodes, prompt
+chunks take at most `max_prefill_tokens_while_decoding` of a pass: every prompt token in the
+pass delays every running stream's next token. On a CPU a pass costs about in proportion to
+its tokens, so the default there is small (64: README, "Continuous batching", has the run that
+chose it); on a GPU a pass of hundreds of tokens costs little more than one, so the default is
+the whole pass. With nothing decoding, a prompt takes the whole pass (first token sooner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from service.kv_cache import INITIAL_CAPACITY, TreeKVCache
+from service.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the running batch."""
+
+    max_running_requests: int = 16
+    max_tokens_per_pass: int = 512  # prefill chunks + decode tokens + tree nodes in one pass
+    kv_cache_bytes: int | None = None  # budget of the KV buffers; None = unbounded
+    max_prefill_tokens_while_decoding: int | None = None  # None: by device (`for_device`)
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1 or self.max_tokens_per_pass < 1:
+            raise ValueError("max_running_requests and max_tokens_per_pass must be >= 1")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the prefill cap resolved for a device ("cpu", "cuda", ...)."""
+        if self.max_prefill_tokens_while_decoding is not None:
+            return self
+        cap = CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else self.max_tokens_per_pass
+        return dataclasses.replace(self, max_prefill_tokens_while_decoding=cap)
+
+
+CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+
+
+class DoesNotFit(ValueError):
+    """The request alone would exceed the KV memory budget: it could never run."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What each running request brings to this step's pass."""
+
+    prefill_tokens: dict[Request, int]  # prompt tokens each prefilling request puts in the cache
+    tree_budget: int  # tree nodes (beyond one root per decoding row) the pass can still take
+
+
+def kv_capacity_bound(max_tokens: int) -> int:
+    """The capacity the cache reaches for rows of at most `max_tokens` (power-of-two growth)."""
+    capacity = INITIAL_CAPACITY
+    while capacity < max_tokens:
+        capacity *= 2
+    return capacity
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; `running[i]` holds KV row i."""
+
+    def __init__(self, config: SchedulerConfig, cache: TreeKVCache, kv_bytes_per_token: int) -> None:
+        self.config = config
+        self.cache = cache
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def memory_bound(self, requests: list[Request]) -> int:
+        """Upper bound of the KV bytes while `requests` run together."""
+        if not requests:
+            return 0
+        return len(requests) * self._row_bytes(max(r.max_kv_tokens for r in requests))
+
+    def _row_bytes(self, kv_tokens: int) -> int:
+        return kv_capacity_bound(kv_tokens) * self.kv_bytes_per_token
+
+    def check_fits(self, kv_tokens: int) -> None:
+        """Raise `DoesNotFit` if a request needing `kv_tokens` KV entries exceeds the budget alone."""
+        budget = self.config.kv_cache_bytes
+        if budget is not None and self._row_bytes(kv_tokens) > budget:
+            raise DoesNotFit(
+                f"the request needs up to {kv_tokens} KV tokens ({self._row_bytes(kv_tokens) / 2**20:.0f} MiB), "
+                f"over the server's KV budget of {budget / 2**20:.0f} MiB; ask for fewer max_tokens or a "
+                f"shorter prompt"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request.max_kv_tokens)
+        self.waiting.append(request)
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into the batch, oldest first, while they fit."""
+        admitted = []
+        while self.waiting and len(self.running) < self.config.max_running_requests:
+            candidate = self.waiting[0]
+            if candidate.aborted:
+                self.waiting.popleft()
+                continue
+            budget = self.config.kv_cache_bytes
+            if budget is not None and self.memory_bound([*self.running, candidate]) > budget:
+                break  # FCFS: it waits for memory, and nothing behind it overtakes
+            self.waiting.popleft()
+            candidate.status, candidate.started_at = Status.RUNNING, time.monotonic()
+            candidate.row = self.cache.add_row()
+            self.running.append(candidate)
+            admitted.append(candidate)
+        return admitted
+
+    def drop_aborted_waiting(self) -> list[Request]:
+        """Take aborted requests out of the queue at once (their slot frees now)."""
+        gone = [r for r in self.waiting if r.aborted]
+        if gone:
+            self.waiting = deque(r for r in self.waiting if not r.aborted)
+        for request in gone:
+            request.status = Status.FINISHED
+        return gone
+
+    def plan(self) -> StepPlan:
+        """Split this pass's token budget: one token per decoding row first, then prefill
+        chunks oldest first, capped while others decode (each prefilling row brings at least
+        one token)."""
+        prefilling = [r for r in self.running if r.prefill_remaining > 0]
+        decoding = len(self.running) - len(prefilling)
+        left = self.config.max_tokens_per_pass - decoding
+        prefill_left = left
+        if decoding and self.config.max_prefill_tokens_while_decoding is not None:
+            prefill_left = min(left, self.config.max_prefill_tokens_while_decoding)
+        prefill: dict[Request, int] = {}
+        for request in prefilling:
+            chunk = max(1, min(request.prefill_remaining, prefill_left))
+            prefill[request] = chunk
+            left -= chunk
+            prefill_left -= chunk
+        return StepPlan(prefill, max(left, 0))
+
+    def finish(self, request: Request) -> None:
+        """Take a request out of the batch and free its KV row."""
+        request.status = Status.FINISHED
+        if request.row is None:
+            return
+        row, request.row = request.row, None
+        moved = self.cache.remove_row(row)
+        last = self.running.pop()
+        if moved is not None:
+            self.running[row] = last
+            last.row = row

@@ -1,0 +1,81 @@
+"""A request whose client left stops costing anything; SIGTERM drains before the exit."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from app.background import free_port, serving
+from app.main import create_app
+from app.settings import Settings
+from tests.app.server import slowed
+from tests.app.test_http import LONG, MESSAGES, QUIET, wait_ready, wait_until
+
+
+def test_a_non_streaming_request_is_aborted_when_its_client_leaves(embedded) -> None:
+    app = create_app(Settings(**QUIET), loader=lambda _: embedded)
+    with serving(app) as base, slowed(app, 0.2):
+        wait_ready(base)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{base}/v1/chat/completions", json={"messages": LONG, "max_tokens": 400}, timeout=1.5)
+        # gone within a poll and a pass, long before 400 tokens (at least 0.2 s each)
+        wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=30)
+        metrics = httpx.get(f"{base}/metrics").text
+        assert 'ngrammys_requests_total{status="aborted"} 1.0' in metrics
+        generated = float(re.search(r"^ngrammys_generation_tokens_total (\S+)$", metrics, re.M).group(1))
+        assert generated < 100
+
+
+@pytest.mark.slow
+def test_sigterm_lets_running_requests_finish_and_ends_the_rest_with_an_error() -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--model-tables", "false", "--cost-profile", "false", "--default-temperature", "0",
+         "--drain-timeout", "8", "--log-level", "warning"],
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        wait_until(lambda: _ready(base), timeout=120)
+        short = {"messages": MESSAGES, "max_tokens": 4}
+        endless = {"messages": LONG, "max_tokens": 4000}
+        with ThreadPoolExecutor(4) as pool:
+            finished = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=short, timeout=60)
+            cut = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=endless, timeout=60)
+            stream = pool.submit(_stream_events, base, endless)
+            wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] >= 2, timeout=30)
+            server.send_signal(signal.SIGTERM)
+            wait_until(lambda: httpx.get(f"{base}/ready").status_code == 503, timeout=5)
+            refused = httpx.post(f"{base}/v1/chat/completions", json=short, timeout=10)
+            assert refused.status_code == 503
+            assert finished.result().status_code == 200  # accepted before: answered in full
+            assert finished.result().json()["usage"]["completion_tokens"] == 4
+            assert cut.result().status_code == 503 and cut.result().json()["error"]["code"] == "shutting_down"
+            events = stream.result()
+            assert "shut down" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+        assert server.wait(timeout=30) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/ready", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _stream_events(base: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body | {"stream": True}, timeout=60) as response:
+        return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]

@@ -1,0 +1,52 @@
+"""The load test against a real server: counts, per-token latencies, the report and the plot."""
+
+from __future__ import annotations
+
+import json
+
+from app import loadtest
+from app.background import serving
+from app.cli import main
+from app.main import create_app
+from app.settings import Settings
+from service.bench import Question
+from tests.app.test_http import wait_ready
+
+QUESTIONS = [Question("1", "writing", "Write one sentence about the sea."),
+             Question("2", "coding", "Write a Python function that adds two numbers.")]
+
+
+def test_loadtest_counts_every_token_and_reports_both_modes(embedded, tmp_path) -> None:
+    settings = Settings(model_tables=False, cost_profile=False, max_running_requests=4)
+    with serving(create_app(settings, loader=lambda _: embedded)) as base:
+        wait_ready(base)
+        results = loadtest.run_loadtest(base, QUESTIONS, [1, 3], requests_per_client=2, max_tokens=8,
+                                        progress=lambda row: None)
+    assert [(r.concurrency, r.mode) for r in results] == [(1, "off"), (1, "auto"), (3, "auto"), (3, "off")]
+    for result in results:
+        assert len(result.timings) == result.requests == max(result.concurrency * 2, 4)
+        for timing in result.timings:
+            assert 1 <= timing.tokens <= 8 and len(timing.itl) == timing.tokens - 1
+            assert 0 < timing.ttft <= timing.seconds
+        summary = result.summary()
+        assert summary["output_tokens_per_second"] > 0 and summary["itl_p99_ms"] >= summary["itl_p50_ms"]
+    assert loadtest.format_table(results).count("\n") == len(results) + 1
+    loadtest.write_plot(results, tmp_path / "plot.png", "test")
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_the_loadtest_command_runs_its_own_server_process(tiny_served, tmp_path) -> None:
+    """`ngrammys loadtest` without --url: a child `ngrammys serve`, warmed up, then stopped."""
+    model_dir = tmp_path / "model"
+    tiny_served.model.save_pretrained(model_dir)
+    tiny_served.tokenizer.save_pretrained(model_dir)
+    dataset = tmp_path / "questions.jsonl"
+    dataset.write_text("\n".join(
+        json.dumps({"question_id": q.question_id, "category": q.category, "turns": [q.text]}) for q in QUESTIONS))
+    report = tmp_path / "load.json"
+    main(["loadtest", "--dataset", str(dataset), "--concurrency", "1", "2", "--max-tokens", "4",
+          "--model", str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--json", str(report)])
+    levels = json.loads(report.read_text())["levels"]
+    assert [(level["concurrency"], level["mode"]) for level in levels] == [(1, "off"), (1, "auto"), (2, "auto"), (2, "off")]
+    assert all(level["requests"] == 4 and level["tokens_per_pass"] >= 1 for level in levels)
+    assert all(level["drafted_per_pass"] == 0 for level in levels if level["mode"] == "off")

@@ -1,0 +1,178 @@
+"""Continuous batching: requests share every pass, and none notices the others."""
+
+from __future__ import annotations
+
+import pytest
+
+from drafting import TableSlot, default_mixer
+from service.config import GenerationParams, SamplingParams, SpeculationParams
+from service.engine import Engine
+from service.model_runner import ModelRunner
+from service.request import Status
+from service.scheduler import CPU_PREFILL_TOKENS_WHILE_DECODING, DoesNotFit, SchedulerConfig
+from tests.service.test_engine_lossless import reference_greedy
+from tests.service.test_regime import MEMORY_BOUND
+
+PROMPTS = [
+    [5, 9, 13, 2, 7, 7, 30, 41],
+    [3, 4, 5, 6, 3, 4, 5, 6, 3, 4],
+    [11],
+    list(range(2, 60)),
+    [8, 8, 8, 8, 9, 8, 8, 8],
+]
+MODES = [
+    SpeculationParams(0, 0, "off"),
+    SpeculationParams(4, 4, "fixed"),
+    SpeculationParams(6, 5, "auto"),
+    SpeculationParams(2, 3, "fixed"),
+    SpeculationParams(6, 5, "auto"),
+]
+LENGTHS = [20, 12, 24, 16, 8]
+
+
+def make_engine(runner: ModelRunner, tables: TableSlot, **limits: int) -> Engine:
+    engine = Engine(runner, default_mixer(tables), eos_token_ids=[], max_context=512,
+                    scheduler_config=SchedulerConfig(**limits))
+    engine.profile = MEMORY_BOUND
+    return engine
+
+
+def test_greedy_outputs_in_a_batch_equal_each_request_alone(tiny_model, tiny_runner, tiny_tables) -> None:
+    engine = make_engine(tiny_runner, tiny_tables)
+    requests = [(p, GenerationParams(n, speculation=s)) for p, n, s in zip(PROMPTS, LENGTHS, MODES)]
+    completions = engine.complete_many(requests)
+    for (prompt, params), completion in zip(requests, completions):
+        assert completion.token_ids == reference_greedy(tiny_model, prompt, params.max_new_tokens)
+        assert completion.finish_reason == "length"
+    assert engine.cache.nbytes == 0 and engine.cache.num_rows == 0  # memory back to idle
+
+
+def test_seeded_samples_in_a_batch_equal_each_request_alone(tiny_runner, tiny_tables) -> None:
+    engine = make_engine(tiny_runner, tiny_tables)
+    sampling = [SamplingParams(temperature=t, top_p=0.9, seed=s) for t, s in [(1.0, 1), (0.7, 2), (1.3, 3)]]
+    requests = [(p, GenerationParams(16, speculation=m, sampling=s)) for p, m, s in zip(PROMPTS, MODES[1:], sampling)]
+    together = engine.complete_many(requests)
+    for request, completion in zip(requests, together):
+        alone = engine.complete(*request)
+        plain = engine.complete(request[0], GenerationParams(16, sampling=request[1].sampling))
+        assert completion.token_ids == alone.token_ids == plain.token_ids
+
+
+def test_requests_join_and_leave_mid_stream(tiny_model, tiny_runner, tiny_tables) -> None:
+    engine = make_engine(tiny_runner, tiny_tables)
+    first = engine.add_request(PROMPTS[0], GenerationParams(30, speculation=MODES[1]))
+    for _ in range(3):
+        engine.step()
+    second = engine.add_request(PROMPTS[3], GenerationParams(20, speculation=MODES[2]))
+    leaver = engine.add_request(PROMPTS[1], GenerationParams(30, speculation=MODES[0]))
+    for _ in range(2):
+        engine.step()
+    engine.abort(leaver)
+    while engine.has_work:
+        engine.step()
+    assert first.output_ids == reference_greedy(tiny_model, PROMPTS[0], 30)
+    assert second.output_ids == reference_greedy(tiny_model, PROMPTS[3], 20)
+    assert leaver.finish_reason == "abort" and 0 < len(leaver.output_ids) < 30
+    assert leaver.output_ids == reference_greedy(tiny_model, PROMPTS[1], 30)[: len(leaver.output_ids)]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(tiny_model, tiny_runner, tiny_tables) -> None:
+    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=12)
+    streaming = engine.add_request(PROMPTS[0], GenerationParams(30))
+    engine.step()  # prefill and first token
+    long = engine.add_request(list(range(2, 60)) * 3, GenerationParams(8))
+    steps_while_prefilling = 0
+    while long.num_generated == 0:
+        results, stats = engine.step()
+        assert streaming in [r for r, _ in results]  # the stream got its round this pass too
+        assert stats is not None and stats.tokens <= 12
+        steps_while_prefilling += 1
+    assert long.prefill_remaining == 0  # the last chunk carried its first round
+    assert steps_while_prefilling >= (3 * 58 - 1) // 11  # chunks of at most 11 prompt tokens
+    while engine.has_work:
+        engine.step()
+    assert long.output_ids == reference_greedy(tiny_model, list(range(2, 60)) * 3, 8)
+    assert streaming.output_ids == reference_greedy(tiny_model, PROMPTS[0], 30)
+
+
+def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, tiny_tables) -> None:
+    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=24, max_prefill_tokens_while_decoding=5)
+    prompt = list(range(2, 60))
+    first = engine.add_request(prompt[:20], GenerationParams(40))
+    _, stats = engine.step()
+    assert stats is not None and stats.prefill_tokens == 19  # nothing decodes: the whole prompt
+    # (a prompt's last token is not cached by its prefill: it is the root of the first tree)
+    decoding = [first, *(engine.add_request(p, GenerationParams(40)) for p in PROMPTS[:3])]
+    while any(r.prefill_remaining for r in decoding):
+        engine.step()
+    joining = engine.add_request(prompt, GenerationParams(4))
+    chunks = []
+    while joining.num_generated == 0:
+        _, stats = engine.step()
+        assert stats is not None
+        chunks.append(stats.prefill_tokens)
+    assert max(chunks) == 5 and sum(chunks) == len(prompt) - 1
+    while engine.has_work:
+        engine.step()
+    assert joining.output_ids == reference_greedy(tiny_model, prompt, 4)
+    for request in decoding:
+        assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 40)
+
+
+def test_the_prefill_cap_defaults_by_device() -> None:
+    config = SchedulerConfig(max_tokens_per_pass=300)
+    assert config.for_device("cpu").max_prefill_tokens_while_decoding == CPU_PREFILL_TOKENS_WHILE_DECODING
+    assert config.for_device("cuda").max_prefill_tokens_while_decoding == 300
+    chosen = SchedulerConfig(max_prefill_tokens_while_decoding=7)
+    assert chosen.for_device("cpu") == chosen.for_device("cuda") == chosen
+
+
+def test_the_kv_budget_is_never_exceeded_and_admission_is_first_come_first_served(tiny_runner, tiny_tables) -> None:
+    per_request = make_engine(tiny_runner, tiny_tables).scheduler.memory_bound
+    probe = make_engine(tiny_runner, tiny_tables)
+    one = probe.add_request(PROMPTS[0], GenerationParams(16))
+    budget = 2 * per_request([one])  # room for two such requests at a time
+    engine = make_engine(tiny_runner, tiny_tables, kv_cache_bytes=budget)
+    requests = [engine.add_request(PROMPTS[0], GenerationParams(16)) for _ in range(5)]
+    started_order, peak_rows = [], 0
+    while engine.has_work:
+        engine.step()
+        peak_rows = max(peak_rows, engine.cache.num_rows)
+        assert engine.cache.nbytes <= budget
+        started_order += [r for r in requests if r.started_at is not None and r not in started_order]
+    assert peak_rows == 2
+    assert started_order == requests  # FCFS
+    assert all(r.status is Status.FINISHED and len(r.output_ids) == 16 for r in requests)
+    assert engine.cache.nbytes == 0
+    with pytest.raises(DoesNotFit, match="KV budget"):
+        engine.add_request(list(range(2, 60)) * 4, GenerationParams(280))  # 513 KV tokens
+
+
+def test_max_running_requests_caps_the_batch(tiny_runner, tiny_tables) -> None:
+    engine = make_engine(tiny_runner, tiny_tables, max_running_requests=3)
+    for prompt in PROMPTS:
+        engine.add_request(prompt, GenerationParams(6))
+    sizes = []
+    while engine.has_work:
+        _, stats = engine.step()
+        sizes.append(stats.batch_size if stats else 0)
+    assert max(sizes) == 3 and sizes[0] == 3
+
+
+def test_a_failing_request_ends_alone(tiny_model, tiny_runner, tiny_tables, monkeypatch) -> None:
+    engine = make_engine(tiny_runner, tiny_tables)
+    good = engine.add_request(PROMPTS[0], GenerationParams(12))
+    bad = engine.add_request(PROMPTS[1], GenerationParams(12, stop_token_ids=frozenset({3})))
+    original = bad.drafts.observe
+
+    def broken(committed):
+        raise RuntimeError("drafting state broke")
+
+    bad.drafts.observe = broken
+    errors = []
+    while engine.has_work:
+        results, _ = engine.step()
+        errors += [out for r, out in results if isinstance(out, Exception)]
+    assert len(errors) == 1 and bad.finish_reason == "error"
+    assert good.output_ids == reference_greedy(tiny_model, PROMPTS[0], 12)
+    bad.drafts.observe = original
