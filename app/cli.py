@@ -20,6 +20,7 @@ from app.settings import Settings
 from drafting import MIXED, STRATEGY_NAMES
 from service.config import SamplingParams
 from service.model_loader import DEFAULT_CACHE_DIR
+from service.packed_linear import QUANTIZATIONS
 
 
 def _settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +61,9 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> None:
-    """Convert the model and compute its tables into the cache `serve` will read (an image bakes them)."""
+    """Convert the model and compute its tables into the cache `serve` will read (an image bakes them);
+    when the quantization resolves to gguf, also the packed tiles and the compiled numba kernels
+    (`<cache>/numba`), so a server with the same settings starts without compiling."""
     from service.model_loader import load_model
     from service.model_tables import load_or_compute_tables
     from service.prompts import assistant_prefix_ids
@@ -68,8 +71,8 @@ def _prepare(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = Settings()  # unset flags fall back to NGRAMMYS_*, as `serve` reads them
     model, device, dtype = args.model or env.model, args.device or env.device, args.dtype or env.dtype
-    cache_dir = args.cache_dir or env.cache_dir
-    loaded = load_model(model, device, dtype, cache_dir)
+    cache_dir, quantization = args.cache_dir or env.cache_dir, args.quantization or env.quantization
+    loaded = load_model(model, device, dtype, cache_dir, quantization)
     before = set((cache_dir / "tables").glob("*.npz"))
     load_or_compute_tables(loaded.model, cache_dir, assistant_prefix_ids(loaded.tokenizer), show_progress=False)
     tables = "computed" if set((cache_dir / "tables").glob("*.npz")) - before else "cached"
@@ -83,7 +86,7 @@ def _bench(args: argparse.Namespace) -> None:
     from service.runtime import build_engine_with_tables
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
     engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike)
     prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category, args.category)
     strategies = list(dict.fromkeys(args.strategy))
@@ -143,7 +146,7 @@ def _profile(args: argparse.Namespace) -> None:
     from service.profiler import load_or_measure
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir)
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
     profile = load_or_measure(ModelRunner(loaded.model), args.cache_dir, remeasure=args.remeasure)
     print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=rows)")
     for rows, sizes, table in zip(profile.rows, profile.tree_sizes, profile.seconds):
@@ -172,6 +175,7 @@ def _loadtest(args: argparse.Namespace) -> None:
     flags = ["--max-running-requests", str(args.max_running_requests), "--max-waiting", str(max(args.concurrency) * 2),
              "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--cache-dir", str(args.cache_dir)]
     for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                        ("--quantization", args.quantization),
                         ("--max-prefill-tokens-while-decoding", args.max_prefill_tokens_while_decoding)):
         if value is not None:
             flags += [flag, str(value)]
@@ -211,7 +215,10 @@ def _shape(text: str) -> tuple[int, int]:
 def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded)")
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--dtype", default=None,
+                        help="float32, bfloat16 or float16 (default: bfloat16 on GPUs and on CPUs with native bf16)")
+    parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=Settings.model_fields["quantization"].default,
+                        help=Settings.model_fields["quantization"].description)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
 
 
@@ -227,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--device", default=None, help="[env NGRAMMYS_DEVICE]")
     prepare.add_argument("--dtype", default=None,
                          help="the dtype `serve` will use: the tables are keyed by it [env NGRAMMYS_DTYPE]")
+    prepare.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=None,
+                         help="the quantization `serve` will use: gguf also bakes the packed tiles and "
+                              "compiles the numba kernels [env NGRAMMYS_QUANTIZATION; default: auto]")
     prepare.add_argument("--cache-dir", type=Path, default=None, help="[env NGRAMMYS_CACHE_DIR]")
     prepare.set_defaults(run=_prepare)
     bench = commands.add_parser("bench", help="plain vs speculative decoding on Spec-Bench prompts")

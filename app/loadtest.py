@@ -15,10 +15,12 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from service.bench import Question
+
+if TYPE_CHECKING:  # imported where used: `ngrammys serve` and `prepare` (this module's MODES) run without httpx
+    import httpx
 
 MODES = ("off", "auto")
 
@@ -109,6 +111,8 @@ async def run_level(
     for index in range(requests):
         queue.put_nowait(questions[index % len(questions)])
     timings: list[RequestTiming] = []
+    import httpx
+
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
 

@@ -29,7 +29,7 @@ Loader = Callable[[Settings], LoadedModel]
 
 
 def load_from_settings(settings: Settings) -> LoadedModel:
-    return load_model(settings.model, settings.device, settings.dtype, settings.cache_dir)
+    return load_model(settings.model, settings.device, settings.dtype, settings.cache_dir, settings.quantization)
 
 
 def create_app(

@@ -31,7 +31,14 @@ class Settings(BaseSettings):
     host: str = Field("0.0.0.0", description="Address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on")
     device: str | None = Field(None, description="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
-    dtype: str | None = Field(None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU, float32 on CPU)")
+    dtype: str | None = Field(
+        None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU and on CPUs with native bf16, else float32)"
+    )
+    quantization: Literal["auto", "none", "gguf"] = Field(
+        "auto",
+        description="gguf: keep a GGUF's Q4_1 linears (and Q8_0 LM head) packed, the CPU fast path; none: float32 "
+        "weights; auto: gguf for a GGUF model on a CPU without native bf16 (numba installed), else none",
+    )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")

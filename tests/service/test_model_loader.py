@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
-from service.model_loader import UnsupportedModel, check_supported, load_model, resolve_dtype
+import service.model_loader as model_loader
+from service.model_loader import (
+    UnsupportedModel,
+    check_supported,
+    cpu_has_native_bf16,
+    load_model,
+    resolve_dtype,
+    resolve_quantization,
+)
 
 
 @pytest.mark.slow
 def test_gguf_conversion_is_cached_and_reused(tmp_path, embedded) -> None:
-    cold = load_model(cache_dir=tmp_path)
-    warm = load_model(cache_dir=tmp_path)
+    cold = load_model(cache_dir=tmp_path, quantization="none")
+    warm = load_model(cache_dir=tmp_path, quantization="none")
     assert (cold.from_cache, warm.from_cache) == (False, True)
     assert warm.load_seconds < cold.load_seconds
     ids = torch.tensor([cold.tokenizer.encode("The capital of France is")])
@@ -37,12 +47,49 @@ def test_missing_model_is_a_clear_error(tmp_path) -> None:
         load_model(tmp_path / "absent")
 
 
-def test_dtype_defaults_follow_the_device() -> None:
+def test_dtype_defaults_follow_the_device(monkeypatch) -> None:
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
     assert resolve_dtype(None, torch.device("cpu")) == torch.float32
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
+    assert resolve_dtype(None, torch.device("cpu")) == torch.bfloat16
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
     assert resolve_dtype(None, torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("float7", torch.device("cpu"))
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma\n")
+    assert not cpu_has_native_bf16(cpuinfo)
+    for flag in ("avx512_bf16", "amx_bf16"):
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu avx2 avx512f {flag}\n")
+        assert cpu_has_native_bf16(cpuinfo)
+    assert not cpu_has_native_bf16(tmp_path / "absent")
+
+
+def test_quantization_auto_picks_the_packed_path_only_where_it_pays(monkeypatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: False)
+    assert resolve_quantization("none", True, cpu, None) == "none"
+    assert resolve_quantization("gguf", True, cpu, None) == "gguf"
+    expected = "gguf" if importlib.util.find_spec("numba") else "none"
+    assert resolve_quantization("auto", True, cpu, None) == expected
+    assert resolve_quantization("auto", True, cpu, "float32") == expected
+    assert resolve_quantization("auto", True, cpu, "bfloat16") == "none"
+    assert resolve_quantization("auto", False, cpu, None) == "none"  # a model directory
+    assert resolve_quantization("auto", True, cuda, None) == "none"
+    monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
+    assert resolve_quantization("auto", True, cpu, None) == "none"  # bf16 by capability
+    with pytest.raises(ValueError, match="unknown quantization"):
+        resolve_quantization("int3", True, cpu, None)
+
+
+def test_quantization_gguf_needs_a_gguf_model(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="needs a .gguf model"):
+        load_model(tmp_path, quantization="gguf")
 
 
 def _tiny(config_class, **fields):

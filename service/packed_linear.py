@@ -1,0 +1,332 @@
+"""Linear layers that keep a GGUF's Q4_1 blocks packed and compute with them (CPU fast path).
+
+`--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
+layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16
+scale d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4,
+and the numba kernel (service/packed_kernels.py) dequantizes each block once per pass and
+applies it to every row of the pass (up to KERNEL_MAX_ROWS rows; larger passes dequantize the
+layer and call `F.linear`). Without numba the same modules dequantize and call `F.linear`
+(slower, same weights).
+
+The served weights are bit-for-bit those of the float32 path (the converted cache holds the
+same dequantized values); what differs is only the order of the float32 sums inside a matmul,
+so the two paths' greedy outputs part only where the top two logits nearly tie. Within the
+packed path a row's result does not depend on the pass size, so speculation reproduces plain
+decoding bit for bit in the linears.
+
+The LM head is packed too when its tensor is Q4_1 or Q8_0 (here it is tied to the Q8_0 token
+embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the same values).
+Embeddings, norms and tensors of other GGUF types stay as loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS: tuple[str, ...] = ("none", "gguf")
+TILE = 32  # output rows per tile, as in service/packed_kernels.py
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
+# Passes above this many rows dequantize the layer and call F.linear (prefill-sized passes,
+# where a BLAS GEMM is faster than the register-tiled kernel). Trees stay below it.
+KERNEL_MAX_ROWS = 64
+# A pass whose rows x packed bytes are below this runs on one thread (see forward).
+PARALLEL_MIN_BYTES = 1 << 18
+
+# GGUF tensor name (per block) -> Hugging Face Llama module name.
+LLAMA_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_kernels: Any = None
+_kernels_error: str | None = None
+
+
+def load_kernels(cache_dir: Path | None = None) -> Any:
+    """The compiled numba kernels module, or None when numba is not installed (or fails).
+
+    The first call per machine compiles them (tens of seconds on 2 cores; logged) into numba's
+    cache, `<cache_dir>/numba` (next to the source without a `cache_dir`; `NUMBA_CACHE_DIR`
+    overrides both); later starts load them from there in about a second. The cache dir, not
+    the package, so that `ngrammys prepare` bakes them where an image's server finds them: numba
+    only uses a cache directory it can write, and an installed package is read-only to a
+    non-root server. (numba compiles again, once, on a CPU other than the one that compiled.)
+    """
+    global _kernels, _kernels_error
+    if _kernels is not None or _kernels_error is not None:
+        return _kernels
+    # Must be set before numba is first imported: the kernels rely on the SLP vectorizer.
+    os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
+    if cache_dir is not None:
+        os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir / "numba"))
+    try:
+        import numba
+
+        numba.config.SLP_VECTORIZE = 1
+        if os.environ.get("NUMBA_CACHE_DIR"):  # numba may have been imported (and configured) before
+            numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+        from service import packed_kernels
+    except Exception as error:  # noqa: BLE001 - any import failure means: use the fallback
+        _kernels_error = f"{type(error).__name__}: {error}"
+        log.warning("numba kernels unavailable (%s); packed linears use the torch fallback", _kernels_error)
+        return None
+    started = time.perf_counter()
+    _warm_up(packed_kernels)
+    log.info("numba packed-linear kernels ready in %.1f s (threading layer %s, %d threads)",
+             time.perf_counter() - started, numba.threading_layer(), numba.get_num_threads())
+    _kernels = packed_kernels
+    return _kernels
+
+
+def _warm_up(kernels: Any) -> None:
+    qs = np.zeros((1, 1, 16, TILE), np.uint8)
+    q8 = np.zeros((1, 1, 32, TILE), np.int8)
+    scales = np.zeros((1, 1, TILE), np.float32)
+    x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
+    kernels.q4_1_matmul(x, qs, scales, scales, out, 1)
+    kernels.q4_1_dequantize(qs, scales, scales, np.empty((TILE, 32), np.float32))
+    kernels.q8_0_matmul(x, q8, scales, out, 1)
+    kernels.q4_1_matmul_serial(x, qs, scales, scales, out, 0)
+    kernels.q8_0_matmul_serial(x, q8, scales, out, 0)
+    kernels.q8_0_dequantize(q8, scales, np.empty((TILE, 32), np.float32))
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+@dataclass(frozen=True)
+class PackedTiles:
+    """GGUF blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
+
+    kind: str  # "Q4_1" or "Q8_0"
+    qs: np.ndarray  # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8
+    d: np.ndarray  # [T, K/32, TILE] float32 scales
+    m: np.ndarray  # [T, K/32, TILE] float32 mins (Q4_1; empty for Q8_0)
+    out_features: int
+    in_features: int
+
+
+def tiles_from_blocks(raw: np.ndarray, out_features: int, in_features: int, kind: str = "Q4_1") -> PackedTiles:
+    """`raw`: the GGUF bytes of a weight, [out_features, in_features/32 * block bytes] uint8
+    (row-major blocks, as `gguf.GGUFReader` gives them). Rows are padded to a whole tile with
+    zero blocks (zero weights)."""
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"unsupported block type {kind}")
+    if in_features % 32:
+        raise ValueError(f"{kind} needs in_features divisible by 32, got {in_features}")
+    size, blocks = BLOCK_BYTES[kind], in_features // 32
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(out_features, blocks, size)
+    tiles = -(-out_features // TILE)
+    padded = np.zeros((tiles * TILE, blocks, size), np.uint8)
+    padded[:out_features] = raw
+
+    def half(offset: int) -> np.ndarray:  # float16 at byte `offset` of each block, widened (exactly)
+        return padded[:, :, offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    def tiled(a: np.ndarray) -> np.ndarray:  # [rows, blocks, ...] -> [T, blocks, ..., TILE]
+        a = a.reshape(tiles, TILE, *a.shape[1:])
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+    if kind == "Q4_1":
+        return PackedTiles(kind, tiled(padded[:, :, 4:]), tiled(half(0)), tiled(half(2)), out_features, in_features)
+    empty = np.zeros((0, 0, 0), np.float32)
+    return PackedTiles(kind, tiled(padded[:, :, 2:].view(np.int8)), tiled(half(0)), empty, out_features, in_features)
+
+
+def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
+    """The float32 weight [out_features, in_features], in plain torch (the reference)."""
+    qs = torch.from_numpy(tiles.qs)  # [T, B, 16 or 32, TILE]
+    d = torch.from_numpy(tiles.d)[:, :, None, :]
+    if tiles.kind == "Q4_1":
+        q = torch.cat([qs & 15, qs >> 4], dim=2).float()  # [T, B, 32, TILE]
+        w = d * q + torch.from_numpy(tiles.m)[:, :, None, :]  # two roundings, as gguf computes it
+    else:
+        w = d * qs.float()
+    w = w.permute(0, 3, 1, 2).reshape(-1, tiles.in_features)  # [T*TILE, K]
+    return w[: tiles.out_features]
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept packed."""
+
+    def __init__(self, tiles: PackedTiles, kernels: Any = None) -> None:
+        super().__init__()
+        self.kind = tiles.kind
+        self.in_features = tiles.in_features
+        self.out_features = tiles.out_features
+        # Buffers, so state_dict (and the model fingerprint keying the caches) shows them.
+        self.register_buffer("qs", torch.from_numpy(tiles.qs), persistent=True)
+        self.register_buffer("d", torch.from_numpy(tiles.d), persistent=True)
+        self.register_buffer("m", torch.from_numpy(tiles.m), persistent=True)
+        self.kernels = kernels
+        self._tiles = tiles  # numpy views of the buffers, for the kernels' calls
+
+    def extra_repr(self) -> str:
+        path = "numba" if self.kernels is not None else "torch fallback"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} ({path})"
+
+    def tiles(self) -> PackedTiles:
+        return self._tiles
+
+    def dequantized(self) -> torch.Tensor:
+        if self.kernels is None:
+            return dequantize_tiles(self.tiles())
+        t = self._tiles
+        out = np.empty((t.qs.shape[0] * TILE, self.in_features), np.float32)
+        if self.kind == "Q4_1":
+            self.kernels.q4_1_dequantize(t.qs, t.d, t.m, out)
+        else:
+            self.kernels.q8_0_dequantize(t.qs, t.d, out)
+        return torch.from_numpy(out[: self.out_features])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if self.kernels is None or rows.shape[0] > KERNEL_MAX_ROWS or x.device.type != "cpu":
+            return F.linear(x, self.dequantized().to(x.device, x.dtype))
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        xs = rows.contiguous().numpy()
+        t = self._tiles
+        out = np.empty((xs.shape[0], t.qs.shape[0] * TILE), np.float32)
+        # Small layers run on the calling thread: a parallel launch costs more than it saves.
+        threads = _threads() if xs.shape[0] * t.qs.size >= PARALLEL_MIN_BYTES else 1
+        threads = threads if threads > 1 else 0
+        if self.kind == "Q4_1":
+            (self.kernels.q4_1_matmul if threads else self.kernels.q4_1_matmul_serial)(xs, t.qs, t.d, t.m, out, threads)
+        else:
+            (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(xs, t.qs, t.d, out, threads)
+        y = torch.from_numpy(out)
+        if out.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (as transformers' GGUF loader does):
+    `weight_hf = weight_gguf[index]`, a permutation of whole rows, so of whole Q4_1 blocks."""
+    dim = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(-1)
+
+
+def read_packed_linears(model: nn.Module, gguf_path: Path) -> tuple[dict[str, PackedTiles], int]:
+    """The linear weights of `gguf_path` stored as Q4_1 (and the LM head as Q4_1 or Q8_0: the
+    output tensor, or the token embedding it is tied to) as tiles keyed by the model's module
+    names ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and how many
+    linears are of other types (left as loaded)."""
+    import gguf
+
+    config = model.config
+    reader = gguf.GGUFReader(gguf_path)
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    tiles: dict[str, PackedTiles] = {}
+    kept = 0
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")  # blk.{i}.{kind}.weight
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LLAMA_LINEARS:
+            continue
+        name = f"model.layers.{int(parts[1])}.{LLAMA_LINEARS[parts[2]]}"
+        linear = model.get_submodule(name)
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or getattr(linear, "bias", None) is not None:
+            kept += 1
+            continue
+        out_features, in_features = linear.weight.shape
+        raw = np.asarray(tensor.data).reshape(out_features, -1)
+        if parts[2] == "attn_q":
+            raw = raw[unpermute_rows(out_features, config.num_attention_heads)]
+        elif parts[2] == "attn_k":
+            raw = raw[unpermute_rows(out_features, config.num_key_value_heads)]
+        tiles[name] = tiles_from_blocks(raw, out_features, in_features, "Q4_1")
+    head = by_name.get("output.weight") or (by_name.get("token_embd.weight") if config.tie_word_embeddings else None)
+    lm_head = getattr(model, "lm_head", None)
+    if head is not None and isinstance(lm_head, nn.Linear) and lm_head.bias is None:
+        kind = gguf.GGMLQuantizationType(head.tensor_type).name
+        if kind in BLOCK_BYTES:
+            out_features, in_features = lm_head.weight.shape
+            tiles["lm_head"] = tiles_from_blocks(np.asarray(head.data).reshape(out_features, -1),
+                                                 out_features, in_features, kind)
+        else:
+            kept += 1
+    return tiles, kept
+
+
+def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    for name, t in tiles.items():
+        arrays |= {f"{name}:qs": t.qs, f"{name}:d": t.d, f"{name}:m": t.m,
+                   f"{name}:shape": np.array([t.out_features, t.in_features]), f"{name}:kind": np.array(t.kind)}
+    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")  # per process: starts may race
+    try:
+        np.savez(staging, **arrays)
+        staging.rename(path)
+    except OSError as error:  # a read-only cache: serve anyway, read the GGUF again next start
+        staging.unlink(missing_ok=True)
+        log.warning("could not save the packed tiles to %s (%s)", path, error)
+
+
+def _load_tiles(path: Path) -> dict[str, PackedTiles]:
+    with np.load(path) as arrays:
+        names = [key[: -len(":shape")] for key in arrays.files if key.endswith(":shape")]
+        return {name: PackedTiles(str(arrays[f"{name}:kind"]), arrays[f"{name}:qs"], arrays[f"{name}:d"],
+                                  arrays[f"{name}:m"], *(int(v) for v in arrays[f"{name}:shape"]))
+                for name in names}
+
+
+def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None = None,
+                      tiles_file: Path | None = None, use_kernels: bool = True) -> int:
+    """Replace every Llama linear whose GGUF tensor is Q4_1, and the LM head when its tensor is
+    Q4_1 or Q8_0, by a `PackedLinear`; returns how many. Other linears are left as loaded;
+    so are the embeddings (a tied LM head gets its own packed copy of the blocks).
+
+    Reading a GGUF's header takes seconds (its tokenizer), so the tiles are saved to
+    `tiles_file` (if given) and read from there on later starts. When they are read from the
+    GGUF, each packed weight is checked against the loaded one: they must be equal, bit for
+    bit (same file, same dequantization), so a wrong name mapping or permutation fails loudly.
+    """
+    config = model.config
+    if getattr(config, "model_type", None) not in ("llama", "mistral"):
+        raise ValueError(f"--quantization gguf supports Llama-family models, not {config.model_type!r}")
+    kernels = load_kernels(cache_dir) if use_kernels else None
+    from_file = tiles_file is not None and tiles_file.exists()
+    if from_file:
+        assert tiles_file is not None
+        tiles, kept = _load_tiles(tiles_file), -1
+    else:
+        tiles, kept = read_packed_linears(model, gguf_path)
+    if not any(t.kind == "Q4_1" for t in tiles.values()):
+        raise ValueError(f"{gguf_path.name} has no Q4_1 linear weights to keep packed")
+    for name, t in tiles.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        packed = PackedLinear(t, kernels)
+        if not from_file and not torch.equal(packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()):
+            raise ValueError(f"{name}: packed blocks differ from the loaded weight "
+                             f"(is {gguf_path.name} the file this model was converted from?)")
+        setattr(parent, attr, packed)
+    if tiles_file is not None and not from_file:
+        _save_tiles(tiles, tiles_file)
+    kinds = Counter(t.kind for t in tiles.values())
+    log.info("packed %s linears (%s)%s", " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+             "numba kernels" if kernels is not None else "torch fallback: numba not installed",
+             f"; kept {kept} of other types" if kept >= 0 else "")
+    return len(tiles)

@@ -1,0 +1,267 @@
+"""Packed Q4_1 linears (`--quantization gguf`): the numba kernel and its torch fallback against
+a plain torch reference, the GGUF mapping, and losslessness of speculation on the packed path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafting import TableSlot, default_mixer
+from service import packed_kernels_gen
+from service.config import GenerationParams, SpeculationParams
+from service.engine import Engine
+from service.model_runner import ModelRunner
+from service.model_tables import compute_tables
+from service.packed_linear import (
+    KERNEL_MAX_ROWS,
+    LLAMA_LINEARS,
+    PackedLinear,
+    dequantize_tiles,
+    load_kernels,
+    pack_gguf_linears,
+    tiles_from_blocks,
+    unpermute_rows,
+)
+from tests.conftest import make_tiny_model
+
+Q4_1 = gguf.GGMLQuantizationType.Q4_1
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
+kernels = load_kernels()
+needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")
+
+
+def random_blocks(out_features: int, in_features: int, seed: int = 0, kind=Q4_1) -> np.ndarray:
+    """GGUF bytes of a random weight, as gguf's own quantizer writes them."""
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
+    return gguf.quants.quantize(weight, kind)
+
+
+def reference(blocks: np.ndarray, x: torch.Tensor, kind=Q4_1) -> torch.Tensor:
+    """gguf's dequantization, then a float64 matmul."""
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
+    return (x.double() @ weight.double().T).float()
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_dequantization_is_ggufs_bit_for_bit(kind) -> None:
+    blocks = random_blocks(70, 96, kind=kind)
+    tiles = tiles_from_blocks(blocks, 70, 96, kind.name)
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
+    assert torch.equal(dequantize_tiles(tiles), want)
+    if kernels is not None:
+        assert torch.equal(PackedLinear(tiles, kernels).dequantized(), want)
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("out_features, in_features", [(64, 32), (45, 96), (200, 608), (576, 576), (33, 1536)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 33])
+def test_packed_linear_matches_the_torch_reference(use_numba, kind, out_features, in_features, rows) -> None:
+    blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
+    layer = PackedLinear(tiles_from_blocks(blocks, out_features, in_features, kind.name), kernels if use_numba else None)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features))
+    got = layer(x)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=2e-5)
+
+
+@needs_numba
+def test_batched_leading_dims_and_large_passes() -> None:
+    blocks = random_blocks(96, 64)
+    layer = PackedLinear(tiles_from_blocks(blocks, 96, 64), kernels)
+    x = torch.randn(2, KERNEL_MAX_ROWS, 64)  # 128 rows: the dequantize + F.linear path
+    got = layer(x)
+    assert got.shape == (2, KERNEL_MAX_ROWS, 96)
+    torch.testing.assert_close(got.reshape(-1, 96), reference(blocks, x.reshape(-1, 64)), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(layer(x[:, :5]), got[:, :5], rtol=1e-5, atol=2e-5)
+
+
+@needs_numba
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_a_rows_result_does_not_depend_on_the_pass_size(kind) -> None:
+    """Each output is the same float32 sum in one k order whatever the pass: bit-identical rows."""
+    blocks = random_blocks(100, 576, kind=kind)
+    layer = PackedLinear(tiles_from_blocks(blocks, 100, 576, kind.name), kernels)
+    x = torch.randn(17, 576)
+    together = layer(x)
+    for i in range(17):
+        assert torch.equal(layer(x[i : i + 1])[0], together[i])
+    assert torch.equal(layer(x[3:6]), together[3:6])
+
+
+def test_unpermute_rows_matches_transformers_gguf_loader() -> None:
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    processor = LlamaTensorProcessor(config={"num_attention_heads": 9, "num_key_value_heads": 3})
+    for rows, heads in ((576, 9), (192, 3)):
+        want = processor._reverse_permute_weights(np.arange(rows)[:, None], heads)[:, 0]
+        assert np.array_equal(unpermute_rows(rows, heads), want)
+
+
+def test_the_kernels_file_is_generated_from_its_generator() -> None:
+    assert packed_kernels_gen.TARGET.read_text() == packed_kernels_gen.source()
+
+
+def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k permutation (convert_hf_to_gguf), the inverse of `unpermute_rows`."""
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_tiny_gguf(model, path: Path) -> None:
+    """Quantize the tiny Llama's linears to Q4_1 and its LM head to Q8_0 into a GGUF (llama.cpp's
+    names and q/k permutation), and set the model's weights to exactly what that file holds."""
+    config = model.config
+    writer = gguf.GGUFWriter(path, "llama")
+    for index, layer in enumerate(model.model.layers):
+        for kind, name in LLAMA_LINEARS.items():
+            linear = layer.get_submodule(name)
+            weight = linear.weight.detach().numpy()
+            heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(kind)
+            stored = permute_rows(weight, heads) if heads else weight
+            blocks = gguf.quants.quantize(stored, Q4_1)
+            served = gguf.quants.dequantize(blocks, Q4_1)
+            if heads:
+                served = served[unpermute_rows(served.shape[0], heads)]
+            linear.weight.data = torch.from_numpy(np.ascontiguousarray(served))
+            writer.add_tensor(f"blk.{index}.{kind}.weight", blocks, raw_dtype=Q4_1)
+    head = gguf.quants.quantize(model.lm_head.weight.detach().numpy(), Q8_0)
+    model.lm_head.weight.data = torch.from_numpy(gguf.quants.dequantize(head, Q8_0))
+    writer.add_tensor("output.weight", head, raw_dtype=Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_packed(tmp_path_factory):
+    """The tiny Llama with Q4_1 weights, as float32 and with its linears packed."""
+    path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf"
+    plain = make_tiny_model(seed=3)
+    write_tiny_gguf(plain, path)
+    packed = make_tiny_model(seed=3)
+    packed.load_state_dict(plain.state_dict())
+    tiles_file = path.with_suffix(".npz")
+    assert pack_gguf_linears(packed, path, tiles_file=tiles_file) == 15  # 2 layers x 7, and the LM head
+    return plain, packed, path, tiles_file
+
+
+def test_pack_gguf_linears_swaps_every_linear_and_keeps_the_served_weights(tiny_packed) -> None:
+    plain, packed, path, tiles_file = tiny_packed
+    for name, module in packed.named_modules():
+        if name.endswith((*LLAMA_LINEARS.values(), "lm_head")):
+            assert isinstance(module, PackedLinear)
+            assert torch.equal(module.dequantized(), plain.get_submodule(name).weight)
+    ids = torch.randint(64, (1, 12))
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    again = make_tiny_model(seed=3)  # second load: from the saved tiles, same modules
+    again.load_state_dict(plain.state_dict())
+    assert tiles_file.exists() and pack_gguf_linears(again, path, tiles_file=tiles_file) == 15
+    with torch.inference_mode():
+        assert torch.equal(again(ids).logits, packed(ids).logits)
+
+
+def test_an_unwritable_tiles_file_only_costs_the_cache(tiny_packed, tmp_path, monkeypatch) -> None:
+    plain, _, path, _ = tiny_packed
+
+    def read_only(*args, **kwargs):
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(np, "savez", read_only)
+    again = make_tiny_model(seed=3)
+    again.load_state_dict(plain.state_dict())
+    assert pack_gguf_linears(again, path, tiles_file=tmp_path / "tiles.npz") == 15
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_wrong_gguf_is_refused(tiny_packed, tmp_path) -> None:
+    _, _, path, _ = tiny_packed
+    other = make_tiny_model(seed=4)  # not the weights the file holds
+    with pytest.raises(ValueError, match="differ from the loaded weight"):
+        pack_gguf_linears(other, path, tiles_file=tmp_path / "tiles.npz")
+
+
+def test_speculation_on_the_packed_path_equals_its_plain_decoding(tiny_packed) -> None:
+    _, packed, _, _ = tiny_packed
+    engine = Engine(ModelRunner(packed), default_mixer(TableSlot(compute_tables(packed, batch_size=16, show_progress=False))),
+                    eos_token_ids=[], max_context=512)
+    prompt = [5, 9, 5, 9, 5, 9, 12, 30, 5, 9, 5]
+    plain = engine.complete(prompt, GenerationParams(max_new_tokens=40)).token_ids
+    for k, w in ((1, 1), (2, 3), (4, 4)):
+        params = GenerationParams(max_new_tokens=40, speculation=SpeculationParams(k, w))
+        assert engine.complete(prompt, params).token_ids == plain, (k, w)
+
+
+def test_packed_rows_batched_with_other_requests_equal_each_request_alone(tiny_packed) -> None:
+    """Continuous batching runs every request's rows (prompt chunks, trees) in one flat pass; the
+    packed linears and the packed LM head on the tree nodes must give each request what it gets
+    alone (here all passes stay at or under KERNEL_MAX_ROWS, so every linear runs the kernel)."""
+    from tests.service.test_batching import LENGTHS, MODES, PROMPTS, make_engine
+
+    _, packed, _, _ = tiny_packed
+    runner = ModelRunner(packed)
+    assert isinstance(runner.model.get_output_embeddings(), PackedLinear)
+    tables = TableSlot(compute_tables(packed, batch_size=16, show_progress=False))
+    engine = make_engine(runner, tables, max_tokens_per_pass=KERNEL_MAX_ROWS)
+    requests = [(p, GenerationParams(n, speculation=m)) for p, n, m in zip(PROMPTS, LENGTHS, MODES)]
+    together = engine.complete_many(requests)
+    for (prompt, params), completion in zip(requests, together):
+        assert completion.token_ids == engine.complete(prompt, GenerationParams(params.max_new_tokens)).token_ids
+    assert engine.cache.nbytes == 0 and engine.cache.num_rows == 0
+
+
+@pytest.fixture(scope="module")
+def embedded_packed(embedded):
+    from service.model_loader import load_model
+
+    return load_model(quantization="gguf")
+
+
+@pytest.mark.slow
+def test_real_layers_hold_the_files_weights_and_match_float32(embedded, embedded_packed) -> None:
+    float32, packed = embedded.model, embedded_packed.model
+    x = torch.randn(16, 1536, generator=torch.Generator().manual_seed(0))
+    for index in (0, 14, 29):
+        for name in LLAMA_LINEARS.values():
+            module = packed.model.layers[index].get_submodule(name)
+            weight = float32.model.layers[index].get_submodule(name).weight
+            assert isinstance(module, PackedLinear)
+            assert torch.equal(module.dequantized(), weight)
+            for rows in (1, 3, 16):
+                xs = x[:rows, : module.in_features]
+                torch.testing.assert_close(module(xs), F.linear(xs, weight), rtol=1e-4, atol=1e-4)
+    head = packed.lm_head  # tied to the Q8_0 token embedding in the file
+    assert isinstance(head, PackedLinear) and head.kind == "Q8_0"
+    assert torch.equal(head.dequantized(), float32.lm_head.weight)
+    assert torch.equal(packed.model.embed_tokens.weight, float32.model.embed_tokens.weight)
+    torch.testing.assert_close(head(x[:5, :576]), F.linear(x[:5, :576], float32.lm_head.weight), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_embedded_packed_speculation_equals_its_plain_decoding(embedded_packed) -> None:
+    """Greedy speculative output equals plain output of the same (packed) path, except where
+    plain decoding itself is a numerical tie (attention and the LM head still round by pass size)."""
+    from service.prompts import chat_prompt_ids
+    from service.runtime import build_engine
+    from tests.service.test_embedded_lossless import QUESTIONS, compare
+
+    engine = build_engine(embedded_packed, TableSlot())
+    model, tokenizer = embedded_packed.model, embedded_packed.tokenizer
+    outcomes: dict[str, int] = {}
+    for question in QUESTIONS:
+        prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
+        plain = engine.complete(prompt, GenerationParams(max_new_tokens=48)).token_ids
+        for k, w in ((1, 1), (4, 4), (8, 6)):
+            params = GenerationParams(max_new_tokens=48, speculation=SpeculationParams(k, w), strategy="context")
+            outcome = compare(model, prompt, engine.complete(prompt, params).token_ids, plain)
+            assert outcome in ("identical", "tie"), f"{question!r} k={k} w={w}: {outcome}"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"\npacked path, speculative vs plain: {outcomes}")
+    assert outcomes.get("identical", 0) >= 0.9 * sum(outcomes.values())
