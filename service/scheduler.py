@@ -17,10 +17,11 @@ chunks take at most `max_prefill_tokens_while_decoding` of a pass: every prompt 
 pass delays every running stream's next token. But when many requests wait for their first
 token (a burst of arrivals), prompts get the share of the pass in proportion to their number,
 or a burst of 64 prompts behind a few decoding streams would wait minutes for its first tokens
-(TGI's `waiting_served_ratio` answers the same problem). On a CPU a pass costs about in proportion to
-its tokens, so the default there is small (64: README, "Continuous batching", has the run that
-chose it); on a GPU a pass of hundreds of tokens costs little more than one, so the default is
-the whole pass. With nothing decoding, a prompt takes the whole pass (first token sooner).
+(TGI's `waiting_served_ratio` answers the same problem). On a CPU a pass costs about in
+proportion to its tokens, so the default cap there is small (64; docs/benchmarks.md,
+"Continuous batching", has the runs behind it); on a GPU a pass of hundreds of tokens costs
+little more than one, so the default is the whole pass. With nothing decoding, a prompt takes
+the whole pass (first token sooner).
 """
 
 from __future__ import annotations
