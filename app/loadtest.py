@@ -15,12 +15,10 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+import httpx
 
 from service.bench import Question
-
-if TYPE_CHECKING:  # imported where used: `ngrammys serve` and `prepare` (this module's MODES) run without httpx
-    import httpx
 
 MODES = ("off", "auto")
 
@@ -111,8 +109,6 @@ async def run_level(
     for index in range(requests):
         queue.put_nowait(questions[index % len(questions)])
     timings: list[RequestTiming] = []
-    import httpx
-
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
 
