@@ -24,10 +24,10 @@ dequantized once (w = d*q + m, float32, as gguf's own dequantizer computes it) i
 [K, {tile}] buffer, then every row of x is run against it with accumulators in registers.
 
 Every output element is the plain sum of w[k]*x[k] in one fixed order of k (per block: j, j+16
-for j = 0..15), a multiply then an add (no fused multiply-add, no reassociation). Passes of
-one or two rows dequantize in registers instead of through the buffer, with the same
-arithmetic. So a row's result does not depend on how many rows come with it, nor where it sits
-among them: a tree pass computes each node's linears bit-for-bit as a one-token pass would.
+for j = 0..15), a multiply then an add (no fused multiply-add, no reassociation). Small passes
+(a plain step, a small tree) dequantize in registers instead of through the buffer, with the
+same arithmetic. So a row's result does not depend on how many rows come with it, nor where it
+sits among them: a tree pass computes each node's linears bit-for-bit as a one-token pass would.
 
 `q8_0_matmul(x, qs, d, out, chunks)` does the same for Q8_0 blocks (32 int8 and a float16
 scale d; w = d*q): qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32.
@@ -39,7 +39,11 @@ import numpy as np
 from numba import njit, prange
 
 TILE = {tile}
-FUSED_MAX_ROWS = 2  # passes up to this many rows dequantize in registers (measured faster)
+FUSED_MAX_ROWS = 4  # Q4_1 passes up to this many rows dequantize in registers (measured faster)
+# Q8_0 (the LM head) dequantizes in registers, four rows at a time, up to this many rows: its
+# buffer path costs 2.4x the fused one at 3-4 rows, 1.6x at 8, 1.2x at 16; they cross between
+# 24 and 32 rows (embedded model's head, one core, measured).
+FUSED_MAX_ROWS_Q8 = 24
 
 
 @njit(cache=True, inline="always")
@@ -70,13 +74,15 @@ def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
     rows = x.shape[0]
     w = np.empty((qs.shape[1] * 32, TILE), np.float32)
     for t in range(t0, t1):
-        if rows <= FUSED_MAX_ROWS:
-            r = 0
-            while r + 2 <= rows:
-                _rows2_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
-                r += 2
-            if r < rows:
-                _rows1_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
+        if rows <= FUSED_MAX_ROWS:  # one call for the whole pass: the tile is dequantized once
+            if rows == 4:
+                _rows4_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+            elif rows == 3:
+                _rows3_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+            elif rows == 2:
+                _rows2_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+            else:
+                _rows1_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             continue
         _dequantize_tile(qs[t], d[t], m[t], w)
         r = 0
@@ -93,12 +99,17 @@ def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
     rows = x.shape[0]
     w = np.empty((qs.shape[1] * 32, TILE), np.float32)
     for t in range(t0, t1):
-        if rows <= FUSED_MAX_ROWS:
+        if rows <= FUSED_MAX_ROWS_Q8:  # groups of four, then the rest in one call
             r = 0
-            while r + 2 <= rows:
+            while r + 4 <= rows:
+                _rows4_fused_q8(qs[t], d[t], x, r, out, t * TILE)
+                r += 4
+            left = rows - r
+            if left == 3:
+                _rows3_fused_q8(qs[t], d[t], x, r, out, t * TILE)
+            elif left == 2:
                 _rows2_fused_q8(qs[t], d[t], x, r, out, t * TILE)
-                r += 2
-            if r < rows:
+            elif left == 1:
                 _rows1_fused_q8(qs[t], d[t], x, r, out, t * TILE)
             continue
         _dequantize_tile_q8(qs[t], d[t], w)
@@ -244,7 +255,12 @@ def _zero_accumulators(rows: int, tile: int) -> list[str]:
 
 
 def source(tile: int = TILE) -> str:
-    return HEADER.format(tile=tile) + rows_kernel(1, tile) + rows_kernel(2, tile) + fused_row_kernel(tile) + fused_row_kernel(tile, 2) + fused_row_kernel_q8(tile) + fused_row_kernel_q8(tile, 2) + FOOTER
+    return (
+        HEADER.format(tile=tile)
+        + rows_kernel(1, tile) + rows_kernel(2, tile)
+        + "".join(fused_row_kernel(tile, rows) + fused_row_kernel_q8(tile, rows) for rows in range(1, 5))
+        + FOOTER
+    )
 
 
 if __name__ == "__main__":
