@@ -16,6 +16,7 @@ between steps, only while idle.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import platform
@@ -34,6 +35,8 @@ from service.tree import chain_tree
 
 log = logging.getLogger(__name__)
 
+# The code whose speed a profile measures: a saved profile of other code is not reused.
+PASS_CODE = ("model_runner.py", "attention.py", "kv_cache.py", "packed_linear.py", "packed_kernels.py")
 ROWS = (1, 4, 16)
 CONTEXT_LENGTHS = (32, 256, 1024)
 TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
@@ -145,8 +148,18 @@ def _timed_pass(runner: ModelRunner, cache: TreeKVCache, rows: list[RowInput]) -
     return elapsed
 
 
+def pass_code_version() -> str:
+    """A short hash of the torch version and the code a pass runs (`PASS_CODE`): a kernel or
+    attention change alters the cost curve's shape, which a uniform drift check would miss."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for name in PASS_CODE:
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
-    name = f"{device_name(runner.device)}-{model_fingerprint(runner.model)}-{runner.dtype}"
+    fingerprint = model_fingerprint(runner.model)
+    name = f"{device_name(runner.device)}-{fingerprint}-{runner.dtype}-code{pass_code_version()}"
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
     return cache_dir / "profiles" / f"{safe}.json"
 

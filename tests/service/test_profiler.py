@@ -44,6 +44,18 @@ def test_profile_is_saved_and_reused(tmp_path, monkeypatch) -> None:
     assert load_or_measure(runner, tmp_path, remeasure=True, **grid) != first  # new timings
 
 
+
+def test_a_profile_of_other_pass_code_is_not_reused(tmp_path, monkeypatch) -> None:
+    """Kernels or attention that changed since the profile was saved: measure again."""
+    import service.profiler as profiler
+
+    monkeypatch.setattr(profiler, "validate", lambda *args: [])
+    runner = ModelRunner(make_tiny_model(seed=3))
+    load_or_measure(runner, tmp_path, rows=(1,), context_lengths=(4,), repeats=2)
+    assert profiler.load_saved(runner, tmp_path) is not None
+    monkeypatch.setattr(profiler, "pass_code_version", lambda: "changed")
+    assert profiler.load_saved(runner, tmp_path) is None
+
 def profile_from(l32: list[float], l1024: list[float]) -> CostProfile:
     return CostProfile([1], [32, 1024], [[1, 2, 4, 8]], [[l32, l1024]])
 
