@@ -128,6 +128,15 @@ def test_a_probe_speculates_even_when_the_forecast_says_plain() -> None:
     assert no_probe.tokens == 1
 
 
+
+def test_one_row_probes_per_pass() -> None:
+    """Rows that come due together probe one pass each, the first (oldest) row first."""
+    due = RowCandidates(candidates(0.3, 0.3), 4, 4, probe=True)
+    rows = [RowCandidates(candidates(0.3, 0.3), 4, 4), due, due, due]
+    plan = plan_trees(rows, lambda n: COMPUTE_BOUND.cost(n, 100), 4, 0.0, budget=64)
+    assert [tree.k >= 1 for tree in plan.trees] == [False, True, False, False]
+    assert plan.tokens > 4
+
 def test_the_budget_caps_the_added_nodes() -> None:
     rows = [RowCandidates(candidates(0.9, 0.9), 8, 8)] * 3
     plan = plan_trees(rows, lambda n: MEMORY_BOUND.cost(n, 100), 3, 0.0, budget=10)
