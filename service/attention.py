@@ -8,8 +8,11 @@ ONE flat sequence [1, T]: the linear layers see exactly T rows. Only attention n
 rows apart, and this module's function does that: registered with transformers as the
 `ngrammys_ragged` attention implementation, it receives the flat queries and the per-row KV
 buffers (`TreeKVCache.update` returns them as a view) plus a `PassLayout`, and runs
-scaled-dot-product attention per row — in one batched call when the rows' widths are alike
-(plain decoding of many requests), else row by row so no row pays for another's width.
+scaled-dot-product attention per row: one batched call over every row with D query slots each
+(the rows at most D wide; the others get padding slots there), plus one call per wider row.
+D is chosen per pass to minimize query slots plus calls: a batched call pads every row to D,
+so one 5-node tree among 15 one-token rows must not make all 16 rows attend with 5 queries
+(measured: D=2 costs 2.2x D=1 for 16 rows at L=257, a second call for the wide row ~0.15x).
 
 Masks: row r's node i sees the row's committed cache [0, start_r) and its own ancestors in
 the tree (itself included), nothing else — the same rule as a single sequence.
@@ -29,7 +32,10 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from service.tree import TokenTree
 
 IMPLEMENTATION = "ngrammys_ragged"
-MAX_PADDING_FACTOR = 2.0  # one batched call while padded queries ≤ this × real queries
+# What a call of its own costs, in query slots of the batched call: about one on a CPU
+# (measured); on a GPU a launch costs far more than a padded query (16 there: not measured).
+CALL_SLOTS = {"cpu": 1}
+GPU_CALL_SLOTS = 16
 
 
 @dataclass(frozen=True)
@@ -43,9 +49,11 @@ class PassLayout:
     position_ids: torch.Tensor  # [1, T] long: RoPE positions (start + depth)
     pass_end: int  # columns the pass attends over: max(start + width)
     row_masks: list[torch.Tensor]  # per row [1, 1, width, start + width] bool (True = attend)
-    batched_mask: torch.Tensor | None  # [rows, 1, D, pass_end] bool, when batched
+    batched_mask: torch.Tensor | None  # [rows, 1, D, pass_end] bool, when a batched call runs
     query_index: torch.Tensor | None  # [rows, D] long: flat token of each padded query slot
-    output_index: torch.Tensor | None  # [T] long: padded slot (row * D + i) of each flat token
+    batched_tokens: torch.Tensor | None  # [n] long: the flat tokens the batched call answers
+    batched_slots: torch.Tensor | None  # [n] long: their padded slots (row * D + i)
+    separate_rows: list[int]  # rows wider than D: a call each
 
     @property
     def offsets(self) -> list[int]:
@@ -66,17 +74,27 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     depths = torch.cat([torch.tensor(tree.depths, dtype=torch.long) for tree in trees])
     positions = slots - torch.cat([torch.arange(w) for w in widths]) + depths  # [T]: start + depth
     row_masks = [_row_mask(tree, start) for tree, start in zip(trees, starts)]
-    batched = max(widths) * len(widths) <= MAX_PADDING_FACTOR * sum(widths)
-    batched_mask = query_index = output_index = None
-    if batched:
-        batched_mask, query_index, output_index = _batched(row_masks, widths, pass_end)
+    width = batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS))
+    batched_mask = query_index = batched_tokens = batched_slots = None
+    if width:
+        batched_mask, query_index, batched_tokens, batched_slots = _batched(row_masks, widths, pass_end, width)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return PassLayout(
         starts=list(starts), widths=widths, write_rows=write_rows.to(device),
         write_positions=slots.to(device), position_ids=positions[None].to(device), pass_end=pass_end,
         row_masks=[m.to(device) for m in row_masks], batched_mask=to(batched_mask),
-        query_index=to(query_index), output_index=to(output_index),
+        query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
+        separate_rows=[row for row, w in enumerate(widths) if w > width],
     )
+
+
+def batched_width(widths: Sequence[int], call_slots: int) -> int:
+    """The query slots per row of the batched call (0: none, every row a call of its own) that
+    minimize rows x D plus, for each wider row, its width and `call_slots`."""
+    def slots(d: int) -> int:
+        return len(widths) * d + sum(w + call_slots for w in widths if w > d)
+
+    return min([0, *sorted(set(widths))], key=slots)
 
 
 def _row_mask(tree: TokenTree, start: int) -> torch.Tensor:
@@ -88,21 +106,24 @@ def _row_mask(tree: TokenTree, start: int) -> torch.Tensor:
 
 
 def _batched(
-    row_masks: list[torch.Tensor], widths: list[int], pass_end: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One padded mask for all rows, with the gather/scatter indices between flat and padded."""
-    rows, width = len(widths), max(widths)
+    row_masks: list[torch.Tensor], widths: list[int], pass_end: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One padded mask for all rows (rows wider than `width` get padding slots only), with the
+    gather index of the query slots and the flat tokens/slots the call answers."""
+    rows = len(widths)
     mask = torch.zeros(rows, 1, width, pass_end, dtype=torch.bool)
     mask[:, :, :, 0] = True  # padding slots attend somewhere (their output is dropped)
     query_index = torch.zeros(rows, width, dtype=torch.long)
-    output_index = []
+    tokens, slots = [], []
     offset = 0
     for row, (row_mask, w) in enumerate(zip(row_masks, widths)):
-        mask[row, :, :w, : row_mask.shape[-1]] = row_mask[0]
-        query_index[row, :w] = torch.arange(offset, offset + w)
-        output_index.extend(range(row * width, row * width + w))
+        if w <= width:
+            mask[row, :, :w, : row_mask.shape[-1]] = row_mask[0]
+            query_index[row, :w] = torch.arange(offset, offset + w)
+            tokens.extend(range(offset, offset + w))
+            slots.extend(range(row * width, row * width + w))
         offset += w
-    return mask, query_index, torch.tensor(output_index, dtype=torch.long)
+    return mask, query_index, torch.tensor(tokens, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
 
 
 def ragged_attention(
@@ -122,22 +143,29 @@ def ragged_attention(
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(fallback, sdpa_attention_forward)
         return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layout = pass_layout
+    heads, head_dim = query.shape[1], query.shape[3]
+    batched = None
     if layout.batched_mask is not None:
-        assert layout.query_index is not None and layout.output_index is not None
+        assert layout.query_index is not None and layout.batched_tokens is not None
         padded = query[0][:, layout.query_index].transpose(0, 1)  # [rows, heads, D, head_dim]
         out = F.scaled_dot_product_attention(
             padded, key, value, attn_mask=layout.batched_mask, scale=scaling, enable_gqa=True
         )  # [rows, heads, D, head_dim]
-        flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])[layout.output_index]  # [T, heads, d]
-        return flat[None], None
-    pieces = []
-    for row, (offset, width, start) in enumerate(zip(layout.offsets, layout.widths, layout.starts)):
+        batched = out.transpose(1, 2).reshape(-1, heads, head_dim)[layout.batched_slots]  # [n, heads, d]
+        if not layout.separate_rows:
+            return batched[None], None  # every token answered, in flat order
+    flat = query.new_empty(query.shape[2], heads, head_dim)  # [T, heads, head_dim]
+    if batched is not None:
+        flat[layout.batched_tokens] = batched
+    offsets = layout.offsets
+    for row in layout.separate_rows:
+        offset, width, start = offsets[row], layout.widths[row], layout.starts[row]
         end = start + width
-        pieces.append(F.scaled_dot_product_attention(
+        flat[offset : offset + width] = F.scaled_dot_product_attention(
             query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
             attn_mask=layout.row_masks[row], scale=scaling, enable_gqa=True,
-        ))  # [1, heads, width, head_dim]
-    return torch.cat(pieces, dim=2).transpose(1, 2), None  # [1, T, heads, head_dim]
+        )[0].transpose(0, 1)  # [width, heads, head_dim]
+    return flat[None], None  # [1, T, heads, head_dim]
 
 
 def use_ragged_attention(model: torch.nn.Module) -> None:

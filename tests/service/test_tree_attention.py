@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from drafting import Draft
+from service.attention import batched_width, build_layout
 from service.model_runner import ModelRunner, RowInput
 from service.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from tests.conftest import make_tiny_model
@@ -62,19 +63,37 @@ def test_tree_node_logits_equal_sequential_decoding(attn_implementation: str) ->
     assert_nodes_match(model, PROMPT, tree, logits)
 
 
-@pytest.mark.parametrize("widths", ["alike", "ragged"])
-def test_rows_of_other_lengths_and_widths_do_not_disturb_each_other(widths: str) -> None:
-    """Three rows: different prompt lengths; trees of similar sizes (one batched attention
-    call) or of very different sizes (row-by-row attention)."""
+LAYOUTS = {  # drafts per row -> (batched query slots per row, rows attended by a call of their own)
+    "alike": ([[Draft((4,), "x")], [Draft((6,), "x")], [Draft((8,), "x")], [Draft((9,), "x")]], (2, [])),
+    "one wide among plain rows": ([[], [], DRAFTS, []], (1, [2])),
+    "plain rows": ([[], [], [], []], (1, [])),
+    "ragged": ([DRAFTS, [], [Draft(tuple(range(10, 40)), "x")], []], (0, [0, 1, 2, 3])),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_of_other_lengths_and_widths_do_not_disturb_each_other(layout: str) -> None:
+    """Four rows of different prompt lengths; their trees make every kind of attention layout:
+    one batched call, calls of their own, or both."""
     model = make_tiny_model(seed=3)
     runner = ModelRunner(model)
-    prompts = [PROMPT, [7, 3], list(range(2, 40))]
+    prompts = [PROMPT, [7, 3], list(range(2, 40)), [11, 12, 13]]
     cache = prefilled(runner, prompts)
-    drafts = [DRAFTS, DRAFTS[2:3], DRAFTS[:2]] if widths == "alike" else [DRAFTS, [], [Draft(tuple(range(10, 40)), "x")]]
+    drafts, (width, separate) = LAYOUTS[layout]
     trees = [build_tree(prompt[-1], d) for prompt, d in zip(prompts, drafts)]
+    planned = build_layout(trees, cache.lengths, runner.device)
+    assert (planned.query_index.shape[1] if planned.query_index is not None else 0, planned.separate_rows) == (width, separate)
     logits = runner.forward(cache, [RowInput(tree) for tree in trees])
     for prompt, tree, row_logits in zip(prompts, trees, logits):
         assert_nodes_match(model, prompt, tree, row_logits)
+
+
+def test_the_batched_width_minimizes_query_slots_and_calls() -> None:
+    assert batched_width([1] * 16, call_slots=1) == 1  # plain decoding: one call
+    assert batched_width([1] * 15 + [5], call_slots=1) == 1  # the tree gets a call of its own
+    assert batched_width([3, 5, 5, 9], call_slots=1) == 0  # unlike trees: a call each
+    assert batched_width([3, 5, 5, 9], call_slots=16) == 9  # where calls are dear (GPU): one padded call
+    assert batched_width([1] * 15 + [64], call_slots=1) == 1  # a prompt chunk beside decode rows
 
 
 def test_a_prompt_chunk_and_a_first_tree_share_one_row() -> None:
