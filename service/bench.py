@@ -215,14 +215,14 @@ def format_table(results: list[CategoryResult]) -> str:
         f"| {r.speculative.tokens_per_second:.1f} | {r.speedup:.2f}x "
         f"| {r.speculative.tokens_per_pass:.2f} "
         f"| {r.speculative.accepted_tokens}/{r.speculative.draft_tokens} "
-        f"| {_shares(r.speculative.strategy_shares())} | {r.speculative.draft_share:.1%} "
+        f"| {shares_text(r.speculative.strategy_shares())} | {r.speculative.draft_share:.1%} "
         f"| {r.identical}/{r.prompts} |"
         for r in results
     ]
     return "\n".join([header, *rows])
 
 
-def _shares(shares: dict[str, float]) -> str:
+def shares_text(shares: dict[str, float]) -> str:
     return " ".join(f"{name} {share:.0%}" for name, share in shares.items()) or "-"
 
 
