@@ -83,7 +83,7 @@ def _prepare(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> None:
     from service import bench
     from service.model_loader import load_model
-    from service.runtime import build_engine_with_tables
+    from service.runtime import build_engine, build_engine_with_tables
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
@@ -112,7 +112,12 @@ def _bench(args: argparse.Namespace) -> None:
     if args.spike:
         _spike(engine, prompts, args, sampling)
         return
-    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling)
+    def new_engine() -> Any:  # each method learns across requests from its own runs only
+        fresh = build_engine(loaded, engine.mixer.tables, suffix_cache_tokens=args.suffix_cache_tokens)
+        fresh.profile = engine.profile
+        return fresh
+
+    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling, new_engine)
     for name, by_category in results.items():
         print(f"\n### {name}\n\n{bench.format_table(by_category)}")
     if len(results) > 1:
