@@ -26,14 +26,16 @@ from drafting.model_ngram import TableSlot
 SUCCESSORS = 8  # K: candidates kept per token (the model bigram table's width too)
 # how likely the model's next token is its r-th candidate, roughly: shapes the template only
 RANK_PRIOR = (0.5, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.01)
+GROWTH = 4096  # rows added at a time: few copies, little slack past the vocabulary
 _NONE = np.empty(0, dtype=np.int64)
 
 
 class SuccessorTable:
     """[vocab, K] next-token candidates per token, refreshed in place from every pass.
 
-    Memory is vocab × K × 4 bytes (1.5 MiB for a 49k vocabulary), whatever the traffic: the
-    array grows only up to the largest token id seen, which the vocabulary bounds. Updates are
+    Memory is about vocab × K × 4 bytes (1.5 MiB for a 49k vocabulary), whatever the traffic:
+    the array grows (in steps of `GROWTH` rows) only up to the largest token id seen, which the
+    vocabulary bounds. Updates are
     one vectorised assignment; the engine steps on one thread, so requests sharing the table
     never update it at the same time. A token seen at several nodes of one pass keeps the last.
     """
@@ -78,7 +80,7 @@ class SuccessorTable:
 
     def _grow(self, rows: int) -> None:
         if rows > len(self.successors):
-            grown = np.full((max(rows, 2 * len(self.successors)), self.top_k), -1, dtype=np.int32)
+            grown = np.full((-(-rows // GROWTH) * GROWTH, self.top_k), -1, dtype=np.int32)
             grown[: len(self.successors)] = self.successors
             self.successors = grown
 

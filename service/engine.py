@@ -205,7 +205,7 @@ class Engine:
             return [(row.request, error) for row in rows], None
         self._learn_seconds = 0.0
         top_ids = self._top_ids(rows, logits)
-        verdicts = [(row, self._verify(row, *row_pass)) for row, row_pass in zip(rows, zip(logits, top_ids))]
+        verdicts = [(row, self._verify(row, row_logits, row_top)) for row, row_logits, row_top in zip(rows, logits, top_ids)]
         verified = time.perf_counter()
         learned = self._learn_seconds  # drafting work, though it runs after the pass
         timing = dict(draft_seconds=drafted - started + learned, forward_seconds=verified - drafted - learned,
