@@ -142,7 +142,7 @@ def _workload(loaded: Any, args: argparse.Namespace) -> None:
     from service.runtime import build_engine_with_tables
 
     questions = bench.specbench_questions(args.dataset, args.per_category, args.category)
-    prompts = workload.task_prompts(questions, args.task, loaded.tokenizer)
+    prompts = workload.task_prompts(questions, args.task, loaded.tokenizer) * args.repeat
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
 
     def method(name: str, strategy: str, k: int, cache_tokens: int) -> workload.WorkloadMethod:
@@ -288,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--task", default=None, metavar="TEMPLATE",
                        help="instead: a repetitive workload, this task (with a {text} field) over each question's "
                             "text, requests in order; each strategy with and without the suffix index")
+    bench.add_argument("--repeat", type=int, default=1,
+                       help="with --task: send the whole series this many times (popular requests asked again)")
     bench.add_argument("--spike", action="store_true",
                        help="instead: auto mode fresh, under 3 busy processes, then after (load-spike recovery)")
     bench.add_argument("--strategy", choices=STRATEGY_NAMES, nargs="+", default=[MIXED],
