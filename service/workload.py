@@ -38,13 +38,19 @@ class WorkloadResult:
 def task_prompts(
     questions: Sequence[Question], template: str, tokenizer: PreTrainedTokenizerBase, max_chars: int = 1500
 ) -> list[BenchPrompt]:
-    """The task `template` (with a `{text}` field) applied to each question's text, cut to
-    `max_chars` so prompts stay short enough to prefill quickly on a CPU."""
+    """The task `template` (with a `{text}` field) applied to each question's text — without
+    its own short instruction ("Summarize: …") — cut to `max_chars` so prompts stay short
+    enough to prefill quickly on a CPU."""
     return [
         BenchPrompt(q.question_id, q.category, chat_prompt_ids(
-            tokenizer, [{"role": "user", "content": template.format(text=q.text.split(": ", 1)[-1][:max_chars])}]))
+            tokenizer, [{"role": "user", "content": template.format(text=_body(q.text)[:max_chars])}]))
         for q in questions
     ]
+
+
+def _body(text: str) -> str:
+    head, separator, body = text.partition(": ")
+    return body if separator and len(head) <= 40 else text
 
 
 def run_workload(methods: Sequence[WorkloadMethod], prompts: Sequence[BenchPrompt]) -> dict[str, WorkloadResult]:
