@@ -83,11 +83,15 @@ def _prepare(args: argparse.Namespace) -> None:
 def _bench(args: argparse.Namespace) -> None:
     from service import bench
     from service.model_loader import load_model
-    from service.runtime import build_engine_with_tables
+    from service.runtime import build_engine, build_engine_with_tables
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
-    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike)
+    if args.task:
+        _workload(loaded, args)
+        return
+    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike,
+                                      suffix_cache_tokens=args.suffix_cache_tokens)
     prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category, args.category)
     strategies = list(dict.fromkeys(args.strategy))
     methods = bench.bench_methods(strategies, args.k, args.w, args.grid, args.auto)
@@ -108,7 +112,12 @@ def _bench(args: argparse.Namespace) -> None:
     if args.spike:
         _spike(engine, prompts, args, sampling)
         return
-    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling)
+    def new_engine() -> Any:  # each method learns across requests from its own runs only
+        fresh = build_engine(loaded, engine.mixer.tables, suffix_cache_tokens=args.suffix_cache_tokens)
+        fresh.profile = engine.profile
+        return fresh
+
+    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling, new_engine)
     for name, by_category in results.items():
         print(f"\n### {name}\n\n{bench.format_table(by_category)}")
     if len(results) > 1:
@@ -123,6 +132,33 @@ def _bench(args: argparse.Namespace) -> None:
         print(f"wrote {args.json}")
     if any(r.identical != r.prompts for rows in results.values() for r in rows):
         sys.exit("speculative output differed from plain decoding with the same sampling and seed")
+
+
+def _workload(loaded: Any, args: argparse.Namespace) -> None:
+    """`--task`: one task over many inputs, requests in order; each strategy with and without
+    the suffix index (each on its own engine), against plain decoding."""
+    from service import bench, workload
+    from service.config import GenerationParams, SpeculationParams
+    from service.runtime import build_engine_with_tables
+
+    questions = bench.specbench_questions(args.dataset, args.per_category, args.category)
+    prompts = workload.task_prompts(questions, args.task, loaded.tokenizer) * args.repeat
+    sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+
+    def method(name: str, strategy: str, k: int, cache_tokens: int) -> workload.WorkloadMethod:
+        params = GenerationParams(args.max_new_tokens, speculation=SpeculationParams(k, args.w), strategy=strategy,
+                                  sampling=sampling)
+        engine = build_engine_with_tables(loaded, args.cache_dir, suffix_cache_tokens=cache_tokens)
+        return workload.WorkloadMethod(name, engine, params)
+
+    methods = [method("plain", MIXED, 0, 0)]
+    for strategy in dict.fromkeys(args.strategy):
+        methods.append(method(f"{strategy} k{args.k}w{args.w}", strategy, args.k, args.suffix_cache_tokens))
+        if strategy != "suffix":
+            methods.append(method(f"{strategy} k{args.k}w{args.w} no suffix", strategy, args.k, 0))
+    print(f"{loaded.name}: {len(prompts)} requests of one task, in order; methods: "
+          f"{', '.join(m.name for m in methods)}; max_new_tokens={args.max_new_tokens}", flush=True)
+    print(workload.format_workload(workload.run_workload(methods, prompts)))
 
 
 def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: SamplingParams) -> None:
@@ -249,11 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
                        help="more fixed shapes for the first strategy, e.g. 1x1 2x4 8x8")
     bench.add_argument("--auto", action="store_true",
                        help="also run the first strategy in auto mode (measures the cost profile first)")
+    bench.add_argument("--task", default=None, metavar="TEMPLATE",
+                       help="instead: a repetitive workload, this task (with a {text} field) over each question's "
+                            "text, requests in order; each strategy with and without the suffix index")
+    bench.add_argument("--repeat", type=int, default=1,
+                       help="with --task: send the whole series this many times (popular requests asked again)")
     bench.add_argument("--spike", action="store_true",
                        help="instead: auto mode fresh, under 3 busy processes, then after (load-spike recovery)")
     bench.add_argument("--strategy", choices=STRATEGY_NAMES, nargs="+", default=[MIXED],
                        help="draft strategies to compare (each against the same plain run)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--suffix-cache-tokens", type=int, default=Settings.model_fields["suffix_cache_tokens"].default,
+                       help=Settings.model_fields["suffix_cache_tokens"].description)
     bench.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; every run samples alike")
     bench.add_argument("--top-p", type=float, default=1.0)
     bench.add_argument("--top-k", type=int, default=0)

@@ -76,7 +76,7 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Ca
         runtime = Runtime.start(
             loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
             settings.max_waiting, settings.request_timeout, settings.scheduler_config(),
-            on_step=app.state.metrics.record_step,
+            on_step=app.state.metrics.record_step, suffix_cache_tokens=settings.suffix_cache_tokens,
         )
     except Exception as error:
         log.exception("model load failed")

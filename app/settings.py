@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
+from drafting.suffix import DEFAULT_CAPACITY
 from service.config import SpeculationMode
 from service.scheduler import SchedulerConfig
 from service.model_loader import DEFAULT_CACHE_DIR
@@ -43,7 +44,10 @@ class Settings(BaseSettings):
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
     spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")
-    spec_strategy: Strategy = Field("mixed", description="Draft strategy: context, unigram, bigram, extended_bigram or mixed")
+    spec_strategy: Strategy = Field("mixed", description="Draft strategy: " + ", ".join(STRATEGY_NAMES[:-1]) + " or mixed")
+    suffix_cache_tokens: int = Field(
+        DEFAULT_CAPACITY, ge=0,
+        description="Recent output tokens of all requests the suffix strategy indexes (about 40 bytes each; 0 = off)")
     model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
     cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
     max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
 if TYPE_CHECKING:
     from drafting.history import TokenHistory
 
@@ -36,3 +38,17 @@ class Strategy(Protocol):
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
         """Return at most `k` distinct drafts of at most `w` tokens each, best first."""
         ...
+
+
+@dataclass(frozen=True)
+class PassDistributions:
+    """What one verification pass showed of the model's next-token distributions.
+
+    Every tree node's logits were computed anyway; their top entries are what the recycled
+    strategies learn from (all nodes, not only the accepted path). Plain integer arrays, so
+    drafting never sees a tensor.
+    """
+
+    node_tokens: np.ndarray  # [num_nodes] int: the token at each tree node
+    top_ids: np.ndarray  # [num_nodes, K] int: the model's likeliest next tokens after each node, best first
+    stop_node: int  # where verification stopped: its choice is the round's bonus token

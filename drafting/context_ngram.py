@@ -9,7 +9,7 @@ they followed the match, then by how recently.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from drafting.base import Draft
@@ -30,24 +30,32 @@ class ContextNgram:
             raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
-        found: list[tuple[int, ...]] = []
         if k <= 0 or w <= 0:
             return []
-        for n in range(min(self.max_n, history.max_n), self.min_n - 1, -1):
-            for continuation in _ranked(history, history.continuation_starts(n, self.most_recent), w):
-                if continuation not in found:
-                    found.append(continuation)
-                    if len(found) == k:
-                        return [Draft(c, self.name, rank) for rank, c in enumerate(found)]
-        return [Draft(c, self.name, rank) for rank, c in enumerate(found)]
+        by_n = (
+            [tuple(history.token_ids[start : start + w]) for start in history.continuation_starts(n, self.most_recent)]
+            for n in range(min(self.max_n, history.max_n), self.min_n - 1, -1)
+        )
+        return [Draft(c, self.name, rank) for rank, c in enumerate(first_distinct(by_n, k))]
 
 
-def _ranked(history: TokenHistory, starts: Sequence[int], w: int) -> list[tuple[int, ...]]:
-    """Distinct continuations (≤ w tokens) by count, then by most recent occurrence."""
+def first_distinct(by_n: Iterable[Sequence[tuple[int, ...]]], k: int) -> list[tuple[int, ...]]:
+    """Up to k distinct continuations, taking the lists in order (longest match first) and
+    ranking within each by count, then by most recent occurrence (lists are oldest first)."""
+    found: list[tuple[int, ...]] = []
+    for continuations in by_n:
+        for continuation in _ranked(continuations):
+            if continuation and continuation not in found:
+                found.append(continuation)
+                if len(found) == k:
+                    return found
+    return found
+
+
+def _ranked(continuations: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
     counts: dict[tuple[int, ...], int] = {}
     last_seen: dict[tuple[int, ...], int] = {}
-    for start in starts:
-        continuation = tuple(history.token_ids[start : start + w])
+    for index, continuation in enumerate(continuations):
         counts[continuation] = counts.get(continuation, 0) + 1
-        last_seen[continuation] = start
+        last_seen[continuation] = index
     return sorted(counts, key=lambda c: (counts[c], last_seen[c]), reverse=True)

@@ -20,6 +20,9 @@ class TokenHistory:
         self.token_ids: list[int] = []
         # n-gram -> positions right after its earlier occurrences (where a continuation starts)
         self._follows: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        # the model's likeliest tokens at the newest token's position (from the pass that chose
+        # it); beyond the newest token itself they guess the token after it (LogitSpec)
+        self.hints: tuple[int, ...] = ()
         self.extend(token_ids)
 
     def __len__(self) -> int:
@@ -30,6 +33,7 @@ class TokenHistory:
         return self.token_ids[-1]
 
     def extend(self, token_ids: Iterable[int]) -> None:
+        self.hints = ()  # they described the position of the old newest token
         for token in token_ids:
             self._index_suffixes()  # the n-grams ending at the old last token now have a successor
             self.token_ids.append(token)
@@ -43,5 +47,8 @@ class TokenHistory:
         """Where continuations of the last n tokens start (≤ `most_recent` newest, oldest first)."""
         if not 1 <= n <= min(self.max_n, len(self.token_ids)):
             return ()
-        starts = self._follows.get(tuple(self.token_ids[-n:]), ())
-        return starts[-most_recent:]
+        return self.follows(tuple(self.token_ids[-n:]), most_recent)
+
+    def follows(self, ngram: tuple[int, ...], most_recent: int) -> Sequence[int]:
+        """Where continuations of earlier occurrences of `ngram` start (≤ `most_recent` newest)."""
+        return self._follows.get(ngram, [])[-most_recent:]

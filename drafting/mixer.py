@@ -9,7 +9,9 @@ has some; until then the global ones (over all requests) stand in as the prior.
 
 The k best-valued candidates are chosen, skipping any that would add no node to the tree
 (a duplicate, or a prefix of one already chosen). Sessions are per request; the `Mixer`
-that opens them is shared and holds the global statistics.
+that opens them is shared and holds the global statistics and the state strategies share
+across requests: the successor tables the passes' distributions refresh, and the index of
+all requests' outputs.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from drafting.acceptance import Acceptance, AcceptanceCounts, blend
-from drafting.base import Draft, Strategy
+from drafting.base import Draft, PassDistributions, Strategy
 from drafting.history import TokenHistory
 from drafting.model_ngram import TableSlot
+from drafting.recycled import SuccessorTable
+from drafting.suffix import SuffixIndex, SuffixWriter
 
 MIXED = "mixed"
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
@@ -40,23 +44,48 @@ class ScoredDraft:
 
 
 class Mixer:
-    """Holds the strategies and the global statistics; opens a `DraftSession` per request."""
+    """Holds the strategies, the global statistics and the shared tables; opens a
+    `DraftSession` per request.
 
-    def __init__(self, strategies: Iterable[Strategy], tables: TableSlot | None = None) -> None:
+    `standalone` strategies may be selected alone but stay out of `mixed` (a baseline the
+    benchmark compares against). `successors` are refreshed from every pass's distributions;
+    `suffix` indexes every request's output.
+    """
+
+    def __init__(
+        self, strategies: Iterable[Strategy], tables: TableSlot | None = None, *,
+        standalone: Iterable[Strategy] = (), successors: Iterable[SuccessorTable] = (),
+        suffix: SuffixIndex | None = None,
+    ) -> None:
         self.strategies = {s.name: s for s in strategies}
+        self.standalone = {s.name: s for s in standalone}
         self.tables = tables or TableSlot()
+        self.successors = list(successors)
+        self.suffix = suffix
         self.global_counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
 
     @property
     def names(self) -> list[str]:
-        """Names a request may select: each strategy and `mixed` (all of them)."""
-        return [*self.strategies, MIXED]
+        """Names a request may select: each strategy and `mixed` (all but the standalone ones)."""
+        return [*self.strategies, *self.standalone, MIXED]
+
+    @property
+    def distribution_top_k(self) -> int:
+        """How many of each tree node's likeliest next tokens the engine should hand over
+        after a pass (0: no strategy learns from them, skip the work)."""
+        return max((table.top_k for table in self.successors), default=0)
 
     def session(self, prompt_ids: Sequence[int], strategy: str = MIXED) -> DraftSession:
         if strategy not in self.names:
             raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(self.names)}")
-        chosen = list(self.strategies.values()) if strategy == MIXED else [self.strategies[strategy]]
+        every = self.strategies | self.standalone
+        chosen = list(self.strategies.values()) if strategy == MIXED else [every[strategy]]
         return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=strategy == MIXED)
+
+    def observe_distributions(self, passed: PassDistributions) -> None:
+        """Refresh every shared successor table from one row's pass."""
+        for table in self.successors:
+            table.observe(passed)
 
     def prior(self, key: Key) -> Acceptance:
         """Global estimate for (strategy, rank)."""
@@ -76,6 +105,7 @@ class DraftSession:
         self.extend_short_drafts = extend_short_drafts
         self.counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
         self._candidates: list[Draft] = []
+        self._writer = SuffixWriter(mixer.suffix) if mixer.suffix is not None else None
 
     def acceptance(self, draft: Draft) -> Acceptance:
         key = (draft.strategy, draft.rank)
@@ -102,6 +132,19 @@ class DraftSession:
             self.mixer.global_counts[key].observe(accepted, cap)
         self._candidates = []
         self.history.extend(committed)
+        if self._writer is not None:
+            self._writer.add(committed)
+
+    def observe_distributions(self, passed: PassDistributions) -> None:
+        """After `observe`: the pass's top next tokens at every node refresh the shared tables,
+        and those at the node that chose the newest token become the history's hints."""
+        self.mixer.observe_distributions(passed)
+        self.history.hints = tuple(int(t) for t in passed.top_ids[passed.stop_node])
+
+    def close(self) -> None:
+        """The request ended: its last output goes into the shared index."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def _lengthen(self, drafts: list[Draft], w: int) -> list[Draft]:
         tables = self.mixer.tables.tables

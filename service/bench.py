@@ -158,11 +158,16 @@ def run_bench(
     max_new_tokens: int,
     progress: Callable[[BenchPrompt, Completion, dict[str, Completion]], None] | None = None,
     sampling: SamplingParams = SamplingParams(),
+    new_engine: Callable[[], Engine] | None = None,
 ) -> dict[str, list[CategoryResult]]:
     """Decode every prompt plainly and with each method, in a rotating order.
 
     All runs share `sampling`; with a seed, a lossless method reproduces the plain sample token
     for token, so `identical` checks sampling as strictly as greedy decoding.
+    With `new_engine`, each method runs on an engine of its own (plain on `engine`): what a
+    method learns across requests (acceptance statistics, successor tables, the suffix index)
+    then comes from its own earlier prompts only, never from another method's run of the same
+    prompt — with greedy decoding that run is the very answer.
     Returns, per method, its per-category totals (the plain ones shared) and an `overall`.
     """
     params = {"plain": GenerationParams(max_new_tokens=max_new_tokens, sampling=sampling)} | {
@@ -170,10 +175,11 @@ def run_bench(
         for name, (strategy, spec) in methods.items()
     }
     order = list(params)
+    engines = {name: new_engine() if new_engine and name != "plain" else engine for name in order}
     results: dict[str, dict[str, CategoryResult]] = {name: {} for name in methods}
     for index, prompt in enumerate(prompts):
         shift = index % len(order)
-        done = {name: engine.complete(prompt.prompt_ids, params[name]) for name in order[shift:] + order[:shift]}
+        done = {name: engines[name].complete(prompt.prompt_ids, params[name]) for name in order[shift:] + order[:shift]}
         plain = done.pop("plain")
         for name, spec in done.items():
             for key in (prompt.category, "overall"):
@@ -215,14 +221,14 @@ def format_table(results: list[CategoryResult]) -> str:
         f"| {r.speculative.tokens_per_second:.1f} | {r.speedup:.2f}x "
         f"| {r.speculative.tokens_per_pass:.2f} "
         f"| {r.speculative.accepted_tokens}/{r.speculative.draft_tokens} "
-        f"| {_shares(r.speculative.strategy_shares())} | {r.speculative.draft_share:.1%} "
+        f"| {shares_text(r.speculative.strategy_shares())} | {r.speculative.draft_share:.1%} "
         f"| {r.identical}/{r.prompts} |"
         for r in results
     ]
     return "\n".join([header, *rows])
 
 
-def _shares(shares: dict[str, float]) -> str:
+def shares_text(shares: dict[str, float]) -> str:
     return " ".join(f"{name} {share:.0%}" for name, share in shares.items()) or "-"
 
 

@@ -20,7 +20,10 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from drafting import Mixer
+import numpy as np
+import torch
+
+from drafting import Mixer, PassDistributions
 from service.calibration import Calibration
 from service.config import GenerationParams
 from service.logprobs import TokenLogprob, token_logprobs
@@ -139,6 +142,7 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config.for_device(runner.device.type), self.cache,
                                    runner.kv_bytes_per_token)
         self._ids = itertools.count()
+        self._learn_seconds = 0.0  # this step's hand-over of distributions to the drafting layer
 
     # -- requests -------------------------------------------------------------------------
 
@@ -199,9 +203,13 @@ class Engine:
             for row in rows:
                 self._finish(row.request, "error")
             return [(row.request, error) for row in rows], None
-        verdicts = [(row, self._verify(row, row_logits)) for row, row_logits in zip(rows, logits)]
+        self._learn_seconds = 0.0
+        top_ids = self._top_ids(rows, logits)
+        verdicts = [(row, self._verify(row, row_logits, row_top)) for row, row_logits, row_top in zip(rows, logits, top_ids)]
         verified = time.perf_counter()
-        timing = dict(draft_seconds=drafted - started, forward_seconds=verified - drafted, batch_size=len(rows))
+        learned = self._learn_seconds  # drafting work, though it runs after the pass
+        timing = dict(draft_seconds=drafted - started + learned, forward_seconds=verified - drafted - learned,
+                      batch_size=len(rows))
         results = [(row.request, self._stamp(out, row, plan, timing)) for row, out in verdicts if out is not None]
         stats = StepStats(
             batch_size=len(rows), tokens=sum(len(row.chunk) + (row.tree.num_nodes if row.tree else 0) for row in rows),
@@ -212,8 +220,24 @@ class Engine:
         self._observe_pass(stats, verified - drafted)
         for request, out in results:
             if isinstance(out, Exception) or out.finish_reason is not None:
-                self.scheduler.finish(request)
+                self._release(request)
         return results, stats
+
+    def _top_ids(self, rows: list[_Row], logits: list[torch.Tensor]) -> list[np.ndarray | None]:
+        """Per decoding row, the top-K next tokens at each tree node ([num_nodes, K]), for
+        the strategies that learn from every distribution; one topk over the whole pass."""
+        top_k = self.mixer.distribution_top_k
+        decoding = [i for i, row in enumerate(rows) if row.tree is not None]
+        if top_k == 0 or not decoding:
+            return [None] * len(rows)
+        started = time.perf_counter()
+        stacked = torch.cat([logits[i] for i in decoding])  # [num_tree_nodes, vocab]
+        ids = torch.topk(stacked, min(top_k, stacked.shape[-1]), dim=-1).indices.cpu().numpy()  # [num_tree_nodes, K]
+        out: list[np.ndarray | None] = [None] * len(rows)
+        for i, part in zip(decoding, np.split(ids, np.cumsum([len(logits[i]) for i in decoding])[:-1])):
+            out[i] = part
+        self._learn_seconds += time.perf_counter() - started
+        return out
 
     def _plan(self) -> tuple[list[_Row], TreePlan | None]:
         """Each running request's chunk and tree; auto rows chosen jointly by the controller."""
@@ -275,7 +299,7 @@ class Engine:
         position context_length - 1 + d, which must stay inside the model's context."""
         return max(min(w, request.token_budget - 1, self.max_context - request.context_length), 0)
 
-    def _verify(self, row: _Row, logits) -> RoundOutput | Exception | None:
+    def _verify(self, row: _Row, logits, top_ids: np.ndarray | None) -> RoundOutput | Exception | None:
         """Verify a decoding row, commit its KV and tokens; commit a prefill chunk."""
         request = row.request
         try:
@@ -293,6 +317,12 @@ class Engine:
                 request.calibration.observe_round(
                     row.choice.expected_draft_tokens, len(verdict.accepted_nodes), row.tree.num_nodes > 1)
             request.drafts.observe(verdict.token_ids)
+            if top_ids is not None:
+                started = time.perf_counter()
+                stop_node = verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
+                request.drafts.observe_distributions(
+                    PassDistributions(np.asarray(row.tree.token_ids), top_ids, stop_node))
+                self._learn_seconds += time.perf_counter() - started
             token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
             request.num_generated += len(token_ids)
             request.finish_reason = finish_reason
@@ -337,6 +367,10 @@ class Engine:
 
     def _finish(self, request: Request, reason: str) -> None:
         request.finish_reason = request.finish_reason or reason
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        request.drafts.close()
         self.scheduler.finish(request)
 
     # -- offline use (benchmarks, tests): the caller owns the engine ------------------------

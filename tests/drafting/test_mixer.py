@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from drafting import Draft, Mixer, ModelTables, TableSlot, TokenHistory, default_mixer
+from drafting import STRATEGY_NAMES, Draft, Mixer, ModelTables, TableSlot, TokenHistory, default_mixer
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def test_duplicates_and_prefixes_do_not_take_slots() -> None:
 
 def test_single_strategy_sessions_and_unknown_names() -> None:
     mixer = default_mixer()
-    assert mixer.names == ["context", "unigram", "bigram", "extended_bigram", "mixed"]
+    assert mixer.names == list(STRATEGY_NAMES)
     assert mixer.session([1, 2, 1], "context").propose(2, 2) == [Draft((2, 1), "context", 0)]
     with pytest.raises(ValueError, match="unknown strategy 'trigram'"):
         mixer.session([1], "trigram")

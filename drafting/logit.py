@@ -1,0 +1,46 @@
+"""Logit hints (LogitSpec-style): the last distribution already names the token after next.
+
+The pass that chose the newest token computed the model's whole distribution at its position;
+the runner-up tokens there are good guesses for the token *after* it (LogitSpec, Liu et al.,
+2025). Each becomes the first token of a branch, continued by what followed that guess in the
+request's own text (context index, longest match first) or else by the recycled successor
+table. The engine hands the hints over with the pass's distributions (`TokenHistory.hints`);
+before the first pass there are none and the strategy proposes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drafting.base import Draft
+from drafting.history import TokenHistory
+from drafting.recycled import SuccessorTable
+
+
+@dataclass(frozen=True)
+class LogitHints:
+    """Branches that start with the runner-up tokens of the newest token's distribution."""
+
+    table: SuccessorTable
+    max_n: int = 4  # longest context match tried for the continuation, the guess included
+    name: str = "logit"
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        if k <= 0 or w <= 0:
+            return []
+        guesses = [t for t in history.hints if t != history.last_token][:k]
+        return [Draft((g, *self._continue(history, g, w - 1)), self.name, rank) for rank, g in enumerate(guesses)]
+
+    def _continue(self, history: TokenHistory, guess: int, length: int) -> tuple[int, ...]:
+        """`length` tokens after `guess`: the text that followed the newest occurrence of the
+        longest matching context + guess, then top-1 successors."""
+        if length <= 0:
+            return ()
+        tokens = history.token_ids
+        for n in range(min(self.max_n, len(tokens) + 1), 1, -1):
+            starts = history.follows((*tokens[len(tokens) - n + 1 :], guess), most_recent=1)
+            if starts:
+                found = tuple(tokens[starts[-1] : starts[-1] + length])
+                last = found[-1] if found else guess
+                return found + self.table.follow(last, (0,) * (length - len(found)))
+        return self.table.follow(guess, (0,) * length)

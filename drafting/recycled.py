@@ -1,0 +1,138 @@
+"""Recycled drafts: next-token candidates kept from the distributions every pass computes.
+
+A verification pass yields the model's next-token distribution at every tree node and keeps
+one choice per node; Token Recycling (Luo et al., 2024) keeps the rest too. For each token x,
+the top-K tokens the model last predicted after x (anywhere: any node of any tree of any
+request) form a row of a [vocab, K] successor table, overwritten in place by each pass. Unlike
+the model bigram table (x alone, computed once), a row reflects x in recent real contexts.
+
+Drafts grow from the newest token along a static tree template of *rank paths*: the path
+(0, 2, 0) takes the newest token's top successor, then that token's third, then its top
+one. The template is fixed per (k, w); the mixer ranks its branches by measured acceptance
+per (strategy, rank). Rows never observed fall back to the model bigram table if it exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from drafting.base import Draft, PassDistributions
+from drafting.history import TokenHistory
+from drafting.model_ngram import TableSlot
+
+SUCCESSORS = 8  # K: candidates kept per token (the model bigram table's width too)
+# how likely the model's next token is its r-th candidate, roughly: shapes the template only
+RANK_PRIOR = (0.5, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.01)
+GROWTH = 4096  # rows added at a time: few copies, little slack past the vocabulary
+_NONE = np.empty(0, dtype=np.int64)
+
+
+class SuccessorTable:
+    """[vocab, K] next-token candidates per token, refreshed in place from every pass.
+
+    Memory is about vocab × K × 4 bytes (1.5 MiB for a 49k vocabulary), whatever the traffic:
+    the array grows (in steps of `GROWTH` rows) only up to the largest token id seen, which the
+    vocabulary bounds. Updates are
+    one vectorised assignment; the engine steps on one thread, so requests sharing the table
+    never update it at the same time. A token seen at several nodes of one pass keeps the last.
+    """
+
+    def __init__(self, top_k: int = SUCCESSORS, fallback: TableSlot | None = None) -> None:
+        self.top_k = top_k
+        self.fallback = fallback
+        self.successors = np.full((0, top_k), -1, dtype=np.int32)  # [rows, K]; -1: never observed
+
+    @property
+    def nbytes(self) -> int:
+        return self.successors.nbytes
+
+    def observe(self, passed: PassDistributions) -> None:
+        top = passed.top_ids[:, : self.top_k]  # [num_nodes, ≤K]
+        tokens = passed.node_tokens
+        if len(tokens) == 0:
+            return
+        self._grow(int(max(tokens.max(), top.max(initial=0))) + 1)
+        self.successors[tokens, : top.shape[1]] = top
+
+    def row(self, token: int) -> np.ndarray:
+        """The candidates after `token`, best first (empty if neither table knows it)."""
+        if token < len(self.successors) and self.successors[token, 0] >= 0:
+            row = self.successors[token]
+            return row[row >= 0]
+        tables = self.fallback.tables if self.fallback is not None else None
+        if tables is not None and token < len(tables.bigram):
+            return tables.bigram[token, : self.top_k]
+        return _NONE
+
+    def follow(self, token: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
+        """The tokens after `token` taking the successor of each rank in turn (shorter where a
+        row runs out)."""
+        path: list[int] = []
+        for rank in ranks:
+            row = self.row(path[-1] if path else token)
+            if rank >= len(row):
+                break
+            path.append(int(row[rank]))
+        return tuple(path)
+
+    def _grow(self, rows: int) -> None:
+        if rows > len(self.successors):
+            grown = np.full((-(-rows // GROWTH) * GROWTH, self.top_k), -1, dtype=np.int32)
+            grown[: len(self.successors)] = self.successors
+            self.successors = grown
+
+
+@lru_cache(maxsize=64)
+def rank_paths(k: int, w: int, prior: tuple[float, ...] = RANK_PRIOR) -> tuple[tuple[int, ...], ...]:
+    """The static tree template: k rank paths of w ranks, chosen greedily, each adding the
+    most expected accepted nodes (a node's chance: the product of `prior` along its path).
+
+    The spine (0, 0, …) comes first; then branches that leave it early with the next ranks,
+    so the tree is wide near the root and thin below, the shape Token Recycling uses.
+    """
+    if k <= 0 or w <= 0:
+        return ()
+    paths: list[tuple[int, ...]] = []
+    nodes: set[tuple[int, ...]] = set()
+    while len(paths) < k:
+        branches = (
+            prefix + (rank,) + (0,) * (w - len(prefix) - 1)
+            for prefix in [(), *sorted(nodes)] if len(prefix) < w
+            for rank in range(len(prior)) if prefix + (rank,) not in nodes
+        )
+        best = max(branches, key=lambda path: _gain(path, nodes, prior), default=None)
+        if best is None:
+            break
+        paths.append(best)
+        nodes.update(best[:depth] for depth in range(1, w + 1))
+    return tuple(paths)
+
+
+def _gain(path: tuple[int, ...], nodes: set[tuple[int, ...]], prior: tuple[float, ...]) -> float:
+    """Expected accepted nodes `path` adds to the tree of `nodes`."""
+    chances = np.cumprod([prior[rank] for rank in path])
+    return float(sum(c for depth, c in enumerate(chances, start=1) if path[:depth] not in nodes))
+
+
+@dataclass(frozen=True)
+class Recycled:
+    """Drafts grown from a successor table along the static rank-path template.
+
+    In the mix (`recycled`) the table is shared by all requests and falls back to the model
+    bigram table; alone with its own table and no fallback it is Token Recycling
+    (`token_recycling`, the baseline the benchmark compares against).
+    """
+
+    table: SuccessorTable
+    name: str = "recycled"
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        drafts: list[Draft] = []
+        for rank, ranks in enumerate(rank_paths(k, w)):
+            tokens = self.table.follow(history.last_token, ranks)
+            if tokens and all(tokens != d.token_ids for d in drafts):
+                drafts.append(Draft(tokens, self.name, rank))
+        return drafts

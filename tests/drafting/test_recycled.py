@@ -1,0 +1,77 @@
+"""The successor table, the static rank-path template and the recycled strategy, on literal arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from drafting import Draft, ModelTables, PassDistributions, Recycled, SuccessorTable, TableSlot, TokenHistory, rank_paths
+from drafting.recycled import GROWTH
+
+
+def passed(node_tokens: list[int], top_ids: list[list[int]], stop_node: int = 0) -> PassDistributions:
+    return PassDistributions(np.array(node_tokens), np.array(top_ids), stop_node)
+
+
+def test_every_node_refreshes_its_tokens_row_in_place() -> None:
+    table = SuccessorTable(top_k=2)
+    table.observe(passed([3, 5], [[4, 6], [7, 8]]))  # after 3: 4 then 6; after 5: 7 then 8
+    assert table.row(3).tolist() == [4, 6] and table.row(5).tolist() == [7, 8]
+    table.observe(passed([3], [[9, 4]]))  # a later pass overwrites the row
+    assert table.row(3).tolist() == [9, 4] and table.row(5).tolist() == [7, 8]
+    assert table.row(0).tolist() == [] and table.row(100).tolist() == []  # never observed
+
+
+def test_memory_is_bounded_by_the_vocabulary_not_the_traffic() -> None:
+    table = SuccessorTable(top_k=4)
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # many passes over a vocabulary of 50
+        tokens = rng.integers(0, 50, size=16)
+        table.observe(PassDistributions(tokens, rng.integers(0, 50, size=(16, 4)), 0))
+    assert table.successors.shape == (GROWTH, 4)  # one step of rows holds the whole vocabulary
+    assert table.nbytes == GROWTH * 4 * 4
+
+
+def test_unobserved_rows_fall_back_to_the_model_bigram_table() -> None:
+    bigram = np.array([[1, 2], [2, 0], [0, 1]], dtype=np.uint32)
+    slot = TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram))
+    table = SuccessorTable(top_k=2, fallback=slot)
+    table.observe(passed([1], [[1, 1]]))
+    assert table.row(1).tolist() == [1, 1]  # observed: the table's own row
+    assert table.row(2).tolist() == [0, 1]  # never observed: the model's bigram row
+
+
+def test_follow_takes_one_successor_per_rank_and_stops_where_a_row_runs_out() -> None:
+    table = SuccessorTable(top_k=2)
+    table.observe(passed([1, 2, 3], [[2, 3], [3, 1], [1, 2]]))
+    assert table.follow(1, (0, 0, 0)) == (2, 3, 1)
+    assert table.follow(1, (1, 1)) == (3, 2)
+    assert table.follow(1, (0, 2)) == (2,)  # rank 2 of a 2-wide row does not exist
+    assert table.follow(7, (0,)) == ()
+
+
+@pytest.mark.parametrize(
+    "k,w,expected",
+    [
+        # the spine first, then branches that leave it at the root with the next ranks
+        (3, 2, ((0, 0), (1, 0), (2, 0))),
+        (4, 4, ((0, 0, 0, 0), (1, 0, 0, 0), (2, 0, 0, 0), (0, 1, 0, 0))),
+        # one path of one token: the top successor
+        (1, 1, ((0,),)),
+        (0, 3, ()),
+    ],
+)
+def test_rank_paths_are_a_static_template_wide_near_the_root(k, w, expected) -> None:
+    assert rank_paths(k, w) == expected
+
+
+def test_recycled_drafts_follow_the_template_from_the_newest_token() -> None:
+    table = SuccessorTable(top_k=3)
+    table.observe(passed([1, 2, 3, 4], [[2, 3, 4], [3, 1, 4], [4, 1, 2], [1, 2, 3]]))
+    drafts = Recycled(table).propose(TokenHistory([9, 1]), 3, 2)
+    # (0, 0): 1 -> 2 -> 3; (1, 0): 1 -> 3 -> 4; (2, 0): 1 -> 4 -> 1
+    assert drafts == [Draft((2, 3), "recycled", 0), Draft((3, 4), "recycled", 1), Draft((4, 1), "recycled", 2)]
+
+
+def test_nothing_is_proposed_before_anything_was_observed() -> None:
+    assert Recycled(SuccessorTable()).propose(TokenHistory([1, 2]), 4, 4) == []
