@@ -24,6 +24,7 @@ from drafting.history import TokenHistory
 from drafting.model_ngram import TableSlot
 
 MIXED = "mixed"
+SEPARATOR = "+"  # "context+self_draft": a mix of some strategies
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
 UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every (strategy, rank) gets tried
@@ -33,10 +34,12 @@ Key = tuple[str, int]  # (strategy, rank)
 
 @dataclass(frozen=True)
 class ScoredDraft:
-    """A candidate and the acceptance estimated for its (strategy, rank)."""
+    """A candidate, the acceptance estimated for its (strategy, rank), and what drafting one
+    token of it costs (measured by strategies that run a model; the controller counts it)."""
 
     draft: Draft
     acceptance: Acceptance
+    seconds_per_token: float = 0.0
 
 
 class Mixer:
@@ -53,10 +56,14 @@ class Mixer:
         return [*self.strategies, MIXED]
 
     def session(self, prompt_ids: Sequence[int], strategy: str = MIXED) -> DraftSession:
-        if strategy not in self.names:
-            raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(self.names)}")
-        chosen = list(self.strategies.values()) if strategy == MIXED else [self.strategies[strategy]]
-        return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=strategy == MIXED)
+        """A request's drafting with one strategy, `mixed` (all), or a mix named "a+b"."""
+        names = list(self.strategies) if strategy == MIXED else strategy.split(SEPARATOR)
+        unknown = [name for name in names if name not in self.strategies]
+        if unknown or not names:
+            raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(self.names)} "
+                             f"or join several with {SEPARATOR!r}")
+        chosen = [self.strategies[name] for name in dict.fromkeys(names)]
+        return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=len(chosen) > 1)
 
     def prior(self, key: Key) -> Acceptance:
         """Global estimate for (strategy, rank)."""
@@ -85,7 +92,8 @@ class DraftSession:
         """Up to k drafts of ≤ w tokens from each strategy, best expected acceptance first."""
         drafts = [d for s in self.strategies for d in self._lengthen(s.propose(self.history, k, w), w)]
         self._candidates = list(dict.fromkeys(drafts))
-        scored = [ScoredDraft(d, self.acceptance(d)) for d in self._candidates]
+        costs = {s.name: getattr(s, "seconds_per_token", 0.0) for s in self.strategies}
+        scored = [ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates]
         return sorted(scored, key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
 
     def propose(self, k: int, w: int) -> list[Draft]:
