@@ -42,7 +42,7 @@ def check_tokenizers(target: PreTrainedTokenizerBase, draft: PreTrainedTokenizer
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
     differing = sorted(
         (token for token in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(token) != draft_vocab.get(token)),
-        key=lambda token: min(target_vocab.get(token, 1 << 62), draft_vocab.get(token, 1 << 62)),
+        key=lambda token: (min(target_vocab.get(token, 1 << 62), draft_vocab.get(token, 1 << 62)), token),
     )
     if differing:
         named = ", ".join(
