@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
 from service.config import SpeculationMode
+from service.self_draft import SELF_DRAFT_LAYERS
 from service.scheduler import SchedulerConfig
 from service.model_loader import DEFAULT_CACHE_DIR
 
@@ -43,7 +44,18 @@ class Settings(BaseSettings):
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
     spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")
-    spec_strategy: Strategy = Field("mixed", description="Draft strategy: context, unigram, bigram, extended_bigram or mixed")
+    spec_strategy: Strategy = Field(
+        "mixed", description="Draft strategy: context, unigram, bigram, extended_bigram, self_draft, draft_model, "
+        "self_draft_staged, draft_model_staged (the model drafts when enabled) or mixed (all enabled)")
+    self_draft: bool = Field(False, description="Enable the self_draft strategy: the model's first self_draft_layers "
+                             "layers (plus its final norm and LM head) draft for it; no extra weights")
+    self_draft_layers: int = Field(SELF_DRAFT_LAYERS, ge=1, description="Layers of the self-draft (measured default: "
+                                   "docs/benchmarks.md)")
+    draft_staged: bool = Field(False, description="Also serve self_draft_staged / draft_model_staged: the same drafts "
+                               "with their own chain guessed ahead by the context n-gram and verified in one pass")
+    draft_model: str | None = Field(
+        None, description="Enable the draft_model strategy: a local Hugging Face directory or .gguf with the model's "
+        "tokenizer, drafting for it (checked at start)")
     model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
     cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
     max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
@@ -86,6 +98,11 @@ class Settings(BaseSettings):
             raise ValueError(f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap ({self.max_tokens_cap})")
         return self
 
+
+    @property
+    def self_draft_depths(self) -> tuple[int, ...]:
+        """The self-draft depths to serve: one, or none when self-drafting is off."""
+        return (self.self_draft_layers,) if self.self_draft else ()
 
     def scheduler_config(self) -> SchedulerConfig:
         memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20

@@ -2,7 +2,7 @@
 
 from collections.abc import Sequence
 
-from drafting.base import Draft, Strategy
+from drafting.base import Draft, Strategy, common_prefix
 from drafting.context_ngram import ContextNgram
 from drafting.history import TokenHistory
 from drafting.acceptance import Acceptance
@@ -10,7 +10,7 @@ from drafting.mixer import MIXED, DraftSession, Mixer, ScoredDraft, select
 from drafting.model_ngram import ExtendedBigram, ModelBigram, ModelTables, ModelUnigram, TableSlot
 
 # Model-running strategies (service/draft_model.py) exist only when the server enables them.
-MODEL_STRATEGY_NAMES = ("self_draft", "draft_model")
+MODEL_STRATEGY_NAMES = ("self_draft", "draft_model", "self_draft_staged", "draft_model_staged")
 STRATEGY_NAMES = ("context", "unigram", "bigram", "extended_bigram", *MODEL_STRATEGY_NAMES, MIXED)
 
 
@@ -38,6 +38,7 @@ __all__ = [
     "Strategy",
     "TableSlot",
     "TokenHistory",
+    "common_prefix",
     "default_mixer",
     "select",
 ]

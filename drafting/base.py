@@ -8,6 +8,7 @@ token ids), never the model or the engine, so it can be tested on literal arrays
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -36,3 +37,13 @@ class Strategy(Protocol):
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
         """Return at most `k` distinct drafts of at most `w` tokens each, best first."""
         ...
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (a draft's accepted length, say)."""
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length

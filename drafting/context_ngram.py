@@ -30,16 +30,20 @@ class ContextNgram:
             raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        return [Draft(c, self.name, rank) for rank, c in enumerate(self.continuations(history, k, w))]
+
+    def continuations(self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()) -> list[tuple[int, ...]]:
+        """At most k distinct continuations (≤ w tokens) of history + `tail`, best first."""
         found: list[tuple[int, ...]] = []
         if k <= 0 or w <= 0:
             return []
         for n in range(min(self.max_n, history.max_n), self.min_n - 1, -1):
-            for continuation in _ranked(history, history.continuation_starts(n, self.most_recent), w):
+            for continuation in _ranked(history, history.continuation_starts(n, self.most_recent, tail), w):
                 if continuation not in found:
                     found.append(continuation)
                     if len(found) == k:
-                        return [Draft(c, self.name, rank) for rank, c in enumerate(found)]
-        return [Draft(c, self.name, rank) for rank, c in enumerate(found)]
+                        return found
+        return found
 
 
 def _ranked(history: TokenHistory, starts: Sequence[int], w: int) -> list[tuple[int, ...]]:

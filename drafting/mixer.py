@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from drafting.acceptance import Acceptance, AcceptanceCounts, blend
-from drafting.base import Draft, Strategy
+from drafting.base import Draft, Strategy, common_prefix
 from drafting.history import TokenHistory
 from drafting.model_ngram import TableSlot
 
@@ -103,7 +103,7 @@ class DraftSession:
     def observe(self, committed: Sequence[int]) -> None:
         """Score every candidate of the round against the committed tokens; extend history."""
         for draft in self._candidates:
-            accepted = _common_prefix(draft.token_ids, committed)
+            accepted = common_prefix(draft.token_ids, committed)
             cap = min(len(draft.token_ids), len(committed))
             key = (draft.strategy, draft.rank)
             self.counts[key].observe(accepted, cap)
@@ -133,12 +133,3 @@ def select(scored: Sequence[ScoredDraft], k: int, w: int) -> list[Draft]:
             chosen.append(Draft(tokens, candidate.draft.strategy, candidate.draft.rank))
             nodes.update(tokens[:depth] for depth in range(1, len(tokens) + 1))
     return chosen
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length

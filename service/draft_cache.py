@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
+from drafting import common_prefix
+
 
 class DraftCache:
     """A `DynamicCache` and the token ids its entries hold (see the module docstring)."""
@@ -33,12 +35,12 @@ class DraftCache:
     def sync(self, history: Sequence[int]) -> list[int]:
         """Keep the longest prefix of `history` the cache holds (a committed draft branch
         included), drop the rest, and return the tokens still to feed (never empty)."""
-        committed = _common_prefix(self.token_ids, history)
+        committed = common_prefix(self.token_ids, history)
         kept_branch: list[int] = []
         if committed == len(self.token_ids) and self.branches:
             new = history[committed:]
-            best = max(range(len(self.branches)), key=lambda b: _common_prefix(self.branches[b], new))
-            accepted = min(_common_prefix(self.branches[best], new), len(new) - 1)
+            best = max(range(len(self.branches)), key=lambda b: common_prefix(self.branches[b], new))
+            accepted = min(common_prefix(self.branches[best], new), len(new) - 1)
             kept_branch = [committed + depth * len(self.branches) + best for depth in range(accepted)]
         keep = min(committed, len(history) - 1)
         self._keep(keep, kept_branch if keep == committed else [])
@@ -62,6 +64,10 @@ class DraftCache:
             mask[0, 0, branch, committed + branch :: width] = 0
         return mask
 
+    def truncate(self, length: int) -> None:
+        """Drop the entries past `length` (draft tokens the draft model itself rejected)."""
+        self._keep(length, [])
+
     @torch.inference_mode()
     def _keep(self, prefix: int, extra: list[int]) -> None:
         """Keep entries [0, prefix) followed by the entries at `extra`; drop every other."""
@@ -73,12 +79,3 @@ class DraftCache:
                 layer.keys, layer.values = layer.keys[:, :, index], layer.values[:, :, index]
             else:
                 layer.keys, layer.values = layer.keys[:, :, :prefix], layer.values[:, :, :prefix]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length

@@ -12,6 +12,8 @@ import copy
 from torch import nn
 from transformers import PreTrainedModel
 
+SELF_DRAFT_LAYERS = 4  # default depth: measured on the embedded 30-layer model (docs/benchmarks.md)
+
 
 def first_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A causal LM running only `model`'s first `num_layers` decoder layers (weights shared)."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafting import TableSlot, default_mixer
+from drafting import ContextNgram, TableSlot, default_mixer
 from service.draft_model import ModelDrafter
 from service.engine import Engine
 from service.model_runner import ModelRunner
@@ -56,9 +56,11 @@ def tiny_tables(tiny_model: LlamaForCausalLM) -> TableSlot:
 @pytest.fixture(scope="session")
 def tiny_drafters(tiny_model: LlamaForCausalLM) -> list[ModelDrafter]:
     """Model-running drafts: the tiny model's first layer, and another random (1-layer) model
-    with the same vocabulary as a separate draft model."""
-    return [ModelDrafter(first_layers(tiny_model, 1), "self_draft"),
-            ModelDrafter(make_tiny_model(seed=1, num_layers=1), "draft_model")]
+    with the same vocabulary as a separate draft model; each also staged."""
+    shallow, other = first_layers(tiny_model, 1), make_tiny_model(seed=1, num_layers=1)
+    return [ModelDrafter(shallow, "self_draft"), ModelDrafter(other, "draft_model"),
+            ModelDrafter(shallow, "self_draft_staged", lookahead=ContextNgram()),
+            ModelDrafter(other, "draft_model_staged", lookahead=ContextNgram())]
 
 
 @pytest.fixture

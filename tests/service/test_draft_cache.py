@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafting import TokenHistory
+from drafting import ContextNgram, TokenHistory
 from service.draft_model import ModelDrafter
 from tests.conftest import make_tiny_model
 
@@ -96,3 +96,17 @@ def test_each_request_has_its_own_cache(drafter: ModelDrafter) -> None:
     assert drafter.cache_for(two).token_ids == [3, 4, 5]
     del two  # a finished request's cache goes with its history
     assert len(drafter._caches) == 1
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3]], ids=["mixed", "repetitive"])
+def test_a_staged_chain_is_the_draft_models_greedy_chain(drafter: ModelDrafter, prompt: list[int]) -> None:
+    staged = ModelDrafter(drafter.model, "staged", lookahead=ContextNgram())
+    history = TokenHistory(prompt)
+    plain_drafts, staged_drafts = drafter.propose(history, K, 6), staged.propose(history, K, 6)
+    assert staged_drafts[0].token_ids == plain_drafts[0].token_ids  # same chain, fewer draft passes
+    assert [d.token_ids for d in staged_drafts[1:]] == [d.token_ids[:1] for d in plain_drafts[1:]]
+    history.extend([*staged_drafts[0].token_ids[:4], 11])
+    staged.propose(history, K, 6)
+    assert staged.cache_for(history).token_ids == history.token_ids
+    assert torch.allclose(staged.cache_for(history).kv.layers[0].keys[:, :, : len(history)],
+                          fresh_entries(drafter, history.token_ids), atol=1e-5)

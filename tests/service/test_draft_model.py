@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from drafting import Mixer, default_mixer
 from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.draft_checks import IncompatibleDraft, check_draft, check_tokenizers
-from service.draft_model import DraftSetup, ModelDrafter, model_drafters
+from service.draft_model import ModelDrafter, model_drafters
 from service.engine import Engine
 from service.model_loader import LoadedModel
 from service.self_draft import first_layers
@@ -21,8 +21,8 @@ from tests.conftest import make_tiny_model
 from tests.service.test_engine_lossless import NEW_TOKENS, PROMPTS, reference_greedy
 from tests.service.test_regime import MEMORY_BOUND
 
-MIXES = ["self_draft", "draft_model", "context+self_draft", "context+bigram+draft_model", "self_draft+draft_model",
-         "mixed"]
+MIXES = ["self_draft", "draft_model", "self_draft_staged", "draft_model_staged", "context+self_draft",
+         "context+bigram+draft_model", "self_draft+draft_model", "context+self_draft_staged", "mixed"]
 
 
 @pytest.mark.parametrize("strategy", MIXES)
@@ -74,8 +74,10 @@ def test_self_draft_shares_the_targets_weights_and_leaves_it_whole(tiny_model) -
 
 def test_several_self_draft_depths_are_named_by_depth(tiny_model) -> None:
     loaded = LoadedModel(make_tiny_model(num_layers=4), word_tokenizer(64), "tiny", 0.0, False)
-    assert [d.name for d in model_drafters(loaded, DraftSetup((2,)))] == ["self_draft"]
-    assert [d.name for d in model_drafters(loaded, DraftSetup((1, 3)))] == ["self_draft_1", "self_draft_3"]
+    assert [d.name for d in model_drafters(loaded, (2,))] == ["self_draft"]
+    assert [d.name for d in model_drafters(loaded, (1, 3))] == ["self_draft_1", "self_draft_3"]
+    staged = model_drafters(loaded, (2,), staged=True)
+    assert [(d.name, d.lookahead is not None) for d in staged] == [("self_draft", False), ("self_draft_staged", True)]
 
 
 def word_tokenizer(size: int, renamed: dict[int, str] | None = None) -> PreTrainedTokenizerFast:
