@@ -28,6 +28,7 @@ SEPARATOR = "+"  # "context+self_draft": a mix of some strategies
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
 UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every (strategy, rank) gets tried
+PROBE_EVERY = 8  # a costly strategy the controller passes over is asked once in this many rounds
 
 Key = tuple[str, int]  # (strategy, rank)
 
@@ -83,6 +84,7 @@ class DraftSession:
         self.extend_short_drafts = extend_short_drafts
         self.counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
         self._candidates: list[Draft] = []
+        self._passed_over: dict[str, int] = {}  # costly strategy -> rounds the controller skipped it
 
     def acceptance(self, draft: Draft) -> Acceptance:
         key = (draft.strategy, draft.rank)
@@ -90,15 +92,26 @@ class DraftSession:
 
     def candidates(self, k: int, w: int) -> list[ScoredDraft]:
         """Up to k drafts of ≤ w tokens from each strategy, best expected acceptance first."""
-        drafts = [d for s in self.strategies for d in self._lengthen(s.propose(self.history, k, w), w)]
+        asked = [s for s in self.strategies if self._passed_over.get(s.name, 0) % PROBE_EVERY == 0]
+        drafts = [d for s in asked for d in self._lengthen(s.propose(self.history, k, w), w)]
         self._candidates = list(dict.fromkeys(drafts))
-        costs = {s.name: getattr(s, "seconds_per_token", 0.0) for s in self.strategies}
+        costs = {s.name: _cost(s) for s in self.strategies}
         scored = [ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates]
         return sorted(scored, key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
 
     def propose(self, k: int, w: int) -> list[Draft]:
         """The k most valuable drafts that each add a node to the tree."""
         return select(self.candidates(k, w), k, w)
+
+    def chosen(self, drafts: Sequence[Draft]) -> None:
+        """What the controller took this round. A costly strategy (one that runs a model) it
+        passed over is asked again only every `PROBE_EVERY` rounds, so its drafting time
+        is saved while it loses, yet it is still measured and can win its slots back."""
+        used = {d.strategy for d in drafts}
+        for strategy in self.strategies:
+            if _cost(strategy) > 0:
+                name = strategy.name
+                self._passed_over[name] = 0 if name in used else self._passed_over.get(name, 0) + 1
 
     def observe(self, committed: Sequence[int]) -> None:
         """Score every candidate of the round against the committed tokens; extend history."""
@@ -119,6 +132,11 @@ class DraftSession:
             Draft(tables.chain(d.token_ids, w), d.strategy, d.rank) if d.strategy == CONTEXT else d
             for d in drafts
         ]
+
+
+def _cost(strategy: Strategy) -> float:
+    """Seconds per drafted token: measured by strategies that run a model, else 0."""
+    return float(getattr(strategy, "seconds_per_token", 0.0))
 
 
 def select(scored: Sequence[ScoredDraft], k: int, w: int) -> list[Draft]:

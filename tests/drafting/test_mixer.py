@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,3 +72,28 @@ def test_mixed_mode_lengthens_short_context_drafts_by_bigram_chaining() -> None:
     assert context_drafts == [Draft((3, 2, 3), "context", 0)]  # (3, 2) then 2 -> 3
     alone = default_mixer(slot).session([2, 3, 2], "context").propose(4, 3)
     assert alone == [Draft((3, 2), "context", 0)]  # single strategy: not lengthened
+
+
+@dataclass(frozen=True)
+class Costly(Fixed):
+    """A strategy that reports drafting time, as the model drafts do."""
+
+    seconds_per_token: float = 0.01
+    calls: list[int] = dataclasses.field(default_factory=list)
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        self.calls.append(len(history))
+        return super().propose(history, k, w)
+
+
+def test_a_costly_strategy_the_controller_passes_over_is_only_probed() -> None:
+    costly, cheap = Costly("model", ((1, 2),)), Fixed("cheap", ((3, 4),))
+    session = Mixer([costly, cheap]).session([0])
+    for _ in range(17):
+        scored = session.candidates(1, 2)
+        session.chosen([s.draft for s in scored if s.draft.strategy == "cheap"])  # the controller's pick
+        session.observe([3, 4, 5])
+    assert len(costly.calls) == 3  # rounds 1, 9 and 17
+    session.chosen([Draft((1, 2), "model")])  # picked again: asked every round
+    session.candidates(1, 2)
+    assert len(costly.calls) == 4
