@@ -28,7 +28,7 @@ SEPARATOR = "+"  # "context+self_draft": a mix of some strategies
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
 UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every (strategy, rank) gets tried
-PROBE_EVERY = 8  # a costly strategy the controller passes over is asked once in this many rounds
+PROBE_FIRST, PROBE_LAST = 8, 128  # a costly strategy passed over is asked again after 8, 16, ... 128 rounds
 
 Key = tuple[str, int]  # (strategy, rank)
 
@@ -84,7 +84,7 @@ class DraftSession:
         self.extend_short_drafts = extend_short_drafts
         self.counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
         self._candidates: list[Draft] = []
-        self._passed_over: dict[str, int] = {}  # costly strategy -> rounds the controller skipped it
+        self._skipped: dict[str, _Skipped] = {}  # costly strategies the controller passes over
 
     def acceptance(self, draft: Draft) -> Acceptance:
         key = (draft.strategy, draft.rank)
@@ -92,7 +92,7 @@ class DraftSession:
 
     def candidates(self, k: int, w: int) -> list[ScoredDraft]:
         """Up to k drafts of ≤ w tokens from each strategy, best expected acceptance first."""
-        asked = [s for s in self.strategies if self._passed_over.get(s.name, 0) % PROBE_EVERY == 0]
+        asked = [s for s in self.strategies if s.name not in self._skipped or self._skipped[s.name].due]
         drafts = [d for s in asked for d in self._lengthen(s.propose(self.history, k, w), w)]
         self._candidates = list(dict.fromkeys(drafts))
         costs = {s.name: _cost(s) for s in self.strategies}
@@ -105,13 +105,14 @@ class DraftSession:
 
     def chosen(self, drafts: Sequence[Draft]) -> None:
         """What the controller took this round. A costly strategy (one that runs a model) it
-        passed over is asked again only every `PROBE_EVERY` rounds, so its drafting time
-        is saved while it loses, yet it is still measured and can win its slots back."""
+        passed over is asked again only after 8 rounds, then 16, ... 128 while it keeps
+        losing, so its drafting time is saved, yet it is still measured and can win back."""
         used = {d.strategy for d in drafts}
         for strategy in self.strategies:
-            if _cost(strategy) > 0:
-                name = strategy.name
-                self._passed_over[name] = 0 if name in used else self._passed_over.get(name, 0) + 1
+            if strategy.name in used:
+                self._skipped.pop(strategy.name, None)
+            elif _cost(strategy) > 0:
+                self._skipped.setdefault(strategy.name, _Skipped()).round_passed()
 
     def observe(self, committed: Sequence[int]) -> None:
         """Score every candidate of the round against the committed tokens; extend history."""
@@ -132,6 +133,24 @@ class DraftSession:
             Draft(tables.chain(d.token_ids, w), d.strategy, d.rank) if d.strategy == CONTEXT else d
             for d in drafts
         ]
+
+
+@dataclass
+class _Skipped:
+    """Rounds since a costly strategy was last asked, and the wait before it is asked again."""
+
+    rounds: int = -1  # the round it was passed over in counts as its last probe
+    wait: int = PROBE_FIRST
+
+    @property
+    def due(self) -> bool:
+        return self.rounds >= self.wait
+
+    def round_passed(self) -> None:
+        if self.due:  # it was asked (probed) this round and lost again: wait longer
+            self.rounds, self.wait = 0, min(self.wait * 2, PROBE_LAST)
+        else:
+            self.rounds += 1
 
 
 def _cost(strategy: Strategy) -> float:

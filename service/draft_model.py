@@ -59,7 +59,7 @@ class ModelDrafter:
         started = time.perf_counter()
         cache = self.cache_for(history)
         fed = cache.sync(history.token_ids)
-        logits = self._chain(cache, fed)[-1]  # [vocab]
+        logits = self._chain(cache, fed, logits_wanted=1)[-1]  # [vocab]
         cache.token_ids.extend(fed)
         firsts = logits[: self.vocab_size].topk(k).indices.tolist()
         if self.lookahead is None:
@@ -89,20 +89,22 @@ class ModelDrafter:
         while len(chain) < w:
             guesses = self.lookahead.continuations(history, 1, w - len(chain), tail=chain)
             guess = list(guesses[0]) if guesses else []
-            predicted = self._chain(cache, [chain[-1], *guess])[:, : self.vocab_size].argmax(-1).tolist()
+            fed = [chain[-1], *guess]
+            predicted = self._chain(cache, fed, len(fed))[:, : self.vocab_size].argmax(-1).tolist()
             accepted = common_prefix(guess, predicted)
             cache.truncate(cache.length - (len(guess) - accepted))  # entries of its rejected guesses
             chain += [*guess[:accepted], predicted[accepted]]
         cache.truncate(len(cache.token_ids) + w - 1)  # a last pass may overshoot w
         return chain[:w]
 
-    def _chain(self, cache: DraftCache, token_ids: Sequence[int]) -> torch.Tensor:
-        """Append a chain of tokens after the cache's entries; the logits after each [n, vocab]."""
+    def _chain(self, cache: DraftCache, token_ids: Sequence[int], logits_wanted: int) -> torch.Tensor:
+        """Append a chain of tokens after the cache's entries; the logits after each of the
+        last `logits_wanted` [logits_wanted, vocab] (the LM head runs on those only)."""
         start = cache.length
         positions = torch.arange(start, start + len(token_ids), device=self.model.device)
         out = self.model(
             input_ids=torch.tensor([list(token_ids)], device=self.model.device), past_key_values=cache.kv,
-            use_cache=True, position_ids=positions[None], cache_position=positions, logits_to_keep=len(token_ids),
+            use_cache=True, position_ids=positions[None], cache_position=positions, logits_to_keep=logits_wanted,
         )
         return out.logits[0]
 

@@ -89,11 +89,15 @@ class Costly(Fixed):
 def test_a_costly_strategy_the_controller_passes_over_is_only_probed() -> None:
     costly, cheap = Costly("model", ((1, 2),)), Fixed("cheap", ((3, 4),))
     session = Mixer([costly, cheap]).session([0])
-    for _ in range(17):
+    asked = []
+    for round_number in range(1, 31):
+        before = len(costly.calls)
         scored = session.candidates(1, 2)
         session.chosen([s.draft for s in scored if s.draft.strategy == "cheap"])  # the controller's pick
         session.observe([3, 4, 5])
-    assert len(costly.calls) == 3  # rounds 1, 9 and 17
+        if len(costly.calls) > before:
+            asked.append(round_number)
+    assert asked == [1, 10, 27]  # then after 8 skipped rounds, then 16 (the wait doubles)
     session.chosen([Draft((1, 2), "model")])  # picked again: asked every round
     session.candidates(1, 2)
     assert len(costly.calls) == 4
