@@ -1,12 +1,13 @@
 """One request's KV cache for a draft model, kept in step with the tokens the target committed.
 
 Layout after a round of drafting: the committed tokens' entries at [0, c), then the drafted
-tree depth by depth — branch b's token at depth d (1-based) at c + (d - 1)·width + b, every
-branch being `depth` tokens long. The next round's `sync` compares that with the request's
-history: a drafted branch whose tokens were committed keeps its entries (gathered right
-after the committed ones, so an accepted draft is never recomputed); the rest is cropped
-(rollback after partial acceptance or rejection). What is left to feed is at least the
-newest token, whose logits the next draft starts from.
+tree depth by depth — branch b's token at depth d (1-based) at c + (d - 1)·width + b, all
+branches holding entries for the same number of tokens (the deepest drafted token of each is
+never fed, so it has none; a staged draft holds one branch). The next round's `sync`
+compares that with the request's history: a drafted branch whose tokens were committed keeps
+its entries (gathered right after the committed ones, so an accepted draft is never
+recomputed); the rest is cropped (rollback after partial acceptance or rejection). What is
+left to feed is at least the newest token, whose logits the next draft starts from.
 """
 
 from __future__ import annotations
