@@ -12,7 +12,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
 from service.config import SpeculationMode
-from service.self_draft import SELF_DRAFT_LAYERS
 from service.scheduler import SchedulerConfig
 from service.model_loader import DEFAULT_CACHE_DIR
 
@@ -49,8 +48,8 @@ class Settings(BaseSettings):
         "self_draft_staged, draft_model_staged (the model drafts when enabled) or mixed (all enabled)")
     self_draft: bool = Field(False, description="Enable the self_draft strategy: the model's first self_draft_layers "
                              "layers (plus its final norm and LM head) draft for it; no extra weights")
-    self_draft_layers: int = Field(SELF_DRAFT_LAYERS, ge=1, description="Layers of the self-draft (measured default: "
-                                   "docs/benchmarks.md)")
+    self_draft_layers: int | None = Field(
+        None, ge=1, description="Layers of the self-draft (default: 4/5 of the model's, measured in docs/benchmarks.md)")
     draft_staged: bool = Field(False, description="Also serve self_draft_staged / draft_model_staged: the same drafts "
                                "with their own chain guessed ahead by the context n-gram and verified in one pass")
     draft_model: str | None = Field(
@@ -100,8 +99,8 @@ class Settings(BaseSettings):
 
 
     @property
-    def self_draft_depths(self) -> tuple[int, ...]:
-        """The self-draft depths to serve: one, or none when self-drafting is off."""
+    def self_draft_depths(self) -> tuple[int | None, ...]:
+        """The self-draft depths to serve: one (None: the default), or none when it is off."""
         return (self.self_draft_layers,) if self.self_draft else ()
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -27,7 +27,7 @@ from drafting import ContextNgram, Draft, TokenHistory, common_prefix
 from service.draft_cache import DraftCache
 from service.draft_checks import check_draft
 from service.model_loader import LoadedModel, load_model
-from service.self_draft import first_layers
+from service.self_draft import default_layers, first_layers
 
 COST_SMOOTHING = 0.2  # weight of the newest round in the running seconds-per-token estimate
 
@@ -130,15 +130,16 @@ class ModelDrafter:
             self.seconds_per_token += COST_SMOOTHING * (per_token - self.seconds_per_token)
 
 
-def model_drafters(target: LoadedModel, self_draft_layers: Sequence[int] = (),
+def model_drafters(target: LoadedModel, self_draft_layers: Sequence[int | None] = (),
                    draft: LoadedModel | None = None, staged: bool = False) -> list[ModelDrafter]:
     """Self-drafts of `target` at the given depths, and `draft` as a draft model (raises
     `IncompatibleDraft` if it cannot draft for `target`); with `staged`, each also as a staged
     twin `<name>_staged` (its chain guessed ahead by the context n-gram).
 
-    One self-draft is named `self_draft`; several (to compare depths) `self_draft_<m>`."""
-    models = [(first_layers(target.model, m), "self_draft" if len(self_draft_layers) == 1 else f"self_draft_{m}")
-              for m in self_draft_layers]
+    One self-draft is named `self_draft`; several (to compare depths) `self_draft_<m>`; a depth
+    of None is the measured default (`self_draft.default_layers`)."""
+    depths = [m or default_layers(target.model) for m in self_draft_layers]  # None: the measured default
+    models = [(first_layers(target.model, m), "self_draft" if len(depths) == 1 else f"self_draft_{m}") for m in depths]
     if draft is not None:
         check_draft(target.model, draft.model, target.tokenizer, draft.tokenizer)
         models.append((draft.model, "draft_model"))
@@ -149,7 +150,7 @@ def model_drafters(target: LoadedModel, self_draft_layers: Sequence[int] = (),
     return drafters
 
 
-def load_drafters(target: LoadedModel, self_draft_layers: Sequence[int], draft_model: str | None,
+def load_drafters(target: LoadedModel, self_draft_layers: Sequence[int | None], draft_model: str | None,
                   cache_dir: Path, device: str | None = None, dtype: str | None = None,
                   quantization: str = "auto", staged: bool = False) -> list[ModelDrafter]:
     """`model_drafters`, loading the draft model (a directory or .gguf) like the target."""

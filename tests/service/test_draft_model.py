@@ -76,6 +76,7 @@ def test_several_self_draft_depths_are_named_by_depth(tiny_model) -> None:
     loaded = LoadedModel(make_tiny_model(num_layers=4), word_tokenizer(64), "tiny", 0.0, False)
     assert [d.name for d in model_drafters(loaded, (2,))] == ["self_draft"]
     assert [d.name for d in model_drafters(loaded, (1, 3))] == ["self_draft_1", "self_draft_3"]
+    assert [d.model.config.num_hidden_layers for d in model_drafters(loaded, (None,))] == [3]  # 4/5 of 4
     staged = model_drafters(loaded, (2,), staged=True)
     assert [(d.name, d.lookahead is not None) for d in staged] == [("self_draft", False), ("self_draft_staged", True)]
 
