@@ -8,7 +8,10 @@ slots back: no exploration schedule is needed. A request's own statistics domina
 has some; until then the global ones (over all requests) stand in as the prior.
 
 The k best-valued candidates are chosen, skipping any that would add no node to the tree
-(a duplicate, or a prefix of one already chosen). Sessions are per request; the `Mixer`
+(a duplicate, or a prefix of one already chosen). Strategies that run a model also report
+their measured seconds per drafted token, handed on with each candidate for the controller
+to charge; one the controller keeps passing over is asked only now and then (`chosen`),
+since measuring it means paying for its draft. Sessions are per request; the `Mixer`
 that opens them is shared and holds the global statistics.
 """
 
