@@ -82,6 +82,7 @@ def _prepare(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     from service import bench
+    from service.draft_model import load_drafters
     from service.model_loader import load_model
     from service.runtime import build_engine, build_engine_with_tables
 
@@ -90,8 +91,15 @@ def _bench(args: argparse.Namespace) -> None:
     if args.task:
         _workload(loaded, args)
         return
-    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike,
+    drafters = load_drafters(loaded, args.self_draft_layers, args.draft_model, args.cache_dir, args.device,
+                             args.dtype, args.quantization, args.staged)
+    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike, drafters=drafters,
                                       suffix_cache_tokens=args.suffix_cache_tokens)
+    for strategy in args.strategy:
+        try:
+            engine.mixer.session([0], strategy)
+        except ValueError as error:
+            sys.exit(f"ngrammys bench: {error}")
     prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category, args.category)
     strategies = list(dict.fromkeys(args.strategy))
     methods = bench.bench_methods(strategies, args.k, args.w, args.grid, args.auto)
@@ -112,8 +120,9 @@ def _bench(args: argparse.Namespace) -> None:
     if args.spike:
         _spike(engine, prompts, args, sampling)
         return
+
     def new_engine() -> Any:  # each method learns across requests from its own runs only
-        fresh = build_engine(loaded, engine.mixer.tables, suffix_cache_tokens=args.suffix_cache_tokens)
+        fresh = build_engine(loaded, engine.mixer.tables, drafters=drafters, suffix_cache_tokens=args.suffix_cache_tokens)
         fresh.profile = engine.profile
         return fresh
 
@@ -292,8 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --task: send the whole series this many times (popular requests asked again)")
     bench.add_argument("--spike", action="store_true",
                        help="instead: auto mode fresh, under 3 busy processes, then after (load-spike recovery)")
-    bench.add_argument("--strategy", choices=STRATEGY_NAMES, nargs="+", default=[MIXED],
-                       help="draft strategies to compare (each against the same plain run)")
+    bench.add_argument("--strategy", nargs="+", default=[MIXED],
+                       help=f"draft strategies to compare (each against the same plain run): {', '.join(STRATEGY_NAMES)}, "
+                            "self_draft_<m> when several --self-draft-layers are given, or a mix joined "
+                            "with '+' (e.g. context+self_draft)")
+    bench.add_argument("--self-draft-layers", type=int, nargs="*", default=[], metavar="M",
+                       help="enable self-drafting with the model's first M layers (several M: strategies "
+                            "self_draft_<M>, to compare depths)")
+    bench.add_argument("--draft-model", default=None,
+                       help="enable the draft_model strategy with this model directory or .gguf")
+    bench.add_argument("--staged", action="store_true",
+                       help="also the staged twin of every model draft (<name>_staged)")
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--suffix-cache-tokens", type=int, default=Settings.model_fields["suffix_cache_tokens"].default,
                        help=Settings.model_fields["suffix_cache_tokens"].description)

@@ -20,6 +20,7 @@ from app.metrics import router as metrics_router
 from app.routes import health, openai
 from app.schemas import STREAM_MODELS
 from app.settings import Settings
+from service.draft_model import load_drafters
 from service.model_loader import LoadedModel, load_model
 from service.runtime import Runtime
 
@@ -73,10 +74,14 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Ca
     is recorded for /health and /ready, and `on_failure` is told."""
     try:
         loaded = await asyncio.to_thread(loader, settings)
+        drafters = await asyncio.to_thread(
+            load_drafters, loaded, settings.self_draft_depths, settings.draft_model, settings.cache_dir,
+            settings.device, settings.dtype, settings.quantization, settings.draft_staged)
         runtime = Runtime.start(
             loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
             settings.max_waiting, settings.request_timeout, settings.scheduler_config(),
-            on_step=app.state.metrics.record_step, suffix_cache_tokens=settings.suffix_cache_tokens,
+            on_step=app.state.metrics.record_step, drafters=drafters,
+            suffix_cache_tokens=settings.suffix_cache_tokens,
         )
     except Exception as error:
         log.exception("model load failed")

@@ -44,10 +44,22 @@ class Settings(BaseSettings):
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
     spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")
-    spec_strategy: Strategy = Field("mixed", description="Draft strategy: " + ", ".join(STRATEGY_NAMES[:-1]) + " or mixed")
+    spec_strategy: Strategy = Field(
+        "mixed", description="Draft strategy: context, unigram, bigram, extended_bigram, recycled, logit, suffix, "
+        "token_recycling (a baseline, never in mixed), self_draft, draft_model, self_draft_staged, "
+        "draft_model_staged (the model drafts when enabled) or mixed (all enabled)")
     suffix_cache_tokens: int = Field(
         DEFAULT_CAPACITY, ge=0,
         description="Recent output tokens of all requests the suffix strategy indexes (about 40 bytes each; 0 = off)")
+    self_draft: bool = Field(False, description="Enable the self_draft strategy: the model's first self_draft_layers "
+                             "layers (plus its final norm and LM head) draft for it; no extra weights")
+    self_draft_layers: int | None = Field(
+        None, ge=1, description="Layers of the self-draft (default: 4/5 of the model's, measured in docs/benchmarks.md)")
+    draft_staged: bool = Field(False, description="Also serve self_draft_staged / draft_model_staged: the same drafts "
+                               "with their own chain guessed ahead by the context n-gram and verified in one pass")
+    draft_model: str | None = Field(
+        None, description="Enable the draft_model strategy: a local Hugging Face directory or .gguf with the model's "
+        "tokenizer, drafting for it (checked at start)")
     model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
     cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
     max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
@@ -90,6 +102,11 @@ class Settings(BaseSettings):
             raise ValueError(f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap ({self.max_tokens_cap})")
         return self
 
+
+    @property
+    def self_draft_depths(self) -> tuple[int | None, ...]:
+        """The self-draft depths to serve: one (None: the default), or none when it is off."""
+        return (self.self_draft_layers,) if self.self_draft else ()
 
     def scheduler_config(self) -> SchedulerConfig:
         memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20

@@ -8,6 +8,7 @@ token ids), never the model or the engine, so it can be tested on literal arrays
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -52,3 +53,11 @@ class PassDistributions:
     node_tokens: np.ndarray  # [num_nodes] int: the token at each tree node
     top_ids: np.ndarray  # [num_nodes, K] int: the model's likeliest next tokens after each node, best first
     stop_node: int  # where verification stopped: its choice is the round's bonus token
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share (a draft's accepted length, say)."""
+    length = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        length += 1
+    return length

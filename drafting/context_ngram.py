@@ -30,13 +30,18 @@ class ContextNgram:
             raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        return [Draft(c, self.name, rank) for rank, c in enumerate(self.continuations(history, k, w))]
+
+    def continuations(self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()) -> list[tuple[int, ...]]:
+        """At most k distinct continuations (≤ w tokens) of history + `tail`, best first."""
         if k <= 0 or w <= 0:
             return []
         by_n = (
-            [tuple(history.token_ids[start : start + w]) for start in history.continuation_starts(n, self.most_recent)]
+            [tuple(history.token_ids[start : start + w])
+             for start in history.continuation_starts(n, self.most_recent, tail)]
             for n in range(min(self.max_n, history.max_n), self.min_n - 1, -1)
         )
-        return [Draft(c, self.name, rank) for rank, c in enumerate(first_distinct(by_n, k))]
+        return first_distinct(by_n, k)
 
 
 def first_distinct(by_n: Iterable[Sequence[tuple[int, ...]]], k: int) -> list[tuple[int, ...]]:

@@ -43,11 +43,15 @@ class TokenHistory:
         for n in range(1, min(self.max_n, end) + 1):
             self._follows[tuple(self.token_ids[end - n :])].append(end)
 
-    def continuation_starts(self, n: int, most_recent: int) -> Sequence[int]:
-        """Where continuations of the last n tokens start (≤ `most_recent` newest, oldest first)."""
-        if not 1 <= n <= min(self.max_n, len(self.token_ids)):
+    def continuation_starts(self, n: int, most_recent: int, tail: Sequence[int] = ()) -> Sequence[int]:
+        """Where continuations of the last n tokens start (≤ `most_recent` newest, oldest first).
+
+        With `tail`, of the last n tokens of history + tail: where the history's text would
+        go on if it were followed by `tail` (a draft model's chain, for staged drafting)."""
+        context = [*self.token_ids[-self.max_n :], *tail] if tail else self.token_ids
+        if not 1 <= n <= min(self.max_n, len(context)):
             return ()
-        return self.follows(tuple(self.token_ids[-n:]), most_recent)
+        return self.follows(tuple(context[-n:]), most_recent)
 
     def follows(self, ngram: tuple[int, ...], most_recent: int) -> Sequence[int]:
         """Where continuations of earlier occurrences of `ngram` start (≤ `most_recent` newest)."""

@@ -8,10 +8,13 @@ slots back: no exploration schedule is needed. A request's own statistics domina
 has some; until then the global ones (over all requests) stand in as the prior.
 
 The k best-valued candidates are chosen, skipping any that would add no node to the tree
-(a duplicate, or a prefix of one already chosen). Sessions are per request; the `Mixer`
-that opens them is shared and holds the global statistics and the state strategies share
-across requests: the successor tables the passes' distributions refresh, and the index of
-all requests' outputs.
+(a duplicate, or a prefix of one already chosen). Strategies that run a model also report
+their measured seconds per drafted token, handed on with each candidate for the controller
+to charge; one the controller keeps passing over is asked only now and then (`chosen`),
+since measuring it means paying for its draft. Sessions are per request; the `Mixer` that
+opens them is shared and holds the global statistics and the state strategies share across
+requests: the successor tables the passes' distributions refresh, and the index of all
+requests' outputs.
 """
 
 from __future__ import annotations
@@ -21,26 +24,30 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from drafting.acceptance import Acceptance, AcceptanceCounts, blend
-from drafting.base import Draft, PassDistributions, Strategy
+from drafting.base import Draft, PassDistributions, Strategy, common_prefix
 from drafting.history import TokenHistory
 from drafting.model_ngram import TableSlot
 from drafting.recycled import SuccessorTable
 from drafting.suffix import SuffixIndex, SuffixWriter
 
 MIXED = "mixed"
+SEPARATOR = "+"  # "context+self_draft": a mix of some strategies
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
 UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every (strategy, rank) gets tried
+PROBE_FIRST, PROBE_LAST = 8, 128  # a costly strategy passed over is asked again after 8, 16, ... 128 rounds
 
 Key = tuple[str, int]  # (strategy, rank)
 
 
 @dataclass(frozen=True)
 class ScoredDraft:
-    """A candidate and the acceptance estimated for its (strategy, rank)."""
+    """A candidate, the acceptance estimated for its (strategy, rank), and what drafting one
+    token of it costs (measured by strategies that run a model; the controller counts it)."""
 
     draft: Draft
     acceptance: Acceptance
+    seconds_per_token: float = 0.0
 
 
 class Mixer:
@@ -76,11 +83,16 @@ class Mixer:
         return max((table.top_k for table in self.successors), default=0)
 
     def session(self, prompt_ids: Sequence[int], strategy: str = MIXED) -> DraftSession:
-        if strategy not in self.names:
-            raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(self.names)}")
+        """A request's drafting with one strategy, `mixed` (all but the standalone ones), or a
+        mix named "a+b"."""
         every = self.strategies | self.standalone
-        chosen = list(self.strategies.values()) if strategy == MIXED else [every[strategy]]
-        return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=strategy == MIXED)
+        names = list(self.strategies) if strategy == MIXED else strategy.split(SEPARATOR)
+        unknown = [name for name in names if name not in every]
+        if unknown or not names:
+            raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(self.names)} "
+                             f"or join several with {SEPARATOR!r}")
+        chosen = [every[name] for name in dict.fromkeys(names)]
+        return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=len(chosen) > 1)
 
     def observe_distributions(self, passed: PassDistributions) -> None:
         """Refresh every shared successor table from one row's pass."""
@@ -106,6 +118,7 @@ class DraftSession:
         self.counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
         self._candidates: list[Draft] = []
         self._writer = SuffixWriter(mixer.suffix) if mixer.suffix is not None else None
+        self._skipped: dict[str, _Skipped] = {}  # costly strategies the controller passes over
 
     def acceptance(self, draft: Draft) -> Acceptance:
         key = (draft.strategy, draft.rank)
@@ -113,19 +126,32 @@ class DraftSession:
 
     def candidates(self, k: int, w: int) -> list[ScoredDraft]:
         """Up to k drafts of ≤ w tokens from each strategy, best expected acceptance first."""
-        drafts = [d for s in self.strategies for d in self._lengthen(s.propose(self.history, k, w), w)]
+        asked = [s for s in self.strategies if s.name not in self._skipped or self._skipped[s.name].due]
+        drafts = [d for s in asked for d in self._lengthen(s.propose(self.history, k, w), w)]
         self._candidates = list(dict.fromkeys(drafts))
-        scored = [ScoredDraft(d, self.acceptance(d)) for d in self._candidates]
+        costs = {s.name: _cost(s) for s in self.strategies}
+        scored = [ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates]
         return sorted(scored, key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
 
     def propose(self, k: int, w: int) -> list[Draft]:
         """The k most valuable drafts that each add a node to the tree."""
         return select(self.candidates(k, w), k, w)
 
+    def chosen(self, drafts: Sequence[Draft]) -> None:
+        """What the controller took this round. A costly strategy (one that runs a model) it
+        passed over is asked again only after 8 rounds, then 16, ... 128 while it keeps
+        losing, so its drafting time is saved, yet it is still measured and can win back."""
+        used = {d.strategy for d in drafts}
+        for strategy in self.strategies:
+            if strategy.name in used:
+                self._skipped.pop(strategy.name, None)
+            elif _cost(strategy) > 0:
+                self._skipped.setdefault(strategy.name, _Skipped()).round_passed()
+
     def observe(self, committed: Sequence[int]) -> None:
         """Score every candidate of the round against the committed tokens; extend history."""
         for draft in self._candidates:
-            accepted = _common_prefix(draft.token_ids, committed)
+            accepted = common_prefix(draft.token_ids, committed)
             cap = min(len(draft.token_ids), len(committed))
             key = (draft.strategy, draft.rank)
             self.counts[key].observe(accepted, cap)
@@ -156,6 +182,29 @@ class DraftSession:
         ]
 
 
+@dataclass
+class _Skipped:
+    """Rounds since a costly strategy was last asked, and the wait before it is asked again."""
+
+    rounds: int = -1  # the round it was passed over in counts as its last probe
+    wait: int = PROBE_FIRST
+
+    @property
+    def due(self) -> bool:
+        return self.rounds >= self.wait
+
+    def round_passed(self) -> None:
+        if self.due:  # it was asked (probed) this round and lost again: wait longer
+            self.rounds, self.wait = 0, min(self.wait * 2, PROBE_LAST)
+        else:
+            self.rounds += 1
+
+
+def _cost(strategy: Strategy) -> float:
+    """Seconds per drafted token: measured by strategies that run a model, else 0."""
+    return float(getattr(strategy, "seconds_per_token", 0.0))
+
+
 def select(scored: Sequence[ScoredDraft], k: int, w: int) -> list[Draft]:
     """Take drafts in order, cut to w tokens, skipping those that add no tree node."""
     chosen: list[Draft] = []
@@ -168,12 +217,3 @@ def select(scored: Sequence[ScoredDraft], k: int, w: int) -> list[Draft]:
             chosen.append(Draft(tokens, candidate.draft.strategy, candidate.draft.rank))
             nodes.update(tokens[:depth] for depth in range(1, len(tokens) + 1))
     return chosen
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    length = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        length += 1
-    return length

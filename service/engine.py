@@ -289,6 +289,7 @@ class Engine:
             budget = 0  # a plain probe: keeps the relative cost of speculating measured
         plan = plan_trees(candidates, cost, fixed, fixed_expected, budget)
         for row, choice in zip(auto, plan.trees):
+            row.request.drafts.chosen(choice.drafts)
             row.choice = choice
             row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
         return plan

@@ -11,7 +11,10 @@ T(N tokens, R rows, L context).
 much to the pass's expected tokens and one token to the pass. Nodes are added best first
 (a parent is never less likely than its child, so trees stay connected), and the controller
 keeps the number of additions with the most expected tokens per second for the whole pass —
-plain decoding for everyone unless speculation beats it by `min_gain`. On a device where a
+plain decoding for everyone unless speculation beats it by `min_gain`. A node drafted by a
+model (`service/draft_model.py`) also costs its measured drafting seconds, so an accurate but
+slow draft loses to a fast one: nodes are ranked by expected tokens per second of pass and
+drafting, and every plan's rate counts both. On a device where a
 bigger pass is nearly free, many nodes pay; where it costs (a CPU, or a large batch on a
 GPU), few or none do, per request, without any table of switch-off points.
 """
@@ -125,6 +128,7 @@ class _Node:
     prefix: tuple[int, ...]
     strategy: str
     rank: int
+    draft_seconds: float  # what drafting this node's token cost (0 for table look-ups)
 
 
 def plan_trees(
@@ -141,10 +145,12 @@ def plan_trees(
     `fixed_expected` are what the pass holds regardless (one root per row here, prefill chunks
     and fixed-mode trees) and the tokens it yields for sure; `budget` caps the added nodes.
     """
-    nodes = sorted(
-        (n for index, row in enumerate(rows) for n in _row_nodes(index, row)),
-        key=lambda n: (-n.probability * n.factor, n.depth),
-    )[:budget]
+    candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
+    spread = max(len(candidates), 1)
+    node_seconds = max((cost(fixed_tokens + spread) - cost(fixed_tokens)) / spread, 1e-9)  # mean marginal
+    nodes = _parents_first(sorted(  # most expected tokens per second of pass and drafting first
+        candidates, key=lambda n: (-n.probability * n.factor / (node_seconds + n.draft_seconds), n.depth),
+    ))[:budget]
     base_expected = fixed_expected + len(rows)
     best_count, _ = _best_counts(nodes, cost, fixed_tokens, base_expected, min_gain)
     chosen = nodes[:best_count]
@@ -159,20 +165,22 @@ def plan_trees(
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
     tokens = fixed_tokens + len(chosen)
     total = fixed_expected + sum(t.expected_tokens for t in trees)
-    return TreePlan(trees, tokens, total, cost(tokens))
+    return TreePlan(trees, tokens, total, cost(tokens) + sum(n.draft_seconds for n in chosen))
 
 
 def _best_counts(
     nodes: Sequence[_Node], cost: Callable[[int], float], fixed_tokens: int, expected: float, min_gain: float
 ) -> tuple[int, int]:
-    """How many of `nodes`, taken in order, maximize expected tokens per second: the best
-    count (0 unless it beats the plain pass by `min_gain`) and the best count with at least
-    one node (what a probe verifies)."""
+    """How many of `nodes`, taken in order, maximize expected tokens per second of pass and
+    drafting: the best count (0 unless it beats the plain pass by `min_gain`) and the best
+    count with at least one node (what a probe verifies)."""
     best_count, best_rate = 0, expected / cost(fixed_tokens) * min_gain
     speculative_count, speculative_rate = 0, 0.0
+    draft_seconds = 0.0
     for count, node in enumerate(nodes, start=1):
         expected += node.probability * node.factor
-        rate = expected / cost(fixed_tokens + count)
+        draft_seconds += node.draft_seconds
+        rate = expected / (cost(fixed_tokens + count) + draft_seconds)
         if rate > best_rate:
             best_count, best_rate = count, rate
         if rate > speculative_rate:
@@ -197,8 +205,30 @@ def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
             probability = candidate.acceptance.node_probability(depth)
             if prefix not in best or best[prefix].probability < probability:
                 best[prefix] = _Node(probability, row.acceptance_factor, depth, index, prefix,
-                                     candidate.draft.strategy, candidate.draft.rank)
+                                     candidate.draft.strategy, candidate.draft.rank, candidate.seconds_per_token)
     return list(best.values())
+
+
+def _parents_first(nodes: list[_Node]) -> list[_Node]:
+    """`nodes` in order, but each held back until its parent is out, so every cut is a tree
+    (a cheap draft's node may outrank its parent, whose likeliest draft is a costly one)."""
+    out: list[_Node] = []
+    emitted: set[tuple[int, tuple[int, ...]]] = set()
+    waiting: dict[tuple[int, tuple[int, ...]], list[_Node]] = {}
+
+    def emit(node: _Node) -> None:
+        out.append(node)
+        emitted.add((node.row, node.prefix))
+        for child in waiting.pop((node.row, node.prefix), []):
+            emit(child)
+
+    for node in nodes:
+        parent = (node.row, node.prefix[:-1])
+        if node.depth == 1 or parent in emitted:
+            emit(node)
+        else:
+            waiting.setdefault(parent, []).append(node)
+    return out
 
 
 def _row_tree(nodes: list[_Node]) -> RowTree:

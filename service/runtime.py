@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafting import TableSlot, default_mixer
+from drafting import Strategy, TableSlot, default_mixer
 from drafting.suffix import DEFAULT_CAPACITY
 from service.async_engine import AsyncEngine
 from service.engine import Engine, StepStats
@@ -24,12 +24,13 @@ TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (a fraction of a se
 
 
 def build_engine(loaded: LoadedModel, tables: TableSlot, scheduler: SchedulerConfig = SchedulerConfig(),
-                 suffix_cache_tokens: int = DEFAULT_CAPACITY) -> Engine:
-    """The engine for `loaded`, drafting with every strategy over `tables`."""
+                 drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY) -> Engine:
+    """The engine for `loaded`, drafting with every strategy over `tables` and `drafters`
+    (the model-running ones, `service/draft_model.py`)."""
     config = loaded.model.config
     return Engine(
         ModelRunner(loaded.model),
-        default_mixer(tables, suffix_cache_tokens),
+        default_mixer(tables, drafters, suffix_cache_tokens),
         eos_token_ids=stop_token_ids(loaded.tokenizer, config.eos_token_id),
         max_context=config.max_position_embeddings,
         scheduler_config=scheduler,
@@ -37,11 +38,11 @@ def build_engine(loaded: LoadedModel, tables: TableSlot, scheduler: SchedulerCon
 
 
 def build_engine_with_tables(loaded: LoadedModel, cache_dir: Path, profile: bool = False,
-                             suffix_cache_tokens: int = DEFAULT_CAPACITY) -> Engine:
+                             drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY) -> Engine:
     """An engine whose model tables (and cost profile, if asked) are ready before it returns."""
     prefix = assistant_prefix_ids(loaded.tokenizer)
     tables = TableSlot(load_or_compute_tables(loaded.model, cache_dir, prefix))
-    engine = build_engine(loaded, tables, suffix_cache_tokens=suffix_cache_tokens)
+    engine = build_engine(loaded, tables, drafters=drafters, suffix_cache_tokens=suffix_cache_tokens)
     if profile:
         engine.profile = load_or_measure(engine.runner, cache_dir)
     return engine
@@ -91,12 +92,13 @@ class Runtime:
         request_timeout: float | None = None,
         scheduler: SchedulerConfig = SchedulerConfig(),
         on_step: Callable[[StepStats], None] | None = None,
+        drafters: Sequence[Strategy] = (),
         suffix_cache_tokens: int = DEFAULT_CAPACITY,
     ) -> Runtime:
         """Serve at once; the worker measures (or loads) the cost profile, then the model
         tables, while idle. Until then auto mode decodes plainly and the table strategies
         propose nothing."""
-        engine = build_engine(loaded, TableSlot(), scheduler, suffix_cache_tokens)
+        engine = build_engine(loaded, TableSlot(), scheduler, drafters, suffix_cache_tokens)
         steps = warm_up(engine, loaded, cache_dir, model_tables, profile)
         return cls(loaded, engine, AsyncEngine(engine, max_waiting, request_timeout, steps, on_step))
 

@@ -8,22 +8,25 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafting import TableSlot, default_mixer
+from drafting import ContextNgram, TableSlot, default_mixer
+from service.draft_model import ModelDrafter
 from service.engine import Engine
 from service.model_runner import ModelRunner
 from service.model_tables import compute_tables
+from service.self_draft import first_layers
 
 TINY_VOCAB = 64
 
 
-def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = TINY_VOCAB) -> LlamaForCausalLM:
+def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = TINY_VOCAB,
+                    num_layers: int = 2) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights: real attention code, milliseconds per pass."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -50,10 +53,20 @@ def tiny_tables(tiny_model: LlamaForCausalLM) -> TableSlot:
     return TableSlot(compute_tables(tiny_model, batch_size=16, show_progress=False))
 
 
+@pytest.fixture(scope="session")
+def tiny_drafters(tiny_model: LlamaForCausalLM) -> list[ModelDrafter]:
+    """Model-running drafts: the tiny model's first layer, and another random (1-layer) model
+    with the same vocabulary as a separate draft model; each also staged."""
+    shallow, other = first_layers(tiny_model, 1), make_tiny_model(seed=1, num_layers=1)
+    return [ModelDrafter(shallow, "self_draft"), ModelDrafter(other, "draft_model"),
+            ModelDrafter(shallow, "self_draft_staged", lookahead=ContextNgram()),
+            ModelDrafter(other, "draft_model_staged", lookahead=ContextNgram())]
+
+
 @pytest.fixture
-def tiny_engine(tiny_runner: ModelRunner, tiny_tables: TableSlot) -> Engine:
+def tiny_engine(tiny_runner: ModelRunner, tiny_tables: TableSlot, tiny_drafters: list[ModelDrafter]) -> Engine:
     # EOS is not a stop here, so runs go the full length and compare more tokens.
-    return Engine(tiny_runner, default_mixer(tiny_tables), eos_token_ids=[], max_context=512)
+    return Engine(tiny_runner, default_mixer(tiny_tables, tiny_drafters), eos_token_ids=[], max_context=512)
 
 
 @pytest.fixture(scope="session")

@@ -150,6 +150,10 @@ async def _respond(
         raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
     params = _params(body, settings, max_tokens, logprobs)
+    enabled = runtime.engine.mixer.names
+    if params.strategy not in enabled:  # a model draft this server was not started with
+        raise ApiError(400, f"strategy {params.strategy!r} is not enabled on this server; enabled: "
+                       f"{', '.join(enabled)}", param="speculation")
     try:
         runtime.engine.check_fits(len(prompt_ids), params)
     except ContextTooLong as error:

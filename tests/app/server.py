@@ -10,7 +10,6 @@ from contextlib import contextmanager
 from fastapi import FastAPI
 
 
-
 @contextmanager
 def slowed(app: FastAPI, seconds: float) -> Iterator[None]:
     """Make every forward pass of the app's engine take `seconds` longer.
@@ -18,6 +17,10 @@ def slowed(app: FastAPI, seconds: float) -> Iterator[None]:
     Tests of timeouts, queueing and disconnects need a request that is still running when
     they look; slowing the pass makes that hold on a machine of any speed.
     """
+    deadline = time.monotonic() + 60
+    while getattr(app.state, "runtime", None) is None:  # the app loads its engine in the background
+        assert time.monotonic() < deadline, "the app's engine did not load within 60 s"
+        time.sleep(0.01)
     runner = app.state.runtime.engine.runner
     original = runner.forward
 

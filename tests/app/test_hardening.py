@@ -377,3 +377,10 @@ def test_a_stream_whose_client_left_before_its_body_began_is_aborted(tiny_served
         assert httpx.get(f"{base}/health").json()["requests_waiting"] == 0
         # and its concurrency slot is free again (one per client here)
         assert post(base, "completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_model_draft_the_server_was_not_started_with_is_a_400(server, route) -> None:
+    body = {**ROUTES[route], "max_tokens": 4, "speculation": {"strategy": "self_draft"}}
+    error = assert_openai_error(post(server, route, body), 400, param="speculation")
+    assert "'self_draft' is not enabled on this server; enabled: context, unigram" in error["message"]

@@ -67,3 +67,12 @@ def test_only_the_most_recent_occurrences_are_examined() -> None:
 def test_invalid_match_lengths_are_refused() -> None:
     with pytest.raises(ValueError, match="min_n"):
         ContextNgram(max_n=1, min_n=2)
+
+
+def test_a_tail_continues_the_lookup_past_the_history() -> None:
+    history = TokenHistory([1, 2, 3, 4, 1, 2, 9])
+    ngram = ContextNgram()
+    # history + (1, 2): "1 2" was followed by 3 4 and by 9
+    assert ngram.continuations(history, 2, 2, tail=(1, 2)) == [(9,), (3, 4)]
+    assert ngram.continuations(history, 1, 2, tail=(3,)) == [(4, 1)]
+    assert ngram.continuations(history, 1, 2, tail=(7,)) == []  # 7 never occurred

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from drafting import STRATEGY_NAMES, Draft, Mixer, ModelTables, TableSlot, TokenHistory, default_mixer
+from drafting import MODEL_STRATEGY_NAMES, STRATEGY_NAMES, Draft, Mixer, ModelTables, TableSlot, TokenHistory, default_mixer
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def test_duplicates_and_prefixes_do_not_take_slots() -> None:
 
 def test_single_strategy_sessions_and_unknown_names() -> None:
     mixer = default_mixer()
-    assert mixer.names == list(STRATEGY_NAMES)
+    assert mixer.names == [n for n in STRATEGY_NAMES if n not in MODEL_STRATEGY_NAMES]  # none enabled
     assert mixer.session([1, 2, 1], "context").propose(2, 2) == [Draft((2, 1), "context", 0)]
     with pytest.raises(ValueError, match="unknown strategy 'trigram'"):
         mixer.session([1], "trigram")
@@ -71,3 +72,32 @@ def test_mixed_mode_lengthens_short_context_drafts_by_bigram_chaining() -> None:
     assert context_drafts == [Draft((3, 2, 3), "context", 0)]  # (3, 2) then 2 -> 3
     alone = default_mixer(slot).session([2, 3, 2], "context").propose(4, 3)
     assert alone == [Draft((3, 2), "context", 0)]  # single strategy: not lengthened
+
+
+@dataclass(frozen=True)
+class Costly(Fixed):
+    """A strategy that reports drafting time, as the model drafts do."""
+
+    seconds_per_token: float = 0.01
+    calls: list[int] = dataclasses.field(default_factory=list)
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        self.calls.append(len(history))
+        return super().propose(history, k, w)
+
+
+def test_a_costly_strategy_the_controller_passes_over_is_only_probed() -> None:
+    costly, cheap = Costly("model", ((1, 2),)), Fixed("cheap", ((3, 4),))
+    session = Mixer([costly, cheap]).session([0])
+    asked = []
+    for round_number in range(1, 31):
+        before = len(costly.calls)
+        scored = session.candidates(1, 2)
+        session.chosen([s.draft for s in scored if s.draft.strategy == "cheap"])  # the controller's pick
+        session.observe([3, 4, 5])
+        if len(costly.calls) > before:
+            asked.append(round_number)
+    assert asked == [1, 10, 27]  # then after 8 skipped rounds, then 16 (the wait doubles)
+    session.chosen([Draft((1, 2), "model")])  # picked again: asked every round
+    session.candidates(1, 2)
+    assert len(costly.calls) == 4

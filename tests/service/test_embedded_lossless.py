@@ -18,6 +18,7 @@ import torch
 
 from drafting import TableSlot
 from service.config import GenerationParams, SpeculationParams
+from service.draft_model import model_drafters
 from service.model_loader import DEFAULT_CACHE_DIR
 from service.prompts import chat_prompt_ids
 from service.runtime import build_engine, build_engine_with_tables
@@ -131,3 +132,23 @@ def test_table_strategies_match_transformers_generate(embedded) -> None:
     print(f"\ntable strategies against transformers' generate: {outcomes}; accepted: {accepted}")
     assert outcomes.get("identical", 0) >= 0.9 * len(QUESTIONS) * len(TABLE_STRATEGIES)
     assert all(accepted.values()), accepted
+
+
+@pytest.mark.slow
+def test_self_draft_matches_transformers_generate(embedded) -> None:
+    """The real model's first layers drafting for it, alone, staged and mixed: output still the
+    reference's, and the self-draft had tokens accepted."""
+    drafters = model_drafters(embedded, (None,), staged=True)
+    engine = build_engine(embedded, TableSlot(), drafters=drafters)
+    model, tokenizer = embedded.model, embedded.tokenizer
+    accepted = 0
+    for question in QUESTIONS[:2]:
+        prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
+        want = reference_generate(model, prompt, sorted(engine.eos_token_ids))
+        for strategy in ["self_draft", "self_draft_staged", "context+self_draft"]:
+            params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy=strategy)
+            completion = engine.complete(prompt, params)
+            outcome = compare(model, prompt, completion.token_ids, want)
+            assert outcome in ("identical", "tie"), f"{question!r} {strategy}: {outcome}"
+            accepted += sum(n for name, n in completion.accepted_by_strategy.items() if name.startswith("self_draft"))
+    assert accepted > 0

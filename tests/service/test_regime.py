@@ -141,3 +141,25 @@ def test_the_budget_caps_the_added_nodes() -> None:
     rows = [RowCandidates(candidates(0.9, 0.9), 8, 8)] * 3
     plan = plan_trees(rows, lambda n: MEMORY_BOUND.cost(n, 100), 3, 0.0, budget=10)
     assert plan.tokens == 13
+
+
+def test_drafting_time_counts_so_a_slow_accurate_draft_loses_to_a_fast_one() -> None:
+    """Same acceptance for both drafts (disjoint first tokens); one costs drafting time."""
+    slow = ScoredDraft(Draft((1, 2, 3, 4), "self_draft", 0), Acceptance(0.8, 0.8), seconds_per_token=0.5)
+    fast = ScoredDraft(Draft((5, 6, 7, 8), "context", 0), Acceptance(0.6, 0.8))
+    tree = choose([slow, fast], MEMORY_BOUND, 2, 4)
+    assert {d.strategy for d in tree.drafts} == {"context"}  # half a pass per token: more than its gain
+    free = choose([ScoredDraft(slow.draft, slow.acceptance), fast], MEMORY_BOUND, 2, 4)
+    assert {d.strategy for d in free.drafts} == {"self_draft", "context"}
+    too_slow = choose([ScoredDraft(slow.draft, slow.acceptance, seconds_per_token=1.0)], MEMORY_BOUND, 1, 4)
+    assert too_slow.drafts == []  # nothing beats plain decoding
+
+
+def test_a_cheap_child_never_comes_before_its_costly_parent() -> None:
+    shared = [
+        ScoredDraft(Draft((1, 2), "self_draft", 0), Acceptance(0.9, 0.1), seconds_per_token=0.01),
+        ScoredDraft(Draft((1, 3, 4), "context", 0), Acceptance(0.8, 0.9)),
+    ]
+    plan = plan_trees([RowCandidates(shared, 2, 3)], lambda n: MEMORY_BOUND.cost(n, 100), 1, 0.0, budget=2)
+    assert [d.token_ids for d in plan.trees[0].drafts] == [(1, 3)]  # node (1,) first, then (1, 3)
+    assert plan.tokens == 3

@@ -11,7 +11,7 @@ from service.workload import WorkloadMethod, format_workload, run_workload
 
 def test_the_suffix_index_pays_on_requests_that_repeat_each_other(tiny_runner, tiny_tables) -> None:
     def method(name: str, strategy: str, k: int, cache_tokens: int) -> WorkloadMethod:
-        engine = Engine(tiny_runner, default_mixer(tiny_tables, cache_tokens), eos_token_ids=[], max_context=512)
+        engine = Engine(tiny_runner, default_mixer(tiny_tables, suffix_cache_tokens=cache_tokens), eos_token_ids=[], max_context=512)
         return WorkloadMethod(name, engine, GenerationParams(30, speculation=SpeculationParams(k, 4), strategy=strategy))
 
     prompts = [BenchPrompt(str(i), "task", [5, 9, 13, 2, 7]) for i in range(3)]  # one task, asked three times

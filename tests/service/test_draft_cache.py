@@ -1,0 +1,112 @@
+"""The draft model's cache follows the committed tokens: after full acceptance, partial
+acceptance and rejection it holds exactly the entries a fresh draft pass would compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafting import ContextNgram, TokenHistory
+from service.draft_model import ModelDrafter
+from tests.conftest import make_tiny_model
+
+PROMPT = [5, 9, 13, 2, 7, 7, 30]
+K, W = 3, 4
+
+
+@pytest.fixture
+def drafter() -> ModelDrafter:
+    return ModelDrafter(make_tiny_model(seed=2), "draft_model")
+
+
+def fresh_entries(drafter: ModelDrafter, token_ids: list[int]) -> torch.Tensor:
+    """Layer 0's keys of the draft model run over `token_ids` from scratch: [1, heads, n, d]."""
+    with torch.inference_mode():
+        out = drafter.model(torch.tensor([token_ids]), use_cache=True)
+    return out.past_key_values.layers[0].keys
+
+
+def assert_in_step(drafter: ModelDrafter, history: TokenHistory) -> None:
+    cache = drafter.cache_for(history)
+    held = cache.token_ids
+    assert held == history.token_ids[: len(held)] and len(held) < len(history)
+    assert torch.allclose(cache.kv.layers[0].keys[:, :, : len(held)], fresh_entries(drafter, held), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "commit",
+    [
+        lambda drafts: [*drafts[0].token_ids, 11],  # full acceptance of the best branch, then a bonus
+        lambda drafts: [*drafts[2].token_ids[:2], 11],  # partial acceptance of another branch
+        lambda drafts: [63],  # rejection: only the bonus token
+    ],
+    ids=["full", "partial", "rejected"],
+)
+def test_the_cache_keeps_what_was_committed_and_drops_the_rest(drafter: ModelDrafter, commit) -> None:
+    history = TokenHistory(PROMPT)
+    drafts = drafter.propose(history, K, W)
+    assert len(drafts) == K and all(len(d.token_ids) == W for d in drafts)
+    committed = commit(drafts)
+    history.extend(committed)
+    drafter.propose(history, K, W)  # syncs, then drafts the next tree on top
+    cache = drafter.cache_for(history)
+    assert cache.token_ids == history.token_ids  # everything committed is in the cache now
+    assert torch.allclose(cache.kv.layers[0].keys[:, :, : len(history)], fresh_entries(drafter, history.token_ids),
+                          atol=1e-5)
+
+
+@pytest.mark.parametrize("accepted", [0, 1, 2, 3])
+def test_accepted_draft_entries_are_reused_not_recomputed(drafter: ModelDrafter, accepted: int) -> None:
+    history = TokenHistory(PROMPT)
+    drafts = drafter.propose(history, K, W)
+    history.extend([*drafts[1].token_ids[:accepted], 11])
+    fed = drafter.cache_for(history).sync(history.token_ids)
+    assert fed == history.token_ids[len(PROMPT) + accepted :]  # the kept branch plus what is new
+    assert_in_step(drafter, history)
+
+
+def test_a_history_the_cache_never_saw_starts_over(drafter: ModelDrafter) -> None:
+    history = TokenHistory(PROMPT)
+    drafter.propose(history, K, W)
+    cache = drafter.cache_for(history)
+    assert cache.sync([5, 9, 1, 1]) == [1, 1]  # diverges after two tokens: rolled back to them
+    assert cache.length == 2
+
+
+def test_drafts_are_the_draft_models_top_branches_continued_greedily(drafter: ModelDrafter) -> None:
+    history = TokenHistory(PROMPT)
+    drafts = drafter.propose(history, K, W)
+    with torch.inference_mode():
+        first = drafter.model(torch.tensor([PROMPT])).logits[0, -1].topk(K).indices.tolist()
+        assert [d.token_ids[0] for d in drafts] == first
+        for draft in drafts:
+            ids = [*PROMPT, draft.token_ids[0]]
+            for token in draft.token_ids[1:]:
+                assert int(drafter.model(torch.tensor([ids])).logits[0, -1].argmax()) == token
+                ids.append(token)
+    assert [d.rank for d in drafts] == list(range(K))
+    assert drafter.seconds_per_token > 0
+
+
+def test_each_request_has_its_own_cache(drafter: ModelDrafter) -> None:
+    one, two = TokenHistory(PROMPT), TokenHistory([3, 4, 5])
+    drafter.propose(one, 2, 2)
+    drafter.propose(two, 2, 2)
+    assert drafter.cache_for(one).token_ids == PROMPT
+    assert drafter.cache_for(two).token_ids == [3, 4, 5]
+    del two  # a finished request's cache goes with its history
+    assert len(drafter._caches) == 1
+
+
+@pytest.mark.parametrize("prompt", [PROMPT, [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3]], ids=["mixed", "repetitive"])
+def test_a_staged_chain_is_the_draft_models_greedy_chain(drafter: ModelDrafter, prompt: list[int]) -> None:
+    staged = ModelDrafter(drafter.model, "staged", lookahead=ContextNgram())
+    history = TokenHistory(prompt)
+    plain_drafts, staged_drafts = drafter.propose(history, K, 6), staged.propose(history, K, 6)
+    assert staged_drafts[0].token_ids == plain_drafts[0].token_ids  # same chain, fewer draft passes
+    assert [d.token_ids for d in staged_drafts[1:]] == [d.token_ids[:1] for d in plain_drafts[1:]]
+    history.extend([*staged_drafts[0].token_ids[:4], 11])
+    staged.propose(history, K, 6)
+    assert staged.cache_for(history).token_ids == history.token_ids
+    assert torch.allclose(staged.cache_for(history).kv.layers[0].keys[:, :, : len(history)],
+                          fresh_entries(drafter, history.token_ids), atol=1e-5)
