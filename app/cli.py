@@ -206,6 +206,19 @@ def _profile(args: argparse.Namespace) -> None:
         print(f"\nwrote {args.png}")
 
 
+def loadtest_server_flags(args: argparse.Namespace) -> list[str]:
+    """`ngrammys serve` flags of the server the load test starts."""
+    flags = ["--max-running-requests", str(args.max_running_requests), "--max-waiting", str(max(args.concurrency) * 2),
+             "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--cache-dir", str(args.cache_dir),
+             "--suffix-cache-tokens", str(args.suffix_cache_tokens)]
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                        ("--quantization", args.quantization),
+                        ("--max-prefill-tokens-while-decoding", args.max_prefill_tokens_while_decoding)):
+        if value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
 def _loadtest(args: argparse.Namespace) -> None:
     from contextlib import nullcontext
 
@@ -217,14 +230,7 @@ def _loadtest(args: argparse.Namespace) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
     questions = specbench_questions(args.dataset, args.per_category)
-    flags = ["--max-running-requests", str(args.max_running_requests), "--max-waiting", str(max(args.concurrency) * 2),
-             "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--cache-dir", str(args.cache_dir)]
-    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
-                        ("--quantization", args.quantization),
-                        ("--max-prefill-tokens-while-decoding", args.max_prefill_tokens_while_decoding)):
-        if value is not None:
-            flags += [flag, str(value)]
-    with (nullcontext(args.url) if args.url else serving_process(flags)) as base:
+    with (nullcontext(args.url) if args.url else serving_process(loadtest_server_flags(args))) as base:
         _wait_warm(base, args.url is None)
         print(f"{len(questions)} questions, {args.max_tokens} tokens each, greedy; server {base}\n", flush=True)
         print(loadtest.HEADER, flush=True)
@@ -342,6 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-tokens-per-pass", type=int, default=512, help="for the server started here")
     load.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
                       help="for the server started here (default: the server's)")
+    load.add_argument("--suffix-cache-tokens", type=int, default=0,
+                      help="for the server started here (default 0, off: the load test cycles its questions, and "
+                           "the shared suffix index would draft a repeated question's earlier greedy answer whole, "
+                           "favouring whichever mode runs later; give a size to measure that effect)")
     load.add_argument("--modes", nargs="+", choices=LOAD_MODES, default=list(LOAD_MODES),
                       help="speculation modes to compare")
     _model_flags(load)

@@ -6,7 +6,7 @@ import json
 
 from app import loadtest
 from app.background import serving
-from app.cli import main
+from app.cli import build_parser, loadtest_server_flags, main
 from app.main import create_app
 from app.settings import Settings
 from service.bench import Question
@@ -50,3 +50,15 @@ def test_the_loadtest_command_runs_its_own_server_process(tiny_served, tmp_path)
     assert [(level["concurrency"], level["mode"]) for level in levels] == [(1, "off"), (1, "auto"), (2, "auto"), (2, "off")]
     assert all(level["requests"] == 4 and level["tokens_per_pass"] >= 1 for level in levels)
     assert all(level["drafted_per_pass"] == 0 for level in levels if level["mode"] == "off")
+
+
+def test_the_loadtest_server_keeps_no_suffix_index_unless_asked() -> None:
+    """The load test cycles its questions: a shared suffix index would draft a repeated
+    question's earlier greedy answer whole, so by default the server it starts has none."""
+    def flags(*extra: str) -> list[str]:
+        return loadtest_server_flags(build_parser().parse_args(["loadtest", "--dataset", "q.jsonl", *extra]))
+
+    default = flags()
+    assert default[default.index("--suffix-cache-tokens") + 1] == "0"
+    asked = flags("--suffix-cache-tokens", "100000")
+    assert asked[asked.index("--suffix-cache-tokens") + 1] == "100000"
