@@ -3604,15 +3604,17 @@ def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
     rows = x.shape[0]
     w = np.empty((qs.shape[1] * 32, TILE), np.float32)
     for t in range(t0, t1):
+        if rows == 1:
+            _rows1_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+            continue
+        if rows == 2:
+            _rows2_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+            continue
         if rows <= FUSED_MAX_ROWS:  # one call for the whole pass: the tile is dequantized once
             if rows == 4:
                 _rows4_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
-            elif rows == 3:
-                _rows3_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
-            elif rows == 2:
-                _rows2_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             else:
-                _rows1_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
+                _rows3_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             continue
         _dequantize_tile(qs[t], d[t], m[t], w)
         r = 0
@@ -3629,6 +3631,12 @@ def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
     rows = x.shape[0]
     w = np.empty((qs.shape[1] * 32, TILE), np.float32)
     for t in range(t0, t1):
+        if rows == 1:
+            _rows1_fused_q8(qs[t], d[t], x, 0, out, t * TILE)
+            continue
+        if rows == 2:
+            _rows2_fused_q8(qs[t], d[t], x, 0, out, t * TILE)
+            continue
         if rows <= FUSED_MAX_ROWS_Q8:  # groups of four, then the rest in one call
             r = 0
             while r + 4 <= rows:
