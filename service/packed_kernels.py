@@ -485,7 +485,7 @@ def _rows2(w, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 1, o0 + 30] = a1_30
     out[r + 1, o0 + 31] = a1_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows1_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -752,7 +752,7 @@ def _rows1_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 0, o0 + 30] = a0_30
     out[r + 0, o0 + 31] = a0_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows1_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -955,7 +955,7 @@ def _rows1_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 0, o0 + 30] = a0_30
     out[r + 0, o0 + 31] = a0_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows2_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -1324,7 +1324,7 @@ def _rows2_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 1, o0 + 30] = a1_30
     out[r + 1, o0 + 31] = a1_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows2_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -1629,7 +1629,7 @@ def _rows2_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 1, o0 + 30] = a1_30
     out[r + 1, o0 + 31] = a1_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows3_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -2100,7 +2100,7 @@ def _rows3_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 2, o0 + 30] = a2_30
     out[r + 2, o0 + 31] = a2_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows3_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -2507,7 +2507,7 @@ def _rows3_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 2, o0 + 30] = a2_30
     out[r + 2, o0 + 31] = a2_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows4_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -3080,7 +3080,7 @@ def _rows4_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 3, o0 + 30] = a3_30
     out[r + 3, o0 + 31] = a3_31
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rows4_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)

@@ -211,7 +211,7 @@ def fused_row_kernel(tile: int = TILE, rows: int = 1) -> str:
     lines = [
         "",
         "",
-        '@njit(cache=True, inline="always")',
+        "@njit(cache=True)",
         f"def _rows{rows}_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled",
     ]
     lines += _zero_accumulators(rows, tile)
@@ -236,7 +236,7 @@ def fused_row_kernel_q8(tile: int = TILE, rows: int = 1) -> str:
     lines = [
         "",
         "",
-        '@njit(cache=True, inline="always")',
+        "@njit(cache=True)",
         f"def _rows{rows}_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled",
     ]
     lines += _zero_accumulators(rows, tile)
