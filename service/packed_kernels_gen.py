@@ -205,50 +205,44 @@ def rows_kernel(rows: int, tile: int = TILE) -> str:
 
 
 def fused_row_kernel(tile: int = TILE, rows: int = 1) -> str:
-    """`rows` rows of x against one tile, dequantizing in registers (no buffer): one- and
-    two-token passes. Same weights (d*q + m, two roundings) and the same summation order as
-    `_rows1`."""
-    lines = [
-        "",
-        "",
-        "@njit(cache=True)",
-        f"def _rows{rows}_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled",
-    ]
-    lines += _zero_accumulators(rows, tile)
-    lines.append("    for b in range(qs.shape[0]):")
-    lines += [f"        d{g} = d[b, {g}]" for g in range(tile)]
-    lines += [f"        m{g} = m[b, {g}]" for g in range(tile)]
-    lines.append("        for j in range(16):")
-    for i in range(rows):
-        lines.append(f"            xl{i} = x[r + {i}, b * 32 + j]")
-        lines.append(f"            xh{i} = x[r + {i}, b * 32 + 16 + j]")
-    lines += [f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)]
-    lines += [f"            w{g} = d{g} * np.float32(q{g} & 15) + m{g}" for g in range(tile)]
-    lines += [f"            a{i}_{g} += w{g} * xl{i}" for i in range(rows) for g in range(tile)]
-    lines += [f"            w{g} = d{g} * np.float32(q{g} >> 4) + m{g}" for g in range(tile)]
-    lines += [f"            a{i}_{g} += w{g} * xh{i}" for i in range(rows) for g in range(tile)]
-    lines += [f"    out[r + {i}, o0 + {g}] = a{i}_{g}" for i in range(rows) for g in range(tile)]
-    return "\n".join(lines)
+    """`rows` rows of x against one tile, dequantizing in registers (no buffer): small passes.
+    Same weights (d*q + m, two roundings) and the same summation order as `_rows1`."""
+    return _fused_kernel(
+        f"_rows{rows}_fused(qs, d, m, x, r, out, o0)", tile, rows,
+        per_block=[f"        m{g} = m[b, {g}]" for g in range(tile)],
+        per_byte=[f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)],
+        low=[f"            w{g} = d{g} * np.float32(q{g} & 15) + m{g}" for g in range(tile)],
+        high=[f"            w{g} = d{g} * np.float32(q{g} >> 4) + m{g}" for g in range(tile)],
+    )
 
 
 def fused_row_kernel_q8(tile: int = TILE, rows: int = 1) -> str:
     """`fused_row_kernel` for Q8_0 blocks (w = d*q, exact in float32), same summation order."""
-    lines = [
-        "",
-        "",
-        "@njit(cache=True)",
-        f"def _rows{rows}_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled",
-    ]
+    return _fused_kernel(
+        f"_rows{rows}_fused_q8(qs, d, x, r, out, o0)", tile, rows, per_block=[], per_byte=[],
+        low=[f"            w{g} = d{g} * np.float32(qs[b, j, {g}])" for g in range(tile)],
+        high=[f"            w{g} = d{g} * np.float32(qs[b, j + 16, {g}])" for g in range(tile)],
+    )
+
+
+def _fused_kernel(
+    signature: str, tile: int, rows: int, per_block: list[str], per_byte: list[str], low: list[str], high: list[str]
+) -> str:
+    """The in-register kernel around a block type's dequantization lines: `low` and `high` set
+    w0..w{tile-1} to weights j and j+16 of block b."""
+    lines = ["", "", "@njit(cache=True)", f"def {signature}:  # pragma: no cover - compiled"]
     lines += _zero_accumulators(rows, tile)
     lines.append("    for b in range(qs.shape[0]):")
     lines += [f"        d{g} = d[b, {g}]" for g in range(tile)]
+    lines += per_block
     lines.append("        for j in range(16):")
     for i in range(rows):
         lines.append(f"            xl{i} = x[r + {i}, b * 32 + j]")
         lines.append(f"            xh{i} = x[r + {i}, b * 32 + 16 + j]")
-    lines += [f"            w{g} = d{g} * np.float32(qs[b, j, {g}])" for g in range(tile)]
+    lines += per_byte
+    lines += low
     lines += [f"            a{i}_{g} += w{g} * xl{i}" for i in range(rows) for g in range(tile)]
-    lines += [f"            w{g} = d{g} * np.float32(qs[b, j + 16, {g}])" for g in range(tile)]
+    lines += high
     lines += [f"            a{i}_{g} += w{g} * xh{i}" for i in range(rows) for g in range(tile)]
     lines += [f"    out[r + {i}, o0 + {g}] = a{i}_{g}" for i in range(rows) for g in range(tile)]
     return "\n".join(lines)
