@@ -196,14 +196,21 @@ def _profile(args: argparse.Namespace) -> None:
     print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=rows)")
     for rows, sizes, table in zip(profile.rows, profile.tree_sizes, profile.seconds):
         print(f"\n{rows} row(s); n = tokens in the pass\n")
-        print("| L \\ n | " + " | ".join(str(n) for n in sizes) + " |")
-        print("|---" * (len(sizes) + 1) + "|")
-        for length, row in zip(profile.context_lengths, table):
-            cells = [f"{row[0] * 1e3:.1f}"] + [f"x{s / row[0]:.2f}" for s in row[1:]]
-            print(f"| {length} | " + " | ".join(cells) + " |")
+        _print_table(["L \\ n", *sizes], [[length, f"{row[0] * 1e3:.1f}", *(f"x{s / row[0]:.2f}" for s in row[1:])]
+                                          for length, row in zip(profile.context_lengths, table)])
+    if profile.wide_row_seconds:
+        print("\nwhat one wide row (a tree among one-token rows) adds beyond its tokens, ms\n")
+        _print_table(["rows \\ L", *profile.context_lengths],
+                     [[rows, *(f"{c * 1e3:.1f}" for c in costs)] for rows, costs in zip(profile.rows, profile.wide_row_seconds)])
     if args.png:
         write_heatmap(profile, args.context_length, args.png)
         print(f"\nwrote {args.png}")
+
+
+def _print_table(header: list[object], rows: list[list[object]]) -> None:
+    """A markdown table."""
+    for line in [header, ["---"] * len(header), *rows]:
+        print("| " + " | ".join(str(cell) for cell in line) + " |")
 
 
 def loadtest_server_flags(args: argparse.Namespace) -> list[str]:

@@ -28,7 +28,7 @@ from service.calibration import Calibration
 from service.config import GenerationParams
 from service.logprobs import TokenLogprob, token_logprobs
 from service.model_runner import ModelRunner, RowInput
-from service.regime import CostProfile, RowCandidates, RowTree, TreePlan, plan_trees
+from service.regime import CostProfile, PassShape, RowCandidates, RowTree, TreePlan, plan_trees
 from service.request import Request, Status, kv_tokens_needed
 from service.sampling import PositionUniforms
 from service.scheduler import Scheduler, SchedulerConfig
@@ -118,6 +118,11 @@ class _Row:
     chunk: list[int]  # prompt tokens this pass puts in the cache
     tree: TokenTree | None = None  # the speculation tree (None: prefill only)
     choice: RowTree | None = None  # the controller's forecast (auto mode)
+
+    @property
+    def width(self) -> int:
+        """Tokens the row brings to the pass."""
+        return len(self.chunk) + (self.tree.num_nodes if self.tree else 0)
 
     def input(self) -> RowInput:
         if self.tree is None:
@@ -212,12 +217,12 @@ class Engine:
                       batch_size=len(rows))
         results = [(row.request, self._stamp(out, row, plan, timing)) for row, out in verdicts if out is not None]
         stats = StepStats(
-            batch_size=len(rows), tokens=sum(len(row.chunk) + (row.tree.num_nodes if row.tree else 0) for row in rows),
+            batch_size=len(rows), tokens=sum(row.width for row in rows),
             prefill_tokens=sum(len(row.chunk) for row in rows),
             committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
             seconds=verified - started,
         )
-        self._observe_pass(stats, verified - drafted)
+        self._observe_pass(_pass_shape([row.width for row in rows]), len(rows), verified - drafted)
         for request, out in results:
             if isinstance(out, Exception) or out.finish_reason is not None:
                 self._release(request)
@@ -270,11 +275,12 @@ class Engine:
     def _plan_auto(self, auto: list[_Row], rows: list[_Row], budget: int) -> TreePlan:
         assert self.profile is not None
         profile, shapes = self.profile, self.calibration
-        fixed = sum(len(r.chunk) + (r.tree.num_nodes if r.tree else 0) for r in rows) + len(auto)
+        is_auto = {id(row) for row in auto}
+        fixed = _pass_shape([row.width + (id(row) in is_auto) for row in rows])  # auto rows: their roots
         context = sum(r.request.context_length for r in rows) / len(rows)
 
-        def cost(tokens: int) -> float:
-            return profile.cost(tokens, context, len(rows)) * shapes.shape_factor(tokens)
+        def cost(shape: PassShape) -> float:
+            return profile.cost_of(shape, context, len(rows)) * shapes.shape_factor(shape.tokens)
 
         candidates = []
         for row in auto:
@@ -283,9 +289,10 @@ class Engine:
             candidates.append(RowCandidates(
                 request.drafts.candidates(spec.k, w), spec.k, w,
                 request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe,
+                width=row.width + 1,
             ))
         fixed_expected = sum(1 for r in rows if r.tree is not None)
-        if shapes.plain_is_stale(fixed) and shapes.level.rounds > 0:
+        if shapes.plain_is_stale(fixed.tokens) and shapes.level.rounds > 0:
             budget = 0  # a plain probe: keeps the relative cost of speculating measured
         plan = plan_trees(candidates, cost, fixed, fixed_expected, budget)
         for row, choice in zip(auto, plan.trees):
@@ -355,11 +362,11 @@ class Engine:
             predicted = row.choice.expected_tokens / (plan.seconds * self.calibration.level.factor())
         return dataclasses.replace(out, predicted_tokens_per_second=predicted, **timing)
 
-    def _observe_pass(self, stats: StepStats, seconds: float) -> None:
+    def _observe_pass(self, shape: PassShape, rows: int, seconds: float) -> None:
         if self.profile is not None:
             context = sum(r.context_length for r in self.scheduler.running) / max(len(self.scheduler.running), 1)
-            profiled = self.profile.cost(stats.tokens, context, stats.batch_size)
-            self.calibration.observe_pass(stats.tokens, profiled, seconds)
+            profiled = self.profile.cost_of(shape, context, rows)
+            self.calibration.observe_pass(shape.tokens, profiled, seconds)
 
     def _drop_aborted(self) -> None:
         self.scheduler.drop_aborted_waiting()
@@ -412,6 +419,11 @@ class Engine:
                     if out.finish_reason is not None:
                         completions[id(request)].seconds = time.perf_counter() - started
         return [completions[id(r)] for r in added]
+
+
+def _pass_shape(widths: Sequence[int]) -> PassShape:
+    """A pass whose rows bring `widths` tokens each, as the cost profile prices it."""
+    return PassShape(sum(widths), sum(1 for w in widths if w > 1), max(widths, default=1))
 
 
 def _shape_used(row: _Row) -> dict[str, int]:

@@ -3,6 +3,10 @@
 For each (rows R, context L) a cache of R rows of length L is set up (the entries' values do
 not change the work, so nothing is prefilled), then passes of R × m tokens are timed on top of
 it and rolled back, so L stays fixed. The logits are read back so GPU timings include the work.
+Beside those equal rows, each (R > 1, L) also times one row of a few tokens among one-token
+rows: what that costs beyond its tokens' share of the equal-rows curve is the row's own
+attention call (or the padding of every row), which the controller charges to a row's first
+node (`CostProfile.wide_row_seconds`).
 
 The controller trades tokens against *ratios* of costs, so the ratios must survive a busy
 machine: each repeat times every size in turn (a slow spell hits all sizes alike), medians are
@@ -16,6 +20,7 @@ between steps, only while idle.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -45,6 +50,7 @@ REPEATS = 5
 NOISE = 0.15  # relative slack of the validation rules
 MAX_SPREAD = 0.3  # (p75 - p25) / median of a cell's repeats
 ATTEMPTS = 3
+WIDE_ROW_TOKENS = 4  # the row whose own cost among one-token rows is measured: a small tree
 
 
 def device_name(device: torch.device) -> str:
@@ -65,15 +71,20 @@ def measure_steps(
     the validation problems found (empty when it can be trusted)."""
     generator = torch.Generator().manual_seed(0)
     samples: dict[tuple[int, int], list[list[float]]] = {}
+    wide_samples: dict[tuple[int, int], list[float]] = {}
     for count, length in itertools.product(rows, context_lengths):
         cache = _filled_cache(runner, count, length)
         passes = [_chains(runner, count, size // count, generator) for size in pass_sizes(count)]
-        for trees in passes:  # warm-up
+        wide = [] if count == 1 else [_chains(runner, 1, WIDE_ROW_TOKENS, generator)
+                                      + _chains(runner, count - 1, 1, generator)]
+        for trees in passes + wide:  # warm-up
             _timed_pass(runner, cache, trees)
         cells = samples.setdefault((count, length), [[] for _ in passes])
         for _ in range(repeats):
             for index, trees in enumerate(passes):
                 cells[index].append(_timed_pass(runner, cache, trees))
+            for trees in wide:
+                wide_samples.setdefault((count, length), []).append(_timed_pass(runner, cache, trees))
             yield
         medians = " ".join(f"n{n}={statistics.median(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count), cells))
         log.info("profiled rows=%d L=%d: %s", count, length, medians)
@@ -83,7 +94,19 @@ def measure_steps(
         device=device_name(runner.device), model=model_fingerprint(runner.model), dtype=str(runner.dtype),
     )
     problems = validate(profile, samples)
-    return _monotone(profile), problems
+    equal_rows = _monotone(profile)
+    wide_row_seconds = [[_wide_row_cost(equal_rows, r, length, wide_samples.get((r, length)))
+                         for length in context_lengths] for r in rows]
+    log.info("a wide row's own cost, ms [rows][L]: %s", [[round(s * 1e3, 1) for s in t] for t in wide_row_seconds])
+    return dataclasses.replace(equal_rows, wide_row_seconds=wide_row_seconds), problems
+
+
+def _wide_row_cost(equal_rows: CostProfile, rows: int, length: int, samples: list[float] | None) -> float:
+    """The measured pass with one wide row, less the equal-rows curve's price for its tokens."""
+    if not samples:
+        return 0.0
+    tokens = rows + WIDE_ROW_TOKENS - 1
+    return max(statistics.median(samples) - equal_rows.cost(tokens, length, rows), 0.0)
 
 
 def measure_profile(runner: ModelRunner, **grid: Sequence[int]) -> tuple[CostProfile, list[str]]:
@@ -122,7 +145,7 @@ def _ms(values: Sequence[float]) -> str:
 def _monotone(profile: CostProfile) -> CostProfile:
     """A larger pass is never recorded as cheaper (a dip is noise the controller must not bet on)."""
     seconds = [[list(itertools.accumulate(row, max)) for row in table] for table in profile.seconds]
-    return CostProfile(**{**profile.__dict__, "seconds": seconds})
+    return dataclasses.replace(profile, seconds=seconds)
 
 
 def _filled_cache(runner: ModelRunner, rows: int, length: int) -> TreeKVCache:

@@ -4,7 +4,11 @@ A forward pass over N tokens costs about as much as over one while the device is
 memory-bound (weights dominate the bytes moved), then grows once it is compute-bound. Where
 that knee lies depends on the device, model, dtype, the number of rows (requests) in the pass
 and their context length, so it is measured (`service/profiler.py`) into a `CostProfile`
-T(N tokens, R rows, L context).
+T(N tokens, R rows, L context), measured with every row equally wide. A pass whose rows differ
+costs more than that curve says: one tree among one-token rows gets an attention call of its
+own (or pads every row), which on one CPU core cost 12 ms in a 143 ms pass of 16 rows, twice
+its extra token's share of the curve. The profile therefore also measures what one wide row
+adds (`wide_row_seconds`), and the controller charges it to the first node of every row.
 
 `plan_trees` then chooses the trees of ALL running requests jointly. Every candidate node
 (a prefix of some request's draft) has a probability of being accepted; adding it adds that
@@ -23,13 +27,27 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from drafting import Draft, ScoredDraft
 
-PROFILE_VERSION = 2  # rows dimension; older files are measured again
+PROFILE_VERSION = 3  # the wide-row cost; older files are measured again
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """What a pass holds, as far as its cost goes: its tokens, the rows that bring more than
+    one token (a tree or a prompt chunk, each priced as a wide row) and the widest row."""
+
+    tokens: int
+    wide_rows: int = 0
+    widest: int = 1
+
+    def grown(self, row_width: int) -> PassShape:
+        """This pass with one more token in a row that brought `row_width` tokens."""
+        return PassShape(self.tokens + 1, self.wide_rows + (row_width == 1), max(self.widest, row_width + 1))
 
 
 @dataclass(frozen=True)
@@ -40,18 +58,37 @@ class CostProfile:
     context_lengths: list[int]  # ascending
     tree_sizes: list[list[int]]  # [rows]: total tokens measured (ascending) for that row count
     seconds: list[list[list[float]]]  # [rows][context_lengths][tree_sizes[rows]]
+    # [rows][context_lengths]: what one row of a few tokens among one-token rows adds beyond
+    # its tokens' share of `seconds` (0 at one row; empty: not measured, priced as 0)
+    wide_row_seconds: list[list[float]] = field(default_factory=list)
     device: str = ""
     model: str = ""
     dtype: str = ""
     version: int = PROFILE_VERSION
 
-    def cost(self, n: int, context_length: float, rows: int = 1) -> float:
-        """Seconds of a pass of `n` tokens over `rows` rows at mean context `context_length`:
+    def cost(self, n: int, context_length: float, rows: int = 1, wide_rows: int = 0, widest: int = 1) -> float:
+        """Seconds of a pass of `n` tokens over `rows` rows at mean context `context_length`,
+        `wide_rows` of them wider than one token (the widest `widest`): the equal-rows curve,
         linear in L (clamped), in n (extrapolated past the largest measured pass) and in the
-        row count (extrapolated past the largest measured)."""
+        row count (extrapolated past the largest measured), plus each wide row's own cost —
+        but never more than a pass with every row as wide as the widest (one batched call)."""
         per_rows = [self._cost_at(i, n, context_length) for i in range(len(self.rows))]
         lower, upper, weight = _interpolate(self.rows, rows, extrapolate=True)
-        return max((1 - weight) * per_rows[lower] + weight * per_rows[upper], 1e-9)
+        equal_rows = max((1 - weight) * per_rows[lower] + weight * per_rows[upper], 1e-9)
+        if wide_rows == 0 or not self.wide_row_seconds:
+            return equal_rows
+        wide = equal_rows + wide_rows * self.wide_row_cost(context_length, rows)
+        return min(wide, max(self.cost(rows * widest, context_length, rows), equal_rows))
+
+    def cost_of(self, shape: PassShape, context_length: float, rows: int) -> float:
+        return self.cost(shape.tokens, context_length, rows, shape.wide_rows, shape.widest)
+
+    def wide_row_cost(self, context_length: float, rows: int) -> float:
+        """What one wide row adds to a pass of `rows` rows (interpolated, clamped)."""
+        lower, upper, a = _interpolate(self.context_lengths, context_length)
+        per_rows = [(1 - a) * table[lower] + a * table[upper] for table in self.wide_row_seconds]
+        lower, upper, b = _interpolate(self.rows, rows)
+        return (1 - b) * per_rows[lower] + b * per_rows[upper]
 
     def _cost_at(self, rows_index: int, n: int, context_length: float) -> float:
         table = self.seconds[rows_index]
@@ -94,6 +131,7 @@ class RowCandidates:
     w_max: int  # at most this deep
     acceptance_factor: float = 1.0  # learned realized/predicted accepted tokens (calibration)
     probe: bool = False  # speculate a little even if the forecast says no (re-measures)
+    width: int = 1  # tokens the row brings besides its tree's nodes (root, a last prompt chunk)
 
 
 @dataclass(frozen=True)
@@ -133,26 +171,35 @@ class _Node:
 
 def plan_trees(
     rows: Sequence[RowCandidates],
-    cost: Callable[[int], float],
-    fixed_tokens: int,
+    cost: Callable[[PassShape], float],
+    fixed: PassShape,
     fixed_expected: float,
     budget: int,
     min_gain: float = 1.02,
 ) -> TreePlan:
     """Choose every row's tree for one pass.
 
-    `cost(n)` is the forecast seconds of the pass with n tokens in all; `fixed_tokens` and
-    `fixed_expected` are what the pass holds regardless (one root per row here, prefill chunks
-    and fixed-mode trees) and the tokens it yields for sure; `budget` caps the added nodes.
+    `cost(shape)` is the forecast seconds of a pass of that shape; `fixed` is what the pass
+    holds regardless (one root per row here, prefill chunks and fixed-mode trees) and
+    `fixed_expected` the tokens it yields for sure; `budget` caps the added nodes.
     """
     candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
     spread = max(len(candidates), 1)
-    node_seconds = max((cost(fixed_tokens + spread) - cost(fixed_tokens)) / spread, 1e-9)  # mean marginal
+    more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows, fixed.widest)
+    node_seconds = max((cost(more_tokens) - cost(fixed)) / spread, 1e-9)  # mean marginal of a token
+    one_more = PassShape(fixed.tokens + 1, fixed.wide_rows, fixed.widest)
+    row_seconds = max(cost(one_more.grown(1)) - cost(one_more), 0.0)  # a row's first node: its own call
+
+    def seconds(node: _Node) -> float:
+        widens = node.depth == 1 and rows[node.row].width == 1
+        return node_seconds + node.draft_seconds + (row_seconds if widens else 0.0)
+
     nodes = _parents_first(sorted(  # most expected tokens per second of pass and drafting first
-        candidates, key=lambda n: (-n.probability * n.factor / (node_seconds + n.draft_seconds), n.depth),
+        candidates, key=lambda n: (-n.probability * n.factor / seconds(n), n.depth),
     ))[:budget]
     base_expected = fixed_expected + len(rows)
-    best_count, _ = _best_counts(nodes, cost, fixed_tokens, base_expected, min_gain)
+    widths = [row.width for row in rows]
+    best_count, _ = _best_counts(nodes, cost, fixed, widths, base_expected, min_gain)
     chosen = nodes[:best_count]
     probing = next((i for i, row in enumerate(rows) if row.probe), None)
     if best_count == 0 and probing is not None:
@@ -160,27 +207,38 @@ def plan_trees(
         # together come due together, and all of them probing at once made a pass of 13 rows
         # carry 20 nodes at 2.2x a plain pass's time. The others stay due for the next passes.
         own = [n for n in nodes if n.row == probing]
-        _, count = _best_counts(own, cost, fixed_tokens, base_expected, min_gain)
+        _, count = _best_counts(own, cost, fixed, widths, base_expected, min_gain)
         chosen = own[:count]
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
-    tokens = fixed_tokens + len(chosen)
     total = fixed_expected + sum(t.expected_tokens for t in trees)
-    return TreePlan(trees, tokens, total, cost(tokens) + sum(n.draft_seconds for n in chosen))
+    shape = list(_grown_shapes(fixed, widths, chosen))[-1] if chosen else fixed
+    return TreePlan(trees, shape.tokens, total, cost(shape) + sum(n.draft_seconds for n in chosen))
+
+
+def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Sequence[_Node]) -> Iterator[PassShape]:
+    """The pass's shape after each of `nodes`, added in order to rows of `widths` tokens."""
+    grown = list(widths)
+    shape = fixed
+    for node in nodes:
+        shape = shape.grown(grown[node.row])
+        grown[node.row] += 1
+        yield shape
 
 
 def _best_counts(
-    nodes: Sequence[_Node], cost: Callable[[int], float], fixed_tokens: int, expected: float, min_gain: float
+    nodes: Sequence[_Node], cost: Callable[[PassShape], float], fixed: PassShape, widths: Sequence[int],
+    expected: float, min_gain: float,
 ) -> tuple[int, int]:
     """How many of `nodes`, taken in order, maximize expected tokens per second of pass and
     drafting: the best count (0 unless it beats the plain pass by `min_gain`) and the best
     count with at least one node (what a probe verifies)."""
-    best_count, best_rate = 0, expected / cost(fixed_tokens) * min_gain
+    best_count, best_rate = 0, expected / cost(fixed) * min_gain
     speculative_count, speculative_rate = 0, 0.0
     draft_seconds = 0.0
-    for count, node in enumerate(nodes, start=1):
+    for count, (node, shape) in enumerate(zip(nodes, _grown_shapes(fixed, widths, nodes)), start=1):
         expected += node.probability * node.factor
         draft_seconds += node.draft_seconds
-        rate = expected / (cost(fixed_tokens + count) + draft_seconds)
+        rate = expected / (cost(shape) + draft_seconds)
         if rate > best_rate:
             best_count, best_rate = count, rate
         if rate > speculative_rate:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from service.calibration import PRIOR_ROUNDS, PROBE_EVERY, PROBE_MAX_EVERY, Calibration, Ratio
-from service.regime import CostProfile, RowCandidates, plan_trees
+from service.regime import CostProfile, PassShape, RowCandidates, plan_trees
 from tests.service.test_regime import CPU_LIKE, candidates
 
 # drafts that pay on the CPU-like curve: about 2.5 expected tokens for a small tree
@@ -28,7 +28,8 @@ def simulate(profile: CostProfile, true_cost: TrueCost, rounds: int) -> list[int
     for t in range(rounds):
         row = RowCandidates(DRAFTS, 2, 4, request.acceptance_factor(), probe=request.due_for_probe)
         budget = 0 if shared.plain_is_stale(1) and shared.level.rounds > 0 else 8  # as the engine does
-        plan = plan_trees([row], lambda n: profile.cost(n, 100) * shared.shape_factor(n), 1, 0.0, budget)
+        plan = plan_trees([row], lambda s: profile.cost(s.tokens, 100) * shared.shape_factor(s.tokens), PassShape(1),
+                          0.0, budget)
         tree = plan.trees[0]
         speculated = plan.tokens > 1
         # acceptance as forecast: the simulation isolates the pass-cost side
@@ -133,7 +134,7 @@ def test_an_overpromising_request_stops_speculating_but_still_probes() -> None:
     for _ in range(60):
         request.observe_round(2.0, accepted=0, speculated=True)
     row = RowCandidates(DRAFTS, 2, 4, request.acceptance_factor())
-    assert plan_trees([row], lambda n: CPU_LIKE.cost(n, 100), 1, 0.0, 8).tokens == 1
+    assert plan_trees([row], lambda s: CPU_LIKE.cost(s.tokens, 100), PassShape(1), 0.0, 8).tokens == 1
     for _ in range(PROBE_EVERY):
         request.observe_round(0.0, 0, speculated=False)
     assert request.due_for_probe

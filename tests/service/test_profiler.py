@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from service.model_runner import ModelRunner
 from service.profiler import load_or_measure, measure_profile, profile_path, validate
 from service.regime import CostProfile
@@ -16,6 +18,24 @@ def test_profile_covers_the_grid(tiny_runner: ModelRunner) -> None:
     assert profile.tree_sizes[0][:3] == [1, 2, 4] and profile.tree_sizes[1][:3] == [4, 8, 16]
     assert all(s > 0 for table in profile.seconds for row in table for s in row)
     assert profile.dtype == "torch.float32" and profile.device
+    assert profile.wide_row_seconds[0] == [0.0, 0.0]  # one row: the curve itself
+    assert len(profile.wide_row_seconds[1]) == 2 and all(s >= 0 for s in profile.wide_row_seconds[1])
+
+
+def test_a_wide_rows_own_cost_is_what_the_curve_does_not_explain(tiny_runner: ModelRunner, monkeypatch) -> None:
+    """Four one-token rows cost 1.0 s, eight tokens (every row 2 wide) 1.4 s; one row of four
+    among three of one (seven tokens) measured 1.5 s: the curve says 1.3, the row's own 0.2."""
+    import service.profiler as profiler
+
+    def timed(runner, cache, rows) -> float:
+        widths = sorted(row.tree.num_nodes for row in rows)
+        if widths == [1, 1, 1, profiler.WIDE_ROW_TOKENS]:
+            return 1.5
+        return 1.0 + 0.1 * (sum(widths) - 4)
+
+    monkeypatch.setattr(profiler, "_timed_pass", timed)
+    profile, _ = measure_profile(tiny_runner, rows=(4,), context_lengths=(8,), repeats=2)
+    assert profile.wide_row_seconds == [[pytest.approx(0.2)]]
 
 
 def test_a_dip_is_flattened_to_the_cost_before_it_and_reported(tiny_runner: ModelRunner, monkeypatch) -> None:

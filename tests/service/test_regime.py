@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drafting import Acceptance, Draft, ScoredDraft
-from service.regime import CostProfile, RowCandidates, RowTree, plan_trees
+from service.regime import CostProfile, PassShape, RowCandidates, RowTree, plan_trees
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 
@@ -31,7 +31,8 @@ def candidates(p: float, c: float, k: int = 8, w: int = 8, first: int = 1) -> li
 
 def choose(drafts: list[ScoredDraft], profile: CostProfile, k: int, w: int, context: int = 500) -> RowTree:
     """The controller's choice for one request alone."""
-    plan = plan_trees([RowCandidates(drafts, k, w)], lambda n: profile.cost(n, context), 1, 0.0, budget=k * w)
+    plan = plan_trees([RowCandidates(drafts, k, w)], lambda s: profile.cost(s.tokens, context), PassShape(1), 0.0,
+                      budget=k * w)
     return plan.trees[0]
 
 
@@ -45,6 +46,37 @@ def test_interpolation_and_extrapolation() -> None:
     assert profile.slowdown(3, 20) == pytest.approx(4 / 3)
     assert profile.cost(3, 10, rows=3) == pytest.approx(2.0)  # the 3-row table
     assert profile.cost(9, 10, rows=2) == pytest.approx((5.0 + 8.0) / 2)  # between row counts
+
+
+def test_a_wide_row_costs_its_own_call_but_never_more_than_every_row_as_wide() -> None:
+    sizes = [[1, 2, 4], [4, 8, 16]]
+    equal_rows = [[[1.0, 1.1, 1.2]], [[2.0, 2.4, 3.0]]]  # one context length
+    profile = CostProfile([1, 4], [100], sizes, equal_rows, wide_row_seconds=[[0.0], [0.2]])
+    assert profile.cost(4, 100, rows=4) == pytest.approx(2.0)
+    assert profile.cost(5, 100, rows=4, wide_rows=1, widest=2) == pytest.approx(2.1 + 0.2)
+    assert profile.cost(6, 100, rows=4, wide_rows=2, widest=2) == pytest.approx(2.4)  # = all four rows 2 wide
+    assert profile.cost(3, 100, rows=1, wide_rows=1, widest=3) == pytest.approx(1.15)  # one row: the curve itself
+    assert profile.wide_row_cost(100, rows=2) == pytest.approx(0.2 / 3)  # between row counts
+    assert CostProfile([1, 4], [100], sizes, equal_rows).cost(5, 100, 4, 1, 2) == pytest.approx(2.1)  # not measured
+
+
+def test_the_first_node_of_a_row_pays_for_the_row() -> None:
+    """Where every row that speculates costs a call of its own, the nodes deepen the likely
+    row's tree instead of starting a second, middling row's; a row that is already wide (its
+    last prompt chunk) pays no such cost."""
+    likely = RowCandidates(candidates(0.9, 0.9, k=1, w=4), 1, 4)
+    middling = RowCandidates(candidates(0.5, 0.5, k=1, w=4, first=200), 1, 4)
+
+    def plan(row_seconds: float, middling: RowCandidates = middling):
+        def cost(s: PassShape) -> float:
+            return 1.0 + 0.05 * (s.tokens - 2) + row_seconds * (s.wide_rows - chunked)
+        chunked = int(middling.width > 1)
+        return plan_trees([likely, middling], cost, PassShape(1 + middling.width, chunked), 0.0, budget=64)
+
+    assert [t.k for t in plan(0.0).trees] == [1, 1]
+    assert [t.k for t in plan(0.3).trees] == [1, 0]
+    chunk_row = RowCandidates(middling.candidates, 1, 4, width=9)
+    assert [t.k for t in plan(0.3, chunk_row).trees] == [1, 1]
 
 
 def test_memory_bound_curve_gets_large_trees() -> None:
@@ -102,9 +134,9 @@ def test_the_batch_shares_the_pass_where_nodes_pay_most() -> None:
     the nodes go to the request whose drafts are likely; a memory-bound device takes both."""
     easy = RowCandidates(candidates(0.9, 0.9, k=2, w=4), 2, 4)
     hard = RowCandidates(candidates(0.05, 0.1, k=2, w=4, first=200), 2, 4)
-    costly = plan_trees([easy, hard], lambda n: COMPUTE_BOUND.cost(n, 100) * 0.3, 2, 0.0, budget=64)
+    costly = plan_trees([easy, hard], lambda s: COMPUTE_BOUND.cost(s.tokens, 100) * 0.3, PassShape(2), 0.0, budget=64)
     assert costly.trees[0].k >= 1 and costly.trees[1].k == 0
-    cheap = plan_trees([easy, hard], lambda n: MEMORY_BOUND.cost(n, 100), 2, 0.0, budget=64)
+    cheap = plan_trees([easy, hard], lambda s: MEMORY_BOUND.cost(s.tokens, 100), PassShape(2), 0.0, budget=64)
     assert cheap.trees[0].k == 2 and cheap.trees[1].k >= 1
 
 
@@ -113,8 +145,8 @@ def test_a_large_batch_on_a_compute_bound_device_speculates_less() -> None:
     is a bigger share of what it buys: fewer nodes per row than for one row alone."""
     def nodes_per_row(rows: int) -> float:
         row = RowCandidates(candidates(0.5, 0.6, k=4, w=4), 4, 4)
-        cost = lambda n: 0.05 + 0.01 * n  # noqa: E731  a pass of n tokens, compute-bound beyond a base
-        plan = plan_trees([row] * rows, cost, rows, 0.0, budget=1024)
+        cost = lambda s: 0.05 + 0.01 * s.tokens  # noqa: E731  a pass of n tokens, compute-bound beyond a base
+        plan = plan_trees([row] * rows, cost, PassShape(rows), 0.0, budget=1024)
         return (plan.tokens - rows) / rows
 
     assert nodes_per_row(1) > nodes_per_row(32)
@@ -122,9 +154,10 @@ def test_a_large_batch_on_a_compute_bound_device_speculates_less() -> None:
 
 def test_a_probe_speculates_even_when_the_forecast_says_plain() -> None:
     row = RowCandidates(candidates(0.3, 0.3), 4, 4, probe=True)
-    plan = plan_trees([row], lambda n: COMPUTE_BOUND.cost(n, 100), 1, 0.0, budget=16)
+    plan = plan_trees([row], lambda s: COMPUTE_BOUND.cost(s.tokens, 100), PassShape(1), 0.0, budget=16)
     assert plan.trees[0].k >= 1 and plan.tokens > 1  # the best speculative plan, though plain wins
-    no_probe = plan_trees([RowCandidates(candidates(0.3, 0.3), 4, 4)], lambda n: COMPUTE_BOUND.cost(n, 100), 1, 0.0, 16)
+    no_probe = plan_trees([RowCandidates(candidates(0.3, 0.3), 4, 4)],
+                          lambda s: COMPUTE_BOUND.cost(s.tokens, 100), PassShape(1), 0.0, 16)
     assert no_probe.tokens == 1
 
 
@@ -133,13 +166,13 @@ def test_one_row_probes_per_pass() -> None:
     """Rows that come due together probe one pass each, the first (oldest) row first."""
     due = RowCandidates(candidates(0.3, 0.3), 4, 4, probe=True)
     rows = [RowCandidates(candidates(0.3, 0.3), 4, 4), due, due, due]
-    plan = plan_trees(rows, lambda n: COMPUTE_BOUND.cost(n, 100), 4, 0.0, budget=64)
+    plan = plan_trees(rows, lambda s: COMPUTE_BOUND.cost(s.tokens, 100), PassShape(4), 0.0, budget=64)
     assert [tree.k >= 1 for tree in plan.trees] == [False, True, False, False]
     assert plan.tokens > 4
 
 def test_the_budget_caps_the_added_nodes() -> None:
     rows = [RowCandidates(candidates(0.9, 0.9), 8, 8)] * 3
-    plan = plan_trees(rows, lambda n: MEMORY_BOUND.cost(n, 100), 3, 0.0, budget=10)
+    plan = plan_trees(rows, lambda s: MEMORY_BOUND.cost(s.tokens, 100), PassShape(3), 0.0, budget=10)
     assert plan.tokens == 13
 
 
@@ -160,6 +193,6 @@ def test_a_cheap_child_never_comes_before_its_costly_parent() -> None:
         ScoredDraft(Draft((1, 2), "self_draft", 0), Acceptance(0.9, 0.1), seconds_per_token=0.01),
         ScoredDraft(Draft((1, 3, 4), "context", 0), Acceptance(0.8, 0.9)),
     ]
-    plan = plan_trees([RowCandidates(shared, 2, 3)], lambda n: MEMORY_BOUND.cost(n, 100), 1, 0.0, budget=2)
+    plan = plan_trees([RowCandidates(shared, 2, 3)], lambda s: MEMORY_BOUND.cost(s.tokens, 100), PassShape(1), 0.0, budget=2)
     assert [d.token_ids for d in plan.trees[0].drafts] == [(1, 3)]  # node (1,) first, then (1, 3)
     assert plan.tokens == 3
