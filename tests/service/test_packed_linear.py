@@ -61,7 +61,7 @@ def test_dequantization_is_ggufs_bit_for_bit(kind) -> None:
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
 @pytest.mark.parametrize("out_features, in_features", [(64, 32), (45, 96), (200, 608), (576, 576), (33, 1536)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16, 33])
 def test_packed_linear_matches_the_torch_reference(use_numba, kind, out_features, in_features, rows) -> None:
     blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
     layer = PackedLinear(tiles_from_blocks(blocks, out_features, in_features, kind.name), kernels if use_numba else None)
@@ -92,7 +92,8 @@ def test_a_rows_result_does_not_depend_on_the_pass_size(kind) -> None:
     together = layer(x)
     for i in range(17):
         assert torch.equal(layer(x[i : i + 1])[0], together[i])
-    assert torch.equal(layer(x[3:6]), together[3:6])
+    assert torch.equal(layer(x[3:6]), together[3:6])  # three rows run padded to four
+    assert torch.equal(layer(x[:7]), together[:7])  # a Q8_0 group of four, then three padded
 
 
 def test_unpermute_rows_matches_transformers_gguf_loader() -> None:
