@@ -4,9 +4,9 @@ For each (rows R, context L) a cache of R rows of length L is set up (the entrie
 not change the work, so nothing is prefilled), then passes of R × m tokens are timed on top of
 it and rolled back, so L stays fixed. The logits are read back so GPU timings include the work.
 Beside those equal rows, each (R > 1, L) also times one row of a few tokens among one-token
-rows: what that costs beyond its tokens' share of the equal-rows curve is the row's own
-attention call (or the padding of every row), which the controller charges to a row's first
-node (`CostProfile.wide_row_seconds`).
+rows, each time against the plain pass beside it: what that costs beyond its tokens' share of
+the equal-rows curve is the row's own attention call (or the padding of every row), which the
+controller charges to a row's first node (`CostProfile.wide_row_seconds`).
 
 The controller trades tokens against *ratios* of costs, so the ratios must survive a busy
 machine: each repeat times every size in turn (a slow spell hits all sizes alike), medians are
@@ -51,6 +51,7 @@ NOISE = 0.15  # relative slack of the validation rules
 MAX_SPREAD = 0.3  # (p75 - p25) / median of a cell's repeats
 ATTEMPTS = 3
 WIDE_ROW_TOKENS = 4  # the row whose own cost among one-token rows is measured: a small tree
+WIDE_PAIRS = 3  # (wide pass, plain pass) pairs per repeat: their difference is small and noisy
 
 
 def device_name(device: torch.device) -> str:
@@ -83,8 +84,9 @@ def measure_steps(
         for _ in range(repeats):
             for index, trees in enumerate(passes):
                 cells[index].append(_timed_pass(runner, cache, trees))
-            for trees in wide:
-                wide_samples.setdefault((count, length), []).append(_timed_pass(runner, cache, trees))
+            for trees in wide * WIDE_PAIRS:  # paired with the plain pass beside it: drift cancels
+                extra = _timed_pass(runner, cache, trees) - _timed_pass(runner, cache, passes[0])
+                wide_samples.setdefault((count, length), []).append(extra)
             yield
         medians = " ".join(f"n{n}={statistics.median(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count), cells))
         log.info("profiled rows=%d L=%d: %s", count, length, medians)
@@ -101,12 +103,14 @@ def measure_steps(
     return dataclasses.replace(equal_rows, wide_row_seconds=wide_row_seconds), problems
 
 
-def _wide_row_cost(equal_rows: CostProfile, rows: int, length: int, samples: list[float] | None) -> float:
-    """The measured pass with one wide row, less the equal-rows curve's price for its tokens."""
-    if not samples:
+def _wide_row_cost(equal_rows: CostProfile, rows: int, length: int, extras: list[float] | None) -> float:
+    """What the pass with one wide row measured over the plain pass, less what the equal-rows
+    curve charges its extra tokens."""
+    if not extras:
         return 0.0
     tokens = rows + WIDE_ROW_TOKENS - 1
-    return max(statistics.median(samples) - equal_rows.cost(tokens, length, rows), 0.0)
+    curve = equal_rows.cost(tokens, length, rows) - equal_rows.cost(rows, length, rows)
+    return max(statistics.median(extras) - curve, 0.0)
 
 
 def measure_profile(runner: ModelRunner, **grid: Sequence[int]) -> tuple[CostProfile, list[str]]:
