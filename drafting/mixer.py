@@ -11,7 +11,10 @@ The k best-valued candidates are chosen, skipping any that would add no node to 
 (a duplicate, or a prefix of one already chosen). Strategies that run a model also report
 their measured seconds per drafted token, handed on with each candidate for the controller
 to charge; one the controller keeps passing over is asked only now and then (`chosen`),
-since measuring it means paying for its draft. Sessions are per request; the `Mixer` that
+since measuring it means paying for its draft. And strategies are asked for about twice the
+drafts, and twice as deep, as the controller took last round (`chosen`): drafting all k × w for
+every request of a batch the controller mostly decodes plainly cost 1.1 ms a request a pass
+(16 requests: 20% of the step). Sessions are per request; the `Mixer` that
 opens them is shared and holds the global statistics and the state strategies share across
 requests: the successor tables the passes' distributions refresh, and the index of all
 requests' outputs.
@@ -36,6 +39,7 @@ CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mix
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
 UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every (strategy, rank) gets tried
 PROBE_FIRST, PROBE_LAST = 8, 128  # a costly strategy passed over is asked again after 8, 16, ... 128 rounds
+REACH_SLACK = 2  # drafts and depth asked for beyond twice what the controller took last round
 
 Key = tuple[str, int]  # (strategy, rank)
 
@@ -119,13 +123,17 @@ class DraftSession:
         self._candidates: list[Draft] = []
         self._writer = SuffixWriter(mixer.suffix) if mixer.suffix is not None else None
         self._skipped: dict[str, _Skipped] = {}  # costly strategies the controller passes over
+        self._reach: tuple[int, int] | None = None  # (drafts, depth) worth asking for; None: all
 
     def acceptance(self, draft: Draft) -> Acceptance:
         key = (draft.strategy, draft.rank)
         return blend(self.counts[key], self.mixer.prior(key), REQUEST_PRIOR_WEIGHT)
 
     def candidates(self, k: int, w: int) -> list[ScoredDraft]:
-        """Up to k drafts of ≤ w tokens from each strategy, best expected acceptance first."""
+        """Up to k drafts of ≤ w tokens from each strategy (fewer, shorter ones while the
+        controller takes few: see `chosen`), best expected acceptance first."""
+        if self._reach is not None:
+            k, w = min(k, self._reach[0]), min(w, self._reach[1])
         asked = [s for s in self.strategies if s.name not in self._skipped or self._skipped[s.name].due]
         drafts = [d for s in asked for d in self._lengthen(s.propose(self.history, k, w), w)]
         self._candidates = list(dict.fromkeys(drafts))
@@ -140,7 +148,12 @@ class DraftSession:
     def chosen(self, drafts: Sequence[Draft]) -> None:
         """What the controller took this round. A costly strategy (one that runs a model) it
         passed over is asked again only after 8 rounds, then 16, ... 128 while it keeps
-        losing, so its drafting time is saved, yet it is still measured and can win back."""
+        losing, so its drafting time is saved, yet it is still measured and can win back.
+        The next round asks every strategy for twice the drafts and depth taken, plus
+        `REACH_SLACK` (two of two tokens after a plain round), so the ask follows the choice
+        up within a round or two."""
+        deepest = max((len(d.token_ids) for d in drafts), default=0)
+        self._reach = (2 * len(drafts) + REACH_SLACK, 2 * deepest + REACH_SLACK)
         used = {d.strategy for d in drafts}
         for strategy in self.strategies:
             if strategy.name in used:

@@ -279,8 +279,10 @@ class Engine:
         fixed = _pass_shape([row.width + (id(row) in is_auto) for row in rows])  # auto rows: their roots
         context = sum(r.request.context_length for r in rows) / len(rows)
 
+        pass_cost = profile.at(context, len(rows))
+
         def cost(shape: PassShape) -> float:
-            return profile.cost_of(shape, context, len(rows)) * shapes.shape_factor(shape.tokens)
+            return pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens)
 
         candidates = []
         for row in auto:
@@ -365,7 +367,7 @@ class Engine:
     def _observe_pass(self, shape: PassShape, rows: int, seconds: float) -> None:
         if self.profile is not None:
             context = sum(r.context_length for r in self.scheduler.running) / max(len(self.scheduler.running), 1)
-            profiled = self.profile.cost_of(shape, context, rows)
+            profiled = self.profile.at(context, rows).seconds(shape)
             self.calibration.observe_pass(shape.tokens, profiled, seconds)
 
     def _drop_aborted(self) -> None:

@@ -101,3 +101,18 @@ def test_a_costly_strategy_the_controller_passes_over_is_only_probed() -> None:
     session.chosen([Draft((1, 2), "model")])  # picked again: asked every round
     session.candidates(1, 2)
     assert len(costly.calls) == 4
+
+
+def test_strategies_are_asked_for_about_what_the_controller_takes() -> None:
+    """A plain round: next, two drafts of two tokens per strategy; after one draft of three
+    tokens was taken, four of eight; outside auto mode (no `chosen`), all k × w."""
+    long = tuple(range(1, 11))
+    strategy = Fixed("a", tuple(tuple(t + 100 * r for t in long) for r in range(8)))
+    session = Mixer([strategy]).session([0])
+    assert [len(s.draft.token_ids) for s in session.candidates(8, 10)] == [10] * 8
+    session.chosen([])
+    assert [len(s.draft.token_ids) for s in session.candidates(8, 10)] == [2, 2]
+    session.chosen([Draft((1, 2, 3), "a", 0)])
+    assert [len(s.draft.token_ids) for s in session.candidates(8, 10)] == [8] * 4
+    session.chosen([Draft(long[:9], "a", 0), Draft((101, 102), "a", 1)])
+    assert [len(s.draft.token_ids) for s in session.candidates(8, 10)] == [10] * 6

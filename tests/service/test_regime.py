@@ -196,3 +196,17 @@ def test_a_cheap_child_never_comes_before_its_costly_parent() -> None:
     plan = plan_trees([RowCandidates(shared, 2, 3)], lambda s: MEMORY_BOUND.cost(s.tokens, 100), PassShape(1), 0.0, budget=2)
     assert [d.token_ids for d in plan.trees[0].drafts] == [(1, 3)]  # node (1,) first, then (1, 3)
     assert plan.tokens == 3
+
+
+def test_the_planner_stops_pricing_once_more_nodes_stop_paying() -> None:
+    """Sixteen requests of 8 × 8 candidates where every token costs: the plan is chosen
+    among the first nodes, and the planner does not price all 1024 of them."""
+    calls = []
+
+    def cost(s: PassShape) -> float:
+        calls.append(s)
+        return 0.05 + 0.005 * s.tokens
+
+    rows = [RowCandidates(candidates(0.9, 0.9, first=1000 * r), 8, 8) for r in range(16)]
+    plan = plan_trees(rows, cost, PassShape(16), 0.0, budget=1024)
+    assert plan.tokens > 16 and len(calls) < 200
