@@ -284,19 +284,20 @@ class Engine:
         def cost(shape: PassShape) -> float:
             return pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens)
 
-        candidates = []
+        candidates, may_probe = [], shapes.may_probe
         for row in auto:
             request, spec = row.request, row.request.params.speculation
             w = self._max_depth(request, spec.w)
             candidates.append(RowCandidates(
                 request.drafts.candidates(spec.k, w), spec.k, w,
-                request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe,
+                request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe and may_probe,
                 width=row.width + 1,
             ))
         fixed_expected = sum(1 for r in rows if r.tree is not None)
         if shapes.plain_is_stale(fixed.tokens) and shapes.level.rounds > 0:
             budget = 0  # a plain probe: keeps the relative cost of speculating measured
         plan = plan_trees(candidates, cost, fixed, fixed_expected, budget)
+        shapes.count_pass(plan.probed)
         for row, choice in zip(auto, plan.trees):
             row.request.drafts.chosen(choice.drafts)
             row.choice = choice

@@ -175,6 +175,7 @@ class TreePlan:
     tokens: int  # total tokens of the pass
     expected_tokens: float  # over the whole pass
     seconds: float  # forecast of the pass
+    probed: bool = False  # a row speculates that the forecast alone would not have
 
     @property
     def tokens_per_second(self) -> float:
@@ -226,7 +227,8 @@ def plan_trees(
     best_count, _ = _best_counts(nodes, cost, fixed, widths, base_expected, min_gain)
     chosen = nodes[:best_count]
     probing = next((i for i, row in enumerate(rows) if row.probe), None)
-    if best_count == 0 and probing is not None:
+    probed = best_count == 0 and probing is not None
+    if probed:
         # Measure the speculation the forecast rejects, one row per pass: rows that start
         # together come due together, and all of them probing at once made a pass of 13 rows
         # carry 20 nodes at 2.2x a plain pass's time. The others stay due for the next passes.
@@ -236,7 +238,8 @@ def plan_trees(
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
     total = fixed_expected + sum(t.expected_tokens for t in trees)
     shape = list(_grown_shapes(fixed, widths, chosen))[-1] if chosen else fixed
-    return TreePlan(trees, shape.tokens, total, cost(shape) + sum(n.draft_seconds for n in chosen))
+    return TreePlan(trees, shape.tokens, total, cost(shape) + sum(n.draft_seconds for n in chosen),
+                    probed and bool(chosen))
 
 
 def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Sequence[_Node]) -> Iterator[PassShape]:

@@ -157,3 +157,13 @@ def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them()
         request.observe_round(0.0, 0, speculated=False)
     request.observe_round(2.0, accepted=2, speculated=True)  # chosen by the forecast, not due
     assert request.probe_every == PROBE_EVERY
+
+
+def test_the_engine_probes_at_most_once_every_probe_every_passes() -> None:
+    shared = Calibration()
+    assert shared.may_probe
+    shared.count_pass(probed=True)
+    for _ in range(PROBE_EVERY):
+        assert not shared.may_probe
+        shared.count_pass(probed=False)
+    assert shared.may_probe

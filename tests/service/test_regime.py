@@ -156,9 +156,10 @@ def test_a_probe_speculates_even_when_the_forecast_says_plain() -> None:
     row = RowCandidates(candidates(0.3, 0.3), 4, 4, probe=True)
     plan = plan_trees([row], lambda s: COMPUTE_BOUND.cost(s.tokens, 100), PassShape(1), 0.0, budget=16)
     assert plan.trees[0].k >= 1 and plan.tokens > 1  # the best speculative plan, though plain wins
+    assert plan.probed
     no_probe = plan_trees([RowCandidates(candidates(0.3, 0.3), 4, 4)],
                           lambda s: COMPUTE_BOUND.cost(s.tokens, 100), PassShape(1), 0.0, 16)
-    assert no_probe.tokens == 1
+    assert no_probe.tokens == 1 and not no_probe.probed
 
 
 
