@@ -180,8 +180,9 @@ def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: 
     print("|---|---|---|---|---|---|")
     for prompt in prompts:
         r = bench.spike_recovery(engine, prompt.prompt_ids, params)
+        rest = f"{r.after_rest:.1f}" if r.after_rest else f"— (done within {r.rounds} rounds)"
         print(f"| {prompt.category}/{prompt.question_id} | {r.fresh:.1f} | {r.during:.1f} | {r.after_first_rounds:.1f} "
-              f"({r.after_first_rounds / r.fresh:.0%}) | {r.after_rest:.1f} | {r.after_drafted_rounds} |", flush=True)
+              f"({r.after_first_rounds / r.fresh:.0%}) | {rest} | {r.after_drafted_rounds} |", flush=True)
 
 
 def _profile(args: argparse.Namespace) -> None:

@@ -275,7 +275,8 @@ def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
 
 @dataclass(frozen=True)
 class SpikeReport:
-    """Tokens/s of one prompt in auto mode: fresh, under outside CPU load, and after it."""
+    """Tokens/s of one prompt in auto mode: fresh, under outside CPU load, and after it; each
+    over its rounds' drafting and passes, so the three compare alike."""
 
     fresh: float
     during: float
@@ -300,10 +301,14 @@ def spike_recovery(engine: Engine, prompt_ids: list[int], params: GenerationPara
     after = list(engine.generate(prompt_ids, params))
     first, rest = after[:rounds], after[rounds:]
     return SpikeReport(
-        fresh=len(fresh.token_ids) / fresh.seconds, during=len(during.token_ids) / during.seconds,
+        fresh=_completion_rate(fresh), during=_completion_rate(during),
         after_first_rounds=_rate(first), after_rest=_rate(rest),
         after_drafted_rounds=sum(1 for r in after if r.num_draft_tokens), rounds=rounds,
     )
+
+
+def _completion_rate(completion: Completion) -> float:
+    return len(completion.token_ids) / (completion.draft_seconds + completion.forward_seconds)
 
 
 def _rate(rounds: Sequence[RoundOutput]) -> float:
