@@ -21,9 +21,11 @@ next (up to `PROBE_MAX_EVERY`): on free text where drafts never pay on a CPU, pr
 auto mode's speculative rounds, each a loss. A round the forecast itself chose to speculate
 resets the wait. And the engine probes at most once every `PROBE_EVERY` passes, whatever the
 batch: with 16 requests each probing on its own clock, a third of all passes carried a probe
-(measured: 89 of 228 passes speculated, mostly probes, each a loss where plain wins). Symmetrically, when the all-plain pass size has gone unobserved that long,
-one pass is plain (a slowdown that hits trees harder than plain passes shows that way). If the observed relative costs stay far from the profile, `drifted()` asks
-the engine to measure the profile again when it is idle.
+(measured: 89 of 228 passes speculated, mostly probes, each a loss where plain wins).
+Symmetrically, when the all-plain pass size has gone unobserved that long, one pass is plain
+(a slowdown that hits trees harder than plain passes shows that way). If the observed relative
+costs stay far from the profile, `drifted()` asks the engine to measure the profile again when
+it is idle.
 """
 
 from __future__ import annotations

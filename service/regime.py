@@ -6,9 +6,9 @@ that knee lies depends on the device, model, dtype, the number of rows (requests
 and their context length, so it is measured (`service/profiler.py`) into a `CostProfile`
 T(N tokens, R rows, L context), measured with every row equally wide. A pass whose rows differ
 costs more than that curve says: one tree among one-token rows gets an attention call of its
-own (or pads every row), which on one CPU core cost 12 ms in a 143 ms pass of 16 rows, twice
-its extra token's share of the curve. The profile therefore also measures what one wide row
-adds (`wide_row_seconds`), and the controller charges it to the first node of every row.
+own (or pads every row) — on the 2-core dev CPU 2-6 ms beyond its tokens' share of the curve
+in a ~96 ms pass of 16 rows at L=256 (three profiles). The profile therefore also measures what
+one wide row adds (`wide_row_seconds`), and the controller charges it to a row's first node.
 
 `plan_trees` then chooses the trees of ALL running requests jointly. Every candidate node
 (a prefix of some request's draft) has a probability of being accepted; adding it adds that
