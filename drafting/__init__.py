@@ -2,7 +2,7 @@
 
 from collections.abc import Sequence
 
-from drafting.base import Draft, PassDistributions, Strategy, common_prefix
+from drafting.base import BatchStrategy, Draft, PassDistributions, Strategy, common_prefix
 from drafting.context_ngram import ContextNgram
 from drafting.history import TokenHistory
 from drafting.acceptance import Acceptance
@@ -42,6 +42,7 @@ __all__ = [
     "MIXED",
     "MODEL_STRATEGY_NAMES",
     "Acceptance",
+    "BatchStrategy",
     "STRATEGY_NAMES",
     "ContextNgram",
     "Draft",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -38,6 +38,23 @@ class Strategy(Protocol):
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
         """Return at most `k` distinct drafts of at most `w` tokens each, best first."""
+        ...
+
+
+@runtime_checkable
+class BatchStrategy(Strategy, Protocol):
+    """A strategy that drafts for many requests at once (one that runs a model: one pass for
+    all of them) and holds state per request (its KV row) until the request ends."""
+
+    kv_bytes_per_token: int  # memory held per token of a request's context (a KV budget counts it)
+
+    def prepare(self, asks: Sequence[tuple[TokenHistory, int, int]]) -> None:
+        """Draft for every (history, k, w) at once; each `propose` this round then finds its
+        drafts ready."""
+        ...
+
+    def release(self, history: TokenHistory) -> None:
+        """The request of `history` ended: drop what is held for it."""
         ...
 
 

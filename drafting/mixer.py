@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from drafting.acceptance import Acceptance, AcceptanceCounts, blend
-from drafting.base import Draft, PassDistributions, Strategy, common_prefix
+from drafting.base import BatchStrategy, Draft, PassDistributions, Strategy, common_prefix
 from drafting.history import TokenHistory
 from drafting.model_ngram import TableSlot
 from drafting.recycled import SuccessorTable
@@ -81,6 +81,13 @@ class Mixer:
         return [*self.strategies, *self.standalone, MIXED]
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """Memory the strategies hold per token of a request (draft models' KV rows): a
+        request may use all of them, so a KV budget counts the sum."""
+        every = [*self.strategies.values(), *self.standalone.values()]
+        return sum(s.kv_bytes_per_token for s in every if isinstance(s, BatchStrategy))
+
+    @property
     def distribution_top_k(self) -> int:
         """How many of each tree node's likeliest next tokens the engine should hand over
         after a pass (0: no strategy learns from them, skip the work)."""
@@ -97,6 +104,21 @@ class Mixer:
                              f"or join several with {SEPARATOR!r}")
         chosen = [every[name] for name in dict.fromkeys(names)]
         return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=len(chosen) > 1)
+
+    def prepare(self, asks: Sequence[tuple[DraftSession, int, int]]) -> None:
+        """Before a step's sessions are asked for (k, w) drafts each: strategies that draft
+        many requests at once (a draft model, one pass for all) get every ask they will be
+        asked this step, so that each session's own ask then finds its drafts ready."""
+        batches: dict[str, list[tuple[TokenHistory, int, int]]] = defaultdict(list)
+        batchable: dict[str, BatchStrategy] = {}
+        for session, k, w in asks:
+            k, w, asked = session.asks(k, w)
+            for strategy in asked:
+                if isinstance(strategy, BatchStrategy):
+                    batchable[strategy.name] = strategy
+                    batches[strategy.name].append((session.history, k, w))
+        for name, batch in batches.items():
+            batchable[name].prepare(batch)
 
     def observe_distributions(self, passed: PassDistributions) -> None:
         """Refresh every shared successor table from one row's pass."""
@@ -132,14 +154,18 @@ class DraftSession:
     def candidates(self, k: int, w: int) -> list[ScoredDraft]:
         """Up to k drafts of ≤ w tokens from each strategy (fewer, shorter ones while the
         controller takes few: see `chosen`), best expected acceptance first."""
-        if self._reach is not None:
-            k, w = min(k, self._reach[0]), min(w, self._reach[1])
-        asked = [s for s in self.strategies if s.name not in self._skipped or self._skipped[s.name].due]
+        k, w, asked = self.asks(k, w)
         drafts = [d for s in asked for d in self._lengthen(s.propose(self.history, k, w), w)]
         self._candidates = list(dict.fromkeys(drafts))
         costs = {s.name: _cost(s) for s in self.strategies}
         scored = [ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates]
         return sorted(scored, key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
+
+    def asks(self, k: int, w: int) -> tuple[int, int, list[Strategy]]:
+        """What `candidates(k, w)` asks for, and of which strategies (see `chosen`)."""
+        if self._reach is not None:
+            k, w = min(k, self._reach[0]), min(w, self._reach[1])
+        return k, w, [s for s in self.strategies if s.name not in self._skipped or self._skipped[s.name].due]
 
     def propose(self, k: int, w: int) -> list[Draft]:
         """The k most valuable drafts that each add a node to the tree."""
@@ -181,9 +207,13 @@ class DraftSession:
         self.history.hints = tuple(int(t) for t in passed.top_ids[passed.stop_node])
 
     def close(self) -> None:
-        """The request ended: its last output goes into the shared index."""
+        """The request ended: its last output goes into the shared index, and strategies
+        that hold state per request (a draft model's KV row) free it."""
         if self._writer is not None:
             self._writer.flush()
+        for strategy in self.strategies:
+            if isinstance(strategy, BatchStrategy):
+                strategy.release(self.history)
 
     def _lengthen(self, drafts: list[Draft], w: int) -> list[Draft]:
         tables = self.mixer.tables.tables

@@ -16,6 +16,11 @@ so one 5-node tree among 15 one-token rows must not make all 16 rows attend with
 
 Masks: row r's node i sees the row's committed cache [0, start_r) and its own ancestors in
 the tree (itself included), nothing else — the same rule as a single sequence.
+
+A row may bring only the newer part of a tree: nodes [0, cached) then already sit, uncommitted,
+at [start, start + cached) from an earlier pass of the same row, and the new nodes see them as
+ancestors. A draft model grows its trees that way, one depth a pass, without feeding a node
+twice (`service/draft_rows.py`). A row that brings nothing this pass has width 0.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ GPU_CALL_SLOTS = 16
 class PassLayout:
     """Where each of a pass's T flat tokens sits: its row, its cache position, its mask."""
 
-    starts: list[int]  # [rows]: committed length of each row when the pass began
+    ends: list[int]  # [rows]: columns each row attends over (committed + its whole tree)
     widths: list[int]  # [rows]: tokens each row brings
     write_rows: torch.Tensor  # [T] long: the KV row of each flat token
     write_positions: torch.Tensor  # [T] long: its position in that row
@@ -65,22 +70,27 @@ class PassLayout:
         return out
 
 
-def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device) -> PassLayout:
-    """The layout of a pass in which row r brings `trees[r]` on top of `starts[r]` entries."""
-    widths = [tree.num_nodes for tree in trees]
-    pass_end = max(s + w for s, w in zip(starts, widths))
+def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device,
+                 cached: Sequence[int] | None = None) -> PassLayout:
+    """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
+    (default: all) on top of `starts[r]` committed entries."""
+    cached = cached or [0] * len(trees)
+    widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
+    ends = [s + tree.num_nodes for s, tree in zip(starts, trees)]
     write_rows = torch.cat([torch.full((w,), r, dtype=torch.long) for r, w in enumerate(widths)])
-    slots = torch.cat([torch.arange(s, s + w) for s, w in zip(starts, widths)])  # [T]: node i at start + i
-    depths = torch.cat([torch.tensor(tree.depths, dtype=torch.long) for tree in trees])
-    positions = slots - torch.cat([torch.arange(w) for w in widths]) + depths  # [T]: start + depth
-    row_masks = [_row_mask(tree, start) for tree, start in zip(trees, starts)]
+    # node i of a row at start + i; its RoPE position start + depth
+    slots = torch.cat([torch.arange(s + c, e) for s, c, e in zip(starts, cached, ends)])  # [T]
+    positions = torch.cat([s + torch.tensor(tree.depths[c:], dtype=torch.long)
+                           for s, c, tree in zip(starts, cached, trees)])  # [T]
+    row_masks = [_row_mask(tree, start, c) for tree, start, c in zip(trees, starts, cached)]
+    pass_end = max(ends)
     width = batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS))
     batched_mask = query_index = batched_tokens = batched_slots = None
     if width:
         batched_mask, query_index, batched_tokens, batched_slots = _batched(row_masks, widths, pass_end, width)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     return PassLayout(
-        starts=list(starts), widths=widths, write_rows=write_rows.to(device),
+        ends=ends, widths=widths, write_rows=write_rows.to(device),
         write_positions=slots.to(device), position_ids=positions[None].to(device), pass_end=pass_end,
         row_masks=[m.to(device) for m in row_masks], batched_mask=to(batched_mask),
         query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
@@ -97,11 +107,12 @@ def batched_width(widths: Sequence[int], call_slots: int) -> int:
     return min([0, *sorted(set(widths))], key=slots)
 
 
-def _row_mask(tree: TokenTree, start: int) -> torch.Tensor:
-    """[1, 1, n, start + n] bool: the whole committed cache, then the tree's ancestors."""
+def _row_mask(tree: TokenTree, start: int, cached: int = 0) -> torch.Tensor:
+    """[1, 1, n - cached, start + n] bool: the whole committed cache, then the tree's
+    ancestors, for the nodes the row brings."""
     n = tree.num_nodes
-    mask = torch.ones(1, 1, n, start + n, dtype=torch.bool)
-    mask[0, 0, :, start:] = tree.ancestor_mask()
+    mask = torch.ones(1, 1, n - cached, start + n, dtype=torch.bool)
+    mask[0, 0, :, start:] = tree.ancestor_mask()[cached:]
     return mask
 
 
@@ -159,8 +170,7 @@ def ragged_attention(
         flat[layout.batched_tokens] = batched
     offsets = layout.offsets
     for row in layout.separate_rows:
-        offset, width, start = offsets[row], layout.widths[row], layout.starts[row]
-        end = start + width
+        offset, width, end = offsets[row], layout.widths[row], layout.ends[row]
         flat[offset : offset + width] = F.scaled_dot_product_attention(
             query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
             attn_mask=layout.row_masks[row], scale=scaling, enable_gqa=True,

@@ -110,7 +110,7 @@ class ContextTooLong(ValueError):
     """The prompt plus the requested tokens do not fit the model's context."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Row:
     """One running request's part of a pass."""
 
@@ -144,8 +144,9 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.cache = runner.new_cache()
+        # the draft models' rows count against the KV budget too (an upper bound: all of them per request)
         self.scheduler = Scheduler(scheduler_config.for_device(runner.device.type), self.cache,
-                                   runner.kv_bytes_per_token)
+                                   runner.kv_bytes_per_token + mixer.kv_bytes_per_token)
         self._ids = itertools.count()
         self._learn_seconds = 0.0  # this step's hand-over of distributions to the drafting layer
 
@@ -253,21 +254,17 @@ class Engine:
             ids = request.prompt_ids[request.num_cached : request.num_cached + chunk]
             rows.append(_Row(request, ids))
         decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
+        speculating = [row for row in decoding if self._speculates(row.request)]
+        self.mixer.prepare([(row.request.drafts, row.request.params.speculation.k,
+                             self._max_depth(row.request, row.request.params.speculation.w)) for row in speculating])
+        auto = [row for row in speculating if row.request.params.speculation.mode == "auto"]
         budget = step_plan.tree_budget
-        auto = []
         for row in decoding:
             spec = row.request.params.speculation
-            w = self._max_depth(row.request, spec.w)
-            if spec.mode == "auto" and spec.k > 0:
-                if self.profile is not None:
-                    auto.append(row)
-                    continue
-                drafts = []  # until the cost profile exists, auto decodes plainly
-            elif spec.mode == "off" or spec.k == 0 or w == 0:
-                drafts = []
-            else:
-                drafts = row.request.drafts.propose(spec.k, w)
-            row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * w, budget))
+            if row in auto:
+                continue  # the controller chooses its tree below
+            drafts = row.request.drafts.propose(spec.k, self._max_depth(row.request, spec.w)) if row in speculating else []
+            row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * spec.w, budget))
             budget -= row.tree.num_nodes - 1
         plan = self._plan_auto(auto, rows, budget) if auto else None
         return rows, plan
@@ -303,6 +300,16 @@ class Engine:
             row.choice = choice
             row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
         return plan
+
+    def _speculates(self, request: Request) -> bool:
+        """Whether the request drafts this step: fixed mode while a draft fits its budget, auto
+        mode once the cost profile exists (its controller prices even a plain last round)."""
+        spec = request.params.speculation
+        if spec.mode == "off" or spec.k == 0:
+            return False
+        if spec.mode == "fixed":
+            return self._max_depth(request, spec.w) > 0
+        return self.profile is not None
 
     def _max_depth(self, request: Request, w: int) -> int:
         """The deepest tree worth building for `request`: a round commits at most depth + 1

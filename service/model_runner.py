@@ -24,10 +24,17 @@ from service.tree import TokenTree
 
 @dataclass(frozen=True)
 class RowInput:
-    """What one KV row brings to a pass: a tree, and from which node on it needs logits."""
+    """What one KV row brings to a pass: a tree (or the part of it past `cached`), and from
+    which node on it needs logits."""
 
     tree: TokenTree
     logits_from: int = 0  # nodes [logits_from, num_nodes) get logits; num_nodes for none
+    cached: int = 0  # nodes [0, cached) were written by an earlier pass, uncommitted (kept as they are)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cached <= self.logits_from <= self.tree.num_nodes:
+            raise ValueError(f"need 0 <= cached ({self.cached}) <= logits_from ({self.logits_from}) "
+                             f"<= nodes ({self.tree.num_nodes})")
 
 
 class ModelRunner:
@@ -51,23 +58,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> list[torch.Tensor]:
-        """Append row r's tree to cache row r (for every row) and return, per row, the logits
-        [num_nodes - logits_from, vocab] of its nodes from `logits_from` on.
+        """Append row r's tree (its nodes past `cached`) to cache row r, for every row, and
+        return, per row, the logits [num_nodes - logits_from, vocab] of its nodes from
+        `logits_from` on.
 
         The caller must `cache.commit()` each row afterwards.
         """
         if len(rows) != cache.num_rows:
             raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
         trees = [row.tree for row in rows]
-        layout = build_layout(trees, cache.lengths, self.device)
+        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows])
         cache.begin_pass(layout)
-        input_ids = torch.tensor([[t for tree in trees for t in tree.token_ids]], device=self.device)  # [1, T]
+        input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
+                                 device=self.device)  # [1, T]
         hidden = self.model.base_model(
             input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
             use_cache=True, pass_layout=layout,
         ).last_hidden_state[0]  # [T, hidden]
         wanted = [
-            offset + node
+            offset + node - row.cached
             for offset, row in zip(layout.offsets, rows)
             for node in range(row.logits_from, row.tree.num_nodes)
         ]

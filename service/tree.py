@@ -86,7 +86,7 @@ def chain_tree(token_ids: Sequence[int]) -> TokenTree:
         parents=list(range(-1, n - 1)),
         depths=list(range(n)),
         strategies=[None] * n,
-        children=[{token_ids[i + 1]: i + 1} for i in range(n - 1)] + [{}],
+        children=[{token_ids[i + 1]: i + 1} for i in range(n - 1)] + [{}] * min(n, 1),
     )
 
 

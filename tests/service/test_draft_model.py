@@ -53,6 +53,26 @@ def test_requests_drafted_together_equal_each_alone(tiny_model, tiny_engine: Eng
         assert completion.token_ids == reference_greedy(tiny_model, prompt, params.max_new_tokens)
 
 
+def test_one_draft_pass_a_depth_serves_every_request_and_rows_are_freed(tiny_model, tiny_runner) -> None:
+    drafter = ModelDrafter(make_tiny_model(seed=5), "draft_model")
+    engine = Engine(tiny_runner, Mixer([drafter]), [], max_context=512)
+    assert engine.scheduler.kv_bytes_per_token == tiny_runner.kv_bytes_per_token + drafter.kv_bytes_per_token
+    passes = []
+    forward = drafter.rows.runner.forward
+    drafter.rows.runner.forward = lambda cache, rows: passes.append(rows) or forward(cache, rows)  # type: ignore[method-assign]
+    params = GenerationParams(12, speculation=SpeculationParams(2, 3), strategy="draft_model")
+    requests = [engine.add_request(prompt, params) for prompt in PROMPTS[:3]]
+    while not all(r.prefill_remaining == 0 for r in requests):
+        engine.step()
+    passes.clear()
+    engine.step()
+    assert len(passes) == 3  # w passes for all three requests: the feed, then two depths
+    assert all(sum(row.tree.num_nodes > row.cached for row in rows) == 3 for rows in passes)
+    while engine.has_work:
+        engine.step()
+    assert len(drafter.rows) == 0 and drafter.rows.cache.nbytes == 0
+
+
 @pytest.mark.parametrize("w", [1, 3, 6])
 def test_the_target_drafting_for_itself_is_always_accepted(tiny_model, tiny_runner, w: int) -> None:
     engine = Engine(tiny_runner, Mixer([ModelDrafter(make_tiny_model(), "draft_model")]), [], max_context=512)

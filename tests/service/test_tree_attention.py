@@ -136,3 +136,30 @@ def test_a_removed_row_leaves_the_others_intact_and_the_last_frees_memory() -> N
     assert cache.nbytes > 0
     cache.remove_row(0)
     assert cache.nbytes == 0 and cache.num_rows == 0
+
+
+@pytest.mark.parametrize("split", [1, 3, 5])
+def test_a_tree_brought_in_two_passes_equals_it_in_one(split: int) -> None:
+    """A row may bring only its tree's newer nodes: the earlier ones sit uncommitted in its
+    cache from the previous pass (how a draft model grows a tree a depth a pass), beside a row
+    that brings nothing and a row that brings a whole tree."""
+    model = make_tiny_model(seed=6)
+    runner = ModelRunner(model)
+    prompts = [PROMPT, [7, 3, 9], list(range(2, 30))]
+    cache = prefilled(runner, prompts)
+    trees = [build_tree(p[-1], DRAFTS) for p in prompts]
+    runner.forward(cache, [RowInput(_first(trees[0], split)), RowInput(chain_tree([])), RowInput(chain_tree([]))])
+    logits = runner.forward(cache, [RowInput(trees[0], split, cached=split), RowInput(chain_tree([])),
+                                    RowInput(trees[2])])
+    tail = trees[0].num_nodes - split
+    assert logits[0].shape[0] == tail and logits[1].shape[0] == 0
+    for node in range(split, trees[0].num_nodes):
+        expected = sequential_logits(model, prompts[0] + path_to(trees[0], node))
+        torch.testing.assert_close(logits[0][node - split], expected, atol=1e-5, rtol=1e-5)
+    assert_nodes_match(model, prompts[2], trees[2], logits[2])
+
+
+def _first(tree: TokenTree, n: int) -> TokenTree:
+    """The tree's first n nodes (breadth-first, so a tree again)."""
+    return TokenTree(tree.token_ids[:n], tree.parents[:n], tree.depths[:n], tree.strategies[:n],
+                     [{t: c for t, c in kids.items() if c < n} for kids in tree.children[:n]])

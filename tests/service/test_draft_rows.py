@@ -1,5 +1,6 @@
-"""The draft model's cache follows the committed tokens: after full acceptance, partial
-acceptance and rejection it holds exactly the entries a fresh draft pass would compute."""
+"""The draft model's KV rows follow the committed tokens: after full acceptance, partial
+acceptance and rejection a row holds exactly the entries a fresh draft pass would compute;
+requests drafted in one batch get the drafts each would get alone, and rows are freed."""
 
 from __future__ import annotations
 
@@ -26,11 +27,17 @@ def fresh_entries(drafter: ModelDrafter, token_ids: list[int]) -> torch.Tensor:
     return out.past_key_values.layers[0].keys
 
 
+def held_keys(drafter: ModelDrafter, history: TokenHistory) -> tuple[list[int], torch.Tensor]:
+    """The committed tokens a request's row holds, and layer 0's keys for them [1, heads, n, d]."""
+    row = drafter.rows.row(history)
+    keys = drafter.rows.cache.layers[0].keys[row.index : row.index + 1, :, : len(row.token_ids)]
+    return row.token_ids, keys
+
+
 def assert_in_step(drafter: ModelDrafter, history: TokenHistory) -> None:
-    cache = drafter.cache_for(history)
-    held = cache.token_ids
+    held, keys = held_keys(drafter, history)
     assert held == history.token_ids[: len(held)] and len(held) < len(history)
-    assert torch.allclose(cache.kv.layers[0].keys[:, :, : len(held)], fresh_entries(drafter, held), atol=1e-5)
+    assert torch.allclose(keys, fresh_entries(drafter, held), atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -49,10 +56,9 @@ def test_the_cache_keeps_what_was_committed_and_drops_the_rest(drafter: ModelDra
     committed = commit(drafts)
     history.extend(committed)
     drafter.propose(history, K, W)  # syncs, then drafts the next tree on top
-    cache = drafter.cache_for(history)
-    assert cache.token_ids == history.token_ids  # everything committed is in the cache now
-    assert torch.allclose(cache.kv.layers[0].keys[:, :, : len(history)], fresh_entries(drafter, history.token_ids),
-                          atol=1e-5)
+    held, keys = held_keys(drafter, history)
+    assert held == history.token_ids  # everything committed is in the row now
+    assert torch.allclose(keys, fresh_entries(drafter, history.token_ids), atol=1e-5)
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 2, 3])
@@ -60,17 +66,17 @@ def test_accepted_draft_entries_are_reused_not_recomputed(drafter: ModelDrafter,
     history = TokenHistory(PROMPT)
     drafts = drafter.propose(history, K, W)
     history.extend([*drafts[1].token_ids[:accepted], 11])
-    fed = drafter.cache_for(history).sync(history.token_ids)
+    fed = drafter.rows.sync(drafter.rows.row(history), history.token_ids)
     assert fed == history.token_ids[len(PROMPT) + accepted :]  # the kept branch plus what is new
     assert_in_step(drafter, history)
 
 
-def test_a_history_the_cache_never_saw_starts_over(drafter: ModelDrafter) -> None:
+def test_a_history_the_row_never_saw_starts_over(drafter: ModelDrafter) -> None:
     history = TokenHistory(PROMPT)
     drafter.propose(history, K, W)
-    cache = drafter.cache_for(history)
-    assert cache.sync([5, 9, 1, 1]) == [1, 1]  # diverges after two tokens: rolled back to them
-    assert cache.length == 2
+    row = drafter.rows.row(history)
+    assert drafter.rows.sync(row, [5, 9, 1, 1]) == [1, 1]  # diverges after two tokens: rolled back to them
+    assert drafter.rows.cache.lengths[row.index] == 2
 
 
 def test_drafts_are_the_draft_models_top_branches_continued_greedily(drafter: ModelDrafter) -> None:
@@ -88,14 +94,38 @@ def test_drafts_are_the_draft_models_top_branches_continued_greedily(drafter: Mo
     assert drafter.seconds_per_token > 0
 
 
-def test_each_request_has_its_own_cache(drafter: ModelDrafter) -> None:
+def test_requests_drafted_in_one_batch_get_what_each_gets_alone(drafter: ModelDrafter) -> None:
+    prompts = [PROMPT, [3, 4, 5], list(range(2, 30)), [60, 61]]
+    asks = [(TokenHistory(p), k, w) for p, k, w in zip(prompts, [3, 1, 2, 4], [4, 2, 1, 3])]
+    drafter.prepare(asks)
+    batched = [drafter.propose(h, k, w) for h, k, w in asks]
+    for (history, k, w), drafts in zip(asks, batched):
+        alone = ModelDrafter(drafter.model, "draft_model").propose(TokenHistory(history.token_ids), k, w)
+        assert [d.token_ids for d in drafts] == [d.token_ids for d in alone]
+        held, keys = held_keys(drafter, history)
+        assert held == history.token_ids and torch.allclose(keys, fresh_entries(drafter, held), atol=1e-5)
+    # a second round, after each request committed some of its drafts: still each as alone
+    for (history, _, _), drafts in zip(asks, batched):
+        history.extend([*drafts[-1].token_ids[:1], 11])
+    drafter.prepare(asks)
+    for history, k, w in asks:
+        alone = ModelDrafter(drafter.model, "draft_model").propose(TokenHistory(history.token_ids), k, w)
+        assert [d.token_ids for d in drafter.propose(history, k, w)] == [d.token_ids for d in alone]
+
+
+def test_a_finished_request_frees_its_row_and_memory_returns(drafter: ModelDrafter) -> None:
     one, two = TokenHistory(PROMPT), TokenHistory([3, 4, 5])
-    drafter.propose(one, 2, 2)
+    drafter.prepare([(one, 2, 2), (two, 2, 2)])
+    assert len(drafter.rows) == 2 and drafter.rows.cache.nbytes > 0
+    drafts = drafter.propose(two, 2, 2)
+    drafter.release(one)  # the other row moves into the freed slot and keeps its committed entries
+    assert len(drafter.rows) == 1
+    two.extend([*drafts[0].token_ids, 7])  # its drafts accepted: their entries did not move with it
     drafter.propose(two, 2, 2)
-    assert drafter.cache_for(one).token_ids == PROMPT
-    assert drafter.cache_for(two).token_ids == [3, 4, 5]
-    del two  # a finished request's cache goes with its history
-    assert len(drafter._caches) == 1
+    held, keys = held_keys(drafter, two)
+    assert held == two.token_ids and torch.allclose(keys, fresh_entries(drafter, held), atol=1e-5)
+    drafter.release(two)
+    assert len(drafter.rows) == 0 and drafter.rows.cache.nbytes == 0
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3]], ids=["mixed", "repetitive"])
@@ -107,6 +137,6 @@ def test_a_staged_chain_is_the_draft_models_greedy_chain(drafter: ModelDrafter, 
     assert [d.token_ids for d in staged_drafts[1:]] == [d.token_ids[:1] for d in plain_drafts[1:]]
     history.extend([*staged_drafts[0].token_ids[:4], 11])
     staged.propose(history, K, 6)
-    assert staged.cache_for(history).token_ids == history.token_ids
-    assert torch.allclose(staged.cache_for(history).kv.layers[0].keys[:, :, : len(history)],
-                          fresh_entries(drafter, history.token_ids), atol=1e-5)
+    held, keys = held_keys(staged, history)
+    assert held == history.token_ids
+    assert torch.allclose(keys, fresh_entries(drafter, history.token_ids), atol=1e-5)
