@@ -81,11 +81,15 @@ class Mixer:
         return [*self.strategies, *self.standalone, MIXED]
 
     @property
+    def every_strategy(self) -> list[Strategy]:
+        """The strategies of `mixed` and the standalone ones."""
+        return [*self.strategies.values(), *self.standalone.values()]
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Memory the strategies hold per token of a request (draft models' KV rows): a
         request may use all of them, so a KV budget counts the sum."""
-        every = [*self.strategies.values(), *self.standalone.values()]
-        return sum(s.kv_bytes_per_token for s in every if isinstance(s, BatchStrategy))
+        return sum(s.kv_bytes_per_token for s in self.every_strategy if isinstance(s, BatchStrategy))
 
     @property
     def distribution_top_k(self) -> int:

@@ -25,7 +25,8 @@ from transformers import PreTrainedModel
 
 from drafting import ContextNgram, Draft, TokenHistory, common_prefix
 from service.draft_checks import check_draft
-from service.draft_rows import DraftRow, DraftRows, forest_tree
+from service.draft_rows import DraftRow, DraftRows, RowOf, TargetRows, tree_of
+from service.kv_cache import TreeKVCache
 from service.model_loader import LoadedModel, load_model
 from service.model_runner import ModelRunner, RowInput
 from service.self_draft import default_layers, first_layers
@@ -36,11 +37,16 @@ Ask = tuple[TokenHistory, int, int]  # a request's history, k drafts, w tokens e
 
 
 class ModelDrafter:
-    """Strategy `name`: a causal LM's top-k first tokens, each continued greedily to w tokens."""
+    """Strategy `name`: a causal LM's top-k first tokens, each continued greedily to w tokens.
+
+    With `shares_target_cache` (a self-draft: the target's first layers) it drafts in the
+    target's own KV rows (`TargetRows`), which the engine binds each step; otherwise in rows
+    of its own cache (`DraftRows`)."""
 
     def __init__(self, model: PreTrainedModel, name: str, vocab_size: int | None = None,
-                 lookahead: ContextNgram | None = None) -> None:
-        self.rows = DraftRows(ModelRunner(model))
+                 lookahead: ContextNgram | None = None, shares_target_cache: bool = False) -> None:
+        runner = ModelRunner(model)
+        self.rows: DraftRows | TargetRows = TargetRows(runner) if shares_target_cache else DraftRows(runner)
         self.name = name
         self.lookahead = lookahead  # staged: context n-gram guesses the draft's own chain
         # proposals stay inside the target's vocabulary (a draft's may be padded larger)
@@ -55,7 +61,12 @@ class ModelDrafter:
     @property
     def kv_bytes_per_token(self) -> int:
         """KV memory the draft holds per token of a request (the scheduler's budget counts it)."""
-        return self.rows.runner.kv_bytes_per_token
+        return self.rows.kv_bytes_per_token
+
+    def bind_target(self, cache: TreeKVCache, row_of: RowOf) -> None:
+        """The engine's cache and rows, for a draft that drafts in them (else nothing to do)."""
+        if isinstance(self.rows, TargetRows):
+            self.rows.bind(cache, row_of)
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
         """The drafts `prepare` made for this history this round (drafted now if it made none)."""
@@ -73,24 +84,19 @@ class ModelDrafter:
         """Draft for every ask at once: one pass feeds each request's new tokens, then one pass
         per depth grows every request's branches (a staged chain, as far as its guesses go)."""
         started = time.perf_counter()
-        jobs = [_Job(h, k, w, self.rows.row(h)) for h, k, w in asks if k > 0 and w > 0]
+        jobs = [_Job(h, k, w, self.rows.row(h), self.lookahead) for h, k, w in asks if k > 0 and w > 0]
         if not jobs:
             return
         for job in jobs:
             job.fed = self.rows.sync(job.row, job.history.token_ids)
-        logits = self._pass({job.row.index: RowInput(chain_tree(job.fed), len(job.fed) - 1) for job in jobs})
-        for job in jobs:
-            self.rows.commit_fed(job.row, job.fed)
-            firsts = logits[job.row.index][-1, : self.vocab_size].topk(job.k).indices.tolist()
-            job.start(firsts, self.lookahead)
         while inputs := {job.row.index: i for job in jobs if (i := job.next_input()) is not None}:
             logits = self._pass(inputs)
             for job in jobs:
                 if job.row.index in inputs:
-                    job.take(logits[job.row.index][:, : self.vocab_size].argmax(-1).tolist())
+                    job.take(logits[job.row.index][:, : self.vocab_size])
         drafted = 0
         for job in jobs:
-            job.row.forest_tokens, job.row.forest_parents = job.fed_forest()
+            job.row.scratch = job.scratch()
             branches = job.branches()
             drafted += sum(map(len, branches))
             self._prepared[id(job.history)] = (
@@ -119,42 +125,47 @@ class ModelDrafter:
 
 @dataclass
 class _Job:
-    """One request's drafting this round: its branches grown a depth per pass, or (staged) a
-    chain the context n-gram guesses ahead and the draft verifies, several tokens a pass."""
+    """One request's drafting this round, as one tree grown pass by pass in its row: the fed
+    tokens (a chain, the newest last), then below the newest either k branches a depth a pass,
+    or (staged) one chain the context n-gram guesses ahead and the draft verifies, several
+    tokens a pass where the guesses hold."""
 
     history: TokenHistory
     k: int
     w: int
     row: DraftRow
-    fed: list[int] = field(default_factory=list)  # committed tokens the first pass feeds
-    lookahead: ContextNgram | None = None
-    firsts: list[int] = field(default_factory=list)
-    levels: list[list[int]] = field(default_factory=list)  # tree: levels[d][b] = branch b's token at depth d + 1
+    lookahead: ContextNgram | None
+    fed: list[int] = field(default_factory=list)  # what the row lacks of the history
+    firsts: list[int] = field(default_factory=list)  # the draft's top-k after the newest token
+    levels: list[list[int]] = field(default_factory=list)  # levels[d][b]: branch b's token at depth d + 1
     chain: list[int] = field(default_factory=list)  # staged: the draft's greedy chain
     guess: list[int] = field(default_factory=list)  # staged: this pass's guess after the chain
 
-    def start(self, firsts: list[int], lookahead: ContextNgram | None) -> None:
-        self.firsts, self.lookahead = firsts, lookahead
-        self.levels, self.chain = [firsts], [firsts[0]]
-
     def next_input(self) -> RowInput | None:
         """This job's nodes for the next pass (None: done)."""
+        f = len(self.fed)
+        if not self.firsts:  # first pass: the fed tokens, logits after the newest
+            return RowInput(chain_tree(self.fed), f - 1)
         if self.lookahead is None:
             if len(self.levels) >= self.w:
                 return None
-            tokens, parents = self._levels(len(self.levels))
-            return RowInput(forest_tree(tokens, parents), len(tokens) - len(self.firsts),
-                            len(tokens) - len(self.firsts))
+            tree = self._tree(len(self.levels))
+            return RowInput(tree, tree.num_nodes - len(self.firsts), tree.num_nodes - len(self.firsts))
         if len(self.chain) >= self.w:
             return None
         guesses = self.lookahead.continuations(self.history, 1, self.w - len(self.chain), tail=self.chain)
         self.guess = list(guesses[0]) if guesses else []
-        tokens = [*self.chain, *self.guess]
-        cached = len(self.chain) - 1  # the chain but its newest token has entries
-        return RowInput(forest_tree(tokens, list(range(-1, len(tokens) - 1))), cached, cached)
+        tokens = [*self.fed, *self.chain, *self.guess]
+        cached = f + len(self.chain) - 1  # all but the chain's newest token have entries
+        return RowInput(tree_of(tokens, list(range(-1, len(tokens) - 1))), cached, cached)
 
-    def take(self, predicted: list[int]) -> None:
-        """The draft's greedy choice after each node the last pass fed."""
+    def take(self, logits: torch.Tensor) -> None:
+        """The draft's logits [nodes, vocab] after each node the last pass asked for."""
+        if not self.firsts:
+            self.firsts = logits[-1].topk(self.k).indices.tolist()
+            self.levels, self.chain = [self.firsts], [self.firsts[0]]
+            return
+        predicted = logits.argmax(-1).tolist()
         if self.lookahead is None:
             self.levels.append(predicted)
             return
@@ -166,19 +177,20 @@ class _Job:
             return [list(branch) for branch in zip(*self.levels)]
         return [self.chain[: self.w], *([t] for t in self.firsts[1:])]
 
-    def fed_forest(self) -> tuple[list[int], list[int]]:
-        """The drafted nodes that now hold entries (all but the deepest), breadth-first."""
+    def scratch(self) -> TokenTree:
+        """The nodes that now hold entries past the row's committed ones: the fed tokens and
+        the drafted ones but the deepest."""
         if self.lookahead is None:
-            return self._levels(len(self.levels) - 1)
-        fed = self.chain[: self.w - 1]
-        return fed, list(range(-1, len(fed) - 1))
+            return self._tree(len(self.levels) - 1)
+        tokens = [*self.fed, *self.chain[: self.w - 1]]
+        return tree_of(tokens, list(range(-1, len(tokens) - 1)))
 
-    def _levels(self, depth: int) -> tuple[list[int], list[int]]:
-        """The tree's first `depth` levels as a breadth-first forest (tokens, parents)."""
-        width = len(self.firsts)
-        tokens = [t for level in self.levels[:depth] for t in level]
-        parents = [-1 if node < width else node - width for node in range(len(tokens))]
-        return tokens, parents
+    def _tree(self, depth: int) -> TokenTree:
+        """The fed chain, then the branches' first `depth` levels breadth-first."""
+        f, width = len(self.fed), len(self.firsts)
+        tokens = [*self.fed, *(t for level in self.levels[:depth] for t in level)]
+        parents = [*range(-1, f - 1), *(f - 1 if i < width else f + i - width for i in range(len(tokens) - f))]
+        return tree_of(tokens, parents)
 
 
 def model_drafters(target: LoadedModel, self_draft_layers: Sequence[int | None] = (),
@@ -190,14 +202,17 @@ def model_drafters(target: LoadedModel, self_draft_layers: Sequence[int | None] 
     One self-draft is named `self_draft`; several (to compare depths) `self_draft_<m>`; a depth
     of None is the measured default (`self_draft.default_layers`)."""
     depths = [m or default_layers(target.model) for m in self_draft_layers]  # None: the measured default
-    models = [(first_layers(target.model, m), "self_draft" if len(depths) == 1 else f"self_draft_{m}") for m in depths]
+    # (model, name, whether it drafts in the target's own KV rows: a self-draft does)
+    models = [(first_layers(target.model, m), "self_draft" if len(depths) == 1 else f"self_draft_{m}", True)
+              for m in depths]
     if draft is not None:
         check_draft(target.model, draft.model, target.tokenizer, draft.tokenizer)
-        models.append((draft.model, "draft_model"))
+        models.append((draft.model, "draft_model", False))
     vocab_size = target.model.config.vocab_size
-    drafters = [ModelDrafter(model, name, vocab_size) for model, name in models]
+    drafters = [ModelDrafter(model, name, vocab_size, shares_target_cache=shared) for model, name, shared in models]
     if staged:
-        drafters += [ModelDrafter(model, f"{name}_staged", vocab_size, ContextNgram()) for model, name in models]
+        drafters += [ModelDrafter(model, f"{name}_staged", vocab_size, ContextNgram(), shared)
+                     for model, name, shared in models]
     return drafters
 
 

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from drafting import Mixer, PassDistributions
+from drafting import Mixer, PassDistributions, TokenHistory
 from service.calibration import Calibration
 from service.config import GenerationParams
+from service.draft_model import ModelDrafter
 from service.logprobs import TokenLogprob, token_logprobs
 from service.model_runner import ModelRunner, RowInput
 from service.regime import CostProfile, PassShape, RowCandidates, RowTree, TreePlan, plan_trees
@@ -255,6 +256,9 @@ class Engine:
             rows.append(_Row(request, ids))
         decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
         speculating = [row for row in decoding if self._speculates(row.request)]
+        for strategy in self.mixer.every_strategy:  # a self-draft drafts in this engine's KV rows
+            if isinstance(strategy, ModelDrafter):
+                strategy.bind_target(self.cache, self._row_of)
         self.mixer.prepare([(row.request.drafts, row.request.params.speculation.k,
                              self._max_depth(row.request, row.request.params.speculation.w)) for row in speculating])
         auto = [row for row in speculating if row.request.params.speculation.mode == "auto"]
@@ -300,6 +304,12 @@ class Engine:
             row.choice = choice
             row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
         return plan
+
+    def _row_of(self, history: TokenHistory) -> int:
+        """The KV row of the running request whose history this is."""
+        row = next(r.row for r in self.scheduler.running if r.drafts.history is history)
+        assert row is not None
+        return row
 
     def _speculates(self, request: Request) -> bool:
         """Whether the request drafts this step: fixed mode while a draft fits its budget, auto

@@ -55,11 +55,12 @@ def tiny_tables(tiny_model: LlamaForCausalLM) -> TableSlot:
 
 @pytest.fixture(scope="session")
 def tiny_drafters(tiny_model: LlamaForCausalLM) -> list[ModelDrafter]:
-    """Model-running drafts: the tiny model's first layer, and another random (1-layer) model
-    with the same vocabulary as a separate draft model; each also staged."""
+    """Model-running drafts: the tiny model's first layer (drafting in the target's KV rows),
+    and another random (1-layer) model with the same vocabulary as a separate draft model
+    (rows of its own); each also staged."""
     shallow, other = first_layers(tiny_model, 1), make_tiny_model(seed=1, num_layers=1)
-    return [ModelDrafter(shallow, "self_draft"), ModelDrafter(other, "draft_model"),
-            ModelDrafter(shallow, "self_draft_staged", lookahead=ContextNgram()),
+    return [ModelDrafter(shallow, "self_draft", shares_target_cache=True), ModelDrafter(other, "draft_model"),
+            ModelDrafter(shallow, "self_draft_staged", lookahead=ContextNgram(), shares_target_cache=True),
             ModelDrafter(other, "draft_model_staged", lookahead=ContextNgram())]
 
 

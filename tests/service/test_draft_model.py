@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from drafting import Mixer, default_mixer
+from drafting import ContextNgram, Mixer, TokenHistory, default_mixer
 from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.draft_checks import IncompatibleDraft, check_draft, check_tokenizers
 from service.draft_model import ModelDrafter, model_drafters
@@ -71,6 +71,34 @@ def test_one_draft_pass_a_depth_serves_every_request_and_rows_are_freed(tiny_mod
     while engine.has_work:
         engine.step()
     assert len(drafter.rows) == 0 and drafter.rows.cache.nbytes == 0
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["tree", "staged"])
+def test_a_self_draft_in_the_targets_rows_drafts_what_one_with_rows_of_its_own_does(
+    tiny_model, tiny_runner, staged: bool
+) -> None:
+    """The target's entries of its first m layers are the self-draft's: drafting in them needs
+    no cache, catch-up or memory of its own, and gives the same drafts."""
+    view, lookahead = first_layers(tiny_model, 1), ContextNgram() if staged else None
+    shared = ModelDrafter(view, "self_draft", lookahead=lookahead, shares_target_cache=True)
+    engine = Engine(tiny_runner, Mixer([shared]), [], max_context=512)
+    assert engine.scheduler.kv_bytes_per_token == tiny_runner.kv_bytes_per_token  # nothing of its own
+    seen = []
+    prepare = shared.prepare
+
+    def recording(asks):
+        prepare(asks)
+        seen.extend((list(h.token_ids), k, w, shared._prepared[id(h)][2]) for h, k, w in asks)
+
+    shared.prepare = recording  # type: ignore[method-assign]
+    params = GenerationParams(16, speculation=SpeculationParams(3, 3), strategy="self_draft")
+    requests = [(prompt, params) for prompt in PROMPTS[:3]]
+    for (prompt, _), completion in zip(requests, engine.complete_many(requests)):
+        assert completion.token_ids == reference_greedy(tiny_model, prompt, 16)
+    assert len(seen) >= 9
+    own = ModelDrafter(view, "self_draft", lookahead=lookahead)
+    for token_ids, k, w, drafts in seen:
+        assert own.propose(TokenHistory(token_ids), k, w) == drafts
 
 
 @pytest.mark.parametrize("w", [1, 3, 6])

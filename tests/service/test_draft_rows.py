@@ -9,6 +9,7 @@ import torch
 
 from drafting import ContextNgram, TokenHistory
 from service.draft_model import ModelDrafter
+from service.draft_rows import matching_path
 from tests.conftest import make_tiny_model
 
 PROMPT = [5, 9, 13, 2, 7, 7, 30]
@@ -28,10 +29,14 @@ def fresh_entries(drafter: ModelDrafter, token_ids: list[int]) -> torch.Tensor:
 
 
 def held_keys(drafter: ModelDrafter, history: TokenHistory) -> tuple[list[int], torch.Tensor]:
-    """The committed tokens a request's row holds, and layer 0's keys for them [1, heads, n, d]."""
+    """The tokens of `history` a request's row holds entries for (committed, then the path of
+    its scratch tree that `history` continues with), and layer 0's keys of them [1, heads, n, d]."""
     row = drafter.rows.row(history)
-    keys = drafter.rows.cache.layers[0].keys[row.index : row.index + 1, :, : len(row.token_ids)]
-    return row.token_ids, keys
+    committed = len(row.token_ids)
+    path = matching_path(row.scratch, history.token_ids[committed:]) if row.scratch is not None else []
+    slots = [*range(committed), *(committed + node for node in path)]
+    keys = drafter.rows.cache.layers[0].keys[row.index : row.index + 1, :, slots]
+    return history.token_ids[: len(slots)], keys
 
 
 def assert_in_step(drafter: ModelDrafter, history: TokenHistory) -> None:
