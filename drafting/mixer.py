@@ -74,6 +74,9 @@ class Mixer:
         self.successors = list(successors)
         self.suffix = suffix
         self.global_counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
+        # costly strategy -> the rounds a new request waits before asking it: the wait the
+        # last request that kept passing it over had reached (none once one takes it again)
+        self.probe_waits: dict[str, int] = {}
 
     @property
     def names(self) -> list[str]:
@@ -148,7 +151,8 @@ class DraftSession:
         self.counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
         self._candidates: list[Draft] = []
         self._writer = SuffixWriter(mixer.suffix) if mixer.suffix is not None else None
-        self._skipped: dict[str, _Skipped] = {}  # costly strategies the controller passes over
+        # costly strategies the controller passes over; a new request starts where others left
+        self._skipped = {s.name: _Skipped(0, mixer.probe_waits[s.name]) for s in strategies if s.name in mixer.probe_waits}
         self._reach: tuple[int, int] | None = None  # (drafts, depth) worth asking for; None: all
 
     def acceptance(self, draft: Draft) -> Acceptance:
@@ -178,7 +182,9 @@ class DraftSession:
     def chosen(self, drafts: Sequence[Draft]) -> None:
         """What the controller took this round. A costly strategy (one that runs a model) it
         passed over is asked again only after 8 rounds, then 16, ... 128 while it keeps
-        losing, so its drafting time is saved, yet it is still measured and can win back.
+        losing, so its drafting time is saved, yet it is still measured and can win back. The
+        wait carries over to requests that start later (their first ask comes after it, not in
+        their first round), until some request takes the strategy again.
         The next round asks every strategy for twice the drafts and depth taken, plus
         `REACH_SLACK` (two of two tokens after a plain round), so the ask follows the choice
         up within a round or two."""
@@ -188,8 +194,11 @@ class DraftSession:
         for strategy in self.strategies:
             if strategy.name in used:
                 self._skipped.pop(strategy.name, None)
+                self.mixer.probe_waits.pop(strategy.name, None)
             elif _cost(strategy) > 0:
-                self._skipped.setdefault(strategy.name, _Skipped()).round_passed()
+                skipped = self._skipped.setdefault(strategy.name, _Skipped())
+                skipped.round_passed()
+                self.mixer.probe_waits[strategy.name] = skipped.wait
 
     def observe(self, committed: Sequence[int]) -> None:
         """Score every candidate of the round against the committed tokens; extend history."""

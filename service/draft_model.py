@@ -7,7 +7,8 @@ sees the context and its own branch only). And every request that drafts this st
 in the same passes: the engine hands the drafter all of the step's asks first (`prepare`), so
 a round costs w draft passes whatever k and however many requests draft. Each request holds a
 row of the draft's own KV cache (`service/draft_rows.py`), synced to its history before
-drafting (accepted draft tokens kept, the rest forgotten) and freed when it ends.
+drafting (accepted draft tokens kept, the rest forgotten) and freed when it ends; a
+self-draft drafts in the target's own rows instead, which hold its entries already.
 
 The measured seconds per drafted token are exposed as `seconds_per_token`, which the mixer
 hands to the controller so that a slow draft pays for its own time (`service/regime.py`).

@@ -1,8 +1,9 @@
 """Self-drafting: the target's first m layers, its final norm and its LM head as a draft model.
 
 Learning-free and weight-free: the truncated model is a view that *shares* the target's
-modules (no copy, no extra memory but its own small KV cache of m layers). Shallower is
-cheaper per token and less often right; the best m is a measurement (docs/benchmarks.md).
+modules (no copy), and it drafts in the target's own KV rows (`service/draft_rows.py`,
+`TargetRows`), so it takes no memory at all. Shallower is cheaper per token and less often
+right; the best m is a measurement (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -103,6 +103,27 @@ def test_a_costly_strategy_the_controller_passes_over_is_only_probed() -> None:
     assert len(costly.calls) == 4
 
 
+def test_a_new_request_waits_as_long_as_the_last_one_that_passed_a_costly_strategy_over() -> None:
+    costly, cheap = Costly("model", ((1, 2),)), Fixed("cheap", ((3, 4),))
+    mixer = Mixer([costly, cheap])
+
+    def rounds_asked(session, rounds: int, take_costly: bool = False) -> list[int]:
+        asked = []
+        for round_number in range(1, rounds + 1):
+            before = len(costly.calls)
+            scored = session.candidates(1, 2)
+            session.chosen([s.draft for s in scored if (s.draft.strategy == "model") == take_costly])
+            session.observe([3, 4, 5])
+            if len(costly.calls) > before:
+                asked.append(round_number)
+        return asked
+
+    assert rounds_asked(mixer.session([0]), 30) == [1, 10, 27]  # its wait reached 32 rounds
+    assert rounds_asked(mixer.session([0]), 40) == [33]  # not in its first round: after 32
+    assert rounds_asked(mixer.session([0]), 68, take_costly=True) == [65, 66, 67, 68]  # waits 64; taken
+    assert rounds_asked(mixer.session([0]), 2) == [1]  # taken again: a new request asks at once
+
+
 def test_strategies_are_asked_for_about_what_the_controller_takes() -> None:
     """A plain round: next, two drafts of two tokens per strategy; after one draft of three
     tokens was taken, four of eight; outside auto mode (no `chosen`), all k × w."""
