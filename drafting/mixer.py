@@ -14,10 +14,13 @@ to charge; one the controller keeps passing over is asked only now and then (`ch
 since measuring it means paying for its draft. And strategies are asked for about twice the
 drafts, and twice as deep, as the controller took last round (`chosen`): drafting all k × w for
 every request of a batch the controller mostly decodes plainly cost 1.1 ms a request a pass
-(16 requests: 20% of the step). Sessions are per request; the `Mixer` that
-opens them is shared and holds the global statistics and the state strategies share across
-requests: the successor tables the passes' distributions refresh, and the index of all
-requests' outputs.
+(16 requests: 20% of the step). Strategies that run a model draft all of a step's requests
+at once: the engine hands the mixer every session's ask first (`prepare`).
+
+Sessions are per request; the `Mixer` that opens them is shared and holds the global
+statistics and the state strategies share across requests: the successor tables the passes'
+distributions refresh, the index of all requests' outputs, and how long a new request waits
+before asking a costly strategy others kept passing over.
 """
 
 from __future__ import annotations
