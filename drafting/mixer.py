@@ -73,6 +73,9 @@ class Mixer:
     ) -> None:
         self.strategies = {s.name: s for s in strategies}
         self.standalone = {s.name: s for s in standalone}
+        # names of those that draft many requests at once (a protocol check is slow per call)
+        self.batched: dict[str, BatchStrategy] = {
+            s.name: s for s in self.every_strategy if isinstance(s, BatchStrategy)}
         self.tables = tables or TableSlot()
         self.successors = list(successors)
         self.suffix = suffix
@@ -95,7 +98,7 @@ class Mixer:
     def kv_bytes_per_token(self) -> int:
         """Memory the strategies hold per token of a request (draft models' KV rows): a
         request may use all of them, so a KV budget counts the sum."""
-        return sum(s.kv_bytes_per_token for s in self.every_strategy if isinstance(s, BatchStrategy))
+        return sum(s.kv_bytes_per_token for s in self.batched.values())
 
     @property
     def distribution_top_k(self) -> int:
@@ -120,15 +123,13 @@ class Mixer:
         many requests at once (a draft model, one pass for all) get every ask they will be
         asked this step, so that each session's own ask then finds its drafts ready."""
         batches: dict[str, list[tuple[TokenHistory, int, int]]] = defaultdict(list)
-        batchable: dict[str, BatchStrategy] = {}
         for session, k, w in asks:
             k, w, asked = session.asks(k, w)
             for strategy in asked:
-                if isinstance(strategy, BatchStrategy):
-                    batchable[strategy.name] = strategy
+                if strategy.name in self.batched:
                     batches[strategy.name].append((session.history, k, w))
         for name, batch in batches.items():
-            batchable[name].prepare(batch)
+            self.batched[name].prepare(batch)
 
     def observe_distributions(self, passed: PassDistributions) -> None:
         """Refresh every shared successor table from one row's pass."""
@@ -228,8 +229,8 @@ class DraftSession:
         if self._writer is not None:
             self._writer.flush()
         for strategy in self.strategies:
-            if isinstance(strategy, BatchStrategy):
-                strategy.release(self.history)
+            if strategy.name in self.mixer.batched:
+                self.mixer.batched[strategy.name].release(self.history)
 
     def _lengthen(self, drafts: list[Draft], w: int) -> list[Draft]:
         tables = self.mixer.tables.tables

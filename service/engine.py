@@ -256,7 +256,7 @@ class Engine:
             rows.append(_Row(request, ids))
         decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
         speculating = [row for row in decoding if self._speculates(row.request)]
-        for strategy in self.mixer.every_strategy:  # a self-draft drafts in this engine's KV rows
+        for strategy in self.mixer.batched.values():  # a self-draft drafts in this engine's KV rows
             if isinstance(strategy, ModelDrafter):
                 strategy.bind_target(self.cache, self._row_of)
         self.mixer.prepare([(row.request.drafts, row.request.params.speculation.k,
