@@ -40,6 +40,7 @@ PRIOR_ROUNDS = 4.0  # an acceptance factor is trusted like its prior until about
 SHAPE_PRIOR_ROUNDS = 0.25  # a fresh pass-time measurement outweighs the profile's word at once
 PROBE_EVERY = 16  # plain rounds with drafts on offer before a request probes speculation
 PROBE_MAX_EVERY = 128  # ... after probes that kept finding plain the better choice
+QUIET_ROUNDS = 4  # after this many plain rounds in a row, a request is drafted every this-many rounds
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # upper bounds of pass-size buckets
 DRIFT_LIMIT = 1.6  # relative costs of two sizes off by more than this from the profile's
 DRIFT_ROUNDS = 3.0  # ... each with this many recent rounds: measure the profile again
@@ -155,6 +156,16 @@ class RequestCalibration:
         self.plain_rounds = 0
         self.draft_tokens.observe(predicted_draft_tokens, accepted)
         self.shared.draft_tokens.observe(predicted_draft_tokens, accepted)
+
+    @property
+    def drafts_this_round(self) -> bool:
+        """Whether drafting for this request is worth its time this round. Drafting and
+        planning cost the same whether or not the controller then speculates; for a request
+        it keeps plain they are pure overhead. So after `QUIET_ROUNDS` plain rounds in a row
+        it is drafted only every `QUIET_ROUNDS` rounds (and when due for a probe); a round that
+        speculates brings it back to every round."""
+        quiet = self.plain_rounds >= QUIET_ROUNDS and self.plain_rounds % QUIET_ROUNDS != 0
+        return not quiet or self.due_for_probe
 
     @property
     def due_for_probe(self) -> bool:

@@ -255,13 +255,13 @@ class Engine:
             ids = request.prompt_ids[request.num_cached : request.num_cached + chunk]
             rows.append(_Row(request, ids))
         decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
-        speculating = [row for row in decoding if self._speculates(row.request)]
+        auto = [row for row in decoding if self._is_auto(row.request)]
+        speculating = [row for row in decoding if self._drafts_this_step(row.request)]
         for strategy in self.mixer.batched.values():  # a self-draft drafts in this engine's KV rows
             if isinstance(strategy, ModelDrafter):
                 strategy.bind_target(self.cache, self._row_of)
         self.mixer.prepare([(row.request.drafts, row.request.params.speculation.k,
                              self._max_depth(row.request, row.request.params.speculation.w)) for row in speculating])
-        auto = [row for row in speculating if row.request.params.speculation.mode == "auto"]
         budget = step_plan.tree_budget
         for row in decoding:
             spec = row.request.params.speculation
@@ -270,10 +270,12 @@ class Engine:
             drafts = row.request.drafts.propose(spec.k, self._max_depth(row.request, spec.w)) if row in speculating else []
             row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * spec.w, budget))
             budget -= row.tree.num_nodes - 1
-        plan = self._plan_auto(auto, rows, budget) if auto else None
+        plan = self._plan_auto(auto, rows, budget, drafted={id(row) for row in speculating}) if auto else None
         return rows, plan
 
-    def _plan_auto(self, auto: list[_Row], rows: list[_Row], budget: int) -> TreePlan:
+    def _plan_auto(self, auto: list[_Row], rows: list[_Row], budget: int, drafted: set[int]) -> TreePlan:
+        """The controller's trees for the auto rows; rows not drafted this step (`drafted`
+        holds the ids of those that are) are priced as plain rows."""
         assert self.profile is not None
         profile, shapes = self.profile, self.calibration
         is_auto = {id(row) for row in auto}
@@ -290,7 +292,7 @@ class Engine:
             request, spec = row.request, row.request.params.speculation
             w = self._max_depth(request, spec.w)
             candidates.append(RowCandidates(
-                request.drafts.candidates(spec.k, w), spec.k, w,
+                request.drafts.candidates(spec.k, w) if id(row) in drafted else [], spec.k, w,
                 request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe and may_probe,
                 width=row.width + 1,
             ))
@@ -311,15 +313,19 @@ class Engine:
         assert row is not None
         return row
 
-    def _speculates(self, request: Request) -> bool:
-        """Whether the request drafts this step: fixed mode while a draft fits its budget, auto
-        mode once the cost profile exists (its controller prices even a plain last round)."""
+    def _is_auto(self, request: Request) -> bool:
+        """The controller chooses this request's trees (auto mode, once the profile exists)."""
         spec = request.params.speculation
-        if spec.mode == "off" or spec.k == 0:
-            return False
-        if spec.mode == "fixed":
-            return self._max_depth(request, spec.w) > 0
-        return self.profile is not None
+        return spec.mode == "auto" and spec.k > 0 and self.profile is not None
+
+    def _drafts_this_step(self, request: Request) -> bool:
+        """Whether the request drafts this step: fixed mode while a draft fits its budget; auto
+        mode unless it has been plain for a while and this is not one of its drafting rounds
+        (`RequestCalibration.drafts_this_round`)."""
+        spec = request.params.speculation
+        if self._is_auto(request):
+            return request.calibration.drafts_this_round
+        return spec.mode == "fixed" and spec.k > 0 and self._max_depth(request, spec.w) > 0
 
     def _max_depth(self, request: Request, w: int) -> int:
         """The deepest tree worth building for `request`: a round commits at most depth + 1

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from service.calibration import PRIOR_ROUNDS, PROBE_EVERY, PROBE_MAX_EVERY, Calibration, Ratio
+from service.calibration import PRIOR_ROUNDS, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio
 from service.regime import CostProfile, PassShape, RowCandidates, plan_trees
 from tests.service.test_regime import CPU_LIKE, candidates
 
@@ -157,6 +157,20 @@ def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them()
         request.observe_round(0.0, 0, speculated=False)
     request.observe_round(2.0, accepted=2, speculated=True)  # chosen by the forecast, not due
     assert request.probe_every == PROBE_EVERY
+
+
+def test_a_request_kept_plain_is_drafted_only_every_few_rounds_until_it_speculates() -> None:
+    request = Calibration().session()
+    drafted = []
+    for round_number in range(PROBE_EVERY + 2):
+        drafted.append(request.drafts_this_round)
+        request.observe_round(0.0, 0, speculated=False)
+    every, after = QUIET_ROUNDS, QUIET_ROUNDS + 1
+    assert drafted[:after] == [True] * after  # at first every round, then one in QUIET_ROUNDS
+    assert [r for r in range(after, PROBE_EVERY) if drafted[r]] == list(range(2 * every, PROBE_EVERY, every))
+    assert request.due_for_probe and drafted[PROBE_EVERY] and drafted[PROBE_EVERY + 1]  # a probe is drafted
+    request.observe_round(2.0, accepted=2, speculated=True)
+    assert request.drafts_this_round and request.plain_rounds == 0  # speculating: every round again
 
 
 def test_the_engine_probes_at_most_once_every_probe_every_passes() -> None:

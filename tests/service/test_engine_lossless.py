@@ -142,6 +142,22 @@ def test_auto_mode_speculates_big_where_passes_are_free_and_not_where_they_cost(
     assert sum(r.num_draft_tokens for r in wide) > sum(r.num_draft_tokens for r in narrow)
 
 
+def test_auto_mode_drafts_a_request_it_keeps_plain_only_now_and_then(tiny_model, tiny_engine: Engine) -> None:
+    """Where drafts never pay, drafting for every round is pure overhead: a request kept plain
+    is drafted about every QUIET_ROUNDS rounds, yet every round still gets a forecast."""
+    tiny_engine.profile = COMPUTE_BOUND
+    params = GenerationParams(48, speculation=SpeculationParams(6, 5, mode="auto"))
+    request = tiny_engine.add_request(PROMPTS[0], params)
+    asked, candidates = [], request.drafts.candidates
+    request.drafts.candidates = lambda k, w: asked.append(k) or candidates(k, w)  # type: ignore[method-assign]
+    rounds = []
+    while tiny_engine.has_work:
+        rounds += [out for _, out in tiny_engine.step()[0]]
+    assert [t for r in rounds for t in r.token_ids] == reference_greedy(tiny_model, PROMPTS[0], 48)
+    assert all(r.predicted_tokens_per_second for r in rounds)
+    assert len(asked) < len(rounds) / 2
+
+
 def test_auto_mode_without_a_profile_decodes_plainly(tiny_engine: Engine) -> None:
     params = GenerationParams(8, speculation=SpeculationParams(2, 3, mode="auto"))
     rounds = list(tiny_engine.generate(PROMPTS[1], params))
