@@ -73,10 +73,13 @@ def tiny_engine(tiny_runner: ModelRunner, tiny_tables: TableSlot, tiny_drafters:
 @pytest.fixture(scope="session")
 def embedded():
     """The real embedded SmolLM2 with float32 weights (converted once into the user cache, then
-    reused); tests/service/test_packed_linear.py loads the packed (`--quantization gguf`) one."""
+    reused), whatever the CPU: a CPU with native bf16 would otherwise get bf16 by capability,
+    whose rounding makes the exact comparisons of these tests part at near-ties.
+    tests/service/test_packed_linear.py loads the packed (`--quantization gguf`) one and
+    tests/service/test_embedded_lossless.py the bf16 one."""
     from service.model_loader import load_model
 
-    return load_model(quantization="none")
+    return load_model(quantization="none", dtype="float32")
 
 
 @pytest.fixture(scope="session")
