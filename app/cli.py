@@ -275,7 +275,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None,
-                        help="float32, bfloat16 or float16 (default: bfloat16 on GPUs and on CPUs with native bf16)")
+                        help=Settings.model_fields["dtype"].description)
     parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=Settings.model_fields["quantization"].default,
                         help=Settings.model_fields["quantization"].description)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)

@@ -33,12 +33,12 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on")
     device: str | None = Field(None, description="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
     dtype: str | None = Field(
-        None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU and on CPUs with native bf16, else float32)"
+        None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU; on a CPU float32 for the packed GGUF path, else bfloat16 with native bf16, float32 without)"
     )
     quantization: Literal["auto", "none", "gguf"] = Field(
         "auto",
-        description="gguf: keep a GGUF's Q4_1 linears (and Q8_0 LM head) packed, the CPU fast path; none: float32 "
-        "weights; auto: gguf for a GGUF model on a CPU without native bf16 (numba installed), else none",
+        description="gguf: keep a GGUF's Q4_1 linears (and Q8_0 LM head) packed, the CPU fast path; none: unpacked "
+        "weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, dtype unset or float32), else none",
     )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")

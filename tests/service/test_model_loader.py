@@ -20,8 +20,8 @@ from service.model_loader import (
 
 @pytest.mark.slow
 def test_gguf_conversion_is_cached_and_reused(tmp_path, embedded) -> None:
-    cold = load_model(cache_dir=tmp_path, quantization="none")
-    warm = load_model(cache_dir=tmp_path, quantization="none")
+    cold = load_model(cache_dir=tmp_path, quantization="none", dtype="float32")
+    warm = load_model(cache_dir=tmp_path, quantization="none", dtype="float32")
     assert (cold.from_cache, warm.from_cache) == (False, True)
     assert warm.load_seconds < cold.load_seconds
     ids = torch.tensor([cold.tokenizer.encode("The capital of France is")])
@@ -81,7 +81,9 @@ def test_quantization_auto_picks_the_packed_path_only_where_it_pays(monkeypatch)
     assert resolve_quantization("auto", False, cpu, None) == "none"  # a model directory
     assert resolve_quantization("auto", True, cuda, None) == "none"
     monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
-    assert resolve_quantization("auto", True, cpu, None) == "none"  # bf16 by capability
+    assert resolve_quantization("auto", True, cpu, None) == expected  # faster than bf16 there too
+    assert resolve_quantization("auto", True, cpu, "bfloat16") == "none"
+    assert resolve_quantization("auto", False, cpu, None) == "none"  # a model directory: bf16 by capability
     with pytest.raises(ValueError, match="unknown quantization"):
         resolve_quantization("int3", True, cpu, None)
 
