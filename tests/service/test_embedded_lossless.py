@@ -4,9 +4,9 @@
 A pass over n tokens may round differently from n one-token passes, so when the top two
 logits are (nearly) equal the argmax can flip. Such a position is reported as a tie, counted,
 and ends the comparison of that prompt (the sequences legitimately part there); any other
-difference fails. The `embedded` fixture is float32 whatever the CPU; the bfloat16 path (the
-default on CPUs with native bf16) is checked against its own plain decoding, with a tie
-tolerance of a few bf16 steps.
+difference fails. The `embedded` fixture is float32 whatever the CPU; the bfloat16 path (what
+`--quantization none` serves on CPUs with native bf16) is checked against its own plain
+decoding, with a tie tolerance of a few bf16 steps.
 
 The table strategies draft from the model's own unigram/bigram tables, computed by
 `service/model_tables.py` the first time and then read from the cache directory the server
@@ -95,12 +95,15 @@ def test_speculation_matches_transformers_generate(embedded) -> None:
 
 
 @pytest.mark.slow
-def test_a_real_difference_is_not_taken_for_a_tie(embedded) -> None:
-    """The tie check must fail a difference where the model was sure of its choice."""
-    prompt = chat_prompt_ids(embedded.tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
-    want = reference_generate(embedded.model, prompt, [embedded.tokenizer.eos_token_id])[:8]
-    wrong = want[:3] + [(want[3] + 1) % len(embedded.tokenizer)] + want[4:]
-    outcome = compare(embedded.model, prompt, wrong, want)
+@pytest.mark.parametrize("weights", ["embedded", "embedded_bf16"])
+def test_a_real_difference_is_not_taken_for_a_tie(request, weights: str) -> None:
+    """The tie check must fail a difference where the model was sure of its choice (the bf16
+    tolerance is a few rounding steps, not a licence)."""
+    loaded = request.getfixturevalue(weights)
+    prompt = chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+    want = reference_generate(loaded.model, prompt, [loaded.tokenizer.eos_token_id])[:8]
+    wrong = want[:3] + [(want[3] + 1) % len(loaded.tokenizer)] + want[4:]
+    outcome = compare(loaded.model, prompt, wrong, want)
     assert outcome.startswith("differs at token 3")
 
 
@@ -169,7 +172,7 @@ def test_self_draft_matches_transformers_generate(embedded) -> None:
 
 @pytest.fixture(scope="module")
 def embedded_bf16():
-    """The embedded model served the way a CPU with native bf16 serves it by default."""
+    """The embedded model in bf16: what `--quantization none` serves on a CPU with native bf16."""
     from service.model_loader import load_model
 
     return load_model(quantization="none", dtype="bfloat16")
@@ -200,12 +203,3 @@ def test_bf16_speculation_matches_plain_decoding_of_the_same_path(embedded_bf16)
     print(f"\nbf16, against bf16 plain decoding: {outcomes}")
     assert outcomes.get("identical", 0) >= 0.75 * sum(outcomes.values())
 
-
-@pytest.mark.slow
-def test_a_real_bf16_difference_is_not_taken_for_a_tie(embedded_bf16) -> None:
-    """The bf16 tolerance is a few rounding steps, not a licence: a confident choice changed fails."""
-    engine = build_engine(embedded_bf16, TableSlot())
-    prompt = chat_prompt_ids(embedded_bf16.tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
-    want = engine.complete(prompt, GenerationParams(8)).token_ids
-    wrong = want[:3] + [(want[3] + 1) % len(embedded_bf16.tokenizer)] + want[4:]
-    assert compare(embedded_bf16.model, prompt, wrong, want).startswith("differs at token 3")
