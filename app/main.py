@@ -6,8 +6,9 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from pydantic.json_schema import models_json_schema
@@ -27,6 +28,7 @@ from service.runtime import Runtime
 log = logging.getLogger(__name__)
 
 Loader = Callable[[Settings], LoadedModel]
+T = TypeVar("T")
 
 
 def load_from_settings(settings: Settings) -> LoadedModel:
@@ -72,27 +74,50 @@ def create_app(
 async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Callable[[], None] | None) -> None:
     """Load and start the engine off the event loop so probes answer meanwhile; a failure
     is recorded for /health and /ready, and `on_failure` is told."""
-    try:
-        loaded = await asyncio.to_thread(loader, settings)
-        drafters = await asyncio.to_thread(
-            load_drafters, loaded, settings.self_draft_depths, settings.draft_model, settings.cache_dir,
+
+    def start() -> Runtime:
+        loaded = loader(settings)
+        drafters = load_drafters(
+            loaded, settings.self_draft_depths, settings.draft_model, settings.cache_dir,
             settings.device, settings.dtype, settings.quantization, settings.draft_staged)
-        runtime = Runtime.start(
+        return Runtime.start(
             loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
             settings.max_waiting, settings.request_timeout, settings.scheduler_config(),
             on_step=app.state.metrics.record_step, drafters=drafters,
             suffix_cache_tokens=settings.suffix_cache_tokens,
         )
+
+    try:
+        runtime = await in_passing_thread(start)
     except Exception as error:
         log.exception("model load failed")
         app.state.load_error = f"{type(error).__name__}: {error}"
         if on_failure is not None:
             on_failure()
         return
-    app.state.model_name = settings.served_model_name or loaded.name
+    app.state.model_name = settings.served_model_name or runtime.loaded.name
     app.state.metrics.watch_queue(lambda: runtime.async_engine.num_waiting, lambda: runtime.async_engine.num_running)
     app.state.runtime = runtime
-    log.info("ready: %s (loaded in %.1f s)", app.state.model_name, loaded.load_seconds)
+    log.info("ready: %s (loaded in %.1f s)", app.state.model_name, runtime.loaded.load_seconds)
+
+
+async def in_passing_thread(work: Callable[[], T]) -> T:
+    """`work()` on a thread of its own that ends with it, so that the engine's worker is the
+    only thread left that computes.
+
+    Not `asyncio.to_thread`: OpenMP (torch's runtime and numba's) keeps a pool of worker
+    threads for every thread that ran a parallel region, for as long as that thread lives, and
+    the default executor's threads live on. With a loader's pool beside the engine's, the
+    pools hold more threads than a 2-core CPU has cores, and libgomp then stops spinning
+    between regions, so every region waits for a sleeping worker to wake: the server's
+    one-row passes ran at 19 ms a token instead of 12.6 (docs/benchmarks.md, seventh session).
+    """
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngrammys-load")
+    try:
+        return await loop.run_in_executor(executor, work)
+    finally:
+        executor.shutdown(wait=False)  # its thread ends once `work` returns
 
 
 def _finish_openapi(app: FastAPI) -> None:

@@ -1,4 +1,5 @@
-"""A request whose client left stops costing anything; SIGTERM drains before the exit."""
+"""The model loads on a thread that ends; a request whose client left stops costing anything;
+SIGTERM drains before the exit."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +26,25 @@ from tests.app.test_http import LONG, MESSAGES, QUIET, wait_ready, wait_until
 # with float32 and packed weights alike), far past any drain timeout here; LONG ends by itself
 # after 122 tokens, which the packed CPU path decodes within the 8 s drain.
 ENDLESS = [{"role": "user", "content": "Write the numbers from 1 to 5000, separated by commas."}]
+
+
+def test_the_model_loads_on_a_thread_that_ends_once_the_engine_runs(embedded) -> None:
+    """A thread that computed keeps its OpenMP worker pool while it lives; only the engine's
+    worker may outlive the load with one (`app.main.in_passing_thread`)."""
+    loaders: list[threading.Thread] = []
+
+    def loader(_settings: Settings):
+        loaders.append(threading.current_thread())
+        return embedded
+
+    with serving(create_app(Settings(**QUIET), loader=loader)) as base:
+        wait_ready(base)
+        (thread,) = loaders
+        assert thread is not threading.main_thread()
+        wait_until(lambda: not thread.is_alive(), timeout=10)
+        response = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60)
+        assert response.status_code == 200
+        assert response.json()["usage"]["completion_tokens"] == 4
 
 
 def test_a_non_streaming_request_is_aborted_when_its_client_leaves(embedded) -> None:
