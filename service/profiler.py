@@ -9,11 +9,18 @@ the equal-rows curve is the row's own attention call (or the padding of every ro
 controller charges to a row's first node (`CostProfile.wide_row_seconds`).
 
 The controller trades tokens against *ratios* of costs, so the ratios must survive a busy
-machine: each repeat times every size in turn (a slow spell hits all sizes alike), medians are
-taken per size, and the result is validated before it is trusted or saved — costs must not
-fall as passes grow (within noise), must not fall as context grows (a profile whose short-
-context passes look slower than long ones was measured under changing load), and repeats must
-agree. A profile that fails is measured again; one that keeps failing is used for this run
+machine: each repeat times every size in turn (a slow spell hits all sizes alike), and a size's
+cost is the mean of its two fastest repeats. Other work on the machine (a neighbour on a shared
+host, stolen CPU time) only ever adds time to a pass, so the fastest repeats are the pass's own
+cost: on a 2-core VM with up to 8% of its time stolen, the middle half of 9 repeats of a pass
+spread over up to 46% of their median while its two fastest repeats agreed within 11%
+(docs/benchmarks.md, seventh session), and the former check on that spread rejected every
+profile measured there.
+The live slowdown from that other work is the calibration's load level, not the profile's
+business. The result is validated before it is trusted or saved — costs must not fall as
+passes grow (within noise), must not fall as context grows (a profile whose short-context
+passes look slower than long ones was measured under changing load), and the two fastest
+repeats must agree (a machine so busy that not even two repeats ran undisturbed). A profile that fails is measured again; one that keeps failing is used for this run
 only and never saved. Measurement is a generator of small increments, so the engine runs it
 between steps, only while idle.
 """
@@ -46,9 +53,8 @@ ROWS = (1, 4, 16)
 CONTEXT_LENGTHS = (32, 256, 1024)
 TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
 MAX_PASS_TOKENS = 128  # larger passes are extrapolated
-REPEATS = 5
+REPEATS = 7
 NOISE = 0.15  # relative slack of the validation rules
-MAX_SPREAD = 0.3  # (p75 - p25) / median of a cell's repeats
 ATTEMPTS = 3
 WIDE_ROW_TOKENS = 4  # the row whose own cost among one-token rows is measured: a small tree
 WIDE_PAIRS = 3  # (wide pass, plain pass) pairs per repeat: their difference is small and noisy
@@ -88,11 +94,11 @@ def measure_steps(
                 extra = _timed_pass(runner, cache, trees) - _timed_pass(runner, cache, passes[0])
                 wide_samples.setdefault((count, length), []).append(extra)
             yield
-        medians = " ".join(f"n{n}={statistics.median(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count), cells))
-        log.info("profiled rows=%d L=%d: %s", count, length, medians)
+        costs = " ".join(f"n{n}={own_cost(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count), cells))
+        log.info("profiled rows=%d L=%d: %s", count, length, costs)
     profile = CostProfile(
         rows=list(rows), context_lengths=list(context_lengths), tree_sizes=[pass_sizes(r) for r in rows],
-        seconds=[[[statistics.median(c) for c in samples[(r, length)]] for length in context_lengths] for r in rows],
+        seconds=[[[own_cost(c) for c in samples[(r, length)]] for length in context_lengths] for r in rows],
         device=device_name(runner.device), model=model_fingerprint(runner.model), dtype=str(runner.dtype),
     )
     problems = validate(profile, samples)
@@ -131,15 +137,22 @@ def validate(profile: CostProfile, samples: dict[tuple[int, int], list[list[floa
                 problems.append(f"rows={r} n={profile.tree_sizes[profile.rows.index(r)][index]}: "
                                 f"longer context measured cheaper: {_ms(column)}")
     for (r, length), cells in (samples or {}).items():
-        spread = [_spread(c) for c in cells]
-        if statistics.median(spread) > MAX_SPREAD:
-            problems.append(f"rows={r} L={length}: repeats disagree (median spread {statistics.median(spread):.0%})")
+        gap = statistics.median(_fastest_gap(c) for c in cells)
+        if gap > NOISE:
+            problems.append(f"rows={r} L={length}: the fastest repeats disagree (median gap {gap:.0%})")
     return problems
 
 
-def _spread(values: list[float]) -> float:
-    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else (values[0],) * 3
-    return (q3 - q1) / statistics.median(values)
+def own_cost(values: Sequence[float]) -> float:
+    """A pass's own cost from its repeats: the mean of the two fastest (other work on the
+    machine only adds time, so the slow tail measures the neighbours, not the pass)."""
+    return statistics.fmean(sorted(values)[:2])
+
+
+def _fastest_gap(values: Sequence[float]) -> float:
+    """How far the second-fastest repeat is above the fastest, relative to it."""
+    fastest = sorted(values)[:2]
+    return fastest[-1] / fastest[0] - 1
 
 
 def _ms(values: Sequence[float]) -> str:
