@@ -244,10 +244,11 @@ def _loadtest(args: argparse.Namespace) -> None:
         print(loadtest.HEADER, flush=True)
         results = loadtest.run_loadtest(base, questions, args.concurrency, args.requests_per_client,
                                         args.max_tokens, progress=lambda row: print(row, flush=True),
-                                        modes=tuple(args.modes))
+                                        modes=tuple(args.modes), repeats=args.repeats)
+    print(f"\n{loadtest.format_comparison(results)}", flush=True)
     if args.json:
         loadtest.write_json(results, args.json, max_tokens=args.max_tokens, per_category=args.per_category,
-                            max_running_requests=args.max_running_requests)
+                            max_running_requests=args.max_running_requests, repeats=args.repeats)
         print(f"wrote {args.json}")
     if args.png:
         loadtest.write_plot(results, args.png, f"{args.max_tokens} tokens per request, greedy")
@@ -350,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--per-category", type=int, default=2, help="questions per category to cycle through")
     load.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="client counts C")
     load.add_argument("--requests-per-client", type=int, default=2, help="requests = C x this (at least 4)")
+    load.add_argument("--repeats", type=int, default=1,
+                      help="runs of each (C, mode), order alternating (off-auto-auto-off); ratios from their means")
     load.add_argument("--max-tokens", type=int, default=64)
     load.add_argument("--url", default=None, help="a running server (default: start one here)")
     load.add_argument("--max-running-requests", type=int, default=64, help="for the server started here")

@@ -1,8 +1,11 @@
 """`ngrammys loadtest`: C concurrent streaming clients against the HTTP server.
 
 For each concurrency C, speculation off and auto run back to back on the same server (their
-order alternating between C values), each client sending Spec-Bench questions one after
-another. Per (C, mode): requests/s, output tokens/s, and p50/p99 of the time to first token
+order alternating between C values and between repeats, so with two repeats each C runs
+off-auto-auto-off or auto-off-off-auto), each client sending Spec-Bench questions one after
+another. The dev machines are shared and drift by several % between two identical runs, more
+than auto and off differ by at large C, so `--repeats` and the mean of each mode over its runs
+(`format_comparison`) are how an auto/off ratio is stated. Per (C, mode): requests/s, output tokens/s, and p50/p99 of the time to first token
 and of the inter-token latency. Every chunk carries the usage so far
 (`stream_options.continuous_usage_stats`), so a chunk of several tokens counts as that many
 tokens sharing the gap: ITL is per token, as clients of a speculative server see it.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +44,7 @@ class LoadResult:
     requests: int
     seconds: float
     timings: list[RequestTiming] = field(default_factory=list, repr=False)
+    repeat: int = 0  # which of the repeats of this (C, mode)
 
     @property
     def output_tokens(self) -> int:
@@ -50,7 +55,7 @@ class LoadResult:
         itl = [x for t in self.timings for x in t.itl] or [0.0]
         passes = sum(t.passes for t in self.timings) or 1
         return {
-            "concurrency": self.concurrency, "mode": self.mode, "requests": self.requests,
+            "concurrency": self.concurrency, "mode": self.mode, "repeat": self.repeat, "requests": self.requests,
             "requests_per_second": self.requests / self.seconds,
             "output_tokens_per_second": self.output_tokens / self.seconds,
             "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p99_ms": _quantile(ttft, 0.99) * 1e3,
@@ -124,25 +129,54 @@ async def run_level(
 
 def run_loadtest(
     base_url: str, questions: list[Question], levels: list[int], requests_per_client: int, max_tokens: int,
-    progress=print, modes: tuple[str, ...] = MODES,  # type: ignore[no-untyped-def]
+    progress=print, modes: tuple[str, ...] = MODES, repeats: int = 1,  # type: ignore[no-untyped-def]
 ) -> list[LoadResult]:
-    """Every concurrency level, each mode back to back (order alternating)."""
+    """Every concurrency level, each mode back to back, `repeats` times (order alternating
+    between levels and between repeats)."""
     results = []
     for index, concurrency in enumerate(levels):
-        for mode in modes if index % 2 == 0 else modes[::-1]:
-            requests = max(concurrency * requests_per_client, 4)
-            result = asyncio.run(run_level(base_url, questions, concurrency, mode, requests, max_tokens))
-            progress(_row(result.summary()))
-            results.append(result)
+        for repeat in range(repeats):
+            for mode in modes if (index + repeat) % 2 == 0 else modes[::-1]:
+                requests = max(concurrency * requests_per_client, 4)
+                result = asyncio.run(run_level(base_url, questions, concurrency, mode, requests, max_tokens))
+                result.repeat = repeat
+                progress(_row(result.summary()))
+                results.append(result)
     return results
 
 
-HEADER = ("| C | mode | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+def mean_tokens_per_second(results: list[LoadResult]) -> dict[tuple[int, str], float]:
+    """Output tokens/s of each (C, mode), averaged over its repeats."""
+    runs: dict[tuple[int, str], list[float]] = {}
+    for result in results:
+        runs.setdefault((result.concurrency, result.mode), []).append(result.summary()["output_tokens_per_second"])  # type: ignore[arg-type]
+    return {key: statistics.fmean(values) for key, values in runs.items()}
+
+
+def format_comparison(results: list[LoadResult]) -> str:
+    """Per C: each mode's mean output tokens/s over its repeats (every run listed) and, when
+    both ran, auto over off."""
+    means = mean_tokens_per_second(results)
+    modes = list(dict.fromkeys(r.mode for r in results))
+    lines = [f"| C | {' | '.join(f'{m} tok/s (runs)' for m in modes)} | auto/off |",
+             f"|---|{'---|' * len(modes)}---|"]
+    for concurrency in dict.fromkeys(r.concurrency for r in results):
+        cells = []
+        for mode in modes:
+            runs = [r.summary()["output_tokens_per_second"] for r in results if (r.concurrency, r.mode) == (concurrency, mode)]
+            cells.append(f"{means[(concurrency, mode)]:.1f} ({', '.join(f'{x:.1f}' for x in runs)})")  # type: ignore[str-format]
+        ratio = (f"{means[(concurrency, 'auto')] / means[(concurrency, 'off')]:.2f}x"
+                 if {(concurrency, "auto"), (concurrency, "off")} <= means.keys() else "-")
+        lines.append(f"| {concurrency} | {' | '.join(cells)} | {ratio} |")
+    return "\n".join(lines)
+
+
+HEADER = ("| C | mode | repeat | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
           "| tokens/pass | drafted/pass |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(s: dict[str, float | int | str]) -> str:
-    return (f"| {s['concurrency']} | {s['mode']} | {s['requests']} | {s['requests_per_second']:.2f} "
+    return (f"| {s['concurrency']} | {s['mode']} | {s['repeat']} | {s['requests']} | {s['requests_per_second']:.2f} "
             f"| {s['output_tokens_per_second']:.1f} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
             f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['tokens_per_pass']:.2f} "
             f"| {s['drafted_per_pass']:.1f} |")
@@ -165,10 +199,14 @@ def write_plot(results: list[LoadResult], path: Path, title: str) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for mode in dict.fromkeys(r.mode for r in results):
         rows = [r.summary() for r in results if r.mode == mode]
-        levels = [row["concurrency"] for row in rows]
-        left.plot(levels, [row["output_tokens_per_second"] for row in rows], marker="o", label=f"speculation {mode}")
-        right.plot(levels, [row["itl_p99_ms"] for row in rows], marker="o", label=f"speculation {mode}")
-    for axes, label in ((left, "output tokens/s"), (right, "p99 inter-token latency (ms)")):
+        levels = list(dict.fromkeys(row["concurrency"] for row in rows))
+
+        def mean(key: str) -> list[float]:
+            return [statistics.fmean(row[key] for row in rows if row["concurrency"] == c) for c in levels]  # type: ignore[misc]
+
+        left.plot(levels, mean("output_tokens_per_second"), marker="o", label=f"speculation {mode}")
+        right.plot(levels, mean("itl_p99_ms"), marker="o", label=f"speculation {mode}")
+    for axes, label in ((left, "output tokens/s (mean of repeats)"), (right, "p99 inter-token latency (ms)")):
         axes.set_xscale("log", base=2)
         axes.set_xlabel("concurrent clients C")
         axes.set_ylabel(label)

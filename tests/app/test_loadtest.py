@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from app import loadtest
 from app.background import serving
 from app.cli import build_parser, loadtest_server_flags, main
@@ -33,6 +35,24 @@ def test_loadtest_counts_every_token_and_reports_both_modes(embedded, tmp_path) 
     assert loadtest.format_table(results).count("\n") == len(results) + 1
     loadtest.write_plot(results, tmp_path / "plot.png", "test")
     assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+def test_repeats_alternate_the_modes_and_the_comparison_averages_them(embedded) -> None:
+    settings = Settings(model_tables=False, cost_profile=False, max_running_requests=4)
+    with serving(create_app(settings, loader=lambda _: embedded)) as base:
+        wait_ready(base)
+        results = loadtest.run_loadtest(base, QUESTIONS[:1], [1, 2], requests_per_client=2, max_tokens=4,
+                                        progress=lambda row: None, repeats=2)
+    assert [(r.concurrency, r.mode, r.repeat) for r in results] == [
+        (1, "off", 0), (1, "auto", 0), (1, "auto", 1), (1, "off", 1),
+        (2, "auto", 0), (2, "off", 0), (2, "off", 1), (2, "auto", 1)]
+    means = loadtest.mean_tokens_per_second(results)
+    for (concurrency, mode), mean in means.items():
+        runs = [r.output_tokens / r.seconds for r in results if (r.concurrency, r.mode) == (concurrency, mode)]
+        assert len(runs) == 2 and mean == pytest.approx(sum(runs) / 2)
+    table = loadtest.format_comparison(results).splitlines()
+    assert len(table) == 4 and table[2].startswith("| 1 | ")
+    assert table[2].endswith(f"| {means[(1, 'auto')] / means[(1, 'off')]:.2f}x |")
 
 
 def test_the_loadtest_command_runs_its_own_server_process(tiny_served, tmp_path) -> None:
