@@ -173,6 +173,24 @@ def test_a_request_kept_plain_is_drafted_only_every_few_rounds_until_it_speculat
     assert request.drafts_this_round and request.plain_rounds == 0  # speculating: every round again
 
 
+def test_a_request_due_for_a_probe_the_engine_holds_back_stays_quiet() -> None:
+    """Another request took this pass's probe: this one, due too, keeps its quiet rounds
+    until the engine-wide gate opens again."""
+    shared = Calibration()
+    request = shared.session()
+    for _ in range(PROBE_EVERY):
+        request.observe_round(0.0, 0, speculated=False)
+    shared.count_pass(probed=True)  # someone else's probe
+    drafted = []
+    for _ in range(PROBE_EVERY):
+        assert request.due_for_probe
+        drafted.append(request.drafts_this_round)
+        request.observe_round(0.0, 0, speculated=False)
+        shared.count_pass(probed=False)
+    assert drafted == [(PROBE_EVERY + r) % QUIET_ROUNDS == 0 for r in range(PROBE_EVERY)]
+    assert shared.may_probe and request.drafts_this_round  # the gate is open: drafted for its probe
+
+
 def test_the_engine_probes_at_most_once_every_probe_every_passes() -> None:
     shared = Calibration()
     assert shared.may_probe
