@@ -10,10 +10,14 @@ Pass costs are observed on EVERY pass, speculative or plain, and split in two:
 - the load `level`: measured over profiled seconds of all passes, with a short horizon. Other
   work on the machine slows every pass alike; the level absorbs it, and since the controller
   compares shapes with each other, a uniform slowdown changes no decision at all.
-- per pass-size `shape` factors: measured over profiled seconds × level, for the pass sizes
-  in use. They capture what the profile got wrong about *relative* costs. Every pass decays
-  all of them, so the factor of a size no longer used returns to the profile's word within
-  tens of passes instead of freezing at its last (perhaps spiked) value.
+- per pass-shape `shape` factors: measured over profiled seconds × level, for the shapes in
+  use, keyed like the profile by the pass's tokens AND its rows. They capture what the profile
+  got wrong about *relative* costs. Every pass decays all of them, so the factor of a shape no
+  longer used returns to the profile's word within tens of passes instead of freezing at its
+  last (perhaps spiked) value. Keyed by tokens alone, a factor learned on one-row tree passes
+  of 3-4 tokens at C=1 priced the plain 4-row pass at C=4, which then looked dear beside
+  speculating: a server that had served C=1 first speculated in 2-3x as many passes at C=4
+  and lost to plain decoding there (docs/benchmarks.md, seventh session).
 And when a request's forecast keeps saying "plain", it still probes speculation after
 `PROBE_EVERY` rounds, so a pessimistic profile or factor is measured again instead of being
 believed forever. Each probe that does not change the forecast's mind doubles the wait for the
@@ -42,6 +46,7 @@ PROBE_EVERY = 16  # plain rounds with drafts on offer before a request probes sp
 PROBE_MAX_EVERY = 128  # ... after probes that kept finding plain the better choice
 QUIET_ROUNDS = 4  # after this many plain rounds in a row, a request is drafted every this-many rounds
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # upper bounds of pass-size buckets
+ROW_BUCKETS = (1, 4, 16, 64)  # upper bounds of row-count buckets (the profile's rows: 1, 4, 16)
 DRIFT_LIMIT = 1.6  # relative costs of two sizes off by more than this from the profile's
 DRIFT_ROUNDS = 3.0  # ... each with this many recent rounds: measure the profile again
 
@@ -82,6 +87,12 @@ def size_bucket(tokens: int) -> int:
     return min(bisect.bisect_left(SIZE_BUCKETS, tokens), len(SIZE_BUCKETS) - 1)
 
 
+def shape_bucket(tokens: int, rows: int) -> int:
+    """The index of a pass of `tokens` tokens over `rows` rows among the shape factors."""
+    row_bucket = min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)
+    return row_bucket * len(SIZE_BUCKETS) + size_bucket(tokens)
+
+
 @dataclass
 class Calibration:
     """The engine's factors: global acceptance, load level and relative pass costs."""
@@ -102,22 +113,24 @@ class Calibration:
     def session(self) -> RequestCalibration:
         return RequestCalibration(self)
 
-    def shape_factor(self, tokens: int) -> float:
-        """How much dearer (>1) or cheaper a pass of `tokens` is, relative to the others,
-        than the profile says."""
-        return self.shapes[size_bucket(tokens)].factor()
+    def shape_factor(self, tokens: int, rows: int = 1) -> float:
+        """How much dearer (>1) or cheaper a pass of `tokens` tokens over `rows` rows is,
+        relative to the others, than the profile says."""
+        return self.shapes[shape_bucket(tokens, rows)].factor()
 
-    def plain_is_stale(self, tokens: int) -> bool:
-        """The all-plain pass size (`tokens`) has gone unobserved for about `PROBE_EVERY`
-        passes: the next pass should be plain, so relative costs stay measured both ways."""
-        return self.shapes[size_bucket(tokens)].rounds < SHAPE_DECAY**PROBE_EVERY
+    def plain_is_stale(self, tokens: int, rows: int = 1) -> bool:
+        """The all-plain pass (`tokens` over `rows` rows) has gone unobserved for about
+        `PROBE_EVERY` passes: the next pass should be plain, so relative costs stay measured
+        both ways."""
+        return self.shapes[shape_bucket(tokens, rows)].rounds < SHAPE_DECAY**PROBE_EVERY
 
-    def observe_pass(self, tokens: int, profiled_seconds: float, seconds: float) -> None:
-        """One pass of `tokens` tokens that the profile priced at `profiled_seconds`."""
+    def observe_pass(self, tokens: int, profiled_seconds: float, seconds: float, rows: int = 1) -> None:
+        """One pass of `tokens` tokens over `rows` rows that the profile priced at
+        `profiled_seconds`."""
         self.level.observe(profiled_seconds, seconds)
         for ratio in self.shapes:
             ratio.fade()
-        self.shapes[size_bucket(tokens)].add(profiled_seconds * self.level.factor(), seconds)
+        self.shapes[shape_bucket(tokens, rows)].add(profiled_seconds * self.level.factor(), seconds)
 
     def drifted(self) -> bool:
         """The observed relative costs of pass sizes disagree with the profile's, steadily."""
@@ -131,7 +144,7 @@ class Calibration:
 
 
 def _shape_ratios() -> list[Ratio]:
-    return [Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS) for _ in SIZE_BUCKETS]
+    return [Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS) for _ in range(len(ROW_BUCKETS) * len(SIZE_BUCKETS))]
 
 
 class RequestCalibration:

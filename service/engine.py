@@ -285,7 +285,7 @@ class Engine:
         pass_cost = profile.at(context, len(rows))
 
         def cost(shape: PassShape) -> float:
-            return pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens)
+            return pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens, len(rows))
 
         candidates, may_probe = [], shapes.may_probe
         for row in auto:
@@ -297,7 +297,7 @@ class Engine:
                 width=row.width + 1,
             ))
         fixed_expected = sum(1 for r in rows if r.tree is not None)
-        if shapes.plain_is_stale(fixed.tokens) and shapes.level.rounds > 0:
+        if shapes.plain_is_stale(fixed.tokens, len(rows)) and shapes.level.rounds > 0:
             budget = 0  # a plain probe: keeps the relative cost of speculating measured
         plan = plan_trees(candidates, cost, fixed, fixed_expected, budget)
         shapes.count_pass(plan.probed)
@@ -392,7 +392,7 @@ class Engine:
         if self.profile is not None:
             context = sum(r.context_length for r in self.scheduler.running) / max(len(self.scheduler.running), 1)
             profiled = self.profile.at(context, rows).seconds(shape)
-            self.calibration.observe_pass(shape.tokens, profiled, seconds)
+            self.calibration.observe_pass(shape.tokens, profiled, seconds, rows)
 
     def _drop_aborted(self) -> None:
         self.scheduler.drop_aborted_waiting()

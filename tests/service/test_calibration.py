@@ -199,3 +199,19 @@ def test_the_engine_probes_at_most_once_every_probe_every_passes() -> None:
         assert not shared.may_probe
         shared.count_pass(probed=False)
     assert shared.may_probe
+
+
+def test_a_shape_factor_learned_at_one_batch_size_does_not_price_another() -> None:
+    """Trees of 4 tokens in one row (C=1) cost twice their price here; four one-token rows
+    (plain decoding at C=4) are a pass of 4 tokens too, but the profile's word stands for them."""
+    shared = Calibration()
+    for _ in range(20):
+        shared.observe_pass(1, 0.1, 0.1)
+        shared.observe_pass(4, 0.1, 0.2)
+    assert shared.shape_factor(4) > 1.2 * shared.shape_factor(1)
+    assert shared.shape_factor(4, rows=4) == 1.0
+    for _ in range(20):
+        shared.observe_pass(4, 0.1, 0.1, rows=4)
+        shared.observe_pass(8, 0.1, 0.1, rows=4)
+    assert shared.shape_factor(4, rows=4) == pytest.approx(1.0, abs=0.01)  # as profiled, once observed
+    assert shared.shape_factor(8, rows=4) == pytest.approx(1.0, abs=0.01)
