@@ -5,10 +5,11 @@ order alternating between C values and between repeats, so with two repeats each
 off-auto-auto-off or auto-off-off-auto), each client sending Spec-Bench questions one after
 another. The dev machines are shared and drift by several % between two identical runs, more
 than auto and off differ by at large C, so `--repeats` and the mean of each mode over its runs
-(`format_comparison`) are how an auto/off ratio is stated. Per (C, mode): requests/s, output tokens/s, and p50/p99 of the time to first token
-and of the inter-token latency. Every chunk carries the usage so far
-(`stream_options.continuous_usage_stats`), so a chunk of several tokens counts as that many
-tokens sharing the gap: ITL is per token, as clients of a speculative server see it.
+(`format_comparison`) are how an auto/off ratio is stated. Per (C, mode): requests/s, output
+tokens/s, and p50/p99 of the time to first token and of the inter-token latency. Every chunk
+carries the usage so far (`stream_options.continuous_usage_stats`), so a chunk of several
+tokens counts as that many tokens sharing the gap: ITL is per token, as clients of a
+speculative server see it.
 """
 
 from __future__ import annotations
