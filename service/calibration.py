@@ -157,7 +157,15 @@ class RequestCalibration:
         self.probe_every = PROBE_EVERY  # plain rounds before the next probe
 
     def acceptance_factor(self) -> float:
-        return self.draft_tokens.factor(prior=self.shared.draft_tokens.factor())
+        """This request's realized over predicted accepted draft tokens, starting from the
+        global factor, but never from above 1. The global factor depends on how deep into
+        its candidates the controller reached: at C=1 it takes many middling nodes, whose
+        estimates turned out pessimistic (factor 1.4-1.6), at C=4 only the best few, which
+        over-promise (0.6-0.9). Inherited whole, a factor learned at C=1 inflated exactly the
+        best-looking nodes of every new request at C=4 (in process after 4 requests at C=1:
+        C=4 at 50.1 and 47.5 tokens/s inherited whole, 56.4 and 58.0 capped; docs/benchmarks.md,
+        seventh session). A request's own rounds may still take it above 1."""
+        return self.draft_tokens.factor(prior=min(self.shared.draft_tokens.factor(), 1.0))
 
     def observe_round(self, predicted_draft_tokens: float, accepted: int, speculated: bool) -> None:
         """One auto round: its uncorrected forecast of accepted draft tokens and the outcome."""

@@ -128,6 +128,20 @@ def test_a_request_starts_from_the_global_acceptance_factor_and_keeps_its_own() 
     assert shared.draft_tokens.rounds > PRIOR_ROUNDS
 
 
+def test_a_new_request_inherits_caution_but_not_optimism() -> None:
+    """Nodes that under-promised elsewhere (factor > 1) say nothing about the best-looking
+    nodes of a new request, which over-promise: it starts from the model's own estimates."""
+    shared = Calibration()
+    for _ in range(50):
+        shared.session().observe_round(2.0, accepted=3, speculated=True)
+    assert shared.draft_tokens.factor() > 1.4
+    newcomer = shared.session()
+    assert newcomer.acceptance_factor() == 1.0
+    for _ in range(50):
+        newcomer.observe_round(2.0, accepted=3, speculated=True)
+    assert newcomer.acceptance_factor() > 1.4  # its own rounds count in full
+
+
 def test_an_overpromising_request_stops_speculating_but_still_probes() -> None:
     shared = Calibration()
     request = shared.session()
