@@ -146,26 +146,29 @@ def run_loadtest(
     return results
 
 
-def mean_tokens_per_second(results: list[LoadResult]) -> dict[tuple[int, str], float]:
-    """Output tokens/s of each (C, mode), averaged over its repeats."""
+def _runs(results: list[LoadResult]) -> dict[tuple[int, str], list[float]]:
+    """Output tokens/s of every run of each (C, mode), in run order."""
     runs: dict[tuple[int, str], list[float]] = {}
     for result in results:
-        runs.setdefault((result.concurrency, result.mode), []).append(result.summary()["output_tokens_per_second"])  # type: ignore[arg-type]
-    return {key: statistics.fmean(values) for key, values in runs.items()}
+        runs.setdefault((result.concurrency, result.mode), []).append(result.output_tokens / result.seconds)
+    return runs
+
+
+def mean_tokens_per_second(results: list[LoadResult]) -> dict[tuple[int, str], float]:
+    """Output tokens/s of each (C, mode), averaged over its repeats."""
+    return {key: statistics.fmean(values) for key, values in _runs(results).items()}
 
 
 def format_comparison(results: list[LoadResult]) -> str:
     """Per C: each mode's mean output tokens/s over its repeats (every run listed) and, when
     both ran, auto over off."""
-    means = mean_tokens_per_second(results)
+    runs, means = _runs(results), mean_tokens_per_second(results)
     modes = list(dict.fromkeys(r.mode for r in results))
     lines = [f"| C | {' | '.join(f'{m} tok/s (runs)' for m in modes)} | auto/off |",
              f"|---|{'---|' * len(modes)}---|"]
     for concurrency in dict.fromkeys(r.concurrency for r in results):
-        cells = []
-        for mode in modes:
-            runs = [r.summary()["output_tokens_per_second"] for r in results if (r.concurrency, r.mode) == (concurrency, mode)]
-            cells.append(f"{means[(concurrency, mode)]:.1f} ({', '.join(f'{x:.1f}' for x in runs)})")  # type: ignore[str-format]
+        cells = [f"{means[(concurrency, mode)]:.1f} ({', '.join(f'{x:.1f}' for x in runs[(concurrency, mode)])})"
+                 for mode in modes]
         ratio = (f"{means[(concurrency, 'auto')] / means[(concurrency, 'off')]:.2f}x"
                  if {(concurrency, "auto"), (concurrency, "off")} <= means.keys() else "-")
         lines.append(f"| {concurrency} | {' | '.join(cells)} | {ratio} |")

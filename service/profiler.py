@@ -15,13 +15,13 @@ host, stolen CPU time) only ever adds time to a pass, so the fastest repeats are
 cost: on a 2-core VM with up to 8% of its time stolen, the middle half of 9 repeats of a pass
 spread over up to 46% of their median while its two fastest repeats agreed within 11%
 (docs/benchmarks.md, seventh session), and the former check on that spread rejected every
-profile measured there.
-The live slowdown from that other work is the calibration's load level, not the profile's
-business. The result is validated before it is trusted or saved — costs must not fall as
-passes grow (within noise), must not fall as context grows (a profile whose short-context
-passes look slower than long ones was measured under changing load), and the two fastest
-repeats must agree (a machine so busy that not even two repeats ran undisturbed). A profile that fails is measured again; one that keeps failing is used for this run
-only and never saved. Measurement is a generator of small increments, so the engine runs it
+profile measured there. The live slowdown from that other work is the calibration's load
+level, not the profile's business. The result is validated before it is trusted or saved —
+costs must not fall as passes grow (within noise), must not fall as context grows (a profile
+whose short-context passes look slower than long ones was measured under changing load), and
+the two fastest repeats must agree (a machine so busy that not even two repeats ran
+undisturbed). A profile that fails is measured again; one that keeps failing is used for this
+run only and never saved. Measurement is a generator of small increments, so the engine runs it
 between steps, only while idle.
 """
 
