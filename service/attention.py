@@ -53,8 +53,8 @@ class PassLayout:
     write_positions: torch.Tensor  # [T] long: its position in that row
     position_ids: torch.Tensor  # [1, T] long: RoPE positions (start + depth)
     pass_end: int  # columns the pass attends over: max(start + width)
-    row_masks: list[torch.Tensor]  # per row [1, 1, width, start + width] bool (True = attend)
-    batched_mask: torch.Tensor | None  # [rows, 1, D, pass_end] bool, when a batched call runs
+    row_masks: dict[int, torch.Tensor]  # per separate row: [1, 1, width, start + width]
+    batched_mask: torch.Tensor | None  # [rows, 1, D, pass_end], when a batched call runs
     query_index: torch.Tensor | None  # [rows, D] long: flat token of each padded query slot
     batched_tokens: torch.Tensor | None  # [n] long: the flat tokens the batched call answers
     batched_slots: torch.Tensor | None  # [n] long: their padded slots (row * D + i)
@@ -71,9 +71,12 @@ class PassLayout:
 
 
 def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device,
-                 cached: Sequence[int] | None = None) -> PassLayout:
+                 cached: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> PassLayout:
     """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
-    (default: all) on top of `starts[r]` committed entries."""
+    (default: all) on top of `starts[r]` committed entries. Masks are additive, in `dtype`
+    (the queries'): 0 where a query attends, -inf elsewhere. Made once a pass, they spare every
+    layer's attention call the conversion of a boolean mask (half the call's time for one
+    query at L=256 on a CPU, measured; the outputs are bit for bit the same)."""
     cached = cached or [0] * len(trees)
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
     ends = [s + tree.num_nodes for s, tree in zip(starts, trees)]
@@ -89,13 +92,20 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     if width:
         batched_mask, query_index, batched_tokens, batched_slots = _batched(row_masks, widths, pass_end, width)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    separate_rows = [row for row, w in enumerate(widths) if w > width]
     return PassLayout(
         ends=ends, widths=widths, write_rows=write_rows.to(device),
         write_positions=slots.to(device), position_ids=positions[None].to(device), pass_end=pass_end,
-        row_masks=[m.to(device) for m in row_masks], batched_mask=to(batched_mask),
+        row_masks={row: _additive(row_masks[row], device, dtype) for row in separate_rows},
+        batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype),
         query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
-        separate_rows=[row for row, w in enumerate(widths) if w > width],
+        separate_rows=separate_rows,
     )
+
+
+def _additive(mask: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = attend) as the additive one attention takes: 0 or -inf."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")).to(device)
 
 
 def batched_width(widths: Sequence[int], call_slots: int) -> int:

@@ -7,6 +7,8 @@ ids `length + depth` and see the row's committed cache plus their own ancestors,
 linear layers compute exactly the tokens brought, and the LM head runs only on the nodes whose
 next-token distribution is asked for (tree nodes, not prompt chunks). The logits of each node
 then equal those of decoding its path token by token (a unit test holds the project to that).
+Llama-family models run the decoder stack through `service/decoder_pass.py` (same arithmetic,
+far fewer operator calls); other models through transformers' own modules.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from service.attention import build_layout, use_ragged_attention
+from service.decoder_pass import lean_hidden, supports_lean_pass
 from service.kv_cache import TreeKVCache
 from service.tree import TokenTree
 
@@ -43,6 +46,8 @@ class ModelRunner:
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
         use_ragged_attention(self.model)
+        # Llama-family layers run through a lean pass of our own; others through transformers'
+        self.lean = supports_lean_pass(self.model)
         self.device = model.device
         self.dtype = model.dtype
         self.vocab_size: int = model.config.vocab_size
@@ -67,14 +72,17 @@ class ModelRunner:
         if len(rows) != cache.num_rows:
             raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
         trees = [row.tree for row in rows]
-        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows])
+        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype)
         cache.begin_pass(layout)
         input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
                                  device=self.device)  # [1, T]
-        hidden = self.model.base_model(
-            input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
-            use_cache=True, pass_layout=layout,
-        ).last_hidden_state[0]  # [T, hidden]
+        if self.lean:
+            hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
+        else:
+            hidden = self.model.base_model(
+                input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
+                use_cache=True, pass_layout=layout,
+            ).last_hidden_state[0]  # [T, hidden]
         wanted = [
             offset + node - row.cached
             for offset, row in zip(layout.offsets, rows)

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,11 +174,13 @@ class PackedLinear(nn.Module):
         self.kind = tiles.kind
         self.in_features = tiles.in_features
         self.out_features = tiles.out_features
-        # Buffers, so state_dict (and the model fingerprint keying the caches) shows them.
-        self.register_buffer("qs", torch.from_numpy(tiles.qs), persistent=True)
-        self.register_buffer("d", torch.from_numpy(tiles.d), persistent=True)
-        self.register_buffer("m", torch.from_numpy(tiles.m), persistent=True)
         self.kernels = kernels
+        self._set_tiles(tiles)
+
+    def _set_tiles(self, tiles: PackedTiles) -> None:
+        # Buffers, so state_dict (and the model fingerprint keying the caches) shows them.
+        for name in ("qs", "d", "m"):
+            self.register_buffer(name, torch.from_numpy(getattr(tiles, name)), persistent=True)
         self._tiles = tiles  # numpy views of the buffers, for the kernels' calls
 
     def extra_repr(self) -> str:
@@ -220,6 +223,25 @@ class PackedLinear(nn.Module):
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
+    """One layer computing `modules`' outputs side by side (their tiles concatenated), so a
+    pass makes one kernel call instead of several; each module then holds a view of the fused
+    tiles (no copy stays behind). None when the modules differ in kind or input width, or a
+    module's rows do not fill whole tiles."""
+    tiles = [module.tiles() for module in modules]
+    if len({(t.kind, t.in_features) for t in tiles}) != 1 or any(t.out_features % TILE for t in tiles):
+        return None
+    qs, d, m = (np.concatenate([getattr(t, name) for t in tiles]) for name in ("qs", "d", "m"))
+    start = 0
+    for module, t in zip(modules, tiles):
+        stop = start + t.out_features // TILE
+        module._set_tiles(PackedTiles(t.kind, qs[start:stop], d[start:stop], m[start:stop],
+                                      t.out_features, t.in_features))
+        start = stop
+    fused = PackedTiles(tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features)
+    return PackedLinear(fused, modules[0].kernels)
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:

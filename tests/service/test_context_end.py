@@ -23,19 +23,18 @@ from tests.service.test_regime import MEMORY_BOUND
 
 class PositionGuard:
     """Fails any pass that gives the model a position id it has no embedding for (Llama's
-    rotary embedding would silently extrapolate)."""
+    rotary embedding would silently extrapolate). It watches the rotary embedding, which
+    every pass calls (the lean decoder pass and transformers' own forward alike)."""
 
     def __init__(self, model) -> None:
         self.limit = model.config.max_position_embeddings
         self.highest = -1
-        model.base_model.register_forward_pre_hook(self._check, with_kwargs=True)
+        model.base_model.rotary_emb.register_forward_pre_hook(self._check, with_kwargs=True)
 
     def _check(self, module, args, kwargs) -> None:
-        positions = kwargs["position_ids"]  # None from the reference decode: 0 .. length - 1
-        highest = kwargs["input_ids"].shape[-1] - 1 if positions is None else int(positions.max())
+        highest = int(kwargs["position_ids"].max())
         assert highest < self.limit, f"position {highest} passed to a model of {self.limit} positions"
-        if positions is not None:
-            self.highest = max(self.highest, highest)
+        self.highest = max(self.highest, highest)
 
 
 def guarded_engine(max_positions: int, tables: TableSlot | None = None) -> tuple[Engine, PositionGuard, torch.nn.Module]:
@@ -60,6 +59,7 @@ def test_trees_never_reach_past_the_last_position(mode: str) -> None:
     engine = Engine(ModelRunner(model), Mixer([drafter]), eos_token_ids=[], max_context=64)
     engine.profile = MEMORY_BOUND  # auto mode speculates as deep as it may where passes are free
     params = GenerationParams(new_tokens, speculation=SpeculationParams(4, 8, mode), strategy="oracle")
+    guard.highest = -1  # the engine's passes only, not the reference decode's
     completion = engine.complete(prompt, params)
     assert completion.token_ids == truth
     assert completion.num_accepted_tokens > new_tokens // 2
@@ -80,7 +80,7 @@ def test_outputs_cross_the_kv_growth_point_and_reach_the_context_end(tiny_tables
     shapes = [SpeculationParams(4, 6), SpeculationParams(0, 0, "off"), SpeculationParams(6, 8), SpeculationParams(2, 3)]
     requests = [(p, GenerationParams(n, speculation=s)) for p, n, s in zip(prompts, lengths, shapes)]
     completions = engine.complete_many(requests)
+    assert guard.highest == max_context - 2  # the engine's passes (before the reference decodes)
     for (prompt, params), completion in zip(requests, completions):
         assert completion.token_ids == reference_greedy(model, prompt, params.max_new_tokens)
-    assert guard.highest == max_context - 2
     assert sum(c.num_accepted_tokens for c in completions) > 0

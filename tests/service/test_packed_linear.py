@@ -22,6 +22,7 @@ from service.packed_linear import (
     LLAMA_LINEARS,
     PackedLinear,
     dequantize_tiles,
+    fuse_packed,
     load_kernels,
     pack_gguf_linears,
     tiles_from_blocks,
@@ -94,6 +95,32 @@ def test_a_rows_result_does_not_depend_on_the_pass_size(kind) -> None:
         assert torch.equal(layer(x[i : i + 1])[0], together[i])
     assert torch.equal(layer(x[3:6]), together[3:6])  # three rows run padded to four
     assert torch.equal(layer(x[:7]), together[:7])  # a Q8_0 group of four, then three padded
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_fused_layers_compute_each_layers_outputs_from_the_same_memory(use_numba, kind) -> None:
+    """q, k, v as one layer (`service/decoder_pass.py`): the fused kernel call gives each
+    layer's outputs bit for bit (the torch fallback's float32 GEMM may order sums by shape),
+    and the layers, now views of the fused tiles, still work."""
+    shapes = [(96, 576), (32, 576), (64, 576)]
+    layers = [PackedLinear(tiles_from_blocks(random_blocks(o, i, seed=o, kind=kind), o, i, kind.name),
+                           kernels if use_numba else None) for o, i in shapes]
+    x = torch.randn(5, 576)
+    alone = torch.cat([layer(x) for layer in layers], dim=-1)
+    fused = fuse_packed(layers)
+    assert fused is not None and fused.out_features == 192
+    if use_numba:
+        assert torch.equal(fused(x), alone)
+    else:
+        torch.testing.assert_close(fused(x), alone, rtol=1e-6, atol=1e-6)
+    assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), alone)
+    assert all(np.shares_memory(layer.tiles().qs, fused.tiles().qs) for layer in layers)
+
+
+def test_layers_that_do_not_fill_whole_tiles_are_not_fused() -> None:
+    layers = [PackedLinear(tiles_from_blocks(random_blocks(o, 64, seed=o), o, 64)) for o in (45, 32)]
+    assert fuse_packed(layers) is None
 
 
 def test_unpermute_rows_matches_transformers_gguf_loader() -> None:

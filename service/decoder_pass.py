@@ -1,0 +1,141 @@
+"""A lean pass through a Llama-family decoder stack: the same arithmetic as transformers'
+modules, in a fraction of the operator calls.
+
+On a CPU a one-token pass of a small model is mostly fixed costs: each torch operator call
+costs microseconds whatever its size, and transformers' decoder layer makes ~90 of them per
+layer (RMSNorm as eight ops, rotary embedding as fourteen, decorators and keyword plumbing on
+every call). Measured on the embedded 30-layer model (2-core CPU, packed weights, one token,
+L=256): 30.6 ms a pass through transformers' modules, 23.9 ms through this one, with bitwise
+equal logits (docs/benchmarks.md).
+
+What it does differently, nothing else:
+- one RMSNorm operator (`F.rms_norm`) instead of eight;
+- the q, k and v projections as ONE linear layer, gate and up as another
+  (`fuse_projections`): 4 matmul calls a layer instead of 7, and the fused layers are wide
+  enough to run on every thread;
+- rotary embedding once over the queries and keys together;
+- no per-layer decorators, keyword plumbing or output records.
+
+Weights, cache writes and attention (`service/attention.py`) are the model's own. Models whose
+layers differ (extra norms such as Qwen3's, Gemma's norm of 1 + weight) take transformers' own
+forward: `supports_lean_pass` decides.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from service.attention import PassLayout, ragged_attention
+from service.kv_cache import TreeKVCache
+from service.packed_linear import PackedLinear, fuse_packed
+
+# Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
+# bias) → rotary → attention → o_proj → residual → RMSNorm → down(act(gate) * up) → residual.
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class FusedProjections:
+    """One decoder layer's input projections, each computed by one call."""
+
+    qkv: Projection  # [T, hidden] -> [T, (heads + 2 * kv_heads) * head_dim]
+    gate_up: Projection  # [T, hidden] -> [T, 2 * intermediate]
+
+
+# Per decoder layer, made once: a self-draft view shares the target's layers and their fusion.
+_FUSED: weakref.WeakKeyDictionary[nn.Module, FusedProjections] = weakref.WeakKeyDictionary()
+
+
+def supports_lean_pass(model: PreTrainedModel) -> bool:
+    """Whether `model`'s layers are the ones `lean_hidden` computes. (Sliding windows need no
+    check: the loader refuses models with a window shorter than the context.)"""
+    return getattr(model.config, "model_type", None) in LEAN_MODEL_TYPES
+
+
+@torch.inference_mode()
+def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLayout,
+                cache: TreeKVCache) -> torch.Tensor:
+    """The final-norm hidden states [T, hidden] of a flat pass (`input_ids`: [1, T])."""
+    base = model.base_model
+    x = base.embed_tokens(input_ids)  # [1, T, hidden]
+    cos, sin = base.rotary_emb(x, position_ids=layout.position_ids)  # [1, T, head_dim] each
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]: broadcast over heads
+    x = x[0]  # [T, hidden]
+    tokens = x.shape[0]
+    for index, layer in enumerate(base.layers):
+        attn, projections = layer.self_attn, fused_projections(layer)
+        heads = attn.config.num_attention_heads
+        kv_heads = attn.config.num_key_value_heads
+        qkv = projections.qkv(_rms_norm(x, layer.input_layernorm)).view(tokens, -1, attn.head_dim)
+        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, head_dim]
+        keys, values = cache.layers[index].update(qk[None, :, heads:].transpose(1, 2),
+                                                  qkv[None, :, heads + kv_heads :].transpose(1, 2))
+        out, _ = ragged_attention(attn, qk[None, :, :heads].transpose(1, 2), keys, values, None,
+                                  scaling=attn.scaling, pass_layout=layout)  # [1, T, heads, head_dim]
+        x = x + attn.o_proj(out.reshape(tokens, -1))
+        mlp = layer.mlp
+        gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm)).chunk(2, dim=-1)
+        x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+    return _rms_norm(x, base.norm)
+
+
+def fused_projections(layer: nn.Module) -> FusedProjections:
+    """The layer's q/k/v and gate/up projections as one call each (made on first use)."""
+    fused = _FUSED.get(layer)
+    if fused is None:
+        attn, mlp = layer.self_attn, layer.mlp
+        fused = FusedProjections(fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                 fuse_projections([mlp.gate_proj, mlp.up_proj]))
+        _FUSED[layer] = fused
+    return fused
+
+
+def fuse_projections(modules: Sequence[nn.Module]) -> Projection:
+    """One linear layer computing `modules`' outputs side by side. The modules' own weights
+    become views of the fused weight, so memory is not doubled and they keep working alone.
+    Modules of mixed kinds (or packed ones not tile-aligned) are called one by one instead."""
+    if all(isinstance(m, PackedLinear) for m in modules):
+        fused = fuse_packed(modules)  # type: ignore[arg-type]
+        if fused is not None:
+            return fused
+    elif all(type(m) is nn.Linear for m in modules) and len({m.bias is None for m in modules}) == 1:
+        return _fuse_linears(modules)  # type: ignore[arg-type]
+    return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+
+
+@torch.no_grad()
+def _fuse_linears(modules: Sequence[nn.Linear]) -> Projection:
+    weight = torch.cat([m.weight for m in modules])  # [sum of out_features, in_features]
+    bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+    offset = 0
+    for module in modules:
+        rows = module.out_features
+        module.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
+        if bias is not None:
+            module.bias = nn.Parameter(bias[offset : offset + rows], requires_grad=False)
+        offset += rows
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """transformers' Llama RMSNorm: normalize in float32, round to the input's dtype, then
+    scale (one fused call when that rounding is a no-op)."""
+    eps = norm.variance_epsilon
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' `rotate_half` convention: x * cos + [-x2, x1] * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
