@@ -126,21 +126,39 @@ def _bench(args: argparse.Namespace) -> None:
         fresh.profile = engine.profile
         return fresh
 
-    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling, new_engine)
+    references = _llama_cpp(args, engine) if args.llama_cpp else {}
+    results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling, new_engine, references)
     for name, by_category in results.items():
         print(f"\n### {name}\n\n{bench.format_table(by_category)}")
     if len(results) > 1:
         print(f"\n### tokens per pass (speedup over plain)\n\n{bench.format_summary(results)}")
+    ours = {name: rows for name, rows in results.items() if name not in references}
     if args.auto:
-        print(f"\n### auto vs fixed\n\n{bench.format_auto_report(results)}")
+        print(f"\n### auto vs fixed\n\n{bench.format_auto_report(ours)}")
     if args.json:
         args.json.write_text(bench.results_as_json(
             results, model=loaded.name, k=args.k, w=args.w, max_new_tokens=args.max_new_tokens, sampling=asdict(sampling),
             device=str(loaded.model.device), dtype=str(loaded.model.dtype),
         ))
         print(f"wrote {args.json}")
-    if any(r.identical != r.prompts for rows in results.values() for r in rows):
+    if any(r.identical != r.prompts for rows in ours.values() for r in rows):
         sys.exit("speculative output differed from plain decoding with the same sampling and seed")
+
+
+def _llama_cpp(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
+    """`--llama-cpp`: llama.cpp's greedy decoding of the bench's own GGUF, same threads."""
+    import torch
+
+    from service.llama_cpp_reference import LLAMA_CPP, LlamaCppGreedy
+    from service.model_loader import embedded_gguf_path
+
+    path = Path(args.model) if args.model else embedded_gguf_path()
+    if path.suffix != ".gguf" or args.temperature > 0:
+        sys.exit("ngrammys bench: --llama-cpp compares greedy decoding of a GGUF model")
+    try:
+        return {LLAMA_CPP: LlamaCppGreedy(path, engine.eos_token_ids, torch.get_num_threads())}
+    except RuntimeError as error:
+        sys.exit(f"ngrammys bench: {error}")
 
 
 def _workload(loaded: Any, args: argparse.Namespace) -> None:
@@ -336,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0,
                        help="sampling seed of every run, so plain and speculative samples compare token for token")
     _model_flags(bench)
+    bench.add_argument("--llama-cpp", action="store_true",
+                       help="also decode each prompt with llama.cpp's own greedy decoding of the same GGUF "
+                            "(needs the llama-cpp extra, which compiles llama.cpp)")
     bench.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     bench.set_defaults(run=_bench)
     profile = commands.add_parser("profile", help="measure forward-pass cost over tree size and context length")

@@ -13,12 +13,19 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.engine import Completion, Engine, RoundOutput
 from service.prompts import chat_prompt_ids
+
+
+class Decoder(Protocol):
+    """What the bench runs a method on: an `Engine`, or a reference such as llama.cpp's."""
+
+    def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> Completion: ...
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,7 @@ def run_bench(
     progress: Callable[[BenchPrompt, Completion, dict[str, Completion]], None] | None = None,
     sampling: SamplingParams = SamplingParams(),
     new_engine: Callable[[], Engine] | None = None,
+    references: dict[str, Decoder] | None = None,
 ) -> dict[str, list[CategoryResult]]:
     """Decode every prompt plainly and with each method, in a rotating order.
 
@@ -168,15 +176,22 @@ def run_bench(
     method learns across requests (acceptance statistics, successor tables, the suffix index)
     then comes from its own earlier prompts only, never from another method's run of the same
     prompt — with greedy decoding that run is the very answer.
+    `references` are other decoders given the plain parameters (e.g. llama.cpp's greedy
+    decoding of the same GGUF): their rows compare them with plain decoding, and `identical`
+    then counts agreement, not losslessness.
     Returns, per method, its per-category totals (the plain ones shared) and an `overall`.
     """
     params = {"plain": GenerationParams(max_new_tokens=max_new_tokens, sampling=sampling)} | {
         name: GenerationParams(max_new_tokens=max_new_tokens, speculation=spec, strategy=strategy, sampling=sampling)
         for name, (strategy, spec) in methods.items()
     }
+    references = references or {}
+    params |= {name: params["plain"] for name in references}
     order = list(params)
-    engines = {name: new_engine() if new_engine and name != "plain" else engine for name in order}
-    results: dict[str, dict[str, CategoryResult]] = {name: {} for name in methods}
+    engines: dict[str, Decoder] = {name: new_engine() if new_engine and name != "plain" else engine
+                                   for name in order if name not in references}
+    engines |= references
+    results: dict[str, dict[str, CategoryResult]] = {name: {} for name in order if name != "plain"}
     for index, prompt in enumerate(prompts):
         shift = index % len(order)
         done = {name: engines[name].complete(prompt.prompt_ids, params[name]) for name in order[shift:] + order[:shift]}

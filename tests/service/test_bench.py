@@ -72,3 +72,25 @@ def test_bench_samples_alike_so_speculation_still_matches_plain(tmp_path, capsys
     assert set(by_category) == {"math", "overall"}
     assert by_category["overall"]["identical"] == by_category["overall"]["prompts"] == 1
     assert by_category["overall"]["plain"]["tokens"] == by_category["overall"]["speculative"]["tokens"] > 0
+
+
+def test_a_reference_decoder_runs_with_plain_parameters_and_its_agreement_is_counted(tiny_engine) -> None:
+    """`references` (e.g. llama.cpp's greedy decoding) answer the same prompts with the plain
+    parameters; their rows count agreement with plain decoding instead of requiring it."""
+    from drafting import default_mixer
+    from service.bench import BenchPrompt, bench_methods, run_bench
+    from service.engine import Engine
+    from service.model_runner import ModelRunner
+    from tests.conftest import make_tiny_model
+
+    other = Engine(ModelRunner(make_tiny_model(seed=9)), default_mixer(None), eos_token_ids=[], max_context=512)
+    prompts = [BenchPrompt(str(i), "math", [5, 9, 13, i + 2] * 3) for i in range(3)]
+    results = run_bench(tiny_engine, prompts, bench_methods(["context"], 2, 2), 10,
+                        references={"other model": other, "same model": tiny_engine})
+    assert list(results) == ["context k2w2", "other model", "same model"]
+    same, different = (results[name][-1] for name in ("same model", "other model"))
+    assert same.identical == same.prompts == 3  # the plain run again
+    assert different.identical < 3  # another model's greedy answers
+    for row in (same, different):
+        assert row.speculative.passes == row.speculative.tokens == 30  # plain: a token a pass
+        assert row.speculative.draft_tokens == 0
