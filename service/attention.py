@@ -59,6 +59,7 @@ class PassLayout:
     batched_tokens: torch.Tensor | None  # [n] long: the flat tokens the batched call answers
     batched_slots: torch.Tensor | None  # [n] long: their padded slots (row * D + i)
     separate_rows: list[int]  # rows wider than D: a call each
+    one_token_rows: bool  # every row brings one token (plain decoding): flat token r is row r's query
 
     @property
     def offsets(self) -> list[int]:
@@ -99,7 +100,7 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
         row_masks={row: _additive(row_masks[row], device, dtype) for row in separate_rows},
         batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype),
         query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
-        separate_rows=separate_rows,
+        separate_rows=separate_rows, one_token_rows=all(w == 1 for w in widths),
     )
 
 
@@ -164,6 +165,10 @@ def ragged_attention(
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(fallback, sdpa_attention_forward)
         return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layout = pass_layout
+    if layout.one_token_rows:  # no gather or scatter: [rows, heads, 1, head_dim] is a view
+        out = F.scaled_dot_product_attention(query[0].transpose(0, 1)[:, :, None], key, value,
+                                             attn_mask=layout.batched_mask, scale=scaling, enable_gqa=True)
+        return out[None, :, :, 0], None  # [1, T, heads, head_dim]
     heads, head_dim = query.shape[1], query.shape[3]
     batched = None
     if layout.batched_mask is not None:

@@ -83,6 +83,7 @@ def test_rows_of_other_lengths_and_widths_do_not_disturb_each_other(layout: str)
     trees = [build_tree(prompt[-1], d) for prompt, d in zip(prompts, drafts)]
     planned = build_layout(trees, cache.lengths, runner.device)
     assert (planned.query_index.shape[1] if planned.query_index is not None else 0, planned.separate_rows) == (width, separate)
+    assert planned.one_token_rows == (layout == "plain rows")  # plain decoding: no gather, no scatter
     logits = runner.forward(cache, [RowInput(tree) for tree in trees])
     for prompt, tree, row_logits in zip(prompts, trees, logits):
         assert_nodes_match(model, prompt, tree, row_logits)
