@@ -5,8 +5,9 @@ On a CPU a one-token pass of a small model is mostly fixed costs: each torch ope
 costs microseconds whatever its size, and transformers' decoder layer makes ~90 of them per
 layer (RMSNorm as eight ops, rotary embedding as fourteen, decorators and keyword plumbing on
 every call). Measured on the embedded 30-layer model (2-core CPU, packed weights, one token,
-L=256): 30.6 ms a pass through transformers' modules, 23.9 ms through this one, with bitwise
-equal logits (docs/benchmarks.md).
+L=256, old and new code alternated): 30.2 ms a pass through transformers' modules, 24.2 ms
+through this one with the masks of `service/attention.py` built once a pass, and bitwise equal
+logits (docs/benchmarks.md).
 
 What it does differently, nothing else:
 - one RMSNorm operator (`F.rms_norm`) instead of eight;
