@@ -72,10 +72,9 @@ def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLay
     cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]: broadcast over heads
     x = x[0]  # [T, hidden]
     tokens = x.shape[0]
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     for index, layer in enumerate(base.layers):
         attn, projections = layer.self_attn, fused_projections(layer)
-        heads = attn.config.num_attention_heads
-        kv_heads = attn.config.num_key_value_heads
         qkv = projections.qkv(_rms_norm(x, layer.input_layernorm)).view(tokens, -1, attn.head_dim)
         qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, head_dim]
         keys, values = cache.layers[index].update(qk[None, :, heads:].transpose(1, 2),
