@@ -7,11 +7,13 @@ block's 16 bytes of nibbles: low nibble = weight j, high nibble = weight j+16), 
 dequantized once (w = d*q + m, float32, as gguf's own dequantizer computes it) into a
 [K, 32] buffer, then every row of x is run against it with accumulators in registers.
 
-Every output element is the plain sum of w[k]*x[k] in one fixed order of k (per block: j, j+16
-for j = 0..15), a multiply then an add (no fused multiply-add, no reassociation). Small passes
-(a plain step, a small tree) dequantize in registers instead of through the buffer, with the
-same arithmetic. So a row's result does not depend on how many rows come with it, nor where it
-sits among them: a tree pass computes each node's linears bit-for-bit as a one-token pass would.
+Every output element is the sum of w[k]*x[k] in one fixed order of k (per block: j, j+16 for
+j = 0..15), each step one fused multiply-add (`fastmath={"contract"}` and nothing else: no
+reassociation). Passes of one or two rows dequantize in registers instead of through the
+buffer, with the same arithmetic. So a row's result does not depend on how many rows come with
+it, nor where it sits among them: a tree pass computes each node's linears bit-for-bit as a
+one-token pass would. The weights stay exactly gguf's: d*q is exact in float32 (an 11-bit
+float16 significand times a 4- or 8-bit integer), so d*q + m rounds once, fused or not.
 
 `q8_0_matmul(x, qs, d, out, chunks)` does the same for Q8_0 blocks (32 int8 and a float16
 scale d; w = d*q): qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32.
@@ -22,26 +24,184 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+CONTRACT = {"contract"}  # a*b + c as one fused multiply-add; no other fast-math liberty
 TILE = 32
-FUSED_MAX_ROWS = 4  # Q4_1 passes up to this many rows dequantize in registers (measured faster)
+# Q4_1 passes of three rows or more dequantize each tile once into a buffer: cheaper than a
+# four-row in-register kernel from three rows on (embedded model's layers, measured).
+FUSED_MAX_ROWS = 2
 # Q8_0 (the LM head) dequantizes in registers, four rows at a time, up to this many rows: its
 # buffer path costs 2.4x the fused one at 3-4 rows, 1.6x at 8, 1.2x at 16; they cross between
 # 24 and 32 rows (embedded model's head, one core, measured).
 FUSED_MAX_ROWS_Q8 = 24
 
 
-@njit(cache=True, inline="always")
+@njit(fastmath=CONTRACT, cache=True, inline="always")
 def _dequantize_tile(qs, d, m, w):  # pragma: no cover - compiled
     """One tile's blocks into w[K, TILE] as float32 weights (w = d*q + m)."""
     for b in range(qs.shape[0]):
+        d0 = d[b, 0]
+        d1 = d[b, 1]
+        d2 = d[b, 2]
+        d3 = d[b, 3]
+        d4 = d[b, 4]
+        d5 = d[b, 5]
+        d6 = d[b, 6]
+        d7 = d[b, 7]
+        d8 = d[b, 8]
+        d9 = d[b, 9]
+        d10 = d[b, 10]
+        d11 = d[b, 11]
+        d12 = d[b, 12]
+        d13 = d[b, 13]
+        d14 = d[b, 14]
+        d15 = d[b, 15]
+        d16 = d[b, 16]
+        d17 = d[b, 17]
+        d18 = d[b, 18]
+        d19 = d[b, 19]
+        d20 = d[b, 20]
+        d21 = d[b, 21]
+        d22 = d[b, 22]
+        d23 = d[b, 23]
+        d24 = d[b, 24]
+        d25 = d[b, 25]
+        d26 = d[b, 26]
+        d27 = d[b, 27]
+        d28 = d[b, 28]
+        d29 = d[b, 29]
+        d30 = d[b, 30]
+        d31 = d[b, 31]
+        m0 = m[b, 0]
+        m1 = m[b, 1]
+        m2 = m[b, 2]
+        m3 = m[b, 3]
+        m4 = m[b, 4]
+        m5 = m[b, 5]
+        m6 = m[b, 6]
+        m7 = m[b, 7]
+        m8 = m[b, 8]
+        m9 = m[b, 9]
+        m10 = m[b, 10]
+        m11 = m[b, 11]
+        m12 = m[b, 12]
+        m13 = m[b, 13]
+        m14 = m[b, 14]
+        m15 = m[b, 15]
+        m16 = m[b, 16]
+        m17 = m[b, 17]
+        m18 = m[b, 18]
+        m19 = m[b, 19]
+        m20 = m[b, 20]
+        m21 = m[b, 21]
+        m22 = m[b, 22]
+        m23 = m[b, 23]
+        m24 = m[b, 24]
+        m25 = m[b, 25]
+        m26 = m[b, 26]
+        m27 = m[b, 27]
+        m28 = m[b, 28]
+        m29 = m[b, 29]
+        m30 = m[b, 30]
+        m31 = m[b, 31]
         for j in range(16):
-            for g in range(TILE):
-                q = np.int32(qs[b, j, g])
-                w[b * 32 + j, g] = d[b, g] * np.float32(q & 15) + m[b, g]
-                w[b * 32 + 16 + j, g] = d[b, g] * np.float32(q >> 4) + m[b, g]
+            q0 = np.int32(qs[b, j, 0])
+            q1 = np.int32(qs[b, j, 1])
+            q2 = np.int32(qs[b, j, 2])
+            q3 = np.int32(qs[b, j, 3])
+            q4 = np.int32(qs[b, j, 4])
+            q5 = np.int32(qs[b, j, 5])
+            q6 = np.int32(qs[b, j, 6])
+            q7 = np.int32(qs[b, j, 7])
+            q8 = np.int32(qs[b, j, 8])
+            q9 = np.int32(qs[b, j, 9])
+            q10 = np.int32(qs[b, j, 10])
+            q11 = np.int32(qs[b, j, 11])
+            q12 = np.int32(qs[b, j, 12])
+            q13 = np.int32(qs[b, j, 13])
+            q14 = np.int32(qs[b, j, 14])
+            q15 = np.int32(qs[b, j, 15])
+            q16 = np.int32(qs[b, j, 16])
+            q17 = np.int32(qs[b, j, 17])
+            q18 = np.int32(qs[b, j, 18])
+            q19 = np.int32(qs[b, j, 19])
+            q20 = np.int32(qs[b, j, 20])
+            q21 = np.int32(qs[b, j, 21])
+            q22 = np.int32(qs[b, j, 22])
+            q23 = np.int32(qs[b, j, 23])
+            q24 = np.int32(qs[b, j, 24])
+            q25 = np.int32(qs[b, j, 25])
+            q26 = np.int32(qs[b, j, 26])
+            q27 = np.int32(qs[b, j, 27])
+            q28 = np.int32(qs[b, j, 28])
+            q29 = np.int32(qs[b, j, 29])
+            q30 = np.int32(qs[b, j, 30])
+            q31 = np.int32(qs[b, j, 31])
+            w[b * 32 + j, 0] = d0 * np.float32(q0 & 15) + m0
+            w[b * 32 + j, 1] = d1 * np.float32(q1 & 15) + m1
+            w[b * 32 + j, 2] = d2 * np.float32(q2 & 15) + m2
+            w[b * 32 + j, 3] = d3 * np.float32(q3 & 15) + m3
+            w[b * 32 + j, 4] = d4 * np.float32(q4 & 15) + m4
+            w[b * 32 + j, 5] = d5 * np.float32(q5 & 15) + m5
+            w[b * 32 + j, 6] = d6 * np.float32(q6 & 15) + m6
+            w[b * 32 + j, 7] = d7 * np.float32(q7 & 15) + m7
+            w[b * 32 + j, 8] = d8 * np.float32(q8 & 15) + m8
+            w[b * 32 + j, 9] = d9 * np.float32(q9 & 15) + m9
+            w[b * 32 + j, 10] = d10 * np.float32(q10 & 15) + m10
+            w[b * 32 + j, 11] = d11 * np.float32(q11 & 15) + m11
+            w[b * 32 + j, 12] = d12 * np.float32(q12 & 15) + m12
+            w[b * 32 + j, 13] = d13 * np.float32(q13 & 15) + m13
+            w[b * 32 + j, 14] = d14 * np.float32(q14 & 15) + m14
+            w[b * 32 + j, 15] = d15 * np.float32(q15 & 15) + m15
+            w[b * 32 + j, 16] = d16 * np.float32(q16 & 15) + m16
+            w[b * 32 + j, 17] = d17 * np.float32(q17 & 15) + m17
+            w[b * 32 + j, 18] = d18 * np.float32(q18 & 15) + m18
+            w[b * 32 + j, 19] = d19 * np.float32(q19 & 15) + m19
+            w[b * 32 + j, 20] = d20 * np.float32(q20 & 15) + m20
+            w[b * 32 + j, 21] = d21 * np.float32(q21 & 15) + m21
+            w[b * 32 + j, 22] = d22 * np.float32(q22 & 15) + m22
+            w[b * 32 + j, 23] = d23 * np.float32(q23 & 15) + m23
+            w[b * 32 + j, 24] = d24 * np.float32(q24 & 15) + m24
+            w[b * 32 + j, 25] = d25 * np.float32(q25 & 15) + m25
+            w[b * 32 + j, 26] = d26 * np.float32(q26 & 15) + m26
+            w[b * 32 + j, 27] = d27 * np.float32(q27 & 15) + m27
+            w[b * 32 + j, 28] = d28 * np.float32(q28 & 15) + m28
+            w[b * 32 + j, 29] = d29 * np.float32(q29 & 15) + m29
+            w[b * 32 + j, 30] = d30 * np.float32(q30 & 15) + m30
+            w[b * 32 + j, 31] = d31 * np.float32(q31 & 15) + m31
+            w[b * 32 + 16 + j, 0] = d0 * np.float32(q0 >> 4) + m0
+            w[b * 32 + 16 + j, 1] = d1 * np.float32(q1 >> 4) + m1
+            w[b * 32 + 16 + j, 2] = d2 * np.float32(q2 >> 4) + m2
+            w[b * 32 + 16 + j, 3] = d3 * np.float32(q3 >> 4) + m3
+            w[b * 32 + 16 + j, 4] = d4 * np.float32(q4 >> 4) + m4
+            w[b * 32 + 16 + j, 5] = d5 * np.float32(q5 >> 4) + m5
+            w[b * 32 + 16 + j, 6] = d6 * np.float32(q6 >> 4) + m6
+            w[b * 32 + 16 + j, 7] = d7 * np.float32(q7 >> 4) + m7
+            w[b * 32 + 16 + j, 8] = d8 * np.float32(q8 >> 4) + m8
+            w[b * 32 + 16 + j, 9] = d9 * np.float32(q9 >> 4) + m9
+            w[b * 32 + 16 + j, 10] = d10 * np.float32(q10 >> 4) + m10
+            w[b * 32 + 16 + j, 11] = d11 * np.float32(q11 >> 4) + m11
+            w[b * 32 + 16 + j, 12] = d12 * np.float32(q12 >> 4) + m12
+            w[b * 32 + 16 + j, 13] = d13 * np.float32(q13 >> 4) + m13
+            w[b * 32 + 16 + j, 14] = d14 * np.float32(q14 >> 4) + m14
+            w[b * 32 + 16 + j, 15] = d15 * np.float32(q15 >> 4) + m15
+            w[b * 32 + 16 + j, 16] = d16 * np.float32(q16 >> 4) + m16
+            w[b * 32 + 16 + j, 17] = d17 * np.float32(q17 >> 4) + m17
+            w[b * 32 + 16 + j, 18] = d18 * np.float32(q18 >> 4) + m18
+            w[b * 32 + 16 + j, 19] = d19 * np.float32(q19 >> 4) + m19
+            w[b * 32 + 16 + j, 20] = d20 * np.float32(q20 >> 4) + m20
+            w[b * 32 + 16 + j, 21] = d21 * np.float32(q21 >> 4) + m21
+            w[b * 32 + 16 + j, 22] = d22 * np.float32(q22 >> 4) + m22
+            w[b * 32 + 16 + j, 23] = d23 * np.float32(q23 >> 4) + m23
+            w[b * 32 + 16 + j, 24] = d24 * np.float32(q24 >> 4) + m24
+            w[b * 32 + 16 + j, 25] = d25 * np.float32(q25 >> 4) + m25
+            w[b * 32 + 16 + j, 26] = d26 * np.float32(q26 >> 4) + m26
+            w[b * 32 + 16 + j, 27] = d27 * np.float32(q27 >> 4) + m27
+            w[b * 32 + 16 + j, 28] = d28 * np.float32(q28 >> 4) + m28
+            w[b * 32 + 16 + j, 29] = d29 * np.float32(q29 >> 4) + m29
+            w[b * 32 + 16 + j, 30] = d30 * np.float32(q30 >> 4) + m30
+            w[b * 32 + 16 + j, 31] = d31 * np.float32(q31 >> 4) + m31
 
-
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _rows1(w, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -212,7 +372,7 @@ def _rows1(w, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 0, o0 + 30] = a0_30
     out[r + 0, o0 + 31] = a0_31
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _rows2(w, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -485,7 +645,7 @@ def _rows2(w, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 1, o0 + 30] = a1_30
     out[r + 1, o0 + 31] = a1_31
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _rows1_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -752,210 +912,7 @@ def _rows1_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 0, o0 + 30] = a0_30
     out[r + 0, o0 + 31] = a0_31
 
-@njit(cache=True)
-def _rows1_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
-    a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
-    a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
-    a0_16 = a0_17 = a0_18 = a0_19 = a0_20 = a0_21 = a0_22 = a0_23 = np.float32(0.0)
-    a0_24 = a0_25 = a0_26 = a0_27 = a0_28 = a0_29 = a0_30 = a0_31 = np.float32(0.0)
-    for b in range(qs.shape[0]):
-        d0 = d[b, 0]
-        d1 = d[b, 1]
-        d2 = d[b, 2]
-        d3 = d[b, 3]
-        d4 = d[b, 4]
-        d5 = d[b, 5]
-        d6 = d[b, 6]
-        d7 = d[b, 7]
-        d8 = d[b, 8]
-        d9 = d[b, 9]
-        d10 = d[b, 10]
-        d11 = d[b, 11]
-        d12 = d[b, 12]
-        d13 = d[b, 13]
-        d14 = d[b, 14]
-        d15 = d[b, 15]
-        d16 = d[b, 16]
-        d17 = d[b, 17]
-        d18 = d[b, 18]
-        d19 = d[b, 19]
-        d20 = d[b, 20]
-        d21 = d[b, 21]
-        d22 = d[b, 22]
-        d23 = d[b, 23]
-        d24 = d[b, 24]
-        d25 = d[b, 25]
-        d26 = d[b, 26]
-        d27 = d[b, 27]
-        d28 = d[b, 28]
-        d29 = d[b, 29]
-        d30 = d[b, 30]
-        d31 = d[b, 31]
-        for j in range(16):
-            xl0 = x[r + 0, b * 32 + j]
-            xh0 = x[r + 0, b * 32 + 16 + j]
-            w0 = d0 * np.float32(qs[b, j, 0])
-            w1 = d1 * np.float32(qs[b, j, 1])
-            w2 = d2 * np.float32(qs[b, j, 2])
-            w3 = d3 * np.float32(qs[b, j, 3])
-            w4 = d4 * np.float32(qs[b, j, 4])
-            w5 = d5 * np.float32(qs[b, j, 5])
-            w6 = d6 * np.float32(qs[b, j, 6])
-            w7 = d7 * np.float32(qs[b, j, 7])
-            w8 = d8 * np.float32(qs[b, j, 8])
-            w9 = d9 * np.float32(qs[b, j, 9])
-            w10 = d10 * np.float32(qs[b, j, 10])
-            w11 = d11 * np.float32(qs[b, j, 11])
-            w12 = d12 * np.float32(qs[b, j, 12])
-            w13 = d13 * np.float32(qs[b, j, 13])
-            w14 = d14 * np.float32(qs[b, j, 14])
-            w15 = d15 * np.float32(qs[b, j, 15])
-            w16 = d16 * np.float32(qs[b, j, 16])
-            w17 = d17 * np.float32(qs[b, j, 17])
-            w18 = d18 * np.float32(qs[b, j, 18])
-            w19 = d19 * np.float32(qs[b, j, 19])
-            w20 = d20 * np.float32(qs[b, j, 20])
-            w21 = d21 * np.float32(qs[b, j, 21])
-            w22 = d22 * np.float32(qs[b, j, 22])
-            w23 = d23 * np.float32(qs[b, j, 23])
-            w24 = d24 * np.float32(qs[b, j, 24])
-            w25 = d25 * np.float32(qs[b, j, 25])
-            w26 = d26 * np.float32(qs[b, j, 26])
-            w27 = d27 * np.float32(qs[b, j, 27])
-            w28 = d28 * np.float32(qs[b, j, 28])
-            w29 = d29 * np.float32(qs[b, j, 29])
-            w30 = d30 * np.float32(qs[b, j, 30])
-            w31 = d31 * np.float32(qs[b, j, 31])
-            a0_0 += w0 * xl0
-            a0_1 += w1 * xl0
-            a0_2 += w2 * xl0
-            a0_3 += w3 * xl0
-            a0_4 += w4 * xl0
-            a0_5 += w5 * xl0
-            a0_6 += w6 * xl0
-            a0_7 += w7 * xl0
-            a0_8 += w8 * xl0
-            a0_9 += w9 * xl0
-            a0_10 += w10 * xl0
-            a0_11 += w11 * xl0
-            a0_12 += w12 * xl0
-            a0_13 += w13 * xl0
-            a0_14 += w14 * xl0
-            a0_15 += w15 * xl0
-            a0_16 += w16 * xl0
-            a0_17 += w17 * xl0
-            a0_18 += w18 * xl0
-            a0_19 += w19 * xl0
-            a0_20 += w20 * xl0
-            a0_21 += w21 * xl0
-            a0_22 += w22 * xl0
-            a0_23 += w23 * xl0
-            a0_24 += w24 * xl0
-            a0_25 += w25 * xl0
-            a0_26 += w26 * xl0
-            a0_27 += w27 * xl0
-            a0_28 += w28 * xl0
-            a0_29 += w29 * xl0
-            a0_30 += w30 * xl0
-            a0_31 += w31 * xl0
-            w0 = d0 * np.float32(qs[b, j + 16, 0])
-            w1 = d1 * np.float32(qs[b, j + 16, 1])
-            w2 = d2 * np.float32(qs[b, j + 16, 2])
-            w3 = d3 * np.float32(qs[b, j + 16, 3])
-            w4 = d4 * np.float32(qs[b, j + 16, 4])
-            w5 = d5 * np.float32(qs[b, j + 16, 5])
-            w6 = d6 * np.float32(qs[b, j + 16, 6])
-            w7 = d7 * np.float32(qs[b, j + 16, 7])
-            w8 = d8 * np.float32(qs[b, j + 16, 8])
-            w9 = d9 * np.float32(qs[b, j + 16, 9])
-            w10 = d10 * np.float32(qs[b, j + 16, 10])
-            w11 = d11 * np.float32(qs[b, j + 16, 11])
-            w12 = d12 * np.float32(qs[b, j + 16, 12])
-            w13 = d13 * np.float32(qs[b, j + 16, 13])
-            w14 = d14 * np.float32(qs[b, j + 16, 14])
-            w15 = d15 * np.float32(qs[b, j + 16, 15])
-            w16 = d16 * np.float32(qs[b, j + 16, 16])
-            w17 = d17 * np.float32(qs[b, j + 16, 17])
-            w18 = d18 * np.float32(qs[b, j + 16, 18])
-            w19 = d19 * np.float32(qs[b, j + 16, 19])
-            w20 = d20 * np.float32(qs[b, j + 16, 20])
-            w21 = d21 * np.float32(qs[b, j + 16, 21])
-            w22 = d22 * np.float32(qs[b, j + 16, 22])
-            w23 = d23 * np.float32(qs[b, j + 16, 23])
-            w24 = d24 * np.float32(qs[b, j + 16, 24])
-            w25 = d25 * np.float32(qs[b, j + 16, 25])
-            w26 = d26 * np.float32(qs[b, j + 16, 26])
-            w27 = d27 * np.float32(qs[b, j + 16, 27])
-            w28 = d28 * np.float32(qs[b, j + 16, 28])
-            w29 = d29 * np.float32(qs[b, j + 16, 29])
-            w30 = d30 * np.float32(qs[b, j + 16, 30])
-            w31 = d31 * np.float32(qs[b, j + 16, 31])
-            a0_0 += w0 * xh0
-            a0_1 += w1 * xh0
-            a0_2 += w2 * xh0
-            a0_3 += w3 * xh0
-            a0_4 += w4 * xh0
-            a0_5 += w5 * xh0
-            a0_6 += w6 * xh0
-            a0_7 += w7 * xh0
-            a0_8 += w8 * xh0
-            a0_9 += w9 * xh0
-            a0_10 += w10 * xh0
-            a0_11 += w11 * xh0
-            a0_12 += w12 * xh0
-            a0_13 += w13 * xh0
-            a0_14 += w14 * xh0
-            a0_15 += w15 * xh0
-            a0_16 += w16 * xh0
-            a0_17 += w17 * xh0
-            a0_18 += w18 * xh0
-            a0_19 += w19 * xh0
-            a0_20 += w20 * xh0
-            a0_21 += w21 * xh0
-            a0_22 += w22 * xh0
-            a0_23 += w23 * xh0
-            a0_24 += w24 * xh0
-            a0_25 += w25 * xh0
-            a0_26 += w26 * xh0
-            a0_27 += w27 * xh0
-            a0_28 += w28 * xh0
-            a0_29 += w29 * xh0
-            a0_30 += w30 * xh0
-            a0_31 += w31 * xh0
-    out[r + 0, o0 + 0] = a0_0
-    out[r + 0, o0 + 1] = a0_1
-    out[r + 0, o0 + 2] = a0_2
-    out[r + 0, o0 + 3] = a0_3
-    out[r + 0, o0 + 4] = a0_4
-    out[r + 0, o0 + 5] = a0_5
-    out[r + 0, o0 + 6] = a0_6
-    out[r + 0, o0 + 7] = a0_7
-    out[r + 0, o0 + 8] = a0_8
-    out[r + 0, o0 + 9] = a0_9
-    out[r + 0, o0 + 10] = a0_10
-    out[r + 0, o0 + 11] = a0_11
-    out[r + 0, o0 + 12] = a0_12
-    out[r + 0, o0 + 13] = a0_13
-    out[r + 0, o0 + 14] = a0_14
-    out[r + 0, o0 + 15] = a0_15
-    out[r + 0, o0 + 16] = a0_16
-    out[r + 0, o0 + 17] = a0_17
-    out[r + 0, o0 + 18] = a0_18
-    out[r + 0, o0 + 19] = a0_19
-    out[r + 0, o0 + 20] = a0_20
-    out[r + 0, o0 + 21] = a0_21
-    out[r + 0, o0 + 22] = a0_22
-    out[r + 0, o0 + 23] = a0_23
-    out[r + 0, o0 + 24] = a0_24
-    out[r + 0, o0 + 25] = a0_25
-    out[r + 0, o0 + 26] = a0_26
-    out[r + 0, o0 + 27] = a0_27
-    out[r + 0, o0 + 28] = a0_28
-    out[r + 0, o0 + 29] = a0_29
-    out[r + 0, o0 + 30] = a0_30
-    out[r + 0, o0 + 31] = a0_31
-
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _rows2_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -1324,7 +1281,210 @@ def _rows2_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 1, o0 + 30] = a1_30
     out[r + 1, o0 + 31] = a1_31
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
+def _rows1_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
+    a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
+    a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
+    a0_16 = a0_17 = a0_18 = a0_19 = a0_20 = a0_21 = a0_22 = a0_23 = np.float32(0.0)
+    a0_24 = a0_25 = a0_26 = a0_27 = a0_28 = a0_29 = a0_30 = a0_31 = np.float32(0.0)
+    for b in range(qs.shape[0]):
+        d0 = d[b, 0]
+        d1 = d[b, 1]
+        d2 = d[b, 2]
+        d3 = d[b, 3]
+        d4 = d[b, 4]
+        d5 = d[b, 5]
+        d6 = d[b, 6]
+        d7 = d[b, 7]
+        d8 = d[b, 8]
+        d9 = d[b, 9]
+        d10 = d[b, 10]
+        d11 = d[b, 11]
+        d12 = d[b, 12]
+        d13 = d[b, 13]
+        d14 = d[b, 14]
+        d15 = d[b, 15]
+        d16 = d[b, 16]
+        d17 = d[b, 17]
+        d18 = d[b, 18]
+        d19 = d[b, 19]
+        d20 = d[b, 20]
+        d21 = d[b, 21]
+        d22 = d[b, 22]
+        d23 = d[b, 23]
+        d24 = d[b, 24]
+        d25 = d[b, 25]
+        d26 = d[b, 26]
+        d27 = d[b, 27]
+        d28 = d[b, 28]
+        d29 = d[b, 29]
+        d30 = d[b, 30]
+        d31 = d[b, 31]
+        for j in range(16):
+            xl0 = x[r + 0, b * 32 + j]
+            xh0 = x[r + 0, b * 32 + 16 + j]
+            w0 = d0 * np.float32(qs[b, j, 0])
+            w1 = d1 * np.float32(qs[b, j, 1])
+            w2 = d2 * np.float32(qs[b, j, 2])
+            w3 = d3 * np.float32(qs[b, j, 3])
+            w4 = d4 * np.float32(qs[b, j, 4])
+            w5 = d5 * np.float32(qs[b, j, 5])
+            w6 = d6 * np.float32(qs[b, j, 6])
+            w7 = d7 * np.float32(qs[b, j, 7])
+            w8 = d8 * np.float32(qs[b, j, 8])
+            w9 = d9 * np.float32(qs[b, j, 9])
+            w10 = d10 * np.float32(qs[b, j, 10])
+            w11 = d11 * np.float32(qs[b, j, 11])
+            w12 = d12 * np.float32(qs[b, j, 12])
+            w13 = d13 * np.float32(qs[b, j, 13])
+            w14 = d14 * np.float32(qs[b, j, 14])
+            w15 = d15 * np.float32(qs[b, j, 15])
+            w16 = d16 * np.float32(qs[b, j, 16])
+            w17 = d17 * np.float32(qs[b, j, 17])
+            w18 = d18 * np.float32(qs[b, j, 18])
+            w19 = d19 * np.float32(qs[b, j, 19])
+            w20 = d20 * np.float32(qs[b, j, 20])
+            w21 = d21 * np.float32(qs[b, j, 21])
+            w22 = d22 * np.float32(qs[b, j, 22])
+            w23 = d23 * np.float32(qs[b, j, 23])
+            w24 = d24 * np.float32(qs[b, j, 24])
+            w25 = d25 * np.float32(qs[b, j, 25])
+            w26 = d26 * np.float32(qs[b, j, 26])
+            w27 = d27 * np.float32(qs[b, j, 27])
+            w28 = d28 * np.float32(qs[b, j, 28])
+            w29 = d29 * np.float32(qs[b, j, 29])
+            w30 = d30 * np.float32(qs[b, j, 30])
+            w31 = d31 * np.float32(qs[b, j, 31])
+            a0_0 += w0 * xl0
+            a0_1 += w1 * xl0
+            a0_2 += w2 * xl0
+            a0_3 += w3 * xl0
+            a0_4 += w4 * xl0
+            a0_5 += w5 * xl0
+            a0_6 += w6 * xl0
+            a0_7 += w7 * xl0
+            a0_8 += w8 * xl0
+            a0_9 += w9 * xl0
+            a0_10 += w10 * xl0
+            a0_11 += w11 * xl0
+            a0_12 += w12 * xl0
+            a0_13 += w13 * xl0
+            a0_14 += w14 * xl0
+            a0_15 += w15 * xl0
+            a0_16 += w16 * xl0
+            a0_17 += w17 * xl0
+            a0_18 += w18 * xl0
+            a0_19 += w19 * xl0
+            a0_20 += w20 * xl0
+            a0_21 += w21 * xl0
+            a0_22 += w22 * xl0
+            a0_23 += w23 * xl0
+            a0_24 += w24 * xl0
+            a0_25 += w25 * xl0
+            a0_26 += w26 * xl0
+            a0_27 += w27 * xl0
+            a0_28 += w28 * xl0
+            a0_29 += w29 * xl0
+            a0_30 += w30 * xl0
+            a0_31 += w31 * xl0
+            w0 = d0 * np.float32(qs[b, j + 16, 0])
+            w1 = d1 * np.float32(qs[b, j + 16, 1])
+            w2 = d2 * np.float32(qs[b, j + 16, 2])
+            w3 = d3 * np.float32(qs[b, j + 16, 3])
+            w4 = d4 * np.float32(qs[b, j + 16, 4])
+            w5 = d5 * np.float32(qs[b, j + 16, 5])
+            w6 = d6 * np.float32(qs[b, j + 16, 6])
+            w7 = d7 * np.float32(qs[b, j + 16, 7])
+            w8 = d8 * np.float32(qs[b, j + 16, 8])
+            w9 = d9 * np.float32(qs[b, j + 16, 9])
+            w10 = d10 * np.float32(qs[b, j + 16, 10])
+            w11 = d11 * np.float32(qs[b, j + 16, 11])
+            w12 = d12 * np.float32(qs[b, j + 16, 12])
+            w13 = d13 * np.float32(qs[b, j + 16, 13])
+            w14 = d14 * np.float32(qs[b, j + 16, 14])
+            w15 = d15 * np.float32(qs[b, j + 16, 15])
+            w16 = d16 * np.float32(qs[b, j + 16, 16])
+            w17 = d17 * np.float32(qs[b, j + 16, 17])
+            w18 = d18 * np.float32(qs[b, j + 16, 18])
+            w19 = d19 * np.float32(qs[b, j + 16, 19])
+            w20 = d20 * np.float32(qs[b, j + 16, 20])
+            w21 = d21 * np.float32(qs[b, j + 16, 21])
+            w22 = d22 * np.float32(qs[b, j + 16, 22])
+            w23 = d23 * np.float32(qs[b, j + 16, 23])
+            w24 = d24 * np.float32(qs[b, j + 16, 24])
+            w25 = d25 * np.float32(qs[b, j + 16, 25])
+            w26 = d26 * np.float32(qs[b, j + 16, 26])
+            w27 = d27 * np.float32(qs[b, j + 16, 27])
+            w28 = d28 * np.float32(qs[b, j + 16, 28])
+            w29 = d29 * np.float32(qs[b, j + 16, 29])
+            w30 = d30 * np.float32(qs[b, j + 16, 30])
+            w31 = d31 * np.float32(qs[b, j + 16, 31])
+            a0_0 += w0 * xh0
+            a0_1 += w1 * xh0
+            a0_2 += w2 * xh0
+            a0_3 += w3 * xh0
+            a0_4 += w4 * xh0
+            a0_5 += w5 * xh0
+            a0_6 += w6 * xh0
+            a0_7 += w7 * xh0
+            a0_8 += w8 * xh0
+            a0_9 += w9 * xh0
+            a0_10 += w10 * xh0
+            a0_11 += w11 * xh0
+            a0_12 += w12 * xh0
+            a0_13 += w13 * xh0
+            a0_14 += w14 * xh0
+            a0_15 += w15 * xh0
+            a0_16 += w16 * xh0
+            a0_17 += w17 * xh0
+            a0_18 += w18 * xh0
+            a0_19 += w19 * xh0
+            a0_20 += w20 * xh0
+            a0_21 += w21 * xh0
+            a0_22 += w22 * xh0
+            a0_23 += w23 * xh0
+            a0_24 += w24 * xh0
+            a0_25 += w25 * xh0
+            a0_26 += w26 * xh0
+            a0_27 += w27 * xh0
+            a0_28 += w28 * xh0
+            a0_29 += w29 * xh0
+            a0_30 += w30 * xh0
+            a0_31 += w31 * xh0
+    out[r + 0, o0 + 0] = a0_0
+    out[r + 0, o0 + 1] = a0_1
+    out[r + 0, o0 + 2] = a0_2
+    out[r + 0, o0 + 3] = a0_3
+    out[r + 0, o0 + 4] = a0_4
+    out[r + 0, o0 + 5] = a0_5
+    out[r + 0, o0 + 6] = a0_6
+    out[r + 0, o0 + 7] = a0_7
+    out[r + 0, o0 + 8] = a0_8
+    out[r + 0, o0 + 9] = a0_9
+    out[r + 0, o0 + 10] = a0_10
+    out[r + 0, o0 + 11] = a0_11
+    out[r + 0, o0 + 12] = a0_12
+    out[r + 0, o0 + 13] = a0_13
+    out[r + 0, o0 + 14] = a0_14
+    out[r + 0, o0 + 15] = a0_15
+    out[r + 0, o0 + 16] = a0_16
+    out[r + 0, o0 + 17] = a0_17
+    out[r + 0, o0 + 18] = a0_18
+    out[r + 0, o0 + 19] = a0_19
+    out[r + 0, o0 + 20] = a0_20
+    out[r + 0, o0 + 21] = a0_21
+    out[r + 0, o0 + 22] = a0_22
+    out[r + 0, o0 + 23] = a0_23
+    out[r + 0, o0 + 24] = a0_24
+    out[r + 0, o0 + 25] = a0_25
+    out[r + 0, o0 + 26] = a0_26
+    out[r + 0, o0 + 27] = a0_27
+    out[r + 0, o0 + 28] = a0_28
+    out[r + 0, o0 + 29] = a0_29
+    out[r + 0, o0 + 30] = a0_30
+    out[r + 0, o0 + 31] = a0_31
+
+@njit(fastmath=CONTRACT, cache=True)
 def _rows2_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -1629,580 +1789,7 @@ def _rows2_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 1, o0 + 30] = a1_30
     out[r + 1, o0 + 31] = a1_31
 
-@njit(cache=True)
-def _rows4_fused(qs, d, m, x, r, out, o0):  # pragma: no cover - compiled
-    a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
-    a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
-    a0_16 = a0_17 = a0_18 = a0_19 = a0_20 = a0_21 = a0_22 = a0_23 = np.float32(0.0)
-    a0_24 = a0_25 = a0_26 = a0_27 = a0_28 = a0_29 = a0_30 = a0_31 = np.float32(0.0)
-    a1_0 = a1_1 = a1_2 = a1_3 = a1_4 = a1_5 = a1_6 = a1_7 = np.float32(0.0)
-    a1_8 = a1_9 = a1_10 = a1_11 = a1_12 = a1_13 = a1_14 = a1_15 = np.float32(0.0)
-    a1_16 = a1_17 = a1_18 = a1_19 = a1_20 = a1_21 = a1_22 = a1_23 = np.float32(0.0)
-    a1_24 = a1_25 = a1_26 = a1_27 = a1_28 = a1_29 = a1_30 = a1_31 = np.float32(0.0)
-    a2_0 = a2_1 = a2_2 = a2_3 = a2_4 = a2_5 = a2_6 = a2_7 = np.float32(0.0)
-    a2_8 = a2_9 = a2_10 = a2_11 = a2_12 = a2_13 = a2_14 = a2_15 = np.float32(0.0)
-    a2_16 = a2_17 = a2_18 = a2_19 = a2_20 = a2_21 = a2_22 = a2_23 = np.float32(0.0)
-    a2_24 = a2_25 = a2_26 = a2_27 = a2_28 = a2_29 = a2_30 = a2_31 = np.float32(0.0)
-    a3_0 = a3_1 = a3_2 = a3_3 = a3_4 = a3_5 = a3_6 = a3_7 = np.float32(0.0)
-    a3_8 = a3_9 = a3_10 = a3_11 = a3_12 = a3_13 = a3_14 = a3_15 = np.float32(0.0)
-    a3_16 = a3_17 = a3_18 = a3_19 = a3_20 = a3_21 = a3_22 = a3_23 = np.float32(0.0)
-    a3_24 = a3_25 = a3_26 = a3_27 = a3_28 = a3_29 = a3_30 = a3_31 = np.float32(0.0)
-    for b in range(qs.shape[0]):
-        d0 = d[b, 0]
-        d1 = d[b, 1]
-        d2 = d[b, 2]
-        d3 = d[b, 3]
-        d4 = d[b, 4]
-        d5 = d[b, 5]
-        d6 = d[b, 6]
-        d7 = d[b, 7]
-        d8 = d[b, 8]
-        d9 = d[b, 9]
-        d10 = d[b, 10]
-        d11 = d[b, 11]
-        d12 = d[b, 12]
-        d13 = d[b, 13]
-        d14 = d[b, 14]
-        d15 = d[b, 15]
-        d16 = d[b, 16]
-        d17 = d[b, 17]
-        d18 = d[b, 18]
-        d19 = d[b, 19]
-        d20 = d[b, 20]
-        d21 = d[b, 21]
-        d22 = d[b, 22]
-        d23 = d[b, 23]
-        d24 = d[b, 24]
-        d25 = d[b, 25]
-        d26 = d[b, 26]
-        d27 = d[b, 27]
-        d28 = d[b, 28]
-        d29 = d[b, 29]
-        d30 = d[b, 30]
-        d31 = d[b, 31]
-        m0 = m[b, 0]
-        m1 = m[b, 1]
-        m2 = m[b, 2]
-        m3 = m[b, 3]
-        m4 = m[b, 4]
-        m5 = m[b, 5]
-        m6 = m[b, 6]
-        m7 = m[b, 7]
-        m8 = m[b, 8]
-        m9 = m[b, 9]
-        m10 = m[b, 10]
-        m11 = m[b, 11]
-        m12 = m[b, 12]
-        m13 = m[b, 13]
-        m14 = m[b, 14]
-        m15 = m[b, 15]
-        m16 = m[b, 16]
-        m17 = m[b, 17]
-        m18 = m[b, 18]
-        m19 = m[b, 19]
-        m20 = m[b, 20]
-        m21 = m[b, 21]
-        m22 = m[b, 22]
-        m23 = m[b, 23]
-        m24 = m[b, 24]
-        m25 = m[b, 25]
-        m26 = m[b, 26]
-        m27 = m[b, 27]
-        m28 = m[b, 28]
-        m29 = m[b, 29]
-        m30 = m[b, 30]
-        m31 = m[b, 31]
-        for j in range(16):
-            xl0 = x[r + 0, b * 32 + j]
-            xh0 = x[r + 0, b * 32 + 16 + j]
-            xl1 = x[r + 1, b * 32 + j]
-            xh1 = x[r + 1, b * 32 + 16 + j]
-            xl2 = x[r + 2, b * 32 + j]
-            xh2 = x[r + 2, b * 32 + 16 + j]
-            xl3 = x[r + 3, b * 32 + j]
-            xh3 = x[r + 3, b * 32 + 16 + j]
-            q0 = np.int32(qs[b, j, 0])
-            q1 = np.int32(qs[b, j, 1])
-            q2 = np.int32(qs[b, j, 2])
-            q3 = np.int32(qs[b, j, 3])
-            q4 = np.int32(qs[b, j, 4])
-            q5 = np.int32(qs[b, j, 5])
-            q6 = np.int32(qs[b, j, 6])
-            q7 = np.int32(qs[b, j, 7])
-            q8 = np.int32(qs[b, j, 8])
-            q9 = np.int32(qs[b, j, 9])
-            q10 = np.int32(qs[b, j, 10])
-            q11 = np.int32(qs[b, j, 11])
-            q12 = np.int32(qs[b, j, 12])
-            q13 = np.int32(qs[b, j, 13])
-            q14 = np.int32(qs[b, j, 14])
-            q15 = np.int32(qs[b, j, 15])
-            q16 = np.int32(qs[b, j, 16])
-            q17 = np.int32(qs[b, j, 17])
-            q18 = np.int32(qs[b, j, 18])
-            q19 = np.int32(qs[b, j, 19])
-            q20 = np.int32(qs[b, j, 20])
-            q21 = np.int32(qs[b, j, 21])
-            q22 = np.int32(qs[b, j, 22])
-            q23 = np.int32(qs[b, j, 23])
-            q24 = np.int32(qs[b, j, 24])
-            q25 = np.int32(qs[b, j, 25])
-            q26 = np.int32(qs[b, j, 26])
-            q27 = np.int32(qs[b, j, 27])
-            q28 = np.int32(qs[b, j, 28])
-            q29 = np.int32(qs[b, j, 29])
-            q30 = np.int32(qs[b, j, 30])
-            q31 = np.int32(qs[b, j, 31])
-            w0 = d0 * np.float32(q0 & 15) + m0
-            w1 = d1 * np.float32(q1 & 15) + m1
-            w2 = d2 * np.float32(q2 & 15) + m2
-            w3 = d3 * np.float32(q3 & 15) + m3
-            w4 = d4 * np.float32(q4 & 15) + m4
-            w5 = d5 * np.float32(q5 & 15) + m5
-            w6 = d6 * np.float32(q6 & 15) + m6
-            w7 = d7 * np.float32(q7 & 15) + m7
-            w8 = d8 * np.float32(q8 & 15) + m8
-            w9 = d9 * np.float32(q9 & 15) + m9
-            w10 = d10 * np.float32(q10 & 15) + m10
-            w11 = d11 * np.float32(q11 & 15) + m11
-            w12 = d12 * np.float32(q12 & 15) + m12
-            w13 = d13 * np.float32(q13 & 15) + m13
-            w14 = d14 * np.float32(q14 & 15) + m14
-            w15 = d15 * np.float32(q15 & 15) + m15
-            w16 = d16 * np.float32(q16 & 15) + m16
-            w17 = d17 * np.float32(q17 & 15) + m17
-            w18 = d18 * np.float32(q18 & 15) + m18
-            w19 = d19 * np.float32(q19 & 15) + m19
-            w20 = d20 * np.float32(q20 & 15) + m20
-            w21 = d21 * np.float32(q21 & 15) + m21
-            w22 = d22 * np.float32(q22 & 15) + m22
-            w23 = d23 * np.float32(q23 & 15) + m23
-            w24 = d24 * np.float32(q24 & 15) + m24
-            w25 = d25 * np.float32(q25 & 15) + m25
-            w26 = d26 * np.float32(q26 & 15) + m26
-            w27 = d27 * np.float32(q27 & 15) + m27
-            w28 = d28 * np.float32(q28 & 15) + m28
-            w29 = d29 * np.float32(q29 & 15) + m29
-            w30 = d30 * np.float32(q30 & 15) + m30
-            w31 = d31 * np.float32(q31 & 15) + m31
-            a0_0 += w0 * xl0
-            a0_1 += w1 * xl0
-            a0_2 += w2 * xl0
-            a0_3 += w3 * xl0
-            a0_4 += w4 * xl0
-            a0_5 += w5 * xl0
-            a0_6 += w6 * xl0
-            a0_7 += w7 * xl0
-            a0_8 += w8 * xl0
-            a0_9 += w9 * xl0
-            a0_10 += w10 * xl0
-            a0_11 += w11 * xl0
-            a0_12 += w12 * xl0
-            a0_13 += w13 * xl0
-            a0_14 += w14 * xl0
-            a0_15 += w15 * xl0
-            a0_16 += w16 * xl0
-            a0_17 += w17 * xl0
-            a0_18 += w18 * xl0
-            a0_19 += w19 * xl0
-            a0_20 += w20 * xl0
-            a0_21 += w21 * xl0
-            a0_22 += w22 * xl0
-            a0_23 += w23 * xl0
-            a0_24 += w24 * xl0
-            a0_25 += w25 * xl0
-            a0_26 += w26 * xl0
-            a0_27 += w27 * xl0
-            a0_28 += w28 * xl0
-            a0_29 += w29 * xl0
-            a0_30 += w30 * xl0
-            a0_31 += w31 * xl0
-            a1_0 += w0 * xl1
-            a1_1 += w1 * xl1
-            a1_2 += w2 * xl1
-            a1_3 += w3 * xl1
-            a1_4 += w4 * xl1
-            a1_5 += w5 * xl1
-            a1_6 += w6 * xl1
-            a1_7 += w7 * xl1
-            a1_8 += w8 * xl1
-            a1_9 += w9 * xl1
-            a1_10 += w10 * xl1
-            a1_11 += w11 * xl1
-            a1_12 += w12 * xl1
-            a1_13 += w13 * xl1
-            a1_14 += w14 * xl1
-            a1_15 += w15 * xl1
-            a1_16 += w16 * xl1
-            a1_17 += w17 * xl1
-            a1_18 += w18 * xl1
-            a1_19 += w19 * xl1
-            a1_20 += w20 * xl1
-            a1_21 += w21 * xl1
-            a1_22 += w22 * xl1
-            a1_23 += w23 * xl1
-            a1_24 += w24 * xl1
-            a1_25 += w25 * xl1
-            a1_26 += w26 * xl1
-            a1_27 += w27 * xl1
-            a1_28 += w28 * xl1
-            a1_29 += w29 * xl1
-            a1_30 += w30 * xl1
-            a1_31 += w31 * xl1
-            a2_0 += w0 * xl2
-            a2_1 += w1 * xl2
-            a2_2 += w2 * xl2
-            a2_3 += w3 * xl2
-            a2_4 += w4 * xl2
-            a2_5 += w5 * xl2
-            a2_6 += w6 * xl2
-            a2_7 += w7 * xl2
-            a2_8 += w8 * xl2
-            a2_9 += w9 * xl2
-            a2_10 += w10 * xl2
-            a2_11 += w11 * xl2
-            a2_12 += w12 * xl2
-            a2_13 += w13 * xl2
-            a2_14 += w14 * xl2
-            a2_15 += w15 * xl2
-            a2_16 += w16 * xl2
-            a2_17 += w17 * xl2
-            a2_18 += w18 * xl2
-            a2_19 += w19 * xl2
-            a2_20 += w20 * xl2
-            a2_21 += w21 * xl2
-            a2_22 += w22 * xl2
-            a2_23 += w23 * xl2
-            a2_24 += w24 * xl2
-            a2_25 += w25 * xl2
-            a2_26 += w26 * xl2
-            a2_27 += w27 * xl2
-            a2_28 += w28 * xl2
-            a2_29 += w29 * xl2
-            a2_30 += w30 * xl2
-            a2_31 += w31 * xl2
-            a3_0 += w0 * xl3
-            a3_1 += w1 * xl3
-            a3_2 += w2 * xl3
-            a3_3 += w3 * xl3
-            a3_4 += w4 * xl3
-            a3_5 += w5 * xl3
-            a3_6 += w6 * xl3
-            a3_7 += w7 * xl3
-            a3_8 += w8 * xl3
-            a3_9 += w9 * xl3
-            a3_10 += w10 * xl3
-            a3_11 += w11 * xl3
-            a3_12 += w12 * xl3
-            a3_13 += w13 * xl3
-            a3_14 += w14 * xl3
-            a3_15 += w15 * xl3
-            a3_16 += w16 * xl3
-            a3_17 += w17 * xl3
-            a3_18 += w18 * xl3
-            a3_19 += w19 * xl3
-            a3_20 += w20 * xl3
-            a3_21 += w21 * xl3
-            a3_22 += w22 * xl3
-            a3_23 += w23 * xl3
-            a3_24 += w24 * xl3
-            a3_25 += w25 * xl3
-            a3_26 += w26 * xl3
-            a3_27 += w27 * xl3
-            a3_28 += w28 * xl3
-            a3_29 += w29 * xl3
-            a3_30 += w30 * xl3
-            a3_31 += w31 * xl3
-            w0 = d0 * np.float32(q0 >> 4) + m0
-            w1 = d1 * np.float32(q1 >> 4) + m1
-            w2 = d2 * np.float32(q2 >> 4) + m2
-            w3 = d3 * np.float32(q3 >> 4) + m3
-            w4 = d4 * np.float32(q4 >> 4) + m4
-            w5 = d5 * np.float32(q5 >> 4) + m5
-            w6 = d6 * np.float32(q6 >> 4) + m6
-            w7 = d7 * np.float32(q7 >> 4) + m7
-            w8 = d8 * np.float32(q8 >> 4) + m8
-            w9 = d9 * np.float32(q9 >> 4) + m9
-            w10 = d10 * np.float32(q10 >> 4) + m10
-            w11 = d11 * np.float32(q11 >> 4) + m11
-            w12 = d12 * np.float32(q12 >> 4) + m12
-            w13 = d13 * np.float32(q13 >> 4) + m13
-            w14 = d14 * np.float32(q14 >> 4) + m14
-            w15 = d15 * np.float32(q15 >> 4) + m15
-            w16 = d16 * np.float32(q16 >> 4) + m16
-            w17 = d17 * np.float32(q17 >> 4) + m17
-            w18 = d18 * np.float32(q18 >> 4) + m18
-            w19 = d19 * np.float32(q19 >> 4) + m19
-            w20 = d20 * np.float32(q20 >> 4) + m20
-            w21 = d21 * np.float32(q21 >> 4) + m21
-            w22 = d22 * np.float32(q22 >> 4) + m22
-            w23 = d23 * np.float32(q23 >> 4) + m23
-            w24 = d24 * np.float32(q24 >> 4) + m24
-            w25 = d25 * np.float32(q25 >> 4) + m25
-            w26 = d26 * np.float32(q26 >> 4) + m26
-            w27 = d27 * np.float32(q27 >> 4) + m27
-            w28 = d28 * np.float32(q28 >> 4) + m28
-            w29 = d29 * np.float32(q29 >> 4) + m29
-            w30 = d30 * np.float32(q30 >> 4) + m30
-            w31 = d31 * np.float32(q31 >> 4) + m31
-            a0_0 += w0 * xh0
-            a0_1 += w1 * xh0
-            a0_2 += w2 * xh0
-            a0_3 += w3 * xh0
-            a0_4 += w4 * xh0
-            a0_5 += w5 * xh0
-            a0_6 += w6 * xh0
-            a0_7 += w7 * xh0
-            a0_8 += w8 * xh0
-            a0_9 += w9 * xh0
-            a0_10 += w10 * xh0
-            a0_11 += w11 * xh0
-            a0_12 += w12 * xh0
-            a0_13 += w13 * xh0
-            a0_14 += w14 * xh0
-            a0_15 += w15 * xh0
-            a0_16 += w16 * xh0
-            a0_17 += w17 * xh0
-            a0_18 += w18 * xh0
-            a0_19 += w19 * xh0
-            a0_20 += w20 * xh0
-            a0_21 += w21 * xh0
-            a0_22 += w22 * xh0
-            a0_23 += w23 * xh0
-            a0_24 += w24 * xh0
-            a0_25 += w25 * xh0
-            a0_26 += w26 * xh0
-            a0_27 += w27 * xh0
-            a0_28 += w28 * xh0
-            a0_29 += w29 * xh0
-            a0_30 += w30 * xh0
-            a0_31 += w31 * xh0
-            a1_0 += w0 * xh1
-            a1_1 += w1 * xh1
-            a1_2 += w2 * xh1
-            a1_3 += w3 * xh1
-            a1_4 += w4 * xh1
-            a1_5 += w5 * xh1
-            a1_6 += w6 * xh1
-            a1_7 += w7 * xh1
-            a1_8 += w8 * xh1
-            a1_9 += w9 * xh1
-            a1_10 += w10 * xh1
-            a1_11 += w11 * xh1
-            a1_12 += w12 * xh1
-            a1_13 += w13 * xh1
-            a1_14 += w14 * xh1
-            a1_15 += w15 * xh1
-            a1_16 += w16 * xh1
-            a1_17 += w17 * xh1
-            a1_18 += w18 * xh1
-            a1_19 += w19 * xh1
-            a1_20 += w20 * xh1
-            a1_21 += w21 * xh1
-            a1_22 += w22 * xh1
-            a1_23 += w23 * xh1
-            a1_24 += w24 * xh1
-            a1_25 += w25 * xh1
-            a1_26 += w26 * xh1
-            a1_27 += w27 * xh1
-            a1_28 += w28 * xh1
-            a1_29 += w29 * xh1
-            a1_30 += w30 * xh1
-            a1_31 += w31 * xh1
-            a2_0 += w0 * xh2
-            a2_1 += w1 * xh2
-            a2_2 += w2 * xh2
-            a2_3 += w3 * xh2
-            a2_4 += w4 * xh2
-            a2_5 += w5 * xh2
-            a2_6 += w6 * xh2
-            a2_7 += w7 * xh2
-            a2_8 += w8 * xh2
-            a2_9 += w9 * xh2
-            a2_10 += w10 * xh2
-            a2_11 += w11 * xh2
-            a2_12 += w12 * xh2
-            a2_13 += w13 * xh2
-            a2_14 += w14 * xh2
-            a2_15 += w15 * xh2
-            a2_16 += w16 * xh2
-            a2_17 += w17 * xh2
-            a2_18 += w18 * xh2
-            a2_19 += w19 * xh2
-            a2_20 += w20 * xh2
-            a2_21 += w21 * xh2
-            a2_22 += w22 * xh2
-            a2_23 += w23 * xh2
-            a2_24 += w24 * xh2
-            a2_25 += w25 * xh2
-            a2_26 += w26 * xh2
-            a2_27 += w27 * xh2
-            a2_28 += w28 * xh2
-            a2_29 += w29 * xh2
-            a2_30 += w30 * xh2
-            a2_31 += w31 * xh2
-            a3_0 += w0 * xh3
-            a3_1 += w1 * xh3
-            a3_2 += w2 * xh3
-            a3_3 += w3 * xh3
-            a3_4 += w4 * xh3
-            a3_5 += w5 * xh3
-            a3_6 += w6 * xh3
-            a3_7 += w7 * xh3
-            a3_8 += w8 * xh3
-            a3_9 += w9 * xh3
-            a3_10 += w10 * xh3
-            a3_11 += w11 * xh3
-            a3_12 += w12 * xh3
-            a3_13 += w13 * xh3
-            a3_14 += w14 * xh3
-            a3_15 += w15 * xh3
-            a3_16 += w16 * xh3
-            a3_17 += w17 * xh3
-            a3_18 += w18 * xh3
-            a3_19 += w19 * xh3
-            a3_20 += w20 * xh3
-            a3_21 += w21 * xh3
-            a3_22 += w22 * xh3
-            a3_23 += w23 * xh3
-            a3_24 += w24 * xh3
-            a3_25 += w25 * xh3
-            a3_26 += w26 * xh3
-            a3_27 += w27 * xh3
-            a3_28 += w28 * xh3
-            a3_29 += w29 * xh3
-            a3_30 += w30 * xh3
-            a3_31 += w31 * xh3
-    out[r + 0, o0 + 0] = a0_0
-    out[r + 0, o0 + 1] = a0_1
-    out[r + 0, o0 + 2] = a0_2
-    out[r + 0, o0 + 3] = a0_3
-    out[r + 0, o0 + 4] = a0_4
-    out[r + 0, o0 + 5] = a0_5
-    out[r + 0, o0 + 6] = a0_6
-    out[r + 0, o0 + 7] = a0_7
-    out[r + 0, o0 + 8] = a0_8
-    out[r + 0, o0 + 9] = a0_9
-    out[r + 0, o0 + 10] = a0_10
-    out[r + 0, o0 + 11] = a0_11
-    out[r + 0, o0 + 12] = a0_12
-    out[r + 0, o0 + 13] = a0_13
-    out[r + 0, o0 + 14] = a0_14
-    out[r + 0, o0 + 15] = a0_15
-    out[r + 0, o0 + 16] = a0_16
-    out[r + 0, o0 + 17] = a0_17
-    out[r + 0, o0 + 18] = a0_18
-    out[r + 0, o0 + 19] = a0_19
-    out[r + 0, o0 + 20] = a0_20
-    out[r + 0, o0 + 21] = a0_21
-    out[r + 0, o0 + 22] = a0_22
-    out[r + 0, o0 + 23] = a0_23
-    out[r + 0, o0 + 24] = a0_24
-    out[r + 0, o0 + 25] = a0_25
-    out[r + 0, o0 + 26] = a0_26
-    out[r + 0, o0 + 27] = a0_27
-    out[r + 0, o0 + 28] = a0_28
-    out[r + 0, o0 + 29] = a0_29
-    out[r + 0, o0 + 30] = a0_30
-    out[r + 0, o0 + 31] = a0_31
-    out[r + 1, o0 + 0] = a1_0
-    out[r + 1, o0 + 1] = a1_1
-    out[r + 1, o0 + 2] = a1_2
-    out[r + 1, o0 + 3] = a1_3
-    out[r + 1, o0 + 4] = a1_4
-    out[r + 1, o0 + 5] = a1_5
-    out[r + 1, o0 + 6] = a1_6
-    out[r + 1, o0 + 7] = a1_7
-    out[r + 1, o0 + 8] = a1_8
-    out[r + 1, o0 + 9] = a1_9
-    out[r + 1, o0 + 10] = a1_10
-    out[r + 1, o0 + 11] = a1_11
-    out[r + 1, o0 + 12] = a1_12
-    out[r + 1, o0 + 13] = a1_13
-    out[r + 1, o0 + 14] = a1_14
-    out[r + 1, o0 + 15] = a1_15
-    out[r + 1, o0 + 16] = a1_16
-    out[r + 1, o0 + 17] = a1_17
-    out[r + 1, o0 + 18] = a1_18
-    out[r + 1, o0 + 19] = a1_19
-    out[r + 1, o0 + 20] = a1_20
-    out[r + 1, o0 + 21] = a1_21
-    out[r + 1, o0 + 22] = a1_22
-    out[r + 1, o0 + 23] = a1_23
-    out[r + 1, o0 + 24] = a1_24
-    out[r + 1, o0 + 25] = a1_25
-    out[r + 1, o0 + 26] = a1_26
-    out[r + 1, o0 + 27] = a1_27
-    out[r + 1, o0 + 28] = a1_28
-    out[r + 1, o0 + 29] = a1_29
-    out[r + 1, o0 + 30] = a1_30
-    out[r + 1, o0 + 31] = a1_31
-    out[r + 2, o0 + 0] = a2_0
-    out[r + 2, o0 + 1] = a2_1
-    out[r + 2, o0 + 2] = a2_2
-    out[r + 2, o0 + 3] = a2_3
-    out[r + 2, o0 + 4] = a2_4
-    out[r + 2, o0 + 5] = a2_5
-    out[r + 2, o0 + 6] = a2_6
-    out[r + 2, o0 + 7] = a2_7
-    out[r + 2, o0 + 8] = a2_8
-    out[r + 2, o0 + 9] = a2_9
-    out[r + 2, o0 + 10] = a2_10
-    out[r + 2, o0 + 11] = a2_11
-    out[r + 2, o0 + 12] = a2_12
-    out[r + 2, o0 + 13] = a2_13
-    out[r + 2, o0 + 14] = a2_14
-    out[r + 2, o0 + 15] = a2_15
-    out[r + 2, o0 + 16] = a2_16
-    out[r + 2, o0 + 17] = a2_17
-    out[r + 2, o0 + 18] = a2_18
-    out[r + 2, o0 + 19] = a2_19
-    out[r + 2, o0 + 20] = a2_20
-    out[r + 2, o0 + 21] = a2_21
-    out[r + 2, o0 + 22] = a2_22
-    out[r + 2, o0 + 23] = a2_23
-    out[r + 2, o0 + 24] = a2_24
-    out[r + 2, o0 + 25] = a2_25
-    out[r + 2, o0 + 26] = a2_26
-    out[r + 2, o0 + 27] = a2_27
-    out[r + 2, o0 + 28] = a2_28
-    out[r + 2, o0 + 29] = a2_29
-    out[r + 2, o0 + 30] = a2_30
-    out[r + 2, o0 + 31] = a2_31
-    out[r + 3, o0 + 0] = a3_0
-    out[r + 3, o0 + 1] = a3_1
-    out[r + 3, o0 + 2] = a3_2
-    out[r + 3, o0 + 3] = a3_3
-    out[r + 3, o0 + 4] = a3_4
-    out[r + 3, o0 + 5] = a3_5
-    out[r + 3, o0 + 6] = a3_6
-    out[r + 3, o0 + 7] = a3_7
-    out[r + 3, o0 + 8] = a3_8
-    out[r + 3, o0 + 9] = a3_9
-    out[r + 3, o0 + 10] = a3_10
-    out[r + 3, o0 + 11] = a3_11
-    out[r + 3, o0 + 12] = a3_12
-    out[r + 3, o0 + 13] = a3_13
-    out[r + 3, o0 + 14] = a3_14
-    out[r + 3, o0 + 15] = a3_15
-    out[r + 3, o0 + 16] = a3_16
-    out[r + 3, o0 + 17] = a3_17
-    out[r + 3, o0 + 18] = a3_18
-    out[r + 3, o0 + 19] = a3_19
-    out[r + 3, o0 + 20] = a3_20
-    out[r + 3, o0 + 21] = a3_21
-    out[r + 3, o0 + 22] = a3_22
-    out[r + 3, o0 + 23] = a3_23
-    out[r + 3, o0 + 24] = a3_24
-    out[r + 3, o0 + 25] = a3_25
-    out[r + 3, o0 + 26] = a3_26
-    out[r + 3, o0 + 27] = a3_27
-    out[r + 3, o0 + 28] = a3_28
-    out[r + 3, o0 + 29] = a3_29
-    out[r + 3, o0 + 30] = a3_30
-    out[r + 3, o0 + 31] = a3_31
-
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _rows4_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     a0_0 = a0_1 = a0_2 = a0_3 = a0_4 = a0_5 = a0_6 = a0_7 = np.float32(0.0)
     a0_8 = a0_9 = a0_10 = a0_11 = a0_12 = a0_13 = a0_14 = a0_15 = np.float32(0.0)
@@ -2711,7 +2298,7 @@ def _rows4_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 3, o0 + 30] = a3_30
     out[r + 3, o0 + 31] = a3_31
 
-@njit(cache=True, inline="always")
+@njit(fastmath=CONTRACT, cache=True, inline="always")
 def _dequantize_tile_q8(qs, d, w):  # pragma: no cover - compiled
     """One tile's Q8_0 blocks into w[K, TILE] as float32 weights (w = d*q)."""
     for b in range(qs.shape[0]):
@@ -2720,33 +2307,28 @@ def _dequantize_tile_q8(qs, d, w):  # pragma: no cover - compiled
                 w[b * 32 + j, g] = d[b, g] * np.float32(qs[b, j, g])
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _tail_padded(x, first):  # pragma: no cover - compiled
-    """Rows first.. of x (at most four) padded with zero rows to four. Three rows run through
-    the four-row kernel: the three-row one compiled 4-6x slower than it (one layer and the LM
-    head, measured), and a padding row changes no other row's sums."""
+    """Rows first.. of x (at most four) padded with zero rows to four. Three Q8_0 rows run
+    through the four-row kernel: the three-row one compiled 4-6x slower than it (one layer and
+    the LM head, measured), and a padding row changes no other row's sums."""
     tail = np.zeros((4, x.shape[1]), np.float32)
     for i in range(min(4, x.shape[0] - first)):
         tail[i] = x[first + i]
     return tail
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
     """Tiles t0..t1-1 of a Q4_1 weight against every row of x."""
     rows = x.shape[0]
     w = np.empty((qs.shape[1] * 32, TILE), np.float32)
-    tail, tail_out = _tail_padded(x, 0), np.empty((4, TILE), np.float32)
     for t in range(t0, t1):
         if rows == 1:
             _rows1_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             continue
-        if rows == 2:
+        if rows == FUSED_MAX_ROWS:
             _rows2_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
-            continue
-        if rows <= FUSED_MAX_ROWS:  # one call for the whole pass: the tile is dequantized once
-            _rows4_fused(qs[t], d[t], m[t], tail, 0, tail_out, 0)
-            out[:, t * TILE:(t + 1) * TILE] = tail_out[:rows]
             continue
         _dequantize_tile(qs[t], d[t], m[t], w)
         r = 0
@@ -2757,7 +2339,7 @@ def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
             _rows1(w, x, r, out, t * TILE)
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
     """Tiles t0..t1-1 of a Q8_0 weight against every row of x."""
     rows = x.shape[0]
@@ -2793,7 +2375,7 @@ def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
             _rows1(w, x, r, out, t * TILE)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q4_1_matmul(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
     """out[M, T*TILE] = x[M, K] @ dequantized(qs, d, m).T; the tiles are split in `chunks`
     (one per thread) of consecutive tiles."""
@@ -2803,13 +2385,13 @@ def q4_1_matmul(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
         _q4_1_tiles(x, qs, d, m, out, c * tiles // chunks, (c + 1) * tiles // chunks)
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def q4_1_matmul_serial(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
     """`q4_1_matmul` on the calling thread (`chunks` is ignored): for small layers."""
     _q4_1_tiles(x, qs, d, m, out, 0, qs.shape[0])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q4_1_matmul` for Q8_0 tiles: qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32."""
     tiles = qs.shape[0]
@@ -2818,13 +2400,13 @@ def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
         _q8_0_tiles(x, qs, d, out, c * tiles // chunks, (c + 1) * tiles // chunks)
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def q8_0_matmul_serial(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q8_0_matmul` on the calling thread (`chunks` is ignored): for small layers."""
     _q8_0_tiles(x, qs, d, out, 0, qs.shape[0])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q8_0_dequantize(qs, d, out):  # pragma: no cover - compiled
     """out[T*TILE, K] = the dequantized Q8_0 weights."""
     for t in prange(qs.shape[0]):
@@ -2835,7 +2417,7 @@ def q8_0_dequantize(qs, d, out):  # pragma: no cover - compiled
                 out[t * TILE + g, k] = w[k, g]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q4_1_dequantize(qs, d, m, out):  # pragma: no cover - compiled
     """out[T*TILE, K] = the dequantized weights (for large passes and for checks)."""
     for t in prange(qs.shape[0]):

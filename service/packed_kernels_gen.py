@@ -23,11 +23,13 @@ block's 16 bytes of nibbles: low nibble = weight j, high nibble = weight j+16), 
 dequantized once (w = d*q + m, float32, as gguf's own dequantizer computes it) into a
 [K, {tile}] buffer, then every row of x is run against it with accumulators in registers.
 
-Every output element is the plain sum of w[k]*x[k] in one fixed order of k (per block: j, j+16
-for j = 0..15), a multiply then an add (no fused multiply-add, no reassociation). Small passes
-(a plain step, a small tree) dequantize in registers instead of through the buffer, with the
-same arithmetic. So a row's result does not depend on how many rows come with it, nor where it
-sits among them: a tree pass computes each node's linears bit-for-bit as a one-token pass would.
+Every output element is the sum of w[k]*x[k] in one fixed order of k (per block: j, j+16 for
+j = 0..15), each step one fused multiply-add (`fastmath={{"contract"}}` and nothing else: no
+reassociation). Passes of one or two rows dequantize in registers instead of through the
+buffer, with the same arithmetic. So a row's result does not depend on how many rows come with
+it, nor where it sits among them: a tree pass computes each node's linears bit-for-bit as a
+one-token pass would. The weights stay exactly gguf's: d*q is exact in float32 (an 11-bit
+float16 significand times a 4- or 8-bit integer), so d*q + m rounds once, fused or not.
 
 `q8_0_matmul(x, qs, d, out, chunks)` does the same for Q8_0 blocks (32 int8 and a float16
 scale d; w = d*q): qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32.
@@ -38,28 +40,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+CONTRACT = {{"contract"}}  # a*b + c as one fused multiply-add; no other fast-math liberty
 TILE = {tile}
-FUSED_MAX_ROWS = 4  # Q4_1 passes up to this many rows dequantize in registers (measured faster)
+# Q4_1 passes of three rows or more dequantize each tile once into a buffer: cheaper than a
+# four-row in-register kernel from three rows on (embedded model's layers, measured).
+FUSED_MAX_ROWS = 2
 # Q8_0 (the LM head) dequantizes in registers, four rows at a time, up to this many rows: its
 # buffer path costs 2.4x the fused one at 3-4 rows, 1.6x at 8, 1.2x at 16; they cross between
 # 24 and 32 rows (embedded model's head, one core, measured).
 FUSED_MAX_ROWS_Q8 = 24
-
-
-@njit(cache=True, inline="always")
-def _dequantize_tile(qs, d, m, w):  # pragma: no cover - compiled
-    """One tile's blocks into w[K, TILE] as float32 weights (w = d*q + m)."""
-    for b in range(qs.shape[0]):
-        for j in range(16):
-            for g in range(TILE):
-                q = np.int32(qs[b, j, g])
-                w[b * 32 + j, g] = d[b, g] * np.float32(q & 15) + m[b, g]
-                w[b * 32 + 16 + j, g] = d[b, g] * np.float32(q >> 4) + m[b, g]
 '''
 
 FOOTER = '''
 
-@njit(cache=True, inline="always")
+@njit(fastmath=CONTRACT, cache=True, inline="always")
 def _dequantize_tile_q8(qs, d, w):  # pragma: no cover - compiled
     """One tile's Q8_0 blocks into w[K, TILE] as float32 weights (w = d*q)."""
     for b in range(qs.shape[0]):
@@ -68,33 +62,28 @@ def _dequantize_tile_q8(qs, d, w):  # pragma: no cover - compiled
                 w[b * 32 + j, g] = d[b, g] * np.float32(qs[b, j, g])
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _tail_padded(x, first):  # pragma: no cover - compiled
-    """Rows first.. of x (at most four) padded with zero rows to four. Three rows run through
-    the four-row kernel: the three-row one compiled 4-6x slower than it (one layer and the LM
-    head, measured), and a padding row changes no other row's sums."""
+    """Rows first.. of x (at most four) padded with zero rows to four. Three Q8_0 rows run
+    through the four-row kernel: the three-row one compiled 4-6x slower than it (one layer and
+    the LM head, measured), and a padding row changes no other row's sums."""
     tail = np.zeros((4, x.shape[1]), np.float32)
     for i in range(min(4, x.shape[0] - first)):
         tail[i] = x[first + i]
     return tail
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
     """Tiles t0..t1-1 of a Q4_1 weight against every row of x."""
     rows = x.shape[0]
     w = np.empty((qs.shape[1] * 32, TILE), np.float32)
-    tail, tail_out = _tail_padded(x, 0), np.empty((4, TILE), np.float32)
     for t in range(t0, t1):
         if rows == 1:
             _rows1_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             continue
-        if rows == 2:
+        if rows == FUSED_MAX_ROWS:
             _rows2_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
-            continue
-        if rows <= FUSED_MAX_ROWS:  # one call for the whole pass: the tile is dequantized once
-            _rows4_fused(qs[t], d[t], m[t], tail, 0, tail_out, 0)
-            out[:, t * TILE:(t + 1) * TILE] = tail_out[:rows]
             continue
         _dequantize_tile(qs[t], d[t], m[t], w)
         r = 0
@@ -105,7 +94,7 @@ def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
             _rows1(w, x, r, out, t * TILE)
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
     """Tiles t0..t1-1 of a Q8_0 weight against every row of x."""
     rows = x.shape[0]
@@ -141,7 +130,7 @@ def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
             _rows1(w, x, r, out, t * TILE)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q4_1_matmul(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
     """out[M, T*TILE] = x[M, K] @ dequantized(qs, d, m).T; the tiles are split in `chunks`
     (one per thread) of consecutive tiles."""
@@ -151,13 +140,13 @@ def q4_1_matmul(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
         _q4_1_tiles(x, qs, d, m, out, c * tiles // chunks, (c + 1) * tiles // chunks)
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def q4_1_matmul_serial(x, qs, d, m, out, chunks):  # pragma: no cover - compiled
     """`q4_1_matmul` on the calling thread (`chunks` is ignored): for small layers."""
     _q4_1_tiles(x, qs, d, m, out, 0, qs.shape[0])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q4_1_matmul` for Q8_0 tiles: qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32."""
     tiles = qs.shape[0]
@@ -166,13 +155,13 @@ def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
         _q8_0_tiles(x, qs, d, out, c * tiles // chunks, (c + 1) * tiles // chunks)
 
 
-@njit(cache=True)
+@njit(fastmath=CONTRACT, cache=True)
 def q8_0_matmul_serial(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q8_0_matmul` on the calling thread (`chunks` is ignored): for small layers."""
     _q8_0_tiles(x, qs, d, out, 0, qs.shape[0])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q8_0_dequantize(qs, d, out):  # pragma: no cover - compiled
     """out[T*TILE, K] = the dequantized Q8_0 weights."""
     for t in prange(qs.shape[0]):
@@ -183,7 +172,7 @@ def q8_0_dequantize(qs, d, out):  # pragma: no cover - compiled
                 out[t * TILE + g, k] = w[k, g]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q4_1_dequantize(qs, d, m, out):  # pragma: no cover - compiled
     """out[T*TILE, K] = the dequantized weights (for large passes and for checks)."""
     for t in prange(qs.shape[0]):
@@ -202,7 +191,7 @@ def rows_kernel(rows: int, tile: int = TILE) -> str:
     lines = [
         "",
         "",
-        "@njit(cache=True)",
+        "@njit(fastmath=CONTRACT, cache=True)",
         f"def _rows{rows}(w, x, r, out, o0):  # pragma: no cover - compiled",
     ]
     lines += _zero_accumulators(rows, tile)
@@ -216,9 +205,27 @@ def rows_kernel(rows: int, tile: int = TILE) -> str:
     return "\n".join(lines)
 
 
+def dequantize_tile_kernel(tile: int = TILE) -> str:
+    """One tile's Q4_1 blocks into w[K, tile] as float32 weights (w = d*q + m), spelled out per
+    column: the loop form did not vectorize and cost as much as five rows of the product."""
+    lines = [
+        "", "", '@njit(fastmath=CONTRACT, cache=True, inline="always")',
+        "def _dequantize_tile(qs, d, m, w):  # pragma: no cover - compiled",
+        '    """One tile\'s blocks into w[K, TILE] as float32 weights (w = d*q + m)."""',
+        "    for b in range(qs.shape[0]):",
+    ]
+    lines += [f"        d{g} = d[b, {g}]" for g in range(tile)]
+    lines += [f"        m{g} = m[b, {g}]" for g in range(tile)]
+    lines.append("        for j in range(16):")
+    lines += [f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)]
+    lines += [f"            w[b * 32 + j, {g}] = d{g} * np.float32(q{g} & 15) + m{g}" for g in range(tile)]
+    lines += [f"            w[b * 32 + 16 + j, {g}] = d{g} * np.float32(q{g} >> 4) + m{g}" for g in range(tile)]
+    return "\n".join(lines)
+
+
 def fused_row_kernel(tile: int = TILE, rows: int = 1) -> str:
     """`rows` rows of x against one tile, dequantizing in registers (no buffer): small passes.
-    Same weights (d*q + m, two roundings) and the same summation order as `_rows1`."""
+    Same weights (d*q + m, rounded once) and the same summation order as `_rows1`."""
     return _fused_kernel(
         f"_rows{rows}_fused(qs, d, m, x, r, out, o0)", tile, rows,
         per_block=[f"        m{g} = m[b, {g}]" for g in range(tile)],
@@ -242,7 +249,7 @@ def _fused_kernel(
 ) -> str:
     """The in-register kernel around a block type's dequantization lines: `low` and `high` set
     w0..w{tile-1} to weights j and j+16 of block b."""
-    lines = ["", "", "@njit(cache=True)", f"def {signature}:  # pragma: no cover - compiled"]
+    lines = ["", "", "@njit(fastmath=CONTRACT, cache=True)", f"def {signature}:  # pragma: no cover - compiled"]
     lines += _zero_accumulators(rows, tile)
     lines.append("    for b in range(qs.shape[0]):")
     lines += [f"        d{g} = d[b, {g}]" for g in range(tile)]
@@ -271,8 +278,9 @@ def _zero_accumulators(rows: int, tile: int) -> list[str]:
 def source(tile: int = TILE) -> str:
     return (
         HEADER.format(tile=tile)
-        + rows_kernel(1, tile) + rows_kernel(2, tile)
-        + "".join(fused_row_kernel(tile, rows) + fused_row_kernel_q8(tile, rows) for rows in (1, 2, 4))
+        + dequantize_tile_kernel(tile) + rows_kernel(1, tile) + rows_kernel(2, tile)
+        + fused_row_kernel(tile, 1) + fused_row_kernel(tile, 2)
+        + "".join(fused_row_kernel_q8(tile, rows) for rows in (1, 2, 4))
         + FOOTER
     )
 
