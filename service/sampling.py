@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from service.config import SamplingParams
+from service.top_tokens import greedy_choices
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -40,7 +41,7 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     logits: [n, vocab]; uniforms: [n], the u of the position each node's choice would fill.
     """
     if params.greedy:
-        return logits.argmax(dim=-1).tolist()
+        return greedy_choices(logits)
     assert uniforms is not None
     cdf = target_probs(logits, params).cumsum(dim=-1)  # [n, vocab]
     u = uniforms.to(cdf.device)[:, None] * cdf[:, -1:]  # [n, 1]: scaled to the float total

@@ -28,16 +28,24 @@ def test_seeded_samples_equal_plain_samples(tiny_engine: Engine, prompt, strateg
         assert tiny_engine.complete(prompt, params).token_ids == plain.token_ids
 
 
-def test_every_pass_refreshes_both_successor_tables(tiny_engine: Engine) -> None:
-    out = tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS)).token_ids  # plain: one node a pass
+def test_every_pass_of_a_speculating_request_refreshes_both_successor_tables(tiny_engine: Engine) -> None:
+    params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(1, 1), strategy="recycled")
+    out = tiny_engine.complete(PROMPTS[0], params).token_ids
     recycled, baseline = tiny_engine.mixer.successors
-    # the last pass had the second-to-last token at its root and chose the last one
+    # the last pass: the node holding the second-to-last token (the root, or the accepted
+    # draft) chose the last one
     assert recycled.row(out[-2])[0] == baseline.row(out[-2])[0] == out[-1]
     assert recycled.nbytes <= (TINY_VOCAB + GROWTH) * recycled.top_k * 4
 
 
+@pytest.mark.parametrize("speculation", [SpeculationParams(), SpeculationParams(4, 4, "off")], ids=["k=0", "off"])
+def test_plain_decoding_pays_for_no_table_updates(tiny_engine: Engine, speculation) -> None:
+    tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=speculation))
+    assert all(table.nbytes == 0 for table in tiny_engine.mixer.successors)
+
+
 def test_recycled_drafts_get_accepted_once_the_table_has_seen_the_text(tiny_engine: Engine) -> None:
-    tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS))
+    tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=SPEC, strategy="context"))
     again = tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=SPEC, strategy="recycled"))
     assert again.accepted_by_strategy["recycled"] > NEW_TOKENS // 4
 

@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from service.config import SamplingParams
 from service.sampling import PositionUniforms, choose_tokens, target_probs
+from service.top_tokens import greedy_choices
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # [1, 5]
 
@@ -42,6 +43,17 @@ def test_top_k_then_top_p() -> None:
 def test_greedy_is_argmax_without_randomness() -> None:
     assert choose_tokens(LOGITS, SamplingParams(temperature=0.0), None) == [0]
     assert choose_tokens(LOGITS, SamplingParams(temperature=1.0, top_k=1), None) == [0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_greedy_choices_break_ties_and_nans_as_torch_does(dtype) -> None:
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0))
+    logits[1, [7, 300, 999]] = 50.0  # equal maxima: the first wins
+    logits[2, [5, 600]] = float("nan")  # a NaN counts as the maximum
+    logits[3] = 0.0
+    logits = logits.to(dtype)
+    assert greedy_choices(logits) == logits.argmax(dim=-1).tolist()
+    assert greedy_choices(logits)[1:4] == [7, 5, 0]
 
 
 def test_inverse_cdf_samples_follow_p() -> None:
