@@ -26,9 +26,6 @@ from numba import njit, prange
 
 CONTRACT = {"contract"}  # a*b + c as one fused multiply-add; no other fast-math liberty
 TILE = 32
-# Q4_1 passes of three rows or more dequantize each tile once into a buffer: cheaper than a
-# four-row in-register kernel from three rows on (embedded model's layers, measured).
-FUSED_MAX_ROWS = 2
 # Q8_0 (the LM head) dequantizes in registers, four rows at a time, up to this many rows: its
 # buffer path costs 2.4x the fused one at 3-4 rows, 1.6x at 8, 1.2x at 16; they cross between
 # 24 and 32 rows (embedded model's head, one core, measured).
@@ -2327,9 +2324,11 @@ def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
         if rows == 1:
             _rows1_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             continue
-        if rows == FUSED_MAX_ROWS:
+        if rows == 2:
             _rows2_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             continue
+        # three rows or more: the tile is dequantized once into the buffer, cheaper than a
+        # four-row in-register kernel from three rows on (embedded model's layers, measured)
         _dequantize_tile(qs[t], d[t], m[t], w)
         r = 0
         while r + 2 <= rows:

@@ -42,9 +42,6 @@ from numba import njit, prange
 
 CONTRACT = {{"contract"}}  # a*b + c as one fused multiply-add; no other fast-math liberty
 TILE = {tile}
-# Q4_1 passes of three rows or more dequantize each tile once into a buffer: cheaper than a
-# four-row in-register kernel from three rows on (embedded model's layers, measured).
-FUSED_MAX_ROWS = 2
 # Q8_0 (the LM head) dequantizes in registers, four rows at a time, up to this many rows: its
 # buffer path costs 2.4x the fused one at 3-4 rows, 1.6x at 8, 1.2x at 16; they cross between
 # 24 and 32 rows (embedded model's head, one core, measured).
@@ -82,9 +79,11 @@ def _q4_1_tiles(x, qs, d, m, out, t0, t1):  # pragma: no cover - compiled
         if rows == 1:
             _rows1_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             continue
-        if rows == FUSED_MAX_ROWS:
+        if rows == 2:
             _rows2_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
             continue
+        # three rows or more: the tile is dequantized once into the buffer, cheaper than a
+        # four-row in-register kernel from three rows on (embedded model's layers, measured)
         _dequantize_tile(qs[t], d[t], m[t], w)
         r = 0
         while r + 2 <= rows:
@@ -218,9 +217,14 @@ def dequantize_tile_kernel(tile: int = TILE) -> str:
     lines += [f"        m{g} = m[b, {g}]" for g in range(tile)]
     lines.append("        for j in range(16):")
     lines += [f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)]
-    lines += [f"            w[b * 32 + j, {g}] = d{g} * np.float32(q{g} & 15) + m{g}" for g in range(tile)]
-    lines += [f"            w[b * 32 + 16 + j, {g}] = d{g} * np.float32(q{g} >> 4) + m{g}" for g in range(tile)]
+    lines += [f"            w[b * 32 + j, {g}] = {_q4_1_weight(g, '& 15')}" for g in range(tile)]
+    lines += [f"            w[b * 32 + 16 + j, {g}] = {_q4_1_weight(g, '>> 4')}" for g in range(tile)]
     return "\n".join(lines)
+
+
+def _q4_1_weight(g: int, nibble: str) -> str:
+    """Column g's weight from its byte q{g}: `nibble` picks the low ("& 15") or high (">> 4") one."""
+    return f"d{g} * np.float32(q{g} {nibble}) + m{g}"
 
 
 def fused_row_kernel(tile: int = TILE, rows: int = 1) -> str:
@@ -230,8 +234,8 @@ def fused_row_kernel(tile: int = TILE, rows: int = 1) -> str:
         f"_rows{rows}_fused(qs, d, m, x, r, out, o0)", tile, rows,
         per_block=[f"        m{g} = m[b, {g}]" for g in range(tile)],
         per_byte=[f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)],
-        low=[f"            w{g} = d{g} * np.float32(q{g} & 15) + m{g}" for g in range(tile)],
-        high=[f"            w{g} = d{g} * np.float32(q{g} >> 4) + m{g}" for g in range(tile)],
+        low=[f"            w{g} = {_q4_1_weight(g, '& 15')}" for g in range(tile)],
+        high=[f"            w{g} = {_q4_1_weight(g, '>> 4')}" for g in range(tile)],
     )
 
 
