@@ -7,8 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from service.config import SamplingParams
-from service.sampling import PositionUniforms, choose_tokens, target_probs
-from service.top_tokens import greedy_choices
+from service.sampling import PositionUniforms, choose_tokens, greedy_choices, target_probs
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # [1, 5]
 
