@@ -17,7 +17,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -285,10 +285,17 @@ class Engine:
         fixed = _pass_shape([row.width + (id(row) in is_auto) for row in rows])  # auto rows: their roots
         context = sum(r.request.context_length for r in rows) / len(rows)
 
-        pass_cost = profile.at(context, len(rows))
+        def pricing(num_rows: int) -> Callable[[PassShape], float]:
+            pass_cost = profile.at(context, num_rows)
+            return lambda shape: pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens, num_rows)
 
-        def cost(shape: PassShape) -> float:
-            return pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens, len(rows))
+        cost = pricing(len(rows))
+        prefill_seconds = 0.0
+        if any(row.chunk for row in rows):  # what the pass would cost without its prompt chunks
+            decode_widths = [row.width - len(row.chunk) + (id(row) in is_auto)
+                             for row in rows if row.tree is not None or id(row) in is_auto]
+            decode_only = pricing(len(decode_widths))(_pass_shape(decode_widths))
+            prefill_seconds = max(cost(fixed) - decode_only, 0.0)
 
         candidates, may_probe = [], shapes.may_probe
         for row in auto:
@@ -302,7 +309,7 @@ class Engine:
         fixed_expected = sum(1 for r in rows if r.tree is not None)
         if shapes.plain_is_stale(fixed.tokens, len(rows)) and shapes.level.rounds > 0:
             budget = 0  # a plain probe: keeps the relative cost of speculating measured
-        plan = plan_trees(candidates, cost, fixed, fixed_expected, budget)
+        plan = plan_trees(candidates, cost, fixed, fixed_expected, budget, prefill_seconds=prefill_seconds)
         shapes.count_pass(plan.probed)
         for row, choice in zip(auto, plan.trees):
             row.request.drafts.chosen(choice.drafts)

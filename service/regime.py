@@ -201,12 +201,18 @@ def plan_trees(
     fixed_expected: float,
     budget: int,
     min_gain: float = 1.02,
+    prefill_seconds: float = 0.0,
 ) -> TreePlan:
     """Choose every row's tree for one pass.
 
     `cost(shape)` is the forecast seconds of a pass of that shape; `fixed` is what the pass
     holds regardless (one root per row here, prefill chunks and fixed-mode trees) and
     `fixed_expected` the tokens it yields for sure; `budget` caps the added nodes.
+    `prefill_seconds` is the part of `cost(fixed)` that prompt chunks cost: it buys no token
+    this pass, so plans are compared by tokens per second of the pass's other work. Counted
+    in, a pass carrying a prompt chunk decodes so slowly that almost any tree beats it: at
+    C=16 on the 2-core CPU (one in-process run of 32 requests) the controller put 9-96 nodes
+    into such passes, where passes without a chunk took 1-6.
     """
     candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
     spread = max(len(candidates), 1)
@@ -224,7 +230,10 @@ def plan_trees(
     ))[:budget]
     base_expected = fixed_expected + len(rows)
     widths = [row.width for row in rows]
-    best_count, _ = _best_counts(nodes, cost, fixed, widths, base_expected, min_gain)
+    def decode_cost(shape: PassShape) -> float:
+        return cost(shape) - prefill_seconds
+
+    best_count, _ = _best_counts(nodes, decode_cost, fixed, widths, base_expected, min_gain)
     chosen = nodes[:best_count]
     probing = next((i for i, row in enumerate(rows) if row.probe), None)
     probed = best_count == 0 and probing is not None
@@ -233,7 +242,7 @@ def plan_trees(
         # together come due together, and all of them probing at once made a pass of 13 rows
         # carry 20 nodes at 2.2x a plain pass's time. The others stay due for the next passes.
         own = [n for n in nodes if n.row == probing]
-        _, count = _best_counts(own, cost, fixed, widths, base_expected, min_gain)
+        _, count = _best_counts(own, decode_cost, fixed, widths, base_expected, min_gain)
         chosen = own[:count]
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
     total = fixed_expected + sum(t.expected_tokens for t in trees)

@@ -163,6 +163,21 @@ def test_a_probe_speculates_even_when_the_forecast_says_plain() -> None:
 
 
 
+def test_a_prompt_chunk_does_not_make_nodes_look_cheap() -> None:
+    """A pass carrying 100 prompt tokens is slow whatever it decodes; priced against that
+    pass, a node that costs more than it buys would still raise its tokens per second. Priced
+    without the chunk's seconds, the node loses to plain decoding, as it does in any pass."""
+    row = RowCandidates(candidates(0.5, 0.5, k=1, w=1), 1, 1)
+    cost = lambda s: 0.01 + 0.1 * s.tokens  # noqa: E731  compute-bound: a node costs 0.1 s for 0.5 tokens
+    with_chunk = PassShape(101, 1, 100)  # the decoding row's root and another request's chunk
+    counted_in = plan_trees([row], cost, with_chunk, 0.0, budget=8)
+    assert counted_in.tokens == 102  # 1.5 tokens in 10.21 s beat 1 token in 10.11 s
+    chunk_seconds = cost(with_chunk) - cost(PassShape(1))
+    priced_apart = plan_trees([row], cost, with_chunk, 0.0, budget=8, prefill_seconds=chunk_seconds)
+    assert priced_apart.tokens == 101 and priced_apart.trees[0].drafts == []
+    assert priced_apart.seconds == pytest.approx(cost(with_chunk))  # the forecast is still the whole pass
+
+
 def test_one_row_probes_per_pass() -> None:
     """Rows that come due together probe one pass each, the first (oldest) row first."""
     due = RowCandidates(candidates(0.3, 0.3), 4, 4, probe=True)
