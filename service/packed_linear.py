@@ -93,8 +93,12 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
         return None
     started = time.perf_counter()
     _warm_up(packed_kernels)
+    layer = numba.threading_layer()
     log.info("numba packed-linear kernels ready in %.1f s (threading layer %s, %d threads)",
-             time.perf_counter() - started, numba.threading_layer(), numba.get_num_threads())
+             time.perf_counter() - started, layer, numba.get_num_threads())
+    if layer == "workqueue":
+        log.warning("numba runs the packed kernels on its workqueue threading layer, on which passes "
+                    "took 1.3-2.7x as long as on OpenMP: install the system's libgomp (Debian: libgomp1)")
     _kernels = packed_kernels
     return _kernels
 

@@ -52,6 +52,7 @@ def test_image_shape() -> None:
     assert any(baked in i.args and i.flags.get("chown", "").startswith("${UID}") for i in runtime.all("COPY"))
     assert any("ngrammys prepare" in i.args and "$NGRAMMYS_CACHE_DIR" in i.args for i in build.all("RUN"))
     assert any("torch==" in i.args and "TORCH_INDEX_URL" in i.args for i in build.all("RUN"))
+    assert any("libgomp1" in i.args for i in runtime.all("RUN"))  # numba's OpenMP layer, not its slow fallback
 
 
 def test_build_context_is_an_allowlist() -> None:
