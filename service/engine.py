@@ -31,7 +31,7 @@ from service.logprobs import TokenLogprob, token_logprobs
 from service.model_runner import ModelRunner, RowInput
 from service.regime import CostProfile, PassShape, RowCandidates, RowTree, TreePlan, plan_trees
 from service.request import Request, Status, kv_tokens_needed
-from service.sampling import PositionUniforms
+from service.sampling import PositionUniforms, top_token_ids
 from service.scheduler import Scheduler, SchedulerConfig
 from service.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from service.verifier import verify
@@ -242,7 +242,7 @@ class Engine:
             return [None] * len(rows)
         started = time.perf_counter()
         stacked = torch.cat([logits[i] for i in decoding])  # [num_tree_nodes, vocab]
-        ids = torch.topk(stacked, min(top_k, stacked.shape[-1]), dim=-1).indices.cpu().numpy()  # [num_tree_nodes, K]
+        ids = top_token_ids(stacked, min(top_k, stacked.shape[-1]))  # [num_tree_nodes, K]
         out: list[np.ndarray | None] = [None] * len(rows)
         for i, part in zip(decoding, np.split(ids, np.cumsum([len(logits[i]) for i in decoding])[:-1])):
             out[i] = part

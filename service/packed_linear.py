@@ -103,6 +103,12 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
     return _kernels
 
 
+def loaded_kernels() -> Any:
+    """The kernels module if `load_kernels` already loaded it (the CPU fast path is on), else
+    None: for callers that use a kernel where it is ready but should not compile them."""
+    return _kernels
+
+
 def _warm_up(kernels: Any) -> None:
     qs = np.zeros((1, 1, 16, TILE), np.uint8)
     q8 = np.zeros((1, 1, 32, TILE), np.int8)
@@ -110,6 +116,7 @@ def _warm_up(kernels: Any) -> None:
     x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
     kernels.q4_1_matmul(x, qs, scales, scales, out, 1)
     kernels.q4_1_dequantize(qs, scales, scales, np.empty((TILE, 32), np.float32))
+    kernels.top_k_ids(np.zeros((1, 2 * kernels.TOP_K_BLOCK), np.float32), 1)
     kernels.q8_0_matmul(x, q8, scales, out, 1)
     kernels.q4_1_matmul_serial(x, qs, scales, scales, out, 0)
     kernels.q8_0_matmul_serial(x, q8, scales, out, 0)

@@ -13,9 +13,11 @@ reproduces a request whatever speculation shape the controller picked.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from service.config import SamplingParams
+from service.packed_linear import loaded_kernels
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -57,6 +59,18 @@ def greedy_choices(logits: torch.Tensor) -> list[int]:
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1).tolist()
     return logits.detach().numpy().argmax(axis=-1).tolist()
+
+
+def top_token_ids(logits: torch.Tensor, k: int) -> np.ndarray:
+    """[n, k] ids of each row's k largest logits, largest first ([n, vocab], k <= vocab): what
+    the drafting layer's successor tables learn from every pass. On the CPU fast path (its
+    kernels loaded, float32 logits) a numba kernel takes it; torch.topk otherwise. Inside the
+    engine that took a one-request step's top tokens from 0.64 to 0.41 ms (embedded model,
+    2-core dev VM, auto mode, 6 Spec-Bench prompts). Equal logits may come in either order."""
+    kernels = loaded_kernels()
+    if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return kernels.top_k_ids(logits.detach().contiguous().numpy(), k)
+    return torch.topk(logits, k, dim=-1).indices.cpu().numpy()
 
 
 class PositionUniforms:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from service.config import SamplingParams
-from service.sampling import PositionUniforms, choose_tokens, greedy_choices, target_probs
+from service.packed_linear import load_kernels, loaded_kernels
+from service.sampling import PositionUniforms, choose_tokens, greedy_choices, target_probs, top_token_ids
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # [1, 5]
 
@@ -53,6 +55,31 @@ def test_greedy_choices_break_ties_and_nans_as_torch_does(dtype) -> None:
     logits = logits.to(dtype)
     assert greedy_choices(logits) == logits.argmax(dim=-1).tolist()
     assert greedy_choices(logits)[1:4] == [7, 5, 0]
+
+
+@pytest.mark.parametrize("vocab", [49152, 50257, 1000, 70, 5])  # whole 64-logit blocks, a tail, fewer than k blocks
+def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
+    """The CPU fast path's kernel (once loaded) and torch's fallback rank alike: distinct
+    logits, a row whose best logits crowd one block, one holding -inf; NaN ranks last in the
+    kernel (first in torch), and even an all-NaN row gets k distinct valid ids."""
+    if load_kernels() is None:
+        pytest.skip("numba is not installed")
+    assert loaded_kernels() is not None
+    k = min(8, vocab)
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1, :k] += 100.0  # all k in the first block
+    logits[2, -1] = float("-inf")
+    logits[3, 0] = float("nan")
+    logits[4] = float("nan")
+    finite = [0, 1, 2, 5]
+    expected = torch.topk(logits[finite], k, dim=-1).indices.numpy()
+    ids = top_token_ids(logits, k)
+    assert ids.shape == (6, k) and ids.dtype == np.int64
+    np.testing.assert_array_equal(ids[finite], expected)
+    without_nan = logits[3].nan_to_num(nan=float("-inf"))
+    np.testing.assert_array_equal(ids[3], torch.topk(without_nan, k).indices.numpy())
+    assert sorted(ids[4].tolist()) == sorted(set(ids[4].tolist())) and 0 <= ids[4].min() and ids[4].max() < vocab
+    np.testing.assert_array_equal(top_token_ids(logits[[0, 5]].double(), k), expected[[0, 3]])  # torch's path
 
 
 def test_inverse_cdf_samples_follow_p() -> None:
