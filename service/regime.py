@@ -230,6 +230,7 @@ def plan_trees(
     ))[:budget]
     base_expected = fixed_expected + len(rows)
     widths = [row.width for row in rows]
+
     def decode_cost(shape: PassShape) -> float:
         return cost(shape) - prefill_seconds
 
