@@ -208,9 +208,10 @@ def plan_trees(
     `cost(shape)` is the forecast seconds of a pass of that shape; `fixed` is what the pass
     holds regardless (one root per row here, prefill chunks and fixed-mode trees) and
     `fixed_expected` the tokens it yields for sure; `budget` caps the added nodes.
-    `prefill_seconds` is the part of `cost(fixed)` that prompt chunks cost: it buys no token
-    this pass, so plans are compared by tokens per second of the pass's other work. Counted
-    in, a pass carrying a prompt chunk decodes so slowly that almost any tree beats it: at
+    `prefill_seconds` is the part of `cost(fixed)` that rows only loading a prompt chunk cost
+    (other requests' prompts; a row's own last chunk, which carries its first tree, stays in):
+    it buys no token this pass, so plans are compared by tokens per second of the pass's other
+    work. Counted in, a pass carrying a prompt chunk decodes so slowly that almost any tree beats it: at
     C=16 on the 2-core CPU (one in-process run of 32 requests) the controller put 9-96 nodes
     into such passes, where passes without a chunk took 1-6.
     """
