@@ -327,7 +327,9 @@ def auto_server(embedded):
                         default_temperature=0.0)
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
-        wait_until(lambda: httpx.get(f"{base}/health").json()["cost_profile"], timeout=600)
+        # a busy machine spoils sweeps, and the profiler measures up to ATTEMPTS of them (2-3
+        # minutes each on the 2-core dev VM, longer beside this module's other servers)
+        wait_until(lambda: httpx.get(f"{base}/health").json()["cost_profile"], timeout=1500)
         yield base
 
 
