@@ -6,7 +6,9 @@ scale d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead 
 and the numba kernel (service/packed_kernels.py) dequantizes each block once per pass and
 applies it to every row of the pass (up to KERNEL_MAX_ROWS rows; larger passes dequantize the
 layer and call `F.linear`). Without numba the same modules dequantize and call `F.linear`
-(slower, same weights).
+(slower, same weights). Up to a pass size measured on the CPU at load (`tune_fused_max_rows`)
+the weights are dequantized in registers, four rows at a time; above it, once per tile into a
+buffer that every row then reads.
 
 The served weights are bit-for-bit those of the float32 path (the converted cache holds the
 same dequantized values); what differs is only the order of the float32 sums inside a matmul,
@@ -47,6 +49,13 @@ KERNEL_MAX_ROWS = 64
 # the 2-core CPU, one row: a 64x576 layer (18 KiB) 6.1 us serial, 5.3 parallel; 32x576 (9 KiB)
 # 3.6 and 5.3; the embedded model's o_proj (166 KiB) 46 and 25.
 PARALLEL_MIN_BYTES = 1 << 14
+# Pass sizes at which the in-register Q4_1 kernel is timed against the buffer path at load. Which
+# wins depends on the CPU: on a 2-core AMD EPYC dev VM (AVX2) the buffer path won from three
+# rows on; on a 2-core Intel Xeon one (AVX-512) the in-register kernel won at three to six rows
+# and the two tied around eight to twelve (docs/benchmarks.md, eleventh session).
+FUSED_ROW_CANDIDATES = (3, 4, 6, 8, 12, 16, 24, 32)
+TUNING_REPEATS = 9
+TUNING_LAYERS = 4  # the first few decoder layers' Q4_1 weights are timed (0.1-0.2 s at load)
 
 # GGUF tensor name (per block) -> Hugging Face Llama module name.
 LLAMA_LINEARS = {
@@ -114,11 +123,11 @@ def _warm_up(kernels: Any) -> None:
     q8 = np.zeros((1, 1, 32, TILE), np.int8)
     scales = np.zeros((1, 1, TILE), np.float32)
     x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
-    kernels.q4_1_matmul(x, qs, scales, scales, out, 1)
+    kernels.q4_1_matmul(x, qs, scales, scales, out, 1, 4)
     kernels.q4_1_dequantize(qs, scales, scales, np.empty((TILE, 32), np.float32))
     kernels.top_k_ids(np.zeros((1, 2 * kernels.TOP_K_BLOCK), np.float32), 1)
     kernels.q8_0_matmul(x, q8, scales, out, 1)
-    kernels.q4_1_matmul_serial(x, qs, scales, scales, out, 0)
+    kernels.q4_1_matmul_serial(x, qs, scales, scales, out, 0, 4)
     kernels.q8_0_matmul_serial(x, q8, scales, out, 0)
     kernels.q8_0_dequantize(q8, scales, np.empty((TILE, 32), np.float32))
 
@@ -182,12 +191,13 @@ def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept packed."""
 
-    def __init__(self, tiles: PackedTiles, kernels: Any = None) -> None:
+    def __init__(self, tiles: PackedTiles, kernels: Any = None, fused_max_rows: int = 2) -> None:
         super().__init__()
         self.kind = tiles.kind
         self.in_features = tiles.in_features
         self.out_features = tiles.out_features
         self.kernels = kernels
+        self.fused_max_rows = fused_max_rows  # Q4_1 passes up to this many rows dequantize in registers
         self._set_tiles(tiles)
 
     def _set_tiles(self, tiles: PackedTiles) -> None:
@@ -227,7 +237,8 @@ class PackedLinear(nn.Module):
         threads = _threads() if xs.shape[0] * t.qs.size >= PARALLEL_MIN_BYTES else 1
         threads = threads if threads > 1 else 0
         if self.kind == "Q4_1":
-            (self.kernels.q4_1_matmul if threads else self.kernels.q4_1_matmul_serial)(xs, t.qs, t.d, t.m, out, threads)
+            (self.kernels.q4_1_matmul if threads else self.kernels.q4_1_matmul_serial)(
+                xs, t.qs, t.d, t.m, out, threads, self.fused_max_rows)
         else:
             (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(xs, t.qs, t.d, out, threads)
         y = torch.from_numpy(out)
@@ -254,7 +265,39 @@ def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
                                       t.out_features, t.in_features))
         start = stop
     fused = PackedTiles(tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features)
-    return PackedLinear(fused, modules[0].kernels)
+    return PackedLinear(fused, modules[0].kernels, modules[0].fused_max_rows)
+
+
+def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
+    """The largest of `FUSED_ROW_CANDIDATES` up to which the in-register Q4_1 kernel beat the
+    buffer path at every candidate, timed on `layers` (the served model's own weights); 2 (the
+    buffer path from three rows) if it lost at three. Both paths give the same bits, so the
+    choice changes speed only; each size's fastest of `TUNING_REPEATS` rounds counts (other work
+    on the machine only adds time), the two paths alternating within a round."""
+    threads = _threads() if _threads() > 1 else 0
+    matmul = kernels.q4_1_matmul if threads else kernels.q4_1_matmul_serial
+    rng = np.random.default_rng(0)
+    best = 2
+    for rows in FUSED_ROW_CANDIDATES:
+        inputs = [(rng.standard_normal((rows, t.in_features), np.float32),
+                   np.empty((rows, t.qs.shape[0] * TILE), np.float32), t) for t in layers]
+
+        def seconds(fused_max_rows: int) -> float:
+            started = time.perf_counter()
+            for x, out, t in inputs:
+                matmul(x, t.qs, t.d, t.m, out, threads, fused_max_rows)
+            return time.perf_counter() - started
+
+        fused, buffered = [], []
+        for _ in range(TUNING_REPEATS):
+            fused.append(seconds(rows))
+            buffered.append(seconds(2))
+        log.debug("Q4_1 kernel at %d rows: in registers %.2f ms, buffer %.2f ms", rows, min(fused) * 1e3,
+                  min(buffered) * 1e3)
+        if min(fused) >= min(buffered):
+            break
+        best = rows
+    return best
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
@@ -350,10 +393,15 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
         tiles, kept = read_packed_linears(model, gguf_path)
     if not any(t.kind == "Q4_1" for t in tiles.values()):
         raise ValueError(f"{gguf_path.name} has no Q4_1 linear weights to keep packed")
+    fused_max_rows = 2
+    if kernels is not None:
+        first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
+        fused_max_rows = tune_fused_max_rows(
+            [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)], kernels)
     for name, t in tiles.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        packed = PackedLinear(t, kernels)
+        packed = PackedLinear(t, kernels, fused_max_rows)
         if not from_file and not torch.equal(packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()):
             raise ValueError(f"{name}: packed blocks differ from the loaded weight "
                              f"(is {gguf_path.name} the file this model was converted from?)")
@@ -362,6 +410,7 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
         _save_tiles(tiles, tiles_file)
     kinds = Counter(t.kind for t in tiles.values())
     log.info("packed %s linears (%s)%s", " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
-             "numba kernels" if kernels is not None else "torch fallback: numba not installed",
+             f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows"
+             if kernels is not None else "torch fallback: numba not installed",
              f"; kept {kept} of other types" if kept >= 0 else "")
     return len(tiles)

@@ -18,6 +18,7 @@ from service.engine import Engine
 from service.model_runner import ModelRunner
 from service.model_tables import compute_tables
 from service.packed_linear import (
+    FUSED_ROW_CANDIDATES,
     KERNEL_MAX_ROWS,
     LLAMA_LINEARS,
     PackedLinear,
@@ -26,6 +27,7 @@ from service.packed_linear import (
     load_kernels,
     pack_gguf_linears,
     tiles_from_blocks,
+    tune_fused_max_rows,
     unpermute_rows,
 )
 from tests.conftest import make_tiny_model
@@ -84,17 +86,33 @@ def test_batched_leading_dims_and_large_passes() -> None:
 
 
 @needs_numba
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
-def test_a_rows_result_does_not_depend_on_the_pass_size(kind) -> None:
-    """Each output is the same float32 sum in one k order whatever the pass: bit-identical rows."""
+@pytest.mark.parametrize("kind, fused_max_rows", [(Q4_1, 2), (Q4_1, 8), (Q4_1, 32), (Q8_0, 2)])
+def test_a_rows_result_does_not_depend_on_the_pass_size(kind, fused_max_rows) -> None:
+    """Each output is the same float32 sum in one k order whatever the pass, in registers or
+    through the tile buffer: bit-identical rows."""
     blocks = random_blocks(100, 576, kind=kind)
-    layer = PackedLinear(tiles_from_blocks(blocks, 100, 576, kind.name), kernels)
+    layer = PackedLinear(tiles_from_blocks(blocks, 100, 576, kind.name), kernels, fused_max_rows)
     x = torch.randn(17, 576)
     together = layer(x)
     for i in range(17):
         assert torch.equal(layer(x[i : i + 1])[0], together[i])
-    assert torch.equal(layer(x[3:6]), together[3:6])  # three rows run padded to four
-    assert torch.equal(layer(x[:7]), together[:7])  # a Q8_0 group of four, then three padded
+    for rows in range(2, 17):  # groups of four, tails of one, two and three (padded to four)
+        assert torch.equal(layer(x[:rows]), together[:rows])
+    assert torch.equal(layer(x[3:6]), together[3:6])
+
+
+@needs_numba
+def test_the_q4_1_dispatch_changes_no_bit_and_is_tuned_among_its_candidates() -> None:
+    """Dequantizing in registers (four rows at a time) and through the buffer give the same
+    bits at every pass size, so the tuned choice can only change speed."""
+    tiles = tiles_from_blocks(random_blocks(128, 576), 128, 576)
+    x = torch.randn(40, 576)
+    buffered = PackedLinear(tiles, kernels, fused_max_rows=2)
+    in_registers = PackedLinear(tiles, kernels, fused_max_rows=KERNEL_MAX_ROWS)
+    for rows in range(1, 41):
+        assert torch.equal(in_registers(x[:rows]), buffered(x[:rows]))
+    assert tune_fused_max_rows([tiles, tiles_from_blocks(random_blocks(64, 1536), 64, 1536)], kernels) in (
+        2, *FUSED_ROW_CANDIDATES)
 
 
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
@@ -105,11 +123,11 @@ def test_fused_layers_compute_each_layers_outputs_from_the_same_memory(use_numba
     and the layers, now views of the fused tiles, still work."""
     shapes = [(96, 576), (32, 576), (64, 576)]
     layers = [PackedLinear(tiles_from_blocks(random_blocks(o, i, seed=o, kind=kind), o, i, kind.name),
-                           kernels if use_numba else None) for o, i in shapes]
+                           kernels if use_numba else None, fused_max_rows=8) for o, i in shapes]
     x = torch.randn(5, 576)
     alone = torch.cat([layer(x) for layer in layers], dim=-1)
     fused = fuse_packed(layers)
-    assert fused is not None and fused.out_features == 192
+    assert fused is not None and fused.out_features == 192 and fused.fused_max_rows == 8
     if use_numba:
         assert torch.equal(fused(x), alone)
     else:
