@@ -232,20 +232,19 @@ class Engine:
 
     def _top_ids(self, rows: list[_Row], logits: list[torch.Tensor]) -> list[np.ndarray | None]:
         """Per decoding row, the top-K next tokens at each tree node ([num_nodes, K]), for
-        the strategies that learn from every distribution; one topk over the whole pass.
-        Rows that never speculate (off, k = 0) are left out: plain decoding should not pay
-        for drafting (the topk alone cost 0.7 ms of a 24-40 ms CPU step, embedded model)."""
+        the strategies that learn from every distribution. Rows that never speculate (off,
+        k = 0) are left out: plain decoding should not pay for drafting (the topk alone cost
+        0.7 ms of a 24-40 ms CPU step, embedded model). Row by row, since each row's logits are
+        already a contiguous view: gathering them into one tensor first cost more than the
+        per-row calls (auto steps of one and sixteen requests, embedded model, 2-core Xeon VM:
+        0.31 -> 0.14 ms and 1.11 -> 0.77 ms)."""
         top_k = self.mixer.distribution_top_k
-        decoding = [i for i, row in enumerate(rows)
-                    if row.tree is not None and row.request.params.speculation.enabled]
-        if top_k == 0 or not decoding:
+        if top_k == 0:
             return [None] * len(rows)
         started = time.perf_counter()
-        stacked = torch.cat([logits[i] for i in decoding])  # [num_tree_nodes, vocab]
-        ids = top_token_ids(stacked, min(top_k, stacked.shape[-1]))  # [num_tree_nodes, K]
-        out: list[np.ndarray | None] = [None] * len(rows)
-        for i, part in zip(decoding, np.split(ids, np.cumsum([len(logits[i]) for i in decoding])[:-1])):
-            out[i] = part
+        out = [top_token_ids(row_logits, min(top_k, row_logits.shape[-1]))
+               if row.tree is not None and row.request.params.speculation.enabled else None
+               for row, row_logits in zip(rows, logits)]
         self._learn_seconds += time.perf_counter() - started
         return out
 
