@@ -124,14 +124,14 @@ def test_fused_layers_compute_each_layers_outputs_from_the_same_memory(use_numba
     shapes = [(96, 576), (32, 576), (64, 576)]
     layers = [PackedLinear(tiles_from_blocks(random_blocks(o, i, seed=o, kind=kind), o, i, kind.name),
                            kernels if use_numba else None, fused_max_rows=8) for o, i in shapes]
-    x = torch.randn(5, 576)
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
     alone = torch.cat([layer(x) for layer in layers], dim=-1)
     fused = fuse_packed(layers)
     assert fused is not None and fused.out_features == 192 and fused.fused_max_rows == 8
     if use_numba:
         assert torch.equal(fused(x), alone)
     else:
-        torch.testing.assert_close(fused(x), alone, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(fused(x), alone, rtol=1e-5, atol=1e-5)  # float32 sums, 576 long
     assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), alone)
     assert all(np.shares_memory(layer.tiles().qs, fused.tiles().qs) for layer in layers)
 
