@@ -290,9 +290,9 @@ class Engine:
 
         cost = pricing(len(rows))
         prefill_seconds = 0.0
-        decoding = [row for row in rows if row.tree is not None or id(row) in is_auto]
-        if len(decoding) < len(rows):  # what the pass would cost without the prefill-only rows
-            decode_widths = [row.width + (id(row) in is_auto) for row in decoding]
+        if any(row.chunk for row in rows):  # what the pass would cost without its prompt chunks
+            decode_widths = [row.width - len(row.chunk) + (id(row) in is_auto)
+                             for row in rows if row.tree is not None or id(row) in is_auto]
             decode_only = pricing(len(decode_widths))(_pass_shape(decode_widths))
             prefill_seconds = max(cost(fixed) - decode_only, 0.0)
 

@@ -16,9 +16,9 @@ from service.config import GenerationParams, SpeculationParams
 from service.engine import Engine
 from service.kv_cache import INITIAL_CAPACITY
 from service.model_runner import ModelRunner
+from service.profiler import measure_profile
 from tests.conftest import make_tiny_model
 from tests.service.test_engine_lossless import OracleDrafter, reference_greedy
-from tests.service.test_regime import MEMORY_BOUND
 
 
 class PositionGuard:
@@ -57,7 +57,11 @@ def test_trees_never_reach_past_the_last_position(mode: str) -> None:
     # drafts as deep as w that are always right: without a cap the last trees would run past the end
     drafter = OracleDrafter(prompt, truth + [0] * 8, seed=1)
     engine = Engine(ModelRunner(model), Mixer([drafter]), eos_token_ids=[], max_context=64)
-    engine.profile = MEMORY_BOUND  # auto mode speculates as deep as it may where passes are free
+    # auto mode speculates as deep as it may where passes are nearly free, as the tiny model's
+    # are: its costs as measured (on a twin without the guard: the profiler's passes run past
+    # position 64). A flat profile of made-up seconds left the pass-cost calibration pricing
+    # tree sizes it had not seen yet at the prompt pass's ratio, and trees stopped.
+    engine.profile, _ = measure_profile(ModelRunner(make_tiny_model()), rows=(1,), context_lengths=(32, 64), repeats=3)
     params = GenerationParams(new_tokens, speculation=SpeculationParams(4, 8, mode), strategy="oracle")
     guard.highest = -1  # the engine's passes only, not the reference decode's
     completion = engine.complete(prompt, params)
