@@ -2870,27 +2870,6 @@ def _rows4_fused_q8(qs, d, x, r, out, o0):  # pragma: no cover - compiled
     out[r + 3, o0 + 30] = a3_30
     out[r + 3, o0 + 31] = a3_31
 
-@njit(fastmath=CONTRACT, cache=True, inline="always")
-def _dequantize_tile_q8(qs, d, w):  # pragma: no cover - compiled
-    """One tile's Q8_0 blocks into w[K, TILE] as float32 weights (w = d*q)."""
-    for b in range(qs.shape[0]):
-        for j in range(32):
-            for g in range(TILE):
-                w[b * 32 + j, g] = d[b, g] * np.float32(qs[b, j, g])
-
-
-@njit(fastmath=CONTRACT, cache=True)
-def _tail_padded(x, first):  # pragma: no cover - compiled
-    """Rows first.. of x (at most four) padded with zero rows to four. Three rows run through
-    the four-row kernels: three-row ones compiled 4-6x slower than them (Q8_0: one layer and the
-    LM head; Q4_1: the embedded model's layers, measured), and a padding row changes no other
-    row's sums."""
-    tail = np.zeros((4, x.shape[1]), np.float32)
-    for i in range(min(4, x.shape[0] - first)):
-        tail[i] = x[first + i]
-    return tail
-
-
 @njit(fastmath=CONTRACT, cache=True)
 def _q4_1_tiles(x, qs, d, m, out, t0, t1, fused_max_rows):  # pragma: no cover - compiled
     """Tiles t0..t1-1 of a Q4_1 weight against every row of x."""
@@ -2926,9 +2905,8 @@ def _q4_1_tiles(x, qs, d, m, out, t0, t1, fused_max_rows):  # pragma: no cover -
         if r < rows:
             _rows1(w, x, r, out, t * TILE)
 
-
 @njit(fastmath=CONTRACT, cache=True)
-def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
+def _q8_0_tiles(x, qs, d, out, t0, t1, fused_max_rows):  # pragma: no cover - compiled
     """Tiles t0..t1-1 of a Q8_0 weight against every row of x."""
     rows = x.shape[0]
     w = np.empty((qs.shape[1] * 32, TILE), np.float32)
@@ -2940,7 +2918,7 @@ def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
         if rows == 2:
             _rows2_fused_q8(qs[t], d[t], x, 0, out, t * TILE)
             continue
-        if rows <= FUSED_MAX_ROWS_Q8:  # groups of four, then the rest in one call
+        if rows <= fused_max_rows:  # groups of four in registers, then the rest in one call
             r = 0
             while r + 4 <= rows:
                 _rows4_fused_q8(qs[t], d[t], x, r, out, t * TILE)
@@ -2961,6 +2939,26 @@ def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
             r += 2
         if r < rows:
             _rows1(w, x, r, out, t * TILE)
+
+@njit(fastmath=CONTRACT, cache=True, inline="always")
+def _dequantize_tile_q8(qs, d, w):  # pragma: no cover - compiled
+    """One tile's Q8_0 blocks into w[K, TILE] as float32 weights (w = d*q)."""
+    for b in range(qs.shape[0]):
+        for j in range(32):
+            for g in range(TILE):
+                w[b * 32 + j, g] = d[b, g] * np.float32(qs[b, j, g])
+
+
+@njit(fastmath=CONTRACT, cache=True)
+def _tail_padded(x, first):  # pragma: no cover - compiled
+    """Rows first.. of x (at most four) padded with zero rows to four. Three rows run through
+    the four-row kernels: three-row ones compiled 4-6x slower than them (Q8_0: one layer and the
+    LM head; Q4_1: the embedded model's layers, measured), and a padding row changes no other
+    row's sums."""
+    tail = np.zeros((4, x.shape[1]), np.float32)
+    for i in range(min(4, x.shape[0] - first)):
+        tail[i] = x[first + i]
+    return tail
 
 
 @njit(parallel=True, fastmath=CONTRACT, cache=True)
@@ -2986,13 +2984,13 @@ def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
     tiles = qs.shape[0]
     chunks = max(1, min(tiles, chunks))
     for c in prange(chunks):
-        _q8_0_tiles(x, qs, d, out, c * tiles // chunks, (c + 1) * tiles // chunks)
+        _q8_0_tiles(x, qs, d, out, c * tiles // chunks, (c + 1) * tiles // chunks, FUSED_MAX_ROWS_Q8)
 
 
 @njit(fastmath=CONTRACT, cache=True)
 def q8_0_matmul_serial(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q8_0_matmul` on the calling thread (`chunks` is ignored): for small layers."""
-    _q8_0_tiles(x, qs, d, out, 0, qs.shape[0])
+    _q8_0_tiles(x, qs, d, out, 0, qs.shape[0], FUSED_MAX_ROWS_Q8)
 
 
 @njit(parallel=True, fastmath=CONTRACT, cache=True)

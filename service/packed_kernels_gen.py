@@ -73,78 +73,6 @@ def _tail_padded(x, first):  # pragma: no cover - compiled
     return tail
 
 
-@njit(fastmath=CONTRACT, cache=True)
-def _q4_1_tiles(x, qs, d, m, out, t0, t1, fused_max_rows):  # pragma: no cover - compiled
-    """Tiles t0..t1-1 of a Q4_1 weight against every row of x."""
-    rows = x.shape[0]
-    w = np.empty((qs.shape[1] * 32, TILE), np.float32)
-    tail, tail_out = _tail_padded(x, rows - rows % 4), np.empty((4, TILE), np.float32)
-    for t in range(t0, t1):
-        if rows == 1:
-            _rows1_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
-            continue
-        if rows == 2:
-            _rows2_fused(qs[t], d[t], m[t], x, 0, out, t * TILE)
-            continue
-        if rows <= fused_max_rows:  # groups of four in registers, then the rest in one call
-            r = 0
-            while r + 4 <= rows:
-                _rows4_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
-                r += 4
-            left = rows - r
-            if left == 3:
-                _rows4_fused(qs[t], d[t], m[t], tail, 0, tail_out, 0)
-                out[r:, t * TILE:(t + 1) * TILE] = tail_out[:3]
-            elif left == 2:
-                _rows2_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
-            elif left == 1:
-                _rows1_fused(qs[t], d[t], m[t], x, r, out, t * TILE)
-            continue
-        _dequantize_tile(qs[t], d[t], m[t], w)
-        r = 0
-        while r + 2 <= rows:
-            _rows2(w, x, r, out, t * TILE)
-            r += 2
-        if r < rows:
-            _rows1(w, x, r, out, t * TILE)
-
-
-@njit(fastmath=CONTRACT, cache=True)
-def _q8_0_tiles(x, qs, d, out, t0, t1):  # pragma: no cover - compiled
-    """Tiles t0..t1-1 of a Q8_0 weight against every row of x."""
-    rows = x.shape[0]
-    w = np.empty((qs.shape[1] * 32, TILE), np.float32)
-    tail, tail_out = _tail_padded(x, rows - rows % 4), np.empty((4, TILE), np.float32)
-    for t in range(t0, t1):
-        if rows == 1:
-            _rows1_fused_q8(qs[t], d[t], x, 0, out, t * TILE)
-            continue
-        if rows == 2:
-            _rows2_fused_q8(qs[t], d[t], x, 0, out, t * TILE)
-            continue
-        if rows <= FUSED_MAX_ROWS_Q8:  # groups of four, then the rest in one call
-            r = 0
-            while r + 4 <= rows:
-                _rows4_fused_q8(qs[t], d[t], x, r, out, t * TILE)
-                r += 4
-            left = rows - r
-            if left == 3:
-                _rows4_fused_q8(qs[t], d[t], tail, 0, tail_out, 0)
-                out[r:, t * TILE:(t + 1) * TILE] = tail_out[:3]
-            elif left == 2:
-                _rows2_fused_q8(qs[t], d[t], x, r, out, t * TILE)
-            elif left == 1:
-                _rows1_fused_q8(qs[t], d[t], x, r, out, t * TILE)
-            continue
-        _dequantize_tile_q8(qs[t], d[t], w)
-        r = 0
-        while r + 2 <= rows:
-            _rows2(w, x, r, out, t * TILE)
-            r += 2
-        if r < rows:
-            _rows1(w, x, r, out, t * TILE)
-
-
 @njit(parallel=True, fastmath=CONTRACT, cache=True)
 def q4_1_matmul(x, qs, d, m, out, chunks, fused_max_rows):  # pragma: no cover - compiled
     """out[M, T*TILE] = x[M, K] @ dequantized(qs, d, m).T; the tiles are split in `chunks`
@@ -168,13 +96,13 @@ def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
     tiles = qs.shape[0]
     chunks = max(1, min(tiles, chunks))
     for c in prange(chunks):
-        _q8_0_tiles(x, qs, d, out, c * tiles // chunks, (c + 1) * tiles // chunks)
+        _q8_0_tiles(x, qs, d, out, c * tiles // chunks, (c + 1) * tiles // chunks, FUSED_MAX_ROWS_Q8)
 
 
 @njit(fastmath=CONTRACT, cache=True)
 def q8_0_matmul_serial(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q8_0_matmul` on the calling thread (`chunks` is ignored): for small layers."""
-    _q8_0_tiles(x, qs, d, out, 0, qs.shape[0])
+    _q8_0_tiles(x, qs, d, out, 0, qs.shape[0], FUSED_MAX_ROWS_Q8)
 
 
 @njit(parallel=True, fastmath=CONTRACT, cache=True)
@@ -281,6 +209,57 @@ def top_k_ids(logits, k):  # pragma: no cover - compiled
 '''
 
 
+def tiles_kernel(kind: str) -> str:
+    """`_{kind}_tiles`: tiles t0..t1-1 of a weight against every row of x. One or two rows, and
+    up to `fused_max_rows` rows in groups of four (three padded to four), dequantize in
+    registers; larger passes dequantize each tile once into the buffer that every row reads."""
+    suffix, weights, dequantize = {
+        "q4_1": ("", "qs[t], d[t], m[t]", "_dequantize_tile"),
+        "q8_0": ("_q8", "qs[t], d[t]", "_dequantize_tile_q8"),
+    }[kind]
+    params = "x, qs, d, m, out" if kind == "q4_1" else "x, qs, d, out"
+
+    def fused(rows: int, source: str = "x", first: str = "r", target: str = "out", column: str = "t * TILE") -> str:
+        return f"_rows{rows}_fused{suffix}({weights}, {source}, {first}, {target}, {column})"
+
+    return f"""
+
+@njit(fastmath=CONTRACT, cache=True)
+def _{kind}_tiles({params}, t0, t1, fused_max_rows):  # pragma: no cover - compiled
+    \"\"\"Tiles t0..t1-1 of a {kind.upper()} weight against every row of x.\"\"\"
+    rows = x.shape[0]
+    w = np.empty((qs.shape[1] * 32, TILE), np.float32)
+    tail, tail_out = _tail_padded(x, rows - rows % 4), np.empty((4, TILE), np.float32)
+    for t in range(t0, t1):
+        if rows == 1:
+            {fused(1, first="0")}
+            continue
+        if rows == 2:
+            {fused(2, first="0")}
+            continue
+        if rows <= fused_max_rows:  # groups of four in registers, then the rest in one call
+            r = 0
+            while r + 4 <= rows:
+                {fused(4)}
+                r += 4
+            left = rows - r
+            if left == 3:
+                {fused(4, "tail", "0", "tail_out", "0")}
+                out[r:, t * TILE:(t + 1) * TILE] = tail_out[:3]
+            elif left == 2:
+                {fused(2)}
+            elif left == 1:
+                {fused(1)}
+            continue
+        {dequantize}({weights}, w)
+        r = 0
+        while r + 2 <= rows:
+            _rows2(w, x, r, out, t * TILE)
+            r += 2
+        if r < rows:
+            _rows1(w, x, r, out, t * TILE)"""
+
+
 def rows_kernel(rows: int, tile: int = TILE) -> str:
     """Rows r..r+rows-1 of x against one dequantized tile, accumulators in registers. The sum
     runs over k in block order: for each block, j then j+16 for j = 0..15 (the order in which
@@ -383,6 +362,7 @@ def source(tile: int = TILE) -> str:
         + dequantize_tile_kernel(tile) + rows_kernel(1, tile) + rows_kernel(2, tile)
         + "".join(fused_row_kernel(tile, rows) for rows in (1, 2, 4))
         + "".join(fused_row_kernel_q8(tile, rows) for rows in (1, 2, 4))
+        + tiles_kernel("q4_1") + tiles_kernel("q8_0")
         + FOOTER
     )
 
