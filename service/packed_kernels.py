@@ -19,6 +19,10 @@ float16 significand times a 4- or 8-bit integer), so d*q + m rounds once, fused 
 
 `q8_0_matmul(x, qs, d, out, chunks)` does the same for Q8_0 blocks (32 int8 and a float16
 scale d; w = d*q): qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32.
+
+The entry points release the GIL (`nogil=True`): they touch no Python object, and a server's
+event loop (streaming every request's tokens) shares the GIL with the engine's thread, so it
+can run while the weights stream instead of waiting for the kernel to return.
 """
 
 from __future__ import annotations
@@ -2961,7 +2965,7 @@ def _tail_padded(x, first):  # pragma: no cover - compiled
     return tail
 
 
-@njit(parallel=True, fastmath=CONTRACT, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True, nogil=True)
 def q4_1_matmul(x, qs, d, m, out, chunks, fused_max_rows):  # pragma: no cover - compiled
     """out[M, T*TILE] = x[M, K] @ dequantized(qs, d, m).T; the tiles are split in `chunks`
     (one per thread) of consecutive tiles; passes of up to `fused_max_rows` rows dequantize in
@@ -2972,13 +2976,13 @@ def q4_1_matmul(x, qs, d, m, out, chunks, fused_max_rows):  # pragma: no cover -
         _q4_1_tiles(x, qs, d, m, out, c * tiles // chunks, (c + 1) * tiles // chunks, fused_max_rows)
 
 
-@njit(fastmath=CONTRACT, cache=True)
+@njit(fastmath=CONTRACT, cache=True, nogil=True)
 def q4_1_matmul_serial(x, qs, d, m, out, chunks, fused_max_rows):  # pragma: no cover - compiled
     """`q4_1_matmul` on the calling thread (`chunks` is ignored): for small layers."""
     _q4_1_tiles(x, qs, d, m, out, 0, qs.shape[0], fused_max_rows)
 
 
-@njit(parallel=True, fastmath=CONTRACT, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True, nogil=True)
 def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q4_1_matmul` for Q8_0 tiles: qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32."""
     tiles = qs.shape[0]
@@ -2987,13 +2991,13 @@ def q8_0_matmul(x, qs, d, out, chunks):  # pragma: no cover - compiled
         _q8_0_tiles(x, qs, d, out, c * tiles // chunks, (c + 1) * tiles // chunks, FUSED_MAX_ROWS_Q8)
 
 
-@njit(fastmath=CONTRACT, cache=True)
+@njit(fastmath=CONTRACT, cache=True, nogil=True)
 def q8_0_matmul_serial(x, qs, d, out, chunks):  # pragma: no cover - compiled
     """`q8_0_matmul` on the calling thread (`chunks` is ignored): for small layers."""
     _q8_0_tiles(x, qs, d, out, 0, qs.shape[0], FUSED_MAX_ROWS_Q8)
 
 
-@njit(parallel=True, fastmath=CONTRACT, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True, nogil=True)
 def q8_0_dequantize(qs, d, out):  # pragma: no cover - compiled
     """out[T*TILE, K] = the dequantized Q8_0 weights."""
     for t in prange(qs.shape[0]):
@@ -3004,7 +3008,7 @@ def q8_0_dequantize(qs, d, out):  # pragma: no cover - compiled
                 out[t * TILE + g, k] = w[k, g]
 
 
-@njit(parallel=True, fastmath=CONTRACT, cache=True)
+@njit(parallel=True, fastmath=CONTRACT, cache=True, nogil=True)
 def q4_1_dequantize(qs, d, m, out):  # pragma: no cover - compiled
     """out[T*TILE, K] = the dequantized weights (for large passes and for checks)."""
     for t in prange(qs.shape[0]):
@@ -3059,7 +3063,7 @@ def _holds_nan(row):  # pragma: no cover - compiled
     return found
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def top_k_ids(logits, k):  # pragma: no cover - compiled
     """[n, k] ids of each row's k largest logits, largest first (float32 [n, vocab], k <= vocab).
 
