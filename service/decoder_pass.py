@@ -27,6 +27,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ from transformers import PreTrainedModel
 
 from service.attention import PassLayout, ragged_attention
 from service.kv_cache import TreeKVCache
-from service.packed_linear import PackedLinear, fuse_packed
+from service.packed_linear import PackedLinear, fuse_packed, loaded_layer_kernels
 
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
 # bias) → rotary → attention → o_proj → residual → RMSNorm → down(act(gate) * up) → residual.
@@ -69,23 +70,53 @@ def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLay
     base = model.base_model
     x = base.embed_tokens(input_ids)  # [1, T, hidden]
     cos, sin = base.rotary_emb(x, position_ids=layout.position_ids)  # [1, T, head_dim] each
-    cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, head_dim]: broadcast over heads
+    cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
     x = x[0]  # [T, hidden]
     tokens = x.shape[0]
-    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    heads = model.config.num_attention_heads
+    kernels = _layer_kernels(model, x)
     for index, layer in enumerate(base.layers):
         attn, projections = layer.self_attn, fused_projections(layer)
-        qkv = projections.qkv(_rms_norm(x, layer.input_layernorm)).view(tokens, -1, attn.head_dim)
-        qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)  # [T, heads + kv_heads, head_dim]
-        keys, values = cache.layers[index].update(qk[None, :, heads:].transpose(1, 2),
-                                                  qkv[None, :, heads + kv_heads :].transpose(1, 2))
-        out, _ = ragged_attention(attn, qk[None, :, :heads].transpose(1, 2), keys, values, None,
+        qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(tokens, -1, attn.head_dim)
+        queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, cache.layers[index], kernels)
+        out, _ = ragged_attention(attn, queries, keys, values, None,
                                   scaling=attn.scaling, pass_layout=layout)  # [1, T, heads, head_dim]
         x = x + attn.o_proj(out.reshape(tokens, -1))
         mlp = layer.mlp
-        gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm)).chunk(2, dim=-1)
+        gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(2, dim=-1)
         x = x + mlp.down_proj(mlp.act_fn(gate) * up)
-    return _rms_norm(x, base.norm)
+    return _rms_norm(x, base.norm, kernels)
+
+
+def _layer_kernels(model: PreTrainedModel, x: torch.Tensor) -> Any:
+    """The per-layer kernels (`service/layer_kernels.py`) when this pass runs the packed CPU
+    path (the model's linears packed, with the numba kernels; float32 on a CPU), else None."""
+    down = model.base_model.layers[0].mlp.down_proj
+    if not isinstance(down, PackedLinear) or down.kernels is None:
+        return None
+    return loaded_layer_kernels() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+
+
+def _queries_and_cache(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, cache_layer: Any, kernels: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pass's rotated queries [1, heads, T, head_dim], and the cache rows' keys and values
+    [rows, kv_heads, pass_end, head_dim] with the pass's rotated keys and its values written in.
+    `qkv`: [T, heads + 2 * kv_heads, head_dim]; `cos`, `sin`: [T, head_dim]."""
+    kv_heads = (qkv.shape[1] - heads) // 2
+    new_values = qkv[None, :, heads + kv_heads :].transpose(1, 2)  # [1, kv_heads, T, head_dim]
+    if kernels is None:
+        qk = _rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])  # [T, heads + kv_heads, head_dim]
+        keys, values = cache_layer.update(qk[None, :, heads:].transpose(1, 2), new_values)
+        return qk[None, :, :heads].transpose(1, 2), keys, values
+    queries = qkv.new_empty(qkv.shape[0], heads, qkv.shape[2])
+
+    def rotate_and_store(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
+        kernels.rotate_and_store(qkv.numpy(), cos.numpy(), sin.numpy(), heads, keys.numpy(), values.numpy(),
+                                 layout.write_rows.numpy(), layout.write_positions.numpy(), queries.numpy())
+
+    keys, values = cache_layer.write_with(new_values, new_values, rotate_and_store)
+    return queries[None].transpose(1, 2), keys, values
 
 
 def fused_projections(layer: nn.Module) -> FusedProjections:
@@ -126,10 +157,14 @@ def _fuse_linears(modules: Sequence[nn.Linear]) -> Projection:
     return lambda x: F.linear(x, weight, bias)
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, norm: nn.Module, kernels: Any = None) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalize in float32, round to the input's dtype, then
-    scale (one fused call when that rounding is a no-op)."""
+    scale (one fused call when that rounding is a no-op; one kernel call on the packed path)."""
     eps = norm.variance_epsilon
+    if kernels is not None:
+        out = torch.empty_like(x)
+        kernels.rms_norm(x.numpy(), norm.weight.detach().numpy(), eps, out.numpy())
+        return out
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)

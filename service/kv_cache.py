@@ -20,7 +20,7 @@ in order) as the row's next committed entries. Only kept entries move.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,15 +66,28 @@ class _RowBufferLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter this pass's T entries (key_states: [1, kv_heads, T, head_dim]) into their rows."""
+        def scatter(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
+            rows, positions = layout.write_rows, layout.write_positions  # [T] each
+            keys[rows, :, positions] = key_states[0].transpose(0, 1)  # [T, kv_heads, head_dim]
+            values[rows, :, positions] = value_states[0].transpose(0, 1)
+
+        return self.write_with(key_states, value_states, scatter)
+
+    def write_with(
+        self, key_states: torch.Tensor, value_states: torch.Tensor,
+        write: Callable[[torch.Tensor, torch.Tensor, PassLayout], None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` with the writing left to `write(keys, values, layout)`, which puts the
+        pass's entries into the whole buffers [rows, kv_heads, capacity, head_dim] (a kernel
+        that computes them in place); `key_states`/`value_states` only give their shape and
+        dtype. Returns the rows' keys and values up to the pass's end."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._fit()
         assert self.keys is not None and self.values is not None
         layout = self._owner.layout
         assert layout is not None, "a pass needs a layout (ModelRunner.forward sets it)"
-        rows, positions = layout.write_rows, layout.write_positions  # [T] each
-        self.keys[rows, :, positions] = key_states[0].transpose(0, 1)  # [T, kv_heads, head_dim]
-        self.values[rows, :, positions] = value_states[0].transpose(0, 1)
+        write(self.keys, self.values, layout)
         end, num_rows = layout.pass_end, self._owner.num_rows
         return self.keys[:num_rows, :, :end], self.values[:num_rows, :, :end]
 

@@ -69,11 +69,13 @@ LLAMA_LINEARS = {
 }
 
 _kernels: Any = None
+_layer_kernels: Any = None
 _kernels_error: str | None = None
 
 
 def load_kernels(cache_dir: Path | None = None) -> Any:
     """The compiled numba kernels module, or None when numba is not installed (or fails).
+    The per-layer kernels (`service/layer_kernels.py`) load with it (`loaded_layer_kernels`).
 
     The first call per machine compiles them (tens of seconds on 2 cores; logged) into numba's
     cache, `<cache_dir>/numba` (next to the source without a `cache_dir`; `NUMBA_CACHE_DIR`
@@ -82,7 +84,7 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
     only uses a cache directory it can write, and an installed package is read-only to a
     non-root server. (numba compiles again, once, on a CPU other than the one that compiled.)
     """
-    global _kernels, _kernels_error
+    global _kernels, _layer_kernels, _kernels_error
     if _kernels is not None or _kernels_error is not None:
         return _kernels
     # Must be set before numba is first imported: the kernels rely on the SLP vectorizer.
@@ -95,20 +97,21 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
         numba.config.SLP_VECTORIZE = 1
         if os.environ.get("NUMBA_CACHE_DIR"):  # numba may have been imported (and configured) before
             numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
-        from service import packed_kernels
+        from service import layer_kernels, packed_kernels
     except Exception as error:  # noqa: BLE001 - any import failure means: use the fallback
         _kernels_error = f"{type(error).__name__}: {error}"
         log.warning("numba kernels unavailable (%s); packed linears use the torch fallback", _kernels_error)
         return None
     started = time.perf_counter()
     _warm_up(packed_kernels)
+    layer_kernels.warm_up()
     layer = numba.threading_layer()
     log.info("numba packed-linear kernels ready in %.1f s (threading layer %s, %d threads)",
              time.perf_counter() - started, layer, numba.get_num_threads())
     if layer == "workqueue":
         log.warning("numba runs the packed kernels on its workqueue threading layer, on which passes "
                     "took 1.3-2.7x as long as on OpenMP: install the system's libgomp (Debian: libgomp1)")
-    _kernels = packed_kernels
+    _kernels, _layer_kernels = packed_kernels, layer_kernels
     return _kernels
 
 
@@ -116,6 +119,12 @@ def loaded_kernels() -> Any:
     """The kernels module if `load_kernels` already loaded it (the CPU fast path is on), else
     None: for callers that use a kernel where it is ready but should not compile them."""
     return _kernels
+
+
+def loaded_layer_kernels() -> Any:
+    """The per-layer kernels module (RMSNorm, rotary embedding with the cache write) if
+    `load_kernels` loaded the kernels, else None."""
+    return _layer_kernels
 
 
 def _warm_up(kernels: Any) -> None:

@@ -1,0 +1,62 @@
+"""The packed path's per-layer kernels (`service/layer_kernels.py`) against the torch operators
+they replace, and the packed pass with them against the same pass without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from service import decoder_pass
+from service.decoder_pass import _rotate
+from service.model_runner import ModelRunner, RowInput
+from service.packed_linear import load_kernels, loaded_layer_kernels
+from service.tree import build_tree
+from tests.service.test_packed_linear import tiny_packed  # noqa: F401 - a fixture
+from tests.service.test_tree_attention import DRAFTS, PROMPT, prefilled
+
+pytestmark = pytest.mark.skipif(load_kernels() is None, reason="numba kernels unavailable")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_rms_norm_matches_torch_and_each_token_stands_alone(tokens: int) -> None:
+    kernels = loaded_layer_kernels()
+    generator = torch.Generator().manual_seed(tokens)
+    x, weight = torch.randn(tokens, 576, generator=generator), torch.randn(576, generator=generator)
+    out = torch.empty_like(x)
+    kernels.rms_norm(x.numpy(), weight.numpy(), 1e-5, out.numpy())
+    torch.testing.assert_close(out, F.rms_norm(x, (576,), weight, 1e-5), rtol=1e-6, atol=1e-6)
+    alone = torch.empty(1, 576)
+    kernels.rms_norm(x[-1:].numpy(), weight.numpy(), 1e-5, alone.numpy())
+    assert torch.equal(alone[0], out[-1])  # a token's result does not depend on the pass size
+
+
+def test_rotate_and_store_gives_the_torch_operators_bits() -> None:
+    """Queries rotated, keys rotated and values written at each token's (row, position)."""
+    kernels = loaded_layer_kernels()
+    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=generator)
+    cos, sin = torch.randn(tokens, dim, generator=generator), torch.randn(tokens, dim, generator=generator)
+    rows, positions = torch.tensor([0, 0, 2, 1, 2]), torch.tensor([3, 4, 0, 7, 1])
+    keys, values = torch.zeros(3, kv_heads, 8, dim), torch.zeros(3, kv_heads, 8, dim)
+    queries = torch.empty(tokens, heads, dim)
+    kernels.rotate_and_store(qkv.numpy(), cos.numpy(), sin.numpy(), heads, keys.numpy(), values.numpy(),
+                             rows.numpy(), positions.numpy(), queries.numpy())
+    rotated = _rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])
+    want_keys, want_values = torch.zeros_like(keys), torch.zeros_like(values)
+    want_keys[rows, :, positions] = rotated[:, heads:]
+    want_values[rows, :, positions] = qkv[:, heads + kv_heads :]
+    assert torch.equal(queries, rotated[:, :heads])
+    assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_the_packed_pass_with_its_layer_kernels_matches_the_torch_operators(tiny_packed, monkeypatch) -> None:  # noqa: F811
+    _, packed, _, _ = tiny_packed
+    runner = ModelRunner(packed)
+    assert decoder_pass._layer_kernels(packed, torch.zeros(1, dtype=torch.float32)) is loaded_layer_kernels()
+    tree = build_tree(PROMPT[-1], DRAFTS)
+    with_kernels = runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
+    monkeypatch.setattr(decoder_pass, "_layer_kernels", lambda model, x: None)
+    without = runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
+    torch.testing.assert_close(with_kernels, without, rtol=1e-4, atol=1e-4)
