@@ -51,6 +51,8 @@ class FusedProjections:
 
     qkv: Projection  # [T, hidden] -> [T, (heads + 2 * kv_heads) * head_dim]
     gate_up: Projection  # [T, hidden] -> [T, 2 * intermediate]
+    o: Projection  # [T, heads * head_dim] -> [T, hidden]
+    down: Projection  # [T, intermediate] -> [T, hidden]
 
 
 # Per decoder layer, made once: a self-draft view shares the target's layers and their fusion.
@@ -81,10 +83,9 @@ def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLay
         queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, cache.layers[index], kernels)
         out, _ = ragged_attention(attn, queries, keys, values, None,
                                   scaling=attn.scaling, pass_layout=layout)  # [1, T, heads, head_dim]
-        x = x + attn.o_proj(out.reshape(tokens, -1))
-        mlp = layer.mlp
+        x = x + projections.o(out.reshape(tokens, -1))
         gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(2, dim=-1)
-        x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+        x = x + projections.down(layer.mlp.act_fn(gate) * up)
     return _rms_norm(x, base.norm, kernels)
 
 
@@ -120,14 +121,23 @@ def _queries_and_cache(
 
 
 def fused_projections(layer: nn.Module) -> FusedProjections:
-    """The layer's q/k/v and gate/up projections as one call each (made on first use)."""
+    """The layer's q/k/v and gate/up projections as one call each, and its o and down
+    projections (made on first use)."""
     fused = _FUSED.get(layer)
     if fused is None:
         attn, mlp = layer.self_attn, layer.mlp
         fused = FusedProjections(fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj]),
-                                 fuse_projections([mlp.gate_proj, mlp.up_proj]))
+                                 fuse_projections([mlp.gate_proj, mlp.up_proj]),
+                                 _direct(attn.o_proj), _direct(mlp.down_proj))
         _FUSED[layer] = fused
     return fused
+
+
+def _direct(module: nn.Module) -> Projection:
+    """A packed layer's `forward` itself: `nn.Module.__call__`'s hook machinery costs a few
+    microseconds a call, a visible share of a one-token pass's ~120 small matmuls (there are
+    no hooks to run on a served model's layers)."""
+    return module.forward if isinstance(module, PackedLinear) else module
 
 
 def fuse_projections(modules: Sequence[nn.Module]) -> Projection:
@@ -137,7 +147,7 @@ def fuse_projections(modules: Sequence[nn.Module]) -> Projection:
     if all(isinstance(m, PackedLinear) for m in modules):
         fused = fuse_packed(modules)  # type: ignore[arg-type]
         if fused is not None:
-            return fused
+            return _direct(fused)
     elif all(type(m) is nn.Linear for m in modules) and len({m.bias is None for m in modules}) == 1:
         return _fuse_linears(modules)  # type: ignore[arg-type]
     return lambda x: torch.cat([m(x) for m in modules], dim=-1)

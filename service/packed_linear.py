@@ -255,7 +255,7 @@ class PackedLinear(nn.Module):
             y = y[:, : self.out_features]
         if x.dtype != torch.float32:
             y = y.to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
 
 def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
