@@ -16,6 +16,9 @@ What it does differently, nothing else:
   enough to run on every thread;
 - rotary embedding once over the queries and keys together;
 - no per-layer decorators, keyword plumbing or output records.
+On the packed CPU path RMSNorm and the rotary embedding with the cache write are one numba
+call each (`service/layer_kernels.py`; one-token pass 0.88x, docs/benchmarks.md, twelfth
+session), and the packed layers are called through `forward`, without `nn.Module.__call__`.
 
 Weights, cache writes and attention (`service/attention.py`) are the model's own. Models whose
 layers differ (extra norms such as Qwen3's, Gemma's norm of 1 + weight) take transformers' own
