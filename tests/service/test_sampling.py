@@ -80,6 +80,7 @@ def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
     np.testing.assert_array_equal(ids[3], torch.topk(without_nan, k).indices.numpy())
     assert sorted(ids[4].tolist()) == sorted(set(ids[4].tolist())) and 0 <= ids[4].min() and ids[4].max() < vocab
     np.testing.assert_array_equal(top_token_ids(logits[[0, 5]].double(), k), expected[[0, 3]])  # torch's path
+    np.testing.assert_array_equal(top_token_ids(logits[2:5], k), ids[2:5])  # three rows: one thread, six: split
 
 
 def test_inverse_cdf_samples_follow_p() -> None:
