@@ -119,7 +119,7 @@ def _queries_and_cache(
         kernels.rotate_and_store(qkv.numpy(), cos.numpy(), sin.numpy(), heads, keys.numpy(), values.numpy(),
                                  layout.write_rows.numpy(), layout.write_positions.numpy(), queries.numpy())
 
-    keys, values = cache_layer.write_with(new_values, new_values, rotate_and_store)
+    keys, values = cache_layer.write_with(new_values, rotate_and_store)
     return queries[None].transpose(1, 2), keys, values
 
 

@@ -71,18 +71,17 @@ class _RowBufferLayer(CacheLayerMixin):
             keys[rows, :, positions] = key_states[0].transpose(0, 1)  # [T, kv_heads, head_dim]
             values[rows, :, positions] = value_states[0].transpose(0, 1)
 
-        return self.write_with(key_states, value_states, scatter)
+        return self.write_with(key_states, scatter)
 
     def write_with(
-        self, key_states: torch.Tensor, value_states: torch.Tensor,
-        write: Callable[[torch.Tensor, torch.Tensor, PassLayout], None],
+        self, like: torch.Tensor, write: Callable[[torch.Tensor, torch.Tensor, PassLayout], None]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`update` with the writing left to `write(keys, values, layout)`, which puts the
         pass's entries into the whole buffers [rows, kv_heads, capacity, head_dim] (a kernel
-        that computes them in place); `key_states`/`value_states` only give their shape and
-        dtype. Returns the rows' keys and values up to the pass's end."""
+        that computes them in place); `like` [1, kv_heads, T, head_dim] only gives the entries'
+        shape, dtype and device. Returns the rows' keys and values up to the pass's end."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(like, like)
         self._fit()
         assert self.keys is not None and self.values is not None
         layout = self._owner.layout
