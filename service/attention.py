@@ -17,6 +17,10 @@ so one 5-node tree among 15 one-token rows must not make all 16 rows attend with
 Masks: row r's node i sees the row's committed cache [0, start_r) and its own ancestors in
 the tree (itself included), nothing else — the same rule as a single sequence.
 
+On the packed CPU path the rows of at most `kernel_width` tokens (decode rows) skip the
+batched call: a numba kernel (`service/layer_kernels.py`) attends each of their tokens over its
+own row's length, with no padding to the longest row; wider rows get a call of their own.
+
 A row may bring only the newer part of a tree: nodes [0, cached) then already sit, uncommitted,
 at [start, start + cached) from an earlier pass of the same row, and the new nodes see them as
 ancestors. A draft model grows its trees that way, one depth a pass, without feeding a node
@@ -27,7 +31,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -41,6 +47,19 @@ IMPLEMENTATION = "ngrammys_ragged"
 # (measured); on a GPU a launch costs far more than a padded query (16 there: not measured).
 CALL_SLOTS = {"cpu": 1}
 GPU_CALL_SLOTS = 16
+
+
+@dataclass(frozen=True)
+class KernelQueries:
+    """The flat tokens whose attention the packed CPU path's kernel computes, as the arrays it
+    takes (int64): token i attends to columns [0, starts[i]) of KV row rows[i], then to
+    columns[column_offsets[i]:column_offsets[i + 1]] (its tree ancestors and itself)."""
+
+    tokens: np.ndarray  # [n]: flat token index
+    rows: np.ndarray  # [n]
+    starts: np.ndarray  # [n]: the row's committed length
+    columns: np.ndarray  # [sum of path lengths]: ascending cache positions
+    column_offsets: np.ndarray  # [n + 1]
 
 
 @dataclass(frozen=True)
@@ -60,6 +79,7 @@ class PassLayout:
     batched_slots: torch.Tensor | None  # [n] long: their padded slots (row * D + i)
     separate_rows: list[int]  # rows wider than D: a call each
     one_token_rows: bool  # every row brings one token (plain decoding): flat token r is row r's query
+    kernel_queries: KernelQueries | None = None  # tokens the attention kernel answers
 
     @property
     def offsets(self) -> list[int]:
@@ -72,14 +92,17 @@ class PassLayout:
 
 
 def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device,
-                 cached: Sequence[int] | None = None, dtype: torch.dtype = torch.float32) -> PassLayout:
+                 cached: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
+                 kernel_width: int = 0) -> PassLayout:
     """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
     (default: all) on top of `starts[r]` committed entries. Masks are additive, in `dtype`
     (the queries'): 0 where a query attends, -inf elsewhere. Made once a pass, they spare every
     layer's attention call the conversion of a boolean mask (half the call's time for one
-    query at L=256 on a CPU, measured; the outputs are bit for bit the same)."""
+    query at L=256 on a CPU, measured; the outputs are bit for bit the same). Rows of 1 to
+    `kernel_width` tokens go to the attention kernel, the others then get a call each."""
     cached = cached or [0] * len(trees)
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
+    kernel_rows = [row for row, w in enumerate(widths) if 0 < w <= kernel_width]
     ends = [s + tree.num_nodes for s, tree in zip(starts, trees)]
     write_rows = torch.cat([torch.full((w,), r, dtype=torch.long) for r, w in enumerate(widths)])
     # node i of a row at start + i; its RoPE position start + depth
@@ -88,20 +111,41 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
                            for s, c, tree in zip(starts, cached, trees)])  # [T]
     row_masks = [_row_mask(tree, start, c) for tree, start, c in zip(trees, starts, cached)]
     pass_end = max(ends)
-    width = batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS))
+    width = 0 if kernel_rows else batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS))
     batched_mask = query_index = batched_tokens = batched_slots = None
     if width:
         batched_mask, query_index, batched_tokens, batched_slots = _batched(row_masks, widths, pass_end, width)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    separate_rows = [row for row, w in enumerate(widths) if w > width]
+    separate_rows = [row for row, w in enumerate(widths) if w > width and row not in kernel_rows]
     return PassLayout(
         ends=ends, widths=widths, write_rows=write_rows.to(device),
         write_positions=slots.to(device), position_ids=positions[None].to(device), pass_end=pass_end,
         row_masks={row: _additive(row_masks[row], device, dtype) for row in separate_rows},
         batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype),
         query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
-        separate_rows=separate_rows, one_token_rows=all(w == 1 for w in widths),
+        separate_rows=separate_rows, one_token_rows=not kernel_rows and all(w == 1 for w in widths),
+        kernel_queries=_kernel_queries(trees, starts, cached, widths, kernel_rows) if kernel_rows else None,
     )
+
+
+def _kernel_queries(trees: Sequence[TokenTree], starts: Sequence[int], cached: Sequence[int],
+                    widths: Sequence[int], kernel_rows: Sequence[int]) -> KernelQueries:
+    offsets = np.cumsum([0, *widths])
+    tokens, rows, row_starts, columns, counts = [], [], [], [], [0]
+    for row in kernel_rows:
+        tree, start = trees[row], starts[row]
+        paths: list[list[int]] = []  # each node's ancestors and itself, root first
+        for node, parent in enumerate(tree.parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [start + node])
+        for node in range(cached[row], tree.num_nodes):
+            tokens.append(offsets[row] + node - cached[row])
+            rows.append(row)
+            row_starts.append(start)
+            columns.extend(paths[node])
+            counts.append(len(paths[node]))
+    as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return KernelQueries(as_array(tokens), as_array(rows), as_array(row_starts), as_array(columns),
+                         np.cumsum(counts, dtype=np.int64))
 
 
 def _additive(mask: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -183,6 +227,35 @@ def ragged_attention(
     flat = query.new_empty(query.shape[2], heads, head_dim)  # [T, heads, head_dim]
     if batched is not None:
         flat[layout.batched_tokens] = batched
+    _attend_separate_rows(query, key, value, layout, scaling, flat)
+    return flat[None], None  # [1, T, heads, head_dim]
+
+
+def kernel_attention(
+    query: torch.Tensor,  # [1, heads, T, head_dim], a view of a contiguous [T, heads, head_dim]
+    key: torch.Tensor,  # [rows, kv_heads, pass_end, head_dim]: the pass's view of the buffers
+    value: torch.Tensor,
+    buffers: tuple[torch.Tensor, torch.Tensor],  # the whole key and value buffers (contiguous)
+    layout: PassLayout,
+    scaling: float,
+    kernels: Any,
+) -> torch.Tensor:
+    """A layout's attention [1, T, heads, head_dim] on the packed CPU path: the attention
+    kernel for its narrow rows' tokens, a call each for the wider rows."""
+    assert layout.kernel_queries is not None
+    queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    flat = torch.empty_like(queries)
+    narrow = layout.kernel_queries
+    kernels.one_token_attention(queries.numpy(), buffers[0].numpy(), buffers[1].numpy(), narrow.tokens, narrow.rows,
+                                narrow.starts, narrow.columns, narrow.column_offsets, np.float32(scaling),
+                                flat.numpy())
+    _attend_separate_rows(query, key, value, layout, scaling, flat)
+    return flat[None]
+
+
+def _attend_separate_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PassLayout,
+                          scaling: float | None, flat: torch.Tensor) -> None:
+    """Attention of each of the layout's separate rows, one call a row, into flat [T, heads, head_dim]."""
     offsets = layout.offsets
     for row in layout.separate_rows:
         offset, width, end = offsets[row], layout.widths[row], layout.ends[row]
@@ -190,7 +263,6 @@ def ragged_attention(
             query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
             attn_mask=layout.row_masks[row], scale=scaling, enable_gqa=True,
         )[0].transpose(0, 1)  # [width, heads, head_dim]
-    return flat[None], None  # [1, T, heads, head_dim]
 
 
 def use_ragged_attention(model: torch.nn.Module) -> None:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from service.attention import PassLayout, ragged_attention
+from service.attention import PassLayout, kernel_attention, ragged_attention
 from service.kv_cache import TreeKVCache
 from service.packed_linear import PackedLinear, fuse_packed, loaded_layer_kernels
 
@@ -46,6 +46,11 @@ from service.packed_linear import PackedLinear, fuse_packed, loaded_layer_kernel
 LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
+# Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
+# row's keys once per query, so it wins on one-token rows (16 rows of Spec-Bench lengths: 0.98
+# against 2.36 ms a layer) and loses to a call of their own on wider ones (a 16-token tree at
+# L=256: 252 against 94 us, 2-core Xeon VM, docs/benchmarks.md, thirteenth session).
+ATTENTION_KERNEL_WIDTH = 1
 
 
 @dataclass(frozen=True)
@@ -79,26 +84,36 @@ def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLay
     x = x[0]  # [T, hidden]
     tokens = x.shape[0]
     heads = model.config.num_attention_heads
-    kernels = _layer_kernels(model, x)
+    kernels = _layer_kernels(model)
     for index, layer in enumerate(base.layers):
         attn, projections = layer.self_attn, fused_projections(layer)
         qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(tokens, -1, attn.head_dim)
-        queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, cache.layers[index], kernels)
-        out, _ = ragged_attention(attn, queries, keys, values, None,
-                                  scaling=attn.scaling, pass_layout=layout)  # [1, T, heads, head_dim]
+        layer_cache = cache.layers[index]
+        queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, layer_cache, kernels)
+        if layout.kernel_queries is not None:
+            out = kernel_attention(queries, keys, values, (layer_cache.keys, layer_cache.values), layout,
+                                   attn.scaling, kernels)  # [1, T, heads, head_dim]
+        else:
+            out, _ = ragged_attention(attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=layout)
         x = x + projections.o(out.reshape(tokens, -1))
         gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(2, dim=-1)
         x = x + projections.down(layer.mlp.act_fn(gate) * up)
     return _rms_norm(x, base.norm, kernels)
 
 
-def _layer_kernels(model: PreTrainedModel, x: torch.Tensor) -> Any:
-    """The per-layer kernels (`service/layer_kernels.py`) when this pass runs the packed CPU
-    path (the model's linears packed, with the numba kernels; float32 on a CPU), else None."""
+def attention_kernel_width(model: PreTrainedModel) -> int:
+    """Rows of up to this many tokens attend through the attention kernel in `model`'s passes
+    (0: none, off the packed CPU path)."""
+    return ATTENTION_KERNEL_WIDTH if supports_lean_pass(model) and _layer_kernels(model) is not None else 0
+
+
+def _layer_kernels(model: PreTrainedModel) -> Any:
+    """The per-layer kernels (`service/layer_kernels.py`) when `model`'s passes run the packed
+    CPU path (its linears packed, with the numba kernels; float32 on a CPU), else None."""
     down = model.base_model.layers[0].mlp.down_proj
     if not isinstance(down, PackedLinear) or down.kernels is None:
         return None
-    return loaded_layer_kernels() if x.dtype == torch.float32 and x.device.type == "cpu" else None
+    return loaded_layer_kernels() if model.dtype == torch.float32 and model.device.type == "cpu" else None
 
 
 def _queries_and_cache(

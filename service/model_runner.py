@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel
 
 from service.attention import build_layout, use_ragged_attention
-from service.decoder_pass import lean_hidden, supports_lean_pass
+from service.decoder_pass import attention_kernel_width, lean_hidden, supports_lean_pass
 from service.kv_cache import TreeKVCache
 from service.tree import TokenTree
 
@@ -72,7 +72,8 @@ class ModelRunner:
         if len(rows) != cache.num_rows:
             raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
         trees = [row.tree for row in rows]
-        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype)
+        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype,
+                              attention_kernel_width(self.model))
         cache.begin_pass(layout)
         input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
                                  device=self.device)  # [1, T]

@@ -47,10 +47,11 @@ def path_to(tree: TokenTree, node: int) -> list[int]:
     return path[::-1]
 
 
-def assert_nodes_match(model, prompt: list[int], tree: TokenTree, logits: torch.Tensor) -> None:
+def assert_nodes_match(model, prompt: list[int], tree: TokenTree, logits: torch.Tensor,
+                       tolerance: float = 1e-5) -> None:
     for node in range(tree.num_nodes):
         expected = sequential_logits(model, prompt + path_to(tree, node))
-        torch.testing.assert_close(logits[node], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[node], expected, atol=tolerance, rtol=tolerance)
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
