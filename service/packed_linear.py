@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -133,12 +134,32 @@ def _warm_up(kernels: Any) -> None:
     scales = np.zeros((1, 1, TILE), np.float32)
     x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
     kernels.q4_1_matmul(x, qs, scales, scales, out, 1, 4)
-    kernels.q4_1_dequantize(qs, scales, scales, np.empty((TILE, 32), np.float32))
+    kernels.q4_1_dequantize(qs, scales, scales, np.empty((32, TILE), np.float32))
     kernels.top_k_ids(np.zeros((1, 2 * kernels.TOP_K_BLOCK), np.float32), 1)
     kernels.q8_0_matmul(x, q8, scales, out, 1)
     kernels.q4_1_matmul_serial(x, qs, scales, scales, out, 0, 4)
     kernels.q8_0_matmul_serial(x, q8, scales, out, 0)
-    kernels.q8_0_dequantize(q8, scales, np.empty((TILE, 32), np.float32))
+    kernels.q8_0_dequantize(q8, scales, np.empty((32, TILE), np.float32))
+
+
+_scratch = threading.local()
+# Layers up to this many weights dequantize for a large pass into a reusable buffer (the
+# embedded model's largest, gate and up fused, has 1.77M); the LM head (28M) gets its own.
+SCRATCH_MAX_WEIGHTS = 4 << 20
+
+
+def _scratch_weights(shape: tuple[int, int]) -> np.ndarray:
+    """A float32 array of `shape` in this thread's scratch buffer. A fresh array of megabytes
+    is a fresh memory mapping each call, and its page faults cost more than dequantizing into
+    it: the embedded model's 210 layers took 81-177 ms into fresh arrays, 34 ms into the
+    scratch buffer (2-core Xeon VM, docs/benchmarks.md, thirteenth session)."""
+    size = shape[0] * shape[1]
+    if size > SCRATCH_MAX_WEIGHTS:
+        return np.empty(shape, np.float32)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.size < size:
+        buffer = _scratch.buffer = np.empty(SCRATCH_MAX_WEIGHTS, np.float32)
+    return buffer[:size].reshape(shape)
 
 
 def _threads() -> int:
@@ -222,21 +243,25 @@ class PackedLinear(nn.Module):
     def tiles(self) -> PackedTiles:
         return self._tiles
 
-    def dequantized(self) -> torch.Tensor:
+    def dequantized(self, reuse: bool = False) -> torch.Tensor:
+        """The served float32 weights [out_features, in_features]. `reuse`: in the calling
+        thread's scratch buffer (valid until its next such call), for a large pass's F.linear."""
         if self.kernels is None:
             return dequantize_tiles(self.tiles())
         t = self._tiles
-        out = np.empty((t.qs.shape[0] * TILE, self.in_features), np.float32)
+        shape = (self.in_features, t.qs.shape[0] * TILE)  # transposed: the kernels' layout
+        out = _scratch_weights(shape) if reuse else np.empty(shape, np.float32)
         if self.kind == "Q4_1":
             self.kernels.q4_1_dequantize(t.qs, t.d, t.m, out)
         else:
             self.kernels.q8_0_dequantize(t.qs, t.d, out)
-        return torch.from_numpy(out[: self.out_features])
+        return torch.from_numpy(out).t()[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.kernels is None or rows.shape[0] > KERNEL_MAX_ROWS or x.device.type != "cpu":
-            return F.linear(x, self.dequantized().to(x.device, x.dtype))
+            reuse = x.device.type == "cpu" and self.kernels is not None
+            return F.linear(x, self.dequantized(reuse).to(x.device, x.dtype))
         if rows.dtype != torch.float32:
             rows = rows.float()
         xs = rows.contiguous().numpy()
