@@ -20,7 +20,8 @@ On the packed CPU path RMSNorm and the rotary embedding with the cache write are
 call each (`service/layer_kernels.py`; one-token pass 0.88x, docs/benchmarks.md, twelfth
 session), and the packed layers are called through `forward`, without `nn.Module.__call__`.
 
-Weights, cache writes and attention (`service/attention.py`) are the model's own. Models whose
+Weights, cache writes and attention (`service/attention.py`) are the model's own (on the
+packed path one-token rows attend through a kernel: the same softmax, summed in position order). Models whose
 layers differ (extra norms such as Qwen3's, Gemma's norm of 1 + weight) take transformers' own
 forward: `supports_lean_pass` decides.
 """
@@ -47,9 +48,10 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
-# row's keys once per query, so it wins on one-token rows (16 rows of Spec-Bench lengths: 0.98
-# against 2.36 ms a layer) and loses to a call of their own on wider ones (a 16-token tree at
-# L=256: 252 against 94 us, 2-core Xeon VM, docs/benchmarks.md, thirteenth session).
+# row's keys once per query, so it wins on one-token rows (16 rows at Spec-Bench lengths: 0.98
+# against SDPA's 2.36 ms a layer call, standalone) and loses to a call of their own on wider
+# ones (a 16-token tree at L=256: 252 against 94 us; 2-core Xeon VM, docs/benchmarks.md,
+# thirteenth session).
 ATTENTION_KERNEL_WIDTH = 1
 
 
