@@ -21,9 +21,9 @@ call each (`service/layer_kernels.py`; one-token pass 0.88x, docs/benchmarks.md,
 session), and the packed layers are called through `forward`, without `nn.Module.__call__`.
 
 Weights, cache writes and attention (`service/attention.py`) are the model's own (on the
-packed path one-token rows attend through a kernel: the same softmax, summed in position order). Models whose
-layers differ (extra norms such as Qwen3's, Gemma's norm of 1 + weight) take transformers' own
-forward: `supports_lean_pass` decides.
+packed path one-token rows attend through a kernel: the same softmax, summed in position
+order). Models whose layers differ (extra norms such as Qwen3's, Gemma's norm of 1 + weight)
+take transformers' own forward: `supports_lean_pass` decides.
 """
 
 from __future__ import annotations
