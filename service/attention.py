@@ -47,6 +47,7 @@ IMPLEMENTATION = "ngrammys_ragged"
 # (measured); on a GPU a launch costs far more than a padded query (16 there: not measured).
 CALL_SLOTS = {"cpu": 1}
 GPU_CALL_SLOTS = 16
+CALL_COLUMNS = 256  # the context length those call costs stand for (measured at L=257)
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
                            for s, c, tree in zip(starts, cached, trees)])  # [T]
     row_masks = [_row_mask(tree, start, c) for tree, start, c in zip(trees, starts, cached)]
     pass_end = max(ends)
-    width = 0 if kernel_rows else batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS))
+    width = 0 if kernel_rows else batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS), ends)
     batched_mask = query_index = batched_tokens = batched_slots = None
     if width:
         batched_mask, query_index, batched_tokens, batched_slots = _batched(row_masks, widths, pass_end, width)
@@ -153,13 +154,21 @@ def _additive(mask: torch.Tensor, device: torch.device, dtype: torch.dtype) -> t
     return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")).to(device)
 
 
-def batched_width(widths: Sequence[int], call_slots: int) -> int:
+def batched_width(widths: Sequence[int], call_slots: int, ends: Sequence[int] | None = None) -> int:
     """The query slots per row of the batched call (0: none, every row a call of its own) that
-    minimize rows x D plus, for each wider row, its width and `call_slots`."""
-    def slots(d: int) -> int:
-        return len(widths) * d + sum(w + call_slots for w in widths if w > d)
+    minimize the attention's work: the batched call's rows x D query slots, each over the pass's
+    longest row, plus for each wider row its width over its own columns (`ends`; default: rows
+    alike) and the call's fixed cost, `call_slots` slots over CALL_COLUMNS. Rows of unlike lengths make the batched
+    call's padding dear: sixteen four-token trees at Spec-Bench prompts' lengths spent more in
+    one padded call than in a call each (docs/benchmarks.md, thirteenth session)."""
+    ends = ends or [CALL_COLUMNS] * len(widths)
+    longest = max(ends, default=CALL_COLUMNS)
 
-    return min([0, *sorted(set(widths))], key=slots)
+    def work(d: int) -> int:
+        own_calls = sum(w * end + call_slots * CALL_COLUMNS for w, end in zip(widths, ends) if w > d)
+        return len(widths) * d * longest + own_calls
+
+    return min([0, *sorted(set(widths))], key=work)
 
 
 def _row_mask(tree: TokenTree, start: int, cached: int = 0) -> torch.Tensor:

@@ -68,7 +68,7 @@ LAYOUTS = {  # drafts per row -> (batched query slots per row, rows attended by 
     "alike": ([[Draft((4,), "x")], [Draft((6,), "x")], [Draft((8,), "x")], [Draft((9,), "x")]], (2, [])),
     "one wide among plain rows": ([[], [], DRAFTS, []], (1, [2])),
     "plain rows": ([[], [], [], []], (1, [])),
-    "ragged": ([DRAFTS, [], [Draft(tuple(range(10, 40)), "x")], []], (0, [0, 1, 2, 3])),
+    "ragged": ([DRAFTS, [], [Draft(tuple(range(10, 40)), "x")], []], (1, [0, 2])),
 }
 
 
@@ -96,6 +96,9 @@ def test_the_batched_width_minimizes_query_slots_and_calls() -> None:
     assert batched_width([3, 5, 5, 9], call_slots=1) == 0  # unlike trees: a call each
     assert batched_width([3, 5, 5, 9], call_slots=16) == 9  # where calls are dear (GPU): one padded call
     assert batched_width([1] * 15 + [64], call_slots=1) == 1  # a prompt chunk beside decode rows
+    # the batched call pads every row to the longest: alike trees of unlike lengths get a call each
+    assert batched_width([4] * 4, call_slots=1, ends=[300] * 4) == 4
+    assert batched_width([4] * 4, call_slots=1, ends=[100, 100, 100, 1600]) == 0
 
 
 def test_a_prompt_chunk_and_a_first_tree_share_one_row() -> None:
