@@ -242,9 +242,7 @@ def ragged_attention(
 
 def kernel_attention(
     query: torch.Tensor,  # [1, heads, T, head_dim], a view of a contiguous [T, heads, head_dim]
-    key: torch.Tensor,  # [rows, kv_heads, pass_end, head_dim]: the pass's view of the buffers
-    value: torch.Tensor,
-    buffers: tuple[torch.Tensor, torch.Tensor],  # the whole key and value buffers (contiguous)
+    buffers: tuple[torch.Tensor, torch.Tensor],  # the layer's whole key and value buffers
     layout: PassLayout,
     scaling: float,
     kernels: Any,
@@ -258,13 +256,14 @@ def kernel_attention(
     kernels.one_token_attention(queries.numpy(), buffers[0].numpy(), buffers[1].numpy(), narrow.tokens, narrow.rows,
                                 narrow.starts, narrow.columns, narrow.column_offsets, np.float32(scaling),
                                 flat.numpy())
-    _attend_separate_rows(query, key, value, layout, scaling, flat)
+    _attend_separate_rows(query, *buffers, layout, scaling, flat)
     return flat[None]
 
 
 def _attend_separate_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PassLayout,
                           scaling: float | None, flat: torch.Tensor) -> None:
-    """Attention of each of the layout's separate rows, one call a row, into flat [T, heads, head_dim]."""
+    """Attention of each of the layout's separate rows, one call a row, into flat [T, heads, head_dim]
+    (`key`, `value`: [rows, kv_heads, at least pass_end, head_dim])."""
     offsets = layout.offsets
     for row in layout.separate_rows:
         offset, width, end = offsets[row], layout.widths[row], layout.ends[row]

@@ -157,7 +157,7 @@ def _scratch_weights(shape: tuple[int, int]) -> np.ndarray:
     if size > SCRATCH_MAX_WEIGHTS:
         return np.empty(shape, np.float32)
     buffer = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.size < size:
+    if buffer is None:
         buffer = _scratch.buffer = np.empty(SCRATCH_MAX_WEIGHTS, np.float32)
     return buffer[:size].reshape(shape)
 
@@ -260,8 +260,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.kernels is None or rows.shape[0] > KERNEL_MAX_ROWS or x.device.type != "cpu":
-            reuse = x.device.type == "cpu" and self.kernels is not None
-            return F.linear(x, self.dequantized(reuse).to(x.device, x.dtype))
+            return F.linear(x, self.dequantized(reuse=x.device.type == "cpu").to(x.device, x.dtype))
         if rows.dtype != torch.float32:
             rows = rows.float()
         xs = rows.contiguous().numpy()
