@@ -127,6 +127,13 @@ def _bench(args: argparse.Namespace) -> None:
         return fresh
 
     references = _llama_cpp(args, engine) if args.llama_cpp else {}
+    if args.hf_generate:
+        from service.hf_generate_reference import hf_references
+
+        if args.temperature > 0:
+            sys.exit("ngrammys bench: --hf-generate compares greedy decoding")
+
+        references |= hf_references(loaded.model, engine.eos_token_ids)
     results = bench.run_bench(engine, prompts, methods, args.max_new_tokens, progress, sampling, new_engine, references)
     for name, by_category in results.items():
         print(f"\n### {name}\n\n{bench.format_table(by_category)}")
@@ -205,14 +212,20 @@ def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: 
 
 def _profile(args: argparse.Namespace) -> None:
     from service.heatmap import write_heatmap
-    from service.model_loader import load_model
+    from service.model_loader import load_model, random_model
     from service.model_runner import ModelRunner
     from service.profiler import load_or_measure
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
-    profile = load_or_measure(ModelRunner(loaded.model), args.cache_dir, remeasure=args.remeasure)
-    print(f"{loaded.name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=rows)")
+    if args.random_weights:
+        if not args.model:
+            sys.exit("ngrammys profile: --random-weights needs --model, a directory with the model's config.json")
+        model, name = random_model(args.model, args.device, args.dtype), f"{Path(args.model).name} (random weights)"
+    else:
+        loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
+        model, name = loaded.model, loaded.name
+    profile = load_or_measure(ModelRunner(model), args.cache_dir, remeasure=args.remeasure)
+    print(f"{name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=rows)")
     for rows, sizes, table in zip(profile.rows, profile.tree_sizes, profile.seconds):
         print(f"\n{rows} row(s); n = tokens in the pass\n")
         _print_table(["L \\ n", *sizes], [[length, f"{row[0] * 1e3:.1f}", *(f"x{s / row[0]:.2f}" for s in row[1:])]
@@ -357,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--llama-cpp", action="store_true",
                        help="also decode each prompt with llama.cpp's own greedy decoding of the same GGUF "
                             "(needs the llama-cpp extra, which compiles llama.cpp)")
+    bench.add_argument("--hf-generate", action="store_true",
+                       help="also decode each prompt with transformers' greedy generate and its prompt lookup, "
+                            "on the same model (greedy only)")
     bench.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     bench.set_defaults(run=_bench)
     profile = commands.add_parser("profile", help="measure forward-pass cost over tree size and context length")
@@ -364,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--remeasure", action="store_true",
                          help="ignore the saved profile (the remedy when auto mode misjudges costs: run it on an "
                               "idle machine; a profile failing validation is never saved)")
+    profile.add_argument("--random-weights", action="store_true",
+                         help="build --model's architecture (its config.json alone) with random weights: the cost "
+                              "curves of a model size whose weights are not here (a pass costs the same)")
     profile.add_argument("--png", type=Path, default=None, help="write the (k, w) slowdown heatmap here")
     profile.add_argument("--context-length", type=int, default=256, help="context length of the heatmap")
     profile.set_defaults(run=_profile)

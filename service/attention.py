@@ -216,6 +216,8 @@ def ragged_attention(
     if pass_layout is None:
         fallback = getattr(module.config, "ngrammys_inner_attention", "sdpa")
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(fallback, sdpa_attention_forward)
+        if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
+            attention_mask = _causal_after_cache(query.shape[2], key.shape[2], query.device, query.dtype)
         return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layout = pass_layout
     if layout.one_token_rows:  # no gather or scatter: [rows, heads, 1, head_dim] is a view
@@ -271,6 +273,16 @@ def _attend_separate_rows(query: torch.Tensor, key: torch.Tensor, value: torch.T
             query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
             attn_mask=layout.row_masks[row], scale=scaling, enable_gqa=True,
         )[0].transpose(0, 1)  # [width, heads, head_dim]
+
+
+def _causal_after_cache(queries: int, keys: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal mask [1, 1, queries, keys] of `queries` new tokens after `keys -
+    queries` cached ones. transformers builds no mask for an attention kind it does not know,
+    and the inner kinds then take their missing mask as causal from the top-left corner: right
+    for a whole sequence, wrong for several tokens on top of a cache (transformers' own
+    `generate` with prompt lookup on a served model)."""
+    seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return torch.zeros(1, 1, queries, keys, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
 
 
 def use_ragged_attention(model: torch.nn.Module) -> None:

@@ -169,6 +169,20 @@ def load_model(
     return LoadedModel(model.eval(), tokenizer, name, seconds, from_cache)
 
 
+def random_model(config_source: str | Path, device: str | None = None, dtype: str | None = None) -> PreTrainedModel:
+    """A model of the architecture in `config_source` (a directory with a config.json, or that
+    file) with random weights, built on the device: what a pass of a model of that size costs
+    does not depend on the weights' values, so a 7B-sized cost profile needs no 7B download
+    (`ngrammys profile --random-weights`). Its outputs mean nothing; never serve it."""
+    path = Path(config_source)
+    config = AutoConfig.from_pretrained(path.parent if path.is_file() else path, local_files_only=True)
+    check_supported(config)
+    torch_device = resolve_device(device)
+    with torch_device:  # initialised where it runs: a 7B model's random init on a CPU takes minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, torch_device))
+    return model.eval()
+
+
 def check_supported(config: PretrainedConfig) -> None:
     """Refuse models with sliding-window attention that the context can outgrow.
 

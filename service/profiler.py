@@ -53,7 +53,10 @@ PASS_CODE = ("model_runner.py", "decoder_pass.py", "attention.py", "kv_cache.py"
 ROWS = (1, 4, 16)
 CONTEXT_LENGTHS = (32, 256, 1024)
 TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
-MAX_PASS_TOKENS = 128  # larger passes are extrapolated
+# Larger passes are extrapolated. A CPU's cost is already linear by 128 tokens; a GPU's stays
+# flat far longer and is where batches of trees go, so its curve is measured up to 16 rows × 32.
+MAX_PASS_TOKENS = {"cpu": 128}
+GPU_MAX_PASS_TOKENS = 512
 REPEATS = 7
 NOISE = 0.15  # relative slack of the validation rules
 ATTEMPTS = 3
@@ -67,8 +70,10 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
-def pass_sizes(rows: int) -> list[int]:
-    return [rows * m for m in TOKENS_PER_ROW if rows * m <= MAX_PASS_TOKENS]
+def pass_sizes(rows: int, device: torch.device) -> list[int]:
+    """The pass sizes measured for `rows` equal rows on `device`."""
+    largest = MAX_PASS_TOKENS.get(device.type, GPU_MAX_PASS_TOKENS)
+    return [rows * m for m in TOKENS_PER_ROW if rows * m <= largest]
 
 
 def measure_steps(
@@ -82,7 +87,7 @@ def measure_steps(
     wide_samples: dict[tuple[int, int], list[float]] = {}
     for count, length in itertools.product(rows, context_lengths):
         cache = _filled_cache(runner, count, length)
-        passes = [_chains(runner, count, size // count, generator) for size in pass_sizes(count)]
+        passes = [_chains(runner, count, size // count, generator) for size in pass_sizes(count, runner.device)]
         wide = [] if count == 1 else [_chains(runner, 1, WIDE_ROW_TOKENS, generator)
                                       + _chains(runner, count - 1, 1, generator)]
         for trees in passes + wide:  # warm-up
@@ -95,10 +100,10 @@ def measure_steps(
                 extra = _timed_pass(runner, cache, trees) - _timed_pass(runner, cache, passes[0])
                 wide_samples.setdefault((count, length), []).append(extra)
             yield
-        costs = " ".join(f"n{n}={own_cost(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count), cells))
+        costs = " ".join(f"n{n}={own_cost(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count, runner.device), cells))
         log.info("profiled rows=%d L=%d: %s", count, length, costs)
     profile = CostProfile(
-        rows=list(rows), context_lengths=list(context_lengths), tree_sizes=[pass_sizes(r) for r in rows],
+        rows=list(rows), context_lengths=list(context_lengths), tree_sizes=[pass_sizes(r, runner.device) for r in rows],
         seconds=[[[own_cost(c) for c in samples[(r, length)]] for length in context_lengths] for r in rows],
         device=device_name(runner.device), model=model_fingerprint(runner.model), dtype=str(runner.dtype),
     )

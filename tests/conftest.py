@@ -16,6 +16,9 @@ from service.model_tables import compute_tables
 from service.self_draft import first_layers
 
 TINY_VOCAB = 64
+# The device of the tiny models (and so of their engines): `NGRAMMYS_TEST_DEVICE=cuda pytest
+# tests/service/test_engine_lossless.py ...` runs the engine tests on a GPU; CPU by default.
+TEST_DEVICE = torch.device(os.environ.get("NGRAMMYS_TEST_DEVICE", "cpu"))
 
 
 def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = TINY_VOCAB,
@@ -35,7 +38,7 @@ def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size
         pad_token_id=1,
         attn_implementation=attn_implementation,
     )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).to(TEST_DEVICE).eval()
 
 
 @pytest.fixture(scope="session")

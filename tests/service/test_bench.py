@@ -94,3 +94,24 @@ def test_a_reference_decoder_runs_with_plain_parameters_and_its_agreement_is_cou
     for row in (same, different):
         assert row.speculative.passes == row.speculative.tokens == 30  # plain: a token a pass
         assert row.speculative.draft_tokens == 0
+
+
+def test_transformers_generate_answers_like_plain_decoding_and_counts_its_passes() -> None:
+    """`--hf-generate`: transformers' greedy generate and its prompt lookup, on the model object
+    the engine serves, agree with plain decoding; greedy takes a pass a token, prompt lookup
+    fewer once the answer repeats itself (a random model's greedy answers soon loop)."""
+    from drafting import default_mixer
+    from service.bench import BenchPrompt, run_bench
+    from service.engine import Engine
+    from service.hf_generate_reference import HF_GENERATE, HF_PROMPT_LOOKUP, hf_references
+    from service.model_runner import ModelRunner
+    from tests.conftest import make_tiny_model
+
+    runner = ModelRunner(make_tiny_model(seed=4))
+    engine = Engine(runner, default_mixer(None), eos_token_ids=[1], max_context=512)
+    prompts = [BenchPrompt(str(i), "math", [5, 9, 13, i + 2] * 3) for i in range(3)]
+    results = run_bench(engine, prompts, {}, 40, references=hf_references(runner.model, [1]))
+    greedy, lookup = (results[name][-1] for name in (HF_GENERATE, HF_PROMPT_LOOKUP))
+    assert greedy.identical == lookup.identical == greedy.prompts == 3
+    assert greedy.speculative.passes == greedy.speculative.tokens == greedy.plain.tokens > 0
+    assert lookup.speculative.passes < lookup.speculative.tokens == greedy.speculative.tokens

@@ -25,7 +25,7 @@ def reference_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(num_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
     return ids[len(prompt) :]
 
 

@@ -6,6 +6,7 @@ import importlib.util
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 import service.model_loader as model_loader
 from service.model_loader import (
@@ -13,6 +14,7 @@ from service.model_loader import (
     check_supported,
     cpu_has_native_bf16,
     load_model,
+    random_model,
     resolve_dtype,
     resolve_quantization,
 )
@@ -45,6 +47,18 @@ def test_a_local_model_directory_loads_as_is(tmp_path, embedded) -> None:
 def test_missing_model_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="no model at"):
         load_model(tmp_path / "absent")
+
+
+def test_random_weights_build_the_configured_architecture(tmp_path) -> None:
+    LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    for source in (tmp_path, tmp_path / "config.json"):
+        model = random_model(source, device="cpu", dtype="bfloat16")
+        assert (model.config.num_hidden_layers, model.config.vocab_size) == (3, 96)
+        assert model.dtype == torch.bfloat16 and model.device.type == "cpu" and not model.training
+        assert model.get_output_embeddings().weight.std() > 0  # initialised, not left empty
+    with pytest.raises(OSError):
+        random_model(tmp_path / "absent")
 
 
 def test_dtype_defaults_follow_the_device(monkeypatch) -> None:

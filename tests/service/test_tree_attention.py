@@ -64,6 +64,19 @@ def test_tree_node_logits_equal_sequential_decoding(attn_implementation: str) ->
     assert_nodes_match(model, PROMPT, tree, logits)
 
 
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_the_models_own_calls_on_a_cache_stay_causal_once_served(attn_implementation: str) -> None:
+    """transformers' own forward of several new tokens on top of its cache (what its `generate`
+    with prompt lookup runs) on a model a runner serves: the logits of the whole sequence."""
+    model = make_tiny_model(seed=1, attn_implementation=attn_implementation)
+    ModelRunner(model)
+    with torch.inference_mode():
+        cache = model(torch.tensor([PROMPT[:5]]), use_cache=True).past_key_values
+        logits = model(torch.tensor([PROMPT[5:]]), past_key_values=cache).logits[0]
+        whole = model(torch.tensor([PROMPT])).logits[0, 5:]
+    torch.testing.assert_close(logits, whole, atol=1e-5, rtol=1e-5)
+
+
 LAYOUTS = {  # drafts per row -> (batched query slots per row, rows attended by a call of their own)
     "alike": ([[Draft((4,), "x")], [Draft((6,), "x")], [Draft((8,), "x")], [Draft((9,), "x")]], (2, [])),
     "one wide among plain rows": ([[], [], DRAFTS, []], (1, [2])),
