@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -31,12 +32,13 @@ from service.logprobs import TokenLogprob, token_logprobs
 from service.model_runner import ModelRunner, RowInput
 from service.regime import CostProfile, PassShape, RowCandidates, RowTree, TreePlan, plan_trees
 from service.request import Request, Status, kv_tokens_needed
-from service.sampling import PositionUniforms, top_token_ids
+from service.sampling import PositionUniforms, greedy_choices_of_rows, top_token_ids_of_rows
 from service.scheduler import Scheduler, SchedulerConfig
 from service.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from service.verifier import verify
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,10 @@ class Engine:
             return [(row.request, error) for row in rows], None
         self._learn_seconds = 0.0
         top_ids = self._top_ids(rows, logits)
-        verdicts = [(row, self._verify(row, row_logits, row_top)) for row, row_logits, row_top in zip(rows, logits, top_ids)]
+        commits: dict[int, list[int]] = {}  # KV row -> pass entries kept, committed together
+        verdicts = [(row, self._verify(row, *row_outputs, commits))
+                    for row, *row_outputs in zip(rows, logits, top_ids, self._greedy_choices(rows, logits))]
+        self.cache.commit_rows(commits)
         verified = time.perf_counter()
         learned = self._learn_seconds  # drafting work, though it runs after the pass
         timing = dict(draft_seconds=drafted - started + learned, forward_seconds=verified - drafted - learned,
@@ -242,11 +247,18 @@ class Engine:
         if top_k == 0:
             return [None] * len(rows)
         started = time.perf_counter()
-        out = [top_token_ids(row_logits, min(top_k, row_logits.shape[-1]))
-               if row.tree is not None and row.request.params.speculation.enabled else None
-               for row, row_logits in zip(rows, logits)]
+        wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.params.speculation.enabled]
+        out = _scattered(len(rows), wanted, top_token_ids_of_rows([logits[i] for i in wanted], top_k))
         self._learn_seconds += time.perf_counter() - started
         return out
+
+    @staticmethod
+    def _greedy_choices(rows: list[_Row], logits: list[torch.Tensor]) -> list[list[int] | None]:
+        """Each greedy decoding row's argmax token at each of its tree's nodes, every row's taken
+        together (off the CPU one device call for the pass, not one a row)."""
+        wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.params.sampling.greedy]
+        return _scattered(len(rows), wanted,
+                          greedy_choices_of_rows([logits[i][: rows[i].tree.num_nodes] for i in wanted]))  # type: ignore[union-attr]
 
     def _plan(self) -> tuple[list[_Row], TreePlan | None]:
         """Each running request's chunk and tree; auto rows chosen jointly by the controller."""
@@ -342,20 +354,22 @@ class Engine:
         position context_length - 1 + d, which must stay inside the model's context."""
         return max(min(w, request.token_budget - 1, self.max_context - request.context_length), 0)
 
-    def _verify(self, row: _Row, logits, top_ids: np.ndarray | None) -> RoundOutput | Exception | None:
-        """Verify a decoding row, commit its KV and tokens; commit a prefill chunk."""
+    def _verify(self, row: _Row, logits, top_ids: np.ndarray | None, greedy: list[int] | None,
+                commits: dict[int, list[int]]) -> RoundOutput | Exception | None:
+        """Verify a decoding row and commit its tokens, or a prefill chunk; the pass entries
+        its KV row keeps go into `commits`."""
         request = row.request
         try:
             if row.tree is None:
-                self.cache.commit(request.row, range(len(row.chunk)))  # type: ignore[arg-type]
+                commits[request.row] = list(range(len(row.chunk)))  # type: ignore[index]
                 request.num_cached += len(row.chunk)
                 return None
             request.num_cached += len(row.chunk)
             verdict = verify(row.tree, logits, request.params.sampling, request.uniforms,
-                             first_position=request.context_length)
+                             first_position=request.context_length, greedy=greedy)
             offset = len(row.chunk)
             kept = [*range(offset), offset, *(offset + node for node in verdict.accepted_nodes)]
-            self.cache.commit(request.row, kept)  # type: ignore[arg-type]
+            commits[request.row] = kept  # type: ignore[index]
             if row.choice is not None:
                 request.calibration.observe_round(
                     row.choice.expected_draft_tokens, len(verdict.accepted_nodes), row.tree.num_nodes > 1)
@@ -454,6 +468,14 @@ class Engine:
                     if out.finish_reason is not None:
                         completions[id(request)].seconds = time.perf_counter() - started
         return [completions[id(r)] for r in added]
+
+
+def _scattered(size: int, at: list[int], values: Sequence[T]) -> list[T | None]:
+    """A list of `size` Nones with `values` placed at the indices `at`."""
+    out: list[T | None] = [None] * size
+    for index, value in zip(at, values):
+        out[index] = value
+    return out
 
 
 def _pass_shape(widths: Sequence[int]) -> PassShape:

@@ -20,7 +20,7 @@ in order) as the row's next committed entries. Only kept entries move.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,14 +90,14 @@ class _RowBufferLayer(CacheLayerMixin):
         end, num_rows = layout.pass_end, self._owner.num_rows
         return self.keys[:num_rows, :, :end], self.values[:num_rows, :, :end]
 
-    def keep(self, row: int, start: int, kept: Sequence[int]) -> None:
-        """Move pass entries `start + kept` of `row` to [start, start + len(kept))."""
+    def move_entries(self, moves: torch.Tensor) -> None:
+        """Copy entry (row, source) to (row, target) for each column (row, target, source) of
+        `moves` [3, m]; all read before any is written."""
         if self.keys is None or self.values is None:
             return
-        source = torch.tensor(kept, dtype=torch.long, device=self.keys.device) + start  # [m]
-        target = slice(start, start + len(kept))
-        self.keys[row, :, target] = self.keys[row, :, source]
-        self.values[row, :, target] = self.values[row, :, source]
+        rows, targets, sources = moves
+        self.keys[rows, :, targets] = self.keys[rows, :, sources]
+        self.values[rows, :, targets] = self.values[rows, :, sources]
 
     def move_row(self, source: int, target: int, length: int) -> None:
         if self.keys is None or self.values is None:
@@ -172,11 +172,23 @@ class TreeKVCache(Cache):
         while self.capacity < layout.pass_end:
             self.capacity *= 2
 
-    @torch.inference_mode()  # the buffers were made in inference mode by the forward pass
     def commit(self, row: int, kept: Sequence[int]) -> None:
         """Keep the pass entries at offsets `kept` (ascending) as the row's next entries."""
-        start = self.lengths[row]
-        if list(kept) != list(range(len(kept))):  # a prefix of the pass is already in place
+        self.commit_rows({row: kept})
+
+    @torch.inference_mode()  # the buffers were made in inference mode by the forward pass
+    def commit_rows(self, kept_by_row: Mapping[int, Sequence[int]]) -> None:
+        """`commit` for several rows: the entries that move (those after the first kept one
+        not already in place) move in one gather and one scatter per layer for all rows
+        together. On a GPU, a call per row and layer is a launch (and a copy of the offsets)
+        per row and layer: thousands a step at large batches."""
+        moves = []
+        for row, kept in kept_by_row.items():
+            start = self.lengths[row]
+            moves += [(row, start + offset, start + entry) for offset, entry in enumerate(kept) if entry != offset]
+            self.lengths[row] = start + len(kept)
+        buffer = self.layers[0].keys if self.layers else None  # type: ignore[attr-defined]
+        if moves and buffer is not None:
+            index = torch.tensor(moves, dtype=torch.long).T.to(buffer.device)  # [3, moved entries]
             for layer in self.layers:
-                layer.keep(row, start, kept)  # type: ignore[attr-defined]
-        self.lengths[row] = start + len(kept)
+                layer.move_entries(index)  # type: ignore[attr-defined]

@@ -74,6 +74,30 @@ def top_token_ids(logits: torch.Tensor, k: int) -> np.ndarray:
     return torch.topk(logits, k, dim=-1).indices.cpu().numpy()
 
 
+def greedy_choices_of_rows(logits: list[torch.Tensor], together: bool | None = None) -> list[list[int]]:
+    """`greedy_choices` of each row's logits. `together` (default: off the CPU) takes all rows
+    in one call: a call per row would wait for the device and copy back once per running
+    request; on the CPU a call per row reads the rows where they are."""
+    if not logits or not _together(logits, together):
+        return [greedy_choices(row) for row in logits]
+    flat = greedy_choices(torch.cat(logits))
+    ends = np.cumsum([len(row) for row in logits]).tolist()
+    return [flat[end - len(row) : end] for row, end in zip(logits, ends)]
+
+
+def top_token_ids_of_rows(logits: list[torch.Tensor], k: int, together: bool | None = None) -> list[np.ndarray]:
+    """`top_token_ids` of each row's logits (k at most its vocabulary), `together` as in
+    `greedy_choices_of_rows`."""
+    if not logits or not _together(logits, together):
+        return [top_token_ids(row, min(k, row.shape[-1])) for row in logits]
+    flat = top_token_ids(torch.cat(logits), min(k, logits[0].shape[-1]))
+    return np.split(flat, np.cumsum([len(row) for row in logits[:-1]]).tolist())
+
+
+def _together(logits: list[torch.Tensor], together: bool | None) -> bool:
+    return logits[0].device.type != "cpu" if together is None else together
+
+
 class PositionUniforms:
     """u_t for output positions t = 0, 1, ... drawn in order from a seeded generator."""
 

@@ -53,15 +53,20 @@ def verify(
     sampling: SamplingParams,
     uniforms: PositionUniforms | None,
     first_position: int,
+    greedy: list[int] | None = None,
 ) -> Verdict:
     """Walk `tree` along the model's choices; `logits` is [num_nodes, vocab] for this row.
 
     `first_position` is the output position the root's choice fills (the committed length);
-    node i's choice fills `first_position + depth_i`.
+    node i's choice fills `first_position + depth_i`. `greedy`: the nodes' argmax tokens when
+    the caller took them already (with greedy `sampling`), for all rows of a pass at once.
     """
-    positions = [first_position + depth for depth in tree.depths]
-    u = None if sampling.greedy or uniforms is None else uniforms.at(positions)
-    choices = choose_tokens(logits[: tree.num_nodes], sampling, u)  # [num_nodes]
+    if greedy is not None and sampling.greedy:
+        choices = greedy[: tree.num_nodes]
+    else:
+        positions = [first_position + depth for depth in tree.depths]
+        u = None if sampling.greedy or uniforms is None else uniforms.at(positions)
+        choices = choose_tokens(logits[: tree.num_nodes], sampling, u)  # [num_nodes]
     node, path = 0, []
     while (child := tree.children[node].get(choices[node])) is not None:
         path.append(child)

@@ -9,7 +9,15 @@ from scipy.stats import chisquare
 
 from service.config import SamplingParams
 from service.packed_linear import load_kernels, loaded_kernels
-from service.sampling import PositionUniforms, choose_tokens, greedy_choices, target_probs, top_token_ids
+from service.sampling import (
+    PositionUniforms,
+    choose_tokens,
+    greedy_choices,
+    greedy_choices_of_rows,
+    target_probs,
+    top_token_ids,
+    top_token_ids_of_rows,
+)
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # [1, 5]
 
@@ -81,6 +89,25 @@ def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
     assert sorted(ids[4].tolist()) == sorted(set(ids[4].tolist())) and 0 <= ids[4].min() and ids[4].max() < vocab
     np.testing.assert_array_equal(top_token_ids(logits[[0, 5]].double(), k), expected[[0, 3]])  # torch's path
     np.testing.assert_array_equal(top_token_ids(logits[2:5], k), ids[2:5])  # three rows: one thread, six: split
+
+
+def test_rows_taken_together_get_what_each_row_gets_alone() -> None:
+    """A pass's rows (views of one logits tensor, of 1 to 7 nodes) in one call, as off the CPU,
+    or a call each: the same argmax and top tokens per row."""
+    generator = torch.Generator().manual_seed(4)
+    sizes = [1, 3, 7, 1, 2]
+    flat = torch.randn(sum(sizes), 300, generator=generator)
+    flat[4, 10] = flat[4, 20] = flat[4].max() + 1  # a tie: the first maximum, both ways
+    rows = list(flat.split(sizes))
+    apart, together = greedy_choices_of_rows(rows, together=False), greedy_choices_of_rows(rows, together=True)
+    assert together == apart == [greedy_choices(row) for row in rows] and together[2][0] == 10
+    assert [len(choices) for choices in together] == sizes
+    top_apart, top_together = top_token_ids_of_rows(rows, 5, together=False), top_token_ids_of_rows(rows, 5, together=True)
+    assert [t.shape for t in top_together] == [(size, 5) for size in sizes]
+    for a, b, row in zip(top_apart, top_together, rows):
+        np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the largest: no ties among random floats
+        assert set(a.flatten()) == set(b.flatten()) == set(torch.topk(row, 5).indices.flatten().tolist())
+    assert greedy_choices_of_rows([]) == [] and top_token_ids_of_rows([], 5) == []
 
 
 def test_inverse_cdf_samples_follow_p() -> None:

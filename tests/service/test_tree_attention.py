@@ -140,6 +140,24 @@ def test_compacted_cache_continues_like_a_fresh_decode() -> None:
     torch.testing.assert_close(logits, sequential_logits(model, PROMPT + [3, 9, 10]), atol=1e-5, rtol=1e-5)
 
 
+def test_rows_compacted_together_continue_like_fresh_decodes() -> None:
+    """One commit for three rows: a branch that moves, a path already in place, a prompt chunk."""
+    model = make_tiny_model(seed=2)
+    runner = ModelRunner(model)
+    prompts = [PROMPT, [7, 3, 9], list(range(2, 30))]
+    cache = prefilled(runner, prompts)
+    trees = [build_tree(p[-1], DRAFTS) for p in prompts[:2]] + [chain_tree([30, 31, 32])]
+    runner.forward(cache, [RowInput(tree) for tree in trees])
+    second = trees[0].children[0][3]
+    cache.commit_rows({0: [0, second, trees[0].children[second][9]], 1: [0, 1], 2: [0, 1, 2]})
+    assert trees[1].token_ids[1] == 3  # node 1 is in place
+    kept = [[3, 9], [3], [31, 32]]
+    logits = runner.forward(cache, [RowInput(chain_tree([10])) for _ in prompts])
+    for prompt, tokens, row_logits in zip(prompts, kept, logits):
+        continued = prompt + tokens if prompt is not prompts[2] else prompt[:-1] + [30, 31, 32]
+        torch.testing.assert_close(row_logits[0], sequential_logits(model, continued + [10]), atol=1e-5, rtol=1e-5)
+
+
 def test_a_removed_row_leaves_the_others_intact_and_the_last_frees_memory() -> None:
     model = make_tiny_model(seed=2)
     runner = ModelRunner(model)
