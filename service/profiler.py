@@ -55,7 +55,7 @@ CONTEXT_LENGTHS = (32, 256, 1024)
 TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
 # Larger passes are extrapolated. A CPU's cost is already linear by 128 tokens; a GPU's stays
 # flat far longer and is where batches of trees go, so its curve is measured up to 16 rows × 32.
-MAX_PASS_TOKENS = {"cpu": 128}
+CPU_MAX_PASS_TOKENS = 128
 GPU_MAX_PASS_TOKENS = 512
 REPEATS = 7
 NOISE = 0.15  # relative slack of the validation rules
@@ -72,7 +72,7 @@ def device_name(device: torch.device) -> str:
 
 def pass_sizes(rows: int, device: torch.device) -> list[int]:
     """The pass sizes measured for `rows` equal rows on `device`."""
-    largest = MAX_PASS_TOKENS.get(device.type, GPU_MAX_PASS_TOKENS)
+    largest = CPU_MAX_PASS_TOKENS if device.type == "cpu" else GPU_MAX_PASS_TOKENS
     return [rows * m for m in TOKENS_PER_ROW if rows * m <= largest]
 
 

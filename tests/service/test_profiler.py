@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from service.model_runner import ModelRunner
-from service.profiler import load_or_measure, measure_profile, own_cost, profile_path, validate
+from service.profiler import load_or_measure, measure_profile, own_cost, pass_sizes, profile_path, validate
 from service.regime import CostProfile
 from tests.conftest import make_tiny_model
 
@@ -104,3 +105,10 @@ def test_a_slow_tail_is_the_neighbours_but_disagreeing_fastest_repeats_are_rejec
 def test_a_pass_costs_what_its_fastest_repeats_took() -> None:
     # repeats of one pass, two of them delayed by other work
     assert own_cost([0.062, 0.041, 0.069, 0.043, 0.043]) == pytest.approx(0.042)
+
+
+def test_a_gpu_profile_measures_larger_passes() -> None:
+    """A GPU's pass cost stays flat far past a CPU's, so its curve is measured further."""
+    assert pass_sizes(16, torch.device("cpu")) == [16, 32, 64, 128]
+    assert pass_sizes(16, torch.device("cuda")) == [16, 32, 64, 128, 256, 512]
+    assert pass_sizes(1, torch.device("cuda")) == [1, 2, 4, 8, 16, 32, 64]
