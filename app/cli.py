@@ -1,4 +1,4 @@
-"""`ngrammys serve`, `ngrammys prepare`, `ngrammys bench` and `ngrammys profile`.
+"""`ngrammys serve`, `prepare`, `bench`, `profile`, `steps` and `loadtest`.
 
 `serve` flags are generated from the `Settings` fields, so a flag, its `NGRAMMYS_*`
 variable and its documentation never drift apart.
@@ -210,6 +210,31 @@ def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: 
               f"({r.after_first_rounds / r.fresh:.0%}) | {rest} | {r.after_drafted_rounds} |", flush=True)
 
 
+def _steps(args: argparse.Namespace) -> None:
+    """`ngrammys steps`: the engine's steps in process, speculation off against auto."""
+    from service import step_bench
+    from service.bench import load_specbench
+    from service.model_loader import load_model
+    from service.runtime import build_engine, build_engine_with_tables
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
+    # no suffix index: the prompts cycle, and it would draft a repeated prompt's earlier answer whole
+    engine = build_engine_with_tables(loaded, args.cache_dir, profile=True, suffix_cache_tokens=0)
+    prompts = [p.prompt_ids for p in load_specbench(args.dataset, loaded.tokenizer, args.per_category)]
+
+    def new_engine() -> Any:
+        fresh = build_engine(loaded, engine.mixer.tables, suffix_cache_tokens=0)
+        fresh.profile = engine.profile
+        return fresh
+
+    print(f"{loaded.name} on {loaded.model.device}, {loaded.model.dtype}: {len(prompts)} prompts cycled, "
+          f"{args.max_new_tokens} tokens each, greedy, auto up to k={args.k} w={args.w}\n\n{step_bench.HEADER}", flush=True)
+    runs = step_bench.run_step_bench(new_engine, prompts, args.concurrency, args.max_new_tokens, args.k, args.w,
+                                     args.repeats, progress=lambda run: print(run.row(), flush=True))
+    print(f"\n{step_bench.format_summary(runs)}")
+
+
 def _profile(args: argparse.Namespace) -> None:
     from service.heatmap import write_heatmap
     from service.model_loader import load_model, random_model
@@ -386,6 +411,16 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--png", type=Path, default=None, help="write the (k, w) slowdown heatmap here")
     profile.add_argument("--context-length", type=int, default=256, help="context length of the heatmap")
     profile.set_defaults(run=_profile)
+    steps = commands.add_parser("steps", help="engine steps in process over C requests: off vs auto, where a step's time goes")
+    steps.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
+    steps.add_argument("--per-category", type=int, default=2, help="questions per category to cycle through")
+    steps.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests decoded together, C")
+    steps.add_argument("--max-new-tokens", type=int, default=64)
+    steps.add_argument("--k", type=int, default=Settings.model_fields["spec_k"].default, help="auto's maximum drafts")
+    steps.add_argument("--w", type=int, default=Settings.model_fields["spec_w"].default, help="auto's maximum depth")
+    steps.add_argument("--repeats", type=int, default=2, help="runs of each (C, mode), the order alternating")
+    _model_flags(steps)
+    steps.set_defaults(run=_steps)
     load = commands.add_parser("loadtest", help="concurrent streaming clients: throughput and latency, off vs auto")
     load.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
     load.add_argument("--per-category", type=int, default=2, help="questions per category to cycle through")

@@ -73,6 +73,7 @@ class StepStats:
     prefill_tokens: int
     committed_tokens: int  # tokens all requests committed
     seconds: float
+    draft_seconds: float = 0.0  # of `seconds`: planning and drafting (what plain decoding does not do)
 
 
 @dataclass
@@ -227,7 +228,7 @@ class Engine:
             batch_size=len(rows), tokens=sum(row.width for row in rows),
             prefill_tokens=sum(len(row.chunk) for row in rows),
             committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
-            seconds=verified - started,
+            seconds=verified - started, draft_seconds=timing["draft_seconds"],
         )
         self._observe_pass(_pass_shape([row.width for row in rows]), len(rows), verified - drafted)
         for request, out in results:
