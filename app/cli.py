@@ -229,9 +229,10 @@ def _steps(args: argparse.Namespace) -> None:
         return fresh
 
     print(f"{loaded.name} on {loaded.model.device}, {loaded.model.dtype}: {len(prompts)} prompts cycled, "
-          f"{args.max_new_tokens} tokens each, greedy, auto up to k={args.k} w={args.w}\n\n{step_bench.HEADER}", flush=True)
+          f"{args.max_new_tokens} tokens each, C x {args.requests_per_slot} requests a run, greedy, "
+          f"auto up to k={args.k} w={args.w}\n\n{step_bench.HEADER}", flush=True)
     runs = step_bench.run_step_bench(new_engine, prompts, args.concurrency, args.max_new_tokens, args.k, args.w,
-                                     args.repeats, progress=lambda run: print(run.row(), flush=True))
+                                     args.repeats, args.requests_per_slot, progress=lambda run: print(run.row(), flush=True))
     print(f"\n{step_bench.format_summary(runs)}")
 
 
@@ -418,6 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--max-new-tokens", type=int, default=64)
     steps.add_argument("--k", type=int, default=Settings.model_fields["spec_k"].default, help="auto's maximum drafts")
     steps.add_argument("--w", type=int, default=Settings.model_fields["spec_w"].default, help="auto's maximum depth")
+    steps.add_argument("--requests-per-slot", type=int, default=4,
+                       help="requests a run = C x this; C in flight, a new one joining as one ends")
     steps.add_argument("--repeats", type=int, default=2, help="runs of each (C, mode), the order alternating")
     _model_flags(steps)
     steps.set_defaults(run=_steps)

@@ -50,17 +50,21 @@ HEADER = ("| C | mode | steps | tokens | ms/step | plan+draft ms | pass+verify m
 
 
 def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, mode: str,
-              max_new_tokens: int, k: int, w: int) -> StepRun:
-    """C requests (the prompts cycled), all added at once, stepped until every one ends."""
+              max_new_tokens: int, k: int, w: int, requests_per_slot: int = 2) -> StepRun:
+    """C × `requests_per_slot` requests (the prompts cycled), C of them in flight at a time (a
+    new one joins as one ends, as under a steady load), stepped until every one ends."""
     speculation = SpeculationParams(k, w, mode="auto") if mode == "auto" else SpeculationParams(0, 0)
     params = GenerationParams(max_new_tokens=max_new_tokens, speculation=speculation)
-    for prompt in itertools.islice(itertools.cycle(prompts), concurrency):
-        engine.add_request(prompt, params)
-    steps = tokens = 0
+    queued = list(itertools.islice(itertools.cycle(prompts), concurrency * requests_per_slot))[::-1]
+    in_flight = steps = tokens = 0
     step_seconds = draft_seconds = 0.0
     started = time.perf_counter()
-    while engine.has_work:
-        _, stats = engine.step()
+    while queued or in_flight:
+        while queued and in_flight < concurrency:
+            engine.add_request(queued.pop(), params)
+            in_flight += 1
+        results, stats = engine.step()
+        in_flight -= sum(1 for _, out in results if isinstance(out, Exception) or out.finish_reason is not None)
         if stats is not None:
             steps, tokens = steps + 1, tokens + stats.committed_tokens
             step_seconds, draft_seconds = step_seconds + stats.seconds, draft_seconds + stats.draft_seconds
@@ -68,17 +72,17 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
 
 
 def run_step_bench(new_engine: Callable[[], Engine], prompts: Sequence[Sequence[int]], concurrency: Sequence[int],
-                   max_new_tokens: int, k: int, w: int, repeats: int = 2,
+                   max_new_tokens: int, k: int, w: int, repeats: int = 2, requests_per_slot: int = 2,
                    progress: Callable[[StepRun], None] | None = None) -> list[StepRun]:
     """Each C with each mode `repeats` times, the order alternating, after one warm-up run of
     each mode at the smallest C (the first passes of new shapes pay one-off costs)."""
     for mode in MODES:
-        run_steps(new_engine(), prompts, min(concurrency), mode, max_new_tokens, k, w)
+        run_steps(new_engine(), prompts, min(concurrency), mode, max_new_tokens, k, w, requests_per_slot=1)
     runs = []
     for c in concurrency:
         for repeat in range(repeats):
             for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
-                runs.append(run_steps(new_engine(), prompts, c, mode, max_new_tokens, k, w))
+                runs.append(run_steps(new_engine(), prompts, c, mode, max_new_tokens, k, w, requests_per_slot))
                 if progress is not None:
                     progress(runs[-1])
     return runs

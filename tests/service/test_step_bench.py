@@ -23,9 +23,9 @@ def new_engine() -> Engine:
 
 
 def test_a_run_decodes_every_request_to_the_end_and_splits_its_step_time() -> None:
-    off, auto = (run_steps(new_engine(), PROMPTS, 4, mode, 12, 4, 3) for mode in ("off", "auto"))
-    assert off.tokens == auto.tokens == 4 * 12  # the prompts cycled over 4 requests, none stops early
-    assert off.steps >= 12 >= auto.steps
+    off, auto = (run_steps(new_engine(), PROMPTS, 4, mode, 12, 4, 3, requests_per_slot=2) for mode in ("off", "auto"))
+    assert off.tokens == auto.tokens == 8 * 12  # 8 requests (the prompts cycled), none stops early
+    assert off.steps >= 2 * 12 >= auto.steps  # 4 in flight at a time: at least two rounds of 12 steps
     for run in (off, auto):
         assert 0 <= run.draft_seconds < run.step_seconds <= run.seconds
     assert auto.draft_seconds > off.draft_seconds  # plain decoding neither plans nor drafts
@@ -33,16 +33,17 @@ def test_a_run_decodes_every_request_to_the_end_and_splits_its_step_time() -> No
 
 def test_each_concurrency_runs_both_modes_in_alternating_order() -> None:
     seen = []
-    runs = run_step_bench(new_engine, PROMPTS, [1, 3], 6, 2, 2, repeats=2, progress=seen.append)
+    runs = run_step_bench(new_engine, PROMPTS, [1, 3], 6, 2, 2, repeats=2, requests_per_slot=3, progress=seen.append)
     assert [(r.concurrency, r.mode) for r in runs] == [
         (1, "off"), (1, "auto"), (1, "auto"), (1, "off"), (3, "off"), (3, "auto"), (3, "auto"), (3, "off")]
-    assert seen == runs and all(r.tokens == r.concurrency * 6 for r in runs)
+    assert seen == runs and all(r.tokens == r.concurrency * 3 * 6 for r in runs)
+    assert all(r.steps >= 3 * 6 for r in runs if r.mode == "off")  # never more than C in flight
 
 
 @pytest.mark.slow
 def test_the_command_prints_a_row_a_run_and_the_ratios(tmp_path, capsys, embedded) -> None:
     main(["steps", "--dataset", write_dataset(tmp_path), "--per-category", "1", "--concurrency", "2",
-          "--max-new-tokens", "4", "--repeats", "1"])
+          "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1"])
     printed = capsys.readouterr().out
     assert "| 2 | off |" in printed and "| 2 | auto |" in printed
     assert "| C | off tokens/s | auto tokens/s | auto/off |" in printed
