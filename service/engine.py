@@ -73,7 +73,7 @@ class StepStats:
     prefill_tokens: int
     committed_tokens: int  # tokens all requests committed
     seconds: float
-    draft_seconds: float = 0.0  # of `seconds`: planning and drafting (what plain decoding does not do)
+    draft_seconds: float  # of `seconds`: planning and drafting (what plain decoding does not do)
 
 
 @dataclass
