@@ -21,6 +21,7 @@ from drafting import MIXED, STRATEGY_NAMES
 from service.config import SamplingParams
 from service.model_loader import DEFAULT_CACHE_DIR
 from service.packed_linear import QUANTIZATIONS
+from service.step_bench import REQUESTS_PER_SLOT
 
 
 def _settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -419,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--max-new-tokens", type=int, default=64)
     steps.add_argument("--k", type=int, default=Settings.model_fields["spec_k"].default, help="auto's maximum drafts")
     steps.add_argument("--w", type=int, default=Settings.model_fields["spec_w"].default, help="auto's maximum depth")
-    steps.add_argument("--requests-per-slot", type=int, default=4,
+    steps.add_argument("--requests-per-slot", type=int, default=REQUESTS_PER_SLOT,
                        help="requests a run = C x this; C in flight, a new one joining as one ends")
     steps.add_argument("--repeats", type=int, default=2, help="runs of each (C, mode), the order alternating")
     _model_flags(steps)

@@ -13,6 +13,10 @@ reproduces a request whatever speculation shape the controller picked.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -78,24 +82,21 @@ def greedy_choices_of_rows(logits: list[torch.Tensor], together: bool | None = N
     """`greedy_choices` of each row's logits. `together` (default: off the CPU) takes all rows
     in one call: a call per row would wait for the device and copy back once per running
     request; on the CPU a call per row reads the rows where they are."""
-    if not logits or not _together(logits, together):
-        return [greedy_choices(row) for row in logits]
-    flat = greedy_choices(torch.cat(logits))
-    ends = np.cumsum([len(row) for row in logits]).tolist()
-    return [flat[end - len(row) : end] for row, end in zip(logits, ends)]
+    return _each_row(logits, greedy_choices, together)
 
 
 def top_token_ids_of_rows(logits: list[torch.Tensor], k: int, together: bool | None = None) -> list[np.ndarray]:
     """`top_token_ids` of each row's logits (k at most its vocabulary), `together` as in
     `greedy_choices_of_rows`."""
-    if not logits or not _together(logits, together):
-        return [top_token_ids(row, min(k, row.shape[-1])) for row in logits]
-    flat = top_token_ids(torch.cat(logits), min(k, logits[0].shape[-1]))
-    return np.split(flat, np.cumsum([len(row) for row in logits[:-1]]).tolist())
+    return _each_row(logits, lambda rows: top_token_ids(rows, min(k, rows.shape[-1])), together)
 
 
-def _together(logits: list[torch.Tensor], together: bool | None) -> bool:
-    return logits[0].device.type != "cpu" if together is None else together
+def _each_row(logits: list[torch.Tensor], take: Callable[[torch.Tensor], Any], together: bool | None) -> list[Any]:
+    """`take` of each row's logits, or of all rows at once and split back into rows."""
+    if not logits or not (logits[0].device.type != "cpu" if together is None else together):
+        return [take(row) for row in logits]
+    flat = take(torch.cat(logits))
+    return [flat[end - len(row) : end] for row, end in zip(logits, itertools.accumulate(map(len, logits)))]
 
 
 class PositionUniforms:

@@ -20,6 +20,7 @@ from service.config import GenerationParams, SpeculationParams
 from service.engine import Engine
 
 MODES = ("off", "auto")
+REQUESTS_PER_SLOT = 4  # requests a run = C x this
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ HEADER = ("| C | mode | steps | tokens | ms/step | plan+draft ms | pass+verify m
 
 
 def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, mode: str,
-              max_new_tokens: int, k: int, w: int, requests_per_slot: int = 2) -> StepRun:
+              max_new_tokens: int, k: int, w: int, requests_per_slot: int = REQUESTS_PER_SLOT) -> StepRun:
     """C × `requests_per_slot` requests (the prompts cycled), C of them in flight at a time (a
     new one joins as one ends, as under a steady load), stepped until every one ends."""
     speculation = SpeculationParams(k, w, mode="auto") if mode == "auto" else SpeculationParams(0, 0)
@@ -72,7 +73,7 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
 
 
 def run_step_bench(new_engine: Callable[[], Engine], prompts: Sequence[Sequence[int]], concurrency: Sequence[int],
-                   max_new_tokens: int, k: int, w: int, repeats: int = 2, requests_per_slot: int = 2,
+                   max_new_tokens: int, k: int, w: int, repeats: int = 2, requests_per_slot: int = REQUESTS_PER_SLOT,
                    progress: Callable[[StepRun], None] | None = None) -> list[StepRun]:
     """Each C with each mode `repeats` times, the order alternating, after one warm-up run of
     each mode at the smallest C (the first passes of new shapes pay one-off costs)."""
