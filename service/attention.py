@@ -81,6 +81,7 @@ class PassLayout:
     separate_rows: list[int]  # rows wider than D: a call each
     one_token_rows: bool  # every row brings one token (plain decoding): flat token r is row r's query
     kernel_queries: KernelQueries | None = None  # tokens the attention kernel answers
+    query_groups: int = 1  # query heads per KV head folded into the query length (masks repeated so)
 
     @property
     def offsets(self) -> list[int]:
@@ -94,13 +95,17 @@ class PassLayout:
 
 def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device,
                  cached: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
-                 kernel_width: int = 0) -> PassLayout:
+                 kernel_width: int = 0, query_groups: int = 1) -> PassLayout:
     """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
     (default: all) on top of `starts[r]` committed entries. Masks are additive, in `dtype`
     (the queries'): 0 where a query attends, -inf elsewhere. Made once a pass, they spare every
     layer's attention call the conversion of a boolean mask (half the call's time for one
     query at L=256 on a CPU, measured; the outputs are bit for bit the same). Rows of 1 to
-    `kernel_width` tokens go to the attention kernel, the others then get a call each."""
+    `kernel_width` tokens go to the attention kernel, the others then get a call each.
+
+    `query_groups` > 1 (query heads per KV head) makes the attention calls fold each KV head's
+    query heads into the query length (see `_attend`), so every mask is repeated that often
+    along its queries here, once a pass, not in every layer."""
     cached = cached or [0] * len(trees)
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
     kernel_rows = [row for row, w in enumerate(widths) if 0 < w <= kernel_width]
@@ -121,11 +126,12 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     return PassLayout(
         ends=ends, widths=widths, write_rows=write_rows.to(device),
         write_positions=slots.to(device), position_ids=positions[None].to(device), pass_end=pass_end,
-        row_masks={row: _additive(row_masks[row], device, dtype) for row in separate_rows},
-        batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype),
+        row_masks={row: _additive(row_masks[row], device, dtype, query_groups) for row in separate_rows},
+        batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype, query_groups),
         query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
         separate_rows=separate_rows, one_token_rows=not kernel_rows and all(w == 1 for w in widths),
         kernel_queries=_kernel_queries(trees, starts, cached, widths, kernel_rows) if kernel_rows else None,
+        query_groups=query_groups,
     )
 
 
@@ -149,9 +155,11 @@ def _kernel_queries(trees: Sequence[TokenTree], starts: Sequence[int], cached: S
                          np.cumsum(counts, dtype=np.int64))
 
 
-def _additive(mask: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True = attend) as the additive one attention takes: 0 or -inf."""
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")).to(device)
+def _additive(mask: torch.Tensor, device: torch.device, dtype: torch.dtype, query_groups: int = 1) -> torch.Tensor:
+    """A boolean mask (True = attend) [b, 1, n, L] as the additive one attention takes, 0 or
+    -inf, [b, 1, query_groups * n, L]: the same n rows once for each folded query head."""
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return additive.repeat(1, 1, query_groups, 1).to(device)
 
 
 def batched_width(widths: Sequence[int], call_slots: int, ends: Sequence[int] | None = None) -> int:
@@ -221,17 +229,15 @@ def ragged_attention(
         return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     layout = pass_layout
     if layout.one_token_rows:  # no gather or scatter: [rows, heads, 1, head_dim] is a view
-        out = F.scaled_dot_product_attention(query[0].transpose(0, 1)[:, :, None], key, value,
-                                             attn_mask=layout.batched_mask, scale=scaling, enable_gqa=True)
+        out = _attend(query[0].transpose(0, 1)[:, :, None], key, value, layout.batched_mask, scaling,
+                      layout.query_groups)
         return out[None, :, :, 0], None  # [1, T, heads, head_dim]
     heads, head_dim = query.shape[1], query.shape[3]
     batched = None
     if layout.batched_mask is not None:
         assert layout.query_index is not None and layout.batched_tokens is not None
         padded = query[0][:, layout.query_index].transpose(0, 1)  # [rows, heads, D, head_dim]
-        out = F.scaled_dot_product_attention(
-            padded, key, value, attn_mask=layout.batched_mask, scale=scaling, enable_gqa=True
-        )  # [rows, heads, D, head_dim]
+        out = _attend(padded, key, value, layout.batched_mask, scaling, layout.query_groups)  # [rows, heads, D, head_dim]
         batched = out.transpose(1, 2).reshape(-1, heads, head_dim)[layout.batched_slots]  # [n, heads, d]
         if not layout.separate_rows:
             return batched[None], None  # every token answered, in flat order
@@ -269,10 +275,28 @@ def _attend_separate_rows(query: torch.Tensor, key: torch.Tensor, value: torch.T
     offsets = layout.offsets
     for row in layout.separate_rows:
         offset, width, end = offsets[row], layout.widths[row], layout.ends[row]
-        flat[offset : offset + width] = F.scaled_dot_product_attention(
+        flat[offset : offset + width] = _attend(
             query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
-            attn_mask=layout.row_masks[row], scale=scaling, enable_gqa=True,
+            layout.row_masks[row], scaling, layout.query_groups,
         )[0].transpose(0, 1)  # [width, heads, head_dim]
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+            scaling: float | None, query_groups: int) -> torch.Tensor:
+    """Masked attention [b, heads, n, head_dim] of `query` [b, heads, n, head_dim] over `key`
+    and `value` [b, kv_heads, L, head_dim]. With `query_groups` > 1 the query heads that share
+    a KV head (heads h*g .. h*g+g-1 share KV head h, as transformers' `repeat_kv` pairs them)
+    attend as g*n queries of one head, nothing copied but the queries. Grouped heads with a
+    mask have no fused kernel on a GPU (flash takes no mask) and ran on the math backend there,
+    0.14-1.8 ms a call against 0.03-0.09 folded (H200); on a CPU the folded call halved a bf16
+    pass of 16 one-token rows (docs/benchmarks.md, fifteenth session). `mask` must then hold
+    its n rows g times (`build_layout` repeats them)."""
+    if query_groups == 1:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    b, heads, n, head_dim = query.shape
+    folded = query.reshape(b, heads // query_groups, query_groups * n, head_dim)
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, n, head_dim)
 
 
 def _causal_after_cache(queries: int, keys: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -17,12 +17,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from service.attention import build_layout, use_ragged_attention
 from service.decoder_pass import attention_kernel_width, lean_hidden, supports_lean_pass
 from service.kv_cache import TreeKVCache
 from service.tree import TokenTree
+
+# Attention backends a pass may use: all but cuDNN's, which builds a plan for every new shape
+# (~37 ms a call on an H200 where the others take 0.03-0.2 ms), and a pass's rows end at new
+# lengths every step (docs/benchmarks.md, fifteenth session).
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,7 @@ class ModelRunner:
         self.kv_bytes_per_token = (
             2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * self.dtype.itemsize
         )
+        self.query_groups: int = config.num_attention_heads // config.num_key_value_heads
 
     def new_cache(self, rows: int = 0) -> TreeKVCache:
         return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows)
@@ -73,17 +80,18 @@ class ModelRunner:
             raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
         trees = [row.tree for row in rows]
         layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype,
-                              attention_kernel_width(self.model))
+                              attention_kernel_width(self.model), self.query_groups)
         cache.begin_pass(layout)
         input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
                                  device=self.device)  # [1, T]
-        if self.lean:
-            hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
-        else:
-            hidden = self.model.base_model(
-                input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
-                use_cache=True, pass_layout=layout,
-            ).last_hidden_state[0]  # [T, hidden]
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            if self.lean:
+                hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
+            else:
+                hidden = self.model.base_model(
+                    input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
+                    use_cache=True, pass_layout=layout,
+                ).last_hidden_state[0]  # [T, hidden]
         wanted = [
             offset + node - row.cached
             for offset, row in zip(layout.offsets, rows)
