@@ -35,10 +35,12 @@ class Settings(BaseSettings):
     dtype: str | None = Field(
         None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU; on a CPU float32 for the packed GGUF path, else bfloat16 with native bf16, float32 without)"
     )
-    quantization: Literal["auto", "none", "gguf"] = Field(
+    quantization: Literal["auto", "none", "gguf", "gguf-int8"] = Field(
         "auto",
-        description="gguf: keep a GGUF's Q4_1 linears (and Q8_0 LM head) packed, the CPU fast path; none: unpacked "
-        "weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, dtype unset or float32), else none",
+        description="gguf: keep a GGUF's Q4_1 linears (and Q8_0 LM head) packed, the CPU fast path; gguf-int8: the same "
+        "with the Q4_1 linears' activations rounded to 8 bits per block of 32, as llama.cpp computes (CPUs with "
+        "AVX-512 VNNI); none: unpacked weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, "
+        "dtype unset or float32), else none",
     )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")

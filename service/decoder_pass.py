@@ -53,6 +53,12 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 # ones (a 16-token tree at L=256: 252 against 94 us; 2-core Xeon VM, docs/benchmarks.md,
 # thirteenth session).
 ATTENTION_KERNEL_WIDTH = 1
+# With 8-bit activations (`--quantization gguf-int8`) every tree row attends through the
+# kernel too, dearer as that is: a call of its own rounds a node's attention otherwise than
+# the node decoded alone, and where float activations carry that last-bit difference into a
+# near-tie at most, rounding to 8 bits can turn it into a whole step of an activation, and
+# speculation then parted from plain decoding at non-ties (top-2 gap 0.39, embedded model).
+INT8_ATTENTION_KERNEL_WIDTH = 64
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,10 @@ def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLay
 def attention_kernel_width(model: PreTrainedModel) -> int:
     """Rows of up to this many tokens attend through the attention kernel in `model`'s passes
     (0: none, off the packed CPU path)."""
-    return ATTENTION_KERNEL_WIDTH if supports_lean_pass(model) and _layer_kernels(model) is not None else 0
+    if not supports_lean_pass(model) or _layer_kernels(model) is None:
+        return 0
+    int8 = model.base_model.layers[0].mlp.down_proj.int8_activations
+    return INT8_ATTENTION_KERNEL_WIDTH if int8 else ATTENTION_KERNEL_WIDTH
 
 
 def _layer_kernels(model: PreTrainedModel) -> Any:

@@ -27,7 +27,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from service.packed_linear import QUANTIZATIONS, pack_gguf_linears
+from service.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,9 @@ def load_model(
     """Load `source` (a .gguf file, a model directory, or None for the embedded model).
 
     `quantization="gguf"` then keeps the GGUF's Q4_1 linear weights (and a Q8_0/Q4_1 LM head)
-    packed and computes with them (service/packed_linear.py; CPU, float32 activations); "none"
+    packed and computes with them (service/packed_linear.py; CPU, float32 activations);
+    "gguf-int8" likewise, its Q4_1 linears with 8-bit activations (service/int8_kernel.py,
+    CPUs with AVX-512 VNNI); "none"
     serves the dequantized weights in `dtype` (by capability when None: `resolve_dtype`); "auto"
     (the default) is gguf for a GGUF model on a CPU when numba is installed and `dtype` is None
     or float32, else none (see `resolve_quantization`).
@@ -132,8 +134,8 @@ def load_model(
         raise FileNotFoundError(f"no model at {path}")
     gguf_file = path if path.is_file() else None
     quantization = resolve_quantization(quantization, gguf_file is not None, resolve_device(device), dtype)
-    if quantization == "gguf" and gguf_file is None:
-        raise ValueError("--quantization gguf needs a .gguf model (the embedded one, or --model FILE.gguf)")
+    if quantization in PACKED and gguf_file is None:
+        raise ValueError(f"--quantization {quantization} needs a .gguf model (the embedded one, or --model FILE.gguf)")
     from_cache = False
     if path.is_file():  # GGUF: go through the converted-weights cache
         name = EMBEDDED_NAME if source is None else path.stem
@@ -146,12 +148,12 @@ def load_model(
         name = path.name
     check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
     torch_device = resolve_device(device)
-    if quantization == "gguf":
+    if quantization in PACKED:
         if torch_device.type != "cpu":
-            raise ValueError("--quantization gguf is a CPU path; on a GPU use --quantization none")
+            raise ValueError(f"--quantization {quantization} is a CPU path; on a GPU use --quantization none")
         torch_dtype = torch.float32  # the kernels take and give float32
         if dtype and resolve_dtype(dtype, torch_device) != torch.float32:
-            raise ValueError("--quantization gguf computes in float32; drop --dtype or pass float32")
+            raise ValueError(f"--quantization {quantization} computes in float32; drop --dtype or pass float32")
     else:
         torch_dtype = resolve_dtype(dtype, torch_device)
     log.info("loading %s from %s (%s, dtype %s%s, quantization %s)", name, path, torch_device, torch_dtype,
@@ -160,9 +162,10 @@ def load_model(
         log.info("CPU: native bf16 %s; %d torch threads", "yes" if cpu_has_native_bf16() else "no",
                  torch.get_num_threads())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(torch_device)
-    if quantization == "gguf":
+    if quantization in PACKED:
         assert gguf_file is not None
-        pack_gguf_linears(model, gguf_file, cache_dir, tiles_file=path / PACKED_TILES_FILE)
+        pack_gguf_linears(model, gguf_file, cache_dir, tiles_file=path / PACKED_TILES_FILE,
+                          int8_activations=quantization == "gguf-int8")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.1f s (%s)", name, seconds, "cached" if from_cache else "cold")

@@ -38,9 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.int8_kernel import COLUMNS, REQUIRED_FEATURES, int8_matmul, int8_supported, int8_tiles
+
 log = logging.getLogger(__name__)
 
-QUANTIZATIONS: tuple[str, ...] = ("none", "gguf")
+QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
+PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
 TILE = 32  # output rows per tile, as in service/packed_kernels.py
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
 # Passes above this many rows dequantize the layer and call F.linear (prefill-sized passes,
@@ -221,13 +224,16 @@ def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept packed."""
 
-    def __init__(self, tiles: PackedTiles, kernels: Any = None, fused_max_rows: int = 2) -> None:
+    def __init__(self, tiles: PackedTiles, kernels: Any = None, fused_max_rows: int = 2,
+                 int8_activations: bool = False) -> None:
         super().__init__()
         self.kind = tiles.kind
         self.in_features = tiles.in_features
         self.out_features = tiles.out_features
         self.kernels = kernels
         self.fused_max_rows = fused_max_rows  # Q4_1 passes up to this many rows dequantize in registers
+        # 8-bit activations on VNNI (service/int8_kernel.py), for passes of every size
+        self.int8_activations = int8_activations
         self._set_tiles(tiles)
 
     def _set_tiles(self, tiles: PackedTiles) -> None:
@@ -235,9 +241,11 @@ class PackedLinear(nn.Module):
         for name in ("qs", "d", "m"):
             self.register_buffer(name, torch.from_numpy(getattr(tiles, name)), persistent=True)
         self._tiles = tiles  # numpy views of the buffers, for the kernels' calls
+        self._int8 = (int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features)
+                      if self.int8_activations else None)
 
     def extra_repr(self) -> str:
-        path = "numba" if self.kernels is not None else "torch fallback"
+        path = "int8 activations, VNNI" if self._int8 is not None else "numba" if self.kernels is not None else "torch fallback"
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} ({path})"
 
     def tiles(self) -> PackedTiles:
@@ -259,6 +267,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self._int8 is not None:
+            return self._int8_forward(x, rows)
         if self.kernels is None or rows.shape[0] > KERNEL_MAX_ROWS or x.device.type != "cpu":
             return F.linear(x, self.dequantized(reuse=x.device.type == "cpu").to(x.device, x.dtype))
         if rows.dtype != torch.float32:
@@ -274,6 +284,22 @@ class PackedLinear(nn.Module):
                 xs, t.qs, t.d, t.m, out, threads, self.fused_max_rows)
         else:
             (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(xs, t.qs, t.d, out, threads)
+        y = torch.from_numpy(out)
+        if out.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _int8_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The VNNI kernel, whatever the pass size: a prompt chunk's rows then compute as
+        they would in a pass of their own."""
+        assert self._int8 is not None
+        t = self._int8
+        xs = rows.float().contiguous().numpy()
+        out = np.empty((xs.shape[0], t.packed.shape[0] * COLUMNS), np.float32)
+        threads = _threads() if xs.shape[0] * t.packed.size >= PARALLEL_MIN_BYTES else 0
+        int8_matmul(t.kind)(xs, t.packed, t.d, t.m, out, threads if threads > 1 else 0)
         y = torch.from_numpy(out)
         if out.shape[1] != self.out_features:
             y = y[:, : self.out_features]
@@ -298,7 +324,7 @@ def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
                                       t.out_features, t.in_features))
         start = stop
     fused = PackedTiles(tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features)
-    return PackedLinear(fused, modules[0].kernels, modules[0].fused_max_rows)
+    return PackedLinear(fused, modules[0].kernels, modules[0].fused_max_rows, modules[0].int8_activations)
 
 
 def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
@@ -404,10 +430,11 @@ def _load_tiles(path: Path) -> dict[str, PackedTiles]:
 
 
 def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None = None,
-                      tiles_file: Path | None = None, use_kernels: bool = True) -> int:
+                      tiles_file: Path | None = None, use_kernels: bool = True, int8_activations: bool = False) -> int:
     """Replace every Llama linear whose GGUF tensor is Q4_1, and the LM head when its tensor is
     Q4_1 or Q8_0, by a `PackedLinear`; returns how many. Other linears are left as loaded;
     so are the embeddings (a tied LM head gets its own packed copy of the blocks).
+    `int8_activations`: the packed linears compute with 8-bit activations (service/int8_kernel.py).
 
     Reading a GGUF's header takes seconds (its tokenizer), so the tiles are saved to
     `tiles_file` (if given) and read from there on later starts. When they are read from the
@@ -417,6 +444,9 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
     config = model.config
     if getattr(config, "model_type", None) not in ("llama", "mistral"):
         raise ValueError(f"--quantization gguf supports Llama-family models, not {config.model_type!r}")
+    if int8_activations and not int8_supported():
+        raise ValueError(f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}; "
+                         "use --quantization gguf")
     kernels = load_kernels(cache_dir) if use_kernels else None
     from_file = tiles_file is not None and tiles_file.exists()
     if from_file:
@@ -434,7 +464,7 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
     for name, t in tiles.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        packed = PackedLinear(t, kernels, fused_max_rows)
+        packed = PackedLinear(t, kernels, fused_max_rows, int8_activations)
         if not from_file and not torch.equal(packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()):
             raise ValueError(f"{name}: packed blocks differ from the loaded weight "
                              f"(is {gguf_path.name} the file this model was converted from?)")
@@ -443,6 +473,7 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
         _save_tiles(tiles, tiles_file)
     kinds = Counter(t.kind for t in tiles.values())
     log.info("packed %s linears (%s)%s", " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+             "8-bit activations (VNNI)" if int8_activations else
              f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows"
              if kernels is not None else "torch fallback: numba not installed",
              f"; kept {kept} of other types" if kept >= 0 else "")

@@ -1,0 +1,128 @@
+"""Packed linears with 8-bit activations (`--quantization gguf-int8`): the VNNI kernel against a
+reference that quantizes the activations the same way, a row's result whatever the pass holds,
+and losslessness of speculation on that path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from drafting import TableSlot, default_mixer
+from service.config import GenerationParams, SpeculationParams
+from service.engine import Engine
+from service.int8_kernel import BLOCK, int8_matmul, int8_supported, int8_tiles
+from service.model_runner import ModelRunner
+from service.model_tables import compute_tables
+from service.packed_linear import LLAMA_LINEARS, PackedLinear, pack_gguf_linears, tiles_from_blocks
+from tests.conftest import make_tiny_model
+from tests.service.test_packed_linear import Q4_1, Q8_0, random_blocks, reference, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not int8_supported(), reason="the CPU lacks AVX-512 VNNI")
+
+
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the kernel rounds them: per row and block of 32, scale max|x| / 127,
+    round half away from zero."""
+    blocks = x.reshape(x.shape[0], -1, BLOCK)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks / torch.where(scale > 0, scale, 1), 0)
+    q = torch.sign(q) * torch.floor(q.abs() + 0.5)
+    return (q.clamp(-127, 127) * scale).reshape(x.shape)
+
+
+def run(kind, blocks: np.ndarray, out_features: int, x: torch.Tensor, chunks: int = 2) -> torch.Tensor:
+    tiles = tiles_from_blocks(blocks, out_features, x.shape[1], kind.name)
+    t = int8_tiles(kind.name, tiles.qs, tiles.d, tiles.m, out_features)
+    out = np.empty((x.shape[0], t.packed.shape[0] * 16), np.float32)
+    int8_matmul(kind.name)(x.numpy(), t.packed, t.d, t.m, out, chunks)
+    return torch.from_numpy(out[:, :out_features])
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("out_features,in_features,rows", [(70, 96, 1), (32, 64, 3), (100, 576, 16), (48, 1536, 70)])
+def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(kind, out_features, in_features, rows) -> None:
+    blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = run(kind, blocks, out_features, x)
+    torch.testing.assert_close(got, reference(blocks, quantized(x), kind), rtol=1e-5, atol=1e-5)
+    exact = reference(blocks, x, kind)  # float activations: within the rounding of 8 bits
+    assert (got - exact).norm() < 0.02 * exact.norm()
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_a_rows_result_does_not_depend_on_the_pass(kind) -> None:
+    blocks = random_blocks(96, 192, kind=kind)
+    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(1))
+    together = run(kind, blocks, 96, x, chunks=2)
+    for row in range(9):
+        assert torch.equal(run(kind, blocks, 96, x[row : row + 1], chunks=0)[0], together[row])
+    x[:, :BLOCK] = 0  # an all-zero block: scale 0, no division by it
+    assert torch.isfinite(run(kind, blocks, 96, x)).all()
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf"
+    plain = make_tiny_model(seed=3)
+    write_tiny_gguf(plain, path)
+    packed = make_tiny_model(seed=3)
+    packed.load_state_dict(plain.state_dict())
+    assert pack_gguf_linears(packed, path, int8_activations=True) == 15
+    return plain, packed
+
+
+def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
+    plain, packed = tiny_int8
+    for name, module in packed.named_modules():
+        if name.endswith((*LLAMA_LINEARS.values(), "lm_head")):
+            assert isinstance(module, PackedLinear) and "int8" in module.extra_repr()
+            assert torch.equal(module.dequantized(), plain.get_submodule(name).weight)  # the file's weights
+            x = torch.randn(5, module.in_features)
+            torch.testing.assert_close(module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5)
+
+
+def test_speculation_on_the_int8_path_equals_its_plain_decoding(tiny_int8) -> None:
+    _, packed = tiny_int8
+    engine = Engine(ModelRunner(packed), default_mixer(TableSlot(compute_tables(packed, batch_size=16, show_progress=False))),
+                    eos_token_ids=[], max_context=512)
+    prompt = [5, 9, 5, 9, 5, 9, 12, 30, 5, 9, 5]
+    plain = engine.complete(prompt, GenerationParams(max_new_tokens=40)).token_ids
+    for k, w in ((1, 1), (2, 3), (4, 4)):
+        params = GenerationParams(max_new_tokens=40, speculation=SpeculationParams(k, w))
+        assert engine.complete(prompt, params).token_ids == plain, (k, w)
+
+
+def test_int8_rows_batched_with_other_requests_equal_each_request_alone(tiny_int8) -> None:
+    """Prompt chunks of any size and trees beside other requests' rows: the int8 kernel runs
+    every pass size, so each request gets what it gets alone."""
+    from tests.service.test_batching import LENGTHS, MODES, PROMPTS, make_engine
+
+    _, packed = tiny_int8
+    engine = make_engine(ModelRunner(packed), TableSlot(compute_tables(packed, batch_size=16, show_progress=False)))
+    requests = [(p, GenerationParams(n, speculation=m)) for p, n, m in zip(PROMPTS, LENGTHS, MODES)]
+    together = engine.complete_many(requests)
+    for (prompt, params), completion in zip(requests, together):
+        assert completion.token_ids == engine.complete(prompt, GenerationParams(params.max_new_tokens)).token_ids
+
+
+@pytest.mark.slow
+def test_embedded_int8_speculation_equals_its_plain_decoding() -> None:
+    from service.model_loader import load_model
+    from service.prompts import chat_prompt_ids
+    from service.runtime import build_engine
+    from tests.service.test_embedded_lossless import QUESTIONS, compare
+
+    loaded = load_model(quantization="gguf-int8")
+    engine = build_engine(loaded, TableSlot())
+    outcomes: dict[str, int] = {}
+    for question in QUESTIONS:
+        prompt = chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": question}])
+        plain = engine.complete(prompt, GenerationParams(max_new_tokens=48)).token_ids
+        for k, w in ((1, 1), (4, 4), (8, 6)):
+            params = GenerationParams(max_new_tokens=48, speculation=SpeculationParams(k, w), strategy="context")
+            outcome = compare(loaded.model, prompt, engine.complete(prompt, params).token_ids, plain)
+            assert outcome in ("identical", "tie"), f"{question!r} k={k} w={w}: {outcome}"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    print(f"\nint8 path, speculative vs plain: {outcomes}")
+    assert outcomes.get("identical", 0) >= 0.9 * sum(outcomes.values())
