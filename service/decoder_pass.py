@@ -53,12 +53,14 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 # ones (a 16-token tree at L=256: 252 against 94 us; 2-core Xeon VM, docs/benchmarks.md,
 # thirteenth session).
 ATTENTION_KERNEL_WIDTH = 1
-# With 8-bit activations (`--quantization gguf-int8`) every tree row attends through the
-# kernel too, dearer as that is: a call of its own rounds a node's attention otherwise than
-# the node decoded alone, and where float activations carry that last-bit difference into a
-# near-tie at most, rounding to 8 bits can turn it into a whole step of an activation, and
-# speculation then parted from plain decoding at non-ties (top-2 gap 0.39, embedded model).
-INT8_ATTENTION_KERNEL_WIDTH = 64
+# With 8-bit activations (`--quantization gguf-int8`) every row attends through the kernel,
+# prompt chunks too, dear as that is for long chunks: a call of its own rounds a token's
+# attention otherwise than that token decoded alone (or in a chunk of another width: the
+# last chunk of a prompt carries the first tree), and where float activations carry such a
+# last-bit difference into a near-tie at most, rounding to 8 bits can turn it into a whole
+# step of an activation. With tree rows alone on the kernel, speculation still parted from
+# plain decoding at non-ties on 11 of 13 Spec-Bench prompts (k=4, w=4, embedded model).
+INT8_ATTENTION_KERNEL_WIDTH = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 # The code whose speed a profile measures: a saved profile of other code is not reused.
 PASS_CODE = ("model_runner.py", "decoder_pass.py", "attention.py", "kv_cache.py", "packed_linear.py",
-             "packed_kernels.py", "layer_kernels.py")
+             "packed_kernels.py", "layer_kernels.py", "int8_kernel.py")
 ROWS = (1, 4, 16)
 CONTEXT_LENGTHS = (32, 256, 1024)
 TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
@@ -205,7 +205,9 @@ def pass_code_version() -> str:
 
 def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
     fingerprint = model_fingerprint(runner.model)
-    name = f"{device_name(runner.device)}-{fingerprint}-{runner.dtype}-code{pass_code_version()}"
+    # the same packed weights compute otherwise with 8-bit activations (--quantization gguf-int8)
+    int8 = "-int8" if getattr(runner.model.get_output_embeddings(), "int8_activations", False) else ""
+    name = f"{device_name(runner.device)}-{fingerprint}{int8}-{runner.dtype}-code{pass_code_version()}"
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
     return cache_dir / "profiles" / f"{safe}.json"
 

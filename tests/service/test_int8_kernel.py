@@ -15,6 +15,7 @@ from service.int8_kernel import BLOCK, int8_matmul, int8_supported, int8_tiles
 from service.model_runner import ModelRunner
 from service.model_tables import compute_tables
 from service.packed_linear import LLAMA_LINEARS, PackedLinear, pack_gguf_linears, tiles_from_blocks
+from service.profiler import profile_path
 from tests.conftest import make_tiny_model
 from tests.service.test_packed_linear import Q4_1, Q8_0, random_blocks, reference, write_tiny_gguf
 
@@ -69,11 +70,11 @@ def tiny_int8(tmp_path_factory):
     packed = make_tiny_model(seed=3)
     packed.load_state_dict(plain.state_dict())
     assert pack_gguf_linears(packed, path, int8_activations=True) == 15
-    return plain, packed
+    return plain, packed, path
 
 
 def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
-    plain, packed = tiny_int8
+    plain, packed, _ = tiny_int8
     for name, module in packed.named_modules():
         if name.endswith((*LLAMA_LINEARS.values(), "lm_head")):
             assert isinstance(module, PackedLinear) and "int8" in module.extra_repr()
@@ -82,8 +83,16 @@ def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
             torch.testing.assert_close(module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5)
 
 
+def test_its_cost_profile_is_not_the_float_activations_one(tiny_int8, tmp_path) -> None:
+    plain, packed, path = tiny_int8
+    floats = make_tiny_model(seed=3)
+    floats.load_state_dict(plain.state_dict())
+    pack_gguf_linears(floats, path)  # the same buffers, float activations
+    assert profile_path(tmp_path, ModelRunner(packed)) != profile_path(tmp_path, ModelRunner(floats))
+
+
 def test_speculation_on_the_int8_path_equals_its_plain_decoding(tiny_int8) -> None:
-    _, packed = tiny_int8
+    _, packed, _ = tiny_int8
     engine = Engine(ModelRunner(packed), default_mixer(TableSlot(compute_tables(packed, batch_size=16, show_progress=False))),
                     eos_token_ids=[], max_context=512)
     prompt = [5, 9, 5, 9, 5, 9, 12, 30, 5, 9, 5]
@@ -98,7 +107,7 @@ def test_int8_rows_batched_with_other_requests_equal_each_request_alone(tiny_int
     every pass size, so each request gets what it gets alone."""
     from tests.service.test_batching import LENGTHS, MODES, PROMPTS, make_engine
 
-    _, packed = tiny_int8
+    _, packed, _ = tiny_int8
     engine = make_engine(ModelRunner(packed), TableSlot(compute_tables(packed, batch_size=16, show_progress=False)))
     requests = [(p, GenerationParams(n, speculation=m)) for p, n, m in zip(PROMPTS, LENGTHS, MODES)]
     together = engine.complete_many(requests)
