@@ -36,6 +36,7 @@ from numba import njit, prange
 COLUMNS = 16  # output columns of a tile: one vector of 16 int32 / float32 lanes
 BLOCK = 32  # inputs per block (Q4_1's, and the activations' scale)
 TILE_BYTES = BLOCK * COLUMNS // 2  # a block of a tile: 4 vectors of 64 bytes
+ROW_GROUP = 4  # rows sharing each loaded block (their accumulators and the block fit 32 registers)
 REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vnni")
 
 
@@ -111,7 +112,9 @@ def _ir(kind: str) -> str:
     """The tile kernel's LLVM IR: tiles(packed, d, m, xq, dx, xs, out, rows, blocks,
     out_stride, count) computes out[r, 16u : 16u + 16] for the `count` tiles from `packed`.
     Q4_1: weights (nibbles, unsigned) times xq (signed), plus m·xs; Q8_0: xq + 128 (unsigned)
-    times the weights (signed), the sums starting from m = -128·Σ w."""
+    times the weights (signed), the sums starting from m = -128·Σ w. Rows go `ROW_GROUP` at a
+    time through each block, so a block's weights are loaded (and unpacked) once for the group;
+    every row's arithmetic is the same in a group as alone."""
     from llvmlite import ir
 
     i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -123,82 +126,93 @@ def _ir(kind: str) -> str:
             f32.as_pointer(), f32.as_pointer(), i64, i64, i64, i64]
     function = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name="tiles")
     packed0, d0, m0, xq, dx, xs, out0, rows, blocks, out_stride, count = function.args
-    start, tile_head, row_head, block_body, row_end, tile_end, done = (
-        function.append_basic_block(name) for name in ("start", "tile", "row", "block", "row_end", "tile_end", "done"))
     const = lambda value: ir.Constant(i64, value)  # noqa: E731
-
-    b = ir.IRBuilder(start)
-    b.branch(tile_head)
+    block_bytes = TILE_BYTES if kind == "Q4_1" else 2 * TILE_BYTES
+    start, tile_head = function.append_basic_block("start"), function.append_basic_block("tile")
+    ir.IRBuilder(start).branch(tile_head)
 
     b = ir.IRBuilder(tile_head)
     tile = b.phi(i64, "tile")
     tile.add_incoming(const(0), start)
-    block_bytes = TILE_BYTES if kind == "Q4_1" else 2 * TILE_BYTES
     packed = b.gep(packed0, [b.mul(tile, b.mul(blocks, const(block_bytes)))])
     d = b.gep(d0, [b.mul(tile, b.mul(blocks, const(COLUMNS)))])
     m = b.gep(b.bitcast(m0, (f32 if kind == "Q4_1" else i32).as_pointer()), [b.mul(tile, b.mul(blocks, const(COLUMNS)))])
     out = b.gep(out0, [b.mul(tile, const(COLUMNS))])
-    b.branch(row_head)
 
-    b = ir.IRBuilder(row_head)
-    row = b.phi(i64, "row")
-    row.add_incoming(const(0), tile_head)
-    b.branch(block_body)
+    def rows_loop(entry: Any, first_row: Any, group: int) -> tuple[Any, Any]:
+        """Rows `group` at a time from `first_row` while a whole group fits; returns the exit
+        block and the first row left."""
+        head, body, stored, leave = (function.append_basic_block(f"{name}{group}")
+                                     for name in ("rows", "block", "stored", "left"))
+        b = ir.IRBuilder(entry)
+        b.branch(head)
+        b = ir.IRBuilder(head)
+        row = b.phi(i64, "row")
+        row.add_incoming(first_row, entry)
+        b.cbranch(b.icmp_unsigned("<=", b.add(row, const(group)), rows), body, leave)
 
-    b = ir.IRBuilder(block_body)
-    block = b.phi(i64, "block")
-    block.add_incoming(const(0), row_head)
-    total = b.phi(floats, "total")
-    total.add_incoming(ir.Constant(floats, [0.0] * COLUMNS), row_head)
-    inputs = b.gep(xq, [b.add(b.mul(row, b.mul(blocks, const(BLOCK))), b.mul(block, const(BLOCK)))])
-    weights = b.gep(packed, [b.mul(block, const(block_bytes))])
+        b = ir.IRBuilder(body)
+        block = b.phi(i64, "block")
+        block.add_incoming(const(0), head)
+        totals = [b.phi(floats, f"total{r}") for r in range(group)]
+        for total in totals:
+            total.add_incoming(ir.Constant(floats, [0.0] * COLUMNS), head)
+        weights = b.gep(packed, [b.mul(block, const(block_bytes))])
+        scales = b.load(b.bitcast(b.gep(d, [b.mul(block, const(COLUMNS))]), floats.as_pointer()), align=4)
+        column_terms = b.load(b.bitcast(b.gep(m, [b.mul(block, const(COLUMNS))]),
+                                        (floats if kind == "Q4_1" else ints).as_pointer()), align=4)
 
-    def four_inputs(offset: int) -> Any:  # xq[offset : offset + 4] in every 32-bit lane
-        word = b.load(b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1)
-        lanes = b.insert_element(ir.Constant(ints, None), word, ir.Constant(i32, 0))
-        return b.bitcast(b.shuffle_vector(lanes, ir.Constant(ints, None), ir.Constant(ints, [0] * COLUMNS)), bytes64)
+        def splat(pointer: Any) -> Any:
+            lanes = b.insert_element(ir.Constant(floats, None), b.load(pointer), ir.Constant(i32, 0))
+            return b.shuffle_vector(lanes, ir.Constant(floats, None), ir.Constant(ints, [0] * COLUMNS))
 
-    def splat(pointer: Any) -> Any:
-        lanes = b.insert_element(ir.Constant(floats, None), b.load(pointer), ir.Constant(i32, 0))
-        return b.shuffle_vector(lanes, ir.Constant(floats, None), ir.Constant(ints, [0] * COLUMNS))
+        vectors = [b.load(b.bitcast(b.gep(weights, [const(64 * g)]), bytes64.as_pointer()), align=1)
+                   for g in range(block_bytes // 64)]
+        if kind == "Q4_1":  # (weights, input offset) pairs: low nibbles 4g.., high ones 16+4g..
+            nibble, four = ir.Constant(bytes64, [15] * 64), ir.Constant(bytes64, [4] * 64)
+            operands = [(b.and_(v, nibble), 4 * g) for g, v in enumerate(vectors)]
+            operands += [(b.and_(b.lshr(v, four), nibble), BLOCK // 2 + 4 * g) for g, v in enumerate(vectors)]
+        else:
+            operands = [(v, 4 * g) for g, v in enumerate(vectors)]
+        news = []
+        for r, total in enumerate(totals):
+            this_row = b.add(row, const(r))
+            inputs = b.gep(xq, [b.add(b.mul(this_row, b.mul(blocks, const(BLOCK))), b.mul(block, const(BLOCK)))])
+            sums = ir.Constant(ints, [0] * COLUMNS) if kind == "Q4_1" else column_terms
+            for weight, offset in operands:  # xq[offset : offset + 4] in every 32-bit lane
+                word = b.load(b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1)
+                lanes = b.insert_element(ir.Constant(ints, None), word, ir.Constant(i32, 0))
+                four_inputs = b.bitcast(b.shuffle_vector(lanes, ir.Constant(ints, None),
+                                                         ir.Constant(ints, [0] * COLUMNS)), bytes64)
+                pair = [weight, four_inputs] if kind == "Q4_1" else [four_inputs, weight]  # unsigned first
+                sums = b.call(dot, [sums, *pair])
+            row_block = b.add(b.mul(this_row, blocks), block)
+            new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(b.gep(dx, [row_block]))), total])
+            if kind == "Q4_1":
+                new = b.call(fma, [column_terms, splat(b.gep(xs, [row_block])), new])
+            news.append(new)
+        block_next = b.add(block, const(1))
+        block.add_incoming(block_next, body)
+        for total, new in zip(totals, news):
+            total.add_incoming(new, body)
+        b.cbranch(b.icmp_unsigned("<", block_next, blocks), body, stored)
 
-    def vector(group: int) -> Any:
-        return b.load(b.bitcast(b.gep(weights, [const(64 * group)]), bytes64.as_pointer()), align=1)
+        b = ir.IRBuilder(stored)
+        for r, new in enumerate(news):
+            b.store(new, b.bitcast(b.gep(out, [b.mul(b.add(row, const(r)), out_stride)]), floats.as_pointer()), align=4)
+        row_next = b.add(row, const(group))
+        row.add_incoming(row_next, stored)
+        b.branch(head)
+        return leave, row
 
-    row_block = b.add(b.mul(row, blocks), block)
-    scales = b.load(b.bitcast(b.gep(d, [b.mul(block, const(COLUMNS))]), floats.as_pointer()), align=4)
-    column_terms = b.load(b.bitcast(b.gep(m, [b.mul(block, const(COLUMNS))]),
-                                    (floats if kind == "Q4_1" else ints).as_pointer()), align=4)
-    if kind == "Q4_1":
-        nibble, four = ir.Constant(bytes64, [15] * 64), ir.Constant(bytes64, [4] * 64)
-        sums = ir.Constant(ints, [0] * COLUMNS)
-        for group in range(4):
-            weight = vector(group)
-            sums = b.call(dot, [sums, b.and_(weight, nibble), four_inputs(4 * group)])
-            sums = b.call(dot, [sums, b.and_(b.lshr(weight, four), nibble), four_inputs(BLOCK // 2 + 4 * group)])
-        total_next = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(b.gep(dx, [row_block]))), total])
-        total_next = b.call(fma, [column_terms, splat(b.gep(xs, [row_block])), total_next])
-    else:
-        sums = column_terms
-        for group in range(8):
-            sums = b.call(dot, [sums, four_inputs(4 * group), vector(group)])
-        total_next = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(b.gep(dx, [row_block]))), total])
-    block_next = b.add(block, const(1))
-    block.add_incoming(block_next, block_body)
-    total.add_incoming(total_next, block_body)
-    b.cbranch(b.icmp_unsigned("<", block_next, blocks), block_body, row_end)
+    left, row = rows_loop(tile_head, const(0), ROW_GROUP)
+    left, _ = rows_loop(left, row, 1)
 
-    b = ir.IRBuilder(row_end)
-    b.store(total_next, b.bitcast(b.gep(out, [b.mul(row, out_stride)]), floats.as_pointer()), align=4)
-    row_next = b.add(row, const(1))
-    row.add_incoming(row_next, row_end)
-    b.cbranch(b.icmp_unsigned("<", row_next, rows), row_head, tile_end)
-
-    b = ir.IRBuilder(tile_end)
+    b = ir.IRBuilder(left)
     tile_next = b.add(tile, const(1))
-    tile.add_incoming(tile_next, tile_end)
+    tile.add_incoming(tile_next, left)
+    done = function.append_basic_block("done")
     b.cbranch(b.icmp_unsigned("<", tile_next, count), tile_head, done)
-
     ir.IRBuilder(done).ret_void()
     return str(module)
 
