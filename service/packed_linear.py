@@ -284,12 +284,7 @@ class PackedLinear(nn.Module):
                 xs, t.qs, t.d, t.m, out, threads, self.fused_max_rows)
         else:
             (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(xs, t.qs, t.d, out, threads)
-        y = torch.from_numpy(out)
-        if out.shape[1] != self.out_features:
-            y = y[:, : self.out_features]
-        if x.dtype != torch.float32:
-            y = y.to(x.dtype)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        return self._shaped(out, x)
 
     def _int8_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The VNNI kernel, whatever the pass size: a prompt chunk's rows then compute as
@@ -300,6 +295,11 @@ class PackedLinear(nn.Module):
         out = np.empty((xs.shape[0], t.packed.shape[0] * COLUMNS), np.float32)
         threads = _threads() if xs.shape[0] * t.packed.size >= PARALLEL_MIN_BYTES else 0
         int8_matmul(t.kind)(xs, t.packed, t.d, t.m, out, threads if threads > 1 else 0)
+        return self._shaped(out, x)
+
+    def _shaped(self, out: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+        """A kernel's output [rows, whole tiles] as the layer's: its columns, x's dtype and
+        leading dimensions."""
         y = torch.from_numpy(out)
         if out.shape[1] != self.out_features:
             y = y[:, : self.out_features]

@@ -8,16 +8,22 @@ import numpy as np
 import pytest
 import torch
 
-from drafting import TableSlot, default_mixer
+from drafting import TableSlot
 from service.config import GenerationParams, SpeculationParams
-from service.engine import Engine
 from service.int8_kernel import BLOCK, int8_matmul, int8_supported, int8_tiles
 from service.model_runner import ModelRunner
 from service.model_tables import compute_tables
 from service.packed_linear import LLAMA_LINEARS, PackedLinear, pack_gguf_linears, tiles_from_blocks
 from service.profiler import profile_path
 from tests.conftest import make_tiny_model
-from tests.service.test_packed_linear import Q4_1, Q8_0, random_blocks, reference, write_tiny_gguf
+from tests.service.test_packed_linear import (
+    Q4_1,
+    Q8_0,
+    assert_speculation_equals_plain_decoding,
+    random_blocks,
+    reference,
+    write_tiny_gguf,
+)
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="the CPU lacks AVX-512 VNNI")
 
@@ -92,14 +98,7 @@ def test_its_cost_profile_is_not_the_float_activations_one(tiny_int8, tmp_path) 
 
 
 def test_speculation_on_the_int8_path_equals_its_plain_decoding(tiny_int8) -> None:
-    _, packed, _ = tiny_int8
-    engine = Engine(ModelRunner(packed), default_mixer(TableSlot(compute_tables(packed, batch_size=16, show_progress=False))),
-                    eos_token_ids=[], max_context=512)
-    prompt = [5, 9, 5, 9, 5, 9, 12, 30, 5, 9, 5]
-    plain = engine.complete(prompt, GenerationParams(max_new_tokens=40)).token_ids
-    for k, w in ((1, 1), (2, 3), (4, 4)):
-        params = GenerationParams(max_new_tokens=40, speculation=SpeculationParams(k, w))
-        assert engine.complete(prompt, params).token_ids == plain, (k, w)
+    assert_speculation_equals_plain_decoding(tiny_int8[1])
 
 
 def test_int8_rows_batched_with_other_requests_equal_each_request_alone(tiny_int8) -> None:
