@@ -270,3 +270,14 @@ def int8_matmul(kind: str = "Q4_1") -> Any:
                              rows, blocks, out.shape[1], last - first)
 
     return matmul
+
+
+def warm_up() -> None:
+    """Build and compile both kinds' kernels now (a few seconds: LLVM, then numba, which
+    cannot cache code that calls into this process's own machine code), not in the first
+    request's pass: a load test's first request waited 2.4 s for them."""
+    x = np.zeros((1, BLOCK), np.float32)
+    for kind, block_bytes, extra in (("Q4_1", TILE_BYTES, np.float32), ("Q8_0", 2 * TILE_BYTES, np.int32)):
+        scales = np.zeros((1, 1, COLUMNS), np.float32)
+        int8_matmul(kind)(x, np.zeros((1, 1, block_bytes), np.uint8), scales, np.zeros((1, 1, COLUMNS), extra),
+                          np.empty((1, COLUMNS), np.float32), 0)

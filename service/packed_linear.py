@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from service.int8_kernel import COLUMNS, REQUIRED_FEATURES, int8_matmul, int8_supported, int8_tiles
+from service.int8_kernel import warm_up as warm_up_int8
 
 log = logging.getLogger(__name__)
 
@@ -447,6 +448,8 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
     if int8_activations and not int8_supported():
         raise ValueError(f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}; "
                          "use --quantization gguf")
+    if int8_activations:
+        warm_up_int8()
     kernels = load_kernels(cache_dir) if use_kernels else None
     from_file = tiles_file is not None and tiles_file.exists()
     if from_file:
