@@ -22,7 +22,7 @@ from tests.service.test_packed_linear import (
     assert_speculation_equals_plain_decoding,
     random_blocks,
     reference,
-    write_tiny_gguf,
+    tiny_gguf_twins,
 )
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="the CPU lacks AVX-512 VNNI")
@@ -70,11 +70,7 @@ def test_a_rows_result_does_not_depend_on_the_pass(kind) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_int8(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf"
-    plain = make_tiny_model(seed=3)
-    write_tiny_gguf(plain, path)
-    packed = make_tiny_model(seed=3)
-    packed.load_state_dict(plain.state_dict())
+    plain, packed, path = tiny_gguf_twins(tmp_path_factory.mktemp("gguf"))
     assert pack_gguf_linears(packed, path, int8_activations=True) == 15
     return plain, packed, path
 

@@ -185,14 +185,21 @@ def write_tiny_gguf(model, path: Path) -> None:
     writer.close()
 
 
+def tiny_gguf_twins(directory: Path):
+    """The tiny Llama with Q4_1 weights written to a GGUF in `directory`: the float32 model, a
+    second copy of it to pack, and the file."""
+    path = directory / "tiny.Q4_1.gguf"
+    plain = make_tiny_model(seed=3)
+    write_tiny_gguf(plain, path)
+    twin = make_tiny_model(seed=3)
+    twin.load_state_dict(plain.state_dict())
+    return plain, twin, path
+
+
 @pytest.fixture(scope="module")
 def tiny_packed(tmp_path_factory):
     """The tiny Llama with Q4_1 weights, as float32 and with its linears packed."""
-    path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf"
-    plain = make_tiny_model(seed=3)
-    write_tiny_gguf(plain, path)
-    packed = make_tiny_model(seed=3)
-    packed.load_state_dict(plain.state_dict())
+    plain, packed, path = tiny_gguf_twins(tmp_path_factory.mktemp("gguf"))
     tiles_file = path.with_suffix(".npz")
     assert pack_gguf_linears(packed, path, tiles_file=tiles_file) == 15  # 2 layers x 7, and the LM head
     return plain, packed, path, tiles_file
