@@ -18,7 +18,7 @@ Masks: row r's node i sees the row's committed cache [0, start_r) and its own an
 the tree (itself included), nothing else — the same rule as a single sequence.
 
 On the packed CPU path the rows of at most `kernel_width` tokens (decode rows) skip the
-batched call: a numba kernel (`service/layer_kernels.py`) attends each of their tokens over its
+batched call: a kernel (`service/attention_kernel.py`) attends each of their tokens over its
 own row's length, with no padding to the longest row; wider rows get a call of their own.
 
 A row may bring only the newer part of a tree: nodes [0, cached) then already sit, uncommitted,
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +39,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from service.attention_kernel import token_attention
 from service.tree import TokenTree
 
 IMPLEMENTATION = "ngrammys_ragged"
@@ -253,7 +253,6 @@ def kernel_attention(
     buffers: tuple[torch.Tensor, torch.Tensor],  # the layer's whole key and value buffers
     layout: PassLayout,
     scaling: float,
-    kernels: Any,
 ) -> torch.Tensor:
     """A layout's attention [1, T, heads, head_dim] on the packed CPU path: the attention
     kernel for its narrow rows' tokens, a call each for the wider rows."""
@@ -261,9 +260,9 @@ def kernel_attention(
     queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
     flat = torch.empty_like(queries)
     narrow = layout.kernel_queries
-    kernels.one_token_attention(queries.numpy(), buffers[0].numpy(), buffers[1].numpy(), narrow.tokens, narrow.rows,
-                                narrow.starts, narrow.columns, narrow.column_offsets, np.float32(scaling),
-                                flat.numpy())
+    attend = token_attention(queries.shape[2], queries.shape[1] // buffers[0].shape[1])
+    attend(queries.numpy(), buffers[0].numpy(), buffers[1].numpy(), narrow.tokens, narrow.rows, narrow.starts,
+           narrow.columns, narrow.column_offsets, np.float32(scaling), flat.numpy())
     _attend_separate_rows(query, *buffers, layout, scaling, flat)
     return flat[None]
 

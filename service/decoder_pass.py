@@ -101,8 +101,8 @@ def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLay
         layer_cache = cache.layers[index]
         queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, layer_cache, kernels)
         if layout.kernel_queries is not None:
-            out = kernel_attention(queries, (layer_cache.keys, layer_cache.values), layout, attn.scaling,
-                                   kernels)  # [1, T, heads, head_dim]
+            out = kernel_attention(queries, (layer_cache.keys, layer_cache.values), layout,
+                                   attn.scaling)  # [1, T, heads, head_dim]
         else:
             out, _ = ragged_attention(attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=layout)
         x = x + projections.o(out.reshape(tokens, -1))

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
+from service.native import compile_ir
+
 COLUMNS = 16  # output columns of a tile: one vector of 16 int32 / float32 lanes
 BLOCK = 32  # inputs per block (Q4_1's, and the activations' scale)
 TILE_BYTES = BLOCK * COLUMNS // 2  # a block of a tile: 4 vectors of 64 bytes
@@ -217,9 +219,6 @@ def _ir(kind: str) -> str:
     return str(module)
 
 
-_compiled: list[Any] = []  # the execution engine must outlive every call of its code
-
-
 @functools.cache
 def int8_matmul(kind: str = "Q4_1") -> Any:
     """`int8_matmul(kind)(x, packed, d, m, out, chunks)`: out[R, 16U] = x[R, K] @ W.T for
@@ -228,21 +227,7 @@ def int8_matmul(kind: str = "Q4_1") -> Any:
     thread)."""
     if not int8_supported():
         raise RuntimeError(f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}")
-    import llvmlite.binding as llvm
-
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    target = llvm.Target.from_triple(llvm.get_process_triple())
-    machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                           features=llvm.get_host_cpu_features().flatten(), opt=3)
-    module = llvm.parse_assembly(_ir(kind))
-    module.verify()
-    engine = llvm.create_mcjit_compiler(module, machine)
-    engine.finalize_object()
-    _compiled.append(engine)
-    pointer = ctypes.c_int64
-    tiles_kernel = ctypes.CFUNCTYPE(None, *[pointer] * 7, *[ctypes.c_int64] * 4)(engine.get_function_address("tiles"))
-    _compiled.append(tiles_kernel)
+    tiles_kernel = compile_ir(_ir(kind), "tiles", [ctypes.c_int64] * 11)
     offset = 0 if kind == "Q4_1" else 128  # Q8_0: the activations are the unsigned operand
 
     @njit(parallel=True, nogil=True)

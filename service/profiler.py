@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 # The code whose speed a profile measures: a saved profile of other code is not reused.
 PASS_CODE = ("model_runner.py", "decoder_pass.py", "attention.py", "kv_cache.py", "packed_linear.py",
-             "packed_kernels.py", "layer_kernels.py", "int8_kernel.py")
+             "packed_kernels.py", "layer_kernels.py", "int8_kernel.py", "attention_kernel.py")
 ROWS = (1, 4, 16)
 CONTEXT_LENGTHS = (32, 256, 1024)
 TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)

@@ -64,49 +64,6 @@ def test_the_packed_pass_with_its_layer_kernels_matches_the_torch_operators(tiny
     torch.testing.assert_close(with_kernels, without, rtol=1e-4, atol=1e-4)
 
 
-def kernel_attention_of(queries, keys, values, starts, paths, scale=0.25):
-    """`one_token_attention` of token i (row i) over columns [0, starts[i]) then `paths[i]`."""
-    out = torch.full_like(queries, float("nan"))
-    columns = [c for path in paths for c in path]
-    offsets = torch.tensor([0, *[len(p) for p in paths]]).cumsum(0)
-    rows = torch.arange(queries.shape[0])
-    loaded_layer_kernels().one_token_attention(
-        queries.numpy(), keys.numpy(), values.numpy(), rows.numpy(), rows.numpy(), torch.tensor(starts).numpy(),
-        torch.tensor(columns, dtype=torch.long).numpy(), offsets.numpy(), np.float32(scale), out.numpy())
-    return out
-
-
-def test_the_attention_kernel_matches_sdpa_over_each_rows_own_columns() -> None:
-    """Rows of other lengths in one call, three query heads per KV head; each token sees its
-    committed columns and its tree path, nothing else (not the sibling branch at column 9)."""
-    generator = torch.Generator().manual_seed(0)
-    heads, kv_heads, dim, capacity = 6, 2, 16, 40
-    keys = torch.randn(3, kv_heads, capacity, dim, generator=generator)
-    values = torch.randn(3, kv_heads, capacity, dim, generator=generator)
-    queries = torch.randn(3, heads, dim, generator=generator)
-    starts, paths = [31, 5, 8], [[31], [5], [8, 10, 11]]
-    out = kernel_attention_of(queries, keys, values, starts, paths)
-    for row, (start, path) in enumerate(zip(starts, paths)):
-        seen = list(range(start)) + path
-        expected = F.scaled_dot_product_attention(
-            queries[row, :, None], keys[row, :, seen], values[row, :, seen], scale=0.25, enable_gqa=True)[:, 0]
-        torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-6)
-
-
-def test_a_tree_node_gets_the_bits_of_the_same_token_decoded_alone() -> None:
-    """Committed columns and ancestors are one ordered sequence: the node at columns 8, 10, 11
-    of a tree equals the token at column 10 after committing 8 and 10's keys at 8 and 9."""
-    generator = torch.Generator().manual_seed(1)
-    keys, values = torch.randn(1, 1, 16, 8, generator=generator), torch.randn(1, 1, 16, 8, generator=generator)
-    query = torch.randn(1, 3, 8, generator=generator)
-    in_tree = kernel_attention_of(query, keys, values, [8], [[8, 10, 11]])
-    committed_keys, committed_values = keys.clone(), values.clone()
-    for source, target in ((10, 9), (11, 10)):
-        committed_keys[0, 0, target], committed_values[0, 0, target] = keys[0, 0, source], values[0, 0, source]
-    alone = kernel_attention_of(query, committed_keys, committed_values, [10], [[10]])
-    assert torch.equal(in_tree, alone)
-
-
 def test_one_token_rows_of_a_packed_pass_attend_through_the_kernel(tiny_packed) -> None:  # noqa: F811
     """Plain rows of other lengths beside a tree row: the plain rows go to the kernel, the tree
     gets a call of its own, and every node's logits are those of decoding its path alone."""
