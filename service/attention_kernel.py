@@ -317,3 +317,13 @@ def token_attention(head_dim: int, group: int) -> Any:
                    out[token, kv_head * group:].ctypes.data, scores.ctypes.data, positions.ctypes.data)
 
     return attention
+
+
+def warm_up(head_dim: int, group: int) -> None:
+    """Build and compile the kernel for a model's heads now (about a second: LLVM, then numba
+    for these argument types), not in the first request's pass."""
+    index = np.zeros(1, np.int64)
+    queries = np.zeros((1, group, head_dim), np.float32)
+    cache = np.zeros((1, 1, 1, head_dim), np.float32)
+    token_attention(head_dim, group)(queries, cache, cache, index, index, index, index, np.array([0, 1]),
+                                     np.float32(1.0), np.empty_like(queries))

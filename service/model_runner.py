@@ -21,7 +21,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
 from service.attention import build_layout, use_ragged_attention
-from service.attention_kernel import token_attention
+from service.attention_kernel import warm_up as warm_up_attention
 from service.decoder_pass import attention_kernel_width, lean_hidden, supports_lean_pass
 from service.kv_cache import TreeKVCache
 from service.tree import TokenTree
@@ -66,7 +66,7 @@ class ModelRunner:
         )
         self.query_groups: int = config.num_attention_heads // config.num_key_value_heads
         if self.lean and attention_kernel_width(self.model):  # compile it now, not in the first request's pass
-            token_attention(head_dim, self.query_groups)
+            warm_up_attention(head_dim, self.query_groups)
 
     def new_cache(self, rows: int = 0) -> TreeKVCache:
         return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows)
