@@ -260,11 +260,18 @@ def kernel_attention(
     queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
     flat = torch.empty_like(queries)
     narrow = layout.kernel_queries
-    attend = token_attention(queries.shape[2], queries.shape[1] // buffers[0].shape[1])
-    attend(queries.numpy(), buffers[0].numpy(), buffers[1].numpy(), narrow.tokens, narrow.rows, narrow.starts,
+    keys, values = buffers
+    attend = token_attention(queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16)
+    attend(queries.numpy(), kernel_array(keys), kernel_array(values), narrow.tokens, narrow.rows, narrow.starts,
            narrow.columns, narrow.column_offsets, np.float32(scaling), flat.numpy())
     _attend_separate_rows(query, *buffers, layout, scaling, flat)
     return flat[None]
+
+
+def kernel_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the kernels take it: float16 as its uint16 bits (numba has no float16)."""
+    array = tensor.numpy()
+    return array.view(np.uint16) if tensor.dtype == torch.float16 else array
 
 
 def _attend_separate_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PassLayout,

@@ -19,6 +19,11 @@ lanes (8 or 4 when the head size is not a multiple of 16):
   same fixed tree.
 - out[c] = (Σ_j p_j·v_j[c], fused multiply-adds in column order) / sum.
 
+The cache may hold float16 (the 8-bit path's, as llama.cpp keeps it): entries are widened to
+float32 as they are loaded, the arithmetic is the same. Sixteen decoding rows read every row's
+keys and values once a layer, from memory, not from a cache: halving those bytes is what makes
+that pass cheaper (docs/benchmarks.md, sixteenth session).
+
 It replaces a numba kernel that spent ~30 core cycles a (query head, column) pair (scores as a
 horizontal sum each, the value sums through memory), half of a long prompt chunk's pass on the
 8-bit path; numba's vectorizer cannot be told to keep a float order across loop shapes, so the
@@ -61,10 +66,11 @@ class _Emitter:
     out [group, head_dim]; scores [group * padded] float32 and positions [padded] int64 are
     scratch, padded = n rounded up to `lanes`."""
 
-    def __init__(self, head_dim: int, group: int) -> None:
+    def __init__(self, head_dim: int, group: int, half: bool) -> None:
         from llvmlite import ir
 
         self.ir, self.group, self.lanes = ir, group, lanes_for(head_dim)
+        self.entry = ir.HalfType() if half else ir.FloatType()  # the cache's keys and values
         self.chunks = head_dim // self.lanes
         self.head_dim = head_dim
         self.i32, self.i64, self.f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -76,9 +82,9 @@ class _Emitter:
         self.maxnum = ir.Function(self.module, ir.FunctionType(v, [v, v]), name=f"llvm.maxnum.v{self.lanes}f32")
         self.reduce_max = ir.Function(self.module, ir.FunctionType(self.f32, [v]),
                                       name=f"llvm.vector.reduce.fmax.v{self.lanes}f32")
-        f32p, i64p = self.f32.as_pointer(), self.i64.as_pointer()
-        signature = ir.FunctionType(ir.VoidType(), [f32p, f32p, f32p, self.i64, i64p, self.i64, ir.DoubleType(),
-                                                    f32p, f32p, i64p])
+        f32p, i64p, entries = self.f32.as_pointer(), self.i64.as_pointer(), self.entry.as_pointer()
+        signature = ir.FunctionType(ir.VoidType(), [f32p, entries, entries, self.i64, i64p, self.i64,
+                                                    ir.DoubleType(), f32p, f32p, i64p])
         self.function = ir.Function(self.module, signature, name="attend")
         self.b = ir.IRBuilder(self.function.append_basic_block("entry"))
 
@@ -98,6 +104,15 @@ class _Emitter:
     def load_vector(self, pointer: Any, offset: Any) -> Any:
         b = self.b
         return b.load(b.bitcast(b.gep(pointer, [offset]), self.vector.as_pointer()), align=4)
+
+    def load_entries(self, pointer: Any, offset: Any) -> Any:
+        """`lanes` keys' or values' entries from the cache, as float32."""
+        b = self.b
+        if isinstance(self.entry, self.ir.FloatType):
+            return self.load_vector(pointer, offset)
+        entries = b.load(b.bitcast(b.gep(pointer, [offset]), self.ir.VectorType(self.entry, self.lanes).as_pointer()),
+                         align=2)
+        return b.fpext(entries, self.vector)
 
     def store_vector(self, value: Any, pointer: Any, offset: Any) -> None:
         b = self.b
@@ -139,7 +154,7 @@ class _Emitter:
         """q·k per lane: lane l sums dims l, l + lanes, ... in order."""
         b = self.b
         base = b.mul(position, self.const(self.head_dim))
-        key = [self.load_vector(keys, b.add(base, self.const(c * self.lanes))) for c in range(self.chunks)]
+        key = [self.load_entries(keys, b.add(base, self.const(c * self.lanes))) for c in range(self.chunks)]
         total = b.fmul(query[0], key[0])
         for c in range(1, self.chunks):
             total = b.call(self.fma, [query[c], key[c], total])
@@ -270,7 +285,7 @@ class _Emitter:
 
         def column(j: Any, carried: list[Any]) -> list[Any]:
             base = b.mul(b.load(b.gep(positions, [j])), self.const(self.head_dim))
-            value = [self.load_vector(values, b.add(base, self.const(c * lanes))) for c in range(self.chunks)]
+            value = [self.load_entries(values, b.add(base, self.const(c * lanes))) for c in range(self.chunks)]
             updated = []
             for i, h in enumerate(heads):
                 p = self.splat(b.load(b.gep(scores, [b.add(b.mul(self.const(h), padded), j)])))
@@ -286,17 +301,17 @@ class _Emitter:
 
 
 @functools.cache
-def token_attention(head_dim: int, group: int) -> Any:
-    """`token_attention(head_dim, group)(queries, keys, values, tokens, rows, starts, columns,
-    column_offsets, scale, out)`: attention of the flat tokens `tokens` [n] of a pass.
+def token_attention(head_dim: int, group: int, half: bool = False) -> Any:
+    """`token_attention(head_dim, group, half)(queries, keys, values, tokens, rows, starts,
+    columns, column_offsets, scale, out)`: attention of the flat tokens `tokens` [n] of a pass.
 
     queries [T, heads, head_dim]; keys, values [rows, kv_heads, capacity, head_dim] (the cache's
-    whole buffers), heads = group * kv_heads; token i attends to columns [0, starts[i]) of row
-    rows[i], then to columns[column_offsets[i]:column_offsets[i + 1]] (its tree path,
-    ascending). Writes out[tokens[i]] [heads, head_dim]. One task per (token, KV head) over
+    whole buffers: float32, or with `half` float16 as uint16 bits), heads = group * kv_heads;
+    token i attends to columns [0, starts[i]) of row rows[i], then to
+    columns[column_offsets[i]:column_offsets[i + 1]] (its tree path, ascending). Writes out[tokens[i]] [heads, head_dim]. One task per (token, KV head) over
     numba's threads."""
     pointer = ctypes.c_int64
-    attend = compile_ir(_Emitter(head_dim, group).build(), "attend",
+    attend = compile_ir(_Emitter(head_dim, group, half).build(), "attend",
                         [pointer, pointer, pointer, ctypes.c_int64, pointer, ctypes.c_int64, ctypes.c_double,
                          pointer, pointer, pointer])
     lanes = lanes_for(head_dim)
@@ -319,11 +334,11 @@ def token_attention(head_dim: int, group: int) -> Any:
     return attention
 
 
-def warm_up(head_dim: int, group: int) -> None:
+def warm_up(head_dim: int, group: int, half: bool) -> None:
     """Build and compile the kernel for a model's heads now (about a second: LLVM, then numba
     for these argument types), not in the first request's pass."""
     index = np.zeros(1, np.int64)
     queries = np.zeros((1, group, head_dim), np.float32)
-    cache = np.zeros((1, 1, 1, head_dim), np.float32)
-    token_attention(head_dim, group)(queries, cache, cache, index, index, index, index, np.array([0, 1]),
+    cache = np.zeros((1, 1, 1, head_dim), np.uint16 if half else np.float32)
+    token_attention(head_dim, group, half)(queries, cache, cache, index, index, index, index, np.array([0, 1]),
                                      np.float32(1.0), np.empty_like(queries))

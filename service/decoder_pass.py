@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from service.attention import PassLayout, kernel_attention, ragged_attention
+from service.attention import PassLayout, kernel_array, kernel_attention, ragged_attention
 from service.kv_cache import TreeKVCache
 from service.packed_linear import PackedLinear, fuse_packed, loaded_layer_kernels
 
@@ -61,6 +61,10 @@ ATTENTION_KERNEL_WIDTH = 1
 # step of an activation. With tree rows alone on the kernel, speculation still parted from
 # plain decoding at non-ties on 11 of 13 Spec-Bench prompts (k=4, w=4, embedded model).
 INT8_ATTENTION_KERNEL_WIDTH = 1 << 30
+# ... and its KV cache holds float16, as llama.cpp's does by default: a pass of sixteen
+# one-token rows reads every row's keys and values once a layer, 189 MB a pass in float32 at
+# L=256, more than the weights; float16 halves it (docs/benchmarks.md, sixteenth session).
+INT8_KV_DTYPE = torch.float16
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,12 @@ def attention_kernel_width(model: PreTrainedModel) -> int:
     return INT8_ATTENTION_KERNEL_WIDTH if int8 else ATTENTION_KERNEL_WIDTH
 
 
+def kv_cache_dtype(model: PreTrainedModel) -> torch.dtype:
+    """The dtype of `model`'s KV cache: the model's, float16 on the 8-bit path (where the
+    attention kernel reads every row)."""
+    return INT8_KV_DTYPE if attention_kernel_width(model) == INT8_ATTENTION_KERNEL_WIDTH else model.dtype
+
+
 def _layer_kernels(model: PreTrainedModel) -> Any:
     """The per-layer kernels (`service/layer_kernels.py`) when `model`'s passes run the packed
     CPU path (its linears packed, with the numba kernels; float32 on a CPU), else None."""
@@ -144,8 +154,9 @@ def _queries_and_cache(
     queries = qkv.new_empty(qkv.shape[0], heads, qkv.shape[2])
 
     def rotate_and_store(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
-        kernels.rotate_and_store(qkv.numpy(), cos.numpy(), sin.numpy(), heads, keys.numpy(), values.numpy(),
-                                 layout.write_rows.numpy(), layout.write_positions.numpy(), queries.numpy())
+        kernels.rotate_and_store(qkv.numpy(), cos.numpy(), sin.numpy(), heads, kernel_array(keys),
+                                 kernel_array(values), layout.write_rows.numpy(), layout.write_positions.numpy(),
+                                 queries.numpy())
 
     keys, values = cache_layer.write_with(new_values, rotate_and_store)
     return queries[None].transpose(1, 2), keys, values

@@ -45,8 +45,9 @@ class _RowBufferLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, head_dim = key_states.shape
         shape = (self._owner.num_rows, heads, self._owner.capacity, head_dim)
-        self.keys = key_states.new_zeros(shape)  # [rows, kv_heads, capacity, head_dim]
-        self.values = value_states.new_zeros(shape)
+        dtype = self._owner.dtype or key_states.dtype
+        self.keys = key_states.new_zeros(shape, dtype=dtype)  # [rows, kv_heads, capacity, head_dim]
+        self.values = value_states.new_zeros(shape, dtype=dtype)
         self.is_initialized = True
 
     def _fit(self) -> None:
@@ -68,8 +69,8 @@ class _RowBufferLayer(CacheLayerMixin):
         """Scatter this pass's T entries (key_states: [1, kv_heads, T, head_dim]) into their rows."""
         def scatter(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
             rows, positions = layout.write_rows, layout.write_positions  # [T] each
-            keys[rows, :, positions] = key_states[0].transpose(0, 1)  # [T, kv_heads, head_dim]
-            values[rows, :, positions] = value_states[0].transpose(0, 1)
+            keys[rows, :, positions] = key_states[0].transpose(0, 1).to(keys.dtype)  # [T, kv_heads, head_dim]
+            values[rows, :, positions] = value_states[0].transpose(0, 1).to(values.dtype)
 
         return self.write_with(key_states, scatter)
 
@@ -128,8 +129,9 @@ class _RowBufferLayer(CacheLayerMixin):
 class TreeKVCache(Cache):
     """Per-row committed lengths over growable per-layer buffers; see the module docstring."""
 
-    def __init__(self, num_layers: int, rows: int = 1) -> None:
+    def __init__(self, num_layers: int, rows: int = 1, dtype: torch.dtype | None = None) -> None:
         self.lengths: list[int] = [0] * rows
+        self.dtype = dtype  # the buffers' (None: the first entries')
         self.capacity = INITIAL_CAPACITY
         self.layout: PassLayout | None = None
         super().__init__(layers=[_RowBufferLayer(self) for _ in range(num_layers)])

@@ -22,7 +22,8 @@ numba cache.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 
 @njit(cache=True, nogil=True)
@@ -46,13 +47,14 @@ def rotate_and_store(qkv, cos, sin, heads, keys, values, rows, positions, querie
     qkv [T, heads + 2 * kv_heads, head_dim]: the fused projection's output (queries, keys,
     values); cos, sin [T, head_dim]: each token's rotary tables. Writes the rotated queries to
     queries [T, heads, head_dim], the rotated keys and the values to keys/values [rows, kv_heads,
-    capacity, head_dim] at (rows[t], positions[t]). Rotation as transformers' `rotate_half`
-    convention: x * cos + [-x2, x1] * sin."""
+    capacity, head_dim] at (rows[t], positions[t]): float32, or float16 given as its uint16
+    bits (rounded to the nearest, ties to even, as torch and numpy round). Rotation as
+    transformers' `rotate_half` convention: x * cos + [-x2, x1] * sin."""
     tokens, _, dim = qkv.shape
     kv_heads = keys.shape[1]
     half = dim // 2
+    entry = np.empty((2, kv_heads, dim), np.float32)  # one token's keys and values
     for t in range(tokens):
-        row, position = rows[t], positions[t]
         for h in range(heads + kv_heads):
             for i in range(half):
                 low, high = qkv[t, h, i], qkv[t, h, i + half]
@@ -62,11 +64,52 @@ def rotate_and_store(qkv, cos, sin, heads, keys, values, rows, positions, querie
                     queries[t, h, i] = rotated_low
                     queries[t, h, i + half] = rotated_high
                 else:
-                    keys[row, h - heads, position, i] = rotated_low
-                    keys[row, h - heads, position, i + half] = rotated_high
-        for h in range(kv_heads):
-            for i in range(dim):
-                values[row, h, position, i] = qkv[t, heads + kv_heads + h, i]
+                    entry[0, h - heads, i] = rotated_low
+                    entry[0, h - heads, i + half] = rotated_high
+        entry[1] = qkv[t, heads + kv_heads:]
+        _store_entry(entry, keys, values, rows[t], positions[t])
+
+
+def _store_entry(entry, keys, values, row, position):  # pragma: no cover - compiled through the overload
+    """keys/values[row, :, position] = entry[0]/entry[1], in the cache's type."""
+
+
+@overload(_store_entry, jit_options={"cache": True})
+def _store_entry_of(entry, keys, values, row, position):  # pragma: no cover - compiled
+    if keys.dtype == types.uint16:  # float16 bits
+        def store_half(entry, keys, values, row, position):
+            bits = entry.view(np.uint32)
+            for h in range(keys.shape[1]):
+                for i in range(keys.shape[3]):
+                    keys[row, h, position, i] = half_bits(bits[0, h, i])
+                    values[row, h, position, i] = half_bits(bits[1, h, i])
+        return store_half
+
+    def store(entry, keys, values, row, position):
+        keys[row, :, position] = entry[0]
+        values[row, :, position] = entry[1]
+    return store
+
+
+@njit(cache=True, inline="always")
+def half_bits(u):  # pragma: no cover - compiled
+    """The float16 bits (uint16) nearest the float32 of bits `u` (uint32), ties to even."""
+    sign = np.uint16((u >> 16) & 0x8000)
+    magnitude = u & 0x7FFFFFFF
+    if magnitude >= 0x47800000:  # 2^16 and above (65520 and up round to infinity below), inf, NaN
+        return sign | np.uint16(0x7E00 if magnitude > 0x7F800000 else 0x7C00)
+    if magnitude < 0x33000000:  # below 2^-25: zero
+        return sign
+    exponent, mantissa = magnitude >> 23, magnitude & 0x7FFFFF
+    if exponent < 113:  # a float16 subnormal: units of 2^-24
+        mantissa |= 0x800000
+        shift = 126 - exponent
+        bits, rest, halfway = mantissa >> shift, mantissa & ((1 << shift) - 1), 1 << (shift - 1)
+    else:
+        bits, rest, halfway = ((exponent - 112) << 10) | (mantissa >> 13), mantissa & 0x1FFF, 0x1000
+    if rest > halfway or (rest == halfway and bits & 1):
+        bits += 1  # a carry into the exponent is right (up to infinity)
+    return sign | np.uint16(bits)
 
 
 def warm_up() -> None:
@@ -75,5 +118,6 @@ def warm_up() -> None:
     rms_norm(x, np.ones(4, np.float32), 1e-5, np.empty_like(x))
     cache = np.zeros((1, 1, 2, 4), np.float32)
     index = np.zeros(1, np.int64)
-    rotate_and_store(np.zeros((1, 3, 4), np.float32), x, x, 1, cache, cache.copy(), index, index,
-                     np.empty((1, 1, 4), np.float32))
+    for cache in (cache, np.zeros(cache.shape, np.uint16)):  # float32, float16 bits
+        rotate_and_store(np.zeros((1, 3, 4), np.float32), x, x, 1, cache, cache.copy(), index, index,
+                         np.empty((1, 1, 4), np.float32))

@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from service.attention import build_layout, use_ragged_attention
 from service.attention_kernel import warm_up as warm_up_attention
-from service.decoder_pass import attention_kernel_width, lean_hidden, supports_lean_pass
+from service.decoder_pass import attention_kernel_width, kv_cache_dtype, lean_hidden, supports_lean_pass
 from service.kv_cache import TreeKVCache
 from service.tree import TokenTree
 
@@ -60,16 +60,17 @@ class ModelRunner:
         self.vocab_size: int = model.config.vocab_size
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_dtype = kv_cache_dtype(self.model)
         # keys + values of one token over all layers
         self.kv_bytes_per_token = (
-            2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * self.dtype.itemsize
+            2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * self.kv_dtype.itemsize
         )
         self.query_groups: int = config.num_attention_heads // config.num_key_value_heads
         if self.lean and attention_kernel_width(self.model):  # compile it now, not in the first request's pass
-            warm_up_attention(head_dim, self.query_groups)
+            warm_up_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
 
     def new_cache(self, rows: int = 0) -> TreeKVCache:
-        return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows)
+        return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows, dtype=self.kv_dtype)
 
     @torch.inference_mode()
     def forward(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> list[torch.Tensor]:

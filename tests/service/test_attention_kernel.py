@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from service.attention import kernel_array
 from service.attention_kernel import lanes_for, token_attention
 
 
@@ -17,8 +18,8 @@ def kernel_attention_of(queries, keys, values, starts, paths, rows=None, scale=0
     columns = [c for path in paths for c in path]
     offsets = torch.tensor([0, *[len(p) for p in paths]]).cumsum(0)
     rows = torch.arange(queries.shape[0]) if rows is None else torch.tensor(rows)
-    token_attention(queries.shape[2], queries.shape[1] // keys.shape[1])(
-        queries.numpy(), keys.numpy(), values.numpy(), torch.arange(queries.shape[0]).numpy(), rows.numpy(),
+    token_attention(queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16)(
+        queries.numpy(), kernel_array(keys), kernel_array(values), torch.arange(queries.shape[0]).numpy(), rows.numpy(),
         torch.tensor(starts).numpy(), torch.tensor(columns, dtype=torch.long).numpy(), offsets.numpy(),
         np.float32(scale), out.numpy())
     return out
@@ -30,7 +31,8 @@ def sdpa_of(queries, keys, values, starts, paths, rows=None, scale=0.25):
         row = i if rows is None else rows[i]
         seen = list(range(start)) + path
         expected.append(F.scaled_dot_product_attention(
-            queries[i, :, None], keys[row, :, seen], values[row, :, seen], scale=scale, enable_gqa=True)[:, 0])
+            queries[i, :, None], keys[row, :, seen].float(), values[row, :, seen].float(), scale=scale,
+            enable_gqa=True)[:, 0])
     return torch.stack(expected)
 
 
@@ -47,14 +49,17 @@ def test_the_attention_kernel_matches_sdpa_over_each_rows_own_columns() -> None:
     torch.testing.assert_close(out, sdpa_of(queries, keys, values, starts, paths), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (8, 4, 4), (12, 2, 1)])
-def test_every_vector_width_and_column_count_matches_sdpa(dim: int, heads: int, kv_heads: int) -> None:
+def test_every_vector_width_and_column_count_matches_sdpa(dim: int, heads: int, kv_heads: int,
+                                                          cache_dtype: torch.dtype) -> None:
     """Head sizes of 16, 8 and 4 lanes and column counts around every multiple of them (the
-    last block of keys partly padding): the padding never leaks into a softmax."""
+    last block of keys partly padding): the padding never leaks into a softmax. A float16
+    cache (the 8-bit path's) is read as its values."""
     generator = torch.Generator().manual_seed(dim)
     lengths = list(range(1, 38))
-    keys = torch.randn(len(lengths), kv_heads, 40, dim, generator=generator)
-    values = torch.randn(len(lengths), kv_heads, 40, dim, generator=generator)
+    keys = torch.randn(len(lengths), kv_heads, 40, dim, generator=generator).to(cache_dtype)
+    values = torch.randn(len(lengths), kv_heads, 40, dim, generator=generator).to(cache_dtype)
     queries = torch.randn(len(lengths), heads, dim, generator=generator) * 3
     starts, paths = [n - 1 for n in lengths], [[n - 1] for n in lengths]
     out = kernel_attention_of(queries, keys, values, starts, paths)

@@ -11,10 +11,11 @@ import torch
 from drafting import TableSlot
 from service.config import GenerationParams, SpeculationParams
 from service.int8_kernel import BLOCK, int8_matmul, int8_supported, int8_tiles
-from service.model_runner import ModelRunner
+from service.model_runner import ModelRunner, RowInput
 from service.model_tables import compute_tables
 from service.packed_linear import LLAMA_LINEARS, PackedLinear, pack_gguf_linears, tiles_from_blocks
 from service.profiler import profile_path
+from service.tree import chain_tree
 from tests.conftest import make_tiny_model
 from tests.service.test_packed_linear import (
     Q4_1,
@@ -83,6 +84,19 @@ def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
             assert torch.equal(module.dequantized(), plain.get_submodule(name).weight)  # the file's weights
             x = torch.randn(5, module.in_features)
             torch.testing.assert_close(module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5)
+
+
+def test_its_kv_cache_holds_float16_and_counts_half_the_bytes(tiny_int8) -> None:
+    """The 8-bit path keeps keys and values in float16 (llama.cpp's default), and the
+    scheduler's memory budget counts what they take."""
+    plain, packed, _ = tiny_int8
+    runner, floats = ModelRunner(packed), ModelRunner(plain)
+    assert runner.kv_dtype == torch.float16 and floats.kv_dtype == torch.float32
+    assert runner.kv_bytes_per_token * 2 == floats.kv_bytes_per_token
+    cache = runner.new_cache(1)
+    runner.forward(cache, [RowInput(chain_tree([3, 5, 7]))])
+    assert cache.layers[0].keys.dtype == torch.float16 and cache.nbytes == cache.layers[0].keys.nbytes * 2 * len(
+        cache.layers)
 
 
 def test_its_cost_profile_is_not_the_float_activations_one(tiny_int8, tmp_path) -> None:

@@ -3,6 +3,7 @@ they replace, and the packed pass with them against the same pass without them."
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -12,6 +13,7 @@ from service import decoder_pass
 from service.attention import build_layout
 from service.decoder_pass import _rotate, attention_kernel_width
 from service.model_runner import ModelRunner, RowInput
+from service.layer_kernels import half_bits
 from service.packed_linear import load_kernels, loaded_layer_kernels
 from service.tree import build_tree, chain_tree
 from tests.service.test_packed_linear import tiny_packed  # noqa: F401 - a fixture
@@ -51,6 +53,47 @@ def test_rotate_and_store_gives_the_torch_operators_bits() -> None:
     want_values[rows, :, positions] = qkv[:, heads + kv_heads :]
     assert torch.equal(queries, rotated[:, :heads])
     assert torch.equal(keys, want_keys) and torch.equal(values, want_values)
+
+
+def test_a_float16_cache_gets_torchs_rounding_of_the_same_entries() -> None:
+    """The 8-bit path's float16 cache (given as uint16 bits) holds exactly what rounding the
+    float32 cache's entries with torch gives."""
+    kernels = loaded_layer_kernels()
+    heads, kv_heads, dim, tokens = 4, 2, 16, 5
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=generator) * 100
+    cos, sin = torch.randn(tokens, dim, generator=generator), torch.randn(tokens, dim, generator=generator)
+    rows, positions = torch.tensor([0, 0, 2, 1, 2]), torch.tensor([3, 4, 0, 7, 1])
+    caches = {dtype: (torch.zeros(3, kv_heads, 8, dim, dtype=dtype), torch.zeros(3, kv_heads, 8, dim, dtype=dtype))
+              for dtype in (torch.float32, torch.float16)}
+    for dtype, (keys, values) in caches.items():
+        as_kernel = (lambda t: t.numpy().view(np.uint16)) if dtype == torch.float16 else (lambda t: t.numpy())
+        kernels.rotate_and_store(qkv.numpy(), cos.numpy(), sin.numpy(), heads, as_kernel(keys), as_kernel(values),
+                                 rows.numpy(), positions.numpy(), torch.empty(tokens, heads, dim).numpy())
+    (keys, values), (half_keys, half_values) = caches[torch.float32], caches[torch.float16]
+    assert torch.equal(half_keys, keys.half()) and torch.equal(half_values, values.half())
+
+
+def test_float16_rounding_is_numpys_on_every_kind_of_value() -> None:
+    """Ties to even, subnormals, the overflow to infinity at 65520, infinities and NaN, and
+    random bit patterns."""
+    @numba.njit
+    def rounded(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = half_bits(bits[i])
+
+    edges = [0.0, -0.0, 1.0, 1 + 2**-11, 1 + 3 * 2**-11, 65504, 65519.99, 65520, 65536, 1e10, np.inf, -np.inf,
+             2**-14, 2**-14 * 0.999, 2**-24, 1.5 * 2**-24, 2.5 * 2**-24, 2**-25, 2**-25 * 1.0000001, 2**-26]
+    rng = np.random.default_rng(0)
+    values = np.concatenate([np.array(edges, np.float32), rng.integers(0, 2**32, 200_000, dtype=np.uint64)
+                             .astype(np.uint32).view(np.float32)])
+    values = values[~np.isnan(values)]
+    out = np.empty(values.shape, np.uint16)
+    rounded(values.view(np.uint32), out)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(out, values.astype(np.float16).view(np.uint16))
+    rounded(np.array([np.nan], np.float32).view(np.uint32), out[:1])
+    assert np.isnan(out[:1].view(np.float16)[0])
 
 
 def test_the_packed_pass_with_its_layer_kernels_matches_the_torch_operators(tiny_packed, monkeypatch) -> None:  # noqa: F811
