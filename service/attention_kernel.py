@@ -150,33 +150,37 @@ class _Emitter:
         return carried
 
     # -- the arithmetic --------------------------------------------------------------------
-    def dot_lanes(self, query: list[Any], keys: Any, position: Any) -> Any:
-        """q·k per lane: lane l sums dims l, l + lanes, ... in order."""
+    def lane_sums(self, queries: list[list[Any]], keys: Any, columns: list[Any]) -> list[Any]:
+        """Per query head, q·k for the keys at `columns` (a power of two, at most `lanes`) as
+        one vector, key i's score in its i-th span of lanes (one lane each for `lanes` keys).
+        Lane l of a key's product sums dims l, l + lanes, ... in order; then every key's lanes
+        are added by the same tree: l and l + lanes/2, then the halves' halves, ... Emitted
+        depth first, so each key's entries are loaded (and widened) once for all heads and few
+        partial sums are live at a time."""
         b = self.b
-        base = b.mul(position, self.const(self.head_dim))
-        key = [self.load_entries(keys, b.add(base, self.const(c * self.lanes))) for c in range(self.chunks)]
-        total = b.fmul(query[0], key[0])
-        for c in range(1, self.chunks):
-            total = b.call(self.fma, [query[c], key[c], total])
-        return total
-
-    def lane_sums(self, vectors: list[Any]) -> Any:
-        """The lane sums of `lanes` vectors as one vector (vector i's sum in lane i), each by
-        the same tree: lanes l and l + width/2 added, then the halves' halves, ..."""
-        if len(vectors) == 1:
-            return vectors[0]
-        half = len(vectors) // 2
-        low, high = self.lane_sums(vectors[:half]), self.lane_sums(vectors[half:])
-        width = self.lanes // half  # lanes each vector's partial sums span in low and high
+        if len(columns) == 1:
+            base = b.mul(columns[0], self.const(self.head_dim))
+            key = [self.load_entries(keys, b.add(base, self.const(c * self.lanes))) for c in range(self.chunks)]
+            sums = []
+            for query in queries:
+                total = b.fmul(query[0], key[0])
+                for c in range(1, self.chunks):
+                    total = b.call(self.fma, [query[c], key[c], total])
+                sums.append(total)
+            return sums
+        half = len(columns) // 2
+        lows, highs = self.lane_sums(queries, keys, columns[:half]), self.lane_sums(queries, keys, columns[half:])
+        width = self.lanes // half  # lanes each key's partial sums span in a low or high vector
         firsts, seconds = [], []
         for source in (0, self.lanes):  # low's lanes, then high's, in the shuffle's numbering
             for span in range(0, self.lanes, width):
                 firsts += range(source + span, source + span + width // 2)
                 seconds += range(source + span + width // 2, source + span + width)
-        return self.b.fadd(self.shuffle(low, high, firsts), self.shuffle(low, high, seconds))
+        return [b.fadd(self.shuffle(low, high, firsts), self.shuffle(low, high, seconds))
+                for low, high in zip(lows, highs)]
 
     def horizontal_sum(self, vector: Any) -> Any:
-        """The sum of a vector's lanes by the tree of `lane_sums`."""
+        """The sum of a vector's lanes by the tree `lane_sums` uses."""
         b, width = self.b, self.lanes
         while width > 1:
             width //= 2
@@ -237,10 +241,8 @@ class _Emitter:
         def score_block(block: Any, _: list[Any]) -> list[Any]:  # every head, while the keys are in L1
             first = b.mul(block, self.const(lanes))
             columns = [b.load(b.gep(positions, [b.add(first, self.const(i))])) for i in range(lanes)]
-            for h, query in enumerate(queries):
-                partials = [self.dot_lanes(query, keys, column) for column in columns]
-                self.store_vector(b.fmul(self.lane_sums(partials), scale), scores,
-                                  b.add(b.mul(self.const(h), padded), first))
+            for h, sums in enumerate(self.lane_sums(queries, keys, columns)):
+                self.store_vector(b.fmul(sums, scale), scores, b.add(b.mul(self.const(h), padded), first))
             return []
 
         self.loop(blocks, "scores", [], score_block)
