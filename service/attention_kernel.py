@@ -93,10 +93,12 @@ class _Emitter:
         return self.ir.Constant(self.i64, value)
 
     def splat(self, scalar: Any) -> Any:
+        """`scalar` in every lane."""
         ir, b = self.ir, self.b
-        lanes = b.insert_element(ir.Constant(self.vector, None), scalar, ir.Constant(self.i32, 0))
-        return b.shuffle_vector(lanes, ir.Constant(self.vector, None), ir.Constant(ir.VectorType(self.i32, self.lanes),
-                                                                                   [0] * self.lanes))
+        vector = ir.VectorType(scalar.type, self.lanes)
+        lanes = b.insert_element(ir.Constant(vector, None), scalar, ir.Constant(self.i32, 0))
+        return b.shuffle_vector(lanes, ir.Constant(vector, None),
+                                ir.Constant(ir.VectorType(self.i32, self.lanes), [0] * self.lanes))
 
     def filled(self, value: float) -> Any:
         return self.ir.Constant(self.vector, [value] * self.lanes)
@@ -256,7 +258,7 @@ class _Emitter:
             def exponentials(block: Any, carried: list[Any]) -> list[Any]:
                 first = b.mul(block, self.const(lanes))
                 e = self.exp(b.fsub(self.load_vector(row, first), highest))
-                inside = b.icmp_signed("<", b.add(self.splat_i64(first), lane_index), self.splat_i64(n))
+                inside = b.icmp_signed("<", b.add(self.splat(first), lane_index), self.splat(n))
                 e = b.select(inside, e, self.filled(0.0))
                 self.store_vector(e, row, first)
                 return [b.fadd(carried[0], e)]
@@ -272,13 +274,6 @@ class _Emitter:
                                  values, n, padded, scores, positions, totals, out)
         b.ret_void()
         return str(self.module)
-
-    def splat_i64(self, scalar: Any) -> Any:
-        ir, b = self.ir, self.b
-        vector = ir.VectorType(self.i64, self.lanes)
-        lanes = b.insert_element(ir.Constant(vector, None), scalar, ir.Constant(self.i32, 0))
-        return b.shuffle_vector(lanes, ir.Constant(vector, None),
-                                ir.Constant(ir.VectorType(self.i32, self.lanes), [0] * self.lanes))
 
     def weighted_values(self, heads: list[int], values: Any, n: Any, padded: Any, scores: Any, positions: Any,
                         totals: Any, out: Any) -> None:

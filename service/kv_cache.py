@@ -69,8 +69,8 @@ class _RowBufferLayer(CacheLayerMixin):
         """Scatter this pass's T entries (key_states: [1, kv_heads, T, head_dim]) into their rows."""
         def scatter(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
             rows, positions = layout.write_rows, layout.write_positions  # [T] each
-            keys[rows, :, positions] = key_states[0].transpose(0, 1).to(keys.dtype)  # [T, kv_heads, head_dim]
-            values[rows, :, positions] = value_states[0].transpose(0, 1).to(values.dtype)
+            keys[rows, :, positions] = key_states[0].transpose(0, 1)  # [T, kv_heads, head_dim]
+            values[rows, :, positions] = value_states[0].transpose(0, 1)
 
         return self.write_with(key_states, scatter)
 
