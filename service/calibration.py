@@ -35,6 +35,8 @@ it is idle.
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 ACCEPTANCE_DECAY = 0.98  # horizon ≈ 50 rounds
@@ -44,9 +46,11 @@ PRIOR_ROUNDS = 4.0  # an acceptance factor is trusted like its prior until about
 SHAPE_PRIOR_ROUNDS = 0.25  # a fresh pass-time measurement outweighs the profile's word at once
 PROBE_EVERY = 16  # plain rounds with drafts on offer before a request probes speculation
 PROBE_MAX_EVERY = 128  # ... after probes that kept finding plain the better choice
-QUIET_ROUNDS = 4  # after this many plain rounds in a row, a request is drafted every this-many rounds
+QUIET_ROUNDS = 4  # after this many plain rounds in a row, a request is drafted every this-many rounds,
+QUIET_MAX_EVERY = 16  # ... then every 8 from 8 plain rounds on, every 16 from 16 on
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # upper bounds of pass-size buckets
 ROW_BUCKETS = (1, 4, 16, 64)  # upper bounds of row-count buckets (the profile's rows: 1, 4, 16)
+HOST_WINDOW = 16  # steps whose drafting seconds per row give the host cost's median
 DRIFT_LIMIT = 1.6  # relative costs of two sizes off by more than this from the profile's
 DRIFT_ROUNDS = 3.0  # ... each with this many recent rounds: measure the profile again
 
@@ -94,6 +98,29 @@ def shape_bucket(tokens: int, rows: int) -> int:
 
 
 @dataclass
+class HostCost:
+    """Host seconds that drafting one row adds to a step (its strategies' candidates): what a
+    request that speculates costs beyond its share of the pass. The profile times passes alone;
+    on a GPU, where a pass of 16 rows costs ~15 ms whatever its size, this work decides whether
+    a row's drafts pay (docs/benchmarks.md, fifteenth and seventeenth sessions). The median of
+    the last `HOST_WINDOW` steps' per-row figure: a request's first drafting, or a pause of the
+    interpreter, takes milliseconds where a round takes ~0.15 ms (2-core CPU, one request: median
+    0.17 ms, maximum 3.5 over 49 steps); a decayed mean of such figures (first GPU run) kept
+    a lone request nearly plain: 73 tokens/s against 89-96 without the price."""
+
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=HOST_WINDOW))
+
+    def observe(self, seconds: float, rows: int) -> None:
+        """One step drafted `rows` rows in `seconds`."""
+        if rows > 0:
+            self.recent.append(seconds / rows)
+
+    @property
+    def row_seconds(self) -> float:
+        return statistics.median(self.recent) if self.recent else 0.0
+
+
+@dataclass
 class Calibration:
     """The engine's factors: global acceptance, load level and relative pass costs."""
 
@@ -101,6 +128,7 @@ class Calibration:
     level: Ratio = field(default_factory=lambda: Ratio(LEVEL_DECAY))
     shapes: list[Ratio] = field(default_factory=lambda: _shape_ratios())
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
+    host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
 
     @property
     def may_probe(self) -> bool:
@@ -183,13 +211,26 @@ class RequestCalibration:
         """Whether drafting for this request is worth its time this round. Drafting and
         planning cost the same whether or not the controller then speculates; for a request
         it keeps plain they are pure overhead. So after `QUIET_ROUNDS` plain rounds in a row
-        it is drafted only every `QUIET_ROUNDS` rounds, and when due for a probe the engine
-        lets through this pass; a round that speculates brings it back to every round.
-        Without that last condition a request stayed due, and drafted every round, for as long
-        as the engine-wide gate kept it from probing: at C=16, 84% of auto rows drafted in
-        every step where 25% were meant to."""
-        quiet = self.plain_rounds >= QUIET_ROUNDS and self.plain_rounds % QUIET_ROUNDS != 0
-        return not quiet or (self.due_for_probe and self.shared.may_probe)
+        it is drafted only every 4th round, from 8 plain rounds on every 8th, from 16 on every
+        16th (`QUIET_MAX_EVERY`), and when due for a probe the engine lets through this pass;
+        a round that speculates brings it back to every round. At C=16 on the 2-core CPU the
+        controller took no node in any pass, yet planning and drafting one request in four each
+        step cost 2.1-2.4 ms of a 38-41 ms step (docs/benchmarks.md, seventeenth session). Without the
+        probe condition a request stayed due, and drafted every round, for as long as the
+        engine-wide gate kept it from probing: at C=16, 84% of auto rows drafted in every step
+        where 25% were meant to."""
+        return self._drafts_after(self.plain_rounds)
+
+    def drafts_next_round(self, speculates: bool) -> bool:
+        """`drafts_this_round` as it will read after this round (one that `speculates` or
+        not), the engine-wide probe gate taken as it stands now: whether this round's
+        distributions are worth handing to the drafting layer."""
+        return self._drafts_after(0 if speculates else self.plain_rounds + 1)
+
+    def _drafts_after(self, plain_rounds: int) -> bool:
+        every = min(1 << (plain_rounds.bit_length() - 1), QUIET_MAX_EVERY) if plain_rounds >= QUIET_ROUNDS else 1
+        due_for_probe = plain_rounds >= self.probe_every
+        return plain_rounds % every == 0 or (due_for_probe and self.shared.may_probe)
 
     @property
     def due_for_probe(self) -> bool:

@@ -32,11 +32,6 @@ class SpeculationParams:
             raise ValueError(f"mode must be off, fixed or auto, got {self.mode!r}")
 
     @property
-    def enabled(self) -> bool:
-        """Whether the request may speculate at all (off and k = 0 are plain decoding)."""
-        return self.mode != "off" and self.k > 0
-
-    @property
     def max_tree_nodes(self) -> int:
         """Root plus every drafted token if no two drafts shared a prefix."""
         return 1 + self.k * self.w

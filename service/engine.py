@@ -238,9 +238,13 @@ class Engine:
 
     def _top_ids(self, rows: list[_Row], logits: list[torch.Tensor]) -> list[np.ndarray | None]:
         """Per decoding row, the top-K next tokens at each tree node ([num_nodes, K]), for
-        the strategies that learn from every distribution. Rows that never speculate (off,
-        k = 0) are left out: plain decoding should not pay for drafting (the topk alone cost
-        0.7 ms of a 24-40 ms CPU step, embedded model). Row by row, since each row's logits are
+        the strategies that learn from every distribution. Only rows whose request drafts next
+        round take them (`_drafts_next_round`): plain decoding should not pay for drafting
+        (the topk alone cost 0.7 ms of a 24-40 ms CPU step, embedded model), nor should an
+        auto request's quiet rounds (at C=16 on the 2-core CPU, top tokens and the tables'
+        refresh for every auto row took ~0.7 ms a step, for drafts the controller never took);
+        the logit hints describe the next round's position, so a row that drafts after a
+        skipped round just has none. Row by row, since each row's logits are
         already a contiguous view: gathering them into one tensor first cost more than the
         per-row calls (auto steps of one and sixteen requests, embedded model, 2-core Xeon VM:
         0.31 -> 0.14 ms and 1.11 -> 0.77 ms)."""
@@ -248,7 +252,7 @@ class Engine:
         if top_k == 0:
             return [None] * len(rows)
         started = time.perf_counter()
-        wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.params.speculation.enabled]
+        wanted = [i for i, row in enumerate(rows) if row.tree is not None and self._drafts_next_round(row)]
         out = _scattered(len(rows), wanted, top_token_ids_of_rows([logits[i] for i in wanted], top_k))
         self._learn_seconds += time.perf_counter() - started
         return out
@@ -310,6 +314,7 @@ class Engine:
             prefill_seconds = max(cost(fixed) - decode_only, 0.0)
 
         candidates, may_probe = [], shapes.may_probe
+        began = time.perf_counter()
         for row in auto:
             request, spec = row.request, row.request.params.speculation
             w = self._max_depth(request, spec.w)
@@ -318,10 +323,12 @@ class Engine:
                 request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe and may_probe,
                 width=row.width + 1,
             ))
+        shapes.host.observe(time.perf_counter() - began, sum(1 for row in auto if id(row) in drafted))
         fixed_expected = sum(1 for r in rows if r.tree is not None)
         if shapes.plain_is_stale(fixed.tokens, len(rows)) and shapes.level.rounds > 0:
             budget = 0  # a plain probe: keeps the relative cost of speculating measured
-        plan = plan_trees(candidates, cost, fixed, fixed_expected, budget, prefill_seconds=prefill_seconds)
+        plan = plan_trees(candidates, cost, fixed, fixed_expected, budget, prefill_seconds=prefill_seconds,
+                          row_host_seconds=shapes.host.row_seconds)
         shapes.count_pass(plan.probed)
         for row, choice in zip(auto, plan.trees):
             row.request.drafts.chosen(choice.drafts)
@@ -348,6 +355,15 @@ class Engine:
         if self._is_auto(request):
             return request.calibration.drafts_this_round
         return spec.mode == "fixed" and spec.k > 0 and self._max_depth(request, spec.w) > 0
+
+    def _drafts_next_round(self, row: _Row) -> bool:
+        """Whether the row's request will be drafted next round (as far as this round tells):
+        fixed mode always, auto mode as its calibration says after this round's choice."""
+        spec = row.request.params.speculation
+        if self._is_auto(row.request):
+            speculates = row.tree is not None and row.tree.num_nodes > 1
+            return row.request.calibration.drafts_next_round(speculates)
+        return spec.mode == "fixed" and spec.k > 0
 
     def _max_depth(self, request: Request, w: int) -> int:
         """The deepest tree worth building for `request`: a round commits at most depth + 1

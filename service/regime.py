@@ -18,7 +18,9 @@ keeps the number of additions with the most expected tokens per second for the w
 plain decoding for everyone unless speculation beats it by `min_gain`. A node drafted by a
 model (`service/draft_model.py`) also costs its measured drafting seconds, so an accurate but
 slow draft loses to a fast one: nodes are ranked by expected tokens per second of pass and
-drafting, and every plan's rate counts both. On a device where a
+drafting, and every plan's rate counts both. Likewise every row that speculates costs the
+host work of drafting it (measured as the engine runs), charged to its first
+node. On a device where a
 bigger pass is nearly free, many nodes pay; where it costs (a CPU, or a large batch on a
 GPU), few or none do, per request, without any table of switch-off points.
 """
@@ -191,7 +193,8 @@ class _Node:
     prefix: tuple[int, ...]
     strategy: str
     rank: int
-    draft_seconds: float  # what drafting this node's token cost (0 for table look-ups)
+    host_seconds: float  # drafting this node's token (0 for table look-ups); a row's first node also
+    # carries the host work of speculating that row at all (`plan_trees`' `row_host_seconds`)
 
 
 def plan_trees(
@@ -202,6 +205,7 @@ def plan_trees(
     budget: int,
     min_gain: float = 1.02,
     prefill_seconds: float = 0.0,
+    row_host_seconds: float = 0.0,
 ) -> TreePlan:
     """Choose every row's tree for one pass.
 
@@ -217,8 +221,14 @@ def plan_trees(
     passes without a chunk took 1-6; and four requests starting together at C=4 had their first
     trees take 48 nodes (12 each, forecast +11 tokens, none accepted) where 12 with the chunks
     priced apart (the pass 0.48 -> 0.41 s).
+    `row_host_seconds` is the host work a row that speculates adds to the step outside the pass
+    (drafting it: measured by the engine, `HostCost`), charged to each
+    row's first node. On a GPU a pass of 16 rows costs about the same ~15 ms whatever its
+    tokens, so the pass alone says every node is nearly free, while each speculating row's
+    host work made an auto step 4-7 ms dearer than a plain one (docs/benchmarks.md, fifteenth
+    session).
     """
-    candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
+    candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row, row_host_seconds)]
     spread = max(len(candidates), 1)
     more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows, fixed.widest)
     node_seconds = max((cost(more_tokens) - cost(fixed)) / spread, 1e-9)  # mean marginal of a token
@@ -227,7 +237,7 @@ def plan_trees(
 
     def seconds(node: _Node) -> float:
         widens = node.depth == 1 and rows[node.row].width == 1
-        return node_seconds + node.draft_seconds + (row_seconds if widens else 0.0)
+        return node_seconds + node.host_seconds + (row_seconds if widens else 0.0)
 
     nodes = _parents_first(sorted(  # most expected tokens per second of pass and drafting first
         candidates, key=lambda n: (-n.probability * n.factor / seconds(n), n.depth),
@@ -252,7 +262,7 @@ def plan_trees(
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
     total = fixed_expected + sum(t.expected_tokens for t in trees)
     shape = list(_grown_shapes(fixed, widths, chosen))[-1] if chosen else fixed
-    return TreePlan(trees, shape.tokens, total, cost(shape) + sum(n.draft_seconds for n in chosen),
+    return TreePlan(trees, shape.tokens, total, cost(shape) + sum(n.host_seconds for n in chosen),
                     probed and bool(chosen))
 
 
@@ -277,11 +287,11 @@ def _best_counts(
     16 requests' candidates took 13 ms a step)."""
     best_count, best_rate = 0, expected / cost(fixed) * min_gain
     speculative_count, speculative_rate = 0, 0.0
-    draft_seconds = 0.0
+    host_seconds = 0.0
     for count, (node, shape) in enumerate(zip(nodes, _grown_shapes(fixed, widths, nodes)), start=1):
         expected += node.probability * node.factor
-        draft_seconds += node.draft_seconds
-        rate = expected / (cost(shape) + draft_seconds)
+        host_seconds += node.host_seconds
+        rate = expected / (cost(shape) + host_seconds)
         if rate > best_rate:
             best_count, best_rate = count, rate
         if rate > speculative_rate:
@@ -291,9 +301,9 @@ def _best_counts(
     return best_count, speculative_count
 
 
-def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
+def _row_nodes(index: int, row: RowCandidates, row_host_seconds: float) -> list[_Node]:
     """The distinct prefixes of the row's k_max best drafts (cut to w_max), each with the
-    probability of the most likely draft through it."""
+    probability of the most likely draft through it; first nodes carry `row_host_seconds`."""
     best: dict[tuple[int, ...], _Node] = {}
     drafts = 0
     for candidate in sorted(row.candidates, key=lambda s: s.acceptance.expected_tokens(row.w_max), reverse=True):
@@ -308,7 +318,8 @@ def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
             probability = candidate.acceptance.node_probability(depth)
             if prefix not in best or best[prefix].probability < probability:
                 best[prefix] = _Node(probability, row.acceptance_factor, depth, index, prefix,
-                                     candidate.draft.strategy, candidate.draft.rank, candidate.seconds_per_token)
+                                     candidate.draft.strategy, candidate.draft.rank,
+                                     candidate.seconds_per_token + (row_host_seconds if depth == 1 else 0.0))
     return list(best.values())
 
 

@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-from service.calibration import PRIOR_ROUNDS, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio
+from service.calibration import (
+    HOST_WINDOW, PRIOR_ROUNDS, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio,
+)
 from service.regime import CostProfile, PassShape, RowCandidates, plan_trees
 from tests.service.test_regime import CPU_LIKE, candidates
 
@@ -179,12 +181,28 @@ def test_a_request_kept_plain_is_drafted_only_every_few_rounds_until_it_speculat
     for round_number in range(PROBE_EVERY + 2):
         drafted.append(request.drafts_this_round)
         request.observe_round(0.0, 0, speculated=False)
-    every, after = QUIET_ROUNDS, QUIET_ROUNDS + 1
-    assert drafted[:after] == [True] * after  # at first every round, then one in QUIET_ROUNDS
-    assert [r for r in range(after, PROBE_EVERY) if drafted[r]] == list(range(2 * every, PROBE_EVERY, every))
+    after = QUIET_ROUNDS + 1
+    assert drafted[:after] == [True] * after  # at first every round, then one in 4, one in 8
+    assert [r for r in range(after, PROBE_EVERY) if drafted[r]] == [8]
     assert request.due_for_probe and drafted[PROBE_EVERY] and drafted[PROBE_EVERY + 1]  # a probe is drafted
     request.observe_round(2.0, accepted=2, speculated=True)
     assert request.drafts_this_round and request.plain_rounds == 0  # speculating: every round again
+
+
+def test_quiet_rounds_thin_out_to_one_in_quiet_max_every() -> None:
+    """Past its probes' reach (the engine-wide gate shut), a request kept plain is drafted at
+    4 and 8 plain rounds, then every 16th; `drafts_next_round` foretells each of them."""
+    shared = Calibration()
+    request = shared.session()
+    drafted, foretold = [], []
+    for _ in range(80):
+        shared.count_pass(probed=True)  # another request's probe: the gate stays shut
+        drafted.append(request.drafts_this_round)
+        foretold.append(request.drafts_next_round(speculates=False))
+        request.observe_round(0.0, 0, speculated=False)
+    assert [r for r in range(QUIET_ROUNDS, 80) if drafted[r]] == [4, 8, *range(16, 80, QUIET_MAX_EVERY)]
+    assert foretold[:-1] == drafted[1:]
+    assert request.drafts_next_round(speculates=True)  # a round that speculates: every round again
 
 
 def test_a_request_due_for_a_probe_the_engine_holds_back_stays_quiet() -> None:
@@ -201,7 +219,7 @@ def test_a_request_due_for_a_probe_the_engine_holds_back_stays_quiet() -> None:
         drafted.append(request.drafts_this_round)
         request.observe_round(0.0, 0, speculated=False)
         shared.count_pass(probed=False)
-    assert drafted == [(PROBE_EVERY + r) % QUIET_ROUNDS == 0 for r in range(PROBE_EVERY)]
+    assert drafted == [(PROBE_EVERY + r) % QUIET_MAX_EVERY == 0 for r in range(PROBE_EVERY)]
     assert shared.may_probe and request.drafts_this_round  # the gate is open: drafted for its probe
 
 
@@ -229,3 +247,16 @@ def test_a_shape_factor_learned_at_one_batch_size_does_not_price_another() -> No
         shared.observe_pass(8, 0.1, 0.1, rows=4)
     assert shared.shape_factor(4, rows=4) == pytest.approx(1.0, abs=0.01)  # as profiled, once observed
     assert shared.shape_factor(8, rows=4) == pytest.approx(1.0, abs=0.01)
+
+
+def test_host_cost_is_the_median_per_drafted_row_so_a_one_off_pause_does_not_price_drafts_out() -> None:
+    host = Calibration().host
+    assert host.row_seconds == 0.0  # nothing seen: the pass alone prices a node
+    host.observe(0.004, rows=1)  # a request's first drafting
+    host.observe(0.0, rows=0)  # a step that drafted no row says nothing
+    for _ in range(8):
+        host.observe(0.0006, rows=4)
+    assert host.row_seconds == pytest.approx(0.00015)
+    for _ in range(HOST_WINDOW):
+        host.observe(0.0004, rows=1)
+    assert host.row_seconds == pytest.approx(0.0004)  # a window: what drafting costs now

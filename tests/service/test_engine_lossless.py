@@ -144,18 +144,33 @@ def test_auto_mode_speculates_big_where_passes_are_free_and_not_where_they_cost(
 
 def test_auto_mode_drafts_a_request_it_keeps_plain_only_now_and_then(tiny_model, tiny_engine: Engine) -> None:
     """Where drafts never pay, drafting for every round is pure overhead: a request kept plain
-    is drafted about every QUIET_ROUNDS rounds, yet every round still gets a forecast."""
+    is drafted only now and then, and the pass's distributions go to the drafting layer only
+    before those rounds, yet every round still gets a forecast."""
     tiny_engine.profile = COMPUTE_BOUND
     params = GenerationParams(48, speculation=SpeculationParams(6, 5, mode="auto"))
     request = tiny_engine.add_request(PROMPTS[0], params)
     asked, candidates = [], request.drafts.candidates
     request.drafts.candidates = lambda k, w: asked.append(k) or candidates(k, w)  # type: ignore[method-assign]
+    learned, observe_distributions = [], request.drafts.observe_distributions
+    request.drafts.observe_distributions = lambda d: learned.append(d) or observe_distributions(d)  # type: ignore[method-assign]
     rounds = []
     while tiny_engine.has_work:
         rounds += [out for _, out in tiny_engine.step()[0]]
     assert [t for r in rounds for t in r.token_ids] == reference_greedy(tiny_model, PROMPTS[0], 48)
     assert all(r.predicted_tokens_per_second for r in rounds)
-    assert len(asked) < len(rounds) / 2
+    assert len(asked) < len(rounds) / 3
+    assert len(learned) <= len(asked)  # the round before each drafted one, at most
+
+
+def test_a_fixed_mode_request_hands_every_pass_to_the_drafting_layer(tiny_engine: Engine) -> None:
+    params = GenerationParams(12, speculation=SpeculationParams(2, 2, mode="fixed"))
+    request = tiny_engine.add_request(PROMPTS[0], params)
+    learned, observe_distributions = [], request.drafts.observe_distributions
+    request.drafts.observe_distributions = lambda d: learned.append(d) or observe_distributions(d)  # type: ignore[method-assign]
+    rounds = []
+    while tiny_engine.has_work:
+        rounds += [out for _, out in tiny_engine.step()[0]]
+    assert len(learned) == len(rounds)
 
 
 def test_auto_mode_without_a_profile_decodes_plainly(tiny_engine: Engine) -> None:

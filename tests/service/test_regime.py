@@ -226,3 +226,23 @@ def test_the_planner_stops_pricing_once_more_nodes_stop_paying() -> None:
     rows = [RowCandidates(candidates(0.9, 0.9, first=1000 * r), 8, 8) for r in range(16)]
     plan = plan_trees(rows, cost, PassShape(16), 0.0, budget=1024)
     assert plan.tokens > 16 and len(calls) < 200
+
+
+def test_host_work_a_speculating_row_adds_keeps_a_large_batch_plain_where_the_pass_is_flat() -> None:
+    """A GPU-like pass (64 rows, 19 ms whatever the tokens): on the pass alone every node is
+    nearly free, so middling drafts of every row speculate; priced with the host work each
+    speculating row adds (0.3 ms, above a row's ~0.3 ms share of the pass), only a row whose
+    drafts are likely to be accepted still does."""
+    cost = lambda s: 0.019 + 1e-6 * s.tokens  # noqa: E731
+    middling = [RowCandidates(candidates(0.3, 0.4, k=2, w=3, first=100 * i), 2, 3) for i in range(1, 64)]
+    likely = RowCandidates(candidates(0.95, 0.95, k=1, w=6), 1, 6)
+    rows = [likely, *middling]
+
+    def speculating(row_host_seconds: float) -> list[int]:
+        plan = plan_trees(rows, cost, PassShape(64), 0.0, budget=1024, row_host_seconds=row_host_seconds)
+        return [i for i, tree in enumerate(plan.trees) if tree.k > 0]
+
+    assert len(speculating(0.0)) == 64
+    assert speculating(0.0003) == [0]
+    plan = plan_trees(rows, cost, PassShape(64), 0.0, budget=1024, row_host_seconds=0.0003)
+    assert plan.seconds == pytest.approx(cost(PassShape(plan.tokens)) + 0.0003)  # the forecast counts it
