@@ -19,8 +19,7 @@ plain decoding for everyone unless speculation beats it by `min_gain`. A node dr
 model (`service/draft_model.py`) also costs its measured drafting seconds, so an accurate but
 slow draft loses to a fast one: nodes are ranked by expected tokens per second of pass and
 drafting, and every plan's rate counts both. Likewise every row that speculates costs the
-host work of drafting it (measured as the engine runs), charged to its first
-node. On a device where a
+host work of drafting it (measured as the engine runs), once per row. On a device where a
 bigger pass is nearly free, many nodes pay; where it costs (a CPU, or a large batch on a
 GPU), few or none do, per request, without any table of switch-off points.
 """
@@ -193,8 +192,7 @@ class _Node:
     prefix: tuple[int, ...]
     strategy: str
     rank: int
-    host_seconds: float  # drafting this node's token (0 for table look-ups); a row's first node also
-    # carries the host work of speculating that row at all (`plan_trees`' `row_host_seconds`)
+    draft_seconds: float  # what drafting this node's token cost (0 for table look-ups)
 
 
 def plan_trees(
@@ -222,13 +220,13 @@ def plan_trees(
     trees take 48 nodes (12 each, forecast +11 tokens, none accepted) where 12 with the chunks
     priced apart (the pass 0.48 -> 0.41 s).
     `row_host_seconds` is the host work a row that speculates adds to the step outside the pass
-    (drafting it: measured by the engine, `HostCost`), charged to each
-    row's first node. On a GPU a pass of 16 rows costs about the same ~15 ms whatever its
-    tokens, so the pass alone says every node is nearly free, while each speculating row's
-    host work made an auto step 4-7 ms dearer than a plain one (docs/benchmarks.md, fifteenth
-    session).
+    (drafting it: measured by the engine, `HostCost`), charged once per speculating row (and,
+    for ranking, to its first-level nodes). On a GPU a pass of 16 rows costs about the same
+    ~15 ms whatever its tokens, so the pass alone says every node is nearly free, while each
+    speculating row's host work made an auto step 4-7 ms dearer than a plain one
+    (docs/benchmarks.md, fifteenth session).
     """
-    candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row, row_host_seconds)]
+    candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
     spread = max(len(candidates), 1)
     more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows, fixed.widest)
     node_seconds = max((cost(more_tokens) - cost(fixed)) / spread, 1e-9)  # mean marginal of a token
@@ -237,7 +235,8 @@ def plan_trees(
 
     def seconds(node: _Node) -> float:
         widens = node.depth == 1 and rows[node.row].width == 1
-        return node_seconds + node.host_seconds + (row_seconds if widens else 0.0)
+        first_level = row_host_seconds if node.depth == 1 else 0.0
+        return node_seconds + node.draft_seconds + first_level + (row_seconds if widens else 0.0)
 
     nodes = _parents_first(sorted(  # most expected tokens per second of pass and drafting first
         candidates, key=lambda n: (-n.probability * n.factor / seconds(n), n.depth),
@@ -248,7 +247,7 @@ def plan_trees(
     def decode_cost(shape: PassShape) -> float:
         return cost(shape) - prefill_seconds
 
-    best_count, _ = _best_counts(nodes, decode_cost, fixed, widths, base_expected, min_gain)
+    best_count, _ = _best_counts(nodes, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds)
     chosen = nodes[:best_count]
     probing = next((i for i, row in enumerate(rows) if row.probe), None)
     probed = best_count == 0 and probing is not None
@@ -257,12 +256,13 @@ def plan_trees(
         # together come due together, and all of them probing at once made a pass of 13 rows
         # carry 20 nodes at 2.2x a plain pass's time. The others stay due for the next passes.
         own = [n for n in nodes if n.row == probing]
-        _, count = _best_counts(own, decode_cost, fixed, widths, base_expected, min_gain)
+        _, count = _best_counts(own, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds)
         chosen = own[:count]
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
     total = fixed_expected + sum(t.expected_tokens for t in trees)
     shape = list(_grown_shapes(fixed, widths, chosen))[-1] if chosen else fixed
-    return TreePlan(trees, shape.tokens, total, cost(shape) + sum(n.host_seconds for n in chosen),
+    host_seconds = sum(n.draft_seconds for n in chosen) + row_host_seconds * len({n.row for n in chosen})
+    return TreePlan(trees, shape.tokens, total, cost(shape) + host_seconds,
                     probed and bool(chosen))
 
 
@@ -278,7 +278,7 @@ def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Sequence[_Node
 
 def _best_counts(
     nodes: Sequence[_Node], cost: Callable[[PassShape], float], fixed: PassShape, widths: Sequence[int],
-    expected: float, min_gain: float,
+    expected: float, min_gain: float, row_host_seconds: float = 0.0,
 ) -> tuple[int, int]:
     """How many of `nodes`, taken in order, maximize expected tokens per second of pass and
     drafting: the best count (0 unless it beats the plain pass by `min_gain`) and the best
@@ -287,10 +287,14 @@ def _best_counts(
     16 requests' candidates took 13 ms a step)."""
     best_count, best_rate = 0, expected / cost(fixed) * min_gain
     speculative_count, speculative_rate = 0, 0.0
-    host_seconds = 0.0
+    host_seconds = 0.0  # drafting seconds of the nodes taken, and each speculating row's host work
+    speculating: set[int] = set()
     for count, (node, shape) in enumerate(zip(nodes, _grown_shapes(fixed, widths, nodes)), start=1):
         expected += node.probability * node.factor
-        host_seconds += node.host_seconds
+        host_seconds += node.draft_seconds
+        if node.row not in speculating:
+            speculating.add(node.row)
+            host_seconds += row_host_seconds
         rate = expected / (cost(shape) + host_seconds)
         if rate > best_rate:
             best_count, best_rate = count, rate
@@ -301,9 +305,9 @@ def _best_counts(
     return best_count, speculative_count
 
 
-def _row_nodes(index: int, row: RowCandidates, row_host_seconds: float) -> list[_Node]:
+def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
     """The distinct prefixes of the row's k_max best drafts (cut to w_max), each with the
-    probability of the most likely draft through it; first nodes carry `row_host_seconds`."""
+    probability of the most likely draft through it."""
     best: dict[tuple[int, ...], _Node] = {}
     drafts = 0
     for candidate in sorted(row.candidates, key=lambda s: s.acceptance.expected_tokens(row.w_max), reverse=True):
@@ -318,8 +322,7 @@ def _row_nodes(index: int, row: RowCandidates, row_host_seconds: float) -> list[
             probability = candidate.acceptance.node_probability(depth)
             if prefix not in best or best[prefix].probability < probability:
                 best[prefix] = _Node(probability, row.acceptance_factor, depth, index, prefix,
-                                     candidate.draft.strategy, candidate.draft.rank,
-                                     candidate.seconds_per_token + (row_host_seconds if depth == 1 else 0.0))
+                                     candidate.draft.strategy, candidate.draft.rank, candidate.seconds_per_token)
     return list(best.values())
 
 

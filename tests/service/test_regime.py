@@ -235,7 +235,7 @@ def test_host_work_a_speculating_row_adds_keeps_a_large_batch_plain_where_the_pa
     drafts are likely to be accepted still does."""
     cost = lambda s: 0.019 + 1e-6 * s.tokens  # noqa: E731
     middling = [RowCandidates(candidates(0.3, 0.4, k=2, w=3, first=100 * i), 2, 3) for i in range(1, 64)]
-    likely = RowCandidates(candidates(0.95, 0.95, k=1, w=6), 1, 6)
+    likely = RowCandidates(candidates(0.95, 0.95, k=3, w=6), 3, 6)
     rows = [likely, *middling]
 
     def speculating(row_host_seconds: float) -> list[int]:
@@ -245,4 +245,5 @@ def test_host_work_a_speculating_row_adds_keeps_a_large_batch_plain_where_the_pa
     assert len(speculating(0.0)) == 64
     assert speculating(0.0003) == [0]
     plan = plan_trees(rows, cost, PassShape(64), 0.0, budget=1024, row_host_seconds=0.0003)
+    assert plan.trees[0].k == 3  # its branches share the row's host work: charged once
     assert plan.seconds == pytest.approx(cost(PassShape(plan.tokens)) + 0.0003)  # the forecast counts it
