@@ -17,7 +17,10 @@ chunks take at most `max_prefill_tokens_while_decoding` of a pass: every prompt 
 pass delays every running stream's next token. But when many requests wait for their first
 token (a burst of arrivals), prompts get the share of the pass in proportion to their number,
 or a burst of 64 prompts behind a few decoding streams would wait minutes for its first tokens
-(TGI's `waiting_served_ratio` answers the same problem). On a CPU a pass costs about in
+(TGI's `waiting_served_ratio` answers the same problem). Only then: under a steady load, a few
+requests joining together behind many decoding streams took 150-290 prompt tokens a pass by
+that share, and those passes (120-230 ms against 23 ms decode-only, 16 rows, 2-core CPU) set
+the streams' p99 inter-token time (docs/benchmarks.md, seventeenth session). On a CPU a pass costs about in
 proportion to its tokens, so the default cap there is small (64; docs/benchmarks.md,
 "Continuous batching", has the runs behind it); on a GPU a pass of hundreds of tokens costs
 little more than one, so the default is the whole pass. With nothing decoding, a prompt takes
@@ -148,15 +151,17 @@ class Scheduler:
     def plan(self) -> StepPlan:
         """Split this pass's token budget: one token per decoding row first, then prefill
         chunks oldest first (each prefilling row brings at least one token). While others
-        decode, prompts get `max_prefill_tokens_while_decoding`, or their share of the pass
-        if larger: in proportion to the requests still waiting for their first token."""
+        decode, prompts get `max_prefill_tokens_while_decoding`; in a burst (more requests
+        waiting for their first token than decoding) their share of the pass if larger, in
+        proportion to their number."""
         prefilling = [r for r in self.running if r.prefill_remaining > 0]
         decoding = len(self.running) - len(prefilling)
         left = self.config.max_tokens_per_pass - decoding
         prefill_left = left
         cap = self.config.max_prefill_tokens_while_decoding
         if decoding and cap is not None:
-            prefill_left = min(left, max(cap, left * len(prefilling) // len(self.running)))
+            burst = len(prefilling) > decoding
+            prefill_left = min(left, max(cap, left * len(prefilling) // len(self.running)) if burst else cap)
         prefill: dict[Request, int] = {}
         for request in prefilling:
             chunk = max(1, min(request.prefill_remaining, prefill_left))

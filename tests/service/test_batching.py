@@ -131,6 +131,22 @@ def test_a_burst_of_prompts_gets_its_share_of_the_pass(tiny_runner, tiny_tables)
     assert stats is not None and stats.prefill_tokens == 30 + 1 + 1
 
 
+def test_a_few_prompts_joining_many_decoding_streams_keep_to_the_cap(tiny_model, tiny_runner, tiny_tables) -> None:
+    """Not a burst (fewer requests wait for a first token than decode): the prompts take the
+    cap, not their share of the pass, so the decoding streams' next tokens are not held up."""
+    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5)
+    decoding = [engine.add_request(p, GenerationParams(40)) for p in PROMPTS[:3]]
+    while any(r.prefill_remaining for r in decoding):
+        engine.step()
+    joining = [engine.add_request(list(range(2, 60)), GenerationParams(4)) for _ in range(2)]
+    _, stats = engine.step()
+    # 3 rows decode, 2 wait: their share would be 2/5 of the 38 tokens left (15); the cap is 5
+    assert stats is not None and stats.prefill_tokens == 5 + 1
+    while engine.has_work:
+        engine.step()
+    assert all(r.output_ids == reference_greedy(tiny_model, r.prompt_ids, 4) for r in joining)
+
+
 def test_the_prefill_cap_defaults_by_device() -> None:
     config = SchedulerConfig(max_tokens_per_pass=300)
     assert config.for_device("cpu").max_prefill_tokens_while_decoding == CPU_PREFILL_TOKENS_WHILE_DECODING
