@@ -15,15 +15,15 @@ share what is left of `max_tokens_per_pass`, oldest first, so a long prompt is c
 chunks and running streams keep flowing while it loads. While any request decodes, prompt
 chunks take at most `max_prefill_tokens_while_decoding` of a pass: every prompt token in the
 pass delays every running stream's next token. But when many requests wait for their first
-token (a burst of arrivals), prompts get the share of the pass in proportion to their number,
-or a burst of 64 prompts behind a few decoding streams would wait minutes for its first tokens
+token (a burst of arrivals: more of them than decoding requests), prompts get the share of
+the pass in proportion to their number, or a burst of 64 prompts behind a few decoding streams would wait minutes for its first tokens
 (TGI's `waiting_served_ratio` answers the same problem). Only then: under a steady load, a few
 requests joining together behind many decoding streams took 150-290 prompt tokens a pass by
 that share, and those passes (120-230 ms against 23 ms decode-only, 16 rows, 2-core CPU) set
-the streams' p99 inter-token time (docs/benchmarks.md, seventeenth session). On a CPU a pass costs about in
-proportion to its tokens, so the default cap there is small (64; docs/benchmarks.md,
-"Continuous batching", has the runs behind it); on a GPU a pass of hundreds of tokens costs
-little more than one, so the default is the whole pass. With nothing decoding, a prompt takes
+the streams' p99 inter-token time (docs/benchmarks.md, seventeenth session). On a CPU a pass
+costs about in proportion to its tokens, so the default cap there is small (64;
+docs/benchmarks.md, "Continuous batching", has the runs behind it); on a GPU a pass of
+hundreds of tokens costs little more than one, so the default is the whole pass. With nothing decoding, a prompt takes
 the whole pass (first token sooner).
 """
 
