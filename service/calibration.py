@@ -215,10 +215,10 @@ class RequestCalibration:
         16th (`QUIET_MAX_EVERY`), and when due for a probe the engine lets through this pass;
         a round that speculates brings it back to every round. At C=16 on the 2-core CPU the
         controller took no node in any pass, yet planning and drafting one request in four each
-        step cost 2.1-2.4 ms of a 38-41 ms step (docs/benchmarks.md, seventeenth session). Without the
-        probe condition a request stayed due, and drafted every round, for as long as the
-        engine-wide gate kept it from probing: at C=16, 84% of auto rows drafted in every step
-        where 25% were meant to."""
+        step cost 2.1-2.4 ms of a 38-41 ms step (docs/benchmarks.md, seventeenth session).
+        Without the probe condition a request stayed due, and drafted every round, for as long
+        as the engine-wide gate kept it from probing: at C=16, 84% of auto rows drafted in every
+        step where 25% were meant to."""
         return self._drafts_after(self.plain_rounds)
 
     def drafts_next_round(self, speculates: bool) -> bool:
@@ -229,9 +229,11 @@ class RequestCalibration:
 
     def _drafts_after(self, plain_rounds: int) -> bool:
         every = min(1 << (plain_rounds.bit_length() - 1), QUIET_MAX_EVERY) if plain_rounds >= QUIET_ROUNDS else 1
-        due_for_probe = plain_rounds >= self.probe_every
-        return plain_rounds % every == 0 or (due_for_probe and self.shared.may_probe)
+        return plain_rounds % every == 0 or (self._due_after(plain_rounds) and self.shared.may_probe)
 
     @property
     def due_for_probe(self) -> bool:
-        return self.plain_rounds >= self.probe_every
+        return self._due_after(self.plain_rounds)
+
+    def _due_after(self, plain_rounds: int) -> bool:
+        return plain_rounds >= self.probe_every
