@@ -91,6 +91,20 @@ def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
     np.testing.assert_array_equal(top_token_ids(logits[2:5], k), ids[2:5])  # three rows: one thread, six: split
 
 
+def test_top_token_ids_rank_infinities_first_and_ties_by_index() -> None:
+    """The kernel ranks by integer keys of the floats' bits: +inf above every number, equal
+    logits (in different blocks) lowest index first, and a row of -inf still in index order."""
+    if load_kernels() is None:
+        pytest.skip("numba is not installed")
+    logits = torch.full((3, 1000), -1.0)
+    logits[0, [900, 5, 300]] = 2.0
+    logits[0, 700] = float("inf")
+    logits[1] = float("-inf")
+    logits[1, 999] = -1e30
+    logits[2, 640:] = -0.5  # ties beyond the first block: the earliest of them
+    assert top_token_ids(logits, 4).tolist() == [[700, 5, 300, 900], [999, 0, 1, 2], [640, 641, 642, 643]]
+
+
 def test_rows_taken_together_get_what_each_row_gets_alone() -> None:
     """A pass's rows (views of one logits tensor, of 1 to 7 nodes) in one call, as off the CPU,
     or a call each: the same argmax and top tokens per row."""
