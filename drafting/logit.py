@@ -29,18 +29,22 @@ class LogitHints:
         if k <= 0 or w <= 0:
             return []
         guesses = [t for t in history.hints if t != history.last_token][:k]
-        return [Draft((g, *self._continue(history, g, w - 1)), self.name, rank) for rank, g in enumerate(guesses)]
+        tokens = history.token_ids
+        # the newest n-1 tokens that a guess completes to a context n-gram, longest first
+        contexts = [tuple(tokens[len(tokens) - n + 1 :]) for n in range(min(self.max_n, len(tokens) + 1), 1, -1)]
+        return [Draft((g, *self._continue(history, contexts, g, w - 1)), self.name, rank)
+                for rank, g in enumerate(guesses)]
 
-    def _continue(self, history: TokenHistory, guess: int, length: int) -> tuple[int, ...]:
+    def _continue(self, history: TokenHistory, contexts: list[tuple[int, ...]], guess: int,
+                  length: int) -> tuple[int, ...]:
         """`length` tokens after `guess`: the text that followed the newest occurrence of the
         longest matching context + guess, then top-1 successors."""
         if length <= 0:
             return ()
-        tokens = history.token_ids
-        for n in range(min(self.max_n, len(tokens) + 1), 1, -1):
-            starts = history.follows((*tokens[len(tokens) - n + 1 :], guess), most_recent=1)
+        for context in contexts:
+            starts = history.follows((*context, guess), most_recent=1)
             if starts:
-                found = tuple(tokens[starts[-1] : starts[-1] + length])
+                found = tuple(history.token_ids[starts[-1] : starts[-1] + length])
                 last = found[-1] if found else guess
                 return found + self.table.follow(last, (0,) * (length - len(found)))
         return self.table.follow(guess, (0,) * length)

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from drafting.acceptance import Acceptance, AcceptanceCounts, blend
 from drafting.base import BatchStrategy, Draft, PassDistributions, Strategy, common_prefix
@@ -47,10 +48,10 @@ REACH_SLACK = 2  # drafts and depth asked for beyond twice what the controller t
 Key = tuple[str, int]  # (strategy, rank)
 
 
-@dataclass(frozen=True)
-class ScoredDraft:
+class ScoredDraft(NamedTuple):
     """A candidate, the acceptance estimated for its (strategy, rank), and what drafting one
-    token of it costs (measured by strategies that run a model; the controller counts it)."""
+    token of it costs (measured by strategies that run a model; the controller counts it). A
+    named tuple, as `Acceptance`: one per candidate per round."""
 
     draft: Draft
     acceptance: Acceptance
@@ -62,7 +63,8 @@ class Mixer:
     `DraftSession` per request.
 
     `standalone` strategies may be selected alone but stay out of `mixed` (a baseline the
-    benchmark compares against). `successors` are refreshed from every pass's distributions;
+    benchmark compares against). `successors` are refreshed from the distributions of every pass
+    of the requests that draft from them;
     `suffix` indexes every request's output.
     """
 
@@ -80,6 +82,7 @@ class Mixer:
         self.successors = list(successors)
         self.suffix = suffix
         self.global_counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
+        self._priors: dict[Key, Acceptance] = {}  # `prior` of each key, until its counts change
         # costly strategy -> the rounds a new request waits before asking it: the wait the
         # last request that kept passing it over had reached (none once one takes it again)
         self.probe_waits: dict[str, int] = {}
@@ -131,15 +134,19 @@ class Mixer:
         for name, batch in batches.items():
             self.batched[name].prepare(batch)
 
-    def observe_distributions(self, passed: PassDistributions) -> None:
-        """Refresh every shared successor table from one row's pass."""
-        for table in self.successors:
-            table.observe(passed)
-
     def prior(self, key: Key) -> Acceptance:
-        """Global estimate for (strategy, rank)."""
-        unseen = Acceptance(UNSEEN.p / (key[1] + 1), UNSEEN.c)
-        return blend(self.global_counts[key], unseen, prior_weight=1.0)
+        """Global estimate for (strategy, rank). Kept until the key's counts change: every
+        request of a step asks for the same few keys."""
+        prior = self._priors.get(key)
+        if prior is None:
+            unseen = Acceptance(UNSEEN.p / (key[1] + 1), UNSEEN.c)
+            prior = self._priors[key] = blend(self.global_counts[key], unseen, prior_weight=1.0)
+        return prior
+
+    def record(self, key: Key, accepted: int, cap: int) -> None:
+        """A candidate of (strategy, rank) `key` matched `accepted` of at most `cap` tokens."""
+        self.global_counts[key].observe(accepted, cap)
+        self._priors.pop(key, None)
 
 
 class DraftSession:
@@ -158,6 +165,8 @@ class DraftSession:
         # costly strategies the controller passes over; a new request starts where others left
         self._skipped = {s.name: _Skipped(0, mixer.probe_waits[s.name]) for s in strategies if s.name in mixer.probe_waits}
         self._reach: tuple[int, int] | None = None  # (drafts, depth) worth asking for; None: all
+        # the shared successor tables its strategies read: they alone learn from its passes
+        self.tables = [t for t in mixer.successors if any(getattr(s, "table", None) is t for s in strategies)]
 
     def acceptance(self, draft: Draft) -> Acceptance:
         key = (draft.strategy, draft.rank)
@@ -211,16 +220,25 @@ class DraftSession:
             cap = min(len(draft.token_ids), len(committed))
             key = (draft.strategy, draft.rank)
             self.counts[key].observe(accepted, cap)
-            self.mixer.global_counts[key].observe(accepted, cap)
+            self.mixer.record(key, accepted, cap)
         self._candidates = []
         self.history.extend(committed)
         if self._writer is not None:
             self._writer.add(committed)
 
+    @property
+    def learns_from_passes(self) -> bool:
+        """Whether its passes' top next tokens are worth handing over (`observe_distributions`)."""
+        return bool(self.tables)
+
     def observe_distributions(self, passed: PassDistributions) -> None:
-        """After `observe`: the pass's top next tokens at every node refresh the shared tables,
-        and those at the node that chose the newest token become the history's hints."""
-        self.mixer.observe_distributions(passed)
+        """After `observe`: the pass's top next tokens at every node refresh the successor
+        tables this request's strategies read, and those at the node that chose the newest
+        token become the history's hints. Only those tables: a mixed request refreshing the
+        Token Recycling baseline's table too paid a second update a pass, ~40 us of a ~12 ms
+        auto step (2-core dev VM), for a strategy no request of it drafts with."""
+        for table in self.tables:
+            table.observe(passed)
         self.history.hints = tuple(int(t) for t in passed.top_ids[passed.stop_node])
 
     def close(self) -> None:

@@ -252,7 +252,8 @@ class Engine:
         if top_k == 0:
             return [None] * len(rows)
         started = time.perf_counter()
-        wanted = [i for i, row in enumerate(rows) if row.tree is not None and self._drafts_next_round(row)]
+        wanted = [i for i, row in enumerate(rows)
+                  if row.tree is not None and row.request.drafts.learns_from_passes and self._drafts_next_round(row)]
         out = _scattered(len(rows), wanted, top_token_ids_of_rows([logits[i] for i in wanted], top_k))
         self._learn_seconds += time.perf_counter() - started
         return out

@@ -16,10 +16,10 @@ def passed(node_tokens: list[int], top_ids: list[list[int]], stop_node: int = 0)
 def test_every_node_refreshes_its_tokens_row_in_place() -> None:
     table = SuccessorTable(top_k=2)
     table.observe(passed([3, 5], [[4, 6], [7, 8]]))  # after 3: 4 then 6; after 5: 7 then 8
-    assert table.row(3).tolist() == [4, 6] and table.row(5).tolist() == [7, 8]
+    assert table.row(3) == [4, 6] and table.row(5) == [7, 8]
     table.observe(passed([3], [[9, 4]]))  # a later pass overwrites the row
-    assert table.row(3).tolist() == [9, 4] and table.row(5).tolist() == [7, 8]
-    assert table.row(0).tolist() == [] and table.row(100).tolist() == []  # never observed
+    assert table.row(3) == [9, 4] and table.row(5) == [7, 8]
+    assert table.row(0) == [] and table.row(100) == []  # never observed
 
 
 def test_memory_is_bounded_by_the_vocabulary_not_the_traffic() -> None:
@@ -37,8 +37,8 @@ def test_unobserved_rows_fall_back_to_the_model_bigram_table() -> None:
     slot = TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram))
     table = SuccessorTable(top_k=2, fallback=slot)
     table.observe(passed([1], [[1, 1]]))
-    assert table.row(1).tolist() == [1, 1]  # observed: the table's own row
-    assert table.row(2).tolist() == [0, 1]  # never observed: the model's bigram row
+    assert table.row(1) == [1, 1]  # observed: the table's own row
+    assert table.row(2) == [0, 1]  # never observed: the model's bigram row
 
 
 def test_follow_takes_one_successor_per_rank_and_stops_where_a_row_runs_out() -> None:
@@ -48,6 +48,7 @@ def test_follow_takes_one_successor_per_rank_and_stops_where_a_row_runs_out() ->
     assert table.follow(1, (1, 1)) == (3, 2)
     assert table.follow(1, (0, 2)) == (2,)  # rank 2 of a 2-wide row does not exist
     assert table.follow(7, (0,)) == ()
+    assert table.follow_all(1, [(0, 0, 0), (1, 1), (0, 2), ()]) == [(2, 3, 1), (3, 2), (2,), ()]  # a template at once
 
 
 @pytest.mark.parametrize(

@@ -28,14 +28,22 @@ def test_seeded_samples_equal_plain_samples(tiny_engine: Engine, prompt, strateg
         assert tiny_engine.complete(prompt, params).token_ids == plain.token_ids
 
 
-def test_every_pass_of_a_speculating_request_refreshes_both_successor_tables(tiny_engine: Engine) -> None:
-    params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(1, 1), strategy="recycled")
+@pytest.mark.parametrize("strategy", ["recycled", "logit", "mixed", "token_recycling"])
+def test_every_pass_of_a_speculating_request_refreshes_the_table_it_drafts_from(tiny_engine: Engine, strategy) -> None:
+    params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(1, 1), strategy=strategy)
     out = tiny_engine.complete(PROMPTS[0], params).token_ids
     recycled, baseline = tiny_engine.mixer.successors
+    fed, untouched = (baseline, recycled) if strategy == "token_recycling" else (recycled, baseline)
     # the last pass: the node holding the second-to-last token (the root, or the accepted
     # draft) chose the last one
-    assert recycled.row(out[-2])[0] == baseline.row(out[-2])[0] == out[-1]
-    assert recycled.nbytes <= (TINY_VOCAB + GROWTH) * recycled.top_k * 4
+    assert fed.row(out[-2])[0] == out[-1]
+    assert untouched.nbytes == 0  # the other table learns only from its own requests' passes
+    assert fed.nbytes <= (TINY_VOCAB + GROWTH) * fed.top_k * 4
+
+
+def test_a_request_drafting_from_no_successor_table_hands_over_no_top_tokens(tiny_engine: Engine) -> None:
+    tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=SPEC, strategy="context"))
+    assert all(table.nbytes == 0 for table in tiny_engine.mixer.successors)
 
 
 @pytest.mark.parametrize("speculation", [SpeculationParams(), SpeculationParams(4, 4, "off")], ids=["k=0", "off"])
@@ -45,7 +53,7 @@ def test_plain_decoding_pays_for_no_table_updates(tiny_engine: Engine, speculati
 
 
 def test_recycled_drafts_get_accepted_once_the_table_has_seen_the_text(tiny_engine: Engine) -> None:
-    tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=SPEC, strategy="context"))
+    tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=SPEC, strategy="logit"))  # reads it too
     again = tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=SPEC, strategy="recycled"))
     assert again.accepted_by_strategy["recycled"] > NEW_TOKENS // 4
 
