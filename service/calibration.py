@@ -129,6 +129,8 @@ class Calibration:
     shapes: list[Ratio] = field(default_factory=lambda: _shape_ratios())
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
     host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
+    # (tokens, rows) -> shape factor, until the next pass changes them (the controller asks per node)
+    _factors: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     @property
     def may_probe(self) -> bool:
@@ -144,7 +146,10 @@ class Calibration:
     def shape_factor(self, tokens: int, rows: int = 1) -> float:
         """How much dearer (>1) or cheaper a pass of `tokens` tokens over `rows` rows is,
         relative to the others, than the profile says."""
-        return self.shapes[shape_bucket(tokens, rows)].factor()
+        factor = self._factors.get((tokens, rows))
+        if factor is None:
+            factor = self._factors[tokens, rows] = self.shapes[shape_bucket(tokens, rows)].factor()
+        return factor
 
     def plain_is_stale(self, tokens: int, rows: int = 1) -> bool:
         """The all-plain pass (`tokens` over `rows` rows) has gone unobserved for about
@@ -156,6 +161,7 @@ class Calibration:
         """One pass of `tokens` tokens over `rows` rows that the profile priced at
         `profiled_seconds`."""
         self.level.observe(profiled_seconds, seconds)
+        self._factors.clear()
         for ratio in self.shapes:
             ratio.fade()
         self.shapes[shape_bucket(tokens, rows)].add(profiled_seconds * self.level.factor(), seconds)
@@ -169,6 +175,7 @@ class Calibration:
         """Forget the pass-cost factors (a new profile was measured)."""
         self.level = Ratio(LEVEL_DECAY)
         self.shapes = _shape_ratios()
+        self._factors.clear()
 
 
 def _shape_ratios() -> list[Ratio]:

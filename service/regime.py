@@ -31,6 +31,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from drafting import Draft, ScoredDraft
 
@@ -38,10 +39,10 @@ PROFILE_VERSION = 3  # the wide-row cost; older files are measured again
 PATIENCE = 32  # nodes in a row that improve no plan before the planner stops adding
 
 
-@dataclass(frozen=True)
-class PassShape:
+class PassShape(NamedTuple):
     """What a pass holds, as far as its cost goes: its tokens, the rows that bring more than
-    one token (a tree or a prompt chunk, each priced as a wide row) and the widest row."""
+    one token (a tree or a prompt chunk, each priced as a wide row) and the widest row. A
+    named tuple: the controller prices a shape per candidate node every step."""
 
     tokens: int
     wide_rows: int = 0
@@ -85,7 +86,7 @@ class CostProfile:
         below, above, weight = _interpolate(self.rows, rows, extrapolate=True)
         parts = ((1 - weight, self.tree_sizes[below], curve(below)), (weight, self.tree_sizes[above], curve(above)))
         wide = self.wide_row_cost(context_length, rows) if self.wide_row_seconds else 0.0
-        return PassCost(parts, wide, rows)
+        return PassCost(tuple(part for part in parts if part[0] != 0.0), wide, rows)  # a measured row count: one part
 
     def wide_row_cost(self, context_length: float, rows: int) -> float:
         """What one wide row adds to a pass of `rows` rows (interpolated, clamped)."""
@@ -183,8 +184,9 @@ class TreePlan:
         return self.expected_tokens / self.seconds
 
 
-@dataclass(frozen=True)
-class _Node:
+class _Node(NamedTuple):
+    """A candidate tree node (a named tuple: tens of them a row every step)."""
+
     probability: float  # uncorrected
     factor: float  # the row's acceptance factor
     depth: int
