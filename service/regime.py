@@ -78,15 +78,11 @@ class CostProfile:
         """The profile at one mean context length (linear in L, clamped) and row count (linear,
         extrapolated past the largest measured)."""
         lower, upper, a = _interpolate(self.context_lengths, context_length)
-
-        def curve(rows_index: int) -> list[float]:
-            table = self.seconds[rows_index]
-            return [(1 - a) * x + a * y for x, y in zip(table[lower], table[upper])]
-
         below, above, weight = _interpolate(self.rows, rows, extrapolate=True)
-        parts = ((1 - weight, self.tree_sizes[below], curve(below)), (weight, self.tree_sizes[above], curve(above)))
+        parts = tuple((w, self.tree_sizes[index], self.seconds[index][lower], self.seconds[index][upper])
+                      for w, index in ((1 - weight, below), (weight, above)) if w != 0.0)  # a measured count: one
         wide = self.wide_row_cost(context_length, rows) if self.wide_row_seconds else 0.0
-        return PassCost(tuple(part for part in parts if part[0] != 0.0), wide, rows)  # a measured row count: one part
+        return PassCost(parts, a, wide, rows)
 
     def wide_row_cost(self, context_length: float, rows: int) -> float:
         """What one wide row adds to a pass of `rows` rows (interpolated, clamped)."""
@@ -122,20 +118,26 @@ def _interpolate(grid: Sequence[float], x: float, extrapolate: bool = False) -> 
 
 @dataclass(frozen=True)
 class PassCost:
-    """A `CostProfile` at one context length and row count: seconds by pass shape. The
-    controller prices hundreds of shapes a step, so the profile is interpolated over rows and
-    context once, here, and each shape costs two look-ups on the pass-size axis."""
+    """A `CostProfile` at one context length and row count: seconds by pass shape. Every step
+    takes one (the pass's observed time is compared with it) and the controller prices tens of
+    shapes with it, so it interpolates lazily: each shape costs two look-ups on the pass-size
+    axis, and taking one costs no curve (building the curves took ~10 us warm a step)."""
 
-    parts: tuple[tuple[float, Sequence[int], Sequence[float]], ...]  # (weight, pass sizes, seconds)
+    # (weight, pass sizes, seconds at the context length below, seconds at the one above)
+    parts: tuple[tuple[float, Sequence[int], Sequence[float], Sequence[float]], ...]
+    context_weight: float  # of the context length above
     wide_row_seconds: float
     rows: int
 
     def equal_rows(self, n: int) -> float:
         """A pass of `n` tokens with every row alike (linear in n, extrapolated)."""
+        a = self.context_weight
         total = 0.0
-        for weight, sizes, seconds in self.parts:
+        for weight, sizes, below, above in self.parts:
             lower, upper, b = _interpolate(sizes, n, extrapolate=True)
-            total += weight * ((1 - b) * seconds[lower] + b * seconds[upper])
+            at_lower = (1 - a) * below[lower] + a * above[lower]
+            at_upper = (1 - a) * below[upper] + a * above[upper]
+            total += weight * ((1 - b) * at_lower + b * at_upper)
         return max(total, 1e-9)
 
     def seconds(self, shape: PassShape) -> float:
