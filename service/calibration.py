@@ -130,7 +130,7 @@ class Calibration:
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
     host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
     # (tokens, rows) -> shape factor, until the next pass changes them (the controller asks per node)
-    _factors: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
+    _factors: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def may_probe(self) -> bool:

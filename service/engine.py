@@ -239,7 +239,8 @@ class Engine:
     def _top_ids(self, rows: list[_Row], logits: list[torch.Tensor]) -> list[np.ndarray | None]:
         """Per decoding row, the top-K next tokens at each tree node ([num_nodes, K]), for
         the strategies that learn from every distribution. Only rows whose request drafts next
-        round take them (`_drafts_next_round`): plain decoding should not pay for drafting
+        round from a successor table take them (`_drafts_next_round`,
+        `DraftSession.learns_from_passes`): plain decoding should not pay for drafting
         (the topk alone cost 0.7 ms of a 24-40 ms CPU step, embedded model), nor should an
         auto request's quiet rounds (at C=16 on the 2-core CPU, top tokens and the tables'
         refresh for every auto row took ~0.7 ms a step, for drafts the controller never took);
