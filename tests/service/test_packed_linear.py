@@ -83,6 +83,8 @@ def test_batched_leading_dims_and_large_passes() -> None:
     assert got.shape == (2, KERNEL_MAX_ROWS, 96)
     torch.testing.assert_close(got.reshape(-1, 96), reference(blocks, x.reshape(-1, 64)), rtol=1e-5, atol=2e-5)
     torch.testing.assert_close(layer(x[:, :5]), got[:, :5], rtol=1e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="64 features, got 128"):
+        layer(torch.randn(3, 128))  # as many numbers as 6 rows: refused, not reshaped
 
 
 @needs_numba
