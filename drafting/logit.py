@@ -29,6 +29,8 @@ class LogitHints:
         if k <= 0 or w <= 0:
             return []
         guesses = [t for t in history.hints if t != history.last_token][:k]
+        if not guesses:  # no hints (a round after a skipped one): nothing to look up
+            return []
         tokens = history.token_ids
         # the newest n-1 tokens that a guess completes to a context n-gram, longest first
         contexts = [tuple(tokens[len(tokens) - n + 1 :]) for n in range(min(self.max_n, len(tokens) + 1), 1, -1)]
