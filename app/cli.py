@@ -86,6 +86,7 @@ def _bench(args: argparse.Namespace) -> None:
     from service.draft_model import load_drafters
     from service.model_loader import load_model
     from service.runtime import build_engine, build_engine_with_tables
+    from service.scheduler import SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
@@ -217,6 +218,7 @@ def _steps(args: argparse.Namespace) -> None:
     from service.bench import load_specbench
     from service.model_loader import load_model
     from service.runtime import build_engine, build_engine_with_tables
+    from service.scheduler import SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
@@ -224,8 +226,10 @@ def _steps(args: argparse.Namespace) -> None:
     engine = build_engine_with_tables(loaded, args.cache_dir, profile=True, suffix_cache_tokens=0)
     prompts = [p.prompt_ids for p in load_specbench(args.dataset, loaded.tokenizer, args.per_category)]
 
+    batch = SchedulerConfig(max_running_requests=max(args.concurrency))  # C in flight means C in the pass
+
     def new_engine() -> Any:
-        fresh = build_engine(loaded, engine.mixer.tables, suffix_cache_tokens=0)
+        fresh = build_engine(loaded, engine.mixer.tables, batch, suffix_cache_tokens=0)
         fresh.profile = engine.profile
         return fresh
 

@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 PASS_CODE = ("model_runner.py", "decoder_pass.py", "attention.py", "kv_cache.py", "packed_linear.py",
              "packed_kernels.py", "layer_kernels.py", "int8_kernel.py", "attention_kernel.py")
 ROWS = (1, 4, 16)
+# A GPU serves more rows a pass (a pass there is host-bound, so rows are nearly free) and its
+# cost past 16 rows was extrapolated from 4 and 16: 64 rows are measured too.
+GPU_ROWS = (*ROWS, 64)
 CONTEXT_LENGTHS = (32, 256, 1024)
 TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
 # Larger passes are extrapolated. A CPU's cost is already linear by 128 tokens; a GPU's stays
@@ -70,6 +73,11 @@ def device_name(device: torch.device) -> str:
     return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
 
 
+def profiled_rows(device: torch.device) -> tuple[int, ...]:
+    """The row counts a profile on `device` measures."""
+    return ROWS if device.type == "cpu" else GPU_ROWS
+
+
 def pass_sizes(rows: int, device: torch.device) -> list[int]:
     """The pass sizes measured for `rows` equal rows on `device`."""
     largest = CPU_MAX_PASS_TOKENS if device.type == "cpu" else GPU_MAX_PASS_TOKENS
@@ -77,11 +85,13 @@ def pass_sizes(rows: int, device: torch.device) -> list[int]:
 
 
 def measure_steps(
-    runner: ModelRunner, rows: Sequence[int] = ROWS, context_lengths: Sequence[int] = CONTEXT_LENGTHS,
+    runner: ModelRunner, rows: Sequence[int] | None = None, context_lengths: Sequence[int] = CONTEXT_LENGTHS,
     repeats: int = REPEATS,
 ) -> Generator[None, None, tuple[CostProfile, list[str]]]:
     """Yield after every increment (one repeat of one (rows, L) sweep); return the profile and
-    the validation problems found (empty when it can be trusted)."""
+    the validation problems found (empty when it can be trusted). `rows`: the device's own
+    (`profiled_rows`) unless given."""
+    rows = profiled_rows(runner.device) if rows is None else rows
     generator = torch.Generator().manual_seed(0)
     samples: dict[tuple[int, int], list[list[float]]] = {}
     wide_samples: dict[tuple[int, int], list[float]] = {}

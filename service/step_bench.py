@@ -53,7 +53,12 @@ HEADER = ("| C | mode | steps | tokens | ms/step | plan+draft ms | pass+verify m
 def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, mode: str,
               max_new_tokens: int, k: int, w: int, requests_per_slot: int = REQUESTS_PER_SLOT) -> StepRun:
     """C × `requests_per_slot` requests (the prompts cycled), C of them in flight at a time (a
-    new one joins as one ends, as under a steady load), stepped until every one ends."""
+    new one joins as one ends, as under a steady load), stepped until every one ends. The
+    engine must run C requests at once: one that holds fewer would queue the rest and measure a
+    smaller batch under C's name."""
+    if engine.scheduler.config.max_running_requests < concurrency:
+        raise ValueError(f"C={concurrency} needs an engine that runs {concurrency} requests at once, "
+                         f"not {engine.scheduler.config.max_running_requests}")
     speculation = SpeculationParams(k, w, mode="auto") if mode == "auto" else SpeculationParams(0, 0)
     params = GenerationParams(max_new_tokens=max_new_tokens, speculation=speculation)
     queued = list(itertools.islice(itertools.cycle(prompts), concurrency * requests_per_slot))[::-1]

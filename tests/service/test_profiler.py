@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from service.model_runner import ModelRunner
-from service.profiler import load_or_measure, measure_profile, own_cost, pass_sizes, profile_path, validate
+from service.profiler import load_or_measure, measure_profile, own_cost, pass_sizes, profile_path, profiled_rows, validate
 from service.regime import CostProfile
 from tests.conftest import make_tiny_model
 
@@ -112,3 +112,5 @@ def test_a_gpu_profile_measures_larger_passes() -> None:
     assert pass_sizes(16, torch.device("cpu")) == [16, 32, 64, 128]
     assert pass_sizes(16, torch.device("cuda")) == [16, 32, 64, 128, 256, 512]
     assert pass_sizes(1, torch.device("cuda")) == [1, 2, 4, 8, 16, 32, 64]
+    assert pass_sizes(64, torch.device("cuda")) == [64, 128, 256, 512]
+    assert max(profiled_rows(torch.device("cuda"))) == 64 and max(profiled_rows(torch.device("cpu"))) == 16

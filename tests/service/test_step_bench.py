@@ -8,6 +8,7 @@ from app.cli import main
 from drafting import default_mixer
 from service.engine import Engine
 from service.model_runner import ModelRunner
+from service.scheduler import SchedulerConfig
 from service.step_bench import run_step_bench, run_steps
 from tests.conftest import make_tiny_model
 from tests.service.test_bench import write_dataset
@@ -42,8 +43,17 @@ def test_each_concurrency_runs_both_modes_in_alternating_order() -> None:
 
 @pytest.mark.slow
 def test_the_command_prints_a_row_a_run_and_the_ratios(tmp_path, capsys, embedded) -> None:
-    main(["steps", "--dataset", write_dataset(tmp_path), "--per-category", "1", "--concurrency", "2",
+    # C=17 is past the scheduler's default of 16 running requests: the command sizes its engines to C
+    main(["steps", "--dataset", write_dataset(tmp_path), "--per-category", "1", "--concurrency", "17",
           "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1"])
     printed = capsys.readouterr().out
-    assert "| 2 | off |" in printed and "| 2 | auto |" in printed
+    assert "| 17 | off |" in printed and "| 17 | auto |" in printed
     assert "| C | off tokens/s | auto tokens/s | auto/off |" in printed
+
+
+def test_a_run_refuses_an_engine_that_would_queue_part_of_its_batch() -> None:
+    """C=64 on an engine running 16 at a time would time 16-row passes under C=64's name."""
+    small = Engine(ModelRunner(make_tiny_model(seed=5)), default_mixer(None), eos_token_ids=[], max_context=512,
+                   scheduler_config=SchedulerConfig(max_running_requests=2))
+    with pytest.raises(ValueError, match="C=3"):
+        run_steps(small, PROMPTS, 3, "off", 4, 4, 3)
