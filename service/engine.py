@@ -30,7 +30,7 @@ from service.config import GenerationParams
 from service.draft_model import ModelDrafter
 from service.logprobs import TokenLogprob, token_logprobs
 from service.model_runner import ModelRunner, RowInput
-from service.regime import CostProfile, PassShape, RowCandidates, RowTree, TreePlan, plan_trees
+from service.regime import CostProfile, PassShape, RowCandidates, RowTree, TreePlan, plan_trees, sure_draft_pays
 from service.request import Request, Status, kv_tokens_needed
 from service.sampling import PositionUniforms, greedy_choices_of_rows, top_token_ids_of_rows
 from service.scheduler import Scheduler, SchedulerConfig
@@ -278,6 +278,8 @@ class Engine:
         decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
         auto = [row for row in decoding if self._is_auto(row.request)]
         speculating = [row for row in decoding if self._drafts_this_step(row.request)]
+        if auto and not self._sure_draft_pays(rows, decoding, auto, step_plan.tree_budget):
+            speculating = self._without_auto_drafts(speculating, auto)
         for strategy in self.mixer.batched.values():  # a self-draft drafts in this engine's KV rows
             if isinstance(strategy, ModelDrafter):
                 strategy.bind_target(self.cache, self._row_of)
@@ -297,24 +299,8 @@ class Engine:
     def _plan_auto(self, auto: list[_Row], rows: list[_Row], budget: int, drafted: set[int]) -> TreePlan:
         """The controller's trees for the auto rows; rows not drafted this step (`drafted`
         holds the ids of those that are) are priced as plain rows."""
-        assert self.profile is not None
-        profile, shapes = self.profile, self.calibration
-        is_auto = {id(row) for row in auto}
-        fixed = _pass_shape([row.width + (id(row) in is_auto) for row in rows])  # auto rows: their roots
-        context = sum(r.request.context_length for r in rows) / len(rows)
-
-        def pricing(num_rows: int) -> Callable[[PassShape], float]:
-            pass_cost = profile.at(context, num_rows)
-            return lambda shape: pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens, num_rows)
-
-        cost = pricing(len(rows))
-        prefill_seconds = 0.0
-        if any(row.chunk for row in rows):  # what the pass would cost without its prompt chunks
-            decode_widths = [row.width - len(row.chunk) + (id(row) in is_auto)
-                             for row in rows if row.tree is not None or id(row) in is_auto]
-            decode_only = pricing(len(decode_widths))(_pass_shape(decode_widths))
-            prefill_seconds = max(cost(fixed) - decode_only, 0.0)
-
+        shapes = self.calibration
+        cost, fixed, prefill_seconds = self._pricing(rows, {id(row) for row in auto})
         candidates, may_probe = [], shapes.may_probe
         began = time.perf_counter()
         for row in auto:
@@ -337,6 +323,47 @@ class Engine:
             row.choice = choice
             row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
         return plan
+
+    def _pricing(self, rows: list[_Row], roots: set[int]) -> tuple[Callable[[PassShape], float], PassShape, float]:
+        """The controller's price of a pass shape, the pass's shape as it stands (the rows in
+        `roots`, by id, counted with the root their tree still lacks) and what its prompt
+        chunks cost of it (a row's last chunk, which carries its first tree, included)."""
+        assert self.profile is not None
+        profile, shapes = self.profile, self.calibration
+        fixed = _pass_shape([row.width + (id(row) in roots) for row in rows])
+        context = sum(r.request.context_length for r in rows) / len(rows)
+
+        def pricing(num_rows: int) -> Callable[[PassShape], float]:
+            pass_cost = profile.at(context, num_rows)
+            return lambda shape: pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens, num_rows)
+
+        cost = pricing(len(rows))
+        prefill_seconds = 0.0
+        if any(row.chunk for row in rows):  # what the pass would cost without its prompt chunks
+            decode_widths = [row.width - len(row.chunk) + (id(row) in roots)
+                             for row in rows if row.tree is not None or id(row) in roots]
+            decode_only = pricing(len(decode_widths))(_pass_shape(decode_widths))
+            prefill_seconds = max(cost(fixed) - decode_only, 0.0)
+        return cost, fixed, prefill_seconds
+
+    def _sure_draft_pays(self, rows: list[_Row], decoding: list[_Row], auto: list[_Row], budget: int) -> bool:
+        """Whether a draft sure to be accepted, in the auto row cheapest to grow, would beat
+        plain decoding in this pass (`regime.sure_draft_pays`); if not, the auto rows are not
+        drafted. Priced before any row drafts, so fixed-mode rows count as their roots."""
+        if budget <= 0:
+            return False
+        cost, fixed, prefill_seconds = self._pricing(rows, {id(row) for row in decoding})
+        depth = max(self._max_depth(row.request, row.request.params.speculation.w) for row in auto)
+        return sure_draft_pays(cost, fixed, len(decoding), max(row.width + 1 for row in auto), depth,
+                               prefill_seconds, self.calibration.host.row_seconds)
+
+    def _without_auto_drafts(self, speculating: list[_Row], auto: list[_Row]) -> list[_Row]:
+        """`speculating` less its auto rows, but for one due for a probe when the engine's probe
+        gate is open: a probe re-measures what the forecast believes, the pass costs included."""
+        is_auto = {id(row) for row in auto}
+        prober = next((row for row in auto if row.request.calibration.due_for_probe and self.calibration.may_probe
+                       and row in speculating), None)
+        return [row for row in speculating if id(row) not in is_auto or row is prober]
 
     def _row_of(self, history: TokenHistory) -> int:
         """The KV row of the running request whose history this is."""
@@ -499,7 +526,7 @@ def _scattered(size: int, at: list[int], values: Sequence[T]) -> list[T | None]:
 
 def _pass_shape(widths: Sequence[int]) -> PassShape:
     """A pass whose rows bring `widths` tokens each, as the cost profile prices it."""
-    return PassShape(sum(widths), sum(1 for w in widths if w > 1), max(widths, default=1))
+    return PassShape(sum(widths), sum(1 for w in widths if w > 1))
 
 
 def _shape_used(row: _Row) -> dict[str, int]:

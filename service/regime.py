@@ -37,20 +37,20 @@ from drafting import Draft, ScoredDraft
 
 PROFILE_VERSION = 3  # the wide-row cost; older files are measured again
 PATIENCE = 32  # nodes in a row that improve no plan before the planner stops adding
+MIN_GAIN = 1.02  # a plan must beat plain decoding's tokens per second by this factor
 
 
 class PassShape(NamedTuple):
     """What a pass holds, as far as its cost goes: its tokens, the rows that bring more than
-    one token (a tree or a prompt chunk, each priced as a wide row) and the widest row. A
-    named tuple: the controller prices a shape per candidate node every step."""
+    one token (a tree or a prompt chunk, each priced as a wide row). A named tuple: the
+    controller prices a shape per candidate node every step."""
 
     tokens: int
     wide_rows: int = 0
-    widest: int = 1
 
     def grown(self, row_width: int) -> PassShape:
         """This pass with one more token in a row that brought `row_width` tokens."""
-        return PassShape(self.tokens + 1, self.wide_rows + (row_width == 1), max(self.widest, row_width + 1))
+        return PassShape(self.tokens + 1, self.wide_rows + (row_width == 1))
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,10 @@ class CostProfile:
     dtype: str = ""
     version: int = PROFILE_VERSION
 
-    def cost(self, n: int, context_length: float, rows: int = 1, wide_rows: int = 0, widest: int = 1) -> float:
+    def cost(self, n: int, context_length: float, rows: int = 1, wide_rows: int = 0) -> float:
         """Seconds of a pass of `n` tokens over `rows` rows at mean context `context_length`,
-        `wide_rows` of them wider than one token (the widest `widest`): see `PassCost`."""
-        return self.at(context_length, rows).seconds(PassShape(n, wide_rows, widest))
+        `wide_rows` of them wider than one token: see `PassCost`."""
+        return self.at(context_length, rows).seconds(PassShape(n, wide_rows))
 
     def at(self, context_length: float, rows: int) -> PassCost:
         """The profile at one mean context length (linear in L, clamped) and row count (linear,
@@ -82,7 +82,7 @@ class CostProfile:
         parts = tuple((w, self.tree_sizes[index], self.seconds[index][lower], self.seconds[index][upper])
                       for w, index in ((1 - weight, below), (weight, above)) if w != 0.0)  # a measured count: one
         wide = self.wide_row_cost(context_length, rows) if self.wide_row_seconds else 0.0
-        return PassCost(parts, a, wide, rows)
+        return PassCost(parts, a, wide)
 
     def wide_row_cost(self, context_length: float, rows: int) -> float:
         """What one wide row adds to a pass of `rows` rows (interpolated, clamped)."""
@@ -127,7 +127,6 @@ class PassCost:
     parts: tuple[tuple[float, Sequence[int], Sequence[float], Sequence[float]], ...]
     context_weight: float  # of the context length above
     wide_row_seconds: float
-    rows: int
 
     def equal_rows(self, n: int) -> float:
         """A pass of `n` tokens with every row alike (linear in n, extrapolated)."""
@@ -141,13 +140,15 @@ class PassCost:
         return max(total, 1e-9)
 
     def seconds(self, shape: PassShape) -> float:
-        """The equal-rows curve plus each wide row's own cost, but never more than a pass with
-        every row as wide as the widest (one batched call, no call of its own)."""
+        """The equal-rows curve plus each wide row's own cost. Not capped at a pass with every
+        row as wide as the widest (one padded call): the attention layout gives each wide row
+        its own call until padding every row is cheaper in its own reckoning (on the H200, at 16
+        or 64 rows, not before most rows are wide), so that cap priced 2 to 20 wide rows among
+        64 as one, and auto took rows whose own calls cost ~3.6 ms each (16 rows: auto 0.78x
+        off with the cap, 0.88x without; 64 rows: 0.82x and 0.97x; docs/benchmarks.md,
+        nineteenth session)."""
         equal_rows = self.equal_rows(shape.tokens)
-        if shape.wide_rows == 0 or self.wide_row_seconds == 0.0:
-            return equal_rows
-        wide = equal_rows + shape.wide_rows * self.wide_row_seconds
-        return min(wide, max(self.equal_rows(self.rows * shape.widest), equal_rows))
+        return equal_rows + shape.wide_rows * self.wide_row_seconds if shape.wide_rows else equal_rows
 
 
 @dataclass(frozen=True)
@@ -205,7 +206,7 @@ def plan_trees(
     fixed: PassShape,
     fixed_expected: float,
     budget: int,
-    min_gain: float = 1.02,
+    min_gain: float = MIN_GAIN,
     prefill_seconds: float = 0.0,
     row_host_seconds: float = 0.0,
 ) -> TreePlan:
@@ -232,9 +233,9 @@ def plan_trees(
     """
     candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
     spread = max(len(candidates), 1)
-    more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows, fixed.widest)
+    more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows)
     node_seconds = max((cost(more_tokens) - cost(fixed)) / spread, 1e-9)  # mean marginal of a token
-    one_more = PassShape(fixed.tokens + 1, fixed.wide_rows, fixed.widest)
+    one_more = PassShape(fixed.tokens + 1, fixed.wide_rows)
     row_seconds = max(cost(one_more.grown(1)) - cost(one_more), 0.0)  # a row's first node: its own call
 
     def seconds(node: _Node) -> float:
@@ -268,6 +269,29 @@ def plan_trees(
     host_seconds = sum(n.draft_seconds for n in chosen) + row_host_seconds * len({n.row for n in chosen})
     return TreePlan(trees, shape.tokens, total, cost(shape) + host_seconds,
                     probed and bool(chosen))
+
+
+def sure_draft_pays(
+    cost: Callable[[PassShape], float], fixed: PassShape, expected: float, row_width: int, depth: int,
+    prefill_seconds: float = 0.0, row_host_seconds: float = 0.0,
+) -> bool:
+    """Whether a draft of up to `depth` tokens that is sure to be accepted, in a row that
+    brings `row_width` tokens (the widest decoding row: the cheapest to grow), would beat the
+    plain pass (`expected` tokens, `fixed` shape; terms as in `plan_trees`). Each wide row
+    is priced its own call (`PassCost.seconds`), so a plan whose rows each lose to plain loses
+    too: one row bounds them all (a test checks this against `plan_trees`). No `MIN_GAIN`
+    here: several rows share that margin in a plan. If it would not pay, no draft of any row
+    can, and drafting them all is host work thrown away:
+    on the H200 at C=64 auto's planning took 4.8 ms of a 30 ms step (plain: 0.3) for 0.8
+    speculating rows a step, where one more 4-token row costs as much as ~10 sure tokens
+    (docs/benchmarks.md, nineteenth session). One test a step, before any drafting."""
+    plain_rate = expected / (cost(fixed) - prefill_seconds)
+    shape, width = fixed, row_width
+    for tokens in range(1, depth + 1):
+        shape, width = shape.grown(width), width + 1
+        if (expected + tokens) / (cost(shape) - prefill_seconds + row_host_seconds) > plain_rate:
+            return True
+    return False
 
 
 def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Sequence[_Node]) -> Iterator[PassShape]:

@@ -11,7 +11,7 @@ from service.model_runner import ModelRunner
 from service.request import Status
 from service.scheduler import CPU_PREFILL_TOKENS_WHILE_DECODING, DoesNotFit, SchedulerConfig
 from tests.service.test_engine_lossless import reference_greedy
-from tests.service.test_regime import MEMORY_BOUND
+from tests.service.test_regime import MEMORY_BOUND, gpu_like
 
 PROMPTS = [
     [5, 9, 13, 2, 7, 7, 30, 41],
@@ -204,3 +204,27 @@ def test_a_failing_request_ends_alone(tiny_model, tiny_runner, tiny_tables, monk
     assert len(errors) == 1 and bad.finish_reason == "error"
     assert good.output_ids == reference_greedy(tiny_model, PROMPTS[0], 12)
     bad.drafts.observe = original
+
+
+@pytest.mark.parametrize("wide_row_seconds, drafted", [(1.0, False), (0.0, True)])
+def test_auto_rows_are_not_drafted_where_not_even_a_sure_draft_would_pay(
+        tiny_model, tiny_runner, tiny_tables, wide_row_seconds: float, drafted: bool) -> None:
+    """A batch where one more wide row costs a second (70 passes): once the prompts are in (a
+    row whose last chunk is in the pass is wide already, so its first tree is nearly free), no
+    draft could pay, so no auto row is drafted (the host work saved); answers stay plain's."""
+    engine = make_engine(tiny_runner, tiny_tables)
+    engine.profile = gpu_like(4, wide_row_seconds)
+    params = GenerationParams(12, speculation=SpeculationParams(6, 5, "auto"))
+    requests = [engine.add_request(prompt, params) for prompt in PROMPTS[:4]]
+    asked: list[int] = []
+    for request in requests:
+        candidates = request.drafts.candidates
+        request.drafts.candidates = lambda k, w, c=candidates: asked.append(k) or c(k, w)  # type: ignore[method-assign]
+    engine.step()  # every prompt in, with its first tree
+    assert all(request.prefill_remaining == 0 for request in requests)
+    asked.clear()
+    while engine.has_work:
+        engine.step()
+    assert bool(asked) == drafted
+    for request in requests:
+        assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 12)

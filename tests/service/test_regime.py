@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drafting import Acceptance, Draft, ScoredDraft
-from service.regime import CostProfile, PassShape, RowCandidates, RowTree, plan_trees
+from service.regime import CostProfile, PassShape, RowCandidates, RowTree, plan_trees, sure_draft_pays
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 
@@ -48,16 +48,16 @@ def test_interpolation_and_extrapolation() -> None:
     assert profile.cost(9, 10, rows=2) == pytest.approx((5.0 + 8.0) / 2)  # between row counts
 
 
-def test_a_wide_row_costs_its_own_call_but_never_more_than_every_row_as_wide() -> None:
+def test_each_wide_row_costs_its_own_call() -> None:
     sizes = [[1, 2, 4], [4, 8, 16]]
     equal_rows = [[[1.0, 1.1, 1.2]], [[2.0, 2.4, 3.0]]]  # one context length
     profile = CostProfile([1, 4], [100], sizes, equal_rows, wide_row_seconds=[[0.0], [0.2]])
     assert profile.cost(4, 100, rows=4) == pytest.approx(2.0)
-    assert profile.cost(5, 100, rows=4, wide_rows=1, widest=2) == pytest.approx(2.1 + 0.2)
-    assert profile.cost(6, 100, rows=4, wide_rows=2, widest=2) == pytest.approx(2.4)  # = all four rows 2 wide
-    assert profile.cost(3, 100, rows=1, wide_rows=1, widest=3) == pytest.approx(1.15)  # one row: the curve itself
+    assert profile.cost(5, 100, rows=4, wide_rows=1) == pytest.approx(2.1 + 0.2)
+    assert profile.cost(8, 100, rows=4, wide_rows=4) == pytest.approx(2.4 + 4 * 0.2)  # a call each, not one padded
+    assert profile.cost(3, 100, rows=1, wide_rows=1) == pytest.approx(1.15)  # one row: the curve itself
     assert profile.wide_row_cost(100, rows=2) == pytest.approx(0.2 / 3)  # between row counts
-    assert CostProfile([1, 4], [100], sizes, equal_rows).cost(5, 100, 4, 1, 2) == pytest.approx(2.1)  # not measured
+    assert CostProfile([1, 4], [100], sizes, equal_rows).cost(5, 100, 4, 1) == pytest.approx(2.1)  # not measured
 
 
 def test_the_first_node_of_a_row_pays_for_the_row() -> None:
@@ -169,7 +169,7 @@ def test_a_prompt_chunk_does_not_make_nodes_look_cheap() -> None:
     without the chunk's seconds, the node loses to plain decoding, as it does in any pass."""
     row = RowCandidates(candidates(0.5, 0.5, k=1, w=1), 1, 1)
     cost = lambda s: 0.01 + 0.1 * s.tokens  # noqa: E731  compute-bound: a node costs 0.1 s for 0.5 tokens
-    with_chunk = PassShape(101, 1, 100)  # the decoding row's root and another request's chunk
+    with_chunk = PassShape(101, 1)  # the decoding row's root and another request's chunk
     counted_in = plan_trees([row], cost, with_chunk, 0.0, budget=8)
     assert counted_in.tokens == 102  # 1.5 tokens in 10.21 s beat 1 token in 10.11 s
     chunk_seconds = cost(with_chunk) - cost(PassShape(1))
@@ -247,3 +247,36 @@ def test_host_work_a_speculating_row_adds_keeps_a_large_batch_plain_where_the_pa
     plan = plan_trees(rows, cost, PassShape(64), 0.0, budget=1024, row_host_seconds=0.0003)
     assert plan.trees[0].k == 3  # its branches share the row's host work: charged once
     assert plan.seconds == pytest.approx(cost(PassShape(plan.tokens)) + 0.0003)  # the forecast counts it
+
+
+def gpu_like(rows: int, wide_row_seconds: float) -> CostProfile:
+    """A nearly flat pass (0.014 s, 10 us a token) whose wide rows each add `wide_row_seconds`."""
+    sizes = [rows * m for m in (1, 2, 4, 8)]
+    return CostProfile([1, rows], [100], [sizes, sizes], [[[0.014 + 1e-5 * n for n in sizes]]] * 2,
+                       wide_row_seconds=[[0.0], [wide_row_seconds]])
+
+
+def test_a_sure_draft_pays_unless_a_wide_row_costs_more_than_its_tokens() -> None:
+    """A draft sure to be accepted pays in a small batch; in a batch of 64 one-token rows, where
+    one wide row costs as much as 10 of them, not even 6 sure tokens do."""
+    def pays(rows: int, wide: float, depth: int = 6, host: float = 0.0) -> bool:
+        profile = gpu_like(rows, wide)
+        return sure_draft_pays(lambda s: profile.cost(s.tokens, 100, rows, s.wide_rows),
+                               PassShape(rows), rows, 1, depth, row_host_seconds=host)
+
+    assert pays(4, 0.0022) and pays(64, 0.0005)
+    assert not pays(64, 0.0022)
+    assert not pays(4, 0.0, host=0.1)  # the row's own host work counts too
+    assert not pays(4, 0.0, depth=0)
+
+
+@pytest.mark.parametrize("rows, wide", [(64, 0.0022), (16, 0.006), (64, 0.0012), (4, 0.02)])
+def test_where_no_sure_draft_pays_the_planner_takes_no_node_of_any_row(rows: int, wide: float) -> None:
+    """The bound the engine tests before drafting holds for the planner's own choice: every row
+    offered a draft sure to be accepted, still none taken."""
+    profile = gpu_like(rows, wide)
+    cost = lambda s: profile.cost(s.tokens, 100, rows, s.wide_rows)  # noqa: E731
+    sure = [RowCandidates([ScoredDraft(Draft(tuple(range(100 * r, 100 * r + 6)), "s", 0), Acceptance(1.0, 1.0))], 1, 6)
+            for r in range(rows)]
+    plan = plan_trees(sure, cost, PassShape(rows), 0.0, budget=1024)
+    assert sure_draft_pays(cost, PassShape(rows), rows, 1, 6) == (plan.tokens > rows)
