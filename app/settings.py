@@ -65,7 +65,8 @@ class Settings(BaseSettings):
     model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
     cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
     max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
-    max_running_requests: int = Field(16, ge=1, description="Requests decoded together in one batch (one pass per step)")
+    max_running_requests: int | None = Field(
+        None, ge=1, description="Requests decoded together in one batch, one pass per step (default: 16 on CPU, 64 on GPU)")
     max_tokens_per_pass: int = Field(512, ge=16, description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the whole batch")
     max_prefill_tokens_while_decoding: int | None = Field(
         None, ge=1,

@@ -42,26 +42,33 @@ from service.request import Request, Status
 class SchedulerConfig:
     """Limits of the running batch."""
 
-    max_running_requests: int = 16
+    max_running_requests: int | None = None  # None: by device (`for_device`)
     max_tokens_per_pass: int = 512  # prefill chunks + decode tokens + tree nodes in one pass
     kv_cache_bytes: int | None = None  # budget of the KV buffers; None = unbounded
     max_prefill_tokens_while_decoding: int | None = None  # None: by device (`for_device`)
 
     def __post_init__(self) -> None:
-        if self.max_running_requests < 1 or self.max_tokens_per_pass < 1:
+        if (self.max_running_requests is not None and self.max_running_requests < 1) or self.max_tokens_per_pass < 1:
             raise ValueError("max_running_requests and max_tokens_per_pass must be >= 1")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
 
     def for_device(self, device_type: str) -> SchedulerConfig:
-        """This config with the prefill cap resolved for a device ("cpu", "cuda", ...)."""
-        if self.max_prefill_tokens_while_decoding is not None:
-            return self
-        cap = CPU_PREFILL_TOKENS_WHILE_DECODING if device_type == "cpu" else self.max_tokens_per_pass
-        return dataclasses.replace(self, max_prefill_tokens_while_decoding=cap)
+        """This config with the batch size and the prefill cap resolved for a device ("cpu",
+        "cuda", ...)."""
+        cpu = device_type == "cpu"
+        running = self.max_running_requests or (CPU_MAX_RUNNING_REQUESTS if cpu else GPU_MAX_RUNNING_REQUESTS)
+        cap = self.max_prefill_tokens_while_decoding or (CPU_PREFILL_TOKENS_WHILE_DECODING if cpu else self.max_tokens_per_pass)
+        return dataclasses.replace(self, max_running_requests=running, max_prefill_tokens_while_decoding=cap)
 
 
 CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+# Requests in one batch. On the 2-core dev CPU a 16-row pass already costs ~2.7x a one-row pass
+# (compute-bound), so more rows add latency, not throughput; on the H200 a pass is host-bound
+# and 64 rows ran at 2.0-2.3x the tokens/s of 16 (speculation off, embedded model;
+# docs/benchmarks.md, nineteenth session).
+CPU_MAX_RUNNING_REQUESTS = 16
+GPU_MAX_RUNNING_REQUESTS = 64
 
 
 class DoesNotFit(ValueError):
@@ -88,7 +95,10 @@ class Scheduler:
     """Owns the waiting queue and the running batch; `running[i]` holds KV row i."""
 
     def __init__(self, config: SchedulerConfig, cache: TreeKVCache, kv_bytes_per_token: int) -> None:
+        if config.max_running_requests is None or config.max_prefill_tokens_while_decoding is None:
+            raise ValueError("the scheduler takes a config resolved for its device (SchedulerConfig.for_device)")
         self.config = config
+        self.max_running: int = config.max_running_requests
         self.cache = cache
         self.kv_bytes_per_token = kv_bytes_per_token
         self.waiting: deque[Request] = deque()
@@ -124,7 +134,7 @@ class Scheduler:
     def admit(self) -> list[Request]:
         """Move waiting requests into the batch, oldest first, while they fit."""
         admitted = []
-        while self.waiting and len(self.running) < self.config.max_running_requests:
+        while self.waiting and len(self.running) < self.max_running:
             candidate = self.waiting[0]
             if candidate.aborted:
                 self.waiting.popleft()
@@ -159,7 +169,7 @@ class Scheduler:
         left = self.config.max_tokens_per_pass - decoding
         prefill_left = left
         cap = self.config.max_prefill_tokens_while_decoding
-        if decoding and cap is not None:
+        if decoding:
             burst = len(prefilling) > decoding
             prefill_left = min(left, max(cap, left * len(prefilling) // len(self.running)) if burst else cap)
         prefill: dict[Request, int] = {}

@@ -56,9 +56,9 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
     new one joins as one ends, as under a steady load), stepped until every one ends. The
     engine must run C requests at once: one that holds fewer would queue the rest and measure a
     smaller batch under C's name."""
-    if engine.scheduler.config.max_running_requests < concurrency:
+    if engine.scheduler.max_running < concurrency:
         raise ValueError(f"C={concurrency} needs an engine that runs {concurrency} requests at once, "
-                         f"not {engine.scheduler.config.max_running_requests}")
+                         f"not {engine.scheduler.max_running}")
     speculation = SpeculationParams(k, w, mode="auto") if mode == "auto" else SpeculationParams(0, 0)
     params = GenerationParams(max_new_tokens=max_new_tokens, speculation=speculation)
     queued = list(itertools.islice(itertools.cycle(prompts), concurrency * requests_per_slot))[::-1]

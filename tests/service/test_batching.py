@@ -9,7 +9,10 @@ from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.engine import Engine
 from service.model_runner import ModelRunner
 from service.request import Status
-from service.scheduler import CPU_PREFILL_TOKENS_WHILE_DECODING, DoesNotFit, SchedulerConfig
+from service.scheduler import (
+    CPU_MAX_RUNNING_REQUESTS, CPU_PREFILL_TOKENS_WHILE_DECODING, GPU_MAX_RUNNING_REQUESTS, DoesNotFit, Scheduler,
+    SchedulerConfig,
+)
 from tests.service.test_engine_lossless import reference_greedy
 from tests.service.test_regime import MEMORY_BOUND, gpu_like
 
@@ -147,12 +150,19 @@ def test_a_few_prompts_joining_many_decoding_streams_keep_to_the_cap(tiny_model,
     assert all(r.output_ids == reference_greedy(tiny_model, r.prompt_ids, 4) for r in joining)
 
 
-def test_the_prefill_cap_defaults_by_device() -> None:
+def test_the_batch_size_and_the_prefill_cap_default_by_device() -> None:
     config = SchedulerConfig(max_tokens_per_pass=300)
     assert config.for_device("cpu").max_prefill_tokens_while_decoding == CPU_PREFILL_TOKENS_WHILE_DECODING
     assert config.for_device("cuda").max_prefill_tokens_while_decoding == 300
-    chosen = SchedulerConfig(max_prefill_tokens_while_decoding=7)
+    assert config.for_device("cpu").max_running_requests == CPU_MAX_RUNNING_REQUESTS
+    assert config.for_device("cuda").max_running_requests == GPU_MAX_RUNNING_REQUESTS
+    chosen = SchedulerConfig(max_running_requests=5, max_prefill_tokens_while_decoding=7)
     assert chosen.for_device("cpu") == chosen.for_device("cuda") == chosen
+
+
+def test_a_scheduler_takes_only_a_config_resolved_for_its_device(tiny_runner) -> None:
+    with pytest.raises(ValueError, match="for_device"):
+        Scheduler(SchedulerConfig(), tiny_runner.new_cache(), 1)
 
 
 def test_the_kv_budget_is_never_exceeded_and_admission_is_first_come_first_served(tiny_runner, tiny_tables) -> None:
