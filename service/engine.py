@@ -39,6 +39,8 @@ from service.verifier import verify
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The controller's price of a pass shape, the pass's shape as it stands, its prompt chunks' part
+Pricing = tuple[Callable[[PassShape], float], PassShape, float]
 
 
 @dataclass(frozen=True)
@@ -277,9 +279,9 @@ class Engine:
             rows.append(_Row(request, ids))
         decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
         auto = [row for row in decoding if self._is_auto(row.request)]
+        is_auto = {id(row) for row in auto}
         speculating = [row for row in decoding if self._drafts_this_step(row.request)]
-        if auto and not self._sure_draft_pays(rows, decoding, auto, step_plan.tree_budget):
-            speculating = self._without_auto_drafts(speculating, auto)
+        speculating, pricing = self._gate_auto_drafts(rows, decoding, is_auto, speculating, step_plan.tree_budget)
         for strategy in self.mixer.batched.values():  # a self-draft drafts in this engine's KV rows
             if isinstance(strategy, ModelDrafter):
                 strategy.bind_target(self.cache, self._row_of)
@@ -288,19 +290,23 @@ class Engine:
         budget = step_plan.tree_budget
         for row in decoding:
             spec = row.request.params.speculation
-            if row in auto:
+            if id(row) in is_auto:
                 continue  # the controller chooses its tree below
             drafts = row.request.drafts.propose(spec.k, self._max_depth(row.request, spec.w)) if row in speculating else []
             row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * spec.w, budget))
             budget -= row.tree.num_nodes - 1
-        plan = self._plan_auto(auto, rows, budget, drafted={id(row) for row in speculating}) if auto else None
+        if budget < step_plan.tree_budget:  # fixed-mode trees grew the pass: price it again
+            pricing = None
+        plan = self._plan_auto(auto, rows, budget, {id(row) for row in speculating}, pricing) if auto else None
         return rows, plan
 
-    def _plan_auto(self, auto: list[_Row], rows: list[_Row], budget: int, drafted: set[int]) -> TreePlan:
+    def _plan_auto(self, auto: list[_Row], rows: list[_Row], budget: int, drafted: set[int],
+                   pricing: Pricing | None) -> TreePlan:
         """The controller's trees for the auto rows; rows not drafted this step (`drafted`
-        holds the ids of those that are) are priced as plain rows."""
+        holds the ids of those that are) are priced as plain rows. `pricing`: the pass's, when
+        taken already this step and still right."""
         shapes = self.calibration
-        cost, fixed, prefill_seconds = self._pricing(rows, {id(row) for row in auto})
+        cost, fixed, prefill_seconds = pricing or self._pricing(rows, {id(row) for row in auto})
         candidates, may_probe = [], shapes.may_probe
         began = time.perf_counter()
         for row in auto:
@@ -324,7 +330,7 @@ class Engine:
             row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
         return plan
 
-    def _pricing(self, rows: list[_Row], roots: set[int]) -> tuple[Callable[[PassShape], float], PassShape, float]:
+    def _pricing(self, rows: list[_Row], roots: set[int]) -> Pricing:
         """The controller's price of a pass shape, the pass's shape as it stands (the rows in
         `roots`, by id, counted with the root their tree still lacks) and what its prompt
         chunks cost of it (a row's last chunk, which carries its first tree, included)."""
@@ -346,24 +352,26 @@ class Engine:
             prefill_seconds = max(cost(fixed) - decode_only, 0.0)
         return cost, fixed, prefill_seconds
 
-    def _sure_draft_pays(self, rows: list[_Row], decoding: list[_Row], auto: list[_Row], budget: int) -> bool:
-        """Whether a draft sure to be accepted, in the auto row cheapest to grow, would beat
-        plain decoding in this pass (`regime.sure_draft_pays`); if not, the auto rows are not
-        drafted. Priced before any row drafts, so fixed-mode rows count as their roots."""
-        if budget <= 0:
-            return False
-        cost, fixed, prefill_seconds = self._pricing(rows, {id(row) for row in decoding})
-        depth = max(self._max_depth(row.request, row.request.params.speculation.w) for row in auto)
-        return sure_draft_pays(cost, fixed, len(decoding), max(row.width + 1 for row in auto), depth,
-                               prefill_seconds, self.calibration.host.row_seconds)
-
-    def _without_auto_drafts(self, speculating: list[_Row], auto: list[_Row]) -> list[_Row]:
-        """`speculating` less its auto rows, but for one due for a probe when the engine's probe
-        gate is open: a probe re-measures what the forecast believes, the pass costs included."""
-        is_auto = {id(row) for row in auto}
-        prober = next((row for row in auto if row.request.calibration.due_for_probe and self.calibration.may_probe
-                       and row in speculating), None)
-        return [row for row in speculating if id(row) not in is_auto or row is prober]
+    def _gate_auto_drafts(self, rows: list[_Row], decoding: list[_Row], is_auto: set[int], speculating: list[_Row],
+                          budget: int) -> tuple[list[_Row], Pricing | None]:
+        """`speculating` less its auto rows (ids in `is_auto`) where not even a draft sure to be
+        accepted, in the auto row cheapest to grow of those due to draft, would beat plain
+        decoding in this pass (`regime.sure_draft_pays`) — but for one row due for a probe when
+        the engine's probe gate is open (a probe re-measures what the forecast believes, the
+        pass's costs included); and the pass's pricing, taken before any row drafts, so
+        fixed-mode rows count as their roots (None: no auto row was due to draft)."""
+        drafting = [row for row in speculating if id(row) in is_auto]
+        if not drafting:
+            return speculating, None
+        pricing = self._pricing(rows, {id(row) for row in decoding})
+        cost, fixed, prefill_seconds = pricing
+        depth = max(self._max_depth(row.request, row.request.params.speculation.w) for row in drafting)
+        if budget > 0 and sure_draft_pays(cost, fixed, len(decoding), max(row.width + 1 for row in drafting), depth,
+                                          prefill_seconds, self.calibration.host.row_seconds):
+            return speculating, pricing
+        prober = next((row for row in drafting if row.request.calibration.due_for_probe and self.calibration.may_probe),
+                      None)
+        return [row for row in speculating if id(row) not in is_auto or row is prober], pricing
 
     def _row_of(self, history: TokenHistory) -> int:
         """The KV row of the running request whose history this is."""

@@ -231,6 +231,8 @@ def plan_trees(
     speculating row's host work made an auto step 4-7 ms dearer than a plain one
     (docs/benchmarks.md, fifteenth session).
     """
+    if not any(row.candidates for row in rows):  # no row drafted (quiet rounds): the plain pass
+        return TreePlan([_row_tree([]) for _ in rows], fixed.tokens, fixed_expected + len(rows), cost(fixed))
     candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
     spread = max(len(candidates), 1)
     more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows)
