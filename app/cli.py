@@ -86,7 +86,6 @@ def _bench(args: argparse.Namespace) -> None:
     from service.draft_model import load_drafters
     from service.model_loader import load_model
     from service.runtime import build_engine, build_engine_with_tables
-    from service.scheduler import SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
