@@ -34,6 +34,7 @@ class StepRun:
     seconds: float  # wall time of the run
     step_seconds: float  # Σ over steps of the step's time (plan, pass, verify)
     draft_seconds: float  # of which planning and drafting
+    rows: int  # Σ over steps of the requests in the pass (their mean shows the batch C really ran)
 
     @property
     def tokens_per_second(self) -> float:
@@ -41,13 +42,14 @@ class StepRun:
 
     def row(self) -> str:
         per_step = 1e3 / self.steps
-        return (f"| {self.concurrency} | {self.mode} | {self.steps} | {self.tokens} | {self.step_seconds * per_step:.1f} "
+        return (f"| {self.concurrency} | {self.mode} | {self.steps} | {self.rows / self.steps:.1f} | {self.tokens} "
+                f"| {self.step_seconds * per_step:.1f} "
                 f"| {self.draft_seconds * per_step:.1f} | {(self.step_seconds - self.draft_seconds) * per_step:.1f} "
                 f"| {self.tokens_per_second:.0f} |")
 
 
-HEADER = ("| C | mode | steps | tokens | ms/step | plan+draft ms | pass+verify ms | tokens/s |\n"
-          "|---|---|---|---|---|---|---|---|")
+HEADER = ("| C | mode | steps | rows/step | tokens | ms/step | plan+draft ms | pass+verify ms | tokens/s |\n"
+          "|---|---|---|---|---|---|---|---|---|")
 
 
 def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, mode: str,
@@ -62,7 +64,7 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
     speculation = SpeculationParams(k, w, mode="auto") if mode == "auto" else SpeculationParams(0, 0)
     params = GenerationParams(max_new_tokens=max_new_tokens, speculation=speculation)
     queued = list(itertools.islice(itertools.cycle(prompts), concurrency * requests_per_slot))[::-1]
-    in_flight = steps = tokens = 0
+    in_flight = steps = tokens = rows = 0
     step_seconds = draft_seconds = 0.0
     started = time.perf_counter()
     while queued or in_flight:
@@ -72,9 +74,9 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
         results, stats = engine.step()
         in_flight -= sum(1 for _, out in results if isinstance(out, Exception) or out.finish_reason is not None)
         if stats is not None:
-            steps, tokens = steps + 1, tokens + stats.committed_tokens
+            steps, tokens, rows = steps + 1, tokens + stats.committed_tokens, rows + stats.batch_size
             step_seconds, draft_seconds = step_seconds + stats.seconds, draft_seconds + stats.draft_seconds
-    return StepRun(concurrency, mode, steps, tokens, time.perf_counter() - started, step_seconds, draft_seconds)
+    return StepRun(concurrency, mode, steps, tokens, time.perf_counter() - started, step_seconds, draft_seconds, rows)
 
 
 def run_step_bench(new_engine: Callable[[], Engine], prompts: Sequence[Sequence[int]], concurrency: Sequence[int],
