@@ -29,6 +29,7 @@ twice (`service/draft_rows.py`). A row that brings nothing this pass has width 0
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -110,23 +111,25 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
     kernel_rows = [row for row, w in enumerate(widths) if 0 < w <= kernel_width]
     ends = [s + tree.num_nodes for s, tree in zip(starts, trees)]
-    write_rows = torch.cat([torch.full((w,), r, dtype=torch.long) for r, w in enumerate(widths)])
-    # node i of a row at start + i; its RoPE position start + depth
-    slots = torch.cat([torch.arange(s + c, e) for s, c, e in zip(starts, cached, ends)])  # [T]
-    positions = torch.cat([s + torch.tensor(tree.depths[c:], dtype=torch.long)
-                           for s, c, tree in zip(starts, cached, trees)])  # [T]
-    row_masks = [_row_mask(tree, start, c) for tree, start, c in zip(trees, starts, cached)]
+    # node i of a row at start + i, its RoPE position start + depth: one array operation for all
+    # rows (a tensor a row took ~20 us a row, most of a 64-row pass's host work on a GPU)
+    count, first = np.array(widths), np.array(starts) + np.array(cached)
+    tokens = np.arange(count.sum())
+    in_row = tokens - np.repeat(np.cumsum(count) - count, count)  # a token's index among its row's
+    depths = np.fromiter(itertools.chain.from_iterable(tree.depths[c:] for tree, c in zip(trees, cached)), np.int64)
     pass_end = max(ends)
     width = 0 if kernel_rows else batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS), ends)
     batched_mask = query_index = batched_tokens = batched_slots = None
     if width:
-        batched_mask, query_index, batched_tokens, batched_slots = _batched(row_masks, widths, pass_end, width)
+        batched_mask, query_index, batched_tokens, batched_slots = _batched(trees, starts, cached, widths, pass_end, width)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     separate_rows = [row for row, w in enumerate(widths) if w > width and row not in kernel_rows]
     return PassLayout(
-        ends=ends, widths=widths, write_rows=write_rows.to(device),
-        write_positions=slots.to(device), position_ids=positions[None].to(device), pass_end=pass_end,
-        row_masks={row: _additive(row_masks[row], device, dtype, query_groups) for row in separate_rows},
+        ends=ends, widths=widths, write_rows=torch.from_numpy(np.repeat(np.arange(len(widths)), count)).to(device),
+        write_positions=torch.from_numpy(np.repeat(first, count) + in_row).to(device),
+        position_ids=torch.from_numpy(np.repeat(np.array(starts), count) + depths)[None].to(device), pass_end=pass_end,
+        row_masks={row: _additive(_row_mask(trees[row], starts[row], cached[row]), device, dtype, query_groups)
+                   for row in separate_rows},
         batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype, query_groups),
         query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
         separate_rows=separate_rows, one_token_rows=not kernel_rows and all(w == 1 for w in widths),
@@ -184,29 +187,34 @@ def _row_mask(tree: TokenTree, start: int, cached: int = 0) -> torch.Tensor:
     ancestors, for the nodes the row brings."""
     n = tree.num_nodes
     mask = torch.ones(1, 1, n - cached, start + n, dtype=torch.bool)
-    mask[0, 0, :, start:] = tree.ancestor_mask()[cached:]
+    mask[0, 0, :, start:] = torch.from_numpy(tree.ancestor_mask()[cached:])
     return mask
 
 
 def _batched(
-    row_masks: list[torch.Tensor], widths: list[int], pass_end: int, width: int
+    trees: Sequence[TokenTree], starts: Sequence[int], cached: Sequence[int], widths: Sequence[int], pass_end: int,
+    width: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One padded mask for all rows (rows wider than `width` get padding slots only), with the
-    gather index of the query slots and the flat tokens/slots the call answers."""
-    rows = len(widths)
-    mask = torch.zeros(rows, 1, width, pass_end, dtype=torch.bool)
-    mask[:, :, :, 0] = True  # padding slots attend somewhere (their output is dropped)
-    query_index = torch.zeros(rows, width, dtype=torch.long)
-    tokens, slots = [], []
-    offset = 0
-    for row, (row_mask, w) in enumerate(zip(row_masks, widths)):
-        if w <= width:
-            mask[row, :, :w, : row_mask.shape[-1]] = row_mask[0]
-            query_index[row, :w] = torch.arange(offset, offset + w)
-            tokens.extend(range(offset, offset + w))
-            slots.extend(range(row * width, row * width + w))
-        offset += w
-    return mask, query_index, torch.tensor(tokens, dtype=torch.long), torch.tensor(slots, dtype=torch.long)
+    """One padded mask [rows, 1, width, pass_end] for all rows (rows wider than `width` get
+    padding slots only), with the gather index of the query slots and the flat tokens/slots the
+    call answers. Built in array operations: one-node trees (plain decoding) need no loop."""
+    count, start = np.array(widths), np.array(starts)
+    slot = np.arange(width)
+    answered = (slot[None, :] < count[:, None]) & (count[:, None] <= width)  # [rows, D]: a token of a row in the call
+    mask = answered[:, :, None] & (np.arange(pass_end)[None, None, :] < start[:, None, None])  # the committed cache
+    mask[:, :, 0] = True  # padding slots attend somewhere (their output is dropped); real ones see column 0 anyway
+    in_call = [row for row, w in enumerate(widths) if 0 < w <= width]
+    roots = [row for row in in_call if trees[row].num_nodes == 1]
+    if roots:
+        mask[roots, 0, start[roots]] = True  # a lone root sees itself
+    for row in in_call:
+        tree = trees[row]
+        if tree.num_nodes > 1:
+            mask[row, : widths[row], starts[row] : starts[row] + tree.num_nodes] = tree.ancestor_mask()[cached[row]:]
+    flat = (np.cumsum(count) - count)[:, None] + slot[None, :]  # [rows, D]: the flat token of each slot
+    slots = np.arange(len(widths))[:, None] * width + slot[None, :]
+    return (torch.from_numpy(mask)[:, None], torch.from_numpy(np.where(answered, flat, 0)),
+            torch.from_numpy(flat[answered]), torch.from_numpy(slots[answered]))
 
 
 def ragged_attention(

@@ -12,7 +12,6 @@ chunk of a prompt carries the request's first tree in the same row.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -43,9 +42,11 @@ T = TypeVar("T")
 Pricing = tuple[Callable[[PassShape], float], PassShape, float]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RoundOutput:
-    """The tokens one round committed for one request, and what it cost."""
+    """The tokens one round committed for one request, and what it cost. Filled in place by
+    the step that makes it (its timings once every row is verified: a copy a row cost ~3.5 us,
+    0.1-0.2 ms of a 64-row step), read-only once returned."""
 
     token_ids: list[int]  # committed by this round, truncated at a stop or at max_new_tokens
     num_draft_tokens: int  # drafted tree nodes (root excluded)
@@ -223,14 +224,14 @@ class Engine:
         self.cache.commit_rows(commits)
         verified = time.perf_counter()
         learned = self._learn_seconds  # drafting work, though it runs after the pass
-        timing = dict(draft_seconds=drafted - started + learned, forward_seconds=verified - drafted - learned,
-                      batch_size=len(rows))
-        results = [(row.request, self._stamp(out, row, plan, timing)) for row, out in verdicts if out is not None]
+        draft_seconds, forward_seconds = drafted - started + learned, verified - drafted - learned
+        results = [(row.request, self._stamp(out, row, plan, draft_seconds, forward_seconds, len(rows)))
+                   for row, out in verdicts if out is not None]
         stats = StepStats(
             batch_size=len(rows), tokens=sum(row.width for row in rows),
             prefill_tokens=sum(len(row.chunk) for row in rows),
             committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
-            seconds=verified - started, draft_seconds=timing["draft_seconds"],
+            seconds=verified - started, draft_seconds=draft_seconds,
         )
         self._observe_pass(_pass_shape([row.width for row in rows]), len(rows), verified - drafted)
         for request, out in results:
@@ -446,7 +447,7 @@ class Engine:
                 num_draft_tokens=row.tree.num_nodes - 1,
                 num_accepted_tokens=len(verdict.accepted_nodes),
                 accepted_strategies=[row.tree.strategies[i] or "" for i in verdict.accepted_nodes],
-                drafted_by_strategy=dict(Counter(s for s in row.tree.strategies[1:] if s)),
+                drafted_by_strategy=dict(Counter(s for s in row.tree.strategies[1:] if s)) if row.tree.num_nodes > 1 else {},
                 draft_seconds=0.0, forward_seconds=0.0, finish_reason=finish_reason,
                 **_shape_used(row),
             )
@@ -455,15 +456,15 @@ class Engine:
             request.finish_reason = "error"
             return error
 
-    def _stamp(self, out: RoundOutput | Exception, row: _Row, plan: TreePlan | None,
-               timing: dict[str, float]) -> RoundOutput | Exception:
+    def _stamp(self, out: RoundOutput | Exception, row: _Row, plan: TreePlan | None, draft_seconds: float,
+               forward_seconds: float, batch_size: int) -> RoundOutput | Exception:
         """Fill in the step's timings and, in auto mode, the row's forecast."""
         if isinstance(out, Exception):
             return out
-        predicted = None
         if plan is not None and row.choice is not None:
-            predicted = row.choice.expected_tokens / (plan.seconds * self.calibration.level.factor())
-        return dataclasses.replace(out, predicted_tokens_per_second=predicted, **timing)
+            out.predicted_tokens_per_second = row.choice.expected_tokens / (plan.seconds * self.calibration.level.factor())
+        out.draft_seconds, out.forward_seconds, out.batch_size = draft_seconds, forward_seconds, batch_size
+        return out
 
     def _observe_pass(self, shape: PassShape, rows: int, seconds: float) -> None:
         if self.profile is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from drafting import Draft
 
@@ -33,9 +33,10 @@ class TokenTree:
     def num_nodes(self) -> int:
         return len(self.token_ids)
 
-    def ancestor_mask(self) -> torch.Tensor:
-        """[num_nodes, num_nodes] bool: node i may attend to node j (j is i or an ancestor)."""
-        mask = torch.zeros(self.num_nodes, self.num_nodes, dtype=torch.bool)
+    def ancestor_mask(self) -> np.ndarray:
+        """[num_nodes, num_nodes] bool: node i may attend to node j (j is i or an ancestor).
+        numpy: a pass lays every row's mask out in one array (`service/attention.py`)."""
+        mask = np.zeros((self.num_nodes, self.num_nodes), dtype=bool)
         for node, parent in enumerate(self.parents):
             if parent >= 0:
                 mask[node] = mask[parent]
