@@ -1,9 +1,11 @@
 """A request's token ids with an incremental n-gram index, shared by every strategy.
 
-Appending a token registers, for each n up to `max_n`, the n-gram that ends there; a lookup
-of the context's last n tokens is then a dict access, not a scan of the context. Each
-n-gram keeps the positions its continuations start at, oldest first, so recency is the
-order of that list.
+Each token registers, for each n up to `max_n`, the n-gram that ends there; a lookup of the
+context's last n tokens is then a dict access, not a scan of the context. Each n-gram keeps
+the positions its continuations start at, oldest first, so recency is the order of that list.
+The index catches up on the first lookup after new tokens, not as they arrive: a request
+that never drafts (speculation off) never pays for it (a 190-token prompt's index is ~0.5 ms,
+then ~3 us a generated token, on every one of 64 plain rows a step).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class TokenHistory:
         self.token_ids: list[int] = []
         # n-gram -> positions right after its earlier occurrences (where a continuation starts)
         self._follows: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        self._indexed = 0  # tokens whose preceding n-grams are in `_follows`
         # the model's likeliest tokens at the newest token's position (from the pass that chose
         # it); beyond the newest token itself they guess the token after it (LogitSpec)
         self.hints: tuple[int, ...] = ()
@@ -34,14 +37,16 @@ class TokenHistory:
 
     def extend(self, token_ids: Iterable[int]) -> None:
         self.hints = ()  # they described the position of the old newest token
-        for token in token_ids:
-            self._index_suffixes()  # the n-grams ending at the old last token now have a successor
-            self.token_ids.append(token)
+        self.token_ids.extend(token_ids)
 
-    def _index_suffixes(self) -> None:
-        end = len(self.token_ids)
-        for n in range(1, min(self.max_n, end) + 1):
-            self._follows[tuple(self.token_ids[end - n :])].append(end)
+    def _catch_up(self) -> None:
+        """Index the n-grams that gained a successor since the last lookup: those ending at
+        each token before the newest."""
+        tokens, follows = self.token_ids, self._follows
+        for end in range(max(self._indexed, 1), len(tokens)):
+            for n in range(1, min(self.max_n, end) + 1):
+                follows[tuple(tokens[end - n : end])].append(end)
+        self._indexed = len(tokens)
 
     def continuation_starts(self, n: int, most_recent: int, tail: Sequence[int] = ()) -> Sequence[int]:
         """Where continuations of the last n tokens start (≤ `most_recent` newest, oldest first).
@@ -55,4 +60,6 @@ class TokenHistory:
 
     def follows(self, ngram: tuple[int, ...], most_recent: int) -> Sequence[int]:
         """Where continuations of earlier occurrences of `ngram` start (≤ `most_recent` newest)."""
+        if self._indexed < len(self.token_ids):
+            self._catch_up()
         return self._follows.get(ngram, [])[-most_recent:]

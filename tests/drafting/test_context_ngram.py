@@ -76,3 +76,16 @@ def test_a_tail_continues_the_lookup_past_the_history() -> None:
     assert ngram.continuations(history, 2, 2, tail=(1, 2)) == [(9,), (3, 4)]
     assert ngram.continuations(history, 1, 2, tail=(3,)) == [(4, 1)]
     assert ngram.continuations(history, 1, 2, tail=(7,)) == []  # 7 never occurred
+
+
+def test_an_index_caught_up_after_many_tokens_equals_one_kept_up_token_by_token() -> None:
+    """The index catches up at the first lookup after new tokens: looked up only now and then
+    (a quiet auto request), it answers as one looked up after every token."""
+    context = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5] * 2
+    every, sometimes = TokenHistory(context[:3]), TokenHistory(context[:3])
+    for end in range(4, len(context) + 1):
+        every.extend(context[end - 1 : end])
+        sometimes.extend(context[end - 1 : end])
+        every.continuation_starts(1, 100)
+        if end % 7 == 0 or end == len(context):
+            assert all(sometimes.continuation_starts(n, 100) == every.continuation_starts(n, 100) for n in range(1, 5))
