@@ -50,6 +50,8 @@ def build_tree(root_token: int, drafts: Sequence[Draft], max_nodes: int | None =
     `max_nodes` (root included) caps the tree; drafts are taken in order, so the best ones
     survive a cap.
     """
+    if not drafts:  # a plain decoding row, every step: the root alone
+        return chain_tree((root_token,))
     # Build the trie in insertion order, then renumber breadth-first.
     tokens, parents, strategies = [root_token], [-1], [None]
     kids: list[dict[int, int]] = [{}]
