@@ -113,9 +113,8 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     ends = [s + tree.num_nodes for s, tree in zip(starts, trees)]
     # node i of a row at start + i, its RoPE position start + depth: array operations over all
     # rows (tensors a row, and a mask for every row, took 2.0 ms for 64 one-token rows, 0.25 now)
-    count, first = np.array(widths), np.array(starts) + np.array(cached)
-    tokens = np.arange(count.sum())
-    in_row = tokens - np.repeat(np.cumsum(count) - count, count)  # a token's index among its row's
+    count, start = np.array(widths), np.array(starts)
+    in_row = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)  # a token's index among its row's
     depths = np.fromiter(itertools.chain.from_iterable(tree.depths[c:] for tree, c in zip(trees, cached)), np.int64)
     pass_end = max(ends)
     width = 0 if kernel_rows else batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS), ends)
@@ -126,8 +125,8 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     separate_rows = [row for row, w in enumerate(widths) if w > width and row not in kernel_rows]
     return PassLayout(
         ends=ends, widths=widths, write_rows=torch.from_numpy(np.repeat(np.arange(len(widths)), count)).to(device),
-        write_positions=torch.from_numpy(np.repeat(first, count) + in_row).to(device),
-        position_ids=torch.from_numpy(np.repeat(np.array(starts), count) + depths)[None].to(device), pass_end=pass_end,
+        write_positions=torch.from_numpy(np.repeat(start + np.array(cached), count) + in_row).to(device),
+        position_ids=torch.from_numpy(np.repeat(start, count) + depths)[None].to(device), pass_end=pass_end,
         row_masks={row: _additive(_row_mask(trees[row], starts[row], cached[row]), device, dtype, query_groups)
                    for row in separate_rows},
         batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype, query_groups),
