@@ -95,7 +95,7 @@ def _bench(args: argparse.Namespace) -> None:
     drafters = load_drafters(loaded, args.self_draft_layers, args.draft_model, args.cache_dir, args.device,
                              args.dtype, args.quantization, args.staged)
     engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike, drafters=drafters,
-                                      suffix_cache_tokens=args.suffix_cache_tokens)
+                                      suffix_cache_tokens=args.suffix_cache_tokens, enforce_eager=args.enforce_eager)
     for strategy in args.strategy:
         try:
             engine.mixer.session([0], strategy)
@@ -123,7 +123,8 @@ def _bench(args: argparse.Namespace) -> None:
         return
 
     def new_engine() -> Any:  # each method learns across requests from its own runs only
-        fresh = build_engine(loaded, engine.mixer.tables, drafters=drafters, suffix_cache_tokens=args.suffix_cache_tokens)
+        fresh = build_engine(loaded, engine.mixer.tables, drafters=drafters, suffix_cache_tokens=args.suffix_cache_tokens,
+                             enforce_eager=args.enforce_eager)
         fresh.profile = engine.profile
         return fresh
 
@@ -183,7 +184,8 @@ def _workload(loaded: Any, args: argparse.Namespace) -> None:
     def method(name: str, strategy: str, k: int, cache_tokens: int) -> workload.WorkloadMethod:
         params = GenerationParams(args.max_new_tokens, speculation=SpeculationParams(k, args.w), strategy=strategy,
                                   sampling=sampling)
-        engine = build_engine_with_tables(loaded, args.cache_dir, suffix_cache_tokens=cache_tokens)
+        engine = build_engine_with_tables(loaded, args.cache_dir, suffix_cache_tokens=cache_tokens,
+                                          enforce_eager=args.enforce_eager)
         return workload.WorkloadMethod(name, engine, params)
 
     methods = [method("plain", MIXED, 0, 0)]
@@ -222,13 +224,14 @@ def _steps(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
     # no suffix index: the prompts cycle, and it would draft a repeated prompt's earlier answer whole
-    engine = build_engine_with_tables(loaded, args.cache_dir, profile=True, suffix_cache_tokens=0)
+    engine = build_engine_with_tables(loaded, args.cache_dir, profile=True, suffix_cache_tokens=0,
+                                      enforce_eager=args.enforce_eager)
     prompts = [p.prompt_ids for p in load_specbench(args.dataset, loaded.tokenizer, args.per_category)]
 
     batch = SchedulerConfig(max_running_requests=max(args.concurrency))  # C in flight means C in the pass
 
     def new_engine() -> Any:
-        fresh = build_engine(loaded, engine.mixer.tables, batch, suffix_cache_tokens=0)
+        fresh = build_engine(loaded, engine.mixer.tables, batch, suffix_cache_tokens=0, enforce_eager=args.enforce_eager)
         fresh.profile = engine.profile
         return fresh
 
@@ -254,7 +257,8 @@ def _profile(args: argparse.Namespace) -> None:
     else:
         loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
         model, name = loaded.model, loaded.name
-    profile = load_or_measure(ModelRunner(model), args.cache_dir, remeasure=args.remeasure)
+    runner = ModelRunner(model, static_passes=False if args.enforce_eager else None)
+    profile = load_or_measure(runner, args.cache_dir, remeasure=args.remeasure)
     print(f"{name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=rows)")
     for rows, sizes, table in zip(profile.rows, profile.tree_sizes, profile.seconds):
         print(f"\n{rows} row(s); n = tokens in the pass\n")
@@ -341,6 +345,7 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=Settings.model_fields["quantization"].default,
                         help=Settings.model_fields["quantization"].description)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    parser.add_argument("--enforce-eager", action="store_true", help=Settings.model_fields["enforce_eager"].description)
 
 
 def build_parser() -> argparse.ArgumentParser:

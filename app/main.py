@@ -84,7 +84,7 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Ca
             loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
             settings.max_waiting, settings.request_timeout, settings.scheduler_config(),
             on_step=app.state.metrics.record_step, drafters=drafters,
-            suffix_cache_tokens=settings.suffix_cache_tokens,
+            suffix_cache_tokens=settings.suffix_cache_tokens, enforce_eager=settings.enforce_eager,
         )
 
     try:

@@ -43,6 +43,8 @@ class Settings(BaseSettings):
         "dtype unset or float32), else none",
     )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
+    enforce_eager: bool = Field(
+        False, description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never records them)")
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
     spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")

@@ -44,7 +44,7 @@ class _RowBufferLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         _, heads, _, head_dim = key_states.shape
-        shape = (self._owner.num_rows, heads, self._owner.capacity, head_dim)
+        shape = (self._owner.buffer_rows(), heads, self._owner.capacity, head_dim)
         dtype = self._owner.dtype or key_states.dtype
         self.keys = key_states.new_zeros(shape, dtype=dtype)  # [rows, kv_heads, capacity, head_dim]
         self.values = value_states.new_zeros(shape, dtype=dtype)
@@ -56,7 +56,7 @@ class _RowBufferLayer(CacheLayerMixin):
         rows, heads, capacity, head_dim = self.keys.shape
         if rows >= self._owner.num_rows and capacity >= self._owner.capacity:
             return
-        shape = (max(rows, self._owner.num_rows), heads, max(capacity, self._owner.capacity), head_dim)
+        shape = (max(rows, self._owner.buffer_rows()), heads, max(capacity, self._owner.capacity), head_dim)
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros(shape)
@@ -127,11 +127,19 @@ class _RowBufferLayer(CacheLayerMixin):
 
 
 class TreeKVCache(Cache):
-    """Per-row committed lengths over growable per-layer buffers; see the module docstring."""
+    """Per-row committed lengths over growable per-layer buffers; see the module docstring.
 
-    def __init__(self, num_layers: int, rows: int = 1, dtype: torch.dtype | None = None) -> None:
+    `keep_buffers`: the buffers stay when the last row leaves, and grow to a power of two of
+    rows, so they move (are allocated anew) a few times in a server's life rather than with
+    every new row or idle moment — for passes recorded as CUDA graphs, which hold the
+    buffers' addresses (`service/static_pass.py`). Memory then stays at its high-water mark, as
+    a GPU server's KV pool does."""
+
+    def __init__(self, num_layers: int, rows: int = 1, dtype: torch.dtype | None = None,
+                 keep_buffers: bool = False) -> None:
         self.lengths: list[int] = [0] * rows
         self.dtype = dtype  # the buffers' (None: the first entries')
+        self.keep_buffers = keep_buffers
         self.capacity = INITIAL_CAPACITY
         self.layout: PassLayout | None = None
         super().__init__(layers=[_RowBufferLayer(self) for _ in range(num_layers)])
@@ -140,9 +148,15 @@ class TreeKVCache(Cache):
     def num_rows(self) -> int:
         return len(self.lengths)
 
+    def buffer_rows(self, rows: int | None = None) -> int:
+        """Rows the buffers are to hold for `rows` rows (default: those in use): each, to a
+        power of two when the buffers are kept."""
+        rows = self.num_rows if rows is None else rows
+        return 1 << max(rows - 1, 0).bit_length() if self.keep_buffers else rows
+
     @property
     def nbytes(self) -> int:
-        """Bytes held by the buffers now (0 when no row is in use)."""
+        """Bytes held by the buffers now (0 when no row is in use, unless they are kept)."""
         return sum(layer.nbytes for layer in self.layers)  # type: ignore[attr-defined]
 
     def add_row(self) -> int:
@@ -162,17 +176,46 @@ class TreeKVCache(Cache):
             self.lengths[row] = self.lengths[last]
             moved = last
         self.lengths.pop()
-        if not self.lengths:
-            for layer in self.layers:
-                layer.release()  # type: ignore[attr-defined]
-            self.capacity = INITIAL_CAPACITY
+        if not self.lengths and not self.keep_buffers:
+            self.release_buffers()
         return moved
 
+    def release_buffers(self) -> None:
+        """Free the buffers (no row may be in use)."""
+        assert not self.lengths, "rows still in use"
+        for layer in self.layers:
+            layer.release()  # type: ignore[attr-defined]
+        self.capacity = INITIAL_CAPACITY
+
+    @property
+    def held_rows(self) -> int:
+        """Rows the buffers hold now (0: none made)."""
+        keys = self.layers[0].keys if self.layers else None  # type: ignore[attr-defined]
+        return 0 if keys is None else keys.shape[0]
+
     def begin_pass(self, layout: PassLayout) -> None:
-        """Reserve room for the pass described by `layout` (doubling the capacity if needed)."""
+        """Reserve room for the pass described by `layout`."""
         self.layout = layout
-        while self.capacity < layout.pass_end:
+        self.reserve(layout.pass_end)
+
+    def reserve(self, columns: int) -> None:
+        """Make every row hold `columns` entries (doubling the capacity as needed; the buffers
+        grow at their next write, or in `buffer_addresses`)."""
+        while self.capacity < columns:
             self.capacity *= 2
+
+    @torch.inference_mode()
+    def buffer_identity(self) -> tuple[int, ...]:
+        """Where the layers' buffers lie, and their rows and capacity, once grown to the rows
+        and capacity now (empty before a first pass has made them): a pass recorded as a CUDA
+        graph reads and writes them there, so (`service/static_pass.py`)."""
+        if any(layer.keys is None for layer in self.layers):  # type: ignore[attr-defined]
+            return ()  # (a draft of the first layers writes only those)
+        for layer in self.layers:
+            layer._fit()  # type: ignore[attr-defined]
+        rows, _, capacity, _ = self.layers[0].keys.shape  # type: ignore[attr-defined]
+        return (rows, capacity, *(buffer.data_ptr() for layer in self.layers
+                                  for buffer in (layer.keys, layer.values)))  # type: ignore[attr-defined]
 
     def commit(self, row: int, kept: Sequence[int]) -> None:
         """Keep the pass entries at offsets `kept` (ascending) as the row's next entries."""

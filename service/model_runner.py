@@ -8,11 +8,15 @@ linear layers compute exactly the tokens brought, and the LM head runs only on t
 next-token distribution is asked for (tree nodes, not prompt chunks). The logits of each node
 then equal those of decoding its path token by token (a unit test holds the project to that).
 Llama-family models run the decoder stack through `service/decoder_pass.py` (same arithmetic,
-far fewer operator calls); other models through transformers' own modules.
+far fewer operator calls); other models through transformers' own modules. On a GPU, a pass
+whose rows each bring a whole tree of at most 64 nodes is padded to a fixed shape and replayed
+as a CUDA graph (`service/static_pass.py`): the launches of a small model's pass cost more than
+its arithmetic there.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +28,7 @@ from service.attention import build_layout, use_ragged_attention
 from service.attention_kernel import warm_up as warm_up_attention
 from service.decoder_pass import attention_kernel_width, kv_cache_dtype, lean_hidden, supports_lean_pass
 from service.kv_cache import TreeKVCache
+from service.static_pass import FixedShape, StaticPasses
 from service.tree import TokenTree
 
 # Attention backends a pass may use: all but cuDNN's, which builds a plan for every new shape
@@ -50,11 +55,17 @@ class RowInput:
 class ModelRunner:
     """Holds a causal LM in eval mode and runs flat passes over the rows of a `TreeKVCache`."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, static_passes: bool | None = None) -> None:
+        """`static_passes`: bring small passes to fixed shapes (`service/static_pass.py`),
+        recorded as CUDA graphs on a GPU. Default: on a GPU for models of the lean pass; True
+        elsewhere runs those shapes eagerly (tests); False: every pass eager."""
         self.model = model.eval()
         use_ragged_attention(self.model)
         # Llama-family layers run through a lean pass of our own; others through transformers'
         self.lean = supports_lean_pass(self.model)
+        on_gpu = model.device.type == "cuda"
+        wanted = on_gpu if static_passes is None else static_passes
+        self.static = StaticPasses.for_model(self.model, capture=on_gpu) if wanted and self.lean else None
         self.device = model.device
         self.dtype = model.dtype
         self.vocab_size: int = model.config.vocab_size
@@ -70,7 +81,8 @@ class ModelRunner:
             warm_up_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
 
     def new_cache(self, rows: int = 0) -> TreeKVCache:
-        return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows, dtype=self.kv_dtype)
+        return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows, dtype=self.kv_dtype,
+                           keep_buffers=self.static is not None)  # fixed-shape passes hold the buffers' addresses
 
     @torch.inference_mode()
     def forward(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> list[torch.Tensor]:
@@ -82,23 +94,11 @@ class ModelRunner:
         """
         if len(rows) != cache.num_rows:
             raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
-        trees = [row.tree for row in rows]
-        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype,
-                              attention_kernel_width(self.model), self.query_groups)
-        cache.begin_pass(layout)
-        input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
-                                 device=self.device)  # [1, T]
         with sdpa_kernel(ATTENTION_BACKENDS):
-            if self.lean:
-                hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
-            else:
-                hidden = self.model.base_model(
-                    input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
-                    use_cache=True, pass_layout=layout,
-                ).last_hidden_state[0]  # [T, hidden]
+            hidden, offsets = self._static_hidden(cache, rows) or self._eager_hidden(cache, rows)
         wanted = [
             offset + node - row.cached
-            for offset, row in zip(layout.offsets, rows)
+            for offset, row in zip(offsets, rows)
             for node in range(row.logits_from, row.tree.num_nodes)
         ]
         if not wanted:
@@ -106,3 +106,30 @@ class ModelRunner:
         logits = self.model.get_output_embeddings()(hidden[wanted])  # [num_wanted, vocab]
         sizes = [row.tree.num_nodes - row.logits_from for row in rows]
         return list(logits.split(sizes))
+
+    def _static_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> tuple[torch.Tensor, list[int]] | None:
+        """The pass at a fixed shape, with each row's first flat token; None where it has none."""
+        if self.static is None or any(row.cached for row in rows):
+            return None
+        sizes = [row.tree.num_nodes for row in rows]
+        shape = FixedShape.of(sizes)
+        hidden = None if shape is None else self.static.hidden(cache, [row.tree for row in rows], shape)
+        return None if hidden is None else (hidden, list(itertools.accumulate(sizes[:-1], initial=0)))
+
+    def _eager_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> tuple[torch.Tensor, list[int]]:
+        """The pass as it comes (every row's new nodes, nothing padded), with each row's first
+        flat token."""
+        trees = [row.tree for row in rows]
+        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype,
+                              attention_kernel_width(self.model), self.query_groups)
+        cache.begin_pass(layout)
+        input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
+                                 device=self.device)  # [1, T]
+        if self.lean:
+            hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
+        else:
+            hidden = self.model.base_model(
+                input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
+                use_cache=True, pass_layout=layout,
+            ).last_hidden_state[0]  # [T, hidden]
+        return hidden, layout.offsets

@@ -48,7 +48,7 @@ from service.tree import chain_tree
 log = logging.getLogger(__name__)
 
 # The code whose speed a profile measures: a saved profile of other code is not reused.
-PASS_CODE = ("model_runner.py", "decoder_pass.py", "attention.py", "kv_cache.py", "packed_linear.py",
+PASS_CODE = ("model_runner.py", "static_pass.py", "decoder_pass.py", "attention.py", "kv_cache.py", "packed_linear.py",
              "packed_kernels.py", "layer_kernels.py", "int8_kernel.py", "attention_kernel.py")
 ROWS = (1, 4, 16)
 # A GPU serves more rows a pass (a pass there is host-bound, so rows are nearly free) and its
@@ -217,7 +217,8 @@ def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
     fingerprint = model_fingerprint(runner.model)
     # the same packed weights compute otherwise with 8-bit activations (--quantization gguf-int8)
     int8 = "-int8" if getattr(runner.model.get_output_embeddings(), "int8_activations", False) else ""
-    name = f"{device_name(runner.device)}-{fingerprint}{int8}-{runner.dtype}-code{pass_code_version()}"
+    static = "-static" if runner.static is not None else ""  # fixed-shape passes (CUDA graphs) cost otherwise
+    name = f"{device_name(runner.device)}-{fingerprint}{int8}{static}-{runner.dtype}-code{pass_code_version()}"
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
     return cache_dir / "profiles" / f"{safe}.json"
 

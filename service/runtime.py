@@ -24,12 +24,13 @@ TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (a fraction of a se
 
 
 def build_engine(loaded: LoadedModel, tables: TableSlot, scheduler: SchedulerConfig = SchedulerConfig(),
-                 drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY) -> Engine:
+                 drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY,
+                 enforce_eager: bool = False) -> Engine:
     """The engine for `loaded`, drafting with every strategy over `tables` and `drafters`
-    (the model-running ones, `service/draft_model.py`)."""
+    (the model-running ones, `service/draft_model.py`); `enforce_eager`: no CUDA graphs."""
     config = loaded.model.config
     return Engine(
-        ModelRunner(loaded.model),
+        ModelRunner(loaded.model, static_passes=False if enforce_eager else None),
         default_mixer(tables, drafters, suffix_cache_tokens),
         eos_token_ids=stop_token_ids(loaded.tokenizer, config.eos_token_id),
         max_context=config.max_position_embeddings,
@@ -38,11 +39,13 @@ def build_engine(loaded: LoadedModel, tables: TableSlot, scheduler: SchedulerCon
 
 
 def build_engine_with_tables(loaded: LoadedModel, cache_dir: Path, profile: bool = False,
-                             drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY) -> Engine:
+                             drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY,
+                             enforce_eager: bool = False) -> Engine:
     """An engine whose model tables (and cost profile, if asked) are ready before it returns."""
     prefix = assistant_prefix_ids(loaded.tokenizer)
     tables = TableSlot(load_or_compute_tables(loaded.model, cache_dir, prefix))
-    engine = build_engine(loaded, tables, drafters=drafters, suffix_cache_tokens=suffix_cache_tokens)
+    engine = build_engine(loaded, tables, drafters=drafters, suffix_cache_tokens=suffix_cache_tokens,
+                          enforce_eager=enforce_eager)
     if profile:
         engine.profile = load_or_measure(engine.runner, cache_dir)
     return engine
@@ -94,11 +97,12 @@ class Runtime:
         on_step: Callable[[StepStats], None] | None = None,
         drafters: Sequence[Strategy] = (),
         suffix_cache_tokens: int = DEFAULT_CAPACITY,
+        enforce_eager: bool = False,
     ) -> Runtime:
         """Serve at once; the worker measures (or loads) the cost profile, then the model
         tables, while idle. Until then auto mode decodes plainly and the table strategies
         propose nothing."""
-        engine = build_engine(loaded, TableSlot(), scheduler, drafters, suffix_cache_tokens)
+        engine = build_engine(loaded, TableSlot(), scheduler, drafters, suffix_cache_tokens, enforce_eager)
         steps = warm_up(engine, loaded, cache_dir, model_tables, profile)
         return cls(loaded, engine, AsyncEngine(engine, max_waiting, request_timeout, steps, on_step))
 

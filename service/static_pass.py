@@ -1,0 +1,206 @@
+"""Passes of a few fixed shapes, replayed as CUDA graphs.
+
+On a GPU a small model's pass is host work: the embedded 30-layer model launches some 25
+operators a layer, and a pass of one to 64 rows took 13-30 ms on an H200 whatever its size
+(docs/benchmarks.md, twentieth session) — the device itself idle most of that time. A CUDA
+graph records a pass's launches once and replays them in one call (3-6 ms there), but it needs
+every tensor at a fixed address and every shape fixed. So a pass whose rows each bring a whole
+tree of at most `SLOT_WIDTHS[-1]` nodes is brought to a fixed shape (`FixedShape`):
+- its T flat tokens (every row's nodes, as in an eager pass) padded to a power of two with
+  copies of the first row's root (same token, position and cache entry: they write what the
+  root writes), so the linear layers compute about the tokens brought, not the padding below;
+- attention over R rows of D query slots each (D the first of `SLOT_WIDTHS` that holds the
+  widest tree; a row's unused slots ask for its root), gathered from the flat tokens and
+  scattered back, over the cache's whole capacity, the mask built on the device from each
+  row's committed length and its tree's ancestor matrix (nothing as large as the mask copied);
+- one graph per shape and set of cache buffers, captured at its first pass; the cache keeps its
+  buffers for them (`TreeKVCache.keep_buffers`), so they move only when they grow.
+Passes of other shapes (prompt chunks, trees wider than the slots, rows continuing a tree
+begun in an earlier pass) run eagerly (`service/model_runner.py`).
+
+Where there is nothing to capture (a CPU), the same fixed-shape pass runs eagerly: the tests
+hold it to the eager path's logits there.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from service.attention import PassLayout
+from service.decoder_pass import lean_hidden
+from service.kv_cache import TreeKVCache
+from service.tree import TokenTree
+
+SLOT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+# Graphs kept, the least recently replayed dropped first: each holds its launches (~750 for the
+# embedded model) and shares one memory pool with the others.
+MAX_GRAPHS = 256
+
+
+@dataclass(frozen=True)
+class FixedShape:
+    """A pass's shape as recorded: R rows of D query slots, T flat tokens."""
+
+    rows: int
+    slots: int
+    tokens: int
+
+    @classmethod
+    def of(cls, sizes: Sequence[int]) -> FixedShape | None:
+        """The shape of a pass of trees of `sizes` nodes; None where it has none (a tree wider
+        than the widest slots, or a row bringing nothing)."""
+        if min(sizes) == 0 or max(sizes) > SLOT_WIDTHS[-1]:
+            return None
+        slots = next(width for width in SLOT_WIDTHS if max(sizes) <= width)
+        total = sum(sizes)  # one-token rows: flat token r is row r's query (no gather, no padding)
+        return cls(len(sizes), slots, total if slots == 1 else 1 << (total - 1).bit_length())
+
+    @property
+    def input_size(self) -> int:
+        """int64 inputs: ids, positions, write rows, write positions and query slots of the
+        tokens; the rows' starts; each slot's token; each row's ancestor matrix."""
+        return 5 * self.tokens + self.rows + self.rows * self.slots + self.rows * self.slots * self.slots
+
+
+@dataclass
+class _StaticPass:
+    """One shape on one set of cache buffers: its inputs on the device, and once captured its
+    graph and output."""
+
+    inputs: torch.Tensor  # int64 [shape.input_size]
+    graph: torch.cuda.CUDAGraph | None = None
+    hidden: torch.Tensor | None = None  # [T, hidden], graph-owned: read before the next replay
+
+
+class StaticPasses:
+    """The fixed-shape passes of one model, captured as CUDA graphs when `capture`. One per
+    model (`for_model`): the engines of a benchmark, each with its own runner, replay the same
+    graphs, as long as their caches' buffers lie where the graphs were recorded (a CUDA
+    allocator hands a freed buffer's memory back to the next buffer of that size)."""
+
+    def __init__(self, model: PreTrainedModel, capture: bool) -> None:
+        self.model = model
+        self.capture = capture
+        self.query_groups: int = model.config.num_attention_heads // model.config.num_key_value_heads
+        # (cache buffers, shape) -> pass, least recently used first
+        self._passes: OrderedDict[tuple[tuple[int, ...], FixedShape], _StaticPass] = OrderedDict()
+        self._buffers: tuple[int, ...] = ()  # the buffers of the last pass's cache
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    @classmethod
+    def for_model(cls, model: PreTrainedModel, capture: bool) -> StaticPasses:
+        """The model's fixed-shape passes (made at the first call; kept on the model itself,
+        so they go with it)."""
+        static = getattr(model, "_ngrammys_static_passes", None)
+        if static is None or static.capture != capture:
+            static = cls(model, capture)
+            model._ngrammys_static_passes = static
+        return static
+
+    @property
+    def shapes(self) -> list[FixedShape]:
+        """The shapes run on the last pass's cache buffers, least recently used first."""
+        return [shape for buffers, shape in self._passes if buffers == self._buffers]
+
+    def hidden(self, cache: TreeKVCache, trees: Sequence[TokenTree], shape: FixedShape) -> torch.Tensor | None:
+        """The final-norm hidden states [shape.tokens, hidden] of the pass that appends row r's
+        whole tree to cache row r (flat, rows in order, then padding); None if the cache has no
+        buffers yet (its first pass sizes them)."""
+        starts = cache.lengths
+        cache.reserve(max(start + tree.num_nodes for start, tree in zip(starts, trees)))
+        self._buffers = cache.buffer_identity()
+        if not self._buffers:
+            return None
+        key = (self._buffers, shape)
+        static = self._passes.get(key)
+        fresh = static is None
+        if static is None:
+            static = self._passes[key] = _StaticPass(torch.zeros(shape.input_size, dtype=torch.long,
+                                                                 device=self.model.device))
+        self._passes.move_to_end(key)
+        static.inputs.copy_(torch.from_numpy(_inputs(trees, starts, shape)))
+        if not self.capture:
+            return self._run(cache, static.inputs, shape)
+        if fresh:
+            self._record(cache, static, shape)
+            while len(self._passes) > MAX_GRAPHS:  # after the capture: a pool dies with its last graph
+                self._passes.popitem(last=False)
+        assert static.graph is not None and static.hidden is not None
+        static.graph.replay()
+        return static.hidden
+
+    def _record(self, cache: TreeKVCache, static: _StaticPass, shape: FixedShape) -> None:
+        """Capture the pass on its current inputs: run once on a side stream (the warm-up
+        capture needs, writing what the replay then writes again), then record."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._run(cache, static.inputs, shape)
+        torch.cuda.current_stream().wait_stream(side)
+        static.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(static.graph, pool=self._pool):
+            static.hidden = self._run(cache, static.inputs, shape)
+
+    def _run(self, cache: TreeKVCache, inputs: torch.Tensor, shape: FixedShape) -> torch.Tensor:
+        rows, slots, tokens = shape.rows, shape.slots, shape.tokens
+        ids, positions, write_rows, write_positions, token_slots = inputs[: 5 * tokens].view(5, tokens)
+        starts, query_index, ancestors = inputs[5 * tokens :].split([rows, rows * slots, rows * slots * slots])
+        layout = PassLayout(
+            ends=[cache.capacity] * rows, widths=[slots] * rows, write_rows=write_rows, write_positions=write_positions,
+            position_ids=positions[None], pass_end=cache.capacity, row_masks={},
+            batched_mask=_tree_mask(starts, ancestors.view(rows, slots, slots) > 0, cache.capacity, self.model.dtype,
+                                    self.query_groups),
+            query_index=query_index.view(rows, slots), batched_tokens=torch.arange(tokens, device=inputs.device),
+            batched_slots=token_slots, separate_rows=[], one_token_rows=slots == 1, query_groups=self.query_groups,
+        )
+        cache.begin_pass(layout)
+        return lean_hidden(self.model, ids[None], layout, cache)
+
+
+def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape) -> np.ndarray:
+    """The host side of a pass's inputs (`FixedShape.input_size`)."""
+    rows, slots, tokens = shape.rows, shape.slots, shape.tokens
+    sizes = np.array([tree.num_nodes for tree in trees])
+    total, offsets, start = int(sizes.sum()), np.cumsum(sizes) - sizes, np.asarray(starts, dtype=np.int64)
+    out = np.empty(shape.input_size, dtype=np.int64)
+    ids, positions, write_rows, write_positions, token_slots = out[: 5 * tokens].reshape(5, tokens)
+    row_of = np.repeat(np.arange(rows), sizes)
+    in_row = np.arange(total) - offsets[row_of]
+    ids[:total] = np.fromiter(itertools.chain.from_iterable(tree.token_ids for tree in trees), np.int64, total)
+    positions[:total] = start[row_of] + np.fromiter(
+        itertools.chain.from_iterable(tree.depths for tree in trees), np.int64, total)
+    write_rows[:total] = row_of
+    write_positions[:total] = start[row_of] + in_row
+    token_slots[:total] = row_of * slots + in_row
+    for part in (ids, positions, write_rows, write_positions, token_slots):
+        part[total:] = part[0]  # padding: copies of the first row's root
+    rest = out[5 * tokens :]
+    rest[:rows] = start
+    slot = np.arange(slots)
+    rest[rows : rows + rows * slots] = (offsets[:, None] + np.where(slot < sizes[:, None], slot, 0)).ravel()
+    ancestors = rest[rows + rows * slots :].reshape(rows, slots, slots)
+    ancestors[:] = 0
+    ancestors[:, :, 0] = 1  # every slot sees its row's root (the root and its stand-ins nothing more)
+    for row in np.flatnonzero(sizes > 1):
+        n = sizes[row]
+        ancestors[row, :n, :n] = trees[row].ancestor_mask()
+    return out
+
+
+def _tree_mask(starts: torch.Tensor, ancestors: torch.Tensor, columns: int, dtype: torch.dtype,
+               query_groups: int) -> torch.Tensor:
+    """The additive mask [R, 1, query_groups * D, columns] of a fixed-shape pass: slot i of row
+    r sees the row's committed columns [0, starts[r]) and, from starts[r] on, the slots j with
+    ancestors[r, i, j] (`ancestors`: [R, D, D] bool). Built on the device, inside the graph."""
+    rows, slots, _ = ancestors.shape
+    offset = torch.arange(columns, device=starts.device)[None] - starts[:, None]  # [R, columns]: column - start
+    in_tree = ancestors.gather(2, offset.clamp(0, slots - 1)[:, None].expand(rows, slots, columns))
+    seen = (offset < 0)[:, None] | (in_tree & ((offset >= 0) & (offset < slots))[:, None])  # [R, D, columns]
+    additive = torch.zeros(seen.shape, dtype=dtype, device=starts.device).masked_fill_(~seen, float("-inf"))
+    return additive[:, None].repeat(1, 1, query_groups, 1)
