@@ -70,6 +70,8 @@ class Metrics:
                                      "roots, tree nodes), summed over the batch", buckets=PASS_BUCKETS, registry=r)
         self.pass_committed = Histogram("ngrammys_pass_committed_tokens", "Tokens one pass committed, summed "
                                         "over the batch", buckets=PASS_BUCKETS, registry=r)
+        self.graph_capture = Counter("ngrammys_cuda_graph_capture_seconds", "Time passes spent recording CUDA "
+                                     "graphs of new pass shapes", registry=r)
         self.waiting = Gauge("ngrammys_num_requests_waiting", "Requests in the queue", registry=r)
         self.running = Gauge("ngrammys_num_requests_running", "Requests the engine is decoding", registry=r)
         self.prompt_tokens = Counter("ngrammys_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
@@ -88,6 +90,7 @@ class Metrics:
         self.batch_size.observe(stats.batch_size)
         self.pass_tokens.observe(stats.tokens)
         self.pass_committed.observe(stats.committed_tokens)
+        self.graph_capture.inc(stats.capture_seconds)
 
     def record_round(self, output: RoundOutput) -> None:
         """One request's round: its tokens and speculation."""

@@ -77,6 +77,7 @@ class StepStats:
     committed_tokens: int  # tokens all requests committed
     seconds: float
     draft_seconds: float  # of `seconds`: planning and drafting (what plain decoding does not do)
+    capture_seconds: float = 0.0  # of `seconds`: recording CUDA graphs of new pass shapes (once per shape)
 
 
 @dataclass
@@ -208,7 +209,7 @@ class Engine:
             return [], None
         started = time.perf_counter()
         rows, plan = self._plan()
-        drafted = time.perf_counter()
+        drafted, captured = time.perf_counter(), self.runner.capture_seconds
         try:
             logits = self.runner.forward(self.cache, [row.input() for row in rows])
         except Exception as error:  # the pass failed: its requests end, the engine goes on
@@ -232,8 +233,10 @@ class Engine:
             prefill_tokens=sum(len(row.chunk) for row in rows),
             committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
             seconds=verified - started, draft_seconds=draft_seconds,
+            capture_seconds=self.runner.capture_seconds - captured,
         )
-        self._observe_pass(_pass_shape([row.width for row in rows]), len(rows), verified - drafted)
+        if not stats.capture_seconds:  # recording a new shape's graph is a one-off, not the shape's price
+            self._observe_pass(_pass_shape([row.width for row in rows]), len(rows), verified - drafted)
         for request, out in results:
             if isinstance(out, Exception) or out.finish_reason is not None:
                 self._release(request)

@@ -80,6 +80,11 @@ class ModelRunner:
         if self.lean and attention_kernel_width(self.model):  # compile it now, not in the first request's pass
             warm_up_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
 
+    @property
+    def capture_seconds(self) -> float:
+        """Time spent so far recording passes as CUDA graphs (0 where none are)."""
+        return 0.0 if self.static is None else self.static.capture_seconds
+
     def new_cache(self, rows: int = 0) -> TreeKVCache:
         return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows, dtype=self.kv_dtype,
                            keep_buffers=self.static is not None)  # fixed-shape passes hold the buffers' addresses

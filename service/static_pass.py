@@ -24,6 +24,7 @@ hold it to the eager path's logits there.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,6 +93,7 @@ class StaticPasses:
         self._passes: OrderedDict[tuple[tuple[int, ...], FixedShape], _StaticPass] = OrderedDict()
         self._buffers: tuple[int, ...] = ()  # the buffers of the last pass's cache
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.capture_seconds = 0.0  # spent recording graphs so far: one-off costs, not a pass's price
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, capture: bool) -> StaticPasses:
@@ -128,7 +130,9 @@ class StaticPasses:
         if not self.capture:
             return self._run(cache, static.inputs, shape)
         if fresh:
+            began = time.perf_counter()
             self._record(cache, static, shape)
+            self.capture_seconds += time.perf_counter() - began
             while len(self._passes) > MAX_GRAPHS:  # after the capture: a pool dies with its last graph
                 self._passes.popitem(last=False)
         assert static.graph is not None and static.hidden is not None

@@ -36,6 +36,7 @@ EXPECTED = {  # name -> type, as issue-level contract
     "ngrammys_batch_size": "histogram",
     "ngrammys_pass_tokens": "histogram",
     "ngrammys_pass_committed_tokens": "histogram",
+    "ngrammys_cuda_graph_capture_seconds": "counter",
     "ngrammys_num_requests_waiting": "gauge",
     "ngrammys_num_requests_running": "gauge",
     "ngrammys_prompt_tokens": "counter",

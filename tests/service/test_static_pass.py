@@ -124,3 +124,31 @@ def test_kept_buffers_count_against_the_kv_budget(tiny_model, tiny_tables) -> No
     assert not engine.has_work and all(len(r.output_ids) == 12 for r in short)
     assert late.output_ids == reference_greedy(engine.runner.model, long_prompt, 8)
     assert engine.cache.nbytes == 512 * per_token  # it ran alone, on buffers made anew for it
+
+
+def test_a_pass_that_records_a_graph_is_not_taken_for_its_shapes_price(tiny_tables, monkeypatch) -> None:
+    """Recording a graph (35-150 ms on an H200) is a one-off: the calibration, which learns what
+    each pass shape costs, must not see it; the step reports it."""
+    engine = Engine(ModelRunner(make_tiny_model(), static_passes=True), default_mixer(tiny_tables), eos_token_ids=[],
+                    max_context=512)
+    engine.profile = MEMORY_BOUND
+    static, forward = engine.runner.static, engine.runner.forward
+    assert static is not None
+
+    passes: list[int] = []
+
+    def recording_every_other_pass(cache, rows):  # as a GPU records a new shape's graph
+        passes.append(len(passes))
+        static.capture_seconds += 0.25 if len(passes) % 2 else 0.0
+        return forward(cache, rows)
+
+    observed: list[float] = []
+    monkeypatch.setattr(engine.runner, "forward", recording_every_other_pass)
+    monkeypatch.setattr(engine.calibration, "observe_pass", lambda tokens, profiled, seconds, rows=1: observed.append(seconds))
+    engine.add_request(PROMPTS[0], GenerationParams(6, speculation=SpeculationParams(2, 2, "auto")))
+    captured = []
+    while engine.has_work:
+        _, stats = engine.step()
+        captured.append(stats.capture_seconds)
+    assert len(captured) >= 2 and captured == [0.25 if step % 2 == 0 else 0.0 for step in range(len(captured))]
+    assert len(observed) == captured.count(0.0) and all(seconds < 0.25 for seconds in observed)
