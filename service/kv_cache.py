@@ -200,7 +200,7 @@ class TreeKVCache(Cache):
 
     def reserve(self, columns: int) -> None:
         """Make every row hold `columns` entries (doubling the capacity as needed; the buffers
-        grow at their next write, or in `buffer_addresses`)."""
+        grow at their next write, or in `buffer_identity`)."""
         while self.capacity < columns:
             self.capacity *= 2
 
@@ -208,7 +208,7 @@ class TreeKVCache(Cache):
     def buffer_identity(self) -> tuple[int, ...]:
         """Where the layers' buffers lie, and their rows and capacity, once grown to the rows
         and capacity now (empty before a first pass has made them): a pass recorded as a CUDA
-        graph reads and writes them there, so (`service/static_pass.py`)."""
+        graph reads and writes the buffers it was recorded with (`service/static_pass.py`)."""
         if any(layer.keys is None for layer in self.layers):  # type: ignore[attr-defined]
             return ()  # (a draft of the first layers writes only those)
         for layer in self.layers:

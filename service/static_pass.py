@@ -59,7 +59,8 @@ class FixedShape:
         if min(sizes) == 0 or max(sizes) > SLOT_WIDTHS[-1]:
             return None
         slots = next(width for width in SLOT_WIDTHS if max(sizes) <= width)
-        total = sum(sizes)  # one-token rows: flat token r is row r's query (no gather, no padding)
+        total = sum(sizes)
+        # one-token rows: flat token r is row r's query, nothing to gather or pad
         return cls(len(sizes), slots, total if slots == 1 else 1 << (total - 1).bit_length())
 
     @property
@@ -127,14 +128,14 @@ class StaticPasses:
                                                                  device=self.model.device))
         self._passes.move_to_end(key)
         static.inputs.copy_(torch.from_numpy(_inputs(trees, starts, shape)))
-        if not self.capture:
-            return self._run(cache, static.inputs, shape)
-        if fresh:
+        if fresh and self.capture:
             began = time.perf_counter()
             self._record(cache, static, shape)
             self.capture_seconds += time.perf_counter() - began
-            while len(self._passes) > MAX_GRAPHS:  # after the capture: a pool dies with its last graph
-                self._passes.popitem(last=False)
+        while len(self._passes) > MAX_GRAPHS:  # after recording: a memory pool dies with its last graph
+            self._passes.popitem(last=False)
+        if not self.capture:
+            return self._run(cache, static.inputs, shape)
         assert static.graph is not None and static.hidden is not None
         static.graph.replay()
         return static.hidden
