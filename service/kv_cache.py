@@ -9,7 +9,10 @@ accepted path, and the rest is dropped. So every layer owns a buffer
 Rows come and go with requests: `add_row()` appends one, `remove_row(row)` moves the last row
 into the freed slot (one row copied, once), so the running rows are always rows [0, num_rows)
 and a pass reads them as a view, never a gathered copy. When the last row leaves, the buffers
-are released: memory returns to the idle baseline after a burst.
+are released: memory returns to the idle baseline after a burst — unless passes are recorded
+as CUDA graphs, which hold the buffers' addresses: then the buffers pass on to the next cache
+of the model (`SpareBuffers`) and grow by powers of two of rows, so they move (are allocated
+anew) a few times in a server's life rather than with every new row and every idle moment.
 
 Protocol of one pass (see `service/attention.py`): the runner sets `layout` (where each of the
 pass's T flat tokens goes: row and position); the model's attention layers call `update()`,
@@ -43,6 +46,8 @@ class _RowBufferLayer(CacheLayerMixin):
         self._owner = owner
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self._owner.take_spare():
+            return
         _, heads, _, head_dim = key_states.shape
         shape = (self._owner.buffer_rows(), heads, self._owner.capacity, head_dim)
         dtype = self._owner.dtype or key_states.dtype
@@ -126,20 +131,43 @@ class _RowBufferLayer(CacheLayerMixin):
         return -1
 
 
+class SpareBuffers:
+    """The KV buffers a cache gave up when its last row left, for the next cache of the same
+    model to take up at the same addresses: passes recorded as CUDA graphs read and write the
+    buffers they were recorded with (`service/static_pass.py`), so the next request, or the
+    next engine a benchmark builds, replays them instead of recording anew. One set at most,
+    held while no cache uses it: memory stays at its size while idle."""
+
+    def __init__(self) -> None:
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer: keys, values
+
+    @property
+    def nbytes(self) -> int:
+        return sum(keys.nbytes + values.nbytes for keys, values in self._buffers or [])
+
+    def give(self, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hold `buffers`, or the larger of them and those held already."""
+        if self._buffers is None or buffers[0][0].numel() >= self._buffers[0][0].numel():
+            self._buffers = buffers
+
+    def take(self, rows: int, capacity: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The buffers held, if they have `rows` rows of `capacity` columns; else None, and
+        those held are freed (a cache about to allocate must not hold memory twice)."""
+        buffers, self._buffers = self._buffers, None
+        if buffers is None or buffers[0][0].shape[0] < rows or buffers[0][0].shape[2] < capacity:
+            return None
+        return buffers
+
+
 class TreeKVCache(Cache):
     """Per-row committed lengths over growable per-layer buffers; see the module docstring.
-
-    `keep_buffers`: the buffers stay when the last row leaves, and grow to a power of two of
-    rows, so they move (are allocated anew) a few times in a server's life rather than with
-    every new row or idle moment — for passes recorded as CUDA graphs, which hold the
-    buffers' addresses (`service/static_pass.py`). Memory then stays at its high-water mark, as
-    a GPU server's KV pool does."""
+    `spare`: where the buffers go when the last row leaves, and come from when a row arrives."""
 
     def __init__(self, num_layers: int, rows: int = 1, dtype: torch.dtype | None = None,
-                 keep_buffers: bool = False) -> None:
+                 spare: SpareBuffers | None = None) -> None:
         self.lengths: list[int] = [0] * rows
         self.dtype = dtype  # the buffers' (None: the first entries')
-        self.keep_buffers = keep_buffers
+        self.spare = spare
         self.capacity = INITIAL_CAPACITY
         self.layout: PassLayout | None = None
         super().__init__(layers=[_RowBufferLayer(self) for _ in range(num_layers)])
@@ -150,13 +178,13 @@ class TreeKVCache(Cache):
 
     def buffer_rows(self, rows: int | None = None) -> int:
         """Rows the buffers are to hold for `rows` rows (default: those in use): each, to a
-        power of two when the buffers are kept."""
+        power of two when they pass on (`spare`)."""
         rows = self.num_rows if rows is None else rows
-        return 1 << max(rows - 1, 0).bit_length() if self.keep_buffers else rows
+        return 1 << max(rows - 1, 0).bit_length() if self.spare is not None else rows
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the buffers now (0 when no row is in use, unless they are kept)."""
+        """Bytes held by the buffers now (0 when no row is in use)."""
         return sum(layer.nbytes for layer in self.layers)  # type: ignore[attr-defined]
 
     def add_row(self) -> int:
@@ -176,16 +204,30 @@ class TreeKVCache(Cache):
             self.lengths[row] = self.lengths[last]
             moved = last
         self.lengths.pop()
-        if not self.lengths and not self.keep_buffers:
-            self.release_buffers()
+        if not self.lengths:
+            self._release_buffers()
         return moved
 
-    def release_buffers(self) -> None:
-        """Free the buffers (no row may be in use)."""
-        assert not self.lengths, "rows still in use"
+    def _release_buffers(self) -> None:
+        """Let the buffers go (to `spare`, if any)."""
+        if self.spare is not None and self.held_rows:
+            self.spare.give([(layer.keys, layer.values) for layer in self.layers])  # type: ignore[attr-defined]
         for layer in self.layers:
             layer.release()  # type: ignore[attr-defined]
         self.capacity = INITIAL_CAPACITY
+
+    def take_spare(self) -> bool:
+        """Before the buffers are first made: take up the spare ones if they are large enough
+        (then the capacity is theirs). Whether it did."""
+        if self.spare is None or any(layer.keys is not None for layer in self.layers):  # type: ignore[attr-defined]
+            return False
+        buffers = self.spare.take(self.buffer_rows(), self.capacity)
+        if buffers is None:
+            return False
+        for layer, (keys, values) in zip(self.layers, buffers):
+            layer.keys, layer.values, layer.is_initialized = keys, values, True  # type: ignore[attr-defined]
+        self.capacity = buffers[0][0].shape[2]
+        return True
 
     @property
     def held_rows(self) -> int:
@@ -209,6 +251,7 @@ class TreeKVCache(Cache):
         """Where the layers' buffers lie, and their rows and capacity, once grown to the rows
         and capacity now (empty before a first pass has made them): a pass recorded as a CUDA
         graph reads and writes the buffers it was recorded with (`service/static_pass.py`)."""
+        self.take_spare()
         if any(layer.keys is None for layer in self.layers):  # type: ignore[attr-defined]
             return ()  # (a draft of the first layers writes only those)
         for layer in self.layers:

@@ -87,7 +87,7 @@ class ModelRunner:
 
     def new_cache(self, rows: int = 0) -> TreeKVCache:
         return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows, dtype=self.kv_dtype,
-                           keep_buffers=self.static is not None)  # fixed-shape passes hold the buffers' addresses
+                           spare=None if self.static is None else self.static.spare)
 
     @torch.inference_mode()
     def forward(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> list[torch.Tensor]:

@@ -109,15 +109,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def memory_bound(self, requests: list[Request]) -> int:
-        """Upper bound of the KV bytes while `requests` run together. The buffers' capacity
-        (columns, one for all rows) only grows while they are held; kept buffers (for CUDA
-        graphs) hold a power of two of rows and never shrink."""
+        """Upper bound of the KV bytes while `requests` run together. The buffers' rows and
+        capacity (columns, one for all rows) only grow while they are held; buffers that pass
+        on for CUDA graphs hold a power of two of rows, and may come larger than asked."""
         if not requests:
             return 0
-        capacity = max(kv_capacity_bound(max(r.max_kv_tokens for r in requests)),
-                       self.cache.capacity if self.cache.held_rows else 0)
-        rows = max(self.cache.buffer_rows(len(requests)), self.cache.held_rows if self.cache.keep_buffers else 0)
-        return rows * capacity * self.kv_bytes_per_token
+        held = self.cache.held_rows
+        capacity = max(kv_capacity_bound(max(r.max_kv_tokens for r in requests)), self.cache.capacity if held else 0)
+        return max(self.cache.buffer_rows(len(requests)), held) * capacity * self.kv_bytes_per_token
 
     def _row_bytes(self, kv_tokens: int) -> int:
         return kv_capacity_bound(kv_tokens) * self.kv_bytes_per_token
@@ -146,10 +145,7 @@ class Scheduler:
                 continue
             budget = self.config.kv_cache_bytes
             if budget is not None and self.memory_bound([*self.running, candidate]) > budget:
-                if self.running or not self.cache.held_rows:
-                    break  # FCFS: it waits for memory, and nothing behind it overtakes
-                self.cache.release_buffers()  # idle, kept buffers too big for it: it fits alone (`check_fits`)
-                continue
+                break  # FCFS: it waits for memory, and nothing behind it overtakes
             self.waiting.popleft()
             candidate.status, candidate.started_at = Status.RUNNING, time.monotonic()
             candidate.row = self.cache.add_row()

@@ -13,8 +13,8 @@ tree of at most `SLOT_WIDTHS[-1]` nodes is brought to a fixed shape (`FixedShape
   widest tree; a row's unused slots ask for its root), gathered from the flat tokens and
   scattered back, over the cache's whole capacity, the mask built on the device from each
   row's committed length and its tree's ancestor matrix (nothing as large as the mask copied);
-- one graph per shape and set of cache buffers, captured at its first pass; the cache keeps its
-  buffers for them (`TreeKVCache.keep_buffers`), so they move only when they grow.
+- one graph per shape and set of cache buffers, captured at its first pass; a cache's buffers
+  pass on to the model's next cache (`SpareBuffers`), so they move only when they grow.
 Passes of other shapes (prompt chunks, trees wider than the slots, rows continuing a tree
 begun in an earlier pass) run eagerly (`service/model_runner.py`).
 
@@ -35,7 +35,7 @@ from transformers import PreTrainedModel
 
 from service.attention import PassLayout
 from service.decoder_pass import lean_hidden
-from service.kv_cache import TreeKVCache
+from service.kv_cache import SpareBuffers, TreeKVCache
 from service.tree import TokenTree
 
 SLOT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
@@ -95,6 +95,7 @@ class StaticPasses:
         self._buffers: tuple[int, ...] = ()  # the buffers of the last pass's cache
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.capture_seconds = 0.0  # spent recording graphs so far: one-off costs, not a pass's price
+        self.spare = SpareBuffers()  # the buffers the graphs were recorded with, while no cache holds them
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, capture: bool) -> StaticPasses:

@@ -70,7 +70,7 @@ def test_one_draft_pass_a_depth_serves_every_request_and_rows_are_freed(tiny_mod
     assert all(sum(row.tree.num_nodes > row.cached for row in rows) == 3 for rows in passes)
     while engine.has_work:
         engine.step()
-    assert len(drafter.rows) == 0 and (drafter.rows.cache.nbytes == 0 or drafter.rows.cache.keep_buffers)
+    assert len(drafter.rows) == 0 and drafter.rows.cache.nbytes == 0
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["tree", "staged"])

@@ -130,7 +130,7 @@ def test_a_finished_request_frees_its_row_and_memory_returns(drafter: ModelDraft
     held, keys = held_keys(drafter, two)
     assert held == two.token_ids and torch.allclose(keys, fresh_entries(drafter, held), atol=1e-5)
     drafter.release(two)
-    assert len(drafter.rows) == 0 and (drafter.rows.cache.nbytes == 0 or drafter.rows.cache.keep_buffers)
+    assert len(drafter.rows) == 0 and drafter.rows.cache.nbytes == 0
 
 
 @pytest.mark.parametrize("prompt", [PROMPT, [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3]], ids=["mixed", "repetitive"])

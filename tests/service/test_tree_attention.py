@@ -173,7 +173,7 @@ def test_a_removed_row_leaves_the_others_intact_and_the_last_frees_memory() -> N
     cache.remove_row(1)
     assert cache.nbytes > 0
     cache.remove_row(0)
-    assert cache.num_rows == 0 and (cache.nbytes == 0 or cache.keep_buffers)
+    assert cache.nbytes == 0 and cache.num_rows == 0
 
 
 @pytest.mark.parametrize("split", [1, 3, 5])
