@@ -12,7 +12,7 @@ tree of at most `SLOT_WIDTHS[-1]` nodes is brought to a fixed shape (`FixedShape
 - attention over R rows of D query slots each (D the first of `SLOT_WIDTHS` that holds the
   widest tree; a row's unused slots ask for its root), gathered from the flat tokens and
   scattered back, over the cache's whole capacity, the mask built on the device from each
-  row's committed length and its tree's ancestor matrix (nothing as large as the mask copied);
+  row's committed length and its nodes' parents (nothing as large as the mask copied);
 - one graph per shape and set of cache buffers, captured at its first pass; a cache's buffers
   pass on to the model's next cache (`SpareBuffers`), so they move only when they grow.
 Passes of other shapes (prompt chunks, trees wider than the slots, rows continuing a tree
@@ -66,8 +66,8 @@ class FixedShape:
     @property
     def input_size(self) -> int:
         """int64 inputs: ids, positions, write rows, write positions and query slots of the
-        tokens; the rows' starts; each slot's token; each row's ancestor matrix."""
-        return 5 * self.tokens + self.rows + self.rows * self.slots + self.rows * self.slots * self.slots
+        tokens; the rows' starts and node counts; each slot's token and its node's parent."""
+        return 5 * self.tokens + 2 * self.rows + 2 * self.rows * self.slots
 
 
 @dataclass
@@ -156,12 +156,12 @@ class StaticPasses:
     def _run(self, cache: TreeKVCache, inputs: torch.Tensor, shape: FixedShape) -> torch.Tensor:
         rows, slots, tokens = shape.rows, shape.slots, shape.tokens
         ids, positions, write_rows, write_positions, token_slots = inputs[: 5 * tokens].view(5, tokens)
-        starts, query_index, ancestors = inputs[5 * tokens :].split([rows, rows * slots, rows * slots * slots])
+        starts, sizes, query_index, parents = inputs[5 * tokens :].split([rows, rows, rows * slots, rows * slots])
         layout = PassLayout(
             ends=[cache.capacity] * rows, widths=[slots] * rows, write_rows=write_rows, write_positions=write_positions,
             position_ids=positions[None], pass_end=cache.capacity, row_masks={},
-            batched_mask=_tree_mask(starts, ancestors.view(rows, slots, slots) > 0, cache.capacity, self.model.dtype,
-                                    self.query_groups),
+            batched_mask=_tree_mask(starts, _ancestors(sizes, parents.view(rows, slots)), cache.capacity,
+                                    self.model.dtype, self.query_groups),
             query_index=query_index.view(rows, slots), batched_tokens=torch.arange(tokens, device=inputs.device),
             batched_slots=token_slots, separate_rows=[], one_token_rows=slots == 1, query_groups=self.query_groups,
         )
@@ -187,16 +187,29 @@ def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape
     for part in (ids, positions, write_rows, write_positions, token_slots):
         part[total:] = part[0]  # padding: copies of the first row's root
     rest = out[5 * tokens :]
-    rest[:rows] = start
+    rest[:rows], rest[rows : 2 * rows] = start, sizes
     slot = np.arange(slots)
-    rest[rows : rows + rows * slots] = (offsets[:, None] + np.where(slot < sizes[:, None], slot, 0)).ravel()
-    ancestors = rest[rows + rows * slots :].reshape(rows, slots, slots)
-    ancestors[:] = 0
-    ancestors[:, :, 0] = 1  # every slot sees its row's root (the root and its stand-ins nothing more)
+    rest[2 * rows : 2 * rows + rows * slots] = (offsets[:, None] + np.where(slot < sizes[:, None], slot, 0)).ravel()
+    parents = rest[2 * rows + rows * slots :].reshape(rows, slots)
+    parents[:] = 0  # a root is its own parent; so are the slots past a row's tree
     for row in np.flatnonzero(sizes > 1):
-        n = sizes[row]
-        ancestors[row, :n, :n] = trees[row].ancestor_mask()
+        parents[row, 1 : sizes[row]] = trees[row].parents[1:]
     return out
+
+
+def _ancestors(sizes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """[R, D, D] bool: slot j is slot i's node or one of its ancestors, in row r of `sizes[r]`
+    nodes whose node i has parent `parents[r, i]` (slots past the nodes see the root alone).
+    Paths of up to D nodes by squaring "itself or its parent" log2(D) times, on the device: the
+    host sends a parent a node, not a [D, D] matrix (2 MB at 64 rows of 64 slots)."""
+    rows, slots = parents.shape
+    reach = torch.eye(slots, device=parents.device).expand(rows, slots, slots).clone()
+    reach.scatter_(2, parents[:, :, None], 1.0)
+    for _ in range((slots - 1).bit_length()):
+        reach = (reach @ reach).clamp_(max=1.0)
+    slot = torch.arange(slots, device=parents.device)
+    seen = (slot < sizes[:, None]) | (slot == 0)  # [R, D]: a row's nodes (and its root for the slots past them)
+    return (reach > 0) & seen[:, None, :]
 
 
 def _tree_mask(starts: torch.Tensor, ancestors: torch.Tensor, columns: int, dtype: torch.dtype,
