@@ -210,7 +210,7 @@ class TreeKVCache(Cache):
 
     def _release_buffers(self) -> None:
         """Let the buffers go (to `spare`, if any)."""
-        if self.spare is not None and self.held_rows:
+        if self.spare is not None and all(layer.keys is not None for layer in self.layers):  # type: ignore[attr-defined]
             self.spare.give([(layer.keys, layer.values) for layer in self.layers])  # type: ignore[attr-defined]
         for layer in self.layers:
             layer.release()  # type: ignore[attr-defined]

@@ -142,8 +142,8 @@ class StaticPasses:
         return static.hidden
 
     def _record(self, cache: TreeKVCache, static: _StaticPass, shape: FixedShape) -> None:
-        """Capture the pass on its current inputs: run once on a side stream (the warm-up
-        capture needs, writing what the replay then writes again), then record."""
+        """Capture the pass on its current inputs: one run on a side stream first (capturing
+        wants a warmed-up run; it writes what the replay then writes again), then the recording."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
