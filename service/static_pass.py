@@ -64,10 +64,11 @@ class FixedShape:
         return cls(len(sizes), slots, total if slots == 1 else 1 << (total - 1).bit_length())
 
     @property
-    def input_size(self) -> int:
-        """int64 inputs: ids, positions, write rows, write positions and query slots of the
-        tokens; the rows' starts and node counts; each slot's token and its node's parent."""
-        return 5 * self.tokens + 2 * self.rows + 2 * self.rows * self.slots
+    def parts(self) -> list[int]:
+        """Sizes of the int64 inputs, in order: ids, positions, write rows, write positions and
+        query slots of the tokens; the rows' starts and node counts; each slot's token and its
+        node's parent."""
+        return [self.tokens] * 5 + [self.rows] * 2 + [self.rows * self.slots] * 2
 
 
 @dataclass
@@ -75,7 +76,7 @@ class _StaticPass:
     """One shape on one set of cache buffers: its inputs on the device, and once captured its
     graph and output."""
 
-    inputs: torch.Tensor  # int64 [shape.input_size]
+    inputs: torch.Tensor  # int64 [sum(shape.parts)]
     graph: torch.cuda.CUDAGraph | None = None
     hidden: torch.Tensor | None = None  # [T, hidden], graph-owned: read before the next replay
 
@@ -125,7 +126,7 @@ class StaticPasses:
         static = self._passes.get(key)
         fresh = static is None
         if static is None:
-            static = self._passes[key] = _StaticPass(torch.zeros(shape.input_size, dtype=torch.long,
+            static = self._passes[key] = _StaticPass(torch.zeros(sum(shape.parts), dtype=torch.long,
                                                                  device=self.model.device))
         self._passes.move_to_end(key)
         static.inputs.copy_(torch.from_numpy(_inputs(trees, starts, shape)))
@@ -155,8 +156,8 @@ class StaticPasses:
 
     def _run(self, cache: TreeKVCache, inputs: torch.Tensor, shape: FixedShape) -> torch.Tensor:
         rows, slots, tokens = shape.rows, shape.slots, shape.tokens
-        ids, positions, write_rows, write_positions, token_slots = inputs[: 5 * tokens].view(5, tokens)
-        starts, sizes, query_index, parents = inputs[5 * tokens :].split([rows, rows, rows * slots, rows * slots])
+        ids, positions, write_rows, write_positions, token_slots, starts, sizes, query_index, parents = (
+            inputs.split(shape.parts))
         layout = PassLayout(
             ends=[cache.capacity] * rows, widths=[slots] * rows, write_rows=write_rows, write_positions=write_positions,
             position_ids=positions[None], pass_end=cache.capacity, row_masks={},
@@ -170,12 +171,13 @@ class StaticPasses:
 
 
 def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape) -> np.ndarray:
-    """The host side of a pass's inputs (`FixedShape.input_size`)."""
-    rows, slots, tokens = shape.rows, shape.slots, shape.tokens
+    """The host side of a pass's inputs (`FixedShape.parts`)."""
+    rows, slots = shape.rows, shape.slots
     sizes = np.array([tree.num_nodes for tree in trees])
     total, offsets, start = int(sizes.sum()), np.cumsum(sizes) - sizes, np.asarray(starts, dtype=np.int64)
-    out = np.empty(shape.input_size, dtype=np.int64)
-    ids, positions, write_rows, write_positions, token_slots = out[: 5 * tokens].reshape(5, tokens)
+    out = np.empty(sum(shape.parts), dtype=np.int64)
+    ids, positions, write_rows, write_positions, token_slots, row_starts, row_sizes, query_index, parents = (
+        np.split(out, np.cumsum(shape.parts)[:-1]))
     row_of = np.repeat(np.arange(rows), sizes)
     in_row = np.arange(total) - offsets[row_of]
     ids[:total] = np.fromiter(itertools.chain.from_iterable(tree.token_ids for tree in trees), np.int64, total)
@@ -186,11 +188,10 @@ def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape
     token_slots[:total] = row_of * slots + in_row
     for part in (ids, positions, write_rows, write_positions, token_slots):
         part[total:] = part[0]  # padding: copies of the first row's root
-    rest = out[5 * tokens :]
-    rest[:rows], rest[rows : 2 * rows] = start, sizes
+    row_starts[:], row_sizes[:] = start, sizes
     slot = np.arange(slots)
-    rest[2 * rows : 2 * rows + rows * slots] = (offsets[:, None] + np.where(slot < sizes[:, None], slot, 0)).ravel()
-    parents = rest[2 * rows + rows * slots :].reshape(rows, slots)
+    query_index[:] = (offsets[:, None] + np.where(slot < sizes[:, None], slot, 0)).ravel()
+    parents = parents.reshape(rows, slots)
     parents[:] = 0  # a root is its own parent; so are the slots past a row's tree
     for row in np.flatnonzero(sizes > 1):
         parents[row, 1 : sizes[row]] = trees[row].parents[1:]
