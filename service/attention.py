@@ -68,7 +68,8 @@ class KernelQueries:
 class PassLayout:
     """Where each of a pass's T flat tokens sits: its row, its cache position, its mask."""
 
-    ends: list[int]  # [rows]: columns each row attends over (committed + its whole tree)
+    ends: list[int]  # [rows]: columns each row attends over (committed + its whole tree); rows: the KV
+    # rows the pass reads, [0, rows) (a fixed-shape pass pads the running rows to a power of two)
     widths: list[int]  # [rows]: tokens each row brings
     write_rows: torch.Tensor  # [T] long: the KV row of each flat token
     write_positions: torch.Tensor  # [T] long: its position in that row
@@ -83,6 +84,10 @@ class PassLayout:
     one_token_rows: bool  # every row brings one token (plain decoding): flat token r is row r's query
     kernel_queries: KernelQueries | None = None  # tokens the attention kernel answers
     query_groups: int = 1  # query heads per KV head folded into the query length (masks repeated so)
+
+    @property
+    def rows(self) -> int:
+        return len(self.ends)
 
     @property
     def offsets(self) -> list[int]:
