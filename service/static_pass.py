@@ -13,6 +13,10 @@ tree of at most `SLOT_WIDTHS[-1]` nodes is brought to a fixed shape (`FixedShape
   widest tree; a row's unused slots ask for its root), gathered from the flat tokens and
   scattered back, over the cache's whole capacity, the mask built on the device from each
   row's committed length and its nodes' parents (nothing as large as the mask copied);
+- R the running rows rounded up to a power of two (the cache's buffers hold that many rows):
+  a row past the running ones has one node, its query and cache entry at column 0 of its own
+  unused buffer row, so 5 to 8 rows are one shape, not four — under a steady load, rows come and
+  go with every request, and each new shape is a recording (35-150 ms on an H200);
 - one graph per shape and set of cache buffers, captured at its first pass; a cache's buffers
   pass on to the model's next cache (`SpareBuffers`), so they move only when they grow.
 Passes of other shapes (prompt chunks, trees wider than the slots, rows continuing a tree
@@ -38,7 +42,8 @@ from service.decoder_pass import lean_hidden
 from service.kv_cache import SpareBuffers, TreeKVCache
 from service.tree import TokenTree
 
-SLOT_WIDTHS = (1, 2, 4, 8, 16, 32, 64)
+# (up to 128: a fixed-mode tree of k=8 drafts of w=8 tokens is 65 nodes)
+SLOT_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 # Graphs kept, the least recently replayed dropped first: each holds its launches (~750 for the
 # embedded model) and shares one memory pool with the others.
 MAX_GRAPHS = 256
@@ -46,7 +51,8 @@ MAX_GRAPHS = 256
 
 @dataclass(frozen=True)
 class FixedShape:
-    """A pass's shape as recorded: R rows of D query slots, T flat tokens."""
+    """A pass's shape as recorded: R rows of D query slots (the running rows padded to a power
+    of two), T flat tokens."""
 
     rows: int
     slots: int
@@ -59,9 +65,9 @@ class FixedShape:
         if min(sizes) == 0 or max(sizes) > SLOT_WIDTHS[-1]:
             return None
         slots = next(width for width in SLOT_WIDTHS if max(sizes) <= width)
-        total = sum(sizes)
-        # one-token rows: flat token r is row r's query, nothing to gather or pad
-        return cls(len(sizes), slots, total if slots == 1 else 1 << (total - 1).bit_length())
+        total, rows = sum(sizes), _power_of_two(len(sizes))
+        # one-token rows: flat token r is row r's query, nothing to gather (the padding rows' tokens are padding)
+        return cls(rows, slots, rows if slots == 1 else _power_of_two(total))
 
     @property
     def parts(self) -> list[int]:
@@ -116,11 +122,11 @@ class StaticPasses:
     def hidden(self, cache: TreeKVCache, trees: Sequence[TokenTree], shape: FixedShape) -> torch.Tensor | None:
         """The final-norm hidden states [shape.tokens, hidden] of the pass that appends row r's
         whole tree to cache row r (flat, rows in order, then padding); None if the cache has no
-        buffers yet (its first pass sizes them)."""
+        buffers yet (its first pass sizes them) or they hold fewer than the shape's rows."""
         starts = cache.lengths
         cache.reserve(max(start + tree.num_nodes for start, tree in zip(starts, trees)))
         self._buffers = cache.buffer_identity()
-        if not self._buffers:
+        if not self._buffers or self._buffers[0] < shape.rows:
             return None
         key = (self._buffers, shape)
         static = self._passes.get(key)
@@ -172,13 +178,16 @@ class StaticPasses:
 
 def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape) -> np.ndarray:
     """The host side of a pass's inputs (`FixedShape.parts`)."""
-    rows, slots = shape.rows, shape.slots
-    sizes = np.array([tree.num_nodes for tree in trees])
-    total, offsets, start = int(sizes.sum()), np.cumsum(sizes) - sizes, np.asarray(starts, dtype=np.int64)
+    rows, slots, running = shape.rows, shape.slots, len(trees)
+    # the padding rows (past the running ones): one node, at column 0, its query token 0's
+    sizes, start = np.ones(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    sizes[:running], start[:running] = [tree.num_nodes for tree in trees], starts
+    total = int(sizes[:running].sum())
+    offsets = np.concatenate([np.cumsum(sizes[:running]) - sizes[:running], np.zeros(rows - running, dtype=np.int64)])
     out = np.empty(sum(shape.parts), dtype=np.int64)
     ids, positions, write_rows, write_positions, token_slots, row_starts, row_sizes, query_index, parents = (
         np.split(out, np.cumsum(shape.parts)[:-1]))
-    row_of = np.repeat(np.arange(rows), sizes)
+    row_of = np.repeat(np.arange(running), sizes[:running])
     in_row = np.arange(total) - offsets[row_of]
     ids[:total] = np.fromiter(itertools.chain.from_iterable(tree.token_ids for tree in trees), np.int64, total)
     positions[:total] = start[row_of] + np.fromiter(
@@ -187,7 +196,10 @@ def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape
     write_positions[:total] = start[row_of] + in_row
     token_slots[:total] = row_of * slots + in_row
     for part in (ids, positions, write_rows, write_positions, token_slots):
-        part[total:] = part[0]  # padding: copies of the first row's root
+        part[total:] = part[0]  # padding: copies of the first row's root (answered as the root is)
+    if slots == 1:  # but one-token rows' token r is row r's query: a padding row's token is its own
+        write_rows[total:] = token_slots[total:] = np.arange(total, rows)
+        write_positions[total:] = 0  # (an unused buffer row: what it holds past a row's length is never read)
     row_starts[:], row_sizes[:] = start, sizes
     slot = np.arange(slots)
     query_index[:] = (offsets[:, None] + np.where(slot < sizes[:, None], slot, 0)).ravel()
@@ -196,6 +208,11 @@ def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape
     for row in np.flatnonzero(sizes > 1):
         parents[row, 1 : sizes[row]] = trees[row].parents[1:]
     return out
+
+
+def _power_of_two(n: int) -> int:
+    """The least power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _ancestors(sizes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,8 @@ from tests.service.test_engine_lossless import reference_greedy
 from tests.service.test_regime import MEMORY_BOUND
 from tests.service.test_tree_attention import DRAFTS, PROMPT, assert_nodes_match, prefilled, sequential_logits
 
-WIDE = [Draft(tuple((10 + i) % 64 for i in range(70)), "x")]  # 71 nodes: wider than the widest slots
+LONG = [Draft(tuple((10 + i) % 64 for i in range(70)), "x")]  # 71 nodes: the widest slots (128)
+WIDE = [Draft(tuple((10 + i) % 64 for i in range(140)), "x")]  # 141 nodes: wider than the widest slots
 
 
 def test_rows_padded_to_a_fixed_shape_give_each_node_its_own_logits() -> None:
@@ -29,7 +30,8 @@ def test_rows_padded_to_a_fixed_shape_give_each_node_its_own_logits() -> None:
     prompts = [PROMPT, [7, 3], list(range(2, 40)), [11, 12, 13]]
     cache = prefilled(runner, prompts)
     for drafts, shape in [([[], [], DRAFTS, []], (4, 16, 16)), ([[Draft((4,), "x")], [], [], []], (4, 2, 8)),
-                          ([[], [], [], []], (4, 1, 4)), ([[], WIDE, [], []], None)]:
+                          ([[], [], [], []], (4, 1, 4)), ([[], LONG, [], []], (4, 128, 128)),
+                          ([[], WIDE, [], []], None)]:
         seen = runner.static.shapes
         trees = [build_tree(prompt[-1], d) for prompt, d in zip(prompts, drafts)]
         logits = runner.forward(cache, [RowInput(tree) for tree in trees])
@@ -56,10 +58,10 @@ def test_a_fixed_shape_pass_continues_from_what_the_last_one_kept() -> None:
     for history, row_logits in zip(histories, logits):
         torch.testing.assert_close(row_logits[0], sequential_logits(model, history), atol=1e-5, rtol=1e-5)
     assert runner.static.shapes == [FixedShape(2, 16, 32), FixedShape(2, 1, 2)]
-    cache.add_row()  # a third request: its prompt's chunk fits a fixed shape, on grown buffers
+    cache.add_row()  # a third request: its prompt's chunk fits a fixed shape, on grown buffers (of 4 rows)
     runner.forward(cache, [RowInput(chain_tree([1])), RowInput(chain_tree([2])), RowInput(chain_tree([5, 6]), 2)])
     cache.commit_rows({0: [0], 1: [0], 2: [0, 1]})
-    assert runner.static.shapes == [FixedShape(3, 2, 4)]
+    assert runner.static.shapes == [FixedShape(4, 2, 4)]  # three rows and a padding row
     logits = runner.forward(cache, [RowInput(chain_tree([4])) for _ in range(3)])
     for history, row_logits in zip([[*histories[0], 1, 4], [*histories[1], 2, 4], [5, 6, 4]], logits):
         torch.testing.assert_close(row_logits[0], sequential_logits(model, history), atol=1e-5, rtol=1e-5)
