@@ -136,8 +136,12 @@ def rank_paths(k: int, w: int, prior: tuple[float, ...] = RANK_PRIOR) -> tuple[t
 
 def _gain(path: tuple[int, ...], nodes: set[tuple[int, ...]], prior: tuple[float, ...]) -> float:
     """Expected accepted nodes `path` adds to the tree of `nodes`."""
-    chances = np.cumprod([prior[rank] for rank in path])
-    return float(sum(c for depth, c in enumerate(chances, start=1) if path[:depth] not in nodes))
+    gain, chance = 0.0, 1.0
+    for depth, rank in enumerate(path, start=1):  # plain floats: numpy's per-call overhead made the
+        chance *= prior[rank]  # k=8, w=8 template take 9.4 ms at its first use, 2.2 ms so (2-core CPU)
+        if path[:depth] not in nodes:
+            gain += chance
+    return gain
 
 
 @dataclass(frozen=True)
