@@ -177,16 +177,23 @@ class TreeKVCache(Cache):
         self._attach(tuple(like.new_zeros(shape, dtype=self.dtype or like.dtype) for _ in range(2)))  # type: ignore[arg-type]
 
     def fit_buffers(self) -> None:
-        """Grow the buffers to the rows and capacity now (copying what is there)."""
+        """Grow the buffers to the rows and capacity now (copying what is there): the keys,
+        then the values, each old buffer freed once copied, so memory peaks at the old values
+        and both new buffers, not at the old and new buffers whole."""
         assert self._buffers is not None
         _, rows, heads, capacity, head_dim = self._buffers[0].shape
         if rows >= self.num_rows and capacity >= self.capacity:
             return
         shape = (len(self.layers), max(rows, self.buffer_rows()), heads, max(capacity, self.capacity), head_dim)
-        grown = tuple(old.new_zeros(shape) for old in self._buffers)
-        for new, old in zip(grown, self._buffers):
-            new[:, :rows, :, :capacity] = old
-        self._attach(grown)  # type: ignore[arg-type]
+        old = list(self._buffers)
+        self._attach(None)  # (the layers' views hold the old buffers too)
+        grown = []
+        while old:
+            buffer = old.pop(0)
+            grown.append(buffer.new_zeros(shape))
+            grown[-1][:, :rows, :, :capacity] = buffer
+            del buffer
+        self._attach((grown[0], grown[1]))
 
     def _attach(self, buffers: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Hold `buffers` (None: none), each layer a view of its part."""

@@ -179,7 +179,7 @@ class StaticPasses:
 def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape) -> np.ndarray:
     """The host side of a pass's inputs (`FixedShape.parts`)."""
     rows, slots, running = shape.rows, shape.slots, len(trees)
-    # the padding rows (past the running ones): one node, at column 0, its query token 0's
+    # the padding rows (past the running ones): one node each, at column 0 of its own buffer row
     sizes, start = np.ones(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     sizes[:running], start[:running] = [tree.num_nodes for tree in trees], starts
     total = int(sizes[:running].sum())
