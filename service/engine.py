@@ -77,7 +77,11 @@ class StepStats:
     committed_tokens: int  # tokens all requests committed
     seconds: float
     draft_seconds: float  # of `seconds`: planning and drafting (what plain decoding does not do)
-    capture_seconds: float = 0.0  # of `seconds`: recording CUDA graphs of new pass shapes (once per shape)
+    capture_seconds: float = 0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes (once per shape)
+    # of `seconds`: the forward call (on a GPU it returns once the device has run the pass: the
+    # logits are gathered by an index from the host, a copy that waits); the rest, `seconds -
+    # draft_seconds - pass_seconds`, is verification and the KV commit
+    pass_seconds: float = 0.0
 
 
 @dataclass
@@ -212,6 +216,7 @@ class Engine:
         drafted, captured = time.perf_counter(), self.runner.capture_seconds
         try:
             logits = self.runner.forward(self.cache, [row.input() for row in rows])
+            passed = time.perf_counter()
         except Exception as error:  # the pass failed: its requests end, the engine goes on
             log.exception("a forward pass failed; ending the %d requests in it", len(rows))
             for row in rows:
@@ -233,7 +238,7 @@ class Engine:
             prefill_tokens=sum(len(row.chunk) for row in rows),
             committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
             seconds=verified - started, draft_seconds=draft_seconds,
-            capture_seconds=self.runner.capture_seconds - captured,
+            capture_seconds=self.runner.capture_seconds - captured, pass_seconds=passed - drafted,
         )
         if not stats.capture_seconds:  # recording a new shape's graph is a one-off, not the shape's price
             self._observe_pass(_pass_shape([row.width for row in rows]), len(rows), verified - drafted)

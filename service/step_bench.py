@@ -2,8 +2,8 @@
 requests, speculation off against auto, and where a step's time goes.
 
 The load test (`app/loadtest.py`) measures what clients see through HTTP; this measures the
-engine alone — step time, the part of it spent planning and drafting, output tokens per
-second — so the host's share of a step shows (on a GPU, where a pass is cheap, that share
+engine alone — step time, split into planning and drafting, the forward pass, and
+verification with the KV commit; output tokens per second — so the host's share of a step shows (on a GPU, where a pass is cheap, that share
 decides whether speculation pays). Each run starts a fresh engine over the same tables and
 cost profile, so nothing learnt in one run helps the next; the modes alternate (off, auto,
 auto, off, ...) so a machine's drift hits both alike.
@@ -35,7 +35,8 @@ class StepRun:
     step_seconds: float  # Σ over steps of the step's time (plan, pass, verify)
     draft_seconds: float  # of which planning and drafting
     rows: int  # Σ over steps of the requests in the pass (their mean shows the batch C really ran)
-    capture_seconds: float = 0.0  # of `step_seconds`: recording CUDA graphs of new pass shapes
+    capture_seconds: float = 0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes
+    pass_seconds: float = 0.0  # of `step_seconds`: the forward passes (the rest: verification and KV commits)
 
     @property
     def tokens_per_second(self) -> float:
@@ -45,12 +46,14 @@ class StepRun:
         per_step = 1e3 / self.steps
         return (f"| {self.concurrency} | {self.mode} | {self.steps} | {self.rows / self.steps:.1f} | {self.tokens} "
                 f"| {self.step_seconds * per_step:.1f} "
-                f"| {self.draft_seconds * per_step:.1f} | {(self.step_seconds - self.draft_seconds) * per_step:.1f} "
-                f"| {self.capture_seconds * per_step:.1f} | {self.tokens_per_second:.0f} |")
+                f"| {self.draft_seconds * per_step:.1f} | {self.pass_seconds * per_step:.1f} "
+                f"| {self.capture_seconds * per_step:.1f} "
+                f"| {(self.step_seconds - self.draft_seconds - self.pass_seconds) * per_step:.1f} "
+                f"| {self.tokens_per_second:.0f} |")
 
 
-HEADER = ("| C | mode | steps | rows/step | tokens | ms/step | plan+draft ms | pass+verify ms | of which capture ms "
-          "| tokens/s |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = ("| C | mode | steps | rows/step | tokens | ms/step | plan+draft ms | pass ms | of which capture ms "
+          "| verify+commit ms | tokens/s |\n|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, mode: str,
@@ -66,7 +69,7 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
     params = GenerationParams(max_new_tokens=max_new_tokens, speculation=speculation)
     queued = list(itertools.islice(itertools.cycle(prompts), concurrency * requests_per_slot))[::-1]
     in_flight = steps = tokens = rows = 0
-    step_seconds = draft_seconds = capture_seconds = 0.0
+    step_seconds = draft_seconds = capture_seconds = pass_seconds = 0.0
     started = time.perf_counter()
     while queued or in_flight:
         while queued and in_flight < concurrency:
@@ -77,9 +80,9 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
         if stats is not None:
             steps, tokens, rows = steps + 1, tokens + stats.committed_tokens, rows + stats.batch_size
             step_seconds, draft_seconds = step_seconds + stats.seconds, draft_seconds + stats.draft_seconds
-            capture_seconds += stats.capture_seconds
+            capture_seconds, pass_seconds = capture_seconds + stats.capture_seconds, pass_seconds + stats.pass_seconds
     return StepRun(concurrency, mode, steps, tokens, time.perf_counter() - started, step_seconds, draft_seconds, rows,
-                   capture_seconds)
+                   capture_seconds, pass_seconds)
 
 
 def run_step_bench(new_engine: Callable[[], Engine], prompts: Sequence[Sequence[int]], concurrency: Sequence[int],

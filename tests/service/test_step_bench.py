@@ -29,6 +29,7 @@ def test_a_run_decodes_every_request_to_the_end_and_splits_its_step_time() -> No
     assert off.steps >= 2 * 12 >= auto.steps  # 4 in flight at a time: at least two rounds of 12 steps
     for run in (off, auto):
         assert 0 <= run.draft_seconds < run.step_seconds <= run.seconds
+        assert 0 < run.pass_seconds < run.step_seconds - run.draft_seconds  # verification takes the rest
         assert 2.5 < run.rows / run.steps <= 4  # C=4 in the pass, fewer only as the last requests end
     assert auto.draft_seconds > off.draft_seconds  # plain decoding neither plans nor drafts
 
@@ -49,7 +50,7 @@ def test_the_command_prints_a_row_a_run_and_the_ratios(tmp_path, capsys, embedde
           "--max-new-tokens", "4", "--repeats", "1", "--requests-per-slot", "1"])
     printed = capsys.readouterr().out
     assert "| 17 | off |" in printed and "| 17 | auto |" in printed
-    assert "| rows/step |" in printed
+    assert "| rows/step |" in printed and "| pass ms |" in printed and "| verify+commit ms |" in printed
     assert "| C | off tokens/s | auto tokens/s | auto/off |" in printed
 
 
