@@ -62,7 +62,8 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("ngrammys_request_queue_time_seconds", "Arrival to engine start",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.forward = Histogram("ngrammys_forward_pass_seconds", "One pass over the batch, by its tokens",
+        self.forward = Histogram("ngrammys_forward_pass_seconds", "One forward pass over the batch (not its "
+                                 "planning, drafting or verification), by its tokens",
                                  ["tree_size"], buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("ngrammys_batch_size", "Requests in one pass", buckets=BATCH_BUCKETS,
                                     registry=r)
@@ -86,7 +87,7 @@ class Metrics:
 
     def record_step(self, stats: StepStats) -> None:
         """One pass of the engine (called on the engine's thread; the client is thread-safe)."""
-        self.forward.labels(tree_size_bucket(stats.tokens)).observe(stats.seconds)
+        self.forward.labels(tree_size_bucket(stats.tokens)).observe(stats.pass_seconds)
         self.batch_size.observe(stats.batch_size)
         self.pass_tokens.observe(stats.tokens)
         self.pass_committed.observe(stats.committed_tokens)
