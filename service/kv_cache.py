@@ -174,7 +174,8 @@ class TreeKVCache(Cache):
             return
         _, heads, _, head_dim = like.shape
         shape = (len(self.layers), self.buffer_rows(), heads, self.capacity, head_dim)
-        self._attach(tuple(like.new_zeros(shape, dtype=self.dtype or like.dtype) for _ in range(2)))  # type: ignore[arg-type]
+        dtype = self.dtype or like.dtype
+        self._attach((like.new_zeros(shape, dtype=dtype), like.new_zeros(shape, dtype=dtype)))
 
     def fit_buffers(self) -> None:
         """Grow the buffers to the rows and capacity now (copying what is there): the keys,
