@@ -4,9 +4,10 @@ requests, speculation off against auto, and where a step's time goes.
 The load test (`app/loadtest.py`) measures what clients see through HTTP; this measures the
 engine alone — step time, split into planning and drafting, the forward pass, and
 verification with the KV commit; output tokens per second — so the host's share of a step
-shows (on a GPU, where a pass is cheap, that share decides whether speculation pays). Each run starts a fresh engine over the same tables and
-cost profile, so nothing learnt in one run helps the next; the modes alternate (off, auto,
-auto, off, ...) so a machine's drift hits both alike.
+shows (on a GPU, where a pass is cheap, that share decides whether speculation pays). Each
+run starts a fresh engine over the same tables and cost profile, so nothing learnt in one run
+helps the next; the modes alternate (off, auto, auto, off, ...) so a machine's drift hits
+both alike.
 """
 
 from __future__ import annotations
