@@ -37,6 +37,12 @@ if TYPE_CHECKING:
 INITIAL_CAPACITY = 256
 
 
+def power_of_two(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1): how buffers that pass on grow in rows, and
+    so how a fixed-shape pass pads its rows (`service/static_pass.py`)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 class _RowBufferLayer(CacheLayerMixin):
     """One layer's keys and values for every row: views of the cache's buffers of all layers."""
 
@@ -139,7 +145,7 @@ class TreeKVCache(Cache):
         """Rows the buffers are to hold for `rows` rows (default: those in use): each, to a
         power of two when they pass on (`spare`)."""
         rows = self.num_rows if rows is None else rows
-        return 1 << max(rows - 1, 0).bit_length() if self.spare is not None else rows
+        return power_of_two(rows) if self.spare is not None else rows
 
     @property
     def nbytes(self) -> int:

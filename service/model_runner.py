@@ -9,7 +9,7 @@ next-token distribution is asked for (tree nodes, not prompt chunks). The logits
 then equal those of decoding its path token by token (a unit test holds the project to that).
 Llama-family models run the decoder stack through `service/decoder_pass.py` (same arithmetic,
 far fewer operator calls); other models through transformers' own modules. On a GPU, a pass
-whose rows each bring a whole tree of at most 64 nodes is padded to a fixed shape and replayed
+whose rows each bring a whole tree of at most 128 nodes is padded to a fixed shape and replayed
 as a CUDA graph (`service/static_pass.py`): the launches of a small model's pass cost more than
 its arithmetic there.
 """

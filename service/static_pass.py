@@ -39,7 +39,7 @@ from transformers import PreTrainedModel
 
 from service.attention import PassLayout
 from service.decoder_pass import lean_hidden
-from service.kv_cache import SpareBuffers, TreeKVCache
+from service.kv_cache import SpareBuffers, TreeKVCache, power_of_two
 from service.tree import TokenTree
 
 # (up to 128: a fixed-mode tree of k=8 drafts of w=8 tokens is 65 nodes)
@@ -65,9 +65,9 @@ class FixedShape:
         if min(sizes) == 0 or max(sizes) > SLOT_WIDTHS[-1]:
             return None
         slots = next(width for width in SLOT_WIDTHS if max(sizes) <= width)
-        total, rows = sum(sizes), _power_of_two(len(sizes))
+        total, rows = sum(sizes), power_of_two(len(sizes))
         # one-token rows: flat token r is row r's query, nothing to gather (the padding rows' tokens are padding)
-        return cls(rows, slots, rows if slots == 1 else _power_of_two(total))
+        return cls(rows, slots, rows if slots == 1 else power_of_two(total))
 
     @property
     def parts(self) -> list[int]:
@@ -208,11 +208,6 @@ def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape
     for row in np.flatnonzero(sizes > 1):
         parents[row, 1 : sizes[row]] = trees[row].parents[1:]
     return out
-
-
-def _power_of_two(n: int) -> int:
-    """The least power of two >= n (n >= 1)."""
-    return 1 << (n - 1).bit_length()
 
 
 def _ancestors(sizes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
