@@ -49,9 +49,9 @@ class Settings(BaseSettings):
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
     spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")
     spec_strategy: Strategy = Field(
-        "mixed", description="Draft strategy: context, unigram, bigram, extended_bigram, recycled, logit, suffix, "
-        "token_recycling (a baseline, never in mixed), self_draft, draft_model, self_draft_staged, "
-        "draft_model_staged (the model drafts when enabled) or mixed (all enabled)")
+        "mixed", description="Draft strategy: context, extended_bigram, recycled, logit, suffix, unigram, bigram, "
+        "token_recycling (the last three never in mixed), self_draft, draft_model, self_draft_staged, "
+        "draft_model_staged (the model drafts when enabled) or mixed (all enabled but those three)")
     suffix_cache_tokens: int = Field(
         DEFAULT_CAPACITY, ge=0,
         description="Recent output tokens of all requests the suffix strategy indexes (about 40 bytes each; 0 = off)")

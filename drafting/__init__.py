@@ -15,10 +15,13 @@ from drafting.suffix import DEFAULT_CAPACITY, Suffix, SuffixIndex
 # Model-running strategies (service/draft_model.py) exist only when the server enables them.
 MODEL_STRATEGY_NAMES = ("self_draft", "draft_model", "self_draft_staged", "draft_model_staged")
 STRATEGY_NAMES = (
-    "context", "unigram", "bigram", "extended_bigram", "recycled", "logit", "suffix", "token_recycling",
+    "context", "extended_bigram", "recycled", "logit", "suffix", "unigram", "bigram", "token_recycling",
     *MODEL_STRATEGY_NAMES, MIXED,
 )
-STANDALONE_NAMES = ("token_recycling",)  # baselines: selectable alone, never in `mixed`
+# selectable alone, never in `mixed`: the Token Recycling baseline, and the one-token table
+# strategies the mix has no use for (a bigram guess is the first token of the extended
+# bigram's draft of the same rank; the unigram's guesses ignore the context)
+STANDALONE_NAMES = ("unigram", "bigram", "token_recycling")
 
 
 def default_mixer(
@@ -26,16 +29,20 @@ def default_mixer(
 ) -> Mixer:
     """All learning-free strategies over one (possibly still empty) table slot, one successor
     table refreshed by every pass, and an index of `suffix_cache_tokens` recent output tokens
-    of all requests; plus `extra` (the model-running drafts the server enabled); Token Recycling
-    (its own table, nothing else) as a standalone baseline."""
+    of all requests; plus `extra` (the model-running drafts the server enabled). Standalone
+    (selectable alone, not mixed): Token Recycling (its own table, nothing else), and the
+    unigram and bigram. In the mix those two cost a third of a row's drafting and scoring (16
+    of ~44 candidates at k=8, w=8) for nothing: with them, fixed k=8, w=8 made the same tokens
+    per pass in every Spec-Bench category, and auto 1.16 tokens a pass where 1.20 without
+    (docs/benchmarks.md, twenty-second session)."""
     slot = tables or TableSlot()
     recycled = SuccessorTable(fallback=slot)
     baseline = SuccessorTable()
     suffix = SuffixIndex(suffix_cache_tokens) if suffix_cache_tokens > 0 else None  # 0: no suffix strategy
-    strategies = [ContextNgram(), ModelUnigram(slot), ModelBigram(slot), ExtendedBigram(slot),
-                  Recycled(recycled), LogitHints(recycled), *([Suffix(suffix)] if suffix else []), *extra]
-    return Mixer(strategies, slot, standalone=[Recycled(baseline, name="token_recycling")],
-                 successors=[recycled, baseline], suffix=suffix)
+    strategies = [ContextNgram(), ExtendedBigram(slot), Recycled(recycled), LogitHints(recycled),
+                  *([Suffix(suffix)] if suffix else []), *extra]
+    standalone = [ModelUnigram(slot), ModelBigram(slot), Recycled(baseline, name="token_recycling")]
+    return Mixer(strategies, slot, standalone=standalone, successors=[recycled, baseline], suffix=suffix)
 
 
 __all__ = [

@@ -13,6 +13,7 @@ The tables may not exist yet (they are computed in the background at start); unt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
@@ -27,11 +28,21 @@ class ModelTables:
     unigram: np.ndarray  # [num_unigram] token ids, most likely first
     bigram: np.ndarray  # [vocab, top_k] uint32: next-token ids after each token alone, best first
 
+    @cached_property
+    def top_successors(self) -> list[int]:
+        """Each token's top-1 bigram successor, as a list: chaining reads one per drafted
+        token, and a numpy element read costs several times a list's."""
+        return self.bigram[:, 0].tolist()
+
+    def successors(self, token: int, k: int) -> list[int]:
+        """The top `k` next tokens after `token` alone, best first."""
+        return self.bigram[token, :k].tolist()
+
     def chain(self, token_ids: tuple[int, ...], w: int) -> tuple[int, ...]:
         """Extend `token_ids` to `w` tokens by following each last token's top-1 bigram."""
-        extended = list(token_ids)
+        extended, top = list(token_ids), self.top_successors
         while len(extended) < w:
-            extended.append(int(self.bigram[extended[-1], 0]))
+            extended.append(top[extended[-1]])
         return tuple(extended)
 
 
@@ -53,7 +64,7 @@ class ModelUnigram:
         tables = self.slot.tables
         if tables is None or k <= 0 or w <= 0:
             return []
-        return [Draft((int(t),), self.name, rank) for rank, t in enumerate(tables.unigram[:k])]
+        return [Draft((t,), self.name, rank) for rank, t in enumerate(tables.unigram[:k].tolist())]
 
 
 @dataclass(frozen=True)
@@ -67,8 +78,7 @@ class ModelBigram:
         tables = self.slot.tables
         if tables is None or k <= 0 or w <= 0:
             return []
-        row = tables.bigram[history.last_token, :k]
-        return [Draft((int(t),), self.name, rank) for rank, t in enumerate(row)]
+        return [Draft((t,), self.name, rank) for rank, t in enumerate(tables.successors(history.last_token, k))]
 
 
 @dataclass(frozen=True)
@@ -82,5 +92,5 @@ class ExtendedBigram:
         tables = self.slot.tables
         if tables is None or k <= 0 or w <= 0:
             return []
-        row = tables.bigram[history.last_token, :k]
-        return [Draft(tables.chain((int(t),), w), self.name, rank) for rank, t in enumerate(row)]
+        return [Draft(tables.chain((t,), w), self.name, rank)
+                for rank, t in enumerate(tables.successors(history.last_token, k))]

@@ -28,6 +28,7 @@ SUCCESSORS = 8  # K: candidates kept per token (the model bigram table's width t
 # how likely the model's next token is its r-th candidate, roughly: shapes the template only
 RANK_PRIOR = (0.5, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.01)
 GROWTH = 4096  # rows added at a time: few copies, little slack past the vocabulary
+CACHED_ROWS = 8192  # rows kept as Python lists too (~350 bytes each): about 3 MB at most
 
 
 class SuccessorTable:
@@ -44,11 +45,20 @@ class SuccessorTable:
         self.top_k = top_k
         self.fallback = fallback
         self.successors = np.full((0, top_k), -1, dtype=np.int32)  # [rows, K]; -1: never observed
-        self._rows: dict[int, list[int]] = {}  # observed rows read since the last update, as lists
+        # rows as lists, read or written through by `observe` (at most ~`CACHED_ROWS`): every
+        # strategy of every request follows the same few rows, and reading the numpy table a
+        # rank at a time took 30 of a k=4, w=4 round's 130 us of drafting; clearing the cache
+        # at each pass left a k=8, w=8 recycled draft reading ~60 rows anew (2-core dev VM)
+        self._rows: dict[int, list[int]] = {}
 
     @property
     def nbytes(self) -> int:
         return self.successors.nbytes
+
+    @property
+    def cached_rows(self) -> int:
+        """Rows kept as Python lists besides the array (bounded by `CACHED_ROWS` and a pass)."""
+        return len(self._rows)
 
     def observe(self, passed: PassDistributions) -> None:
         top = passed.top_ids[:, : self.top_k]  # [num_nodes, ≤K]
@@ -57,12 +67,16 @@ class SuccessorTable:
             return
         self._grow(int(tokens.max()) + 1)  # rows for the tokens observed (a row's entries may be larger ids)
         self.successors[tokens, : top.shape[1]] = top
-        self._rows.clear()
+        if len(self._rows) > CACHED_ROWS:
+            self._rows.clear()
+        if top.shape[1] == self.top_k:  # whole rows: the cache takes them as they are (the last of a token's)
+            self._rows.update(zip(tokens.tolist(), top.tolist()))
+        else:  # a row's tail keeps older entries: read it again
+            for token in tokens.tolist():
+                self._rows.pop(token, None)
 
     def row(self, token: int) -> list[int]:
-        """The candidates after `token`, best first (empty if neither table knows it). An
-        observed row is read from the array once between updates: every strategy of every
-        request of a step follows the same few rows."""
+        """The candidates after `token`, best first (empty if neither table knows it)."""
         row = self._rows.get(token)
         if row is not None:
             return row
@@ -73,33 +87,21 @@ class SuccessorTable:
                 return row
         tables = self.fallback.tables if self.fallback is not None else None
         if tables is not None and token < len(tables.bigram):
-            return tables.bigram[token, : self.top_k].tolist()
+            row = self._rows[token] = tables.successors(token, self.top_k)
+            return row
         return []
 
     def follow(self, token: int, ranks: tuple[int, ...]) -> tuple[int, ...]:
         """The tokens after `token` taking the successor of each rank in turn (shorter where a
         row runs out)."""
-        return self.follow_all(token, (ranks,))[0]
-
-    def follow_all(self, token: int, paths: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-        """`follow(token, ranks)` for each of `paths`. A template's paths share their first
-        steps, so each row is read once, as a list: reading rows of the numpy table one rank
-        at a time took 30 of a k=4, w=4 round's 130 us of drafting (2-core dev VM)."""
-        rows: dict[int, list[int]] = {}  # the fallback's rows too
-        followed = []
-        for ranks in paths:
-            path: list[int] = []
-            current = token
-            for rank in ranks:
-                row = rows.get(current)
-                if row is None:
-                    row = rows[current] = self.row(current)
-                if rank >= len(row):
-                    break
-                current = row[rank]
-                path.append(current)
-            followed.append(tuple(path))
-        return followed
+        path, rows = [], self._rows
+        for rank in ranks:
+            row = rows.get(token) or self.row(token)  # the cached row without a call: most steps
+            if rank >= len(row):
+                break
+            token = row[rank]
+            path.append(token)
+        return tuple(path)
 
     def _grow(self, rows: int) -> None:
         if rows > len(self.successors):
@@ -159,7 +161,8 @@ class Recycled:
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
         drafts: list[Draft] = []
         seen: set[tuple[int, ...]] = set()
-        for rank, tokens in enumerate(self.table.follow_all(history.last_token, rank_paths(k, w))):
+        for rank, ranks in enumerate(rank_paths(k, w)):
+            tokens = self.table.follow(history.last_token, ranks)
             if tokens and tokens not in seen:
                 seen.add(tokens)
                 drafts.append(Draft(tokens, self.name, rank))

@@ -383,4 +383,4 @@ def test_a_stream_whose_client_left_before_its_body_began_is_aborted(tiny_served
 def test_a_model_draft_the_server_was_not_started_with_is_a_400(server, route) -> None:
     body = {**ROUTES[route], "max_tokens": 4, "speculation": {"strategy": "self_draft"}}
     error = assert_openai_error(post(server, route, body), 400, param="speculation")
-    assert "'self_draft' is not enabled on this server; enabled: context, unigram" in error["message"]
+    assert "'self_draft' is not enabled on this server; enabled: context, extended_bigram" in error["message"]

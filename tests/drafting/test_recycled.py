@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from drafting import Draft, ModelTables, PassDistributions, Recycled, SuccessorTable, TableSlot, TokenHistory, rank_paths
-from drafting.recycled import GROWTH
+from drafting.recycled import CACHED_ROWS, GROWTH
 
 
 def passed(node_tokens: list[int], top_ids: list[list[int]], stop_node: int = 0) -> PassDistributions:
@@ -41,6 +41,25 @@ def test_unobserved_rows_fall_back_to_the_model_bigram_table() -> None:
     assert table.row(2) == [0, 1]  # never observed: the model's bigram row
 
 
+def test_rows_read_before_a_pass_are_read_anew_after_it() -> None:
+    bigram = np.array([[1, 2], [2, 0], [0, 1]], dtype=np.uint32)
+    table = SuccessorTable(top_k=2, fallback=TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram)))
+    assert table.row(2) == [0, 1]  # the fallback's row, read (and kept) before any pass
+    table.observe(passed([2, 2], [[1, 1], [1, 0]]))  # a token at two nodes keeps the last
+    assert table.row(2) == [1, 0]
+    table.observe(passed([2], [[2]]))  # a narrower pass: the row's tail stays
+    assert table.row(2) == [2, 0] and table.successors[2].tolist() == [2, 0]
+
+
+def test_the_rows_kept_as_lists_are_bounded() -> None:
+    table = SuccessorTable(top_k=2)
+    for start in range(0, 3 * CACHED_ROWS, 512):
+        tokens = np.arange(start, start + 512)
+        table.observe(PassDistributions(tokens, np.stack([tokens + 1, tokens + 2], axis=1), 0))
+        assert table.row(int(tokens[0])) == [start + 1, start + 2]
+        assert table.cached_rows <= CACHED_ROWS + 512
+
+
 def test_follow_takes_one_successor_per_rank_and_stops_where_a_row_runs_out() -> None:
     table = SuccessorTable(top_k=2)
     table.observe(passed([1, 2, 3], [[2, 3], [3, 1], [1, 2]]))
@@ -48,7 +67,6 @@ def test_follow_takes_one_successor_per_rank_and_stops_where_a_row_runs_out() ->
     assert table.follow(1, (1, 1)) == (3, 2)
     assert table.follow(1, (0, 2)) == (2,)  # rank 2 of a 2-wide row does not exist
     assert table.follow(7, (0,)) == ()
-    assert table.follow_all(1, [(0, 0, 0), (1, 1), (0, 2), ()]) == [(2, 3, 1), (3, 2), (2,), ()]  # a template at once
 
 
 @pytest.mark.parametrize(
