@@ -58,9 +58,7 @@ def first_distinct(by_n: Iterable[Sequence[tuple[int, ...]]], k: int) -> list[tu
 
 
 def _ranked(continuations: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    counts: dict[tuple[int, ...], int] = {}
-    last_seen: dict[tuple[int, ...], int] = {}
-    for index, continuation in enumerate(continuations):
+    counts: dict[tuple[int, ...], int] = {}  # most recent first: a stable sort keeps that among equal counts
+    for continuation in reversed(continuations):
         counts[continuation] = counts.get(continuation, 0) + 1
-        last_seen[continuation] = index
-    return sorted(counts, key=lambda c: (counts[c], last_seen[c]), reverse=True)
+    return sorted(counts, key=counts.__getitem__, reverse=True)

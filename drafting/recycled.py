@@ -45,10 +45,11 @@ class SuccessorTable:
         self.top_k = top_k
         self.fallback = fallback
         self.successors = np.full((0, top_k), -1, dtype=np.int32)  # [rows, K]; -1: never observed
-        # rows as lists, read or written through by `observe` (at most ~`CACHED_ROWS`): every
-        # strategy of every request follows the same few rows, and reading the numpy table a
-        # rank at a time took 30 of a k=4, w=4 round's 130 us of drafting; clearing the cache
-        # at each pass left a k=8, w=8 recycled draft reading ~60 rows anew (2-core dev VM)
+        # rows read as lists, each kept until a pass observes its token (at most ~`CACHED_ROWS`):
+        # every strategy of every request follows the same few rows, and reading the numpy
+        # table a rank at a time took 30 of a k=4, w=4 round's 130 us of drafting; clearing
+        # them all at each pass left a k=8, w=8 recycled draft reading ~60 rows anew, and
+        # writing the observed rows through cost more than reading them when needed (2-core dev VM)
         self._rows: dict[int, list[int]] = {}
 
     @property
@@ -69,11 +70,8 @@ class SuccessorTable:
         self.successors[tokens, : top.shape[1]] = top
         if len(self._rows) > CACHED_ROWS:
             self._rows.clear()
-        if top.shape[1] == self.top_k:  # whole rows: the cache takes them as they are (the last of a token's)
-            self._rows.update(zip(tokens.tolist(), top.tolist()))
-        else:  # a row's tail keeps older entries: read it again
-            for token in tokens.tolist():
-                self._rows.pop(token, None)
+        for token in tokens.tolist():  # read these rows anew
+            self._rows.pop(token, None)
 
     def row(self, token: int) -> list[int]:
         """The candidates after `token`, best first (empty if neither table knows it)."""
