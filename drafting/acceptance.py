@@ -51,10 +51,6 @@ class Acceptance(NamedTuple):
             return self.p * w
         return self.p * (1.0 - self.c**w) / (1.0 - self.c)
 
-    def node_probability(self, depth: int) -> float:
-        """P(the draft's token at `depth` (1-based) is accepted)."""
-        return self.p * self.c ** (depth - 1)
-
 
 def blend(counts: AcceptanceCounts, prior: Acceptance, prior_weight: float) -> Acceptance:
     """Posterior-mean style estimate: `prior` counts as `prior_weight` observations."""

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
 
@@ -245,25 +246,26 @@ def plan_trees(
         first_level = row_host_seconds if node.depth == 1 else 0.0
         return node_seconds + node.draft_seconds + first_level + (row_seconds if widens else 0.0)
 
-    nodes = _parents_first(sorted(  # most expected tokens per second of pass and drafting first
-        candidates, key=lambda n: (-n.probability * n.factor / seconds(n), n.depth),
-    ))[:budget]
+    ranked = sorted(  # most expected tokens per second of pass and drafting first
+        candidates, key=lambda n: (-n.probability * n.factor / seconds(n), n.depth))
     base_expected = fixed_expected + len(rows)
     widths = [row.width for row in rows]
 
     def decode_cost(shape: PassShape) -> float:
         return cost(shape) - prefill_seconds
 
-    best_count, _ = _best_counts(nodes, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds)
-    chosen = nodes[:best_count]
+    # lazily: the search stops a few dozen nodes past the best plan, of a thousand at 16 rows
+    best_count, _, taken = _best_counts(islice(_parents_first(ranked), budget), decode_cost, fixed, widths,
+                                        base_expected, min_gain, row_host_seconds)
+    chosen = taken[:best_count]
     probing = next((i for i, row in enumerate(rows) if row.probe), None)
     probed = best_count == 0 and probing is not None
     if probed:
         # Measure the speculation the forecast rejects, one row per pass: rows that start
         # together come due together, and all of them probing at once made a pass of 13 rows
         # carry 20 nodes at 2.2x a plain pass's time. The others stay due for the next passes.
-        own = [n for n in nodes if n.row == probing]
-        _, count = _best_counts(own, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds)
+        own = [n for n in islice(_parents_first(ranked), budget) if n.row == probing]
+        _, count, _ = _best_counts(own, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds)
         chosen = own[:count]
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
     total = fixed_expected + sum(t.expected_tokens for t in trees)
@@ -307,19 +309,25 @@ def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Sequence[_Node
 
 
 def _best_counts(
-    nodes: Sequence[_Node], cost: Callable[[PassShape], float], fixed: PassShape, widths: Sequence[int],
+    nodes: Iterable[_Node], cost: Callable[[PassShape], float], fixed: PassShape, widths: Sequence[int],
     expected: float, min_gain: float, row_host_seconds: float = 0.0,
-) -> tuple[int, int]:
+) -> tuple[int, int, list[_Node]]:
     """How many of `nodes`, taken in order, maximize expected tokens per second of pass and
-    drafting: the best count (0 unless it beats the plain pass by `min_gain`) and the best
-    count with at least one node (what a probe verifies). The nodes come best first, so the
-    search stops after `PATIENCE` nodes in a row that improve neither (pricing every node of
-    16 requests' candidates took 13 ms a step)."""
+    drafting: the best count (0 unless it beats the plain pass by `min_gain`), the best
+    count with at least one node (what a probe verifies), and the nodes looked at. The nodes
+    come best first, so the search stops after `PATIENCE` nodes in a row that improve neither
+    (pricing every node of 16 requests' candidates took 13 ms a step)."""
     best_count, best_rate = 0, expected / cost(fixed) * min_gain
     speculative_count, speculative_rate = 0, 0.0
     host_seconds = 0.0  # drafting seconds of the nodes taken, and each speculating row's host work
     speculating: set[int] = set()
-    for count, (node, shape) in enumerate(zip(nodes, _grown_shapes(fixed, widths, nodes)), start=1):
+    taken: list[_Node] = []
+    grown, shape = list(widths), fixed
+    for node in nodes:
+        taken.append(node)
+        count = len(taken)
+        shape = shape.grown(grown[node.row])
+        grown[node.row] += 1
         expected += node.probability * node.factor
         host_seconds += node.draft_seconds
         if node.row not in speculating:
@@ -332,7 +340,7 @@ def _best_counts(
             speculative_count, speculative_rate = count, rate
         if count - max(best_count, speculative_count) >= PATIENCE:
             break
-    return best_count, speculative_count
+    return best_count, speculative_count, taken
 
 
 def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
@@ -347,35 +355,32 @@ def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
         if tokens in best:
             continue  # adds no node
         drafts += 1
-        for depth in range(1, len(tokens) + 1):
+        draft, (probability, continuation) = candidate.draft, candidate.acceptance
+        for depth in range(1, len(tokens) + 1):  # P(node accepted) = p·c^(depth-1), as a running product
             prefix = tokens[:depth]
-            probability = candidate.acceptance.node_probability(depth)
-            if prefix not in best or best[prefix].probability < probability:
+            held = best.get(prefix)
+            if held is None or held.probability < probability:
                 best[prefix] = _Node(probability, row.acceptance_factor, depth, index, prefix,
-                                     candidate.draft.strategy, candidate.draft.rank, candidate.seconds_per_token)
+                                     draft.strategy, draft.rank, candidate.seconds_per_token)
+            probability *= continuation
     return list(best.values())
 
 
-def _parents_first(nodes: list[_Node]) -> list[_Node]:
+def _parents_first(nodes: Iterable[_Node]) -> Iterator[_Node]:
     """`nodes` in order, but each held back until its parent is out, so every cut is a tree
     (a cheap draft's node may outrank its parent, whose likeliest draft is a costly one)."""
-    out: list[_Node] = []
     emitted: set[tuple[int, tuple[int, ...]]] = set()
     waiting: dict[tuple[int, tuple[int, ...]], list[_Node]] = {}
-
-    def emit(node: _Node) -> None:
-        out.append(node)
-        emitted.add((node.row, node.prefix))
-        for child in waiting.pop((node.row, node.prefix), []):
-            emit(child)
-
     for node in nodes:
-        parent = (node.row, node.prefix[:-1])
-        if node.depth == 1 or parent in emitted:
-            emit(node)
-        else:
-            waiting.setdefault(parent, []).append(node)
-    return out
+        if node.depth > 1 and (node.row, node.prefix[:-1]) not in emitted:
+            waiting.setdefault((node.row, node.prefix[:-1]), []).append(node)
+            continue
+        ready = [node]  # the node, then the children it held back, depth first in order
+        while ready:
+            out = ready.pop()
+            emitted.add((out.row, out.prefix))
+            yield out
+            ready.extend(reversed(waiting.pop((out.row, out.prefix), [])))
 
 
 def _row_tree(nodes: list[_Node]) -> RowTree:

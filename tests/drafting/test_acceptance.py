@@ -11,8 +11,8 @@ from drafting.acceptance import Acceptance, AcceptanceCounts, blend
 
 def test_expected_tokens_sums_the_node_probabilities() -> None:
     acceptance = Acceptance(p=0.6, c=0.5)
-    for w in range(1, 6):
-        nodes = sum(acceptance.node_probability(d) for d in range(1, w + 1))
+    for w in range(1, 6):  # the token at depth d is accepted with probability p·c^(d-1)
+        nodes = sum(acceptance.p * acceptance.c ** (d - 1) for d in range(1, w + 1))
         assert acceptance.expected_tokens(w) == pytest.approx(nodes)
     assert Acceptance(p=0.5, c=1.0).expected_tokens(4) == 2.0
 
