@@ -32,9 +32,9 @@ def default_mixer(
     of all requests; plus `extra` (the model-running drafts the server enabled). Standalone
     (selectable alone, not mixed): Token Recycling (its own table, nothing else), and the
     unigram and bigram. In the mix those two cost a third of a row's drafting and scoring (16
-    of ~44 candidates at k=8, w=8) for nothing: with them, fixed k=8, w=8 made the same tokens
-    per pass in every Spec-Bench category, and auto 1.16 tokens a pass where 1.20 without
-    (docs/benchmarks.md, twenty-second session)."""
+    of ~44 candidates at k=8, w=8) for nothing: without the bigram, fixed k=8, w=8 made the
+    same tokens per pass in every Spec-Bench category; without both, 1.98 where 1.91, and auto
+    1.20 where 1.16 (docs/benchmarks.md, twenty-second session)."""
     slot = tables or TableSlot()
     recycled = SuccessorTable(fallback=slot)
     baseline = SuccessorTable()

@@ -180,8 +180,7 @@ class DraftSession:
         self._candidates = list(dict.fromkeys(drafts))
         costs = {s.name: _cost(s) for s in self.strategies}
         scored = [ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates]
-        values = [s.acceptance.expected_tokens(len(s.draft.token_ids)) for s in scored]
-        return [scored[i] for i in sorted(range(len(scored)), key=values.__getitem__, reverse=True)]
+        return sorted(scored, key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
 
     def asks(self, k: int, w: int) -> tuple[int, int, list[Strategy]]:
         """What `candidates(k, w)` asks for, and of which strategies (see `chosen`)."""
