@@ -7,10 +7,11 @@ from __future__ import annotations
 import copy
 import json
 import subprocess
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
+from app.settings import Settings
 from tests.deploy.helpers import (
     BAKED_CACHE,
     CHART,
@@ -285,6 +286,17 @@ def test_values_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
     jsonschema = pytest.importorskip("jsonschema")  # a second, independent implementation agrees
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert list(jsonschema.Draft7Validator(schema).iter_errors(merged)), "jsonschema accepted it"
+
+
+def test_the_schemas_choices_are_the_servers() -> None:
+    """A setting the server takes from a fixed list is checked against that same list: the
+    chart's list of draft strategies had fallen behind the server's by eight."""
+    settings = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"]["properties"]
+    listed = {name: spec["enum"] for name, spec in settings.items() if "enum" in spec}
+    literal = {name: list(get_args(field.annotation)) for name, field in Settings.model_fields.items()
+               if get_origin(field.annotation) is Literal}
+    assert literal and set(literal) <= set(listed)
+    assert {name: listed[name] for name in literal} == literal
 
 
 @pytest.mark.parametrize("case", CASES)
