@@ -269,7 +269,7 @@ def plan_trees(
         chosen = own[:count]
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
     total = fixed_expected + sum(t.expected_tokens for t in trees)
-    shape = list(_grown_shapes(fixed, widths, chosen))[-1] if chosen else fixed
+    shape = list(_grown_shapes(fixed, widths, chosen))[-1][1] if chosen else fixed
     host_seconds = sum(n.draft_seconds for n in chosen) + row_host_seconds * len({n.row for n in chosen})
     return TreePlan(trees, shape.tokens, total, cost(shape) + host_seconds,
                     probed and bool(chosen))
@@ -298,14 +298,15 @@ def sure_draft_pays(
     return False
 
 
-def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Sequence[_Node]) -> Iterator[PassShape]:
-    """The pass's shape after each of `nodes`, added in order to rows of `widths` tokens."""
+def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Iterable[_Node]) -> Iterator[tuple[_Node, PassShape]]:
+    """Each of `nodes` and the pass's shape once it is added, in order, to rows of `widths`
+    tokens (lazily: the search draws nodes only as far as it looks)."""
     grown = list(widths)
     shape = fixed
     for node in nodes:
         shape = shape.grown(grown[node.row])
         grown[node.row] += 1
-        yield shape
+        yield node, shape
 
 
 def _best_counts(
@@ -322,12 +323,9 @@ def _best_counts(
     host_seconds = 0.0  # drafting seconds of the nodes taken, and each speculating row's host work
     speculating: set[int] = set()
     taken: list[_Node] = []
-    grown, shape = list(widths), fixed
-    for node in nodes:
+    for node, shape in _grown_shapes(fixed, widths, nodes):
         taken.append(node)
         count = len(taken)
-        shape = shape.grown(grown[node.row])
-        grown[node.row] += 1
         expected += node.probability * node.factor
         host_seconds += node.draft_seconds
         if node.row not in speculating:
