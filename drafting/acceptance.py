@@ -25,16 +25,23 @@ class AcceptanceCounts:
     next_trials: float = 0.0
     next_hits: float = 0.0
 
-    def observe(self, accepted: int, cap: int) -> None:
-        """`accepted` of the draft's tokens matched; no more than `cap` could have."""
-        if cap < 1:
+    def observe(self, accepted: int, cap: int, shared: int = 0) -> None:
+        """`accepted` of the draft's tokens matched; no more than `cap` could have. The first
+        `shared` tokens are nodes a better-valued draft of the round holds too: they count for
+        that draft, and this one is scored from its first token of its own, a continuation
+        trial once the shared part was accepted (see `DraftSession.observe`)."""
+        if cap <= shared:
             return
-        self.first_trials += 1
-        if accepted == 0:
+        if shared == 0:
+            self.first_trials += 1
+            if accepted == 0:
+                return
+            self.first_hits += 1
+            shared = 1
+        elif accepted < shared:
             return
-        self.first_hits += 1
-        self.next_hits += accepted - 1
-        self.next_trials += accepted - 1 + (1 if accepted < cap else 0)
+        self.next_hits += accepted - shared
+        self.next_trials += accepted - shared + (1 if accepted < cap else 0)
 
 
 class Acceptance(NamedTuple):

@@ -143,9 +143,10 @@ class Mixer:
             prior = self._priors[key] = blend(self.global_counts[key], unseen, prior_weight=1.0)
         return prior
 
-    def record(self, key: Key, accepted: int, cap: int) -> None:
-        """A candidate of (strategy, rank) `key` matched `accepted` of at most `cap` tokens."""
-        self.global_counts[key].observe(accepted, cap)
+    def record(self, key: Key, accepted: int, cap: int, shared: int = 0) -> None:
+        """A candidate of (strategy, rank) `key` matched `accepted` of at most `cap` tokens, the
+        first `shared` held by a better candidate (`AcceptanceCounts.observe`)."""
+        self.global_counts[key].observe(accepted, cap, shared)
         self._priors.pop(key, None)
 
 
@@ -180,7 +181,9 @@ class DraftSession:
         self._candidates = list(dict.fromkeys(drafts))
         costs = {s.name: _cost(s) for s in self.strategies}
         scored = [ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates]
-        return sorted(scored, key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
+        scored.sort(key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
+        self._candidates = [s.draft for s in scored]  # best first: `observe` scores in this order
+        return scored
 
     def asks(self, k: int, w: int) -> tuple[int, int, list[Strategy]]:
         """What `candidates(k, w)` asks for, and of which strategies (see `chosen`)."""
@@ -214,13 +217,28 @@ class DraftSession:
                 self.mixer.probe_waits[strategy.name] = skipped.wait
 
     def observe(self, committed: Sequence[int]) -> None:
-        """Score every candidate of the round against the committed tokens; extend history."""
+        """Score every candidate of the round against the committed tokens; extend history.
+
+        A candidate is scored on the nodes it adds to those of the better-valued candidates
+        before it (the tree holds a node once, and the controller credits it to the first
+        draft through it): where two strategies guess the same next token, the node counts for
+        the better one, and the other's first-token estimate is learned on the rounds it
+        guessed a token of its own. Scored whole, the extended bigram's and the logit
+        strategy's first guesses, mostly the recycled table's top one again, were estimated
+        2.4x and 3.1x as likely as the nodes they alone added were accepted (GPU-priced
+        simulation, docs/benchmarks.md, twenty-third session)."""
+        held: set[tuple[int, ...]] = set()
         for draft in self._candidates:
-            accepted = common_prefix(draft.token_ids, committed)
-            cap = min(len(draft.token_ids), len(committed))
+            tokens = draft.token_ids
+            shared = 0
+            while shared < len(tokens) and tokens[: shared + 1] in held:
+                shared += 1
+            held.update(tokens[:depth] for depth in range(shared + 1, len(tokens) + 1))
+            accepted = common_prefix(tokens, committed)
+            cap = min(len(tokens), len(committed))
             key = (draft.strategy, draft.rank)
-            self.counts[key].observe(accepted, cap)
-            self.mixer.record(key, accepted, cap)
+            self.counts[key].observe(accepted, cap, shared)
+            self.mixer.record(key, accepted, cap, shared)
         self._candidates = []
         self.history.extend(committed)
         if self._writer is not None:

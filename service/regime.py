@@ -342,8 +342,11 @@ def _best_counts(
 
 
 def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
-    """The distinct prefixes of the row's k_max best drafts (cut to w_max), each with the
-    probability of the most likely draft through it."""
+    """The distinct prefixes of the row's k_max best drafts (cut to w_max). A node belongs to
+    the best draft through it, and a later draft's own nodes below it continue from its
+    probability: the mixer learns each draft's first-token estimate only on the rounds its
+    first token was its own, and a guess shared with a better draft says no more than that
+    draft's (`DraftSession.observe`)."""
     best: dict[tuple[int, ...], _Node] = {}
     drafts = 0
     for candidate in sorted(row.candidates, key=lambda s: s.acceptance.expected_tokens(row.w_max), reverse=True):
@@ -354,12 +357,14 @@ def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
             continue  # adds no node
         drafts += 1
         draft, (probability, continuation) = candidate.draft, candidate.acceptance
-        for depth in range(1, len(tokens) + 1):  # P(node accepted) = p·c^(depth-1), as a running product
+        for depth in range(1, len(tokens) + 1):  # P(node accepted) = P(parent accepted)·c, from p at the root
             prefix = tokens[:depth]
             held = best.get(prefix)
-            if held is None or held.probability < probability:
+            if held is None:
                 best[prefix] = _Node(probability, row.acceptance_factor, depth, index, prefix,
                                      draft.strategy, draft.rank, candidate.seconds_per_token)
+            else:
+                probability = held.probability
             probability *= continuation
     return list(best.values())
 

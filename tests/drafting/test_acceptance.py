@@ -50,6 +50,24 @@ def test_observation_counts(accepted: int, cap: int, expected: AcceptanceCounts)
     assert counts == expected
 
 
+@pytest.mark.parametrize(
+    "accepted,cap,shared,expected",
+    [
+        (0, 3, 1, AcceptanceCounts(0, 0, 0, 0)),  # the shared token was rejected: its owner's miss
+        (1, 3, 1, AcceptanceCounts(0, 0, 1, 0)),  # shared accepted, its own next token missed
+        (2, 3, 1, AcceptanceCounts(0, 0, 2, 1)),  # its own token hit, the one after missed
+        (3, 3, 1, AcceptanceCounts(0, 0, 2, 2)),  # matched to the cap
+        (1, 1, 1, AcceptanceCounts(0, 0, 0, 0)),  # nothing of its own could be compared
+    ],
+)
+def test_a_draft_is_scored_from_its_first_token_of_its_own(
+    accepted: int, cap: int, shared: int, expected: AcceptanceCounts
+) -> None:
+    counts = AcceptanceCounts()
+    counts.observe(accepted, cap, shared)
+    assert counts == expected
+
+
 def test_prior_fades_with_evidence() -> None:
     counts = AcceptanceCounts()
     prior = Acceptance(0.5, 0.5)

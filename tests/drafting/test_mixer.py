@@ -41,6 +41,29 @@ def test_unchosen_candidates_are_measured_too() -> None:
     assert session.propose(1, 1)[0].strategy == "b"
 
 
+@dataclass(frozen=True)
+class Echo:
+    """Guesses token 5 on every other round (as a better strategy does), 6 on the others."""
+
+    name: str = "echo"
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        return [Draft((5,) if len(history) % 4 == 0 else (6,), self.name, 0)]
+
+
+def test_a_guess_shared_with_a_better_draft_counts_for_that_draft() -> None:
+    """`echo` is right exactly when it repeats `a`'s guess: the node it adds of its own (6)
+    never is, and that is what its estimate says, not the 50% it matches overall."""
+    mixer = Mixer([Fixed("a", ((5,),)), Echo()])
+    session = mixer.session([0, 0])
+    for _ in range(40):
+        session.candidates(2, 1)
+        session.observe([5, 9])  # two tokens a round: echo alternates between 5 and 6
+    assert session.acceptance(Draft((5,), "a")).p > 0.9
+    assert session.acceptance(Draft((6,), "echo")).p < 0.1
+    assert mixer.prior(("echo", 0)).p < 0.1
+
+
 def test_global_statistics_inform_new_requests() -> None:
     mixer = Mixer([Fixed("a", ((1,),)), Fixed("b", ((2,),))])
     first = mixer.session([0])

@@ -120,8 +120,8 @@ def test_shared_prefixes_count_once() -> None:
     ]
     tree = choose(shared, MEMORY_BOUND, 2, 2)
     assert tree.k == 2 and {d.token_ids for d in tree.drafts} == {(1, 2), (1, 3)}
-    # node 1: max(0.5, 0.4); node 2: 0.5·0.5; node 3: 0.4·0.2
-    assert tree.expected_draft_tokens == pytest.approx(0.5 + 0.25 + 0.08)
+    # node 1: a's (the better draft holds it); node 2: 0.5·0.5; node 3: continues from node 1, 0.5·0.2
+    assert tree.expected_draft_tokens == pytest.approx(0.5 + 0.25 + 0.10)
 
 
 def test_caps_hold_per_request() -> None:
@@ -206,7 +206,7 @@ def test_drafting_time_counts_so_a_slow_accurate_draft_loses_to_a_fast_one() -> 
 
 def test_a_cheap_child_never_comes_before_its_costly_parent() -> None:
     shared = [
-        ScoredDraft(Draft((1, 2), "self_draft", 0), Acceptance(0.9, 0.1), seconds_per_token=0.01),
+        ScoredDraft(Draft((1, 2), "self_draft", 0), Acceptance(0.9, 0.9), seconds_per_token=0.01),
         ScoredDraft(Draft((1, 3, 4), "context", 0), Acceptance(0.8, 0.9)),
     ]
     plan = plan_trees([RowCandidates(shared, 2, 3)], lambda s: MEMORY_BOUND.cost(s.tokens, 100), PassShape(1), 0.0, budget=2)
