@@ -1,10 +1,13 @@
-"""How far the controller's forecasts are from what happens, learned while it runs — and
-unlearned when it stops being true.
+"""How far the controller's forecasts of pass costs are from what happens, learned while it
+runs — and unlearned when it stops being true.
 
-Acceptance. The acceptance model over-promises exactly where the controller looks: it picks
-the candidates whose estimates look best, and the best-looking estimate is more often lucky
-than good (the winner's curse). Every request therefore carries a factor, realized over
-predicted accepted draft tokens, starting from the global one.
+Acceptance is not corrected here: the mixer's estimates, each draft scored on the nodes it
+adds (`drafting.mixer.DraftSession.observe`), serve the controller as they are. A factor per
+request, realized over forecast accepted tokens of the trees the controller chose, used to
+scale them; learned only where a request speculated, a low factor kept the request plain and so
+was seldom corrected. Without it: a GPU-priced simulation 1.87 -> 2.07 tokens a pass and +3%
+tokens/s, an int8-CPU-priced one at C=1 1.11x -> 1.23x plain decoding, unchanged at C=4 and
+16 (docs/benchmarks.md, twenty-third session).
 
 Pass costs are observed on EVERY pass, speculative or plain, and split in two:
 - the load `level`: measured over profiled seconds of all passes, with a short horizon. Other
@@ -19,8 +22,8 @@ Pass costs are observed on EVERY pass, speculative or plain, and split in two:
   speculating: a server that had served C=1 first speculated in 2-3x as many passes at C=4
   and lost to plain decoding there (docs/benchmarks.md, seventh session).
 And when a request's forecast keeps saying "plain", it still probes speculation after
-`PROBE_EVERY` rounds, so a pessimistic profile or factor is measured again instead of being
-believed forever. Each probe that does not change the forecast's mind doubles the wait for the
+`PROBE_EVERY` rounds, so a pessimistic profile is measured again instead of being believed
+forever. Each probe that does not change the forecast's mind doubles the wait for the
 next (up to `PROBE_MAX_EVERY`): on free text where drafts never pay on a CPU, probes were most of
 auto mode's speculative rounds, each a loss. A round the forecast itself chose to speculate
 resets the wait. And the engine probes at most once every `PROBE_EVERY` passes, whatever the
@@ -39,10 +42,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-ACCEPTANCE_DECAY = 0.98  # horizon ≈ 50 rounds
 LEVEL_DECAY = 0.8  # horizon ≈ 5 passes: load changes show at once
+LEVEL_PRIOR_ROUNDS = 4.0  # the load level is trusted like its prior (1) until about this many passes
 SHAPE_DECAY = 0.9  # horizon ≈ 10 passes, applied to every size on every pass
-PRIOR_ROUNDS = 4.0  # an acceptance factor is trusted like its prior until about this many rounds
 SHAPE_PRIOR_ROUNDS = 0.25  # a fresh pass-time measurement outweighs the profile's word at once
 PROBE_EVERY = 16  # plain rounds with drafts on offer before a request probes speculation
 PROBE_MAX_EVERY = 128  # ... after probes that kept finding plain the better choice
@@ -59,8 +61,8 @@ DRIFT_ROUNDS = 3.0  # ... each with this many recent rounds: measure the profile
 class Ratio:
     """Decayed sums of predicted and realized amounts, and how many rounds fed them."""
 
-    decay: float = ACCEPTANCE_DECAY
-    prior_rounds: float = PRIOR_ROUNDS
+    decay: float  # each round keeps this share of the sums: a horizon of 1 / (1 - decay) rounds
+    prior_rounds: float  # the factor is trusted like its prior until about this many rounds
     predicted: float = 0.0
     realized: float = 0.0
     rounds: float = 0.0
@@ -122,10 +124,9 @@ class HostCost:
 
 @dataclass
 class Calibration:
-    """The engine's factors: global acceptance, load level and relative pass costs."""
+    """The engine's factors: load level and relative pass costs."""
 
-    draft_tokens: Ratio = field(default_factory=Ratio)
-    level: Ratio = field(default_factory=lambda: Ratio(LEVEL_DECAY))
+    level: Ratio = field(default_factory=lambda: Ratio(LEVEL_DECAY, LEVEL_PRIOR_ROUNDS))
     shapes: list[Ratio] = field(default_factory=lambda: _shape_ratios())
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
     host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
@@ -173,7 +174,7 @@ class Calibration:
 
     def reset_costs(self) -> None:
         """Forget the pass-cost factors (a new profile was measured)."""
-        self.level = Ratio(LEVEL_DECAY)
+        self.level = Ratio(LEVEL_DECAY, LEVEL_PRIOR_ROUNDS)
         self.shapes = _shape_ratios()
         self._factors.clear()
 
@@ -183,35 +184,21 @@ def _shape_ratios() -> list[Ratio]:
 
 
 class RequestCalibration:
-    """One request's acceptance factor over the global one, and its probe clock."""
+    """One request's probe clock and drafting schedule while the controller keeps it plain."""
 
     def __init__(self, shared: Calibration) -> None:
         self.shared = shared
-        self.draft_tokens = Ratio()
         self.plain_rounds = 0  # rounds since it last speculated while drafts were on offer
         self.probe_every = PROBE_EVERY  # plain rounds before the next probe
 
-    def acceptance_factor(self) -> float:
-        """This request's realized over predicted accepted draft tokens, starting from the
-        global factor, but never from above 1. The global factor depends on how deep into
-        its candidates the controller reached: at C=1 it takes many middling nodes, whose
-        estimates turned out pessimistic (factor 1.4-1.6), at C=4 only the best few, which
-        over-promise (0.6-0.9). Inherited whole, a factor learned at C=1 inflated exactly the
-        best-looking nodes of every new request at C=4 (in process after 4 requests at C=1:
-        C=4 at 50.1 and 47.5 tokens/s inherited whole, 56.4 and 58.0 capped; docs/benchmarks.md,
-        seventh session). A request's own rounds may still take it above 1."""
-        return self.draft_tokens.factor(prior=min(self.shared.draft_tokens.factor(), 1.0))
-
-    def observe_round(self, predicted_draft_tokens: float, accepted: int, speculated: bool) -> None:
-        """One auto round: its uncorrected forecast of accepted draft tokens and the outcome."""
+    def observe_round(self, speculated: bool) -> None:
+        """One auto round, speculative or plain."""
         if not speculated:
             self.plain_rounds += 1
             return
         probed = self.due_for_probe
         self.probe_every = min(2 * self.probe_every, PROBE_MAX_EVERY) if probed else PROBE_EVERY
         self.plain_rounds = 0
-        self.draft_tokens.observe(predicted_draft_tokens, accepted)
-        self.shared.draft_tokens.observe(predicted_draft_tokens, accepted)
 
     @property
     def drafts_this_round(self) -> bool:

@@ -323,7 +323,7 @@ class Engine:
             w = self._max_depth(request, spec.w)
             candidates.append(RowCandidates(
                 request.drafts.candidates(spec.k, w) if id(row) in drafted else [], spec.k, w,
-                request.calibration.acceptance_factor(), probe=request.calibration.due_for_probe and may_probe,
+                probe=request.calibration.due_for_probe and may_probe,
                 width=row.width + 1,
             ))
         shapes.host.observe(time.perf_counter() - began, sum(1 for row in auto if id(row) in drafted))
@@ -434,8 +434,7 @@ class Engine:
             kept = [*range(offset), offset, *(offset + node for node in verdict.accepted_nodes)]
             commits[request.row] = kept  # type: ignore[index]
             if row.choice is not None:
-                request.calibration.observe_round(
-                    row.choice.expected_draft_tokens, len(verdict.accepted_nodes), row.tree.num_nodes > 1)
+                request.calibration.observe_round(row.tree.num_nodes > 1)
             request.drafts.observe(verdict.token_ids)
             if top_ids is not None:
                 started = time.perf_counter()

@@ -154,12 +154,11 @@ class PassCost:
 
 @dataclass(frozen=True)
 class RowCandidates:
-    """One decoding request's say in the plan: its ranked drafts, caps and acceptance factor."""
+    """One decoding request's say in the plan: its ranked drafts and caps."""
 
     candidates: Sequence[ScoredDraft]
     k_max: int  # at most this many branches
     w_max: int  # at most this deep
-    acceptance_factor: float = 1.0  # learned realized/predicted accepted tokens (calibration)
     probe: bool = False  # speculate a little even if the forecast says no (re-measures)
     width: int = 1  # tokens the row brings besides its tree's nodes (root, a last prompt chunk)
 
@@ -171,8 +170,7 @@ class RowTree:
     drafts: list[Draft]
     k: int
     w: int
-    expected_draft_tokens: float  # Σ P(node accepted), uncorrected (what calibration compares)
-    expected_tokens: float  # corrected, bonus included
+    expected_tokens: float  # Σ P(node accepted), bonus included
 
 
 @dataclass(frozen=True)
@@ -191,8 +189,7 @@ class TreePlan:
 class _Node(NamedTuple):
     """A candidate tree node (a named tuple: tens of them a row every step)."""
 
-    probability: float  # uncorrected
-    factor: float  # the row's acceptance factor
+    probability: float
     depth: int
     row: int
     prefix: tuple[int, ...]
@@ -247,7 +244,7 @@ def plan_trees(
         return node_seconds + node.draft_seconds + first_level + (row_seconds if widens else 0.0)
 
     ranked = sorted(  # most expected tokens per second of pass and drafting first
-        candidates, key=lambda n: (-n.probability * n.factor / seconds(n), n.depth))
+        candidates, key=lambda n: (-n.probability / seconds(n), n.depth))
     base_expected = fixed_expected + len(rows)
     widths = [row.width for row in rows]
 
@@ -326,7 +323,7 @@ def _best_counts(
     for node, shape in _grown_shapes(fixed, widths, nodes):
         taken.append(node)
         count = len(taken)
-        expected += node.probability * node.factor
+        expected += node.probability
         host_seconds += node.draft_seconds
         if node.row not in speculating:
             speculating.add(node.row)
@@ -361,7 +358,7 @@ def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
             prefix = tokens[:depth]
             held = best.get(prefix)
             if held is None:
-                best[prefix] = _Node(probability, row.acceptance_factor, depth, index, prefix,
+                best[prefix] = _Node(probability, depth, index, prefix,
                                      draft.strategy, draft.rank, candidate.seconds_per_token)
             else:
                 probability = held.probability
@@ -391,6 +388,5 @@ def _row_tree(nodes: list[_Node]) -> RowTree:
     parents = {n.prefix[:-1] for n in nodes}
     leaves = [n for n in nodes if n.prefix not in parents]
     drafts = [Draft(n.prefix, n.strategy, n.rank) for n in leaves]
-    raw = sum(n.probability for n in nodes)
-    corrected = sum(n.probability * n.factor for n in nodes)
-    return RowTree(drafts, len(drafts), max((n.depth for n in nodes), default=0), raw, 1.0 + corrected)
+    return RowTree(drafts, len(drafts), max((n.depth for n in nodes), default=0),
+                   1.0 + sum(n.probability for n in nodes))

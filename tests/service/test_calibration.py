@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from service.calibration import (
-    HOST_WINDOW, PRIOR_ROUNDS, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio,
+    HOST_WINDOW, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio,
 )
 from service.regime import CostProfile, PassShape, RowCandidates, plan_trees
 from tests.service.test_regime import CPU_LIKE, candidates
@@ -28,14 +28,11 @@ def simulate(profile: CostProfile, true_cost: TrueCost, rounds: int) -> list[int
     request = shared.session()
     chosen = []
     for t in range(rounds):
-        row = RowCandidates(DRAFTS, 2, 4, request.acceptance_factor(), probe=request.due_for_probe)
+        row = RowCandidates(DRAFTS, 2, 4, probe=request.due_for_probe)
         budget = 0 if shared.plain_is_stale(1) and shared.level.rounds > 0 else 8  # as the engine does
         plan = plan_trees([row], lambda s: profile.cost(s.tokens, 100) * shared.shape_factor(s.tokens), PassShape(1),
                           0.0, budget)
-        tree = plan.trees[0]
-        speculated = plan.tokens > 1
-        # acceptance as forecast: the simulation isolates the pass-cost side
-        request.observe_round(tree.expected_draft_tokens, round(tree.expected_draft_tokens), speculated)
+        request.observe_round(speculated=plan.tokens > 1)  # acceptance as forecast: the pass-cost side alone
         shared.observe_pass(plan.tokens, profile.cost(plan.tokens, 100), true_cost(plan.tokens, t))
         chosen.append(plan.tokens)
     return chosen
@@ -104,7 +101,7 @@ def test_steady_disagreement_with_the_profile_asks_for_a_new_one() -> None:
 
 
 def test_a_ratio_starts_at_its_prior_and_converges_to_what_happens() -> None:
-    ratio = Ratio()
+    ratio = Ratio(decay=0.98, prior_rounds=4.0)
     assert ratio.factor(prior=0.8) == 0.8
     ratio.observe(predicted=2.0, realized=1.0)
     assert 0.5 < ratio.factor() < 1.0  # one round moves it only part of the way
@@ -116,46 +113,6 @@ def test_a_ratio_starts_at_its_prior_and_converges_to_what_happens() -> None:
     assert ratio.factor() == pytest.approx(1.0, abs=0.02)
 
 
-def test_a_request_starts_from_the_global_acceptance_factor_and_keeps_its_own() -> None:
-    shared = Calibration()
-    pessimist = shared.session()
-    for _ in range(50):
-        pessimist.observe_round(2.0, accepted=0, speculated=True)
-    newcomer = shared.session()
-    assert newcomer.acceptance_factor() == pytest.approx(shared.draft_tokens.factor())
-    for _ in range(50):
-        newcomer.observe_round(2.0, accepted=4, speculated=True)  # this text is easy to draft
-    assert newcomer.acceptance_factor() > 1.5
-    assert pessimist.acceptance_factor() < newcomer.acceptance_factor()
-    assert shared.draft_tokens.rounds > PRIOR_ROUNDS
-
-
-def test_a_new_request_inherits_caution_but_not_optimism() -> None:
-    """Nodes that under-promised elsewhere (factor > 1) say nothing about the best-looking
-    nodes of a new request, which over-promise: it starts from the model's own estimates."""
-    shared = Calibration()
-    for _ in range(50):
-        shared.session().observe_round(2.0, accepted=3, speculated=True)
-    assert shared.draft_tokens.factor() > 1.4
-    newcomer = shared.session()
-    assert newcomer.acceptance_factor() == 1.0
-    for _ in range(50):
-        newcomer.observe_round(2.0, accepted=3, speculated=True)
-    assert newcomer.acceptance_factor() > 1.4  # its own rounds count in full
-
-
-def test_an_overpromising_request_stops_speculating_but_still_probes() -> None:
-    shared = Calibration()
-    request = shared.session()
-    for _ in range(60):
-        request.observe_round(2.0, accepted=0, speculated=True)
-    row = RowCandidates(DRAFTS, 2, 4, request.acceptance_factor())
-    assert plan_trees([row], lambda s: CPU_LIKE.cost(s.tokens, 100), PassShape(1), 0.0, 8).tokens == 1
-    for _ in range(PROBE_EVERY):
-        request.observe_round(0.0, 0, speculated=False)
-    assert request.due_for_probe
-
-
 def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them() -> None:
     """A request whose drafts never pay probes after 16, 32, 64, 128, 128 ... plain rounds; once
     the forecast itself speculates again, the wait is back to 16."""
@@ -164,14 +121,14 @@ def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them()
     for _ in range(6):
         plain = 0
         while not request.due_for_probe:
-            request.observe_round(0.0, 0, speculated=False)
+            request.observe_round(speculated=False)
             plain += 1
         waits.append(plain)
-        request.observe_round(2.0, accepted=0, speculated=True)  # the probe: nothing accepted
+        request.observe_round(speculated=True)  # the probe
     assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, PROBE_MAX_EVERY, PROBE_MAX_EVERY]
     for _ in range(5):
-        request.observe_round(0.0, 0, speculated=False)
-    request.observe_round(2.0, accepted=2, speculated=True)  # chosen by the forecast, not due
+        request.observe_round(speculated=False)
+    request.observe_round(speculated=True)  # chosen by the forecast, not due
     assert request.probe_every == PROBE_EVERY
 
 
@@ -180,12 +137,12 @@ def test_a_request_kept_plain_is_drafted_only_every_few_rounds_until_it_speculat
     drafted = []
     for round_number in range(PROBE_EVERY + 2):
         drafted.append(request.drafts_this_round)
-        request.observe_round(0.0, 0, speculated=False)
+        request.observe_round(speculated=False)
     after = QUIET_ROUNDS + 1
     assert drafted[:after] == [True] * after  # at first every round, then one in 4, one in 8
     assert [r for r in range(after, PROBE_EVERY) if drafted[r]] == [8]
     assert request.due_for_probe and drafted[PROBE_EVERY] and drafted[PROBE_EVERY + 1]  # a probe is drafted
-    request.observe_round(2.0, accepted=2, speculated=True)
+    request.observe_round(speculated=True)
     assert request.drafts_this_round and request.plain_rounds == 0  # speculating: every round again
 
 
@@ -199,7 +156,7 @@ def test_quiet_rounds_thin_out_to_one_in_quiet_max_every() -> None:
         shared.count_pass(probed=True)  # another request's probe: the gate stays shut
         drafted.append(request.drafts_this_round)
         foretold.append(request.drafts_next_round(speculates=False))
-        request.observe_round(0.0, 0, speculated=False)
+        request.observe_round(speculated=False)
     assert [r for r in range(QUIET_ROUNDS, 80) if drafted[r]] == [4, 8, *range(16, 80, QUIET_MAX_EVERY)]
     assert foretold[:-1] == drafted[1:]
     assert request.drafts_next_round(speculates=True)  # a round that speculates: every round again
@@ -211,13 +168,13 @@ def test_a_request_due_for_a_probe_the_engine_holds_back_stays_quiet() -> None:
     shared = Calibration()
     request = shared.session()
     for _ in range(PROBE_EVERY):
-        request.observe_round(0.0, 0, speculated=False)
+        request.observe_round(speculated=False)
     shared.count_pass(probed=True)  # someone else's probe
     drafted = []
     for _ in range(PROBE_EVERY):
         assert request.due_for_probe
         drafted.append(request.drafts_this_round)
-        request.observe_round(0.0, 0, speculated=False)
+        request.observe_round(speculated=False)
         shared.count_pass(probed=False)
     assert drafted == [(PROBE_EVERY + r) % QUIET_MAX_EVERY == 0 for r in range(PROBE_EVERY)]
     assert shared.may_probe and request.drafts_this_round  # the gate is open: drafted for its probe
