@@ -9,7 +9,7 @@ from drafting.acceptance import Acceptance
 from drafting.mixer import MIXED, DraftSession, Mixer, ScoredDraft, select
 from drafting.logit import LogitHints
 from drafting.model_ngram import ExtendedBigram, ModelBigram, ModelTables, ModelUnigram, TableSlot
-from drafting.recycled import Recycled, SuccessorTable, rank_paths
+from drafting.recycled import PAIR_BITS, Recycled, SuccessorTable, rank_paths
 from drafting.suffix import DEFAULT_CAPACITY, Suffix, SuffixIndex
 
 # Model-running strategies (service/draft_model.py) exist only when the server enables them.
@@ -36,7 +36,7 @@ def default_mixer(
     same tokens per pass in every Spec-Bench category; without both, 1.98 where 1.91, and auto
     1.20 where 1.16 (docs/benchmarks.md, twenty-second session)."""
     slot = tables or TableSlot()
-    recycled = SuccessorTable(fallback=slot)
+    recycled = SuccessorTable(fallback=slot, pair_bits=PAIR_BITS)
     baseline = SuccessorTable()
     suffix = SuffixIndex(suffix_cache_tokens) if suffix_cache_tokens > 0 else None  # 0: no suffix strategy
     strategies = [ContextNgram(), ExtendedBigram(slot), Recycled(recycled), LogitHints(recycled),

@@ -47,6 +47,6 @@ class LogitHints:
             starts = history.follows((*context, guess), most_recent=1)
             if starts:
                 found = tuple(history.token_ids[starts[-1] : starts[-1] + length])
-                last = found[-1] if found else guess
-                return found + self.table.follow(last, (0,) * (length - len(found)))
-        return self.table.follow(guess, (0,) * length)
+                previous, last = ((history.last_token, guess) + found)[-2:]
+                return found + self.table.follow(last, (0,) * (length - len(found)), previous)
+        return self.table.follow(guess, (0,) * length, history.last_token)

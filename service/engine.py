@@ -435,12 +435,13 @@ class Engine:
             commits[request.row] = kept  # type: ignore[index]
             if row.choice is not None:
                 request.calibration.observe_round(row.tree.num_nodes > 1)
+            history = request.drafts.history
+            root_parent = history.token_ids[-2] if len(history) > 1 else -1  # before this round's tokens join
             request.drafts.observe(verdict.token_ids)
             if top_ids is not None:
                 started = time.perf_counter()
                 stop_node = verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
-                request.drafts.observe_distributions(
-                    PassDistributions(np.asarray(row.tree.token_ids), top_ids, stop_node))
+                request.drafts.observe_distributions(_pass_distributions(row.tree, top_ids, stop_node, root_parent))
                 self._learn_seconds += time.perf_counter() - started
             token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
             request.num_generated += len(token_ids)
@@ -538,6 +539,15 @@ def _scattered(size: int, at: list[int], values: Sequence[T]) -> list[T | None]:
     for index, value in zip(at, values):
         out[index] = value
     return out
+
+
+def _pass_distributions(tree: TokenTree, top_ids: np.ndarray, stop_node: int, root_parent: int) -> PassDistributions:
+    """What a row's pass showed, each node with the token before it (its parent's; the root's
+    from the context, -1 where it has none)."""
+    tokens = np.asarray(tree.token_ids)
+    parent_tokens = tokens[tree.parents]  # the root's parent index, -1, reads the last node: replaced
+    parent_tokens[0] = root_parent
+    return PassDistributions(tokens, top_ids, stop_node, parent_tokens)
 
 
 def _pass_shape(widths: Sequence[int]) -> PassShape:

@@ -37,3 +37,17 @@ def test_no_hints_before_a_pass_and_none_after_the_history_moves_on() -> None:
     history.hints = (2, 5)
     history.extend([7])  # the hints described the position of 2, not of 7
     assert LogitHints(table()).propose(history, 3, 3) == []
+
+
+def test_a_guess_is_continued_from_the_row_of_the_newest_token_and_the_guess() -> None:
+    paired = SuccessorTable(top_k=2, pair_bits=8)
+    paired.observe(PassDistributions(np.array([5, 6, 7, 8, 9]), np.array([[6, 0], [7, 0], [5, 0], [9, 0], [8, 0]]), 0))
+    # after 3 then 5 the model predicted 8, after 5 then 8: 4; a later pass saw 5 alone before 6
+    paired.observe(PassDistributions(np.array([5, 8]), np.array([[8, 0], [4, 0]]), 0, np.array([3, 5])))
+    paired.observe(PassDistributions(np.array([5]), np.array([[6, 0]]), 0))
+    history = TokenHistory([1, 2, 3])
+    history.hints = (3, 5)
+    assert LogitHints(paired).propose(history, 1, 3) == [Draft((5, 8, 4), "logit", 0)]
+    history.extend([2])  # the same guess after another newest token: no pair row, 5's own
+    history.hints = (2, 5)
+    assert LogitHints(paired).propose(history, 1, 3) == [Draft((5, 6, 7), "logit", 0)]

@@ -94,3 +94,52 @@ def test_recycled_drafts_follow_the_template_from_the_newest_token() -> None:
 
 def test_nothing_is_proposed_before_anything_was_observed() -> None:
     assert Recycled(SuccessorTable()).propose(TokenHistory([1, 2]), 4, 4) == []
+
+
+def with_parents(node_tokens: list[int], parent_tokens: list[int], top_ids: list[list[int]]) -> PassDistributions:
+    return PassDistributions(np.array(node_tokens), np.array(top_ids), 0, np.array(parent_tokens))
+
+
+def test_pair_rows_hold_what_followed_two_tokens_and_come_before_the_tokens_own_row() -> None:
+    table = SuccessorTable(top_k=2, pair_bits=8)
+    # after (0, 1): 2; after (1, 2): 3; after (5, 2): 4 — so the row of 2 alone holds 4 (the last)
+    table.observe(with_parents([1, 2, 2], [0, 1, 5], [[2, 9], [3, 9], [4, 9]]))
+    assert table.pair_row(1, 2) == [3, 9] and table.pair_row(5, 2) == [4, 9] and table.row(2) == [4, 9]
+    assert table.follow(2, (0,), previous=1) == (3,)  # the pair knows better than the token alone
+    assert table.follow(2, (0,), previous=5) == (4,)
+    assert table.follow(2, (0,), previous=7) == (4,)  # a pair never seen: the token's own row
+    assert table.follow(0, (0, 0, 0), previous=-1) == ()  # 0 alone was never a node
+    assert table.follow(1, (0, 0), previous=0) == (2, 3)  # each step from the newest two tokens
+    # the recycled strategy steps from the history's newest two tokens
+    assert Recycled(table).propose(TokenHistory([1, 2]), 1, 1) == [Draft((3,), "recycled", 0)]
+    assert Recycled(table).propose(TokenHistory([5, 2]), 1, 1) == [Draft((4,), "recycled", 0)]
+
+
+def test_the_root_of_a_one_token_context_learns_no_pair() -> None:
+    table = SuccessorTable(top_k=1, pair_bits=8)
+    table.observe(with_parents([4, 5], [-1, 4], [[5], [6]]))
+    assert table.pair_row(-1, 4) == [] and table.pair_row(4, 5) == [6] and table.row(4) == [5]
+
+
+def test_a_table_without_pair_rows_ignores_the_parents() -> None:
+    table = SuccessorTable(top_k=2)  # Token Recycling's: rows keyed by one token
+    table.observe(with_parents([1, 2, 2], [0, 1, 5], [[2, 9], [3, 9], [4, 9]]))
+    assert table.pair_row(1, 2) == [] and table.follow(2, (0,), previous=1) == (4,)
+    assert table.nbytes == GROWTH * 2 * 4
+
+
+def test_pair_rows_take_fixed_memory_and_a_bucket_holds_only_its_newest_pair() -> None:
+    table = SuccessorTable(top_k=2, pair_bits=2)  # 4 buckets: pairs evict each other
+    pair_bytes = table.pair_keys.nbytes + table.pair_successors.nbytes
+    rng = np.random.default_rng(0)
+    newest: dict[tuple[int, int], list[int]] = {}
+    for _ in range(50):
+        parents, tokens = rng.integers(0, 2**20, size=(2, 3))  # token ids far past 2**16
+        top = rng.integers(0, 2**20, size=(3, 2))
+        table.observe(with_parents(tokens.tolist(), parents.tolist(), top.tolist()))
+        newest.update(zip(zip(parents.tolist(), tokens.tolist()), top.tolist()))
+        known = {pair: table.pair_row(*pair) for pair in newest}
+        assert all(row in ([], newest[pair]) for pair, row in known.items())  # its own newest row, or none
+        assert 1 <= sum(1 for row in known.values() if row) <= 4
+        assert known[parents[-1].item(), tokens[-1].item()] == top[-1].tolist()  # the last written stays
+    assert table.pair_keys.nbytes + table.pair_successors.nbytes == pair_bytes == 4 * 8 + 4 * 2 * 4

@@ -35,21 +35,23 @@ def test_every_pass_of_a_speculating_request_refreshes_the_table_it_drafts_from(
     recycled, baseline = tiny_engine.mixer.successors
     fed, untouched = (baseline, recycled) if strategy == "token_recycling" else (recycled, baseline)
     # the last pass: the node holding the second-to-last token (the root, or the accepted
-    # draft) chose the last one
+    # draft) chose the last one, after the token before it (the context's, or the root's)
     assert fed.row(out[-2])[0] == out[-1]
-    assert untouched.nbytes == 0  # the other table learns only from its own requests' passes
-    assert fed.nbytes <= (TINY_VOCAB + GROWTH) * fed.top_k * 4
+    assert fed.pair_row(out[-3], out[-2]) == ([] if strategy == "token_recycling" else fed.row(out[-2]))
+    assert untouched.passes == 0  # the other table learns only from its own requests' passes
+    pair_bytes = (1 << fed.pair_bits) * (8 + fed.top_k * 4)  # allocated at the start, whatever the traffic
+    assert fed.nbytes <= (TINY_VOCAB + GROWTH) * fed.top_k * 4 + pair_bytes
 
 
 def test_a_request_drafting_from_no_successor_table_hands_over_no_top_tokens(tiny_engine: Engine) -> None:
     tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=SPEC, strategy="context"))
-    assert all(table.nbytes == 0 for table in tiny_engine.mixer.successors)
+    assert all(table.passes == 0 for table in tiny_engine.mixer.successors)
 
 
 @pytest.mark.parametrize("speculation", [SpeculationParams(), SpeculationParams(4, 4, "off")], ids=["k=0", "off"])
 def test_plain_decoding_pays_for_no_table_updates(tiny_engine: Engine, speculation) -> None:
     tiny_engine.complete(PROMPTS[0], GenerationParams(NEW_TOKENS, speculation=speculation))
-    assert all(table.nbytes == 0 for table in tiny_engine.mixer.successors)
+    assert all(table.passes == 0 for table in tiny_engine.mixer.successors)
 
 
 def test_recycled_drafts_get_accepted_once_the_table_has_seen_the_text(tiny_engine: Engine) -> None:
