@@ -16,9 +16,9 @@ model predicts after its parent's token and its own, so each pass fills a (previ
 row too, in a fixed hashed array where the newest pair wins a bucket. A draft steps from the
 pair row where a pass saw the pair, else from the one-token row: after "of the" and after
 "in the" the model rarely predicts the same, and a one-token row holds whichever came last.
-Fixed k=8, w=8, 13 Spec-Bench prompts x 128 tokens: `recycled` 2.00 -> 2.29 tokens a pass,
-the mix 2.15 -> 2.30 (docs/benchmarks.md, twenty-fourth session). Token Recycling keys by
-one token, so its baseline table keeps no pair rows.
+Fixed k=8, w=8, 26 Spec-Bench prompts x 128 tokens: the mix 2.29 -> 2.45 tokens a pass
+(docs/recycled-drafts.md). Token Recycling keys by one token, so its baseline table keeps no
+pair rows.
 """
 
 from __future__ import annotations
