@@ -180,7 +180,7 @@ class SuccessorTable:
 _MIX_PREVIOUS, _MIX_TOKEN = 0x5BD1E995, 0x7FEB352D  # odd multipliers below 2**31
 
 
-def _bucket(previous, token, bits: int):
+def _bucket(previous: int | np.ndarray, token: int | np.ndarray, bits: int) -> int | np.ndarray:
     """The bucket of the pair (previous, token), for Python ints and int64 numpy arrays alike:
     token ids below 2**32 keep every product below 2**63, and the bits taken from the middle
     of the products depend on all the low 31 bits of both ids."""
