@@ -126,7 +126,7 @@ class HostCost:
 class Calibration:
     """The engine's factors: load level and relative pass costs."""
 
-    level: Ratio = field(default_factory=lambda: Ratio(LEVEL_DECAY, LEVEL_PRIOR_ROUNDS))
+    level: Ratio = field(default_factory=lambda: _level_ratio())
     shapes: list[Ratio] = field(default_factory=lambda: _shape_ratios())
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
     host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
@@ -174,9 +174,13 @@ class Calibration:
 
     def reset_costs(self) -> None:
         """Forget the pass-cost factors (a new profile was measured)."""
-        self.level = Ratio(LEVEL_DECAY, LEVEL_PRIOR_ROUNDS)
+        self.level = _level_ratio()
         self.shapes = _shape_ratios()
         self._factors.clear()
+
+
+def _level_ratio() -> Ratio:
+    return Ratio(LEVEL_DECAY, LEVEL_PRIOR_ROUNDS)
 
 
 def _shape_ratios() -> list[Ratio]:
