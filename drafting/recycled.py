@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+from numba import njit
 
 from drafting.base import Draft, PassDistributions
 from drafting.history import TokenHistory
@@ -49,7 +50,7 @@ class SuccessorTable:
     vocabulary bounds; plus at most ~`CACHED_ROWS` rows read as lists (3.6 MB). With
     `pair_bits`, 2**pair_bits rows keyed by (previous token, token) besides, allocated once
     (their keys stored, so a bucket another pair took reads as unseen, never as that pair's
-    row), and as many cached as lists at most. Updates are vectorised assignments; the engine
+    row), and as many cached as lists at most. A pass updates the arrays in one compiled call; the engine
     steps on one thread, so requests sharing the table never update it at the same time. A
     token (or pair) seen at several nodes of one pass keeps the last.
     """
@@ -81,42 +82,28 @@ class SuccessorTable:
 
     def observe(self, passed: PassDistributions) -> None:
         self.passes += 1
-        top = passed.top_ids[:, : self.top_k]  # [num_nodes, ≤K]
         tokens = passed.node_tokens
         if len(tokens) == 0:
             return
-        self._grow(int(tokens.max()) + 1)  # rows for the tokens observed (a row's entries may be larger ids)
-        self.successors[tokens, : top.shape[1]] = top
+        token_list = tokens.tolist()
+        self._grow(max(token_list) + 1)  # rows for the tokens observed (a row's entries may be larger ids)
+        top = passed.top_ids[:, : self.top_k]  # [num_nodes, ≤K]
+        parents = passed.parent_tokens if self.pair_bits and passed.parent_tokens is not None else None
+        keys, evicted = _refresh(self.successors, tokens, top, parents, self.pair_keys, self.pair_successors,
+                                 self.pair_bits)
         if len(self._rows) > CACHED_ROWS:
             self._rows.clear()
-        for token in tokens.tolist():  # read these rows anew
+        for token in token_list:  # read these rows anew
             self._rows.pop(token, None)
-        if self.pair_bits and passed.parent_tokens is not None:
-            self._observe_pairs(passed.parent_tokens, tokens, top)
-
-    def _observe_pairs(self, parents: np.ndarray, tokens: np.ndarray, top: np.ndarray) -> None:
-        """Each node's top candidates become the row of (its parent's token, its token), and
-        the rows read as lists too: the next round's drafts step through them first."""
-        parents, tokens = parents.astype(np.int64, copy=False), tokens.astype(np.int64, copy=False)
-        if parents[0] < 0:  # the root of a one-token context has no previous token
-            parents, tokens, top = parents[1:], tokens[1:], top[1:]
-        buckets = _bucket(parents, tokens, self.pair_bits)
-        keys = parents << 32 | tokens
+        if parents is None:
+            return
         cached = self._pair_rows
-        for evicted in self.pair_keys[buckets].tolist():  # pairs whose buckets these take over
-            cached.pop(evicted, None)
-        self.pair_keys[buckets] = keys
-        if top.shape[1] < self.top_k:  # a bucket another pair held keeps none of its entries
-            self.pair_successors[buckets] = -1
-        self.pair_successors[buckets, : top.shape[1]] = top
-        won = self.pair_keys[buckets] == keys  # of pairs sharing a bucket in this pass, the last
-        if not won.all():
-            for lost in keys[~won].tolist():
-                cached.pop(lost, None)
-            keys, top = keys[won], top[won]
+        for key in evicted.tolist():  # pairs whose buckets this pass took over, or lost within it
+            cached.pop(key, None)
         if len(cached) > CACHED_ROWS:
             cached.clear()
-        cached.update(zip(keys.tolist(), top.tolist()))
+        # the next round's drafts step through the new pair rows first: read them as lists now
+        cached.update((key, row) for key, row in zip(keys.tolist(), top.tolist()) if key >= 0)
 
     def row(self, token: int) -> list[int]:
         """The candidates after `token`, best first (empty if neither table knows it)."""
@@ -180,11 +167,60 @@ class SuccessorTable:
 _MIX_PREVIOUS, _MIX_TOKEN = 0x5BD1E995, 0x7FEB352D  # odd multipliers below 2**31
 
 
-def _bucket(previous: int | np.ndarray, token: int | np.ndarray, bits: int) -> int | np.ndarray:
-    """The bucket of the pair (previous, token), for Python ints and int64 numpy arrays alike:
-    token ids below 2**32 keep every product below 2**63, and the bits taken from the middle
-    of the products depend on all the low 31 bits of both ids."""
+def _bucket(previous: int, token: int, bits: int) -> int:
+    """The bucket of the pair (previous, token): token ids below 2**32 keep every product
+    below 2**63 (so numba's int64 arithmetic in `_refresh` agrees with Python's), and the bits
+    taken from the middle of the products depend on all the low 31 bits of both ids."""
     return ((previous * _MIX_PREVIOUS ^ token * _MIX_TOKEN) >> 15) & ((1 << bits) - 1)
+
+
+_bucket_compiled = njit(cache=True, inline="always")(_bucket)
+
+
+@njit(cache=True, nogil=True)
+def _refresh(successors, tokens, top, parents, pair_keys, pair_successors, bits):  # pragma: no cover - compiled
+    """One pass's refresh of the arrays, in one compiled call: each node's top candidates
+    become its token's row and, where `parents` is given, the row of (its parent's token, its
+    token), which takes the pair's bucket over (the rest of a shorter row set to -1). Returns
+    each node's pair key (-1: none) and the keys whose rows the cached lists must drop: the
+    pairs whose buckets were taken over, and a pair that lost its bucket to a later node of
+    this pass. As numpy calls, ~20 of them, the refresh took ~165 us of a k=4, w=4 step whose
+    whole drafting took ~820 (2-core dev VM, just after the pass: every call ran cold); this
+    call and the cached lists' upkeep take ~100 (k=8, w=8: ~250 -> ~170)."""
+    n, width = top.shape
+    for i in range(n):
+        successors[tokens[i], :width] = top[i]
+    keys = np.full(n, -1, np.int64)
+    if parents is None:
+        return keys, np.empty(0, np.int64)
+    evicted = np.full(2 * n, -1, np.int64)
+    buckets = np.zeros(n, np.int64)
+    for i in range(n):
+        if parents[i] < 0:  # the root of a one-token context has no previous token
+            continue
+        bucket = _bucket_compiled(np.int64(parents[i]), np.int64(tokens[i]), bits)
+        buckets[i] = bucket
+        keys[i] = np.int64(parents[i]) << 32 | np.int64(tokens[i])
+        evicted[i] = pair_keys[bucket]
+        pair_keys[bucket] = keys[i]
+        pair_successors[bucket, :width] = top[i]
+        pair_successors[bucket, width:] = -1
+    for i in range(n):  # of pairs sharing a bucket in this pass, the last keeps it
+        if keys[i] >= 0 and pair_keys[buckets[i]] != keys[i]:
+            evicted[n + i] = keys[i]
+            keys[i] = -1
+    return keys, evicted
+
+
+def compile_refresh() -> None:
+    """Compile (or load from numba's cache) `_refresh` for the arrays the engine hands over,
+    with pair rows and without, so that no request's first pass waits for it (~3 s the first
+    time on the 2-core dev VM, ~0.3 s from the cache)."""
+    tokens, top = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
+    table = SuccessorTable(top_k=1, pair_bits=1)
+    table._grow(1)
+    for parents in (tokens, None):
+        _refresh(table.successors, tokens, top, parents, table.pair_keys, table.pair_successors, 1)
 
 
 @lru_cache(maxsize=64)

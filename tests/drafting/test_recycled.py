@@ -121,6 +121,20 @@ def test_the_root_of_a_one_token_context_learns_no_pair() -> None:
     assert table.pair_row(-1, 4) == [] and table.pair_row(4, 5) == [6] and table.row(4) == [5]
 
 
+def test_a_narrower_pass_leaves_no_entry_of_the_pair_that_held_the_bucket() -> None:
+    table = SuccessorTable(top_k=3, pair_bits=1)  # 2 buckets
+    table.observe(with_parents([2, 3], [1, 1], [[7, 8, 9], [4, 5, 6]]))
+    held = {(1, 2): [7, 8, 9], (1, 3): [4, 5, 6]}
+    assert [table.pair_row(*pair) for pair in held] == list(held.values())
+    # pairs (a, 2) for several a: one of them takes a bucket a row above had, with 2 candidates
+    table.observe(with_parents([2, 2, 2], [10, 11, 12], [[20, 21], [22, 23], [24, 25]]))
+    rows = [table.pair_row(previous, 2) for previous in (10, 11, 12)]
+    assert rows[-1] == [24, 25] and all(row in ([], [20 + 2 * i, 21 + 2 * i]) for i, row in enumerate(rows))
+    assert all(table.pair_row(*pair) in ([], row) for pair, row in held.items())
+    written = {(7, 8, 9), (4, 5, 6), (20, 21, -1), (22, 23, -1), (24, 25, -1)}
+    assert {tuple(row) for row in table.pair_successors.tolist()} <= written  # never a mix of two rows
+
+
 def test_a_table_without_pair_rows_ignores_the_parents() -> None:
     table = SuccessorTable(top_k=2)  # Token Recycling's: rows keyed by one token
     table.observe(with_parents([1, 2, 2], [0, 1, 5], [[2, 9], [3, 9], [4, 9]]))
