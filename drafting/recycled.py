@@ -50,9 +50,9 @@ class SuccessorTable:
     vocabulary bounds; plus at most ~`CACHED_ROWS` rows read as lists (3.6 MB). With
     `pair_bits`, 2**pair_bits rows keyed by (previous token, token) besides, allocated once
     (their keys stored, so a bucket another pair took reads as unseen, never as that pair's
-    row), and as many cached as lists at most. A pass updates the arrays in one compiled call; the engine
-    steps on one thread, so requests sharing the table never update it at the same time. A
-    token (or pair) seen at several nodes of one pass keeps the last.
+    row), and as many cached as lists at most. A pass updates the arrays in one compiled
+    call; the engine steps on one thread, so requests sharing the table never update it at
+    the same time. A token (or pair) seen at several nodes of one pass keeps the last.
     """
 
     def __init__(self, top_k: int = SUCCESSORS, fallback: TableSlot | None = None, pair_bits: int = 0) -> None:
