@@ -130,8 +130,8 @@ class Calibration:
     shapes: list[Ratio] = field(default_factory=lambda: _shape_ratios())
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
     host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
-    # (tokens, rows) -> shape factor, until the next pass changes them (the controller asks per node)
-    _factors: dict[tuple[int, int], float] = field(default_factory=dict, init=False, repr=False)
+    # rows -> `size_factors`, until the next pass changes them (the controller asks per node)
+    _factors: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def may_probe(self) -> bool:
@@ -147,10 +147,22 @@ class Calibration:
     def shape_factor(self, tokens: int, rows: int = 1) -> float:
         """How much dearer (>1) or cheaper a pass of `tokens` tokens over `rows` rows is,
         relative to the others, than the profile says."""
-        factor = self._factors.get((tokens, rows))
-        if factor is None:
-            factor = self._factors[tokens, rows] = self.shapes[shape_bucket(tokens, rows)].factor()
-        return factor
+        factors = self.size_factors(rows)
+        return factors[min(tokens, len(factors) - 1)]
+
+    def size_factors(self, rows: int) -> list[float]:
+        """`shape_factor(t, rows)` at index t, up to the largest size bucket's bound (larger
+        passes: the last). The controller prices tens of shapes a step, each by one index
+        (a bucket look-up per shape took ~1 us of them, one row on the 2-core dev VM); kept
+        until the next pass changes the factors."""
+        factors = self._factors.get(rows)
+        if factors is None:
+            first = shape_bucket(0, rows)  # the row count's smallest size
+            factors = []
+            for bucket, bound in enumerate(SIZE_BUCKETS):  # sizes up to `bound` not in an earlier bucket
+                factors += [self.shapes[first + bucket].factor()] * (bound + 1 - len(factors))
+            self._factors[rows] = factors
+        return factors
 
     def plain_is_stale(self, tokens: int, rows: int = 1) -> bool:
         """The all-plain pass (`tokens` over `rows` rows) has gone unobserved for about

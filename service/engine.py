@@ -349,8 +349,9 @@ class Engine:
         context = sum(r.request.context_length for r in rows) / len(rows)
 
         def pricing(num_rows: int) -> Callable[[PassShape], float]:
-            pass_cost = profile.at(context, num_rows)
-            return lambda shape: pass_cost.seconds(shape) * shapes.shape_factor(shape.tokens, num_rows)
+            seconds, factors = profile.at(context, num_rows).seconds, shapes.size_factors(num_rows)
+            largest = len(factors) - 1
+            return lambda shape: seconds(shape) * factors[shape.tokens if shape.tokens < largest else largest]
 
         cost = pricing(len(rows))
         prefill_seconds = 0.0

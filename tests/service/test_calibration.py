@@ -206,6 +206,21 @@ def test_a_shape_factor_learned_at_one_batch_size_does_not_price_another() -> No
     assert shared.shape_factor(8, rows=4) == pytest.approx(1.0, abs=0.01)
 
 
+def test_a_shape_factor_holds_for_the_sizes_of_its_bucket_only() -> None:
+    """Passes of 3 tokens took about four times what passes of 600 did, both priced alike:
+    sizes 3 and 4 share a bucket (up to 4), 2 and 5 do not; the last bucket holds every size
+    above the bound before it (256)."""
+    shared = Calibration()
+    for _ in range(20):
+        shared.observe_pass(3, 0.1, 0.2)
+        shared.observe_pass(600, 0.1, 0.05)
+    dear, cheap = shared.shape_factor(3), shared.shape_factor(600)
+    assert dear == shared.shape_factor(4) > 1.0 > cheap == shared.shape_factor(257) == shared.shape_factor(5000)
+    assert dear / cheap > 2.0
+    assert shared.shape_factor(2) == shared.shape_factor(5) == shared.shape_factor(256) == 1.0
+    assert shared.shape_factor(4, rows=2) == 1.0  # another row bucket
+
+
 def test_host_cost_is_the_median_per_drafted_row_so_a_one_off_pause_does_not_price_drafts_out() -> None:
     host = Calibration().host
     assert host.row_seconds == 0.0  # nothing seen: the pass alone prices a node

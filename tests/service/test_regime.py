@@ -46,6 +46,7 @@ def test_interpolation_and_extrapolation() -> None:
     assert profile.slowdown(3, 20) == pytest.approx(4 / 3)
     assert profile.cost(3, 10, rows=3) == pytest.approx(2.0)  # the 3-row table
     assert profile.cost(9, 10, rows=2) == pytest.approx((5.0 + 8.0) / 2)  # between row counts
+    assert CostProfile([1], [10], [[4]], [[[2.0]]]).cost(9, 10) == 2.0  # one size measured: flat
 
 
 def test_each_wide_row_costs_its_own_call() -> None:
