@@ -93,6 +93,9 @@ def size_bucket(tokens: int) -> int:
     return min(bisect.bisect_left(SIZE_BUCKETS, tokens), len(SIZE_BUCKETS) - 1)
 
 
+SIZE_BUCKET_OF = tuple(size_bucket(tokens) for tokens in range(SIZE_BUCKETS[-1] + 1))  # larger: the last
+
+
 def shape_bucket(tokens: int, rows: int) -> int:
     """The index of a pass of `tokens` tokens over `rows` rows among the shape factors."""
     row_bucket = min(bisect.bisect_left(ROW_BUCKETS, rows), len(ROW_BUCKETS) - 1)
@@ -147,21 +150,17 @@ class Calibration:
     def shape_factor(self, tokens: int, rows: int = 1) -> float:
         """How much dearer (>1) or cheaper a pass of `tokens` tokens over `rows` rows is,
         relative to the others, than the profile says."""
-        factors = self.size_factors(rows)
-        return factors[min(tokens, len(factors) - 1)]
+        return self.size_factors(rows)[SIZE_BUCKET_OF[min(tokens, len(SIZE_BUCKET_OF) - 1)]]
 
     def size_factors(self, rows: int) -> list[float]:
-        """`shape_factor(t, rows)` at index t, up to the largest size bucket's bound (larger
-        passes: the last). The controller prices tens of shapes a step, each by one index
-        (a bucket look-up per shape took ~1 us of them, one row on the 2-core dev VM); kept
-        until the next pass changes the factors."""
+        """The shape factor of each pass-size bucket (a size's: `SIZE_BUCKET_OF`) for passes
+        over `rows` rows, kept until the next pass changes them: the controller prices tens
+        of shapes a step, each by two indexings (bisecting for the buckets cost ~1 us a shape,
+        one request on the 2-core dev VM)."""
         factors = self._factors.get(rows)
         if factors is None:
             first = shape_bucket(0, rows)  # the row count's smallest size
-            factors = []
-            for bucket, bound in enumerate(SIZE_BUCKETS):  # sizes up to `bound` not in an earlier bucket
-                factors += [self.shapes[first + bucket].factor()] * (bound + 1 - len(factors))
-            self._factors[rows] = factors
+            factors = self._factors[rows] = [ratio.factor() for ratio in self.shapes[first : first + len(SIZE_BUCKETS)]]
         return factors
 
     def plain_is_stale(self, tokens: int, rows: int = 1) -> bool:

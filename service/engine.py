@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from drafting import Mixer, PassDistributions, TokenHistory
-from service.calibration import Calibration
+from service.calibration import SIZE_BUCKET_OF, Calibration
 from service.config import GenerationParams
 from service.draft_model import ModelDrafter
 from service.logprobs import TokenLogprob, token_logprobs
@@ -350,8 +350,8 @@ class Engine:
 
         def pricing(num_rows: int) -> Callable[[PassShape], float]:
             seconds, factors = profile.at(context, num_rows).seconds, shapes.size_factors(num_rows)
-            largest = len(factors) - 1
-            return lambda shape: seconds(shape) * factors[shape.tokens if shape.tokens < largest else largest]
+            largest = len(SIZE_BUCKET_OF) - 1
+            return lambda shape: seconds(shape) * factors[SIZE_BUCKET_OF[shape.tokens if shape.tokens < largest else largest]]
 
         cost = pricing(len(rows))
         prefill_seconds = 0.0
