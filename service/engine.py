@@ -351,7 +351,12 @@ class Engine:
         def pricing(num_rows: int) -> Callable[[PassShape], float]:
             seconds, factors = profile.at(context, num_rows).seconds, shapes.size_factors(num_rows)
             largest = len(SIZE_BUCKET_OF) - 1
-            return lambda shape: seconds(shape) * factors[SIZE_BUCKET_OF[shape.tokens if shape.tokens < largest else largest]]
+
+            def cost(shape: PassShape) -> float:  # asked per node: the factor by two indexings
+                tokens = shape.tokens
+                return seconds(shape) * factors[SIZE_BUCKET_OF[tokens if tokens < largest else largest]]
+
+            return cost
 
         cost = pricing(len(rows))
         prefill_seconds = 0.0
