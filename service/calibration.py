@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 LEVEL_DECAY = 0.8  # horizon ≈ 5 passes: load changes show at once
@@ -133,7 +134,7 @@ class Calibration:
     shapes: list[Ratio] = field(default_factory=lambda: _shape_ratios())
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
     host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
-    # rows -> `size_factors`, until the next pass changes them (the controller asks per node)
+    # rows -> the size buckets' factors (`size_factor`), until the next pass changes them (the controller asks per node)
     _factors: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -150,18 +151,19 @@ class Calibration:
     def shape_factor(self, tokens: int, rows: int = 1) -> float:
         """How much dearer (>1) or cheaper a pass of `tokens` tokens over `rows` rows is,
         relative to the others, than the profile says."""
-        return self.size_factors(rows)[SIZE_BUCKET_OF[min(tokens, len(SIZE_BUCKET_OF) - 1)]]
+        return self.size_factor(rows)(tokens)
 
-    def size_factors(self, rows: int) -> list[float]:
-        """The shape factor of each pass-size bucket (a size's: `SIZE_BUCKET_OF`) for passes
-        over `rows` rows, kept until the next pass changes them: the controller prices tens
-        of shapes a step, each by two indexings (bisecting for the buckets cost ~1 us a shape,
-        one request on the 2-core dev VM)."""
+    def size_factor(self, rows: int) -> Callable[[int], float]:
+        """`shape_factor` at `rows` rows, as a function of the pass size. The controller prices
+        tens of shapes a step: the factors of the size buckets are taken once, until the next
+        pass changes them, and a size's bucket is one indexing (bisecting for it cost ~1 us a
+        shape, one request on the 2-core dev VM)."""
         factors = self._factors.get(rows)
         if factors is None:
             first = shape_bucket(0, rows)  # the row count's smallest size
             factors = self._factors[rows] = [ratio.factor() for ratio in self.shapes[first : first + len(SIZE_BUCKETS)]]
-        return factors
+        largest = len(SIZE_BUCKET_OF) - 1
+        return lambda tokens: factors[SIZE_BUCKET_OF[tokens if tokens < largest else largest]]
 
     def plain_is_stale(self, tokens: int, rows: int = 1) -> bool:
         """The all-plain pass (`tokens` over `rows` rows) has gone unobserved for about

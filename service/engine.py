@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from drafting import Mixer, PassDistributions, TokenHistory
-from service.calibration import SIZE_BUCKET_OF, Calibration
+from service.calibration import Calibration
 from service.config import GenerationParams
 from service.draft_model import ModelDrafter
 from service.logprobs import TokenLogprob, token_logprobs
@@ -349,14 +349,8 @@ class Engine:
         context = sum(r.request.context_length for r in rows) / len(rows)
 
         def pricing(num_rows: int) -> Callable[[PassShape], float]:
-            seconds, factors = profile.at(context, num_rows).seconds, shapes.size_factors(num_rows)
-            largest = len(SIZE_BUCKET_OF) - 1
-
-            def cost(shape: PassShape) -> float:  # asked per node: the factor by two indexings
-                tokens = shape.tokens
-                return seconds(shape) * factors[SIZE_BUCKET_OF[tokens if tokens < largest else largest]]
-
-            return cost
+            seconds, factor = profile.at(context, num_rows).seconds, shapes.size_factor(num_rows)
+            return lambda shape: seconds(shape) * factor(shape.tokens)
 
         cost = pricing(len(rows))
         prefill_seconds = 0.0
