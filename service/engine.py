@@ -53,7 +53,7 @@ class RoundOutput:
     num_accepted_tokens: int  # drafted tokens the model agreed with
     accepted_strategies: list[str]  # strategy of each accepted token, in order
     drafted_by_strategy: dict[str, int]  # tree nodes each strategy put in the tree
-    draft_seconds: float  # drafting and planning of the whole step
+    draft_seconds: float  # drafting, planning and learning (scoring, tables) of the whole step
     forward_seconds: float  # the step's pass and verification (shared by its batch)
     finish_reason: str | None  # "stop" | "length" | None while generating
     k: int = 0  # the speculation shape this round used
@@ -76,7 +76,7 @@ class StepStats:
     prefill_tokens: int
     committed_tokens: int  # tokens all requests committed
     seconds: float
-    draft_seconds: float  # of `seconds`: planning and drafting (what plain decoding does not do)
+    draft_seconds: float  # of `seconds`: planning, drafting and learning (what plain decoding does not do)
     capture_seconds: float = 0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes (once per shape)
     # of `seconds`: the forward call (on a GPU it returns once the device has run the pass: the
     # logits are gathered by an index from the host, a copy that waits); the rest, `seconds -
@@ -160,7 +160,9 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config.for_device(runner.device.type), self.cache,
                                    runner.kv_bytes_per_token + mixer.kv_bytes_per_token)
         self._ids = itertools.count()
-        self._learn_seconds = 0.0  # this step's hand-over of distributions to the drafting layer
+        # this step's learning in the drafting layer: scoring the candidates against the
+        # committed tokens, the hand-over of distributions
+        self._learn_seconds = 0.0
 
     # -- requests -------------------------------------------------------------------------
 
@@ -437,12 +439,12 @@ class Engine:
                 request.calibration.observe_round(row.tree.num_nodes > 1)
             history = request.drafts.history
             root_parent = history.token_ids[-2] if len(history) > 1 else -1  # before this round's tokens join
+            started = time.perf_counter()
             request.drafts.observe(verdict.token_ids)
             if top_ids is not None:
-                started = time.perf_counter()
                 stop_node = verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
                 request.drafts.observe_distributions(_pass_distributions(row.tree, top_ids, stop_node, root_parent))
-                self._learn_seconds += time.perf_counter() - started
+            self._learn_seconds += time.perf_counter() - started
             token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
             request.num_generated += len(token_ids)
             request.finish_reason = finish_reason

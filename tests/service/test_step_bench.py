@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from app.cli import main
-from drafting import default_mixer
+from drafting import DraftSession, default_mixer
+from service.config import GenerationParams, SpeculationParams
 from service.engine import Engine
 from service.model_runner import ModelRunner
 from service.scheduler import SchedulerConfig
@@ -15,6 +18,7 @@ from tests.service.test_bench import write_dataset
 from tests.service.test_regime import MEMORY_BOUND
 
 PROMPTS = [[5, 9, 13, 2, 7, 7, 30, 41], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], list(range(2, 40))]
+SLOW_SCORING = 0.05  # seconds a round's scoring takes in the test that slows it down
 
 
 def new_engine() -> Engine:
@@ -32,6 +36,22 @@ def test_a_run_decodes_every_request_to_the_end_and_splits_its_step_time() -> No
         assert 0 < run.pass_seconds < run.step_seconds - run.draft_seconds  # verification takes the rest
         assert 2.5 < run.rows / run.steps <= 4  # C=4 in the pass, fewer only as the last requests end
     assert auto.draft_seconds > off.draft_seconds  # plain decoding neither plans nor drafts
+
+
+def test_scoring_the_candidates_counts_as_drafting_not_as_the_pass(monkeypatch) -> None:
+    """Scoring a round's candidates against what was committed runs after the pass, but it is
+    the drafting layer's work: a slow scorer shows in each round's draft time."""
+    scored = DraftSession.observe
+
+    def slow_observe(self: DraftSession, committed) -> None:
+        time.sleep(SLOW_SCORING)
+        scored(self, committed)
+
+    monkeypatch.setattr(DraftSession, "observe", slow_observe)
+    engine = new_engine()
+    completion = engine.complete(PROMPTS[0], GenerationParams(max_new_tokens=6, speculation=SpeculationParams(2, 2)))
+    assert completion.draft_seconds >= completion.num_passes * SLOW_SCORING
+    assert completion.forward_seconds < completion.num_passes * SLOW_SCORING
 
 
 def test_each_concurrency_runs_both_modes_in_alternating_order() -> None:
