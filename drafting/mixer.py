@@ -228,6 +228,7 @@ class DraftSession:
         2.4x and 3.1x as likely as the nodes they alone added were accepted (GPU-priced
         simulation, docs/benchmarks.md, twenty-third session)."""
         held: dict[int, dict] = {}  # the nodes of the candidates scored so far, as a trie
+        counts, record = self.counts, self.mixer.record
         for draft in self._candidates:
             tokens = draft.token_ids
             node, shared = held, 0
@@ -240,11 +241,13 @@ class DraftSession:
                 child = {}  # (a set of prefixes took 45 us a k=8, w=8 row, the trie 20; 2-core dev VM)
                 node[token] = child
                 node = child
-            accepted = common_prefix(tokens, committed)
             cap = min(len(tokens), len(committed))
+            if cap <= shared:
+                continue  # each node it could be scored on is a better draft's: nothing to learn
             key = (draft.strategy, draft.rank)
-            self.counts[key].observe(accepted, cap, shared)
-            self.mixer.record(key, accepted, cap, shared)
+            accepted = common_prefix(tokens, committed)
+            counts[key].observe(accepted, cap, shared)
+            record(key, accepted, cap, shared)
         self._candidates = []
         self.history.extend(committed)
         if self._writer is not None:
