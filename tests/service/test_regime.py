@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from drafting import Acceptance, Draft, ScoredDraft
-from service.regime import CostProfile, PassShape, RowCandidates, RowTree, plan_trees, sure_draft_pays
+from service.regime import (
+    PATIENCE,
+    PATIENCE_PER_ROW,
+    CostProfile,
+    PassShape,
+    RowCandidates,
+    RowTree,
+    plan_trees,
+    sure_draft_pays,
+)
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 
@@ -227,6 +236,27 @@ def test_the_planner_stops_pricing_once_more_nodes_stop_paying() -> None:
     rows = [RowCandidates(candidates(0.9, 0.9, first=1000 * r), 8, 8) for r in range(16)]
     plan = plan_trees(rows, cost, PassShape(16), 0.0, budget=1024)
     assert plan.tokens > 16 and len(calls) < 200
+
+
+def test_a_lone_row_is_searched_a_short_way_past_its_best_plan() -> None:
+    """One request of 8 x 8 candidates where every token costs: past its best plan the
+    planner prices `PATIENCE_PER_ROW` more nodes, not `PATIENCE` (a lone row's rate dips only
+    at its first node), and the plan is the one an exhaustive search finds."""
+    priced = []
+
+    def cost(s: PassShape) -> float:
+        priced.append(s.tokens)
+        return 0.05 + 0.005 * s.tokens
+
+    row = RowCandidates(candidates(0.9, 0.9), 8, 8)
+    plan = plan_trees([row], cost, PassShape(1), 0.0, budget=64)
+    assert 1 < plan.tokens < 1 + 64 - PATIENCE  # the best plan leaves more than PATIENCE nodes to look at
+    last = plan.tokens + PATIENCE_PER_ROW  # the search went this far past it, no further
+    assert last in priced and last + 1 not in priced
+    with pytest.MonkeyPatch.context() as patch:  # searched to the end, the same plan
+        patch.setattr("service.regime.PATIENCE_PER_ROW", 64)
+        patch.setattr("service.regime.PATIENCE", 64)
+        assert plan_trees([row], cost, PassShape(1), 0.0, budget=64) == plan
 
 
 def test_host_work_a_speculating_row_adds_keeps_a_large_batch_plain_where_the_pass_is_flat() -> None:
