@@ -328,7 +328,7 @@ def _best_counts(
     its host work and its own call, until its deeper nodes, interleaved with other rows',
     pay them back; a lone row has one such dip, at its start, and after it only bends of the
     cost curve. At one row, on 453 recorded plans (2-core CPU) the shorter search chose the
-    same trees at 0.64x the planner's time; priced as on a GPU (36 flat or sloped curves),
+    same trees at 0.64-0.71x the planner's time (replayed); priced as on a GPU (36 curves),
     it chose other trees in 0-7 of them, at most 3.4% fewer forecast tokens a second in one,
     0.009% in the mean; at sixteen rows a patience of 8 changed up to a third of the plans."""
     patience = min(PATIENCE, PATIENCE_PER_ROW * len(widths))
