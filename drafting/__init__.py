@@ -9,7 +9,7 @@ from drafting.acceptance import Acceptance
 from drafting.mixer import MIXED, DraftSession, Mixer, ScoredDraft, select
 from drafting.logit import LogitHints
 from drafting.model_ngram import ExtendedBigram, ModelBigram, ModelTables, ModelUnigram, TableSlot
-from drafting.recycled import PAIR_BITS, Recycled, SuccessorTable, compile_refresh, rank_paths
+from drafting.recycled import PAIR_BITS, Recycled, SuccessorTable, compile_table_kernels, rank_paths
 from drafting.suffix import DEFAULT_CAPACITY, Suffix, SuffixIndex
 
 # Model-running strategies (service/draft_model.py) exist only when the server enables them.
@@ -67,7 +67,7 @@ __all__ = [
     "Suffix",
     "SuffixIndex",
     "SuccessorTable",
-    "compile_refresh",
+    "compile_table_kernels",
     "rank_paths",
     "Strategy",
     "TableSlot",

@@ -3,7 +3,7 @@
 The pass that chose the newest token computed the model's whole distribution at its position;
 the runner-up tokens there are good guesses for the token *after* it (LogitSpec, Liu et al.,
 2025). Each becomes the first token of a branch, continued by what followed that guess in the
-request's own text (context index, longest match first) or else by the recycled successor
+request's own text (context index, longest match first), then by the recycled successor
 table. The engine hands the hints over with the pass's distributions (`TokenHistory.hints`);
 before the first pass there are none and the strategy proposes nothing.
 """
@@ -11,6 +11,8 @@ before the first pass there are none and the strategy proposes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from drafting.base import Draft
 from drafting.history import TokenHistory
@@ -34,19 +36,21 @@ class LogitHints:
         tokens = history.token_ids
         # the newest n-1 tokens that a guess completes to a context n-gram, longest first
         contexts = [tuple(tokens[len(tokens) - n + 1 :]) for n in range(min(self.max_n, len(tokens) + 1), 1, -1)]
-        return [Draft((g, *self._continue(history, contexts, g, w - 1)), self.name, rank)
-                for rank, g in enumerate(guesses)]
+        found = [self._found(history, contexts, g, w - 1) for g in guesses]
+        # then top-1 successors from the newest two tokens of each, all in one walk of the table
+        starts = [((history.last_token, g) + text)[-2:] for g, text in zip(guesses, found)]
+        tails = self.table.walk(starts, np.zeros((len(found), w - 1), dtype=np.int64), [w - 1 - len(t) for t in found])
+        return [Draft((g, *text, *tail), self.name, rank)
+                for rank, (g, text, tail) in enumerate(zip(guesses, found, tails))]
 
-    def _continue(self, history: TokenHistory, contexts: list[tuple[int, ...]], guess: int,
-                  length: int) -> tuple[int, ...]:
-        """`length` tokens after `guess`: the text that followed the newest occurrence of the
-        longest matching context + guess, then top-1 successors."""
+    @staticmethod
+    def _found(history: TokenHistory, contexts: list[tuple[int, ...]], guess: int, length: int) -> tuple[int, ...]:
+        """Up to `length` tokens of the text that followed the newest occurrence of the longest
+        matching context + `guess` (none where no context matches)."""
         if length <= 0:
             return ()
         for context in contexts:
             starts = history.follows((*context, guess), most_recent=1)
             if starts:
-                found = tuple(history.token_ids[starts[-1] : starts[-1] + length])
-                previous, last = ((history.last_token, guess) + found)[-2:]
-                return found + self.table.follow(last, (0,) * (length - len(found)), previous)
-        return self.table.follow(guess, (0,) * length, history.last_token)
+                return tuple(history.token_ids[starts[-1] : starts[-1] + length])
+        return ()

@@ -39,7 +39,7 @@ SUCCESSORS = 8  # K: candidates kept per token (the model bigram table's width t
 RANK_PRIOR = (0.5, 0.15, 0.08, 0.05, 0.04, 0.03, 0.02, 0.01)
 GROWTH = 4096  # rows added at a time: few copies, little slack past the vocabulary
 PAIR_BITS = 16  # 2**16 (previous, token) rows: 2.5 MiB with their keys, whatever the traffic
-CACHED_ROWS = 8192  # rows kept as Python lists too (~440 bytes each, measured): 3.6 MB at most
+_NO_FALLBACK = np.zeros((0, 1), dtype=np.uint32)  # the model bigram table's type, no rows
 
 
 class SuccessorTable:
@@ -47,115 +47,78 @@ class SuccessorTable:
 
     Memory is about vocab × K × 4 bytes (1.5 MiB for a 49k vocabulary), whatever the traffic:
     the array grows (in steps of `GROWTH` rows) only up to the largest token id seen, which the
-    vocabulary bounds; plus at most ~`CACHED_ROWS` rows read as lists (3.6 MB). With
-    `pair_bits`, 2**pair_bits rows keyed by (previous token, token) besides, allocated once
-    (their keys stored, so a bucket another pair took reads as unseen, never as that pair's
-    row), and as many cached as lists at most. A pass updates the arrays in one compiled
-    call; the engine steps on one thread, so requests sharing the table never update it at
-    the same time. A token (or pair) seen at several nodes of one pass keeps the last.
+    vocabulary bounds. With `pair_bits`, 2**pair_bits rows keyed by (previous token, token)
+    besides, allocated once (their keys stored, so a bucket another pair took reads as unseen,
+    never as that pair's row). A pass updates the arrays in one compiled call, and drafts walk
+    them in one compiled call a strategy's round (`walk`); the engine steps on one thread, so
+    requests sharing the table never update it at the same time. A token (or pair) seen at
+    several nodes of one pass keeps the last.
     """
 
     def __init__(self, top_k: int = SUCCESSORS, fallback: TableSlot | None = None, pair_bits: int = 0) -> None:
         self.top_k = top_k
         self.fallback = fallback
         self.successors = np.full((0, top_k), -1, dtype=np.int32)  # [rows, K]; -1: never observed
-        # rows read as lists, each kept until a pass observes its token (at most ~`CACHED_ROWS`):
-        # every strategy of every request follows the same few rows, and reading the numpy
-        # table a rank at a time took 30 of a k=4, w=4 round's 130 us of drafting; clearing
-        # them all at each pass left a k=8, w=8 recycled draft reading ~60 rows anew, and
-        # writing the observed rows through cost more than reading them when needed (2-core dev VM)
-        self._rows: dict[int, list[int]] = {}
         self.pair_bits = pair_bits
         self.pair_keys = np.full(1 << pair_bits if pair_bits else 0, -1, dtype=np.int64)  # (previous << 32) | token
         self.pair_successors = np.full((len(self.pair_keys), top_k), -1, dtype=np.int32)
-        self._pair_rows: dict[int, list[int]] = {}  # as `_rows`, for the pair rows, by key
         self.passes = 0  # passes observed
 
     @property
     def nbytes(self) -> int:
         return self.successors.nbytes + self.pair_keys.nbytes + self.pair_successors.nbytes
 
-    @property
-    def cached_rows(self) -> int:
-        """Rows kept as Python lists besides the arrays (bounded by `CACHED_ROWS` and a pass, each kind)."""
-        return len(self._rows) + len(self._pair_rows)
-
     def observe(self, passed: PassDistributions) -> None:
         self.passes += 1
         tokens = passed.node_tokens
         if len(tokens) == 0:
             return
-        token_list = tokens.tolist()
-        self._grow(max(token_list) + 1)  # rows for the tokens observed (a row's entries may be larger ids)
-        top = passed.top_ids[:, : self.top_k]  # [num_nodes, ≤K]
+        # rows for the tokens observed (a row's entries may be larger ids); a list's max, as
+        # numpy's reduction took ~20 us more just after the pass (2-core dev VM)
+        self._grow(max(tokens.tolist()) + 1)
         parents = passed.parent_tokens if self.pair_bits and passed.parent_tokens is not None else None
-        keys, evicted = _refresh(self.successors, tokens, top, parents, self.pair_keys, self.pair_successors,
-                                 self.pair_bits)
-        if len(self._rows) > CACHED_ROWS:
-            self._rows.clear()
-        for token in token_list:  # read these rows anew
-            self._rows.pop(token, None)
-        if parents is None:
-            return
-        cached = self._pair_rows
-        for key in evicted.tolist():  # pairs whose buckets this pass took over, or lost within it
-            cached.pop(key, None)
-        if len(cached) > CACHED_ROWS:
-            cached.clear()
-        # the next round's drafts step through the new pair rows first: read them as lists now
-        cached.update((key, row) for key, row in zip(keys.tolist(), top.tolist()) if key >= 0)
+        _refresh(self.successors, tokens, passed.top_ids[:, : self.top_k], parents, self.pair_keys,
+                 self.pair_successors, self.pair_bits)
 
     def row(self, token: int) -> list[int]:
-        """The candidates after `token`, best first (empty if neither table knows it)."""
-        row = self._rows.get(token)
-        if row is not None:
-            return row
-        if token < len(self.successors):
-            values = self.successors[token].tolist()
-            if values[0] >= 0:
-                row = self._rows[token] = [t for t in values if t >= 0]
-                return row
-        tables = self.fallback.tables if self.fallback is not None else None
-        if tables is not None and token < len(tables.bigram):
-            row = self._rows[token] = tables.successors(token, self.top_k)
-            return row
-        return []
+        """The candidates after `token`, best first (empty if neither table knows it): the
+        row a draft steps from where no pair row knows the last two tokens."""
+        if token < len(self.successors) and self.successors[token, 0] >= 0:
+            return [t for t in self.successors[token].tolist() if t >= 0]
+        fallback = self._fallback()
+        return fallback[token, : self.top_k].tolist() if token < len(fallback) else []
 
     def pair_row(self, previous: int, token: int) -> list[int]:
         """The candidates after `previous` then `token`, best first (empty if no pass saw the
         pair since another took its bucket, or the table keeps no pair rows)."""
-        key = previous << 32 | token
-        row = self._pair_rows.get(key)
-        if row is not None:
-            return row
-        row = []
-        if self.pair_bits and previous >= 0:
-            bucket = _bucket(previous, token, self.pair_bits)
-            if self.pair_keys[bucket] == key:
-                row = [t for t in self.pair_successors[bucket].tolist() if t >= 0]
-        if len(self._pair_rows) > CACHED_ROWS:
-            self._pair_rows.clear()
-        self._pair_rows[key] = row
-        return row
+        if not self.pair_bits or previous < 0:
+            return []
+        bucket = _bucket(previous, token, self.pair_bits)
+        if self.pair_keys[bucket] != previous << 32 | token:
+            return []
+        return [t for t in self.pair_successors[bucket].tolist() if t >= 0]
 
-    def follow(self, token: int, ranks: tuple[int, ...], previous: int = -1) -> tuple[int, ...]:
-        """The tokens after `token` (which `previous` preceded, -1: unknown) taking the
-        successor of each rank in turn, each from the row of the last two tokens where a pass
-        saw them, else from the last token's (shorter where a row runs out)."""
-        path, rows, pair_rows, pairs = [], self._rows, self._pair_rows, self.pair_bits > 0
-        for rank in ranks:  # the cached rows without a call: most steps
-            row = None
-            if pairs and previous >= 0:
-                row = pair_rows.get(previous << 32 | token)
-                if row is None:
-                    row = self.pair_row(previous, token)
-            if not row:
-                row = rows.get(token) or self.row(token)
-            if rank >= len(row):
-                break
-            previous, token = token, row[rank]
-            path.append(token)
-        return tuple(path)
+    def walk(self, starts: Sequence[tuple[int, int]], paths: np.ndarray,
+             depths: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+        """For each row of ranks in `paths` (its first `depths[i]` ranks; all where not given),
+        the tokens after its start (previous token, token; one start for every path, or one a
+        path; -1: no previous token) taking the successor of each rank in turn, each from the
+        pair row of the last two tokens where a pass saw them, else from the last token's row
+        (`row`), shorter where a row runs out. One compiled call for all the paths: stepping
+        through rows kept as Python lists (read anew after each pass that observed them) cost
+        ~25 us more of an auto round's ~300 us of candidates and ~95 us more at fixed k=8, w=8,
+        and keeping those lists current ~20 and ~130 us more of each pass's refresh (2-core
+        dev VM, docs/benchmarks.md, twenty-eighth session)."""
+        ends = np.array(starts, dtype=np.int64).reshape(-1, 2)
+        taken = np.array([paths.shape[1]] if depths is None else depths, dtype=np.int64)
+        out = np.empty(paths.shape, dtype=np.int64)
+        lengths = _walk(self.successors, self.pair_keys, self.pair_successors, self.pair_bits, self._fallback(),
+                        ends, paths, taken, out)
+        return [tuple(path[:n]) for path, n in zip(out.tolist(), lengths.tolist())]
+
+    def _fallback(self) -> np.ndarray:
+        tables = self.fallback.tables if self.fallback is not None else None
+        return tables.bigram if tables is not None else _NO_FALLBACK
 
     def _grow(self, rows: int) -> None:
         if rows > len(self.successors):
@@ -169,8 +132,8 @@ _MIX_PREVIOUS, _MIX_TOKEN = 0x5BD1E995, 0x7FEB352D  # odd multipliers below 2**3
 
 def _bucket(previous: int, token: int, bits: int) -> int:
     """The bucket of the pair (previous, token): token ids below 2**32 keep every product
-    below 2**63 (so numba's int64 arithmetic in `_refresh` agrees with Python's), and the bits
-    taken from the middle of the products depend on all the low 31 bits of both ids."""
+    below 2**63 (so numba's int64 arithmetic in `_refresh` and `_walk` agrees with Python's),
+    and the bits taken from the middle of the products depend on all the low 31 bits of both ids."""
     return ((previous * _MIX_PREVIOUS ^ token * _MIX_TOKEN) >> 15) & ((1 << bits) - 1)
 
 
@@ -181,46 +144,66 @@ _bucket_compiled = njit(cache=True, inline="always")(_bucket)
 def _refresh(successors, tokens, top, parents, pair_keys, pair_successors, bits):  # pragma: no cover - compiled
     """One pass's refresh of the arrays, in one compiled call: each node's top candidates
     become its token's row and, where `parents` is given, the row of (its parent's token, its
-    token), which takes the pair's bucket over (the rest of a shorter row set to -1). Returns
-    each node's pair key (-1: none) and the keys whose rows the cached lists must drop: the
-    pairs whose buckets were taken over, and a pair that lost its bucket to a later node of
-    this pass. As numpy calls, ~20 of them, the refresh took ~165 us of a k=4, w=4 step whose
-    whole drafting took ~820 (2-core dev VM, just after the pass: every call ran cold); this
-    call and the cached lists' upkeep take ~100 (k=8, w=8: ~250 -> ~170)."""
+    token), which takes the pair's bucket over (the rest of a shorter row set to -1). As numpy
+    calls, ~20 of them, the refresh took ~165 us of a k=4, w=4 step whose whole drafting took
+    ~820 (2-core dev VM, just after the pass: every call ran cold)."""
     n, width = top.shape
     for i in range(n):
         successors[tokens[i], :width] = top[i]
-    keys = np.full(n, -1, np.int64)
     if parents is None:
-        return keys, np.empty(0, np.int64)
-    evicted = np.full(2 * n, -1, np.int64)
-    buckets = np.zeros(n, np.int64)
+        return
     for i in range(n):
         if parents[i] < 0:  # the root of a one-token context has no previous token
             continue
         bucket = _bucket_compiled(np.int64(parents[i]), np.int64(tokens[i]), bits)
-        buckets[i] = bucket
-        keys[i] = np.int64(parents[i]) << 32 | np.int64(tokens[i])
-        evicted[i] = pair_keys[bucket]
-        pair_keys[bucket] = keys[i]
+        pair_keys[bucket] = np.int64(parents[i]) << 32 | np.int64(tokens[i])
         pair_successors[bucket, :width] = top[i]
         pair_successors[bucket, width:] = -1
-    for i in range(n):  # of pairs sharing a bucket in this pass, the last keeps it
-        if keys[i] >= 0 and pair_keys[buckets[i]] != keys[i]:
-            evicted[n + i] = keys[i]
-            keys[i] = -1
-    return keys, evicted
 
 
-def compile_refresh() -> None:
-    """Compile (or load from numba's cache) `_refresh` for the arrays the engine hands over,
-    with pair rows and without, so that no request's first pass waits for it (~3 s the first
-    time on the 2-core dev VM, ~0.3 s from the cache)."""
+@njit(cache=True, nogil=True)
+def _walk(successors, pair_keys, pair_successors, bits, fallback, starts, paths, depths, out):  # pragma: no cover - compiled
+    """`SuccessorTable.walk` on the arrays (`starts` and `depths`: one for all paths, or one a
+    path): out[i, :lengths[i]] are path i's tokens."""
+    count = paths.shape[0]
+    lengths = np.zeros(count, np.int64)
+    for i in range(count):
+        start = i if starts.shape[0] > 1 else 0
+        previous, token = starts[start, 0], starts[start, 1]
+        for j in range(min(depths[i if depths.shape[0] > 1 else 0], paths.shape[1])):
+            rank = paths[i, j]
+            following = np.int64(-1)
+            paired = False
+            if bits > 0 and previous >= 0:
+                bucket = _bucket_compiled(previous, token, bits)
+                if pair_keys[bucket] == previous << 32 | token:
+                    paired = True
+                    if rank < pair_successors.shape[1]:
+                        following = np.int64(pair_successors[bucket, rank])
+            if not paired:
+                if token < successors.shape[0] and successors[token, 0] >= 0:
+                    if rank < successors.shape[1]:
+                        following = np.int64(successors[token, rank])
+                elif token < fallback.shape[0] and rank < fallback.shape[1]:
+                    following = np.int64(fallback[token, rank])
+            if following < 0:
+                break
+            out[i, j] = following
+            lengths[i] = j + 1
+            previous, token = token, following
+    return lengths
+
+
+def compile_table_kernels() -> None:
+    """Compile (or load from numba's cache) `_refresh` and `_walk` for the arrays the engine
+    and the strategies hand over, with pair rows and without, so that no request's first
+    round waits for them (~3 s the first time on the 2-core dev VM, ~0.3 s from the cache)."""
     tokens, top = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
     table = SuccessorTable(top_k=1, pair_bits=1)
     table._grow(1)
     for parents in (tokens, None):
         _refresh(table.successors, tokens, top, parents, table.pair_keys, table.pair_successors, 1)
+    table.walk([(-1, 0)], np.zeros((1, 1), dtype=np.int64), [1])
 
 
 @lru_cache(maxsize=64)
@@ -249,6 +232,13 @@ def rank_paths(k: int, w: int, prior: tuple[float, ...] = RANK_PRIOR) -> tuple[t
     return tuple(paths)
 
 
+@lru_cache(maxsize=64)
+def _rank_path_array(k: int, w: int) -> np.ndarray:
+    """`rank_paths(k, w)` as the [k, w] array `SuccessorTable.walk` takes."""
+    paths = rank_paths(k, w)
+    return np.array(paths, dtype=np.int64) if paths else np.zeros((0, 0), dtype=np.int64)
+
+
 def _gain(path: tuple[int, ...], nodes: set[tuple[int, ...]], prior: tuple[float, ...]) -> float:
     """Expected accepted nodes `path` adds to the tree of `nodes`."""
     gain, chance = 0.0, 1.0
@@ -272,11 +262,13 @@ class Recycled:
     name: str = "recycled"
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        paths = _rank_path_array(k, w)
+        if not len(paths):
+            return []
+        previous = history.token_ids[-2] if len(history) > 1 else -1
         drafts: list[Draft] = []
         seen: set[tuple[int, ...]] = set()
-        previous = history.token_ids[-2] if len(history) > 1 else -1
-        for rank, ranks in enumerate(rank_paths(k, w)):
-            tokens = self.table.follow(history.last_token, ranks, previous)
+        for rank, tokens in enumerate(self.table.walk([(previous, history.last_token)], paths)):
             if tokens and tokens not in seen:
                 seen.add(tokens)
                 drafts.append(Draft(tokens, self.name, rank))

@@ -8,7 +8,7 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafting import Strategy, TableSlot, compile_refresh, default_mixer
+from drafting import Strategy, TableSlot, compile_table_kernels, default_mixer
 from drafting.suffix import DEFAULT_CAPACITY
 from service.async_engine import AsyncEngine
 from service.engine import Engine, StepStats
@@ -58,7 +58,7 @@ def warm_up(
     then, for as long as the server runs, a new profile whenever live pass times drift from
     it (yields False while there is nothing to do). First the successor tables' compiled
     refresh, which every pass of a request drafting from them runs."""
-    compile_refresh()
+    compile_table_kernels()
     yield None
     if profile:
         engine.profile = load_saved(engine.runner, cache_dir)

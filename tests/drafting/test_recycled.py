@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from drafting import Draft, ModelTables, PassDistributions, Recycled, SuccessorTable, TableSlot, TokenHistory, rank_paths
-from drafting.recycled import CACHED_ROWS, GROWTH
+from drafting.recycled import GROWTH
+
+
+def follow(table: SuccessorTable, token: int, ranks: tuple[int, ...], previous: int = -1) -> tuple[int, ...]:
+    """One path of ranks walked from `token` (after `previous`)."""
+    return table.walk([(previous, token)], np.array([ranks], dtype=np.int64))[0]
 
 
 def passed(node_tokens: list[int], top_ids: list[list[int]], stop_node: int = 0) -> PassDistributions:
@@ -51,22 +56,13 @@ def test_rows_read_before_a_pass_are_read_anew_after_it() -> None:
     assert table.row(2) == [2, 0] and table.successors[2].tolist() == [2, 0]
 
 
-def test_the_rows_kept_as_lists_are_bounded() -> None:
-    table = SuccessorTable(top_k=2)
-    for start in range(0, 3 * CACHED_ROWS, 512):
-        tokens = np.arange(start, start + 512)
-        table.observe(PassDistributions(tokens, np.stack([tokens + 1, tokens + 2], axis=1), 0))
-        assert [table.row(t) for t in tokens.tolist()] == [[t + 1, t + 2] for t in tokens.tolist()]
-        assert table.cached_rows <= CACHED_ROWS + 512  # read rows are kept, but not all of them
-
-
 def test_follow_takes_one_successor_per_rank_and_stops_where_a_row_runs_out() -> None:
     table = SuccessorTable(top_k=2)
     table.observe(passed([1, 2, 3], [[2, 3], [3, 1], [1, 2]]))
-    assert table.follow(1, (0, 0, 0)) == (2, 3, 1)
-    assert table.follow(1, (1, 1)) == (3, 2)
-    assert table.follow(1, (0, 2)) == (2,)  # rank 2 of a 2-wide row does not exist
-    assert table.follow(7, (0,)) == ()
+    assert follow(table, 1, (0, 0, 0)) == (2, 3, 1)
+    assert follow(table, 1, (1, 1)) == (3, 2)
+    assert follow(table, 1, (0, 2)) == (2,)  # rank 2 of a 2-wide row does not exist
+    assert follow(table, 7, (0,)) == ()
 
 
 @pytest.mark.parametrize(
@@ -105,11 +101,11 @@ def test_pair_rows_hold_what_followed_two_tokens_and_come_before_the_tokens_own_
     # after (0, 1): 2; after (1, 2): 3; after (5, 2): 4 — so the row of 2 alone holds 4 (the last)
     table.observe(with_parents([1, 2, 2], [0, 1, 5], [[2, 9], [3, 9], [4, 9]]))
     assert table.pair_row(1, 2) == [3, 9] and table.pair_row(5, 2) == [4, 9] and table.row(2) == [4, 9]
-    assert table.follow(2, (0,), previous=1) == (3,)  # the pair knows better than the token alone
-    assert table.follow(2, (0,), previous=5) == (4,)
-    assert table.follow(2, (0,), previous=7) == (4,)  # a pair never seen: the token's own row
-    assert table.follow(0, (0, 0, 0), previous=-1) == ()  # 0 alone was never a node
-    assert table.follow(1, (0, 0), previous=0) == (2, 3)  # each step from the newest two tokens
+    assert follow(table, 2, (0,), previous=1) == (3,)  # the pair knows better than the token alone
+    assert follow(table, 2, (0,), previous=5) == (4,)
+    assert follow(table, 2, (0,), previous=7) == (4,)  # a pair never seen: the token's own row
+    assert follow(table, 0, (0, 0, 0), previous=-1) == ()  # 0 alone was never a node
+    assert follow(table, 1, (0, 0), previous=0) == (2, 3)  # each step from the newest two tokens
     # the recycled strategy steps from the history's newest two tokens
     assert Recycled(table).propose(TokenHistory([1, 2]), 1, 1) == [Draft((3,), "recycled", 0)]
     assert Recycled(table).propose(TokenHistory([5, 2]), 1, 1) == [Draft((4,), "recycled", 0)]
@@ -138,7 +134,7 @@ def test_a_narrower_pass_leaves_no_entry_of_the_pair_that_held_the_bucket() -> N
 def test_a_table_without_pair_rows_ignores_the_parents() -> None:
     table = SuccessorTable(top_k=2)  # Token Recycling's: rows keyed by one token
     table.observe(with_parents([1, 2, 2], [0, 1, 5], [[2, 9], [3, 9], [4, 9]]))
-    assert table.pair_row(1, 2) == [] and table.follow(2, (0,), previous=1) == (4,)
+    assert table.pair_row(1, 2) == [] and follow(table, 2, (0,), previous=1) == (4,)
     assert table.nbytes == GROWTH * 2 * 4
 
 
@@ -157,3 +153,37 @@ def test_pair_rows_take_fixed_memory_and_a_bucket_holds_only_its_newest_pair() -
         assert 1 <= sum(1 for row in known.values() if row) <= 4
         assert known[parents[-1].item(), tokens[-1].item()] == top[-1].tolist()  # the last written stays
     assert table.pair_keys.nbytes + table.pair_successors.nbytes == pair_bytes == 4 * 8 + 4 * 2 * 4
+
+
+def test_a_walk_steps_row_by_row_from_each_paths_start() -> None:
+    """The compiled walk against stepping through `pair_row` and `row` by hand: random passes
+    over a small vocabulary (pair buckets shared, some tokens only the fallback knows), starts
+    at seen pairs and at others, paths cut short."""
+    rng = np.random.default_rng(1)
+    bigram = rng.integers(0, 12, size=(12, 3)).astype(np.uint32)
+    table = SuccessorTable(top_k=3, fallback=TableSlot(ModelTables(np.array([0], dtype=np.uint32), bigram)), pair_bits=3)
+    seen = []
+    for _ in range(5):
+        nodes, parents = rng.integers(0, 10, size=(2, 6))  # tokens 10 and 11: the fallback's alone
+        table.observe(with_parents(nodes.tolist(), parents.tolist(), rng.integers(0, 12, size=(6, 3)).tolist()))
+        seen += zip(parents.tolist(), nodes.tolist())
+    others = np.stack([rng.integers(-1, 12, size=30), rng.integers(0, 12, size=30)], axis=1).tolist()  # -1: no previous
+    starts = [list(pair) for pair in seen] + others
+    paths = rng.integers(0, 3, size=(len(starts), 5))
+    depths = rng.integers(0, 6, size=len(starts)).tolist()
+    assert sum(1 for p, t in starts if table.pair_row(p, t)) >= 5  # pair rows are walked from
+
+    def by_hand(previous: int, token: int, ranks: list[int]) -> tuple[int, ...]:
+        path: list[int] = []
+        for rank in ranks:
+            row = table.pair_row(previous, token) or table.row(token)
+            if rank >= len(row):
+                break
+            previous, token = token, row[rank]
+            path.append(token)
+        return tuple(path)
+
+    walked = table.walk(starts, paths, depths)
+    assert walked == [by_hand(p, t, ranks[:d]) for (p, t), ranks, d in zip(starts, paths.tolist(), depths)]
+    assert any(len(path) == 5 for path in walked) and any(0 < len(path) < 5 for path in walked)
+    assert table.walk([starts[0]], paths) == [by_hand(*starts[0], ranks) for ranks in paths.tolist()]  # one start for all
