@@ -74,7 +74,7 @@ class SuccessorTable:
         if len(tokens) == 0:
             return
         # rows for the tokens observed (a row's entries may be larger ids); a list's max, as
-        # numpy's reduction took ~20 us more just after the pass (2-core dev VM)
+        # numpy's reduction took ~20-40 us more just after the pass (2-core dev VM)
         self._grow(max(tokens.tolist()) + 1)
         parents = passed.parent_tokens if self.pair_bits and passed.parent_tokens is not None else None
         _refresh(self.successors, tokens, passed.top_ids[:, : self.top_k], parents, self.pair_keys,
@@ -107,7 +107,7 @@ class SuccessorTable:
         (`row`), shorter where a row runs out. One compiled call for all the paths: stepping
         through rows kept as Python lists (read anew after each pass that observed them) cost
         ~25 us more of an auto round's ~300 us of candidates and ~95 us more at fixed k=8, w=8,
-        and keeping those lists current ~20 and ~130 us more of each pass's refresh (2-core
+        and each pass's refresh, which kept those lists current, ~20 and ~130 us more (2-core
         dev VM, docs/benchmarks.md, twenty-eighth session)."""
         ends = np.array(starts, dtype=np.int64).reshape(-1, 2)
         taken = np.array([paths.shape[1]] if depths is None else depths, dtype=np.int64)
