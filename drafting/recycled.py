@@ -100,15 +100,15 @@ class SuccessorTable:
 
     def walk(self, starts: Sequence[tuple[int, int]], paths: np.ndarray,
              depths: Sequence[int] | None = None) -> list[tuple[int, ...]]:
-        """For each row of ranks in `paths` (its first `depths[i]` ranks; all where not given),
-        the tokens after its start (previous token, token; one start for every path, or one a
-        path; -1: no previous token) taking the successor of each rank in turn, each from the
-        pair row of the last two tokens where a pass saw them, else from the last token's row
-        (`row`), shorter where a row runs out. One compiled call for all the paths: stepping
-        through rows kept as Python lists (read anew after each pass that observed them) cost
-        ~25 us more of an auto round's ~300 us of candidates and ~95 us more at fixed k=8, w=8,
-        and each pass's refresh, which kept those lists current, ~20 and ~130 us more (2-core
-        dev VM, docs/benchmarks.md, twenty-eighth session)."""
+        """For each row of ranks (≥ 0) in `paths` (its first `depths[i]` ranks; all where not
+        given), the tokens after its start (previous token, token; one start for every path, or
+        one a path; -1: no previous token) taking the successor of each rank in turn, each from
+        the pair row of the last two tokens where a pass saw them, else from the last token's
+        row (`row`), shorter where a row runs out. One compiled call for all the paths:
+        stepping through rows kept as Python lists (read anew after each pass that observed
+        them) cost ~25 us more of an auto round's ~300 us of candidates and ~95 us more at
+        fixed k=8, w=8, and each pass's refresh, which kept those lists current, ~20 and ~130
+        us more (2-core dev VM, docs/benchmarks.md, twenty-eighth session)."""
         ends = np.array(starts, dtype=np.int64).reshape(-1, 2)
         taken = np.array([paths.shape[1]] if depths is None else depths, dtype=np.int64)
         out = np.empty(paths.shape, dtype=np.int64)

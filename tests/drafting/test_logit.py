@@ -19,6 +19,7 @@ def test_runner_ups_start_branches_continued_by_the_successor_table() -> None:
     history.hints = (3, 5, 8)  # the pass chose 3 (the newest token); 5 and 8 were next likeliest
     drafts = LogitHints(table()).propose(history, 4, 3)
     assert drafts == [Draft((5, 6, 7), "logit", 0), Draft((8, 9, 8), "logit", 1)]
+    assert LogitHints(table()).propose(history, 4, 1) == [Draft((5,), "logit", 0), Draft((8,), "logit", 1)]  # guesses alone
 
 
 def test_the_context_continues_a_guess_it_has_seen_after_the_same_tokens() -> None:
