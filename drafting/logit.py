@@ -46,8 +46,10 @@ class LogitHints:
     @staticmethod
     def _found(history: TokenHistory, contexts: list[tuple[int, ...]], guess: int, length: int) -> tuple[int, ...]:
         """Up to `length` tokens of the text that followed the newest occurrence of the longest
-        matching context + `guess` (none where no context matches)."""
-        if length <= 0:
+        matching context + `guess` (none where no context matches). A longer context + guess
+        occurs only where the newest token + guess does, and most guesses never followed the
+        newest token: that pair is looked up first, one lookup instead of three for them."""
+        if length <= 0 or not contexts or not history.follows((*contexts[-1], guess), most_recent=1):
             return ()
         for context in contexts:
             starts = history.follows((*context, guess), most_recent=1)

@@ -197,7 +197,7 @@ def _walk(successors, pair_keys, pair_successors, bits, fallback, starts, paths,
 def compile_table_kernels() -> None:
     """Compile (or load from numba's cache) `_refresh` and `_walk` for the arrays the engine
     and the strategies hand over, with pair rows and without, so that no request's first
-    round waits for them (~3 s the first time on the 2-core dev VM, ~0.3 s from the cache)."""
+    round waits for them (~3.6 s the first time on the 2-core dev VM, ~0.3 s from the cache)."""
     tokens, top = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
     table = SuccessorTable(top_k=1, pair_bits=1)
     table._grow(1)
