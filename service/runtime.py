@@ -57,7 +57,7 @@ def warm_up(
     """The warm-up as increments: the cost profile, then the model tables;
     then, for as long as the server runs, a new profile whenever live pass times drift from
     it (yields False while there is nothing to do). First the successor tables' compiled
-    refresh, which every pass of a request drafting from them runs."""
+    refresh and walk, which every round of a request drafting from them runs."""
     compile_table_kernels()
     yield None
     if profile:
