@@ -2,7 +2,8 @@
 
 Methods are interleaved per prompt (and their order alternates) because shared machines
 drift; every ratio is measured side by side in one run. Greedy decoding, so the two outputs
-must be token-identical, and the table says whether they were.
+must be token-identical, and the table says whether they were — or, in reduced precision,
+whether they parted only at a near tie of the two tokens' logits (`service/near_ties.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from service.config import GenerationParams, SamplingParams, SpeculationParams
 from service.engine import Completion, Engine, RoundOutput
+from service.near_ties import Parting, parting
 from service.prompts import chat_prompt_ids
 
 
@@ -96,6 +98,7 @@ class CategoryResult:
     category: str
     prompts: int = 0
     identical: int = 0
+    near_ties: int = 0  # greedy answers that differ, first at a near tie of two tokens' logits
     plain: MethodTotals = field(default_factory=MethodTotals)
     speculative: MethodTotals = field(default_factory=MethodTotals)
 
@@ -163,7 +166,7 @@ def run_bench(
     prompts: Iterable[BenchPrompt],
     methods: dict[str, tuple[str, SpeculationParams]],
     max_new_tokens: int,
-    progress: Callable[[BenchPrompt, Completion, dict[str, Completion]], None] | None = None,
+    progress: Callable[[BenchPrompt, Completion, dict[str, Completion], dict[str, Parting]], None] | None = None,
     sampling: SamplingParams = SamplingParams(),
     new_engine: Callable[[], Engine] | None = None,
     references: dict[str, Decoder] | None = None,
@@ -179,6 +182,9 @@ def run_bench(
     `references` are other decoders given the plain parameters (e.g. llama.cpp's greedy
     decoding of the same GGUF): their rows compare them with plain decoding, and `identical`
     then counts agreement, not losslessness.
+    A greedy answer that differs is looked at where it first does (`near_ties.parting`, one
+    more pass over the prompt and the common part): `progress` gets each such parting, and
+    `near_ties` counts those at a near tie.
     Returns, per method, its per-category totals (the plain ones shared) and an `overall`.
     """
     params = {"plain": GenerationParams(max_new_tokens=max_new_tokens, sampling=sampling)} | {
@@ -196,21 +202,36 @@ def run_bench(
         shift = index % len(order)
         done = {name: engines[name].complete(prompt.prompt_ids, params[name]) for name in order[shift:] + order[:shift]}
         plain = done.pop("plain")
+        partings = _partings(engine, prompt, plain, done) if sampling.greedy else {}
         for name, spec in done.items():
             for key in (prompt.category, "overall"):
                 result = results[name].setdefault(key, CategoryResult(key))
                 result.prompts += 1
                 result.identical += plain.token_ids == spec.token_ids
+                result.near_ties += name in partings and partings[name].near_tie
                 result.plain.add(plain)
                 result.speculative.add(spec)
         if progress is not None:
-            progress(prompt, plain, done)
+            progress(prompt, plain, done, partings)
     return {name: _overall_last(by_category) for name, by_category in results.items()}
+
+
+def _partings(engine: Engine, prompt: BenchPrompt, plain: Completion, answers: dict[str, Completion]) -> dict[str, Parting]:
+    """Where each greedy answer that differs from plain decoding's first parts from it."""
+    found = {name: parting(engine.runner.model, prompt.prompt_ids, plain.token_ids, answer.token_ids)
+             for name, answer in answers.items()}
+    return {name: parted for name, parted in found.items() if parted is not None}
 
 
 def _overall_last(by_category: dict[str, CategoryResult]) -> list[CategoryResult]:
     overall = by_category.pop("overall", None)
     return [*by_category.values(), *([overall] if overall else [])]
+
+
+def parted_beyond_near_ties(results: dict[str, list[CategoryResult]]) -> list[str]:
+    """The methods with an answer that differs from plain decoding other than at a near tie:
+    a lossless method has none."""
+    return [name for name, rows in results.items() if any(r.identical + r.near_ties != r.prompts for r in rows)]
 
 
 def format_summary(results: dict[str, list[CategoryResult]]) -> str:
@@ -237,7 +258,7 @@ def format_table(results: list[CategoryResult]) -> str:
         f"| {r.speculative.tokens_per_pass:.2f} "
         f"| {r.speculative.accepted_tokens}/{r.speculative.draft_tokens} "
         f"| {shares_text(r.speculative.strategy_shares())} | {r.speculative.draft_share:.1%} "
-        f"| {r.identical}/{r.prompts} |"
+        f"| {r.identical}/{r.prompts}{f' (+{r.near_ties} at near ties)' if r.near_ties else ''} |"
         for r in results
     ]
     return "\n".join([header, *rows])
