@@ -11,11 +11,11 @@ common part of the answers, and measures the two tokens' gap in units in the las
 of the logits' own dtype at their magnitude.
 
 A gap of at most `NEAR_TIE_ULPS` counts as a near tie: twice the widest parting measured. On
-the dev CPU's bf16 path (embedded model, 13 Spec-Bench prompts x 128 tokens, fixed k=8, w=8)
-11 answers parted from plain decoding, every one at a gap of 0 or 1 ulp (0.125 or 0.25 at
-logits of 15-36); an earlier bf16 test run saw one at 2 ulps (0.25 at 16.5). A defect (a node
-that attends to the wrong tokens) moves logits by far more; in float32 a few ulps are ~1e-6 of
-a logit, which no defect hides in. The engine's tests hold speculative answers to the same rule
+the dev CPU's bf16 path (embedded model, 13 Spec-Bench prompts x 128 tokens, fixed k=8, w=8
+and auto) 20 answers parted from plain decoding, each at a gap of 0, 1 or 2 ulps (0 to 0.25
+at logits of 15-36, where an ulp is 0.0625-0.25); an earlier bf16 test run saw one at 2 ulps
+(0.25 at 16.5). A defect (a node that attends to the wrong tokens) moves logits by far more;
+in float32 a few ulps are ~1e-6 of a logit, which no defect hides in. The engine's tests hold speculative answers to the same rule
 (`tests/service/test_embedded_lossless.py`).
 """
 
