@@ -21,6 +21,7 @@ in float32 a few ulps are ~1e-6 of a logit, which no defect hides in. The engine
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,6 +83,7 @@ def ulp(magnitude: float, dtype: torch.dtype) -> float:
 def next_token_logits(model: PreTrainedModel, token_ids: Sequence[int]) -> torch.Tensor:
     """The model's logits after `token_ids` ([vocab], its own dtype), from one pass through
     transformers' forward on an empty cache: the engine's rows, caches and recorded passes stay
-    untouched."""
+    untouched. Only the last position's logits where the model can keep just those."""
     input_ids = torch.tensor([list(token_ids)], device=model.device)
-    return model(input_ids, logits_to_keep=1).logits[0, -1]
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    return model(input_ids, **last_only).logits[0, -1]

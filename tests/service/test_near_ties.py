@@ -14,7 +14,7 @@ from service.bench import BenchPrompt, parted_beyond_near_ties, run_bench
 from service.config import GenerationParams, SamplingParams
 from service.engine import Completion, Engine
 from service.model_runner import ModelRunner
-from service.near_ties import NEAR_TIE_ULPS, first_difference, gap_ulps, ulp
+from service.near_ties import NEAR_TIE_ULPS, first_difference, gap_ulps, next_token_logits, ulp
 from tests.conftest import TINY_VOCAB, make_tiny_model
 
 
@@ -40,6 +40,31 @@ def test_the_gap_of_two_logits_in_ulps_of_their_dtype() -> None:
     assert gap_ulps(logits, 0, 1) == 1.0
     assert gap_ulps(logits, 1, 3) == 53 * 8  # far apart
     assert gap_ulps(logits, 0, 2) > NEAR_TIE_ULPS
+
+
+class WithoutLogitsToKeep(torch.nn.Module):
+    """A causal LM whose forward takes the input ids alone (no `logits_to_keep`)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
+    def forward(self, input_ids: torch.Tensor):
+        return self.inner(input_ids)
+
+
+def test_the_next_token_logits_whether_or_not_the_model_can_keep_the_last_only() -> None:
+    model = make_tiny_model(seed=2)
+    ids = [5, 9, 13, 2, 7]
+    logits = next_token_logits(model, ids)
+    assert logits.shape == (TINY_VOCAB,)
+    torch.testing.assert_close(next_token_logits(WithoutLogitsToKeep(model), ids), logits)
+    with torch.no_grad():
+        torch.testing.assert_close(model(torch.tensor([ids], device=model.device)).logits[0, -1], logits)
 
 
 class FirstTokenSwapped:
