@@ -15,8 +15,8 @@ the dev CPU's bf16 path (embedded model, 13 Spec-Bench prompts x 128 tokens, fix
 and auto) 20 answers parted from plain decoding, each at a gap of 0, 1 or 2 ulps (0 to 0.25
 at logits of 15-36, where an ulp is 0.0625-0.25); an earlier bf16 test run saw one at 2 ulps
 (0.25 at 16.5). A defect (a node that attends to the wrong tokens) moves logits by far more;
-in float32 a few ulps are ~1e-6 of a logit, which no defect hides in. The engine's tests hold speculative answers to the same rule
-(`tests/service/test_embedded_lossless.py`).
+in float32 a few ulps are ~1e-6 of a logit, which no defect hides in. The engine's tests hold
+speculative answers to the same rule (`tests/service/test_embedded_lossless.py`).
 """
 
 from __future__ import annotations
