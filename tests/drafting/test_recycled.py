@@ -49,7 +49,7 @@ def test_unobserved_rows_fall_back_to_the_model_bigram_table() -> None:
 def test_rows_read_before_a_pass_are_read_anew_after_it() -> None:
     bigram = np.array([[1, 2], [2, 0], [0, 1]], dtype=np.uint32)
     table = SuccessorTable(top_k=2, fallback=TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram)))
-    assert table.row(2) == [0, 1]  # the fallback's row, read (and kept) before any pass
+    assert table.row(2) == [0, 1]  # before any pass: the fallback's row
     table.observe(passed([2, 2], [[1, 1], [1, 0]]))  # a token at two nodes keeps the last
     assert table.row(2) == [1, 0]
     table.observe(passed([2], [[2]]))  # a narrower pass: the row's tail stays
