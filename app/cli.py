@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 from app.loadtest import MODES as LOAD_MODES
 from app.settings import Settings
 from drafting import MIXED, STRATEGY_NAMES
-from service.config import SamplingParams
-from service.model_loader import DEFAULT_CACHE_DIR
-from service.packed_linear import QUANTIZATIONS
-from service.step_bench import REQUESTS_PER_SLOT
+from service.engine.params import SamplingParams
+from service.model.loader import DEFAULT_CACHE_DIR
+from service.kernels.packed_linear import QUANTIZATIONS
+from service.bench.step_bench import REQUESTS_PER_SLOT
 
 if TYPE_CHECKING:
-    from service.near_ties import Parting
+    from service.bench.near_ties import Parting
 
 
 def _settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -68,9 +68,9 @@ def _prepare(args: argparse.Namespace) -> None:
     """Convert the model and compute its tables into the cache `serve` will read (an image bakes them);
     when the quantization resolves to gguf, also the packed tiles and the compiled numba kernels
     (`<cache>/numba`), so a server with the same settings starts without compiling."""
-    from service.model_loader import load_model
-    from service.model_tables import load_or_compute_tables
-    from service.prompts import assistant_prefix_ids
+    from service.model.loader import load_model
+    from service.model.tables import load_or_compute_tables
+    from service.model.prompts import assistant_prefix_ids
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = Settings()  # unset flags fall back to NGRAMMYS_*, as `serve` reads them
@@ -85,10 +85,10 @@ def _prepare(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
-    from service import bench
-    from service.draft_model import load_drafters
-    from service.model_loader import load_model
-    from service.near_ties import NEAR_TIE_ULPS
+    from service.bench import specbench as bench
+    from service.model_drafts.draft_model import load_drafters
+    from service.model.loader import load_model
+    from service.bench.near_ties import NEAR_TIE_ULPS
     from service.runtime import build_engine, build_engine_with_tables
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -134,7 +134,7 @@ def _bench(args: argparse.Namespace) -> None:
 
     references = _llama_cpp(args, engine) if args.llama_cpp else {}
     if args.hf_generate:
-        from service.hf_generate_reference import hf_references
+        from service.bench.hf_generate_reference import hf_references
 
         if args.temperature > 0:
             sys.exit("ngrammys bench: --hf-generate compares greedy decoding")
@@ -176,8 +176,8 @@ def _llama_cpp(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
     """`--llama-cpp`: llama.cpp's greedy decoding of the bench's own GGUF, same threads."""
     import torch
 
-    from service.llama_cpp_reference import LLAMA_CPP, LlamaCppGreedy
-    from service.model_loader import embedded_gguf_path
+    from service.bench.llama_cpp_reference import LLAMA_CPP, LlamaCppGreedy
+    from service.model.loader import embedded_gguf_path
 
     path = Path(args.model) if args.model else embedded_gguf_path()
     if path.suffix != ".gguf" or args.temperature > 0:
@@ -191,8 +191,9 @@ def _llama_cpp(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
 def _workload(loaded: Any, args: argparse.Namespace) -> None:
     """`--task`: one task over many inputs, requests in order; each strategy with and without
     the suffix index (each on its own engine), against plain decoding."""
-    from service import bench, workload
-    from service.config import GenerationParams, SpeculationParams
+    from service.bench import specbench as bench
+    from service.bench import workload
+    from service.engine.params import GenerationParams, SpeculationParams
     from service.runtime import build_engine_with_tables
 
     questions = bench.specbench_questions(args.dataset, args.per_category, args.category)
@@ -217,8 +218,8 @@ def _workload(loaded: Any, args: argparse.Namespace) -> None:
 
 
 def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: SamplingParams) -> None:
-    from service import bench
-    from service.config import GenerationParams, SpeculationParams
+    from service.bench import specbench as bench
+    from service.engine.params import GenerationParams, SpeculationParams
 
     params = GenerationParams(args.max_new_tokens, speculation=SpeculationParams(args.k, args.w, "auto"),
                               strategy=args.strategy[0], sampling=sampling)
@@ -233,11 +234,11 @@ def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: 
 
 def _steps(args: argparse.Namespace) -> None:
     """`ngrammys steps`: the engine's steps in process, speculation off against auto."""
-    from service import step_bench
-    from service.bench import load_specbench
-    from service.model_loader import load_model
+    from service.bench import step_bench
+    from service.bench.specbench import load_specbench
+    from service.model.loader import load_model
     from service.runtime import build_engine, build_engine_with_tables
-    from service.scheduler import SchedulerConfig
+    from service.engine.scheduler import SchedulerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
@@ -262,10 +263,10 @@ def _steps(args: argparse.Namespace) -> None:
 
 
 def _profile(args: argparse.Namespace) -> None:
-    from service.heatmap import write_heatmap
-    from service.model_loader import load_model, random_model
-    from service.model_runner import ModelRunner
-    from service.profiler import load_or_measure
+    from service.controller.heatmap import write_heatmap
+    from service.model.loader import load_model, random_model
+    from service.model.runner import ModelRunner
+    from service.controller.profiler import load_or_measure
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.random_weights:
@@ -315,7 +316,7 @@ def _loadtest(args: argparse.Namespace) -> None:
 
     from app import loadtest
     from app.background import serving_process
-    from service.bench import specbench_questions
+    from service.bench.specbench import specbench_questions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table

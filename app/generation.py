@@ -15,11 +15,11 @@ from typing import Any, Literal
 from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
 from app.schemas import Usage, completion_body
-from service.async_engine import AsyncEngine, RequestHandle, RequestTimeout
-from service.engine import RoundOutput
-from service.detokenizer import TextStream
-from service.logprobs import TokenLogprob
-from service.stats import SpecDecodingStats
+from service.engine.async_engine import AsyncEngine, RequestHandle, RequestTimeout
+from service.engine.engine import RoundOutput
+from service.engine.detokenizer import TextStream
+from service.engine.logprobs import TokenLogprob
+from service.engine.stats import SpecDecodingStats
 
 Kind = Literal["text_completion", "chat.completion"]
 

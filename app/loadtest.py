@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from service.bench import Question
+from service.bench.specbench import Question
 
 MODES = ("off", "auto")
 

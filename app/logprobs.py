@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from service.logprobs import TokenLogprob
+from service.engine.logprobs import TokenLogprob
 
 # JSON has no -Infinity; a token the model gives no probability at all (float underflow) is
 # reported at this floor instead, as vLLM does.

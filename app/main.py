@@ -21,8 +21,8 @@ from app.metrics import router as metrics_router
 from app.routes import health, openai
 from app.schemas import STREAM_MODELS
 from app.settings import Settings
-from service.draft_model import load_drafters
-from service.model_loader import LoadedModel, load_model
+from service.model_drafts.draft_model import load_drafters
+from service.model.loader import LoadedModel, load_model
 from service.runtime import Runtime
 
 log = logging.getLogger(__name__)

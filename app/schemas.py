@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from app.settings import Strategy
-from service.config import MIN_TEMPERATURE, SpeculationMode
+from service.engine.params import MIN_TEMPERATURE, SpeculationMode
 
 
 def _valid_unicode(text: str) -> str:

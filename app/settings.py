@@ -12,9 +12,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
 from drafting.suffix import DEFAULT_CAPACITY
-from service.config import SpeculationMode
-from service.scheduler import SchedulerConfig
-from service.model_loader import DEFAULT_CACHE_DIR
+from service.engine.params import SpeculationMode
+from service.engine.scheduler import SchedulerConfig
+from service.model.loader import DEFAULT_CACHE_DIR
 
 
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]

@@ -10,14 +10,14 @@ from pathlib import Path
 
 from drafting import Strategy, TableSlot, compile_table_kernels, default_mixer
 from drafting.suffix import DEFAULT_CAPACITY
-from service.async_engine import AsyncEngine
-from service.engine import Engine, StepStats
-from service.model_loader import LoadedModel
-from service.model_runner import ModelRunner
-from service.model_tables import load_or_compute_tables, load_or_compute_tables_steps
-from service.profiler import load_or_measure, load_saved, measure_and_save_steps
-from service.prompts import assistant_prefix_ids, stop_token_ids
-from service.scheduler import SchedulerConfig
+from service.engine.async_engine import AsyncEngine
+from service.engine.engine import Engine, StepStats
+from service.model.loader import LoadedModel
+from service.model.runner import ModelRunner
+from service.model.tables import load_or_compute_tables, load_or_compute_tables_steps
+from service.controller.profiler import load_or_measure, load_saved, measure_and_save_steps
+from service.model.prompts import assistant_prefix_ids, stop_token_ids
+from service.engine.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (a fraction of a second on a CPU)
@@ -27,7 +27,7 @@ def build_engine(loaded: LoadedModel, tables: TableSlot, scheduler: SchedulerCon
                  drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY,
                  enforce_eager: bool = False) -> Engine:
     """The engine for `loaded`, drafting with every strategy over `tables` and `drafters`
-    (the model-running ones, `service/draft_model.py`); `enforce_eager`: no CUDA graphs."""
+    (the model-running ones, `service/model_drafts/draft_model.py`); `enforce_eager`: no CUDA graphs."""
     config = loaded.model.config
     return Engine(
         ModelRunner(loaded.model, static_passes=False if enforce_eager else None),

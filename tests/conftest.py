@@ -9,11 +9,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafting import ContextNgram, TableSlot, default_mixer
-from service.draft_model import ModelDrafter
-from service.engine import Engine
-from service.model_runner import ModelRunner
-from service.model_tables import compute_tables
-from service.self_draft import first_layers
+from service.model_drafts.draft_model import ModelDrafter
+from service.engine.engine import Engine
+from service.model.runner import ModelRunner
+from service.model.tables import compute_tables
+from service.model_drafts.self_draft import first_layers
 
 TINY_VOCAB = 64
 # The device of the tiny models (and so of their engines): `NGRAMMYS_TEST_DEVICE=cuda pytest
@@ -80,7 +80,7 @@ def embedded():
     whose rounding makes the exact comparisons of these tests part at near-ties.
     tests/service/test_packed_linear.py loads the packed (`--quantization gguf`) one and
     tests/service/test_embedded_lossless.py the bf16 one."""
-    from service.model_loader import load_model
+    from service.model.loader import load_model
 
     return load_model(quantization="none", dtype="float32")
 
@@ -90,7 +90,7 @@ def tiny_served(embedded):
     """The tiny random Llama behind the embedded model's tokenizer (and vocabulary size): a
     model an HTTP server can load in milliseconds and generate with at hundreds of tokens per
     second, for tests of the edge rather than of the text."""
-    from service.model_loader import LoadedModel
+    from service.model.loader import LoadedModel
 
     model = make_tiny_model(vocab_size=embedded.model.config.vocab_size)
     return LoadedModel(model, embedded.tokenizer, "tiny-random-llama", 0.0, False)

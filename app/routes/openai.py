@@ -31,12 +31,12 @@ from app.schemas import (
 )
 from app.settings import Settings
 from app.sse import GenerationStream
-from service.async_engine import QueueFull, RequestTimeout, ShuttingDown
-from service.config import MIN_TEMPERATURE, GenerationParams, SamplingParams, SpeculationParams
-from service.detokenizer import TextStream
-from service.engine import ContextTooLong
-from service.scheduler import DoesNotFit
-from service.prompts import chat_prompt_ids
+from service.engine.async_engine import QueueFull, RequestTimeout, ShuttingDown
+from service.engine.params import MIN_TEMPERATURE, GenerationParams, SamplingParams, SpeculationParams
+from service.engine.detokenizer import TextStream
+from service.engine.engine import ContextTooLong
+from service.engine.scheduler import DoesNotFit
+from service.model.prompts import chat_prompt_ids
 from service.runtime import Runtime
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(client_identity)],

@@ -20,7 +20,7 @@ import pytest
 from app.auth import ApiKeys
 from app.main import create_app
 from app.settings import Settings
-from service.model_loader import LoadedModel
+from service.model.loader import LoadedModel
 from app.background import free_port, serving
 from tests.app.server import Asgi24, slowed
 from tests.app.test_http import QUIET, wait_ready, wait_until

@@ -14,8 +14,8 @@ import pytest
 from app.main import create_app
 from app.settings import Settings
 from drafting import TableSlot
-from service.config import GenerationParams
-from service.prompts import chat_prompt_ids
+from service.engine.params import GenerationParams
+from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine
 from app.background import serving
 from tests.app.server import slowed

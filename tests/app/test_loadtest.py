@@ -11,7 +11,7 @@ from app.background import serving
 from app.cli import build_parser, loadtest_server_flags, main
 from app.main import create_app
 from app.settings import Settings
-from service.bench import Question
+from service.bench.specbench import Question
 from tests.app.test_http import wait_ready
 
 QUESTIONS = [Question("1", "writing", "Write one sentence about the sea."),

@@ -182,7 +182,7 @@ def _build(parsed: dockerfile.Dockerfile, root: Path, python: str, log: Path) ->
 
 def _seed_tables(cache: Path) -> None:
     """Copy the draft tables from the user's cache if there (computing them costs minutes on a CPU)."""
-    from service.model_loader import DEFAULT_CACHE_DIR
+    from service.model.loader import DEFAULT_CACHE_DIR
 
     for table in (DEFAULT_CACHE_DIR / "tables").glob("*.npz"):
         (cache / "tables").mkdir(parents=True, exist_ok=True)
@@ -191,7 +191,7 @@ def _seed_tables(cache: Path) -> None:
 
 def _keep_tables(cache: Path) -> None:
     """Tables the build computed go to the user's cache, so the next run copies them."""
-    from service.model_loader import DEFAULT_CACHE_DIR
+    from service.model.loader import DEFAULT_CACHE_DIR
 
     for table in (cache / "tables").glob("*.npz"):
         kept = DEFAULT_CACHE_DIR / "tables" / table.name

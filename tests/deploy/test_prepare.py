@@ -28,9 +28,9 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
         (cache_dir / "tables").mkdir(parents=True, exist_ok=True)
         (cache_dir / "tables" / "key.npz").touch()
 
-    monkeypatch.setattr("service.model_loader.load_model", load_model)
-    monkeypatch.setattr("service.model_tables.load_or_compute_tables", load_or_compute_tables)
-    monkeypatch.setattr("service.prompts.assistant_prefix_ids", lambda tokenizer: [7, 8])
+    monkeypatch.setattr("service.model.loader.load_model", load_model)
+    monkeypatch.setattr("service.model.tables.load_or_compute_tables", load_or_compute_tables)
+    monkeypatch.setattr("service.model.prompts.assistant_prefix_ids", lambda tokenizer: [7, 8])
     return calls
 
 

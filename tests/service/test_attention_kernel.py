@@ -1,4 +1,4 @@
-"""The packed path's attention kernel (`service/attention_kernel.py`): each token over its own
+"""The packed path's attention kernel (`service/kernels/attention_kernel.py`): each token over its own
 row's columns, as SDPA computes it, and with the same bits whatever else the call holds."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.attention import kernel_array
-from service.attention_kernel import lanes_for, token_attention
+from service.model.attention import kernel_array
+from service.kernels.attention_kernel import lanes_for, token_attention
 
 
 def kernel_attention_of(queries, keys, values, starts, paths, rows=None, scale=0.25):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from drafting import TableSlot, default_mixer
-from service.config import GenerationParams, SamplingParams, SpeculationParams
-from service.engine import Engine
-from service.model_runner import ModelRunner
-from service.request import Status
-from service.scheduler import (
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.engine.engine import Engine
+from service.model.runner import ModelRunner
+from service.engine.request import Status
+from service.engine.scheduler import (
     CPU_MAX_RUNNING_REQUESTS, CPU_PREFILL_TOKENS_WHILE_DECODING, GPU_MAX_RUNNING_REQUESTS, DoesNotFit, Scheduler,
     SchedulerConfig,
 )

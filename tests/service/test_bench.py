@@ -78,9 +78,9 @@ def test_a_reference_decoder_runs_with_plain_parameters_and_its_agreement_is_cou
     """`references` (e.g. llama.cpp's greedy decoding) answer the same prompts with the plain
     parameters; their rows count agreement with plain decoding instead of requiring it."""
     from drafting import default_mixer
-    from service.bench import BenchPrompt, bench_methods, run_bench
-    from service.engine import Engine
-    from service.model_runner import ModelRunner
+    from service.bench.specbench import BenchPrompt, bench_methods, run_bench
+    from service.engine.engine import Engine
+    from service.model.runner import ModelRunner
     from tests.conftest import make_tiny_model
 
     other = Engine(ModelRunner(make_tiny_model(seed=9)), default_mixer(None), eos_token_ids=[], max_context=512)
@@ -101,10 +101,10 @@ def test_transformers_generate_answers_like_plain_decoding_and_counts_its_passes
     the engine serves, agree with plain decoding; greedy takes a pass a token, prompt lookup
     fewer once the answer repeats itself (a random model's greedy answers soon loop)."""
     from drafting import default_mixer
-    from service.bench import BenchPrompt, run_bench
-    from service.engine import Engine
-    from service.hf_generate_reference import HF_GENERATE, HF_PROMPT_LOOKUP, hf_references
-    from service.model_runner import ModelRunner
+    from service.bench.specbench import BenchPrompt, run_bench
+    from service.engine.engine import Engine
+    from service.bench.hf_generate_reference import HF_GENERATE, HF_PROMPT_LOOKUP, hf_references
+    from service.model.runner import ModelRunner
     from tests.conftest import make_tiny_model
 
     runner = ModelRunner(make_tiny_model(seed=4))

@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import pytest
 
-from service.calibration import (
+from service.controller.calibration import (
     HOST_WINDOW, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio,
 )
-from service.regime import CostProfile, PassShape, RowCandidates, plan_trees
+from service.controller.planner import CostProfile, PassShape, RowCandidates, plan_trees
 from tests.service.test_regime import CPU_LIKE, candidates
 
 # drafts that pay on the CPU-like curve: about 2.5 expected tokens for a small tree

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from drafting import Mixer, TableSlot, default_mixer
-from service.config import GenerationParams, SpeculationParams
-from service.engine import Engine
-from service.kv_cache import INITIAL_CAPACITY
-from service.model_runner import ModelRunner
-from service.profiler import measure_profile
+from service.engine.params import GenerationParams, SpeculationParams
+from service.engine.engine import Engine
+from service.model.kv_cache import INITIAL_CAPACITY
+from service.model.runner import ModelRunner
+from service.controller.profiler import measure_profile
 from tests.conftest import make_tiny_model
 from tests.service.test_engine_lossless import OracleDrafter, reference_greedy
 

@@ -1,4 +1,4 @@
-"""The lean decoder pass (`service/decoder_pass.py`): each node's logits equal transformers'
+"""The lean decoder pass (`service/model/decoder_pass.py`): each node's logits equal transformers'
 own sequential decoding, for every model family it takes and for one it leaves to
 transformers; fused projections compute what the separate layers did, from the same memory."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from service.decoder_pass import fuse_projections
-from service.model_runner import ModelRunner, RowInput
-from service.tree import build_tree
+from service.model.decoder_pass import fuse_projections
+from service.model.runner import ModelRunner, RowInput
+from service.model.tree import build_tree
 from tests.conftest import make_tiny_model
 from tests.service.test_tree_attention import DRAFTS, PROMPT, assert_nodes_match, prefilled
 

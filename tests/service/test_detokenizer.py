@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from service.detokenizer import TextStream, _longest_stop_prefix_suffix
+from service.engine.detokenizer import TextStream, _longest_stop_prefix_suffix
 
 TEXT = "Hello wörld 🙂 — 3 ≥ 2, 日本語 ok. Done."
 

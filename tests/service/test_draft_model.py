@@ -11,12 +11,12 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from drafting import ContextNgram, Mixer, TokenHistory, default_mixer
-from service.config import GenerationParams, SamplingParams, SpeculationParams
-from service.draft_checks import IncompatibleDraft, check_draft, check_tokenizers
-from service.draft_model import ModelDrafter, model_drafters
-from service.engine import Engine
-from service.model_loader import LoadedModel
-from service.self_draft import first_layers
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.model_drafts.draft_checks import IncompatibleDraft, check_draft, check_tokenizers
+from service.model_drafts.draft_model import ModelDrafter, model_drafters
+from service.engine.engine import Engine
+from service.model.loader import LoadedModel
+from service.model_drafts.self_draft import first_layers
 from tests.conftest import make_tiny_model
 from tests.service.test_engine_lossless import NEW_TOKENS, PROMPTS, reference_greedy
 from tests.service.test_regime import MEMORY_BOUND

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from drafting import ContextNgram, TokenHistory
-from service.draft_model import ModelDrafter
-from service.draft_rows import matching_path
+from service.model_drafts.draft_model import ModelDrafter
+from service.model_drafts.draft_rows import matching_path
 from tests.conftest import make_tiny_model
 
 PROMPT = [5, 9, 13, 2, 7, 7, 30]

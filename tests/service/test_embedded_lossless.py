@@ -5,12 +5,12 @@ A pass over n tokens may round differently from n one-token passes, so where the
 logits are (nearly) equal the argmax can flip. Such a parting is reported as a tie, counted,
 and ends the comparison of that prompt (the sequences legitimately part there); any other
 difference fails. A tie is what the bench calls one: the two tokens' logits, recomputed, within
-`NEAR_TIE_ULPS` units in the last place of the logits' dtype (`service/near_ties.py`). The
+`NEAR_TIE_ULPS` units in the last place of the logits' dtype (`service/bench/near_ties.py`). The
 `embedded` fixture is float32 whatever the CPU; the bfloat16 path (what `--quantization none`
 serves on CPUs with native bf16) is checked against its own plain decoding.
 
 The table strategies draft from the model's own unigram/bigram tables, computed by
-`service/model_tables.py` the first time and then read from the cache directory the server
+`service/model/tables.py` the first time and then read from the cache directory the server
 uses (as the embedded weights are converted there once).
 """
 
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from drafting import TableSlot
-from service.config import GenerationParams, SpeculationParams
-from service.draft_model import model_drafters
-from service.model_loader import DEFAULT_CACHE_DIR
-from service.near_ties import first_difference, parting
-from service.prompts import chat_prompt_ids
+from service.engine.params import GenerationParams, SpeculationParams
+from service.model_drafts.draft_model import model_drafters
+from service.model.loader import DEFAULT_CACHE_DIR
+from service.bench.near_ties import first_difference, parting
+from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine, build_engine_with_tables
 
 QUESTIONS = [
@@ -156,7 +156,7 @@ def test_self_draft_matches_transformers_generate(embedded) -> None:
 @pytest.fixture(scope="module")
 def embedded_bf16():
     """The embedded model in bf16: what `--quantization none` serves on a CPU with native bf16."""
-    from service.model_loader import load_model
+    from service.model.loader import load_model
 
     return load_model(quantization="none", dtype="bfloat16")
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from drafting import STANDALONE_NAMES, STRATEGY_NAMES, Draft, Mixer, TokenHistory
-from service.config import GenerationParams, SpeculationParams
-from service.engine import ContextTooLong, Engine
-from service.model_runner import ModelRunner
+from service.engine.params import GenerationParams, SpeculationParams
+from service.engine.engine import ContextTooLong, Engine
+from service.model.runner import ModelRunner
 from tests.service.test_regime import COMPUTE_BOUND, MEMORY_BOUND
 
 PROMPTS = [

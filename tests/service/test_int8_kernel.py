@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from drafting import TableSlot
-from service.config import GenerationParams, SpeculationParams
-from service.int8_kernel import BLOCK, int8_matmul, int8_supported, int8_tiles
-from service.model_runner import ModelRunner, RowInput
-from service.model_tables import compute_tables
-from service.packed_linear import LLAMA_LINEARS, PackedLinear, pack_gguf_linears, tiles_from_blocks
-from service.profiler import profile_path
-from service.tree import chain_tree
+from service.engine.params import GenerationParams, SpeculationParams
+from service.kernels.int8_kernel import BLOCK, int8_matmul, int8_supported, int8_tiles
+from service.model.runner import ModelRunner, RowInput
+from service.model.tables import compute_tables
+from service.kernels.packed_linear import LLAMA_LINEARS, PackedLinear, pack_gguf_linears, tiles_from_blocks
+from service.controller.profiler import profile_path
+from service.model.tree import chain_tree
 from tests.conftest import make_tiny_model
 from tests.service.test_packed_linear import (
     Q4_1,
@@ -126,8 +126,8 @@ def test_int8_rows_batched_with_other_requests_equal_each_request_alone(tiny_int
 
 @pytest.mark.slow
 def test_embedded_int8_speculation_equals_its_plain_decoding() -> None:
-    from service.model_loader import load_model
-    from service.prompts import chat_prompt_ids
+    from service.model.loader import load_model
+    from service.model.prompts import chat_prompt_ids
     from service.runtime import build_engine
     from tests.service.test_embedded_lossless import QUESTIONS, compare
 

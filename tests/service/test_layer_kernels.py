@@ -1,4 +1,4 @@
-"""The packed path's per-layer kernels (`service/layer_kernels.py`) against the torch operators
+"""The packed path's per-layer kernels (`service/kernels/layer_kernels.py`) against the torch operators
 they replace, and the packed pass with them against the same pass without them."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service import decoder_pass
-from service.attention import build_layout
-from service.decoder_pass import _rotate, attention_kernel_width
-from service.model_runner import ModelRunner, RowInput
-from service.layer_kernels import half_bits
-from service.packed_linear import load_kernels, loaded_layer_kernels
-from service.tree import build_tree, chain_tree
+from service.model import decoder_pass
+from service.model.attention import build_layout
+from service.model.decoder_pass import _rotate, attention_kernel_width
+from service.model.runner import ModelRunner, RowInput
+from service.kernels.layer_kernels import half_bits
+from service.kernels.packed_linear import load_kernels, loaded_layer_kernels
+from service.model.tree import build_tree, chain_tree
 from tests.service.test_packed_linear import tiny_packed  # noqa: F401 - a fixture
 from tests.service.test_tree_attention import DRAFTS, PROMPT, assert_nodes_match, prefilled
 

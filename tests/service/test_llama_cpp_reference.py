@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from service.config import GenerationParams, SamplingParams
-from service.llama_cpp_reference import INSTALL_HINT, LlamaCppGreedy
-from service.model_loader import embedded_gguf_path
+from service.engine.params import GenerationParams, SamplingParams
+from service.bench.llama_cpp_reference import INSTALL_HINT, LlamaCppGreedy
+from service.model.loader import embedded_gguf_path
 
 
 def test_without_the_package_the_reference_says_how_to_get_it(monkeypatch) -> None:
@@ -22,7 +22,7 @@ def test_without_the_package_the_reference_says_how_to_get_it(monkeypatch) -> No
 @pytest.mark.slow
 def test_greedy_decoding_of_the_embedded_gguf_is_repeatable_and_keeps_the_budget(embedded) -> None:
     pytest.importorskip("llama_cpp")
-    from service.prompts import chat_prompt_ids
+    from service.model.prompts import chat_prompt_ids
 
     reference = LlamaCppGreedy(embedded_gguf_path(), embedded.tokenizer.all_special_ids, threads=2)
     prompt = chat_prompt_ids(embedded.tokenizer, [{"role": "user", "content": "Count from one to twenty."}])

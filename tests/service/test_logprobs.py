@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.config import GenerationParams, SamplingParams, SpeculationParams
-from service.engine import Engine
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.engine.engine import Engine
 
 REPETITIVE = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]  # context lookup has matches, so drafts get accepted
 NEW_TOKENS = 30

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import service.model_loader as model_loader
-from service.model_loader import (
+import service.model.loader as model_loader
+from service.model.loader import (
     UnsupportedModel,
     check_supported,
     cpu_has_native_bf16,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from service.model_tables import compute_tables, load_or_compute_tables, model_fingerprint
+from service.model.tables import compute_tables, load_or_compute_tables, model_fingerprint
 from tests.conftest import TINY_VOCAB, make_tiny_model
 
 

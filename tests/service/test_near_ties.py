@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from drafting import default_mixer
-from service.bench import BenchPrompt, parted_beyond_near_ties, run_bench
-from service.config import GenerationParams, SamplingParams
-from service.engine import Completion, Engine
-from service.model_runner import ModelRunner
-from service.near_ties import NEAR_TIE_ULPS, first_difference, gap_ulps, next_token_logits, ulp
+from service.bench.specbench import BenchPrompt, parted_beyond_near_ties, run_bench
+from service.engine.params import GenerationParams, SamplingParams
+from service.engine.engine import Completion, Engine
+from service.model.runner import ModelRunner
+from service.bench.near_ties import NEAR_TIE_ULPS, first_difference, gap_ulps, next_token_logits, ulp
 from tests.conftest import TINY_VOCAB, make_tiny_model
 
 

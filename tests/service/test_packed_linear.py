@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from drafting import TableSlot, default_mixer
-from service import packed_kernels_gen
-from service.config import GenerationParams, SpeculationParams
-from service.engine import Engine
-from service.model_runner import ModelRunner
-from service.model_tables import compute_tables
-from service.packed_linear import (
+from service.kernels import packed_kernels_gen
+from service.engine.params import GenerationParams, SpeculationParams
+from service.engine.engine import Engine
+from service.model.runner import ModelRunner
+from service.model.tables import compute_tables
+from service.kernels.packed_linear import (
     FUSED_ROW_CANDIDATES,
     KERNEL_MAX_ROWS,
     LLAMA_LINEARS,
@@ -120,7 +120,7 @@ def test_the_q4_1_dispatch_changes_no_bit_and_is_tuned_among_its_candidates() ->
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
 def test_fused_layers_compute_each_layers_outputs_from_the_same_memory(use_numba, kind) -> None:
-    """q, k, v as one layer (`service/decoder_pass.py`): the fused kernel call gives each
+    """q, k, v as one layer (`service/model/decoder_pass.py`): the fused kernel call gives each
     layer's outputs bit for bit (the torch fallback's float32 GEMM may order sums by shape),
     and the layers, now views of the fused tiles, still work."""
     shapes = [(96, 576), (32, 576), (64, 576)]
@@ -278,7 +278,7 @@ def test_packed_rows_batched_with_other_requests_equal_each_request_alone(tiny_p
 
 @pytest.fixture(scope="module")
 def embedded_packed(embedded):
-    from service.model_loader import load_model
+    from service.model.loader import load_model
 
     return load_model(quantization="gguf")
 
@@ -307,7 +307,7 @@ def test_real_layers_hold_the_files_weights_and_match_float32(embedded, embedded
 def test_embedded_packed_speculation_equals_its_plain_decoding(embedded_packed) -> None:
     """Greedy speculative output equals plain output of the same (packed) path, except where
     plain decoding itself is a numerical tie (attention and the LM head still round by pass size)."""
-    from service.prompts import chat_prompt_ids
+    from service.model.prompts import chat_prompt_ids
     from service.runtime import build_engine
     from tests.service.test_embedded_lossless import QUESTIONS, compare
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.model_runner import ModelRunner
-from service.profiler import load_or_measure, measure_profile, own_cost, pass_sizes, profile_path, profiled_rows, validate
-from service.regime import CostProfile
+from service.model.runner import ModelRunner
+from service.controller.profiler import load_or_measure, measure_profile, own_cost, pass_sizes, profile_path, profiled_rows, validate
+from service.controller.planner import CostProfile
 from tests.conftest import make_tiny_model
 
 GRID = {"rows": (1, 4), "context_lengths": (8, 64), "repeats": 2}
@@ -27,7 +27,7 @@ def test_a_wide_rows_own_cost_is_what_the_curve_does_not_explain(tiny_runner: Mo
     """Four one-token rows cost 1.0 s, eight tokens (every row 2 wide) 1.4 s; one row of four
     among three of one (seven tokens) measured 1.5 s: 0.5 s over the plain pass, of which the
     curve explains 0.3; the row's own is 0.2."""
-    import service.profiler as profiler
+    import service.controller.profiler as profiler
 
     def timed(runner, cache, rows) -> float:
         widths = sorted(row.tree.num_nodes for row in rows)
@@ -43,7 +43,7 @@ def test_a_wide_rows_own_cost_is_what_the_curve_does_not_explain(tiny_runner: Mo
 def test_a_dip_is_flattened_to_the_cost_before_it_and_reported(tiny_runner: ModelRunner, monkeypatch) -> None:
     """A bigger pass measured cheaper is noise the controller must not bet on: it is recorded at
     the cost of the pass before it (the others keep their own costs), and flagged."""
-    import service.profiler as profiler
+    import service.controller.profiler as profiler
 
     measured = {1: 1.0, 2: 2.0, 4: 1.5, 8: 8.0, 16: 7.0, 32: 32.0, 64: 64.0}  # dips at 4 and 16 tokens
     monkeypatch.setattr(profiler, "_timed_pass", lambda runner, cache, rows: measured[
@@ -55,7 +55,7 @@ def test_a_dip_is_flattened_to_the_cost_before_it_and_reported(tiny_runner: Mode
 
 
 def test_profile_is_saved_and_reused(tmp_path, monkeypatch) -> None:
-    import service.profiler as profiler
+    import service.controller.profiler as profiler
 
     monkeypatch.setattr(profiler, "validate", lambda *args: [])  # the tiny model's timings are noise
     runner = ModelRunner(make_tiny_model(seed=3))
@@ -69,7 +69,7 @@ def test_profile_is_saved_and_reused(tmp_path, monkeypatch) -> None:
 
 def test_a_profile_of_other_pass_code_is_not_reused(tmp_path, monkeypatch) -> None:
     """Kernels or attention that changed since the profile was saved: measure again."""
-    import service.profiler as profiler
+    import service.controller.profiler as profiler
 
     monkeypatch.setattr(profiler, "validate", lambda *args: [])
     runner = ModelRunner(make_tiny_model(seed=3))

@@ -7,10 +7,10 @@ import pytest
 
 from drafting import TableSlot, default_mixer
 from drafting.recycled import GROWTH
-from service.config import GenerationParams, SamplingParams, SpeculationParams
-from service.engine import Engine
-from service.model_runner import ModelRunner
-from service.request import Status
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.engine.engine import Engine
+from service.model.runner import ModelRunner
+from service.engine.request import Status
 from tests.conftest import TINY_VOCAB
 from tests.service.test_engine_lossless import NEW_TOKENS, PROMPTS, reference_greedy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drafting import Acceptance, Draft, ScoredDraft
-from service.regime import (
+from service.controller.planner import (
     PATIENCE,
     PATIENCE_PER_ROW,
     CostProfile,
@@ -254,8 +254,8 @@ def test_a_lone_row_is_searched_a_short_way_past_its_best_plan() -> None:
     last = plan.tokens + PATIENCE_PER_ROW  # the search went this far past it, no further
     assert last in priced and last + 1 not in priced
     with pytest.MonkeyPatch.context() as patch:  # searched to the end, the same plan
-        patch.setattr("service.regime.PATIENCE_PER_ROW", 64)
-        patch.setattr("service.regime.PATIENCE", 64)
+        patch.setattr("service.controller.planner.PATIENCE_PER_ROW", 64)
+        patch.setattr("service.controller.planner.PATIENCE", 64)
         assert plan_trees([row], cost, PassShape(1), 0.0, budget=64) == plan
 
 

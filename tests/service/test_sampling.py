@@ -7,9 +7,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from service.config import SamplingParams
-from service.packed_linear import load_kernels, loaded_kernels
-from service.sampling import (
+from service.engine.params import SamplingParams
+from service.kernels.packed_linear import load_kernels, loaded_kernels
+from service.engine.sampling import (
     PositionUniforms,
     choose_tokens,
     greedy_choices,

@@ -20,11 +20,11 @@ import torch
 from scipy.stats import chisquare
 
 from drafting import Draft
-from service.config import GenerationParams, SamplingParams, SpeculationParams
-from service.engine import Engine
-from service.sampling import PositionUniforms, target_probs
-from service.tree import TokenTree, build_tree
-from service.verifier import Verdict, verify
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.engine.engine import Engine
+from service.engine.sampling import PositionUniforms, target_probs
+from service.model.tree import TokenTree, build_tree
+from service.engine.verifier import Verdict, verify
 from tests.service.test_regime import MEMORY_BOUND
 
 VOCAB, LENGTH, DRAWS, START = 6, 3, 10000, 0

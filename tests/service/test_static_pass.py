@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from drafting import Draft, default_mixer
-from service.config import GenerationParams, SamplingParams, SpeculationParams
-from service.engine import Engine
-from service.scheduler import SchedulerConfig
-from service.model_runner import ModelRunner, RowInput
-from service.static_pass import FixedShape
-from service.tree import build_tree, chain_tree
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.engine.engine import Engine
+from service.engine.scheduler import SchedulerConfig
+from service.model.runner import ModelRunner, RowInput
+from service.model.static_pass import FixedShape
+from service.model.tree import build_tree, chain_tree
 from tests.conftest import make_tiny_model
 from tests.service.test_batching import LENGTHS, MODES, PROMPTS
 from tests.service.test_engine_lossless import reference_greedy

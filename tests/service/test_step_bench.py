@@ -8,11 +8,11 @@ import pytest
 
 from app.cli import main
 from drafting import DraftSession, default_mixer
-from service.config import GenerationParams, SpeculationParams
-from service.engine import Engine
-from service.model_runner import ModelRunner
-from service.scheduler import SchedulerConfig
-from service.step_bench import run_step_bench, run_steps
+from service.engine.params import GenerationParams, SpeculationParams
+from service.engine.engine import Engine
+from service.model.runner import ModelRunner
+from service.engine.scheduler import SchedulerConfig
+from service.bench.step_bench import run_step_bench, run_steps
 from tests.conftest import make_tiny_model
 from tests.service.test_bench import write_dataset
 from tests.service.test_regime import MEMORY_BOUND

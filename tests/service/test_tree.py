@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from drafting import Draft
-from service.tree import build_tree, chain_tree
+from service.model.tree import build_tree, chain_tree
 
 
 def test_shared_prefixes_are_stored_once_in_bfs_order() -> None:

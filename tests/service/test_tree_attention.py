@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from drafting import Draft
-from service.attention import batched_width, build_layout
-from service.model_runner import ModelRunner, RowInput
-from service.tree import TokenTree, build_tree, chain_tree, prepend_chain
+from service.model.attention import batched_width, build_layout
+from service.model.runner import ModelRunner, RowInput
+from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from tests.conftest import make_tiny_model
 
 PROMPT = [5, 9, 13, 2, 7, 7, 30, 41]

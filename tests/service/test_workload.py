@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from drafting import default_mixer
-from service.bench import BenchPrompt
-from service.config import GenerationParams, SpeculationParams
-from service.engine import Engine
-from service.workload import WorkloadMethod, format_workload, run_workload
+from service.bench.specbench import BenchPrompt
+from service.engine.params import GenerationParams, SpeculationParams
+from service.engine.engine import Engine
+from service.bench.workload import WorkloadMethod, format_workload, run_workload
 
 
 def test_the_suffix_index_pays_on_requests_that_repeat_each_other(tiny_runner, tiny_tables) -> None:

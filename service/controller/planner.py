@@ -1,0 +1,413 @@
+"""The hardware policy: what a pass costs here, and which tree nodes pay for themselves.
+
+A forward pass over N tokens costs about as much as over one while the device is
+memory-bound (weights dominate the bytes moved), then grows once it is compute-bound. Where
+that knee lies depends on the device, model, dtype, the number of rows (requests) in the pass
+and their context length, so it is measured (`service/controller/profiler.py`) into a `CostProfile`
+T(N tokens, R rows, L context), measured with every row equally wide. A pass whose rows differ
+costs more than that curve says: one tree among one-token rows gets an attention call of its
+own (or pads every row) — on the 2-core dev CPU 2-6 ms beyond its tokens' share of the curve
+in a ~96 ms pass of 16 rows at L=256 (three profiles). The profile therefore also measures what
+one wide row adds (`wide_row_seconds`), and the controller charges it to a row's first node.
+
+`plan_trees` then chooses the trees of ALL running requests jointly. Every candidate node
+(a prefix of some request's draft) has a probability of being accepted; adding it adds that
+much to the pass's expected tokens and one token to the pass. Nodes are added best first
+(a parent is never less likely than its child, so trees stay connected), and the controller
+keeps the number of additions with the most expected tokens per second for the whole pass —
+plain decoding for everyone unless speculation beats it by `min_gain`. A node drafted by a
+model (`service/model_drafts/draft_model.py`) also costs its measured drafting seconds, so an accurate but
+slow draft loses to a fast one: nodes are ranked by expected tokens per second of pass and
+drafting, and every plan's rate counts both. Likewise every row that speculates costs the
+host work of drafting it (measured as the engine runs), once per row. On a device where a
+bigger pass is nearly free, many nodes pay; where it costs (a CPU, or a large batch on a
+GPU), few or none do, per request, without any table of switch-off points.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+from typing import NamedTuple
+
+from drafting import Draft, ScoredDraft
+
+PROFILE_VERSION = 3  # the wide-row cost; older files are measured again
+PATIENCE = 32  # nodes in a row that improve no plan before the planner stops adding
+PATIENCE_PER_ROW = 8  # ... at most this many per row of the pass (see `_best_counts`)
+MIN_GAIN = 1.02  # a plan must beat plain decoding's tokens per second by this factor
+
+
+class PassShape(NamedTuple):
+    """What a pass holds, as far as its cost goes: its tokens, the rows that bring more than
+    one token (a tree or a prompt chunk, each priced as a wide row). A named tuple: the
+    controller prices a shape per candidate node every step."""
+
+    tokens: int
+    wide_rows: int = 0
+
+    def grown(self, row_width: int) -> PassShape:
+        """This pass with one more token in a row that brought `row_width` tokens."""
+        return PassShape(self.tokens + 1, self.wide_rows + (row_width == 1))
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    """Median seconds of one pass, measured per rows × context length × total tokens."""
+
+    rows: list[int]  # ascending, starting at 1
+    context_lengths: list[int]  # ascending
+    tree_sizes: list[list[int]]  # [rows]: total tokens measured (ascending) for that row count
+    seconds: list[list[list[float]]]  # [rows][context_lengths][tree_sizes[rows]]
+    # [rows][context_lengths]: what one row of a few tokens among one-token rows adds beyond
+    # its tokens' share of `seconds` (0 at one row; empty: not measured, priced as 0)
+    wide_row_seconds: list[list[float]] = field(default_factory=list)
+    device: str = ""
+    model: str = ""
+    dtype: str = ""
+    version: int = PROFILE_VERSION
+
+    def cost(self, n: int, context_length: float, rows: int = 1, wide_rows: int = 0) -> float:
+        """Seconds of a pass of `n` tokens over `rows` rows at mean context `context_length`,
+        `wide_rows` of them wider than one token: see `PassCost`."""
+        return self.at(context_length, rows).seconds(PassShape(n, wide_rows))
+
+    def at(self, context_length: float, rows: int) -> PassCost:
+        """The profile at one mean context length (linear in L, clamped) and row count (linear,
+        extrapolated past the largest measured)."""
+        lower, upper, a = _interpolate(self.context_lengths, context_length)
+        below, above, weight = _interpolate(self.rows, rows, extrapolate=True)
+        parts = tuple((w, self.tree_sizes[index], self.seconds[index][lower], self.seconds[index][upper])
+                      for w, index in ((1 - weight, below), (weight, above)) if w != 0.0)  # a measured count: one
+        wide = self.wide_row_cost(context_length, rows) if self.wide_row_seconds else 0.0
+        return PassCost(parts, a, wide)
+
+    def wide_row_cost(self, context_length: float, rows: int) -> float:
+        """What one wide row adds to a pass of `rows` rows (interpolated, clamped)."""
+        lower, upper, a = _interpolate(self.context_lengths, context_length)
+        per_rows = [(1 - a) * table[lower] + a * table[upper] for table in self.wide_row_seconds]
+        lower, upper, b = _interpolate(self.rows, rows)
+        return (1 - b) * per_rows[lower] + b * per_rows[upper]
+
+    def slowdown(self, n: int, context_length: float) -> float:
+        return self.cost(n, context_length) / self.cost(1, context_length)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> CostProfile:
+        data = json.loads(path.read_text())
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"{path} is a profile of another format (version {data.get('version')})")
+        return cls(**data)
+
+
+def _interpolate(grid: Sequence[float], x: float, extrapolate: bool = False) -> tuple[int, int, float]:
+    """(lower index, upper index, weight of upper) for linear interpolation on `grid`."""
+    if len(grid) == 1:
+        return 0, 0, 0.0
+    upper = min(max(bisect.bisect_left(grid, x), 1), len(grid) - 1)
+    lower = upper - 1
+    weight = (x - grid[lower]) / (grid[upper] - grid[lower])
+    return lower, upper, weight if extrapolate else min(max(weight, 0.0), 1.0)
+
+
+@dataclass(frozen=True)
+class PassCost:
+    """A `CostProfile` at one context length and row count: seconds by pass shape. Every step
+    takes one (the pass's observed time is compared with it) and the controller prices tens of
+    shapes with it, so it interpolates lazily: each shape costs two look-ups on the pass-size
+    axis, and taking one costs no curve (building the curves took ~10 us warm a step)."""
+
+    # (weight, pass sizes, seconds at the context length below, seconds at the one above)
+    parts: tuple[tuple[float, Sequence[int], Sequence[float], Sequence[float]], ...]
+    context_weight: float  # of the context length above
+    wide_row_seconds: float
+
+    def equal_rows(self, n: int) -> float:
+        """A pass of `n` tokens with every row alike (linear in n, extrapolated). The
+        interpolation is written out: the controller prices tens of shapes a step, and the
+        call per axis was a third of the price (2-core dev VM)."""
+        a = self.context_weight
+        total = 0.0
+        for weight, sizes, below, above in self.parts:
+            if len(sizes) == 1:
+                total += weight * ((1 - a) * below[0] + a * above[0])
+                continue
+            upper = bisect.bisect_left(sizes, n)
+            upper = 1 if upper < 1 else len(sizes) - 1 if upper >= len(sizes) else upper
+            lower = upper - 1
+            b = (n - sizes[lower]) / (sizes[upper] - sizes[lower])
+            at_lower = (1 - a) * below[lower] + a * above[lower]
+            at_upper = (1 - a) * below[upper] + a * above[upper]
+            total += weight * ((1 - b) * at_lower + b * at_upper)
+        return max(total, 1e-9)
+
+    def seconds(self, shape: PassShape) -> float:
+        """The equal-rows curve plus each wide row's own cost. Not capped at a pass with every
+        row as wide as the widest (one padded call): the attention layout gives each wide row
+        its own call until padding every row is cheaper in its own reckoning (on the H200, at 16
+        or 64 rows, not before most rows are wide), so that cap priced 2 to 20 wide rows among
+        64 as one, and auto took rows whose own calls cost ~3.6 ms each (16 rows: auto 0.78x
+        off with the cap, 0.88x without; 64 rows: 0.82x and 0.97x; docs/benchmarks.md,
+        nineteenth session)."""
+        equal_rows = self.equal_rows(shape.tokens)
+        return equal_rows + shape.wide_rows * self.wide_row_seconds if shape.wide_rows else equal_rows
+
+
+@dataclass(frozen=True)
+class RowCandidates:
+    """One decoding request's say in the plan: its ranked drafts and caps."""
+
+    candidates: Sequence[ScoredDraft]
+    k_max: int  # at most this many branches
+    w_max: int  # at most this deep
+    probe: bool = False  # speculate a little even if the forecast says no (re-measures)
+    width: int = 1  # tokens the row brings besides its tree's nodes (root, a last prompt chunk)
+
+
+@dataclass(frozen=True)
+class RowTree:
+    """The controller's choice for one request: drafts to verify and what it expects of them."""
+
+    drafts: list[Draft]
+    k: int
+    w: int
+    expected_tokens: float  # Σ P(node accepted), bonus included
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    trees: list[RowTree]  # one per RowCandidates, in order
+    tokens: int  # total tokens of the pass
+    expected_tokens: float  # over the whole pass
+    seconds: float  # forecast of the pass
+    probed: bool = False  # a row speculates that the forecast alone would not have
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.expected_tokens / self.seconds
+
+
+class _Node(NamedTuple):
+    """A candidate tree node (a named tuple: tens of them a row every step)."""
+
+    probability: float
+    depth: int
+    row: int
+    prefix: tuple[int, ...]
+    strategy: str
+    rank: int
+    draft_seconds: float  # what drafting this node's token cost (0 for table look-ups)
+
+
+def plan_trees(
+    rows: Sequence[RowCandidates],
+    cost: Callable[[PassShape], float],
+    fixed: PassShape,
+    fixed_expected: float,
+    budget: int,
+    min_gain: float = MIN_GAIN,
+    prefill_seconds: float = 0.0,
+    row_host_seconds: float = 0.0,
+) -> TreePlan:
+    """Choose every row's tree for one pass.
+
+    `cost(shape)` is the forecast seconds of a pass of that shape; `fixed` is what the pass
+    holds regardless (one root per row here, prefill chunks and fixed-mode trees) and
+    `fixed_expected` the tokens it yields for sure; `budget` caps the added nodes.
+    `prefill_seconds` is the part of `cost(fixed)` that prompt chunks cost, a row's own last
+    chunk (the one that carries its first tree) included: it buys no token this pass, so plans
+    are compared by tokens per second of the pass's decoding alone, and a node must pay for
+    itself against plain decoding's rate. Counted in, a pass carrying a prompt chunk decodes so
+    slowly that almost any tree beats it: at C=16 on the 2-core CPU (one in-process run of 32
+    requests) the controller put 9-96 nodes into passes carrying other requests' chunks, where
+    passes without a chunk took 1-6; and four requests starting together at C=4 had their first
+    trees take 48 nodes (12 each, forecast +11 tokens, none accepted) where 12 with the chunks
+    priced apart (the pass 0.48 -> 0.41 s).
+    `row_host_seconds` is the host work a row that speculates adds to the step outside the pass
+    (drafting it: measured by the engine, `HostCost`), charged once per speculating row (and,
+    for ranking, to its first-level nodes). On a GPU a pass of 16 rows costs about the same
+    ~15 ms whatever its tokens, so the pass alone says every node is nearly free, while each
+    speculating row's host work made an auto step 4-7 ms dearer than a plain one
+    (docs/benchmarks.md, fifteenth session).
+    """
+    if not any(row.candidates for row in rows):  # no row drafted (quiet rounds): the plain pass
+        return TreePlan([_row_tree([]) for _ in rows], fixed.tokens, fixed_expected + len(rows), cost(fixed))
+    candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
+    spread = max(len(candidates), 1)
+    more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows)
+    node_seconds = max((cost(more_tokens) - cost(fixed)) / spread, 1e-9)  # mean marginal of a token
+    one_more = PassShape(fixed.tokens + 1, fixed.wide_rows)
+    row_seconds = max(cost(one_more.grown(1)) - cost(one_more), 0.0)  # a row's first node: its own call
+
+    def seconds(node: _Node) -> float:
+        widens = node.depth == 1 and rows[node.row].width == 1
+        first_level = row_host_seconds if node.depth == 1 else 0.0
+        return node_seconds + node.draft_seconds + first_level + (row_seconds if widens else 0.0)
+
+    ranked = sorted(  # most expected tokens per second of pass and drafting first
+        candidates, key=lambda n: (-n.probability / seconds(n), n.depth))
+    base_expected = fixed_expected + len(rows)
+    widths = [row.width for row in rows]
+
+    def decode_cost(shape: PassShape) -> float:
+        return cost(shape) - prefill_seconds
+
+    # lazily: the search stops a few dozen nodes past the best plan, of a thousand at 16 rows
+    best_count, _, taken = _best_counts(islice(_parents_first(ranked), budget), decode_cost, fixed, widths,
+                                        base_expected, min_gain, row_host_seconds)
+    chosen = taken[:best_count]
+    probing = next((i for i, row in enumerate(rows) if row.probe), None)
+    probed = best_count == 0 and probing is not None
+    if probed:
+        # Measure the speculation the forecast rejects, one row per pass: rows that start
+        # together come due together, and all of them probing at once made a pass of 13 rows
+        # carry 20 nodes at 2.2x a plain pass's time. The others stay due for the next passes.
+        own = [n for n in islice(_parents_first(ranked), budget) if n.row == probing]
+        _, count, _ = _best_counts(own, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds)
+        chosen = own[:count]
+    trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
+    total = fixed_expected + sum(t.expected_tokens for t in trees)
+    shape = list(_grown_shapes(fixed, widths, chosen))[-1][1] if chosen else fixed
+    host_seconds = sum(n.draft_seconds for n in chosen) + row_host_seconds * len({n.row for n in chosen})
+    return TreePlan(trees, shape.tokens, total, cost(shape) + host_seconds,
+                    probed and bool(chosen))
+
+
+def sure_draft_pays(
+    cost: Callable[[PassShape], float], fixed: PassShape, expected: float, row_width: int, depth: int,
+    prefill_seconds: float = 0.0, row_host_seconds: float = 0.0,
+) -> bool:
+    """Whether a draft of up to `depth` tokens that is sure to be accepted, in a row that
+    brings `row_width` tokens (the widest decoding row: the cheapest to grow), would beat the
+    plain pass (`expected` tokens, `fixed` shape; terms as in `plan_trees`). Each wide row
+    is priced its own call (`PassCost.seconds`), so a plan whose rows each lose to plain loses
+    too: one row bounds them all (a test checks this against `plan_trees`). No `MIN_GAIN`
+    here: several rows share that margin in a plan. If it would not pay, no draft of any row
+    can, and drafting them all is host work thrown away:
+    on the H200 at C=64 auto's planning took 4.8 ms of a 30 ms step (plain: 0.3) for 0.8
+    speculating rows a step, where one more 4-token row costs as much as ~10 sure tokens
+    (docs/benchmarks.md, nineteenth session). One test a step, before any drafting."""
+    plain_rate = expected / (cost(fixed) - prefill_seconds)
+    shape, width = fixed, row_width
+    for tokens in range(1, depth + 1):
+        shape, width = shape.grown(width), width + 1
+        if (expected + tokens) / (cost(shape) - prefill_seconds + row_host_seconds) > plain_rate:
+            return True
+    return False
+
+
+def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Iterable[_Node]) -> Iterator[tuple[_Node, PassShape]]:
+    """Each of `nodes` and the pass's shape once it is added, in order, to rows of `widths`
+    tokens (lazily: the search draws nodes only as far as it looks)."""
+    grown = list(widths)
+    shape = fixed
+    for node in nodes:
+        shape = shape.grown(grown[node.row])
+        grown[node.row] += 1
+        yield node, shape
+
+
+def _best_counts(
+    nodes: Iterable[_Node], cost: Callable[[PassShape], float], fixed: PassShape, widths: Sequence[int],
+    expected: float, min_gain: float, row_host_seconds: float = 0.0,
+) -> tuple[int, int, list[_Node]]:
+    """How many of `nodes`, taken in order, maximize expected tokens per second of pass and
+    drafting: the best count (0 unless it beats the plain pass by `min_gain`), the best
+    count with at least one node (what a probe verifies), and the nodes looked at. The nodes
+    come best first, so the search stops after `PATIENCE` nodes in a row that improve neither
+    (pricing every node of 16 requests' candidates took 13 ms a step), or `PATIENCE_PER_ROW`
+    per row where there are fewer than four. The rate dips where a row's first node brings
+    its host work and its own call, until its deeper nodes, interleaved with other rows',
+    pay them back; a lone row has one such dip, at its start, and after it only bends of the
+    cost curve. At one row, on 453 recorded plans (2-core CPU) the shorter search chose the
+    same trees at 0.64-0.71x the planner's time (replayed); priced as on a GPU (36 curves),
+    it chose other trees in 0-7 of them, at most 3.4% fewer forecast tokens a second in one,
+    0.009% in the mean; at sixteen rows a patience of 8 changed up to a third of the plans."""
+    patience = min(PATIENCE, PATIENCE_PER_ROW * len(widths))
+    best_count, best_rate = 0, expected / cost(fixed) * min_gain
+    speculative_count, speculative_rate = 0, 0.0
+    host_seconds = 0.0  # drafting seconds of the nodes taken, and each speculating row's host work
+    speculating: set[int] = set()
+    taken: list[_Node] = []
+    for node, shape in _grown_shapes(fixed, widths, nodes):
+        taken.append(node)
+        count = len(taken)
+        expected += node.probability
+        host_seconds += node.draft_seconds
+        if node.row not in speculating:
+            speculating.add(node.row)
+            host_seconds += row_host_seconds
+        rate = expected / (cost(shape) + host_seconds)
+        if rate > best_rate:
+            best_count, best_rate = count, rate
+        if rate > speculative_rate:
+            speculative_count, speculative_rate = count, rate
+        if count - max(best_count, speculative_count) >= patience:
+            break
+    return best_count, speculative_count, taken
+
+
+def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
+    """The distinct prefixes of the row's k_max best drafts (cut to w_max). A node belongs to
+    the best draft through it, and a later draft's own nodes below it continue from its
+    probability: the mixer learns each draft's first-token estimate only on the rounds its
+    first token was its own, and a guess shared with a better draft says no more than that
+    draft's (`DraftSession.observe`)."""
+    best: dict[tuple[int, ...], _Node] = {}
+    drafts = 0
+    for candidate in sorted(row.candidates, key=lambda s: s.acceptance.expected_tokens(row.w_max), reverse=True):
+        if drafts == row.k_max:
+            break
+        tokens = candidate.draft.token_ids[: row.w_max]
+        if tokens in best:
+            continue  # adds no node
+        drafts += 1
+        draft, (probability, continuation) = candidate.draft, candidate.acceptance
+        for depth in range(1, len(tokens) + 1):  # P(node accepted) = P(parent accepted)·c, from p at the root
+            prefix = tokens[:depth]
+            held = best.get(prefix)
+            if held is None:
+                best[prefix] = _Node(probability, depth, index, prefix,
+                                     draft.strategy, draft.rank, candidate.seconds_per_token)
+            else:
+                probability = held.probability
+            probability *= continuation
+    return list(best.values())
+
+
+def _parents_first(nodes: Iterable[_Node]) -> Iterator[_Node]:
+    """`nodes` in order, but each held back until its parent is out, so every cut is a tree
+    (a cheap draft's node may outrank its parent, whose likeliest draft is a costly one)."""
+    emitted: set[tuple[int, tuple[int, ...]]] = set()
+    waiting: dict[tuple[int, tuple[int, ...]], list[_Node]] = {}
+    for node in nodes:
+        if node.depth > 1 and (node.row, node.prefix[:-1]) not in emitted:
+            waiting.setdefault((node.row, node.prefix[:-1]), []).append(node)
+            continue
+        if not waiting:  # nothing held back (most nodes): no queue to walk
+            emitted.add((node.row, node.prefix))
+            yield node
+            continue
+        ready = [node]  # the node, then the children it held back, depth first in order
+        while ready:
+            out = ready.pop()
+            emitted.add((out.row, out.prefix))
+            yield out
+            ready.extend(reversed(waiting.pop((out.row, out.prefix), [])))
+
+
+def _row_tree(nodes: list[_Node]) -> RowTree:
+    """Drafts = the chosen prefixes that no other chosen prefix extends (the leaves)."""
+    parents = {n.prefix[:-1] for n in nodes}
+    leaves = [n for n in nodes if n.prefix not in parents]
+    drafts = [Draft(n.prefix, n.strategy, n.rank) for n in leaves]
+    return RowTree(drafts, len(drafts), max((n.depth for n in nodes), default=0),
+                   1.0 + sum(n.probability for n in nodes))

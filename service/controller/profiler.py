@@ -1,0 +1,266 @@
+"""Measure what a forward pass costs on this device: T(tokens, rows, context length).
+
+For each (rows R, context L) a cache of R rows of length L is set up (the entries' values do
+not change the work, so nothing is prefilled), then passes of R × m tokens are timed on top of
+it and rolled back, so L stays fixed. The logits are read back so GPU timings include the work.
+Beside those equal rows, each (R > 1, L) also times one row of a few tokens among one-token
+rows, each time against the plain pass beside it: what that costs beyond its tokens' share of
+the equal-rows curve is the row's own attention call (or the padding of every row), which the
+controller charges to a row's first node (`CostProfile.wide_row_seconds`).
+
+The controller trades tokens against *ratios* of costs, so the ratios must survive a busy
+machine: each repeat times every size in turn (a slow spell hits all sizes alike), and a size's
+cost is the mean of its two fastest repeats. Other work on the machine (a neighbour on a shared
+host, stolen CPU time) only ever adds time to a pass, so the fastest repeats are the pass's own
+cost: on a 2-core VM with up to 8% of its time stolen, the middle half of 9 repeats of a pass
+spread over up to 46% of their median while its two fastest repeats agreed within 11%
+(docs/benchmarks.md, seventh session), and the former check on that spread rejected every
+profile measured there. The live slowdown from that other work is the calibration's load
+level, not the profile's business. The result is validated before it is trusted or saved —
+costs must not fall as passes grow (within noise), must not fall as context grows (a profile
+whose short-context passes look slower than long ones was measured under changing load), and
+the two fastest repeats must agree (a machine so busy that not even two repeats ran
+undisturbed). A profile that fails is measured again; one that keeps failing is used for this
+run only and never saved. Measurement is a generator of small increments, so the engine runs it
+between steps, only while idle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import logging
+import platform
+import statistics
+import time
+from collections.abc import Generator, Sequence
+from pathlib import Path
+
+import torch
+
+from service.model.kv_cache import TreeKVCache
+from service.model.runner import ModelRunner, RowInput
+from service.model.tables import model_fingerprint, run_to_end
+from service.controller.planner import CostProfile
+from service.model.tree import chain_tree
+
+log = logging.getLogger(__name__)
+
+# The code whose speed a profile measures: a saved profile of other code is not reused.
+PASS_CODE = ("model_runner.py", "static_pass.py", "decoder_pass.py", "attention.py", "kv_cache.py", "packed_linear.py",
+             "packed_kernels.py", "layer_kernels.py", "int8_kernel.py", "attention_kernel.py")
+ROWS = (1, 4, 16)
+# A GPU serves more rows a pass (a pass there is host-bound, so rows are nearly free) and its
+# cost past 16 rows was extrapolated from 4 and 16: 64 rows are measured too.
+GPU_ROWS = (*ROWS, 64)
+CONTEXT_LENGTHS = (32, 256, 1024)
+TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
+# Larger passes are extrapolated. A CPU's cost is already linear by 128 tokens; a GPU's stays
+# flat far longer and is where batches of trees go, so its curve is measured up to 16 rows × 32.
+CPU_MAX_PASS_TOKENS = 128
+GPU_MAX_PASS_TOKENS = 512
+REPEATS = 7
+NOISE = 0.15  # relative slack of the validation rules
+ATTEMPTS = 3
+WIDE_ROW_TOKENS = 4  # the row whose own cost among one-token rows is measured: a small tree
+WIDE_PAIRS = 3  # (wide pass, plain pass) pairs per repeat: their difference is small and noisy
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def profiled_rows(device: torch.device) -> tuple[int, ...]:
+    """The row counts a profile on `device` measures."""
+    return ROWS if device.type == "cpu" else GPU_ROWS
+
+
+def pass_sizes(rows: int, device: torch.device) -> list[int]:
+    """The pass sizes measured for `rows` equal rows on `device`."""
+    largest = CPU_MAX_PASS_TOKENS if device.type == "cpu" else GPU_MAX_PASS_TOKENS
+    return [rows * m for m in TOKENS_PER_ROW if rows * m <= largest]
+
+
+def measure_steps(
+    runner: ModelRunner, rows: Sequence[int] | None = None, context_lengths: Sequence[int] = CONTEXT_LENGTHS,
+    repeats: int = REPEATS,
+) -> Generator[None, None, tuple[CostProfile, list[str]]]:
+    """Yield after every increment (one repeat of one (rows, L) sweep); return the profile and
+    the validation problems found (empty when it can be trusted). `rows`: the device's own
+    (`profiled_rows`) unless given."""
+    rows = profiled_rows(runner.device) if rows is None else rows
+    generator = torch.Generator().manual_seed(0)
+    samples: dict[tuple[int, int], list[list[float]]] = {}
+    wide_samples: dict[tuple[int, int], list[float]] = {}
+    for count, length in itertools.product(rows, context_lengths):
+        cache = _filled_cache(runner, count, length)
+        passes = [_chains(runner, count, size // count, generator) for size in pass_sizes(count, runner.device)]
+        wide = [] if count == 1 else [_chains(runner, 1, WIDE_ROW_TOKENS, generator)
+                                      + _chains(runner, count - 1, 1, generator)]
+        for trees in passes + wide:  # warm-up
+            _timed_pass(runner, cache, trees)
+        cells = samples.setdefault((count, length), [[] for _ in passes])
+        for _ in range(repeats):
+            for index, trees in enumerate(passes):
+                cells[index].append(_timed_pass(runner, cache, trees))
+            for trees in wide * WIDE_PAIRS:  # paired with the plain pass beside it: drift cancels
+                extra = _timed_pass(runner, cache, trees) - _timed_pass(runner, cache, passes[0])
+                wide_samples.setdefault((count, length), []).append(extra)
+            yield
+        costs = " ".join(f"n{n}={own_cost(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count, runner.device), cells))
+        log.info("profiled rows=%d L=%d: %s", count, length, costs)
+    profile = CostProfile(
+        rows=list(rows), context_lengths=list(context_lengths), tree_sizes=[pass_sizes(r, runner.device) for r in rows],
+        seconds=[[[own_cost(c) for c in samples[(r, length)]] for length in context_lengths] for r in rows],
+        device=device_name(runner.device), model=model_fingerprint(runner.model), dtype=str(runner.dtype),
+    )
+    problems = validate(profile, samples)
+    equal_rows = _monotone(profile)
+    wide_row_seconds = [[_wide_row_cost(equal_rows, r, length, wide_samples.get((r, length)))
+                         for length in context_lengths] for r in rows]
+    log.info("a wide row's own cost, ms [rows][L]: %s", [[round(s * 1e3, 1) for s in t] for t in wide_row_seconds])
+    return dataclasses.replace(equal_rows, wide_row_seconds=wide_row_seconds), problems
+
+
+def _wide_row_cost(equal_rows: CostProfile, rows: int, length: int, extras: list[float] | None) -> float:
+    """What the pass with one wide row measured over the plain pass, less what the equal-rows
+    curve charges its extra tokens."""
+    if not extras:
+        return 0.0
+    tokens = rows + WIDE_ROW_TOKENS - 1
+    curve = equal_rows.cost(tokens, length, rows) - equal_rows.cost(rows, length, rows)
+    return max(statistics.median(extras) - curve, 0.0)
+
+
+def measure_profile(runner: ModelRunner, **grid: Sequence[int]) -> tuple[CostProfile, list[str]]:
+    """`measure_steps` run to the end at once."""
+    return run_to_end(measure_steps(runner, **grid))  # type: ignore[arg-type]
+
+
+def validate(profile: CostProfile, samples: dict[tuple[int, int], list[list[float]]] | None = None) -> list[str]:
+    """What makes `profile` untrustworthy (nothing if it is fine)."""
+    problems = []
+    for r, table in zip(profile.rows, profile.seconds):
+        for length, row in zip(profile.context_lengths, table):
+            if any(b < a * (1 - NOISE) for a, b in zip(row, row[1:])):
+                problems.append(f"rows={r} L={length}: a bigger pass measured cheaper: {_ms(row)}")
+        for index in range(len(table[0])):
+            column = [row[index] for row in table]
+            if column[-1] < column[0] * (1 - NOISE):
+                problems.append(f"rows={r} n={profile.tree_sizes[profile.rows.index(r)][index]}: "
+                                f"longer context measured cheaper: {_ms(column)}")
+    for (r, length), cells in (samples or {}).items():
+        gap = statistics.median(_fastest_gap(c) for c in cells)
+        if gap > NOISE:
+            problems.append(f"rows={r} L={length}: the fastest repeats disagree (median gap {gap:.0%})")
+    return problems
+
+
+def own_cost(values: Sequence[float]) -> float:
+    """A pass's own cost from its repeats: the mean of the two fastest (other work on the
+    machine only adds time, so the slow tail measures the neighbours, not the pass)."""
+    return statistics.fmean(sorted(values)[:2])
+
+
+def _fastest_gap(values: Sequence[float]) -> float:
+    """How far the second-fastest repeat is above the fastest, relative to it."""
+    fastest = sorted(values)[:2]
+    return fastest[-1] / fastest[0] - 1
+
+
+def _ms(values: Sequence[float]) -> str:
+    return " ".join(f"{v * 1e3:.1f}" for v in values) + " ms"
+
+
+def _monotone(profile: CostProfile) -> CostProfile:
+    """A larger pass is never recorded as cheaper (a dip is noise the controller must not bet on)."""
+    seconds = [[list(itertools.accumulate(row, max)) for row in table] for table in profile.seconds]
+    return dataclasses.replace(profile, seconds=seconds)
+
+
+def _filled_cache(runner: ModelRunner, rows: int, length: int) -> TreeKVCache:
+    cache = runner.new_cache()
+    for _ in range(rows):
+        cache.add_row()
+    cache.lengths = [length] * rows  # the entries' values do not change the work
+    return cache
+
+
+def _chains(runner: ModelRunner, rows: int, m: int, generator: torch.Generator) -> list[RowInput]:
+    return [RowInput(chain_tree(torch.randint(runner.vocab_size, (m,), generator=generator).tolist()))
+            for _ in range(rows)]
+
+
+def _timed_pass(runner: ModelRunner, cache: TreeKVCache, rows: list[RowInput]) -> float:
+    started = time.perf_counter()
+    logits = runner.forward(cache, rows)
+    float(logits[-1][-1, 0])  # wait for the device
+    elapsed = time.perf_counter() - started
+    for row in range(cache.num_rows):
+        cache.commit(row, [])  # roll back: the context length stays fixed
+    return elapsed
+
+
+def pass_code_version() -> str:
+    """A short hash of the torch version and the code a pass runs (`PASS_CODE`): a kernel or
+    attention change alters the cost curve's shape, which a uniform drift check would miss."""
+    digest = hashlib.sha256(torch.__version__.encode())
+    for name in PASS_CODE:
+        digest.update(Path(__file__).with_name(name).read_bytes())
+    return digest.hexdigest()[:8]
+
+
+def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
+    fingerprint = model_fingerprint(runner.model)
+    # the same packed weights compute otherwise with 8-bit activations (--quantization gguf-int8)
+    int8 = "-int8" if getattr(runner.model.get_output_embeddings(), "int8_activations", False) else ""
+    static = "-static" if runner.static is not None else ""  # fixed-shape passes (CUDA graphs) cost otherwise
+    name = f"{device_name(runner.device)}-{fingerprint}{int8}{static}-{runner.dtype}-code{pass_code_version()}"
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+    return cache_dir / "profiles" / f"{safe}.json"
+
+
+def load_saved(runner: ModelRunner, cache_dir: Path) -> CostProfile | None:
+    """The saved profile for this device/model/dtype, if there is one that passes validation."""
+    path = profile_path(cache_dir, runner)
+    if not path.exists():
+        return None
+    try:
+        profile = CostProfile.load(path)
+    except (ValueError, TypeError, KeyError) as error:
+        log.warning("ignoring the saved cost profile: %s", error)
+        return None
+    if problems := validate(profile):
+        log.warning("ignoring the saved cost profile %s: %s; it will be measured again", path, "; ".join(problems))
+        return None
+    return profile
+
+
+def measure_and_save_steps(
+    runner: ModelRunner, cache_dir: Path, **grid: Sequence[int]
+) -> Generator[None, None, CostProfile]:
+    """Measure (up to `ATTEMPTS` times until valid); save only a valid profile."""
+    for attempt in range(1, ATTEMPTS + 1):
+        profile, problems = yield from measure_steps(runner, **grid)  # type: ignore[arg-type]
+        if not problems:
+            profile.save(profile_path(cache_dir, runner))
+            return profile
+        log.warning("cost profile attempt %d failed validation (was the machine busy?): %s",
+                    attempt, "; ".join(problems))
+    log.warning("using the last cost profile for this run only (not saved); "
+                "remedy: `ngrammys profile --remeasure` on an idle machine")
+    return profile
+
+
+def load_or_measure(
+    runner: ModelRunner, cache_dir: Path, remeasure: bool = False, **grid: Sequence[int]
+) -> CostProfile:
+    """The saved profile for this device/model/dtype, measuring (and saving) it if absent."""
+    saved = None if remeasure else load_saved(runner, cache_dir)
+    if saved is not None:
+        return saved
+    log.info("measuring forward-pass costs (saved to %s)", profile_path(cache_dir, runner))
+    return run_to_end(measure_and_save_steps(runner, cache_dir, **grid))

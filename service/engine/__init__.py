@@ -1,0 +1,1 @@
+"""What a request goes through: queue, scheduler, the step, verification, sampling."""

@@ -1,0 +1,197 @@
+"""Waiting queue → running batch: admission, chunked prefill, and every status transition.
+
+Admission is first come, first served: the oldest waiting request is admitted when a running
+slot is free and the KV memory budget still holds with it; if it does not fit, nothing behind
+it jumps the queue (no request starves). Nothing is preempted once running.
+
+Memory. The KV buffers are [rows, capacity] per layer, with the capacity shared by all rows,
+and it never grows past the longest row any running request can reach (`Request.max_kv_tokens`,
+rounded up to the cache's power-of-two growth). So rows × that bound × bytes per token is an
+upper bound of the KV memory, and admission keeps it under `kv_cache_bytes`.
+
+Chunked prefill: each step every running request brings something to the one pass. Decoding
+requests bring their pending token (plus the tree the controller adds); prefilling requests
+share what is left of `max_tokens_per_pass`, oldest first, so a long prompt is cut into
+chunks and running streams keep flowing while it loads. While any request decodes, prompt
+chunks take at most `max_prefill_tokens_while_decoding` of a pass: every prompt token in the
+pass delays every running stream's next token. But when many requests wait for their first
+token (a burst of arrivals: more of them than decoding requests), prompts get the share of
+the pass in proportion to their number, or a burst of 64 prompts behind a few decoding streams would wait minutes for its first tokens
+(TGI's `waiting_served_ratio` answers the same problem). Only then: under a steady load, a few
+requests joining together behind many decoding streams took 150-290 prompt tokens a pass by
+that share, and those passes (120-230 ms against 23 ms decode-only, 16 rows, 2-core CPU) set
+the streams' p99 inter-token time (docs/benchmarks.md, seventeenth session). On a CPU a pass
+costs about in proportion to its tokens, so the default cap there is small (64;
+docs/benchmarks.md, "Continuous batching", has the runs behind it); on a GPU a pass of
+hundreds of tokens costs little more than one, so the default is the whole pass. With nothing decoding, a prompt takes
+the whole pass (first token sooner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
+from service.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of the running batch."""
+
+    max_running_requests: int | None = None  # None: by device (`for_device`)
+    max_tokens_per_pass: int = 512  # prefill chunks + decode tokens + tree nodes in one pass
+    kv_cache_bytes: int | None = None  # budget of the KV buffers; None = unbounded
+    max_prefill_tokens_while_decoding: int | None = None  # None: by device (`for_device`)
+
+    def __post_init__(self) -> None:
+        if (self.max_running_requests is not None and self.max_running_requests < 1) or self.max_tokens_per_pass < 1:
+            raise ValueError("max_running_requests and max_tokens_per_pass must be >= 1")
+        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+            raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the batch size and the prefill cap resolved for a device ("cpu",
+        "cuda", ...)."""
+        cpu = device_type == "cpu"
+        running = self.max_running_requests or (CPU_MAX_RUNNING_REQUESTS if cpu else GPU_MAX_RUNNING_REQUESTS)
+        cap = self.max_prefill_tokens_while_decoding or (CPU_PREFILL_TOKENS_WHILE_DECODING if cpu else self.max_tokens_per_pass)
+        return dataclasses.replace(self, max_running_requests=running, max_prefill_tokens_while_decoding=cap)
+
+
+CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+# Requests in one batch. On the 2-core dev CPU a 16-row pass already costs ~2.7x a one-row pass
+# (compute-bound), so more rows add latency, not throughput; on the H200 a pass is host-bound
+# and 64 rows ran at 2.0-2.3x the tokens/s of 16 (speculation off, embedded model;
+# docs/benchmarks.md, nineteenth session).
+CPU_MAX_RUNNING_REQUESTS = 16
+GPU_MAX_RUNNING_REQUESTS = 64
+
+
+class DoesNotFit(ValueError):
+    """The request alone would exceed the KV memory budget: it could never run."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What each running request brings to this step's pass."""
+
+    prefill_tokens: dict[Request, int]  # prompt tokens each prefilling request puts in the cache
+    tree_budget: int  # tree nodes (beyond one root per decoding row) the pass can still take
+
+
+def kv_capacity_bound(max_tokens: int) -> int:
+    """The capacity the cache reaches for rows of at most `max_tokens` (power-of-two growth)."""
+    capacity = INITIAL_CAPACITY
+    while capacity < max_tokens:
+        capacity *= 2
+    return capacity
+
+
+class Scheduler:
+    """Owns the waiting queue and the running batch; `running[i]` holds KV row i."""
+
+    def __init__(self, config: SchedulerConfig, cache: TreeKVCache, kv_bytes_per_token: int) -> None:
+        if config.max_running_requests is None or config.max_prefill_tokens_while_decoding is None:
+            raise ValueError("the scheduler takes a config resolved for its device (SchedulerConfig.for_device)")
+        self.config = config
+        self.max_running: int = config.max_running_requests
+        self.cache = cache
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def memory_bound(self, requests: list[Request]) -> int:
+        """Upper bound of the KV bytes while `requests` run together. The buffers' rows and
+        capacity (columns, one for all rows) only grow while they are held; buffers that pass
+        on for CUDA graphs hold a power of two of rows, and may come larger than asked."""
+        if not requests:
+            return 0
+        held = self.cache.held_rows
+        capacity = max(kv_capacity_bound(max(r.max_kv_tokens for r in requests)), self.cache.capacity if held else 0)
+        return max(self.cache.buffer_rows(len(requests)), held) * capacity * self.kv_bytes_per_token
+
+    def _row_bytes(self, kv_tokens: int) -> int:
+        return kv_capacity_bound(kv_tokens) * self.kv_bytes_per_token
+
+    def check_fits(self, kv_tokens: int) -> None:
+        """Raise `DoesNotFit` if a request needing `kv_tokens` KV entries exceeds the budget alone."""
+        budget = self.config.kv_cache_bytes
+        if budget is not None and self._row_bytes(kv_tokens) > budget:
+            raise DoesNotFit(
+                f"the request needs up to {kv_tokens} KV tokens ({self._row_bytes(kv_tokens) / 2**20:.0f} MiB), "
+                f"over the server's KV budget of {budget / 2**20:.0f} MiB; ask for fewer max_tokens or a "
+                f"shorter prompt"
+            )
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request.max_kv_tokens)
+        self.waiting.append(request)
+
+    def admit(self) -> list[Request]:
+        """Move waiting requests into the batch, oldest first, while they fit."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            candidate = self.waiting[0]
+            if candidate.aborted:
+                self.waiting.popleft()
+                continue
+            budget = self.config.kv_cache_bytes
+            if budget is not None and self.memory_bound([*self.running, candidate]) > budget:
+                break  # FCFS: it waits for memory, and nothing behind it overtakes
+            self.waiting.popleft()
+            candidate.status, candidate.started_at = Status.RUNNING, time.monotonic()
+            candidate.row = self.cache.add_row()
+            self.running.append(candidate)
+            admitted.append(candidate)
+        return admitted
+
+    def drop_aborted_waiting(self) -> list[Request]:
+        """Take aborted requests out of the queue at once (their slot frees now)."""
+        gone = [r for r in self.waiting if r.aborted]
+        if gone:
+            self.waiting = deque(r for r in self.waiting if not r.aborted)
+        for request in gone:
+            request.status = Status.FINISHED
+        return gone
+
+    def plan(self) -> StepPlan:
+        """Split this pass's token budget: one token per decoding row first, then prefill
+        chunks oldest first (each prefilling row brings at least one token). While others
+        decode, prompts get `max_prefill_tokens_while_decoding`; in a burst (more requests
+        waiting for their first token than decoding) their share of the pass if larger, in
+        proportion to their number."""
+        prefilling = [r for r in self.running if r.prefill_remaining > 0]
+        decoding = len(self.running) - len(prefilling)
+        left = self.config.max_tokens_per_pass - decoding
+        prefill_left = left
+        cap = self.config.max_prefill_tokens_while_decoding
+        if decoding:
+            burst = len(prefilling) > decoding
+            prefill_left = min(left, max(cap, left * len(prefilling) // len(self.running)) if burst else cap)
+        prefill: dict[Request, int] = {}
+        for request in prefilling:
+            chunk = max(1, min(request.prefill_remaining, prefill_left))
+            prefill[request] = chunk
+            left -= chunk
+            prefill_left -= chunk
+        return StepPlan(prefill, max(left, 0))
+
+    def finish(self, request: Request) -> None:
+        """Take a request out of the batch and free its KV row."""
+        request.status = Status.FINISHED
+        if request.row is None:
+            return
+        row, request.row = request.row, None
+        moved = self.cache.remove_row(row)
+        last = self.running.pop()
+        if moved is not None:
+            self.running[row] = last
+            last.row = row

@@ -1,0 +1,495 @@
+"""Linear layers that keep a GGUF's Q4_1 blocks packed and compute with them (CPU fast path).
+
+`--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
+layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16
+scale d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4,
+and the numba kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and
+applies it to every row of the pass (up to KERNEL_MAX_ROWS rows; larger passes dequantize the
+layer and call `F.linear`). Without numba the same modules dequantize and call `F.linear`
+(slower, same weights). Up to a pass size measured on the CPU at load (`tune_fused_max_rows`)
+the weights are dequantized in registers, four rows at a time; above it, once per tile into a
+buffer that every row then reads.
+
+The served weights are bit-for-bit those of the float32 path (the converted cache holds the
+same dequantized values); what differs is only the order of the float32 sums inside a matmul,
+so the two paths' greedy outputs part only where the top two logits nearly tie. Within the
+packed path a row's result does not depend on the pass size, so speculation reproduces plain
+decoding bit for bit in the linears.
+
+The LM head is packed too when its tensor is Q4_1 or Q8_0 (here it is tied to the Q8_0 token
+embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the same values).
+Embeddings, norms and tensors of other GGUF types stay as loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from service.kernels.int8_kernel import COLUMNS, REQUIRED_FEATURES, int8_matmul, int8_supported, int8_tiles
+from service.kernels.int8_kernel import warm_up as warm_up_int8
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
+PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
+TILE = 32  # output rows per tile, as in service/kernels/packed_kernels.py
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
+# Passes above this many rows dequantize the layer and call F.linear (prefill-sized passes,
+# where a BLAS GEMM is faster than the register-tiled kernel). Trees stay below it.
+KERNEL_MAX_ROWS = 64
+# A pass whose rows x packed bytes are below this runs on one thread (see forward). Measured on
+# the 2-core CPU, one row: a 64x576 layer (18 KiB) 6.1 us serial, 5.3 parallel; 32x576 (9 KiB)
+# 3.6 and 5.3; the embedded model's o_proj (166 KiB) 46 and 25.
+PARALLEL_MIN_BYTES = 1 << 14
+# Pass sizes at which the in-register Q4_1 kernel is timed against the buffer path at load. Which
+# wins depends on the CPU: on a 2-core AMD EPYC dev VM (AVX2) the buffer path won from three
+# rows on; on a 2-core Intel Xeon one (AVX-512) the in-register kernel won at three to six rows
+# and the two tied around eight to twelve (docs/benchmarks.md, eleventh session).
+FUSED_ROW_CANDIDATES = (3, 4, 6, 8, 12, 16, 24, 32)
+TUNING_REPEATS = 9
+TUNING_LAYERS = 4  # the first few decoder layers' Q4_1 weights are timed (0.1-0.2 s at load)
+
+# GGUF tensor name (per block) -> Hugging Face Llama module name.
+LLAMA_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_kernels: Any = None
+_layer_kernels: Any = None
+_kernels_error: str | None = None
+
+
+def load_kernels(cache_dir: Path | None = None) -> Any:
+    """The compiled numba kernels module, or None when numba is not installed (or fails).
+    The per-layer kernels (`service/kernels/layer_kernels.py`) load with it (`loaded_layer_kernels`).
+
+    The first call per machine compiles them (tens of seconds on 2 cores; logged) into numba's
+    cache, `<cache_dir>/numba` (next to the source without a `cache_dir`; `NUMBA_CACHE_DIR`
+    overrides both); later starts load them from there in about a second. The cache dir, not
+    the package, so that `ngrammys prepare` bakes them where an image's server finds them: numba
+    only uses a cache directory it can write, and an installed package is read-only to a
+    non-root server. (numba compiles again, once, on a CPU other than the one that compiled.)
+    """
+    global _kernels, _layer_kernels, _kernels_error
+    if _kernels is not None or _kernels_error is not None:
+        return _kernels
+    # Must be set before numba is first imported: the kernels rely on the SLP vectorizer.
+    os.environ.setdefault("NUMBA_SLP_VECTORIZE", "1")
+    if cache_dir is not None:
+        os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir / "numba"))
+    try:
+        import numba
+
+        numba.config.SLP_VECTORIZE = 1
+        if os.environ.get("NUMBA_CACHE_DIR"):  # numba may have been imported (and configured) before
+            numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+        from service.kernels import layer_kernels
+        from service.kernels import packed_kernels
+    except Exception as error:  # noqa: BLE001 - any import failure means: use the fallback
+        _kernels_error = f"{type(error).__name__}: {error}"
+        log.warning("numba kernels unavailable (%s); packed linears use the torch fallback", _kernels_error)
+        return None
+    started = time.perf_counter()
+    _warm_up(packed_kernels)
+    layer_kernels.warm_up()
+    layer = numba.threading_layer()
+    log.info("numba packed-linear kernels ready in %.1f s (threading layer %s, %d threads)",
+             time.perf_counter() - started, layer, numba.get_num_threads())
+    if layer == "workqueue":
+        log.warning("numba runs the packed kernels on its workqueue threading layer, on which passes "
+                    "took 1.3-2.7x as long as on OpenMP: install the system's libgomp (Debian: libgomp1)")
+    _kernels, _layer_kernels = packed_kernels, layer_kernels
+    return _kernels
+
+
+def loaded_kernels() -> Any:
+    """The kernels module if `load_kernels` already loaded it (the CPU fast path is on), else
+    None: for callers that use a kernel where it is ready but should not compile them."""
+    return _kernels
+
+
+def loaded_layer_kernels() -> Any:
+    """The per-layer kernels module (RMSNorm, rotary embedding with the cache write) if
+    `load_kernels` loaded the kernels, else None."""
+    return _layer_kernels
+
+
+def _warm_up(kernels: Any) -> None:
+    qs = np.zeros((1, 1, 16, TILE), np.uint8)
+    q8 = np.zeros((1, 1, 32, TILE), np.int8)
+    scales = np.zeros((1, 1, TILE), np.float32)
+    x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
+    kernels.q4_1_matmul(x, qs, scales, scales, out, 1, 4)
+    kernels.q4_1_dequantize(qs, scales, scales, np.empty((32, TILE), np.float32))
+    kernels.top_k_ids(np.zeros((1, 2 * kernels.TOP_K_BLOCK), np.float32), 1)
+    kernels.q8_0_matmul(x, q8, scales, out, 1)
+    kernels.q4_1_matmul_serial(x, qs, scales, scales, out, 0, 4)
+    kernels.q8_0_matmul_serial(x, q8, scales, out, 0)
+    kernels.q8_0_dequantize(q8, scales, np.empty((32, TILE), np.float32))
+
+
+_scratch = threading.local()
+# Layers up to this many weights dequantize for a large pass into a reusable buffer (the
+# embedded model's largest, gate and up fused, has 1.77M); the LM head (28M) gets its own.
+SCRATCH_MAX_WEIGHTS = 4 << 20
+
+
+def _scratch_weights(shape: tuple[int, int]) -> np.ndarray:
+    """A float32 array of `shape` in this thread's scratch buffer. A fresh array of megabytes
+    is a fresh memory mapping each call, and its page faults cost more than dequantizing into
+    it: the embedded model's 210 layers took 81-177 ms into fresh arrays, 34 ms into the
+    scratch buffer (2-core Xeon VM, docs/benchmarks.md, thirteenth session)."""
+    size = shape[0] * shape[1]
+    if size > SCRATCH_MAX_WEIGHTS:
+        return np.empty(shape, np.float32)
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None:
+        buffer = _scratch.buffer = np.empty(SCRATCH_MAX_WEIGHTS, np.float32)
+    return buffer[:size].reshape(shape)
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+@dataclass(frozen=True)
+class PackedTiles:
+    """GGUF blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
+
+    kind: str  # "Q4_1" or "Q8_0"
+    qs: np.ndarray  # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8
+    d: np.ndarray  # [T, K/32, TILE] float32 scales
+    m: np.ndarray  # [T, K/32, TILE] float32 mins (Q4_1; empty for Q8_0)
+    out_features: int
+    in_features: int
+
+
+def tiles_from_blocks(raw: np.ndarray, out_features: int, in_features: int, kind: str = "Q4_1") -> PackedTiles:
+    """`raw`: the GGUF bytes of a weight, [out_features, in_features/32 * block bytes] uint8
+    (row-major blocks, as `gguf.GGUFReader` gives them). Rows are padded to a whole tile with
+    zero blocks (zero weights)."""
+    if kind not in BLOCK_BYTES:
+        raise ValueError(f"unsupported block type {kind}")
+    if in_features % 32:
+        raise ValueError(f"{kind} needs in_features divisible by 32, got {in_features}")
+    size, blocks = BLOCK_BYTES[kind], in_features // 32
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(out_features, blocks, size)
+    tiles = -(-out_features // TILE)
+    padded = np.zeros((tiles * TILE, blocks, size), np.uint8)
+    padded[:out_features] = raw
+
+    def half(offset: int) -> np.ndarray:  # float16 at byte `offset` of each block, widened (exactly)
+        return padded[:, :, offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+    def tiled(a: np.ndarray) -> np.ndarray:  # [rows, blocks, ...] -> [T, blocks, ..., TILE]
+        a = a.reshape(tiles, TILE, *a.shape[1:])
+        return np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+    if kind == "Q4_1":
+        return PackedTiles(kind, tiled(padded[:, :, 4:]), tiled(half(0)), tiled(half(2)), out_features, in_features)
+    empty = np.zeros((0, 0, 0), np.float32)
+    return PackedTiles(kind, tiled(padded[:, :, 2:].view(np.int8)), tiled(half(0)), empty, out_features, in_features)
+
+
+def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
+    """The float32 weight [out_features, in_features], in plain torch (the reference)."""
+    qs = torch.from_numpy(tiles.qs)  # [T, B, 16 or 32, TILE]
+    d = torch.from_numpy(tiles.d)[:, :, None, :]
+    if tiles.kind == "Q4_1":
+        q = torch.cat([qs & 15, qs >> 4], dim=2).float()  # [T, B, 32, TILE]
+        w = d * q + torch.from_numpy(tiles.m)[:, :, None, :]  # two roundings, as gguf computes it
+    else:
+        w = d * qs.float()
+    w = w.permute(0, 3, 1, 2).reshape(-1, tiles.in_features)  # [T*TILE, K]
+    return w[: tiles.out_features]
+
+
+class PackedLinear(nn.Module):
+    """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept packed."""
+
+    def __init__(self, tiles: PackedTiles, kernels: Any = None, fused_max_rows: int = 2,
+                 int8_activations: bool = False) -> None:
+        super().__init__()
+        self.kind = tiles.kind
+        self.in_features = tiles.in_features
+        self.out_features = tiles.out_features
+        self.kernels = kernels
+        self.fused_max_rows = fused_max_rows  # Q4_1 passes up to this many rows dequantize in registers
+        # 8-bit activations on VNNI (service/kernels/int8_kernel.py), for passes of every size
+        self.int8_activations = int8_activations
+        self._set_tiles(tiles)
+
+    def _set_tiles(self, tiles: PackedTiles) -> None:
+        # Buffers, so state_dict (and the model fingerprint keying the caches) shows them.
+        for name in ("qs", "d", "m"):
+            self.register_buffer(name, torch.from_numpy(getattr(tiles, name)), persistent=True)
+        self._tiles = tiles  # numpy views of the buffers, for the kernels' calls
+        self._int8 = (int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features)
+                      if self.int8_activations else None)
+        if self._int8 is not None:  # what every call needs, looked up once
+            self._int8_kernel = int8_matmul(tiles.kind)
+            self._int8_columns = self._int8.packed.shape[0] * COLUMNS
+
+    def extra_repr(self) -> str:
+        path = "int8 activations, VNNI" if self._int8 is not None else "numba" if self.kernels is not None else "torch fallback"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} ({path})"
+
+    def tiles(self) -> PackedTiles:
+        return self._tiles
+
+    def dequantized(self, reuse: bool = False) -> torch.Tensor:
+        """The served float32 weights [out_features, in_features]. `reuse`: in the calling
+        thread's scratch buffer (valid until its next such call), for a large pass's F.linear."""
+        if self.kernels is None:
+            return dequantize_tiles(self.tiles())
+        t = self._tiles
+        shape = (self.in_features, t.qs.shape[0] * TILE)  # transposed: the kernels' layout
+        out = _scratch_weights(shape) if reuse else np.empty(shape, np.float32)
+        if self.kind == "Q4_1":
+            self.kernels.q4_1_dequantize(t.qs, t.d, t.m, out)
+        else:
+            self.kernels.q8_0_dequantize(t.qs, t.d, out)
+        return torch.from_numpy(out).t()[: self.out_features]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs of {self.in_features} features, got {x.shape[-1]}")
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self._int8 is not None:
+            return self._int8_forward(x, rows)
+        if self.kernels is None or rows.shape[0] > KERNEL_MAX_ROWS or x.device.type != "cpu":
+            return F.linear(x, self.dequantized(reuse=x.device.type == "cpu").to(x.device, x.dtype))
+        if rows.dtype != torch.float32:
+            rows = rows.float()
+        xs = rows.contiguous().numpy()
+        t = self._tiles
+        out = np.empty((xs.shape[0], t.qs.shape[0] * TILE), np.float32)
+        # Tiny layers run on the calling thread: a parallel launch costs more than it saves.
+        threads = _threads() if xs.shape[0] * t.qs.size >= PARALLEL_MIN_BYTES else 1
+        threads = threads if threads > 1 else 0
+        if self.kind == "Q4_1":
+            (self.kernels.q4_1_matmul if threads else self.kernels.q4_1_matmul_serial)(
+                xs, t.qs, t.d, t.m, out, threads, self.fused_max_rows)
+        else:
+            (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(xs, t.qs, t.d, out, threads)
+        return self._shaped(out, x)
+
+    def _int8_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The VNNI kernel, whatever the pass size: a prompt chunk's rows then compute as
+        they would in a pass of their own. Lean: a one-token pass makes ~120 of these calls,
+        and the glue around the kernel (a conversion that was a no-op, the kernel's look-up)
+        cost 2-3.5 us of 9-18 a call (a layer's four linears at one row, interleaved medians,
+        2-core dev VM); a one-token pass 8.84 -> 8.71 and 8.90 -> 8.81 ms (medians of 290
+        passes each, alternated, two runs)."""
+        assert self._int8 is not None
+        t = self._int8
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        xs = rows.numpy()
+        out = np.empty((xs.shape[0], self._int8_columns), np.float32)
+        threads = _threads() if xs.shape[0] * t.packed.size >= PARALLEL_MIN_BYTES else 0
+        self._int8_kernel(xs, t.packed, t.d, t.m, out, threads if threads > 1 else 0)
+        return self._shaped(out, x)
+
+    def _shaped(self, out: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+        """A kernel's output [rows, whole tiles] as the layer's: its columns, x's dtype and
+        leading dimensions."""
+        y = torch.from_numpy(out)
+        if out.shape[1] != self.out_features:
+            y = y[:, : self.out_features]
+        if x.dtype != torch.float32:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+
+def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
+    """One layer computing `modules`' outputs side by side (their tiles concatenated), so a
+    pass makes one kernel call instead of several; each module then holds a view of the fused
+    tiles (no copy stays behind). None when the modules differ in kind or input width, or a
+    module's rows do not fill whole tiles."""
+    tiles = [module.tiles() for module in modules]
+    if len({(t.kind, t.in_features) for t in tiles}) != 1 or any(t.out_features % TILE for t in tiles):
+        return None
+    qs, d, m = (np.concatenate([getattr(t, name) for t in tiles]) for name in ("qs", "d", "m"))
+    start = 0
+    for module, t in zip(modules, tiles):
+        stop = start + t.out_features // TILE
+        module._set_tiles(PackedTiles(t.kind, qs[start:stop], d[start:stop], m[start:stop],
+                                      t.out_features, t.in_features))
+        start = stop
+    fused = PackedTiles(tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features)
+    return PackedLinear(fused, modules[0].kernels, modules[0].fused_max_rows, modules[0].int8_activations)
+
+
+def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
+    """The largest of `FUSED_ROW_CANDIDATES` up to which the in-register Q4_1 kernel beat the
+    buffer path at every candidate, timed on `layers` (the served model's own weights); 2 (the
+    buffer path from three rows) if it lost at three. Both paths give the same bits, so the
+    choice changes speed only; each size's fastest of `TUNING_REPEATS` rounds counts (other work
+    on the machine only adds time), the two paths alternating within a round."""
+    threads = _threads() if _threads() > 1 else 0
+    matmul = kernels.q4_1_matmul if threads else kernels.q4_1_matmul_serial
+    rng = np.random.default_rng(0)
+    best = 2
+    for rows in FUSED_ROW_CANDIDATES:
+        inputs = [(rng.standard_normal((rows, t.in_features), np.float32),
+                   np.empty((rows, t.qs.shape[0] * TILE), np.float32), t) for t in layers]
+
+        def seconds(fused_max_rows: int) -> float:
+            started = time.perf_counter()
+            for x, out, t in inputs:
+                matmul(x, t.qs, t.d, t.m, out, threads, fused_max_rows)
+            return time.perf_counter() - started
+
+        fused, buffered = [], []
+        for _ in range(TUNING_REPEATS):
+            fused.append(seconds(rows))
+            buffered.append(seconds(2))
+        log.debug("Q4_1 kernel at %d rows: in registers %.2f ms, buffer %.2f ms", rows, min(fused) * 1e3,
+                  min(buffered) * 1e3)
+        if min(fused) >= min(buffered):
+            break
+        best = rows
+    return best
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's q/k permutation (as transformers' GGUF loader does):
+    `weight_hf = weight_gguf[index]`, a permutation of whole rows, so of whole Q4_1 blocks."""
+    dim = n_rows // n_head // 2
+    return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(-1)
+
+
+def read_packed_linears(model: nn.Module, gguf_path: Path) -> tuple[dict[str, PackedTiles], int]:
+    """The linear weights of `gguf_path` stored as Q4_1 (and the LM head as Q4_1 or Q8_0: the
+    output tensor, or the token embedding it is tied to) as tiles keyed by the model's module
+    names ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and how many
+    linears are of other types (left as loaded)."""
+    import gguf
+
+    config = model.config
+    reader = gguf.GGUFReader(gguf_path)
+    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    tiles: dict[str, PackedTiles] = {}
+    kept = 0
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")  # blk.{i}.{kind}.weight
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LLAMA_LINEARS:
+            continue
+        name = f"model.layers.{int(parts[1])}.{LLAMA_LINEARS[parts[2]]}"
+        linear = model.get_submodule(name)
+        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or getattr(linear, "bias", None) is not None:
+            kept += 1
+            continue
+        out_features, in_features = linear.weight.shape
+        raw = np.asarray(tensor.data).reshape(out_features, -1)
+        if parts[2] == "attn_q":
+            raw = raw[unpermute_rows(out_features, config.num_attention_heads)]
+        elif parts[2] == "attn_k":
+            raw = raw[unpermute_rows(out_features, config.num_key_value_heads)]
+        tiles[name] = tiles_from_blocks(raw, out_features, in_features, "Q4_1")
+    head = by_name.get("output.weight") or (by_name.get("token_embd.weight") if config.tie_word_embeddings else None)
+    lm_head = getattr(model, "lm_head", None)
+    if head is not None and isinstance(lm_head, nn.Linear) and lm_head.bias is None:
+        kind = gguf.GGMLQuantizationType(head.tensor_type).name
+        if kind in BLOCK_BYTES:
+            out_features, in_features = lm_head.weight.shape
+            tiles["lm_head"] = tiles_from_blocks(np.asarray(head.data).reshape(out_features, -1),
+                                                 out_features, in_features, kind)
+        else:
+            kept += 1
+    return tiles, kept
+
+
+def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
+    arrays: dict[str, np.ndarray] = {}
+    for name, t in tiles.items():
+        arrays |= {f"{name}:qs": t.qs, f"{name}:d": t.d, f"{name}:m": t.m,
+                   f"{name}:shape": np.array([t.out_features, t.in_features]), f"{name}:kind": np.array(t.kind)}
+    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")  # per process: starts may race
+    try:
+        np.savez(staging, **arrays)
+        staging.rename(path)
+    except OSError as error:  # a read-only cache: serve anyway, read the GGUF again next start
+        staging.unlink(missing_ok=True)
+        log.warning("could not save the packed tiles to %s (%s)", path, error)
+
+
+def _load_tiles(path: Path) -> dict[str, PackedTiles]:
+    with np.load(path) as arrays:
+        names = [key[: -len(":shape")] for key in arrays.files if key.endswith(":shape")]
+        return {name: PackedTiles(str(arrays[f"{name}:kind"]), arrays[f"{name}:qs"], arrays[f"{name}:d"],
+                                  arrays[f"{name}:m"], *(int(v) for v in arrays[f"{name}:shape"]))
+                for name in names}
+
+
+def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None = None,
+                      tiles_file: Path | None = None, use_kernels: bool = True, int8_activations: bool = False) -> int:
+    """Replace every Llama linear whose GGUF tensor is Q4_1, and the LM head when its tensor is
+    Q4_1 or Q8_0, by a `PackedLinear`; returns how many. Other linears are left as loaded;
+    so are the embeddings (a tied LM head gets its own packed copy of the blocks).
+    `int8_activations`: the packed linears compute with 8-bit activations (service/kernels/int8_kernel.py).
+
+    Reading a GGUF's header takes seconds (its tokenizer), so the tiles are saved to
+    `tiles_file` (if given) and read from there on later starts. When they are read from the
+    GGUF, each packed weight is checked against the loaded one: they must be equal, bit for
+    bit (same file, same dequantization), so a wrong name mapping or permutation fails loudly.
+    """
+    config = model.config
+    if getattr(config, "model_type", None) not in ("llama", "mistral"):
+        raise ValueError(f"--quantization gguf supports Llama-family models, not {config.model_type!r}")
+    if int8_activations and not int8_supported():
+        raise ValueError(f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}; "
+                         "use --quantization gguf")
+    if int8_activations:
+        warm_up_int8()
+    kernels = load_kernels(cache_dir) if use_kernels else None
+    from_file = tiles_file is not None and tiles_file.exists()
+    if from_file:
+        assert tiles_file is not None
+        tiles, kept = _load_tiles(tiles_file), -1
+    else:
+        tiles, kept = read_packed_linears(model, gguf_path)
+    if not any(t.kind == "Q4_1" for t in tiles.values()):
+        raise ValueError(f"{gguf_path.name} has no Q4_1 linear weights to keep packed")
+    fused_max_rows = 2
+    if kernels is not None:
+        first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
+        fused_max_rows = tune_fused_max_rows(
+            [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)], kernels)
+    for name, t in tiles.items():
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        packed = PackedLinear(t, kernels, fused_max_rows, int8_activations)
+        if not from_file and not torch.equal(packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()):
+            raise ValueError(f"{name}: packed blocks differ from the loaded weight "
+                             f"(is {gguf_path.name} the file this model was converted from?)")
+        setattr(parent, attr, packed)
+    if tiles_file is not None and not from_file:
+        _save_tiles(tiles, tiles_file)
+    kinds = Counter(t.kind for t in tiles.values())
+    log.info("packed %s linears (%s)%s", " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+             "8-bit activations (VNNI)" if int8_activations else
+             f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows"
+             if kernels is not None else "torch fallback: numba not installed",
+             f"; kept {kept} of other types" if kept >= 0 else "")
+    return len(tiles)

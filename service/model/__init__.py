@@ -1,0 +1,1 @@
+"""Everything that touches the model's tensors: loading, the pass, attention, the KV cache."""

@@ -1,0 +1,339 @@
+"""Attention for a flat pass: the tokens of every running row in one sequence, each row
+attending to its own KV row.
+
+One pass carries rows of very different widths: a prompt chunk of hundreds of tokens beside
+decode rows of one token or a small tree. Padding every row to the widest would make the
+linear layers (most of the compute) work on padding, so the runner feeds all rows' tokens as
+ONE flat sequence [1, T]: the linear layers see exactly T rows. Only attention needs the
+rows apart, and this module's function does that: registered with transformers as the
+`ngrammys_ragged` attention implementation, it receives the flat queries and the per-row KV
+buffers (`TreeKVCache.update` returns them as a view) plus a `PassLayout`, and runs
+scaled-dot-product attention per row: one batched call over every row with D query slots each
+(the rows at most D wide; the others get padding slots there), plus one call per wider row.
+D is chosen per pass to minimize query slots plus calls: a batched call pads every row to D,
+so one 5-node tree among 15 one-token rows must not make all 16 rows attend with 5 queries
+(measured: D=2 costs 2.2x D=1 for 16 rows at L=257, a second call for the wide row ~0.15x).
+
+Masks: row r's node i sees the row's committed cache [0, start_r) and its own ancestors in
+the tree (itself included), nothing else — the same rule as a single sequence.
+
+On the packed CPU path the rows of at most `kernel_width` tokens (decode rows) skip the
+batched call: a kernel (`service/kernels/attention_kernel.py`) attends each of their tokens over its
+own row's length, with no padding to the longest row; wider rows get a call of their own.
+
+A row may bring only the newer part of a tree: nodes [0, cached) then already sit, uncommitted,
+at [start, start + cached) from an earlier pass of the same row, and the new nodes see them as
+ancestors. A draft model grows its trees that way, one depth a pass, without feeding a node
+twice (`service/model_drafts/draft_rows.py`). A row that brings nothing this pass has width 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from service.kernels.attention_kernel import token_attention
+from service.model.tree import TokenTree
+
+IMPLEMENTATION = "ngrammys_ragged"
+# What a call of its own costs, in query slots of the batched call: about one on a CPU
+# (measured); on a GPU a launch costs far more than a padded query (16 there: not measured).
+CALL_SLOTS = {"cpu": 1}
+GPU_CALL_SLOTS = 16
+CALL_COLUMNS = 256  # the context length those call costs stand for (measured at L=257)
+
+
+@dataclass(frozen=True)
+class KernelQueries:
+    """The flat tokens whose attention the packed CPU path's kernel computes, as the arrays it
+    takes (int64): token i attends to columns [0, starts[i]) of KV row rows[i], then to
+    columns[column_offsets[i]:column_offsets[i + 1]] (its tree ancestors and itself)."""
+
+    tokens: np.ndarray  # [n]: flat token index
+    rows: np.ndarray  # [n]
+    starts: np.ndarray  # [n]: the row's committed length
+    columns: np.ndarray  # [sum of path lengths]: ascending cache positions
+    column_offsets: np.ndarray  # [n + 1]
+
+
+@dataclass(frozen=True)
+class PassLayout:
+    """Where each of a pass's T flat tokens sits: its row, its cache position, its mask."""
+
+    ends: list[int]  # [rows]: columns each row attends over (committed + its whole tree); rows: the KV
+    # rows the pass reads, [0, rows) (a fixed-shape pass pads the running rows to a power of two)
+    widths: list[int]  # [rows]: tokens each row brings
+    write_rows: torch.Tensor  # [T] long: the KV row of each flat token
+    write_positions: torch.Tensor  # [T] long: its position in that row
+    position_ids: torch.Tensor  # [1, T] long: RoPE positions (start + depth)
+    pass_end: int  # columns the pass attends over: max(start + width)
+    row_masks: dict[int, torch.Tensor]  # per separate row: [1, 1, width, start + width]
+    batched_mask: torch.Tensor | None  # [rows, 1, D, pass_end], when a batched call runs
+    query_index: torch.Tensor | None  # [rows, D] long: flat token of each padded query slot
+    batched_tokens: torch.Tensor | None  # [n] long: the flat tokens the batched call answers
+    batched_slots: torch.Tensor | None  # [n] long: their padded slots (row * D + i)
+    separate_rows: list[int]  # rows wider than D: a call each
+    one_token_rows: bool  # every row brings one token (plain decoding): flat token r is row r's query
+    kernel_queries: KernelQueries | None = None  # tokens the attention kernel answers
+    query_groups: int = 1  # query heads per KV head folded into the query length (masks repeated so)
+
+    @property
+    def rows(self) -> int:
+        return len(self.ends)
+
+    @property
+    def offsets(self) -> list[int]:
+        """Flat index of each row's first token."""
+        out, total = [], 0
+        for width in self.widths:
+            out.append(total)
+            total += width
+        return out
+
+
+def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device,
+                 cached: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
+                 kernel_width: int = 0, query_groups: int = 1) -> PassLayout:
+    """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
+    (default: all) on top of `starts[r]` committed entries. Masks are additive, in `dtype`
+    (the queries'): 0 where a query attends, -inf elsewhere. Made once a pass, they spare every
+    layer's attention call the conversion of a boolean mask (half the call's time for one
+    query at L=256 on a CPU, measured; the outputs are bit for bit the same). Rows of 1 to
+    `kernel_width` tokens go to the attention kernel, the others then get a call each.
+
+    `query_groups` > 1 (query heads per KV head) makes the attention calls fold each KV head's
+    query heads into the query length (see `_attend`), so every mask is repeated that often
+    along its queries here, once a pass, not in every layer."""
+    cached = cached or [0] * len(trees)
+    widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
+    kernel_rows = [row for row, w in enumerate(widths) if 0 < w <= kernel_width]
+    ends = [s + tree.num_nodes for s, tree in zip(starts, trees)]
+    # node i of a row at start + i, its RoPE position start + depth: array operations over all
+    # rows (tensors a row, and a mask for every row, took 2.0 ms for 64 one-token rows, 0.25 now)
+    count, start = np.array(widths), np.array(starts)
+    in_row = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)  # a token's index among its row's
+    depths = np.fromiter(itertools.chain.from_iterable(tree.depths[c:] for tree, c in zip(trees, cached)), np.int64)
+    pass_end = max(ends)
+    width = 0 if kernel_rows else batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS), ends)
+    batched_mask = query_index = batched_tokens = batched_slots = None
+    if width:
+        batched_mask, query_index, batched_tokens, batched_slots = _batched(trees, starts, cached, widths, pass_end, width)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    separate_rows = [row for row, w in enumerate(widths) if w > width and row not in kernel_rows]
+    return PassLayout(
+        ends=ends, widths=widths, write_rows=torch.from_numpy(np.repeat(np.arange(len(widths)), count)).to(device),
+        write_positions=torch.from_numpy(np.repeat(start + np.array(cached), count) + in_row).to(device),
+        position_ids=torch.from_numpy(np.repeat(start, count) + depths)[None].to(device), pass_end=pass_end,
+        row_masks={row: _additive(_row_mask(trees[row], starts[row], cached[row]), device, dtype, query_groups)
+                   for row in separate_rows},
+        batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype, query_groups),
+        query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
+        separate_rows=separate_rows, one_token_rows=not kernel_rows and all(w == 1 for w in widths),
+        kernel_queries=_kernel_queries(trees, starts, cached, widths, kernel_rows) if kernel_rows else None,
+        query_groups=query_groups,
+    )
+
+
+def _kernel_queries(trees: Sequence[TokenTree], starts: Sequence[int], cached: Sequence[int],
+                    widths: Sequence[int], kernel_rows: Sequence[int]) -> KernelQueries:
+    offsets = np.cumsum([0, *widths])
+    tokens, rows, row_starts, columns, counts = [], [], [], [], [0]
+    for row in kernel_rows:
+        tree, start = trees[row], starts[row]
+        paths: list[list[int]] = []  # each node's ancestors and itself, root first
+        for node, parent in enumerate(tree.parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [start + node])
+        for node in range(cached[row], tree.num_nodes):
+            tokens.append(offsets[row] + node - cached[row])
+            rows.append(row)
+            row_starts.append(start)
+            columns.extend(paths[node])
+            counts.append(len(paths[node]))
+    as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
+    return KernelQueries(as_array(tokens), as_array(rows), as_array(row_starts), as_array(columns),
+                         np.cumsum(counts, dtype=np.int64))
+
+
+def _additive(mask: torch.Tensor, device: torch.device, dtype: torch.dtype, query_groups: int = 1) -> torch.Tensor:
+    """A boolean mask (True = attend) [b, 1, n, L] as the additive one attention takes, 0 or
+    -inf, [b, 1, query_groups * n, L]: the same n rows once for each folded query head."""
+    additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+    return additive.repeat(1, 1, query_groups, 1).to(device)
+
+
+def batched_width(widths: Sequence[int], call_slots: int, ends: Sequence[int] | None = None) -> int:
+    """The query slots per row of the batched call (0: none, every row a call of its own) that
+    minimize the attention's work: the batched call's rows x D query slots, each over the pass's
+    longest row, plus for each wider row its width over its own columns (`ends`; default: rows
+    alike) and the call's fixed cost, `call_slots` slots over CALL_COLUMNS. Rows of unlike lengths make the batched
+    call's padding dear: sixteen four-token trees at Spec-Bench prompts' lengths spent more in
+    one padded call than in a call each (docs/benchmarks.md, thirteenth session)."""
+    ends = ends or [CALL_COLUMNS] * len(widths)
+    longest = max(ends, default=CALL_COLUMNS)
+
+    def work(d: int) -> int:
+        own_calls = sum(w * end + call_slots * CALL_COLUMNS for w, end in zip(widths, ends) if w > d)
+        return len(widths) * d * longest + own_calls
+
+    return min([0, *sorted(set(widths))], key=work)
+
+
+def _row_mask(tree: TokenTree, start: int, cached: int = 0) -> torch.Tensor:
+    """[1, 1, n - cached, start + n] bool: the whole committed cache, then the tree's
+    ancestors, for the nodes the row brings."""
+    n = tree.num_nodes
+    mask = torch.ones(1, 1, n - cached, start + n, dtype=torch.bool)
+    mask[0, 0, :, start:] = torch.from_numpy(tree.ancestor_mask()[cached:])
+    return mask
+
+
+def _batched(
+    trees: Sequence[TokenTree], starts: Sequence[int], cached: Sequence[int], widths: Sequence[int], pass_end: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One padded mask [rows, 1, width, pass_end] for all rows (rows wider than `width` get
+    padding slots only), with the gather index of the query slots and the flat tokens/slots the
+    call answers. Built in array operations: one-node trees (plain decoding) need no loop."""
+    count, start = np.array(widths), np.array(starts)
+    slot = np.arange(width)
+    answered = (slot[None, :] < count[:, None]) & (count[:, None] <= width)  # [rows, D]: a token of a row in the call
+    mask = answered[:, :, None] & (np.arange(pass_end)[None, None, :] < start[:, None, None])  # the committed cache
+    mask[:, :, 0] = True  # padding slots attend somewhere (their output is dropped); real ones see column 0 anyway
+    in_call = [row for row, w in enumerate(widths) if 0 < w <= width]
+    roots = [row for row in in_call if trees[row].num_nodes == 1]
+    if roots:
+        mask[roots, 0, start[roots]] = True  # a lone root sees itself
+    for row in in_call:
+        tree = trees[row]
+        if tree.num_nodes > 1:
+            mask[row, : widths[row], starts[row] : starts[row] + tree.num_nodes] = tree.ancestor_mask()[cached[row]:]
+    flat = (np.cumsum(count) - count)[:, None] + slot[None, :]  # [rows, D]: the flat token of each slot
+    slots = np.arange(len(widths))[:, None] * width + slot[None, :]
+    return (torch.from_numpy(mask)[:, None], torch.from_numpy(np.where(answered, flat, 0)),
+            torch.from_numpy(flat[answered]), torch.from_numpy(slots[answered]))
+
+
+def ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, heads, T, head_dim]
+    key: torch.Tensor,  # [rows, kv_heads, pass_end, head_dim] (a pass) or [b, kv_heads, n, d]
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    pass_layout: PassLayout | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Per-row attention of a flat pass; other calls (no layout) go to the model's own kind."""
+    if pass_layout is None:
+        fallback = getattr(module.config, "ngrammys_inner_attention", "sdpa")
+        inner = ALL_ATTENTION_FUNCTIONS.get_interface(fallback, sdpa_attention_forward)
+        if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
+            attention_mask = _causal_after_cache(query.shape[2], key.shape[2], query.device, query.dtype)
+        return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    layout = pass_layout
+    if layout.one_token_rows:  # no gather or scatter: [rows, heads, 1, head_dim] is a view
+        out = _attend(query[0].transpose(0, 1)[:, :, None], key, value, layout.batched_mask, scaling,
+                      layout.query_groups)
+        return out[None, :, :, 0], None  # [1, T, heads, head_dim]
+    heads, head_dim = query.shape[1], query.shape[3]
+    batched = None
+    if layout.batched_mask is not None:
+        assert layout.query_index is not None and layout.batched_tokens is not None
+        padded = query[0][:, layout.query_index].transpose(0, 1)  # [rows, heads, D, head_dim]
+        out = _attend(padded, key, value, layout.batched_mask, scaling, layout.query_groups)  # [rows, heads, D, head_dim]
+        batched = out.transpose(1, 2).reshape(-1, heads, head_dim)[layout.batched_slots]  # [n, heads, d]
+        if not layout.separate_rows:
+            return batched[None], None  # every token answered, in flat order
+    flat = query.new_empty(query.shape[2], heads, head_dim)  # [T, heads, head_dim]
+    if batched is not None:
+        flat[layout.batched_tokens] = batched
+    _attend_separate_rows(query, key, value, layout, scaling, flat)
+    return flat[None], None  # [1, T, heads, head_dim]
+
+
+def kernel_attention(
+    query: torch.Tensor,  # [1, heads, T, head_dim], a view of a contiguous [T, heads, head_dim]
+    buffers: tuple[torch.Tensor, torch.Tensor],  # the layer's whole key and value buffers
+    layout: PassLayout,
+    scaling: float,
+) -> torch.Tensor:
+    """A layout's attention [1, T, heads, head_dim] on the packed CPU path: the attention
+    kernel for its narrow rows' tokens, a call each for the wider rows."""
+    assert layout.kernel_queries is not None
+    queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
+    flat = torch.empty_like(queries)
+    narrow = layout.kernel_queries
+    keys, values = buffers
+    attend = token_attention(queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16)
+    attend(queries.numpy(), kernel_array(keys), kernel_array(values), narrow.tokens, narrow.rows, narrow.starts,
+           narrow.columns, narrow.column_offsets, np.float32(scaling), flat.numpy())
+    _attend_separate_rows(query, *buffers, layout, scaling, flat)
+    return flat[None]
+
+
+def kernel_array(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as the kernels take it: float16 as its uint16 bits (numba has no float16)."""
+    array = tensor.numpy()
+    return array.view(np.uint16) if tensor.dtype == torch.float16 else array
+
+
+def _attend_separate_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PassLayout,
+                          scaling: float | None, flat: torch.Tensor) -> None:
+    """Attention of each of the layout's separate rows, one call a row, into flat [T, heads, head_dim]
+    (`key`, `value`: [rows, kv_heads, at least pass_end, head_dim])."""
+    offsets = layout.offsets
+    for row in layout.separate_rows:
+        offset, width, end = offsets[row], layout.widths[row], layout.ends[row]
+        flat[offset : offset + width] = _attend(
+            query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
+            layout.row_masks[row], scaling, layout.query_groups,
+        )[0].transpose(0, 1)  # [width, heads, head_dim]
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+            scaling: float | None, query_groups: int) -> torch.Tensor:
+    """Masked attention [b, heads, n, head_dim] of `query` [b, heads, n, head_dim] over `key`
+    and `value` [b, kv_heads, L, head_dim]. With `query_groups` > 1 the query heads that share
+    a KV head (heads h*g .. h*g+g-1 share KV head h, as transformers' `repeat_kv` pairs them)
+    attend as g*n queries of one head, nothing copied but the queries. Grouped heads with a
+    mask have no fused kernel on a GPU (flash takes no mask) and ran on the math backend there,
+    0.14-1.8 ms a call against 0.03-0.09 folded (H200); on a CPU the folded call halved a bf16
+    pass of 16 one-token rows (docs/benchmarks.md, fifteenth session). `mask` must then hold
+    its n rows g times (`build_layout` repeats them)."""
+    if query_groups == 1:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+    b, heads, n, head_dim = query.shape
+    folded = query.reshape(b, heads // query_groups, query_groups * n, head_dim)
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, n, head_dim)
+
+
+def _causal_after_cache(queries: int, keys: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The additive causal mask [1, 1, queries, keys] of `queries` new tokens after `keys -
+    queries` cached ones. transformers builds no mask for an attention kind it does not know,
+    and the inner kinds then take their missing mask as causal from the top-left corner: right
+    for a whole sequence, wrong for several tokens on top of a cache (transformers' own
+    `generate` with prompt lookup on a served model)."""
+    seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    return torch.zeros(1, 1, queries, keys, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+
+
+def use_ragged_attention(model: torch.nn.Module) -> None:
+    """Route `model`'s attention through `ragged_attention`, keeping its own kind as the
+    fallback for calls that are not flat passes (e.g. the model-table computation)."""
+    config = model.config  # type: ignore[attr-defined]
+    if config._attn_implementation != IMPLEMENTATION:
+        config.ngrammys_inner_attention = config._attn_implementation
+        config._attn_implementation = IMPLEMENTATION
+
+
+AttentionInterface.register(IMPLEMENTATION, ragged_attention)

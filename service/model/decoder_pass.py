@@ -1,0 +1,228 @@
+"""A lean pass through a Llama-family decoder stack: the same arithmetic as transformers'
+modules, in a fraction of the operator calls.
+
+On a CPU a one-token pass of a small model is mostly fixed costs: each torch operator call
+costs microseconds whatever its size, and transformers' decoder layer makes ~90 of them per
+layer (RMSNorm as eight ops, rotary embedding as fourteen, decorators and keyword plumbing on
+every call). Measured on the embedded 30-layer model (2-core CPU, packed weights, one token,
+L=256, old and new code alternated): 30.2 ms a pass through transformers' modules, 24.2 ms
+through this one with the masks of `service/model/attention.py` built once a pass, and bitwise equal
+logits (docs/benchmarks.md).
+
+What it does differently, nothing else:
+- one RMSNorm operator (`F.rms_norm`) instead of eight;
+- the q, k and v projections as ONE linear layer, gate and up as another
+  (`fuse_projections`): 4 matmul calls a layer instead of 7, and the fused layers are wide
+  enough to run on every thread;
+- rotary embedding once over the queries and keys together;
+- no per-layer decorators, keyword plumbing or output records.
+On the packed CPU path RMSNorm and the rotary embedding with the cache write are one numba
+call each (`service/kernels/layer_kernels.py`; one-token pass 0.88x, docs/benchmarks.md, twelfth
+session), and the packed layers are called through `forward`, without `nn.Module.__call__`.
+
+Weights, cache writes and attention (`service/model/attention.py`) are the model's own (on the
+packed path one-token rows attend through a kernel: the same softmax, summed in position
+order). Models whose layers differ (extra norms such as Qwen3's, Gemma's norm of 1 + weight)
+take transformers' own forward: `supports_lean_pass` decides.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from service.model.attention import PassLayout, kernel_array, kernel_attention, ragged_attention
+from service.model.kv_cache import TreeKVCache
+from service.kernels.packed_linear import PackedLinear, fuse_packed, loaded_layer_kernels
+
+# Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
+# bias) → rotary → attention → o_proj → residual → RMSNorm → down(act(gate) * up) → residual.
+LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+Projection = Callable[[torch.Tensor], torch.Tensor]
+# Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
+# row's keys once per query, so it wins on one-token rows (16 rows at Spec-Bench lengths: 0.98
+# against SDPA's 2.36 ms a layer call, standalone) and loses to a call of their own on wider
+# ones (a 16-token tree at L=256: 252 against 94 us; 2-core Xeon VM, docs/benchmarks.md,
+# thirteenth session).
+ATTENTION_KERNEL_WIDTH = 1
+# With 8-bit activations (`--quantization gguf-int8`) every row attends through the kernel,
+# prompt chunks too, dear as that is for long chunks: a call of its own rounds a token's
+# attention otherwise than that token decoded alone (or in a chunk of another width: the
+# last chunk of a prompt carries the first tree), and where float activations carry such a
+# last-bit difference into a near-tie at most, rounding to 8 bits can turn it into a whole
+# step of an activation. With tree rows alone on the kernel, speculation still parted from
+# plain decoding at non-ties on 11 of 13 Spec-Bench prompts (k=4, w=4, embedded model).
+INT8_ATTENTION_KERNEL_WIDTH = 1 << 30
+# ... and its KV cache holds float16, as llama.cpp's does by default: a pass of sixteen
+# one-token rows reads every row's keys and values once a layer, 189 MB a pass in float32 at
+# L=256, more than the weights; float16 halves it (docs/benchmarks.md, sixteenth session).
+INT8_KV_DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class FusedProjections:
+    """One decoder layer's input projections, each computed by one call."""
+
+    qkv: Projection  # [T, hidden] -> [T, (heads + 2 * kv_heads) * head_dim]
+    gate_up: Projection  # [T, hidden] -> [T, 2 * intermediate]
+    o: Projection  # [T, heads * head_dim] -> [T, hidden]
+    down: Projection  # [T, intermediate] -> [T, hidden]
+
+
+# Per decoder layer, made once: a self-draft view shares the target's layers and their fusion.
+_FUSED: weakref.WeakKeyDictionary[nn.Module, FusedProjections] = weakref.WeakKeyDictionary()
+
+
+def supports_lean_pass(model: PreTrainedModel) -> bool:
+    """Whether `model`'s layers are the ones `lean_hidden` computes. (Sliding windows need no
+    check: the loader refuses models with a window shorter than the context.)"""
+    return getattr(model.config, "model_type", None) in LEAN_MODEL_TYPES
+
+
+@torch.inference_mode()
+def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLayout,
+                cache: TreeKVCache) -> torch.Tensor:
+    """The final-norm hidden states [T, hidden] of a flat pass (`input_ids`: [1, T])."""
+    base = model.base_model
+    x = base.embed_tokens(input_ids)  # [1, T, hidden]
+    cos, sin = base.rotary_emb(x, position_ids=layout.position_ids)  # [1, T, head_dim] each
+    cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+    x = x[0]  # [T, hidden]
+    tokens = x.shape[0]
+    heads = model.config.num_attention_heads
+    kernels = _layer_kernels(model)
+    for index, layer in enumerate(base.layers):
+        attn, projections = layer.self_attn, fused_projections(layer)
+        qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(tokens, -1, attn.head_dim)
+        layer_cache = cache.layers[index]
+        queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, layer_cache, kernels)
+        if layout.kernel_queries is not None:
+            out = kernel_attention(queries, (layer_cache.keys, layer_cache.values), layout,
+                                   attn.scaling)  # [1, T, heads, head_dim]
+        else:
+            out, _ = ragged_attention(attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=layout)
+        x = x + projections.o(out.reshape(tokens, -1))
+        gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(2, dim=-1)
+        x = x + projections.down(layer.mlp.act_fn(gate) * up)
+    return _rms_norm(x, base.norm, kernels)
+
+
+def attention_kernel_width(model: PreTrainedModel) -> int:
+    """Rows of up to this many tokens attend through the attention kernel in `model`'s passes
+    (0: none, off the packed CPU path)."""
+    if not supports_lean_pass(model) or _layer_kernels(model) is None:
+        return 0
+    int8 = model.base_model.layers[0].mlp.down_proj.int8_activations
+    return INT8_ATTENTION_KERNEL_WIDTH if int8 else ATTENTION_KERNEL_WIDTH
+
+
+def kv_cache_dtype(model: PreTrainedModel) -> torch.dtype:
+    """The dtype of `model`'s KV cache: the model's, float16 on the 8-bit path (where the
+    attention kernel reads every row)."""
+    return INT8_KV_DTYPE if attention_kernel_width(model) == INT8_ATTENTION_KERNEL_WIDTH else model.dtype
+
+
+def _layer_kernels(model: PreTrainedModel) -> Any:
+    """The per-layer kernels (`service/kernels/layer_kernels.py`) when `model`'s passes run the packed
+    CPU path (its linears packed, with the numba kernels; float32 on a CPU), else None."""
+    down = model.base_model.layers[0].mlp.down_proj
+    if not isinstance(down, PackedLinear) or down.kernels is None:
+        return None
+    return loaded_layer_kernels() if model.dtype == torch.float32 and model.device.type == "cpu" else None
+
+
+def _queries_and_cache(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, cache_layer: Any, kernels: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pass's rotated queries [1, heads, T, head_dim], and the cache rows' keys and values
+    [rows, kv_heads, pass_end, head_dim] with the pass's rotated keys and its values written in.
+    `qkv`: [T, heads + 2 * kv_heads, head_dim]; `cos`, `sin`: [T, head_dim]."""
+    kv_heads = (qkv.shape[1] - heads) // 2
+    new_values = qkv[None, :, heads + kv_heads :].transpose(1, 2)  # [1, kv_heads, T, head_dim]
+    if kernels is None:
+        qk = _rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])  # [T, heads + kv_heads, head_dim]
+        keys, values = cache_layer.update(qk[None, :, heads:].transpose(1, 2), new_values)
+        return qk[None, :, :heads].transpose(1, 2), keys, values
+    queries = qkv.new_empty(qkv.shape[0], heads, qkv.shape[2])
+
+    def rotate_and_store(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
+        kernels.rotate_and_store(qkv.numpy(), cos.numpy(), sin.numpy(), heads, kernel_array(keys),
+                                 kernel_array(values), layout.write_rows.numpy(), layout.write_positions.numpy(),
+                                 queries.numpy())
+
+    keys, values = cache_layer.write_with(new_values, rotate_and_store)
+    return queries[None].transpose(1, 2), keys, values
+
+
+def fused_projections(layer: nn.Module) -> FusedProjections:
+    """The layer's q/k/v and gate/up projections as one call each, and its o and down
+    projections (made on first use)."""
+    fused = _FUSED.get(layer)
+    if fused is None:
+        attn, mlp = layer.self_attn, layer.mlp
+        fused = FusedProjections(fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj]),
+                                 fuse_projections([mlp.gate_proj, mlp.up_proj]),
+                                 _direct(attn.o_proj), _direct(mlp.down_proj))
+        _FUSED[layer] = fused
+    return fused
+
+
+def _direct(module: nn.Module) -> Projection:
+    """A packed layer's `forward` itself: `nn.Module.__call__`'s hook machinery costs a few
+    microseconds a call, a visible share of a one-token pass's ~120 small matmuls (there are
+    no hooks to run on a served model's layers)."""
+    return module.forward if isinstance(module, PackedLinear) else module
+
+
+def fuse_projections(modules: Sequence[nn.Module]) -> Projection:
+    """One linear layer computing `modules`' outputs side by side. The modules' own weights
+    become views of the fused weight, so memory is not doubled and they keep working alone.
+    Modules of mixed kinds (or packed ones not tile-aligned) are called one by one instead."""
+    if all(isinstance(m, PackedLinear) for m in modules):
+        fused = fuse_packed(modules)  # type: ignore[arg-type]
+        if fused is not None:
+            return _direct(fused)
+    elif all(type(m) is nn.Linear for m in modules) and len({m.bias is None for m in modules}) == 1:
+        return _fuse_linears(modules)  # type: ignore[arg-type]
+    return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+
+
+@torch.no_grad()
+def _fuse_linears(modules: Sequence[nn.Linear]) -> Projection:
+    weight = torch.cat([m.weight for m in modules])  # [sum of out_features, in_features]
+    bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
+    offset = 0
+    for module in modules:
+        rows = module.out_features
+        module.weight = nn.Parameter(weight[offset : offset + rows], requires_grad=False)
+        if bias is not None:
+            module.bias = nn.Parameter(bias[offset : offset + rows], requires_grad=False)
+        offset += rows
+    return lambda x: F.linear(x, weight, bias)
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module, kernels: Any = None) -> torch.Tensor:
+    """transformers' Llama RMSNorm: normalize in float32, round to the input's dtype, then
+    scale (one fused call when that rounding is a no-op; one kernel call on the packed path)."""
+    eps = norm.variance_epsilon
+    if kernels is not None:
+        out = torch.empty_like(x)
+        kernels.rms_norm(x.numpy(), norm.weight.detach().numpy(), eps, out.numpy())
+        return out
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, transformers' `rotate_half` convention: x * cos + [-x2, x1] * sin."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

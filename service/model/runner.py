@@ -1,0 +1,140 @@
+"""The one place that runs the transformer: one flat pass over every running row.
+
+Every pass — prompt prefill chunks, plain decode steps, speculation rounds, for all running
+requests at once — is the same call: each KV row brings a token tree; its nodes get position
+ids `length + depth` and see the row's committed cache plus their own ancestors, nothing else
+(`service/model/attention.py`). All rows' tokens go through the model as one flat sequence, so the
+linear layers compute exactly the tokens brought, and the LM head runs only on the nodes whose
+next-token distribution is asked for (tree nodes, not prompt chunks). The logits of each node
+then equal those of decoding its path token by token (a unit test holds the project to that).
+Llama-family models run the decoder stack through `service/model/decoder_pass.py` (same arithmetic,
+far fewer operator calls); other models through transformers' own modules. On a GPU, a pass
+whose rows each bring a whole tree of at most 128 nodes is padded to a fixed shape and replayed
+as a CUDA graph (`service/model/static_pass.py`): the launches of a small model's pass cost more than
+its arithmetic there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import PreTrainedModel
+
+from service.model.attention import build_layout, use_ragged_attention
+from service.kernels.attention_kernel import warm_up as warm_up_attention
+from service.model.decoder_pass import attention_kernel_width, kv_cache_dtype, lean_hidden, supports_lean_pass
+from service.model.kv_cache import TreeKVCache
+from service.model.static_pass import FixedShape, StaticPasses
+from service.model.tree import TokenTree
+
+# Attention backends a pass may use: all but cuDNN's, which builds a plan for every new shape
+# (~37 ms a call on an H200 where the others take 0.03-0.2 ms), and a pass's rows end at new
+# lengths every step (docs/benchmarks.md, fifteenth session).
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass(frozen=True)
+class RowInput:
+    """What one KV row brings to a pass: a tree (or the part of it past `cached`), and from
+    which node on it needs logits."""
+
+    tree: TokenTree
+    logits_from: int = 0  # nodes [logits_from, num_nodes) get logits; num_nodes for none
+    cached: int = 0  # nodes [0, cached) were written by an earlier pass, uncommitted (kept as they are)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cached <= self.logits_from <= self.tree.num_nodes:
+            raise ValueError(f"need 0 <= cached ({self.cached}) <= logits_from ({self.logits_from}) "
+                             f"<= nodes ({self.tree.num_nodes})")
+
+
+class ModelRunner:
+    """Holds a causal LM in eval mode and runs flat passes over the rows of a `TreeKVCache`."""
+
+    def __init__(self, model: PreTrainedModel, static_passes: bool | None = None) -> None:
+        """`static_passes`: bring small passes to fixed shapes (`service/model/static_pass.py`),
+        recorded as CUDA graphs on a GPU. Default: on a GPU for models of the lean pass; True
+        elsewhere runs those shapes eagerly (tests); False: every pass eager."""
+        self.model = model.eval()
+        use_ragged_attention(self.model)
+        # Llama-family layers run through a lean pass of our own; others through transformers'
+        self.lean = supports_lean_pass(self.model)
+        on_gpu = model.device.type == "cuda"
+        wanted = on_gpu if static_passes is None else static_passes
+        self.static = StaticPasses.for_model(self.model, capture=on_gpu) if wanted and self.lean else None
+        self.device = model.device
+        self.dtype = model.dtype
+        self.vocab_size: int = model.config.vocab_size
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_dtype = kv_cache_dtype(self.model)
+        # keys + values of one token over all layers
+        self.kv_bytes_per_token = (
+            2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * self.kv_dtype.itemsize
+        )
+        self.query_groups: int = config.num_attention_heads // config.num_key_value_heads
+        if self.lean and attention_kernel_width(self.model):  # compile it now, not in the first request's pass
+            warm_up_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
+
+    @property
+    def capture_seconds(self) -> float:
+        """Time spent so far recording passes as CUDA graphs (0 where none are)."""
+        return 0.0 if self.static is None else self.static.capture_seconds
+
+    def new_cache(self, rows: int = 0) -> TreeKVCache:
+        return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows, dtype=self.kv_dtype,
+                           spare=None if self.static is None else self.static.spare)
+
+    @torch.inference_mode()
+    def forward(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> list[torch.Tensor]:
+        """Append row r's tree (its nodes past `cached`) to cache row r, for every row, and
+        return, per row, the logits [num_nodes - logits_from, vocab] of its nodes from
+        `logits_from` on.
+
+        The caller must `cache.commit()` each row afterwards.
+        """
+        if len(rows) != cache.num_rows:
+            raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            hidden, offsets = self._static_hidden(cache, rows) or self._eager_hidden(cache, rows)
+        wanted = [
+            offset + node - row.cached
+            for offset, row in zip(offsets, rows)
+            for node in range(row.logits_from, row.tree.num_nodes)
+        ]
+        if not wanted:
+            return [hidden.new_empty(0, self.vocab_size) for _ in rows]
+        logits = self.model.get_output_embeddings()(hidden[wanted])  # [num_wanted, vocab]
+        sizes = [row.tree.num_nodes - row.logits_from for row in rows]
+        return list(logits.split(sizes))
+
+    def _static_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> tuple[torch.Tensor, list[int]] | None:
+        """The pass at a fixed shape, with each row's first flat token; None where it has none."""
+        if self.static is None or any(row.cached for row in rows):
+            return None
+        sizes = [row.tree.num_nodes for row in rows]
+        shape = FixedShape.of(sizes)
+        hidden = None if shape is None else self.static.hidden(cache, [row.tree for row in rows], shape)
+        return None if hidden is None else (hidden, list(itertools.accumulate(sizes[:-1], initial=0)))
+
+    def _eager_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> tuple[torch.Tensor, list[int]]:
+        """The pass as it comes (every row's new nodes, nothing padded), with each row's first
+        flat token."""
+        trees = [row.tree for row in rows]
+        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype,
+                              attention_kernel_width(self.model), self.query_groups)
+        cache.begin_pass(layout)
+        input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
+                                 device=self.device)  # [1, T]
+        if self.lean:
+            hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
+        else:
+            hidden = self.model.base_model(
+                input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
+                use_cache=True, pass_layout=layout,
+            ).last_hidden_state[0]  # [T, hidden]
+        return hidden, layout.offsets
