@@ -1,7 +1,7 @@
 """The engine: every step, ONE forward pass over every running request.
 
-    step():  admit → plan the pass (prefill chunks, decode rows) → drafts and trees for every
-             decoding request (the controller chooses them jointly) → one flat pass → verify
+    step():  schedule (admit, prompt chunks) → plan (drafts and a tree for every decoding row;
+             the controller's policy chooses the auto rows' jointly) → one flat pass → verify
              each row → commit each row's KV → a `RoundOutput` per request that decoded
 
 State convention (one everywhere): a request's KV row holds every committed token but the
@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -25,21 +25,21 @@ import torch
 
 from drafting import Mixer, PassDistributions, TokenHistory
 from service.controller.calibration import Calibration
-from service.engine.params import GenerationParams
-from service.model_drafts.draft_model import ModelDrafter
+from service.controller.planner import CostProfile, RowTree, TreePlan
+from service.controller.policy import SpeculationPolicy
 from service.engine.logprobs import TokenLogprob, token_logprobs
-from service.model.runner import ModelRunner, RowInput
-from service.controller.planner import CostProfile, PassShape, RowCandidates, RowTree, TreePlan, plan_trees, sure_draft_pays
+from service.engine.params import GenerationParams
 from service.engine.request import Request, Status, kv_tokens_needed
 from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, top_token_ids_of_rows
 from service.engine.scheduler import Scheduler, SchedulerConfig
+from service.engine.timing import StepTimer
+from service.engine.verifier import Verdict, verify
+from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
-from service.engine.verifier import verify
+from service.model_drafts.draft_model import ModelDrafter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-# The controller's price of a pass shape, the pass's shape as it stands, its prompt chunks' part
-Pricing = tuple[Callable[[PassShape], float], PassShape, float]
 
 
 @dataclass(slots=True)
@@ -82,6 +82,10 @@ class StepStats:
     # logits are gathered by an index from the host, a copy that waits); the rest, `seconds -
     # draft_seconds - pass_seconds`, is verification and the KV commit
     pass_seconds: float = 0.0
+
+
+# a step's rounds, each with its request (or the error that ended it), and its pass's statistics
+StepResult = tuple[list[tuple[Request, RoundOutput | Exception]], StepStats | None]
 
 
 @dataclass
@@ -143,7 +147,8 @@ class _Row:
 
 
 class Engine:
-    """Runs every admitted request in one batch over a `ModelRunner` and a draft `Mixer`."""
+    """Runs every admitted request in one batch over a `ModelRunner` and a draft `Mixer`;
+    how much each row speculates is the `SpeculationPolicy`'s call."""
 
     def __init__(
         self, runner: ModelRunner, mixer: Mixer, eos_token_ids: Sequence[int], max_context: int,
@@ -151,8 +156,7 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.mixer = mixer
-        self.profile: CostProfile | None = None  # set once measured; auto mode needs it
-        self.calibration = Calibration()  # how far auto mode's forecasts fall from what happens
+        self.policy = SpeculationPolicy(max_context)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.cache = runner.new_cache()
@@ -160,9 +164,19 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config.for_device(runner.device.type), self.cache,
                                    runner.kv_bytes_per_token + mixer.kv_bytes_per_token)
         self._ids = itertools.count()
-        # this step's learning in the drafting layer: scoring the candidates against the
-        # committed tokens, the hand-over of distributions
-        self._learn_seconds = 0.0
+
+    @property
+    def profile(self) -> CostProfile | None:
+        """The measured pass costs; auto mode speculates once they exist."""
+        return self.policy.profile
+
+    @profile.setter
+    def profile(self, profile: CostProfile | None) -> None:
+        self.policy.profile = profile
+
+    @property
+    def calibration(self) -> Calibration:
+        return self.policy.calibration
 
     # -- requests -------------------------------------------------------------------------
 
@@ -206,53 +220,162 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------
 
-    def step(self) -> tuple[list[tuple[Request, RoundOutput | Exception]], StepStats | None]:
-        """One pass over every running request; returns each decoding request's round (or the
-        error that ended it) and the pass's statistics (None when nothing ran)."""
+    def step(self) -> StepResult:
+        """One pass over every running request: schedule → plan → pass → verify → commit →
+        outputs. Returns each decoding request's round (or the error that ended it) and the
+        pass's statistics (None when nothing ran)."""
+        rows, tree_budget = self._schedule()
+        if not rows:
+            return [], None
+        timer = StepTimer(self.runner.capture_seconds)
+        plan = self._plan(rows, tree_budget)
+        timer.mark_drafted()
+        try:
+            logits = self.runner.forward(self.cache, [row.input() for row in rows])
+        except Exception as error:  # the pass failed: its requests end, the engine goes on
+            return self._fail(rows, error), None
+        timer.mark_passed(self.runner.capture_seconds)
+        rounds = self._verify(rows, logits, timer)
+        timer.mark_verified()
+        return self._outputs(rows, rounds, plan, timer)
+
+    def _schedule(self) -> tuple[list[_Row], int]:
+        """Admit what fits; each running request's row with the prompt chunk this pass
+        carries, and the tree nodes the pass has room for."""
         self._drop_aborted()
         self.scheduler.admit()
         if not self.scheduler.running:
-            return [], None
-        started = time.perf_counter()
-        rows, plan = self._plan()
-        drafted, captured = time.perf_counter(), self.runner.capture_seconds
-        try:
-            logits = self.runner.forward(self.cache, [row.input() for row in rows])
-            passed = time.perf_counter()
-        except Exception as error:  # the pass failed: its requests end, the engine goes on
-            log.exception("a forward pass failed; ending the %d requests in it", len(rows))
-            for row in rows:
-                self._finish(row.request, "error")
-            return [(row.request, error) for row in rows], None
-        self._learn_seconds = 0.0
-        top_ids = self._top_ids(rows, logits)
-        commits: dict[int, list[int]] = {}  # KV row -> pass entries kept, committed together
-        verdicts = [(row, self._verify(row, *row_outputs, commits))
-                    for row, *row_outputs in zip(rows, logits, top_ids, self._greedy_choices(rows, logits))]
+            return [], 0
+        step_plan = self.scheduler.plan()
+        rows = []
+        for request in self.scheduler.running:
+            chunk = step_plan.prefill_tokens.get(request, 0)
+            rows.append(_Row(request, request.prompt_ids[request.num_cached : request.num_cached + chunk]))
+        return rows, step_plan.tree_budget
+
+    def _plan(self, rows: list[_Row], budget: int) -> TreePlan | None:
+        """Drafts and a tree for every decoding row: the configured shape in fixed mode, the
+        controller's joint choice for the auto rows (its plan returned, for the forecasts)."""
+        policy = self.policy
+        decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
+        speculating, pricing = policy.gate(rows, decoding, budget)
+        self._bind_model_drafters()
+        self.mixer.prepare([(row.request.drafts, row.request.speculation.k,
+                             policy.max_depth(row.request, row.request.speculation.w)) for row in speculating])
+        auto = [row for row in decoding if policy.is_auto(row.request)]
+        left = self._fixed_trees([row for row in decoding if not policy.is_auto(row.request)], speculating, budget)
+        if not auto:
+            return None
+        # fixed-mode trees that grew the pass make the gate's pricing stale
+        return policy.plan(auto, rows, left, {id(row) for row in speculating}, pricing if left == budget else None)
+
+    def _fixed_trees(self, rows: list[_Row], speculating: list[_Row], budget: int) -> int:
+        """Trees for the rows the controller does not plan: a fixed-mode row's drafts while the
+        pass has room for them, else the root alone. Returns the tree nodes left."""
+        for row in rows:
+            request, spec = row.request, row.request.speculation
+            drafts = request.drafts.propose(spec.k, self.policy.max_depth(request, spec.w)) if row in speculating else []
+            row.tree = build_tree(request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * spec.w, budget))
+            budget -= row.tree.num_nodes - 1
+        return budget
+
+    def _bind_model_drafters(self) -> None:
+        for strategy in self.mixer.batched.values():  # a self-draft drafts in this engine's KV rows
+            if isinstance(strategy, ModelDrafter):
+                strategy.bind_target(self.cache, self._row_of)
+
+    def _verify(self, rows: list[_Row], logits: list[torch.Tensor], timer: StepTimer) -> list[RoundOutput | Exception | None]:
+        """Verify every row against the pass, let its drafts learn, and commit the KV entries
+        the rows keep, all rows together. A row's round, its error, or None for a prefill chunk."""
+        with timer.learning():
+            top_ids = self._top_ids(rows, logits)
+        commits: dict[int, list[int]] = {}  # KV row -> pass entries kept
+        rounds = [self._verify_row(row, *row_outputs, commits, timer)
+                  for row, *row_outputs in zip(rows, logits, top_ids, self._greedy_choices(rows, logits))]
         self.cache.commit_rows(commits)
-        verified = time.perf_counter()
-        learned = self._learn_seconds  # drafting work, though it runs after the pass
-        draft_seconds, forward_seconds = drafted - started + learned, verified - drafted - learned
-        results = [(row.request, self._stamp(out, row, plan, draft_seconds, forward_seconds, len(rows)))
-                   for row, out in verdicts if out is not None]
+        return rounds
+
+    def _verify_row(self, row: _Row, logits: torch.Tensor, top_ids: np.ndarray | None, greedy: list[int] | None,
+                    commits: dict[int, list[int]], timer: StepTimer) -> RoundOutput | Exception | None:
+        """A row's prompt chunk joins its cache row; a decoding row's tree is verified, the
+        pass entries its KV row keeps go into `commits`, and its drafts learn the outcome."""
+        request = row.request
+        request.num_cached += len(row.chunk)
+        if row.tree is None:
+            commits[request.row] = list(range(len(row.chunk)))  # type: ignore[index]
+            return None
+        try:
+            verdict = verify(row.tree, logits, request.params.sampling, request.uniforms,
+                             first_position=request.context_length, greedy=greedy)
+            offset = len(row.chunk)
+            commits[request.row] = [*range(offset), offset, *(offset + node for node in verdict.accepted_nodes)]  # type: ignore[index]
+            if row.choice is not None:
+                request.calibration.observe_round(row.tree.num_nodes > 1)
+            with timer.learning():
+                _learn(row.request, row.tree, verdict, top_ids)
+            return self._round_output(row, verdict, logits)
+        except Exception as error:  # this request fails; the others in the pass go on
+            log.exception("request %s failed", request.request_id)
+            request.finish_reason = "error"
+            return error
+
+    @staticmethod
+    def _round_output(row: _Row, verdict: Verdict, logits: torch.Tensor) -> RoundOutput:
+        """What the round committed, cut after a stop token or at the request's budget, with
+        each token's logprobs when asked for (the step's times are stamped on later)."""
+        request, tree = row.request, row.tree
+        assert tree is not None
+        token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
+        request.num_generated += len(token_ids)
+        request.finish_reason = finish_reason
+        asked = request.params.logprobs
+        logprobs = None if asked is None else token_logprobs(
+            logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked)
+        return RoundOutput(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            num_draft_tokens=tree.num_nodes - 1,
+            num_accepted_tokens=len(verdict.accepted_nodes),
+            accepted_strategies=[tree.strategies[i] or "" for i in verdict.accepted_nodes],
+            drafted_by_strategy=dict(Counter(s for s in tree.strategies[1:] if s)) if tree.num_nodes > 1 else {},
+            draft_seconds=0.0, forward_seconds=0.0, finish_reason=finish_reason,
+            **_shape_used(row),
+        )
+
+    def _outputs(self, rows: list[_Row], rounds: list[RoundOutput | Exception | None], plan: TreePlan | None,
+                 timer: StepTimer) -> StepResult:
+        """Each decoding row's round with the step's times (and, in auto mode, the
+        controller's forecast), the pass's statistics; finished requests leave the batch."""
+        results = [(row.request, self._stamp(out, row, plan, timer, len(rows)))
+                   for row, out in zip(rows, rounds) if out is not None]
         stats = StepStats(
             batch_size=len(rows), tokens=sum(row.width for row in rows),
             prefill_tokens=sum(len(row.chunk) for row in rows),
             committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
-            seconds=verified - started, draft_seconds=draft_seconds,
-            capture_seconds=self.runner.capture_seconds - captured, pass_seconds=passed - drafted,
+            seconds=timer.seconds, draft_seconds=timer.draft_seconds,
+            capture_seconds=timer.capture_seconds, pass_seconds=timer.pass_seconds,
         )
         if not stats.capture_seconds:  # recording a new shape's graph is a one-off, not the shape's price
-            self._observe_pass(_pass_shape([row.width for row in rows]), len(rows), verified - drafted)
+            context = sum(r.context_length for r in self.scheduler.running) / max(len(self.scheduler.running), 1)
+            self.policy.observe_pass([row.width for row in rows], context, timer.verified - timer.drafted)
         for request, out in results:
             if isinstance(out, Exception) or out.finish_reason is not None:
                 self._release(request)
         return results, stats
 
+    def _stamp(self, out: RoundOutput | Exception, row: _Row, plan: TreePlan | None, timer: StepTimer,
+               batch_size: int) -> RoundOutput | Exception:
+        """Fill in the step's timings and, in auto mode, the row's forecast."""
+        if isinstance(out, Exception):
+            return out
+        out.predicted_tokens_per_second = self.policy.forecast(row, plan)
+        out.draft_seconds, out.forward_seconds, out.batch_size = timer.draft_seconds, timer.forward_seconds, batch_size
+        return out
+
     def _top_ids(self, rows: list[_Row], logits: list[torch.Tensor]) -> list[np.ndarray | None]:
         """Per decoding row, the top-K next tokens at each tree node ([num_nodes, K]), for
         the strategies that learn from every distribution. Only rows whose request drafts next
-        round from a successor table take them (`_drafts_next_round`,
+        round from a successor table take them (`SpeculationPolicy.drafts_next_round`,
         `DraftSession.learns_from_passes`): plain decoding should not pay for drafting
         (the topk alone cost 0.7 ms of a 24-40 ms CPU step, embedded model), nor should an
         auto request's quiet rounds (at C=16 on the 2-core CPU, top tokens and the tables'
@@ -265,12 +388,9 @@ class Engine:
         top_k = self.mixer.distribution_top_k
         if top_k == 0:
             return [None] * len(rows)
-        started = time.perf_counter()
-        wanted = [i for i, row in enumerate(rows)
-                  if row.tree is not None and row.request.drafts.learns_from_passes and self._drafts_next_round(row)]
-        out = _scattered(len(rows), wanted, top_token_ids_of_rows([logits[i] for i in wanted], top_k))
-        self._learn_seconds += time.perf_counter() - started
-        return out
+        wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.drafts.learns_from_passes
+                  and self.policy.drafts_next_round(row)]
+        return _scattered(len(rows), wanted, top_token_ids_of_rows([logits[i] for i in wanted], top_k))
 
     @staticmethod
     def _greedy_choices(rows: list[_Row], logits: list[torch.Tensor]) -> list[list[int] | None]:
@@ -280,207 +400,18 @@ class Engine:
         return _scattered(len(rows), wanted,
                           greedy_choices_of_rows([logits[i][: rows[i].tree.num_nodes] for i in wanted]))  # type: ignore[union-attr]
 
-    def _plan(self) -> tuple[list[_Row], TreePlan | None]:
-        """Each running request's chunk and tree; auto rows chosen jointly by the controller."""
-        step_plan = self.scheduler.plan()
-        rows = []
-        for request in self.scheduler.running:
-            chunk = step_plan.prefill_tokens.get(request, 0)
-            ids = request.prompt_ids[request.num_cached : request.num_cached + chunk]
-            rows.append(_Row(request, ids))
-        decoding = [row for row in rows if row.request.prefill_remaining == len(row.chunk)]
-        auto = [row for row in decoding if self._is_auto(row.request)]
-        is_auto = {id(row) for row in auto}
-        speculating = [row for row in decoding if self._drafts_this_step(row.request)]
-        speculating, pricing = self._gate_auto_drafts(rows, decoding, is_auto, speculating, step_plan.tree_budget)
-        for strategy in self.mixer.batched.values():  # a self-draft drafts in this engine's KV rows
-            if isinstance(strategy, ModelDrafter):
-                strategy.bind_target(self.cache, self._row_of)
-        self.mixer.prepare([(row.request.drafts, row.request.params.speculation.k,
-                             self._max_depth(row.request, row.request.params.speculation.w)) for row in speculating])
-        budget = step_plan.tree_budget
-        for row in decoding:
-            spec = row.request.params.speculation
-            if id(row) in is_auto:
-                continue  # the controller chooses its tree below
-            drafts = row.request.drafts.propose(spec.k, self._max_depth(row.request, spec.w)) if row in speculating else []
-            row.tree = build_tree(row.request.drafts.history.last_token, drafts, max_nodes=1 + min(spec.k * spec.w, budget))
-            budget -= row.tree.num_nodes - 1
-        if budget < step_plan.tree_budget:  # fixed-mode trees grew the pass: price it again
-            pricing = None
-        plan = self._plan_auto(auto, rows, budget, {id(row) for row in speculating}, pricing) if auto else None
-        return rows, plan
-
-    def _plan_auto(self, auto: list[_Row], rows: list[_Row], budget: int, drafted: set[int],
-                   pricing: Pricing | None) -> TreePlan:
-        """The controller's trees for the auto rows; rows not drafted this step (`drafted`
-        holds the ids of those that are) are priced as plain rows. `pricing`: the pass's, when
-        taken already this step and still right."""
-        shapes = self.calibration
-        cost, fixed, prefill_seconds = pricing or self._pricing(rows, {id(row) for row in auto})
-        candidates, may_probe = [], shapes.may_probe
-        began = time.perf_counter()
-        for row in auto:
-            request, spec = row.request, row.request.params.speculation
-            w = self._max_depth(request, spec.w)
-            candidates.append(RowCandidates(
-                request.drafts.candidates(spec.k, w) if id(row) in drafted else [], spec.k, w,
-                probe=request.calibration.due_for_probe and may_probe,
-                width=row.width + 1,
-            ))
-        shapes.host.observe(time.perf_counter() - began, sum(1 for row in auto if id(row) in drafted))
-        fixed_expected = sum(1 for r in rows if r.tree is not None)
-        if shapes.plain_is_stale(fixed.tokens, len(rows)) and shapes.level.rounds > 0:
-            budget = 0  # a plain probe: keeps the relative cost of speculating measured
-        plan = plan_trees(candidates, cost, fixed, fixed_expected, budget, prefill_seconds=prefill_seconds,
-                          row_host_seconds=shapes.host.row_seconds)
-        shapes.count_pass(plan.probed)
-        for row, choice in zip(auto, plan.trees):
-            row.request.drafts.chosen(choice.drafts)
-            row.choice = choice
-            row.tree = build_tree(row.request.drafts.history.last_token, choice.drafts)
-        return plan
-
-    def _pricing(self, rows: list[_Row], roots: set[int]) -> Pricing:
-        """The controller's price of a pass shape, the pass's shape as it stands (the rows in
-        `roots`, by id, counted with the root their tree still lacks) and what its prompt
-        chunks cost of it (a row's last chunk, which carries its first tree, included)."""
-        assert self.profile is not None
-        profile, shapes = self.profile, self.calibration
-        fixed = _pass_shape([row.width + (id(row) in roots) for row in rows])
-        context = sum(r.request.context_length for r in rows) / len(rows)
-
-        def pricing(num_rows: int) -> Callable[[PassShape], float]:
-            seconds, factor = profile.at(context, num_rows).seconds, shapes.size_factor(num_rows)
-            return lambda shape: seconds(shape) * factor(shape.tokens)
-
-        cost = pricing(len(rows))
-        prefill_seconds = 0.0
-        if any(row.chunk for row in rows):  # what the pass would cost without its prompt chunks
-            decode_widths = [row.width - len(row.chunk) + (id(row) in roots)
-                             for row in rows if row.tree is not None or id(row) in roots]
-            decode_only = pricing(len(decode_widths))(_pass_shape(decode_widths))
-            prefill_seconds = max(cost(fixed) - decode_only, 0.0)
-        return cost, fixed, prefill_seconds
-
-    def _gate_auto_drafts(self, rows: list[_Row], decoding: list[_Row], is_auto: set[int], speculating: list[_Row],
-                          budget: int) -> tuple[list[_Row], Pricing | None]:
-        """`speculating` less its auto rows (ids in `is_auto`) where not even a draft sure to be
-        accepted, in the auto row cheapest to grow of those due to draft, would beat plain
-        decoding in this pass (`regime.sure_draft_pays`) — but for one row due for a probe when
-        the engine's probe gate is open (a probe re-measures what the forecast believes, the
-        pass's costs included); and the pass's pricing, taken before any row drafts, so
-        fixed-mode rows count as their roots (None: no auto row was due to draft)."""
-        drafting = [row for row in speculating if id(row) in is_auto]
-        if not drafting:
-            return speculating, None
-        pricing = self._pricing(rows, {id(row) for row in decoding})
-        cost, fixed, prefill_seconds = pricing
-        depth = max(self._max_depth(row.request, row.request.params.speculation.w) for row in drafting)
-        if budget > 0 and sure_draft_pays(cost, fixed, len(decoding), max(row.width + 1 for row in drafting), depth,
-                                          prefill_seconds, self.calibration.host.row_seconds):
-            return speculating, pricing
-        prober = next((row for row in drafting if row.request.calibration.due_for_probe and self.calibration.may_probe),
-                      None)
-        return [row for row in speculating if id(row) not in is_auto or row is prober], pricing
-
     def _row_of(self, history: TokenHistory) -> int:
         """The KV row of the running request whose history this is."""
         row = next(r.row for r in self.scheduler.running if r.drafts.history is history)
         assert row is not None
         return row
 
-    def _is_auto(self, request: Request) -> bool:
-        """The controller chooses this request's trees (auto mode, once the profile exists)."""
-        spec = request.params.speculation
-        return spec.mode == "auto" and spec.k > 0 and self.profile is not None
-
-    def _drafts_this_step(self, request: Request) -> bool:
-        """Whether the request drafts this step: fixed mode while a draft fits its budget; auto
-        mode unless it has been plain for a while and this is not one of its drafting rounds
-        (`RequestCalibration.drafts_this_round`)."""
-        spec = request.params.speculation
-        if self._is_auto(request):
-            return request.calibration.drafts_this_round
-        return spec.mode == "fixed" and spec.k > 0 and self._max_depth(request, spec.w) > 0
-
-    def _drafts_next_round(self, row: _Row) -> bool:
-        """Whether the row's request will be drafted next round (as far as this round tells):
-        fixed mode always, auto mode as its calibration says after this round's choice."""
-        spec = row.request.params.speculation
-        if self._is_auto(row.request):
-            speculates = row.tree is not None and row.tree.num_nodes > 1
-            return row.request.calibration.drafts_next_round(speculates)
-        return spec.mode == "fixed" and spec.k > 0
-
-    def _max_depth(self, request: Request, w: int) -> int:
-        """The deepest tree worth building for `request`: a round commits at most depth + 1
-        tokens, so nodes past its remaining budget would be discarded, and node d sits at
-        position context_length - 1 + d, which must stay inside the model's context."""
-        return max(min(w, request.token_budget - 1, self.max_context - request.context_length), 0)
-
-    def _verify(self, row: _Row, logits, top_ids: np.ndarray | None, greedy: list[int] | None,
-                commits: dict[int, list[int]]) -> RoundOutput | Exception | None:
-        """Verify a decoding row and commit its tokens, or a prefill chunk; the pass entries
-        its KV row keeps go into `commits`."""
-        request = row.request
-        try:
-            if row.tree is None:
-                commits[request.row] = list(range(len(row.chunk)))  # type: ignore[index]
-                request.num_cached += len(row.chunk)
-                return None
-            request.num_cached += len(row.chunk)
-            verdict = verify(row.tree, logits, request.params.sampling, request.uniforms,
-                             first_position=request.context_length, greedy=greedy)
-            offset = len(row.chunk)
-            kept = [*range(offset), offset, *(offset + node for node in verdict.accepted_nodes)]
-            commits[request.row] = kept  # type: ignore[index]
-            if row.choice is not None:
-                request.calibration.observe_round(row.tree.num_nodes > 1)
-            history = request.drafts.history
-            root_parent = history.token_ids[-2] if len(history) > 1 else -1  # before this round's tokens join
-            started = time.perf_counter()
-            request.drafts.observe(verdict.token_ids)
-            if top_ids is not None:
-                stop_node = verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
-                request.drafts.observe_distributions(_pass_distributions(row.tree, top_ids, stop_node, root_parent))
-            self._learn_seconds += time.perf_counter() - started
-            token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
-            request.num_generated += len(token_ids)
-            request.finish_reason = finish_reason
-            asked = request.params.logprobs
-            logprobs = None if asked is None else token_logprobs(
-                logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked)
-            return RoundOutput(
-                token_ids=token_ids,
-                logprobs=logprobs,
-                num_draft_tokens=row.tree.num_nodes - 1,
-                num_accepted_tokens=len(verdict.accepted_nodes),
-                accepted_strategies=[row.tree.strategies[i] or "" for i in verdict.accepted_nodes],
-                drafted_by_strategy=dict(Counter(s for s in row.tree.strategies[1:] if s)) if row.tree.num_nodes > 1 else {},
-                draft_seconds=0.0, forward_seconds=0.0, finish_reason=finish_reason,
-                **_shape_used(row),
-            )
-        except Exception as error:  # this request fails; the others in the pass go on
-            log.exception("request %s failed", request.request_id)
-            request.finish_reason = "error"
-            return error
-
-    def _stamp(self, out: RoundOutput | Exception, row: _Row, plan: TreePlan | None, draft_seconds: float,
-               forward_seconds: float, batch_size: int) -> RoundOutput | Exception:
-        """Fill in the step's timings and, in auto mode, the row's forecast."""
-        if isinstance(out, Exception):
-            return out
-        if plan is not None and row.choice is not None:
-            out.predicted_tokens_per_second = row.choice.expected_tokens / (plan.seconds * self.calibration.level.factor())
-        out.draft_seconds, out.forward_seconds, out.batch_size = draft_seconds, forward_seconds, batch_size
-        return out
-
-    def _observe_pass(self, shape: PassShape, rows: int, seconds: float) -> None:
-        if self.profile is not None:
-            context = sum(r.context_length for r in self.scheduler.running) / max(len(self.scheduler.running), 1)
-            profiled = self.profile.at(context, rows).seconds(shape)
-            self.calibration.observe_pass(shape.tokens, profiled, seconds, rows)
+    def _fail(self, rows: list[_Row], error: Exception) -> list[tuple[Request, RoundOutput | Exception]]:
+        """A pass that failed ends its requests; the engine goes on with the next step."""
+        log.error("a forward pass failed; ending the %d requests in it", len(rows), exc_info=error)
+        for row in rows:
+            self._finish(row.request, "error")
+        return [(row.request, error) for row in rows]
 
     def _drop_aborted(self) -> None:
         self.scheduler.drop_aborted_waiting()
@@ -543,6 +474,17 @@ def _scattered(size: int, at: list[int], values: Sequence[T]) -> list[T | None]:
     return out
 
 
+def _learn(request: Request, tree: TokenTree, verdict: Verdict, top_ids: np.ndarray | None) -> None:
+    """The request's drafts learn what the round committed and, where taken, what the pass's
+    distributions showed at each node."""
+    history = request.drafts.history
+    root_parent = history.token_ids[-2] if len(history) > 1 else -1  # before this round's tokens join
+    request.drafts.observe(verdict.token_ids)
+    if top_ids is not None:
+        stop_node = verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
+        request.drafts.observe_distributions(_pass_distributions(tree, top_ids, stop_node, root_parent))
+
+
 def _pass_distributions(tree: TokenTree, top_ids: np.ndarray, stop_node: int, root_parent: int) -> PassDistributions:
     """What a row's pass showed, each node with the token before it (its parent's; the root's
     from the context, -1 where it has none)."""
@@ -550,11 +492,6 @@ def _pass_distributions(tree: TokenTree, top_ids: np.ndarray, stop_node: int, ro
     parent_tokens = tokens[tree.parents]  # the root's parent index, -1, reads the last node: replaced
     parent_tokens[0] = root_parent
     return PassDistributions(tokens, top_ids, stop_node, parent_tokens)
-
-
-def _pass_shape(widths: Sequence[int]) -> PassShape:
-    """A pass whose rows bring `widths` tokens each, as the cost profile prices it."""
-    return PassShape(sum(widths), sum(1 for w in widths if w > 1))
 
 
 def _shape_used(row: _Row) -> dict[str, int]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from drafting import DraftSession
 from service.controller.calibration import RequestCalibration
-from service.engine.params import GenerationParams
+from service.engine.params import GenerationParams, SpeculationParams
 from service.engine.sampling import PositionUniforms
 
 
@@ -44,6 +44,10 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     started_at: float | None = None  # admitted to the running batch
     aborted: bool = False  # asked to stop; leaves the batch at the next step
+
+    @property
+    def speculation(self) -> SpeculationParams:
+        return self.params.speculation
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,52 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from drafting import STANDALONE_NAMES, STRATEGY_NAMES, Draft, Mixer, TokenHistory
+from drafting import STANDALONE_NAMES, STRATEGY_NAMES, Mixer
 from service.engine.params import GenerationParams, SpeculationParams
 from service.engine.engine import ContextTooLong, Engine
 from service.model.runner import ModelRunner
-from tests.service.test_regime import COMPUTE_BOUND, MEMORY_BOUND
-
-PROMPTS = [
-    [5, 9, 13, 2, 7, 7, 30, 41],
-    [3, 4, 5, 6, 3, 4, 5, 6, 3, 4],  # repetitive: context lookup has matches
-    [11],  # a one-token prompt: nothing to prefill
-    list(range(2, 60)),
-]
-NEW_TOKENS = 40
-
-
-def reference_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """Plain greedy decoding with a full recompute per token: no cache code involved."""
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_tokens):
-            ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
-class OracleDrafter:
-    """Proposes the true continuation (known in advance) among decoys, cut to random lengths.
-
-    Makes long accepted paths happen on a random model, so compaction is exercised deeply.
-    """
-
-    name = "oracle"
-
-    def __init__(self, prompt: list[int], truth: list[int], seed: int) -> None:
-        self.full = prompt + truth
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
-        true_next = self.full[len(history) : len(history) + w]
-        cut = int(torch.randint(0, w + 1, (1,), generator=self.generator))
-        decoys = [tuple(((t + 1 + j) % 64) for t in true_next) for j in range(k)]
-        drafts = [tuple(true_next[:cut]) + d[cut:] for d in decoys]
-        position = int(torch.randint(0, k, (1,), generator=self.generator))
-        drafts[position] = tuple(true_next)
-        return [Draft(d, self.name, rank) for rank, d in enumerate(drafts[:k]) if d]
+from tests.helpers.costs import COMPUTE_BOUND, MEMORY_BOUND
+from tests.helpers.engines import NEW_TOKENS, PROMPTS, OracleDrafter, reference_greedy
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["mixed", "repetitive", "one-token", "long"])
@@ -153,8 +114,8 @@ def test_auto_mode_drafts_a_request_it_keeps_plain_only_now_and_then(tiny_model,
     request.drafts.candidates = lambda k, w: asked.append(k) or candidates(k, w)  # type: ignore[method-assign]
     learned, observe_distributions = [], request.drafts.observe_distributions
     request.drafts.observe_distributions = lambda d: learned.append(d) or observe_distributions(d)  # type: ignore[method-assign]
-    due, drafts_this_step = [], tiny_engine._drafts_this_step
-    tiny_engine._drafts_this_step = lambda r: drafts_this_step(r) and (due.append(r) or True)  # type: ignore[method-assign]
+    due, drafts_this_step = [], tiny_engine.policy.drafts_this_step
+    tiny_engine.policy.drafts_this_step = lambda r: drafts_this_step(r) and (due.append(r) or True)  # type: ignore[method-assign]
     rounds = []
     while tiny_engine.has_work:
         rounds += [out for _, out in tiny_engine.step()[0]]
