@@ -11,13 +11,14 @@ import logging
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.loadtest import MODES as LOAD_MODES
 from app.settings import Settings
 from drafting import MIXED, STRATEGY_NAMES
+from service.engine.config import EngineConfig
 from service.engine.params import SamplingParams
 from service.model.loader import DEFAULT_CACHE_DIR
 from service.kernels.packed_linear import QUANTIZATIONS
@@ -28,13 +29,21 @@ if TYPE_CHECKING:
 
 
 def _settings_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per setting; a boolean one is a switch, `--x` / `--no-x`. Unset flags stay None,
+    so the `NGRAMMYS_*` variables and the defaults decide them."""
     for name, info in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         shown_default = "" if info.default is None else f"; default: {info.default}"
-        parser.add_argument(
-            flag, dest=name, default=None, metavar=name.upper(),
-            help=f"{info.description} [env NGRAMMYS_{name.upper()}{shown_default}]",
-        )
+        text = f"{info.description} [env NGRAMMYS_{name.upper()}{shown_default}]"
+        if info.annotation is bool:
+            parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=text)
+
+
+def serve_settings(args: argparse.Namespace) -> Settings:
+    """The server's settings: the flags given, else the `NGRAMMYS_*` variables, else the defaults."""
+    return Settings(**{name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None})
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -43,13 +52,11 @@ def _serve(args: argparse.Namespace) -> None:
     from app.main import create_app
     from app.shutdown import DrainingServer
 
-    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None}
-
     def stop() -> None:  # the model failed to load: this process can never serve
         server.should_exit = True
 
     try:
-        settings = Settings(**given)
+        settings = serve_settings(args)
         app = create_app(settings, on_load_failure=stop)
     except (ValueError, OSError) as error:  # bad settings, an unreadable key file
         sys.exit(f"ngrammys serve: {error}")
@@ -86,20 +93,20 @@ def _prepare(args: argparse.Namespace) -> None:
 
 def _bench(args: argparse.Namespace) -> None:
     from service.bench import specbench as bench
-    from service.model_drafts.draft_model import load_drafters
     from service.model.loader import load_model
     from service.bench.near_ties import NEAR_TIE_ULPS
-    from service.runtime import build_engine, build_engine_with_tables
+    from service.runtime import build_engine, build_engine_with_tables, drafters_for
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
     if args.task:
         _workload(loaded, args)
         return
-    drafters = load_drafters(loaded, args.self_draft_layers, args.draft_model, args.cache_dir, args.device,
-                             args.dtype, args.quantization, args.staged)
-    engine = build_engine_with_tables(loaded, args.cache_dir, profile=args.auto or args.spike, drafters=drafters,
-                                      suffix_cache_tokens=args.suffix_cache_tokens, enforce_eager=args.enforce_eager)
+    config = _engine_config(args, cost_profile=args.auto or args.spike, suffix_cache_tokens=args.suffix_cache_tokens,
+                            self_draft_layers=tuple(args.self_draft_layers), draft_model=args.draft_model,
+                            draft_staged=args.staged)
+    drafters = drafters_for(loaded, config)
+    engine = build_engine_with_tables(loaded, config, drafters)
     for strategy in args.strategy:
         try:
             engine.mixer.session([0], strategy)
@@ -127,8 +134,7 @@ def _bench(args: argparse.Namespace) -> None:
         return
 
     def new_engine() -> Any:  # each method learns across requests from its own runs only
-        fresh = build_engine(loaded, engine.mixer.tables, drafters=drafters, suffix_cache_tokens=args.suffix_cache_tokens,
-                             enforce_eager=args.enforce_eager)
+        fresh = build_engine(loaded, engine.mixer.tables, config, drafters)
         fresh.profile = engine.profile
         return fresh
 
@@ -164,6 +170,13 @@ def _bench(args: argparse.Namespace) -> None:
                  f"not at a near tie: {', '.join(parted)}")
 
 
+def _engine_config(args: argparse.Namespace, **fields: Any) -> EngineConfig:
+    """The engine settings of a bench command, from the flags `_model_flags` adds and `fields`
+    (what the command decides itself); the queue's fields are the server's alone."""
+    return EngineConfig(cache_dir=args.cache_dir, enforce_eager=args.enforce_eager, device=args.device,
+                        dtype=args.dtype, quantization=args.quantization, **fields)
+
+
 def _parting_text(parting: Parting | None) -> str:
     """Where an answer parted from plain decoding's (greedy runs): " from token i (n ulps...)"."""
     if parting is None:
@@ -196,6 +209,7 @@ def _workload(loaded: Any, args: argparse.Namespace) -> None:
     from service.engine.params import GenerationParams, SpeculationParams
     from service.runtime import build_engine_with_tables
 
+    config = _engine_config(args, cost_profile=False)
     questions = bench.specbench_questions(args.dataset, args.per_category, args.category)
     prompts = workload.task_prompts(questions, args.task, loaded.tokenizer) * args.repeat
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
@@ -203,8 +217,7 @@ def _workload(loaded: Any, args: argparse.Namespace) -> None:
     def method(name: str, strategy: str, k: int, cache_tokens: int) -> workload.WorkloadMethod:
         params = GenerationParams(args.max_new_tokens, speculation=SpeculationParams(k, args.w), strategy=strategy,
                                   sampling=sampling)
-        engine = build_engine_with_tables(loaded, args.cache_dir, suffix_cache_tokens=cache_tokens,
-                                          enforce_eager=args.enforce_eager)
+        engine = build_engine_with_tables(loaded, replace(config, suffix_cache_tokens=cache_tokens))
         return workload.WorkloadMethod(name, engine, params)
 
     methods = [method("plain", MIXED, 0, 0)]
@@ -243,14 +256,14 @@ def _steps(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
     # no suffix index: the prompts cycle, and it would draft a repeated prompt's earlier answer whole
-    engine = build_engine_with_tables(loaded, args.cache_dir, profile=True, suffix_cache_tokens=0,
-                                      enforce_eager=args.enforce_eager)
+    config = _engine_config(args, cost_profile=True, suffix_cache_tokens=0)
+    engine = build_engine_with_tables(loaded, config)
     prompts = [p.prompt_ids for p in load_specbench(args.dataset, loaded.tokenizer, args.per_category)]
 
     batch = SchedulerConfig(max_running_requests=max(args.concurrency))  # C in flight means C in the pass
 
     def new_engine() -> Any:
-        fresh = build_engine(loaded, engine.mixer.tables, batch, suffix_cache_tokens=0, enforce_eager=args.enforce_eager)
+        fresh = build_engine(loaded, engine.mixer.tables, replace(config, scheduler=batch))
         fresh.profile = engine.profile
         return fresh
 
@@ -276,7 +289,7 @@ def _profile(args: argparse.Namespace) -> None:
     else:
         loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
         model, name = loaded.model, loaded.name
-    runner = ModelRunner(model, static_passes=False if args.enforce_eager else None)
+    runner = ModelRunner(model, static_passes=_engine_config(args).static_passes)
     profile = load_or_measure(runner, args.cache_dir, remeasure=args.remeasure)
     print(f"{name} on {profile.device}, {profile.dtype}: median ms per pass (slowdown vs n=rows)")
     for rows, sizes, table in zip(profile.rows, profile.tree_sizes, profile.seconds):
@@ -367,6 +380,19 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help=Settings.model_fields["enforce_eager"].description)
 
 
+def _dataset(text: str) -> Path:
+    """`--dataset`, read as it is parsed: a missing, unreadable or malformed questions file stops
+    the command with a message saying where to get it, before a model loads, not with a traceback."""
+    from service.bench.specbench import DatasetError, specbench_questions
+
+    path = Path(text)
+    try:
+        specbench_questions(path)
+    except DatasetError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return path
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ngrammys", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -385,7 +411,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--cache-dir", type=Path, default=None, help="[env NGRAMMYS_CACHE_DIR]")
     prepare.set_defaults(run=_prepare)
     bench = commands.add_parser("bench", help="plain vs speculative decoding on Spec-Bench prompts")
-    bench.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
+    bench.add_argument("--dataset", type=_dataset, required=True, help="Spec-Bench question.jsonl")
     bench.add_argument("--per-category", type=int, default=None, help="first N questions per category")
     bench.add_argument("--category", nargs="+", default=None, help="only these categories (default: all)")
     bench.add_argument("--k", type=int, default=4, help="speculations per round (the maximum in auto)")
@@ -441,7 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--context-length", type=int, default=256, help="context length of the heatmap")
     profile.set_defaults(run=_profile)
     steps = commands.add_parser("steps", help="engine steps in process over C requests: off vs auto, where a step's time goes")
-    steps.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
+    steps.add_argument("--dataset", type=_dataset, required=True, help="Spec-Bench question.jsonl")
     steps.add_argument("--per-category", type=int, default=2, help="questions per category to cycle through")
     steps.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="requests decoded together, C")
     steps.add_argument("--max-new-tokens", type=int, default=64)
@@ -453,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_flags(steps)
     steps.set_defaults(run=_steps)
     load = commands.add_parser("loadtest", help="concurrent streaming clients: throughput and latency, off vs auto")
-    load.add_argument("--dataset", type=Path, required=True, help="Spec-Bench question.jsonl")
+    load.add_argument("--dataset", type=_dataset, required=True, help="Spec-Bench question.jsonl")
     load.add_argument("--per-category", type=int, default=2, help="questions per category to cycle through")
     load.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="client counts C")
     load.add_argument("--requests-per-client", type=int, default=2, help="requests = C x this (at least 4)")

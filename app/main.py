@@ -21,7 +21,6 @@ from app.metrics import router as metrics_router
 from app.routes import health, openai
 from app.schemas import STREAM_MODELS
 from app.settings import Settings
-from service.model_drafts.draft_model import load_drafters
 from service.model.loader import LoadedModel, load_model
 from service.runtime import Runtime
 
@@ -76,16 +75,7 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Ca
     is recorded for /health and /ready, and `on_failure` is told."""
 
     def start() -> Runtime:
-        loaded = loader(settings)
-        drafters = load_drafters(
-            loaded, settings.self_draft_depths, settings.draft_model, settings.cache_dir,
-            settings.device, settings.dtype, settings.quantization, settings.draft_staged)
-        return Runtime.start(
-            loaded, settings.cache_dir, settings.model_tables, settings.cost_profile,
-            settings.max_waiting, settings.request_timeout, settings.scheduler_config(),
-            on_step=app.state.metrics.record_step, drafters=drafters,
-            suffix_cache_tokens=settings.suffix_cache_tokens, enforce_eager=settings.enforce_eager,
-        )
+        return Runtime.start(loader(settings), settings.engine_config(), on_step=app.state.metrics.record_step)
 
     try:
         runtime = await in_passing_thread(start)
@@ -109,8 +99,8 @@ async def in_passing_thread(work: Callable[[], T]) -> T:
     threads for every thread that ran a parallel region, for as long as that thread lives, and
     the default executor's threads live on. With a loader's pool beside the engine's, the
     pools hold more threads than a 2-core CPU has cores, and libgomp then stops spinning
-    between regions, so every region waits for a sleeping worker to wake: the server's
-    one-row passes ran at 19 ms a token instead of 12.6 (docs/benchmarks.md, seventh session).
+    between regions, so every region waits for a sleeping worker to wake: on a 2-core CPU the
+    server's one-row passes ran at 19 ms a token instead of 12.6.
     """
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngrammys-load")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 from typing import Literal
@@ -12,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
 from drafting.suffix import DEFAULT_CAPACITY
+from service.engine.config import EngineConfig
 from service.engine.params import SpeculationMode
 from service.engine.scheduler import SchedulerConfig
 from service.model.loader import DEFAULT_CACHE_DIR
@@ -107,18 +107,16 @@ class Settings(BaseSettings):
             raise ValueError(f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap ({self.max_tokens_cap})")
         return self
 
-
-    @property
-    def self_draft_depths(self) -> tuple[int | None, ...]:
-        """The self-draft depths to serve: one (None: the default), or none when it is off."""
-        return (self.self_draft_layers,) if self.self_draft else ()
-
-    def scheduler_config(self) -> SchedulerConfig:
+    def engine_config(self) -> EngineConfig:
+        """What the engine and its runtime take from these settings."""
         memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20
-        return SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory,
-                               self.max_prefill_tokens_while_decoding)
-
-
-@lru_cache
-def get_settings() -> Settings:
-    return Settings()
+        scheduler = SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory,
+                                    self.max_prefill_tokens_while_decoding)
+        return EngineConfig(
+            scheduler=scheduler, max_waiting=self.max_waiting, request_timeout=self.request_timeout,
+            model_tables=self.model_tables, cost_profile=self.cost_profile, cache_dir=self.cache_dir,
+            enforce_eager=self.enforce_eager, suffix_cache_tokens=self.suffix_cache_tokens,
+            self_draft_layers=(self.self_draft_layers,) if self.self_draft else (),  # one depth (None: the default)
+            draft_model=self.draft_model, draft_staged=self.draft_staged,
+            device=self.device, dtype=self.dtype, quantization=self.quantization,
+        )

@@ -6,71 +6,77 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
 
 from drafting import Strategy, TableSlot, compile_table_kernels, default_mixer
-from drafting.suffix import DEFAULT_CAPACITY
+from service.controller.profiler import load_or_measure, load_saved, measure_and_save_steps
 from service.engine.async_engine import AsyncEngine
+from service.engine.config import EngineConfig
 from service.engine.engine import Engine, StepStats
+from service.engine.params import GenerationParams
 from service.model.loader import LoadedModel
+from service.model.prompts import assistant_prefix_ids, stop_token_ids
 from service.model.runner import ModelRunner
 from service.model.tables import load_or_compute_tables, load_or_compute_tables_steps
-from service.controller.profiler import load_or_measure, load_saved, measure_and_save_steps
-from service.model.prompts import assistant_prefix_ids, stop_token_ids
-from service.engine.scheduler import SchedulerConfig
+from service.model_drafts.draft_model import ModelDrafter, load_drafters
 
 log = logging.getLogger(__name__)
 TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (a fraction of a second on a CPU)
 
 
-def build_engine(loaded: LoadedModel, tables: TableSlot, scheduler: SchedulerConfig = SchedulerConfig(),
-                 drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY,
-                 enforce_eager: bool = False) -> Engine:
+def drafters_for(loaded: LoadedModel, config: EngineConfig) -> list[ModelDrafter]:
+    """The model-running draft strategies `config` enables (`service/model_drafts/draft_model.py`),
+    a draft model loaded as `config` says the target was."""
+    return load_drafters(loaded, config.self_draft_layers, config.draft_model, config.cache_dir, config.device,
+                         config.dtype, config.quantization, config.draft_staged)
+
+
+def build_engine(loaded: LoadedModel, tables: TableSlot, config: EngineConfig = EngineConfig(),
+                 drafters: Sequence[Strategy] = ()) -> Engine:
     """The engine for `loaded`, drafting with every strategy over `tables` and `drafters`
-    (the model-running ones, `service/model_drafts/draft_model.py`); `enforce_eager`: no CUDA graphs."""
-    config = loaded.model.config
+    (`drafters_for`: loaded once, they may serve several engines)."""
+    model_config = loaded.model.config
     return Engine(
-        ModelRunner(loaded.model, static_passes=False if enforce_eager else None),
-        default_mixer(tables, drafters, suffix_cache_tokens),
-        eos_token_ids=stop_token_ids(loaded.tokenizer, config.eos_token_id),
-        max_context=config.max_position_embeddings,
-        scheduler_config=scheduler,
+        ModelRunner(loaded.model, static_passes=config.static_passes),
+        default_mixer(tables, drafters, config.suffix_cache_tokens),
+        eos_token_ids=stop_token_ids(loaded.tokenizer, model_config.eos_token_id),
+        max_context=model_config.max_position_embeddings,
+        scheduler_config=config.scheduler,
     )
 
 
-def build_engine_with_tables(loaded: LoadedModel, cache_dir: Path, profile: bool = False,
-                             drafters: Sequence[Strategy] = (), suffix_cache_tokens: int = DEFAULT_CAPACITY,
-                             enforce_eager: bool = False) -> Engine:
-    """An engine whose model tables (and cost profile, if asked) are ready before it returns."""
+def build_engine_with_tables(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
+                             drafters: Sequence[Strategy] = ()) -> Engine:
+    """An engine whose model tables (and cost profile, if `config.cost_profile`) are ready
+    before it returns."""
     prefix = assistant_prefix_ids(loaded.tokenizer)
-    tables = TableSlot(load_or_compute_tables(loaded.model, cache_dir, prefix))
-    engine = build_engine(loaded, tables, drafters=drafters, suffix_cache_tokens=suffix_cache_tokens,
-                          enforce_eager=enforce_eager)
-    if profile:
-        engine.profile = load_or_measure(engine.runner, cache_dir)
+    tables = TableSlot(load_or_compute_tables(loaded.model, config.cache_dir, prefix))
+    engine = build_engine(loaded, tables, config, drafters)
+    if config.cost_profile:
+        engine.profile = load_or_measure(engine.runner, config.cache_dir)
     return engine
 
 
-def warm_up(
-    engine: Engine, loaded: LoadedModel, cache_dir: Path, model_tables: bool, profile: bool
-) -> Generator[bool | None, None, None]:
-    """The warm-up as increments: the cost profile, then the model tables;
-    then, for as long as the server runs, a new profile whenever live pass times drift from
-    it (yields False while there is nothing to do). First the successor tables' compiled
+def warm_up(engine: Engine, loaded: LoadedModel, config: EngineConfig) -> Generator[bool | None, None, None]:
+    """The warm-up as increments: the cost profile, then the model tables (each if `config`
+    asks); then, for as long as the server runs, a new profile whenever live pass times drift
+    from it (yields False while there is nothing to do). First the successor tables' compiled
     refresh and walk, which every round of a request drafting from them runs."""
+    cache_dir = config.cache_dir
     compile_table_kernels()
     yield None
-    if profile:
+    if config.cost_profile:
         engine.profile = load_saved(engine.runner, cache_dir)
         if engine.profile is None:
             engine.profile = yield from measure_and_save_steps(engine.runner, cache_dir)
         log.info("cost profile ready: auto mode enabled")
-    if model_tables:
+    if config.model_tables:
         prefix = assistant_prefix_ids(loaded.tokenizer)
         steps = load_or_compute_tables_steps(loaded.model, cache_dir, prefix, TABLE_BATCH, show_progress=False)
         engine.mixer.tables.tables = yield from steps
         log.info("model tables ready: unigram/bigram strategies enabled")
-    while profile:
+    while config.cost_profile:
         if engine.calibration.drifted():
             log.warning("live pass times drifted from the cost profile: measuring it again")
             engine.profile = yield from measure_and_save_steps(engine.runner, cache_dir)
@@ -79,35 +85,60 @@ def warm_up(
             yield False
 
 
+@dataclass(frozen=True)
+class WarmUpState:
+    """How far the background warm-up got."""
+
+    cost_profile: bool  # measured or loaded: auto mode speculates
+    model_tables: bool  # computed or loaded: the table strategies draft
+
+
 @dataclass
 class Runtime:
-    """What a server needs to answer requests: tokenizer, engine, and the engine's worker."""
+    """What a server needs to answer requests: tokenizer, engine, and the engine's worker.
+
+    The accessors below are what the HTTP edge reads, so it need not know how the engine
+    holds them."""
 
     loaded: LoadedModel
     engine: Engine
     async_engine: AsyncEngine
 
     @classmethod
-    def start(
-        cls,
-        loaded: LoadedModel,
-        cache_dir: Path,
-        model_tables: bool = True,
-        profile: bool = True,
-        max_waiting: int = 64,
-        request_timeout: float | None = None,
-        scheduler: SchedulerConfig = SchedulerConfig(),
-        on_step: Callable[[StepStats], None] | None = None,
-        drafters: Sequence[Strategy] = (),
-        suffix_cache_tokens: int = DEFAULT_CAPACITY,
-        enforce_eager: bool = False,
-    ) -> Runtime:
+    def start(cls, loaded: LoadedModel, config: EngineConfig,
+              on_step: Callable[[StepStats], None] | None = None) -> Runtime:
         """Serve at once; the worker measures (or loads) the cost profile, then the model
         tables, while idle. Until then auto mode decodes plainly and the table strategies
-        propose nothing."""
-        engine = build_engine(loaded, TableSlot(), scheduler, drafters, suffix_cache_tokens, enforce_eager)
-        steps = warm_up(engine, loaded, cache_dir, model_tables, profile)
-        return cls(loaded, engine, AsyncEngine(engine, max_waiting, request_timeout, steps, on_step))
+        propose nothing. The model drafts `config` enables load first (a draft model that
+        cannot draft for `loaded` raises here)."""
+        engine = build_engine(loaded, TableSlot(), config, drafters_for(loaded, config))
+        steps = warm_up(engine, loaded, config)
+        return cls(loaded, engine, AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step))
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.loaded.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model's embedding has (its config's vocabulary, which may be larger or
+        smaller than the tokenizer's)."""
+        return self.loaded.model.config.vocab_size
+
+    @property
+    def enabled_strategies(self) -> list[str]:
+        """The strategy names a request may ask for: the built-in ones and the model drafts
+        this server was started with."""
+        return self.engine.mixer.names
+
+    @property
+    def warm_up_state(self) -> WarmUpState:
+        return WarmUpState(cost_profile=self.engine.profile is not None,
+                           model_tables=self.engine.mixer.tables.tables is not None)
+
+    def check_fits(self, num_prompt_tokens: int, params: GenerationParams) -> None:
+        """`Engine.check_fits`: raises `ContextTooLong` or `DoesNotFit` (thread-safe)."""
+        self.engine.check_fits(num_prompt_tokens, params)
 
     def close(self) -> None:
         self.async_engine.shutdown()

@@ -43,11 +43,10 @@ async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "failed", "error": state.load_error}, status_code=503)
     if state.runtime is None:
         return JSONResponse({"status": "ok"})
-    engine = state.runtime.async_engine
+    engine, warm = state.runtime.async_engine, state.runtime.warm_up_state
     body = {"status": "ok" if engine.alive else "engine stopped",
             "requests_running": engine.num_running, "requests_waiting": engine.num_waiting,
-            "cost_profile": state.runtime.engine.profile is not None,
-            "model_tables": state.runtime.engine.mixer.tables.tables is not None}
+            "cost_profile": warm.cost_profile, "model_tables": warm.model_tables}
     return JSONResponse(body, status_code=200 if engine.alive else 503)
 
 

@@ -6,12 +6,14 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.auth import ClientDep, ConcurrencyLimit, client_identity
+from app.deps import ConcurrencyDep, MetricsDep, RuntimeDep, SettingsDep
 from app.errors import ApiError
 from app.generation import Generation, Kind
 from app.limits import check_generation_limits, check_prompt_length
@@ -62,42 +64,51 @@ async def models(request: Request) -> dict[str, object]:
 
 @router.post("/completions", response_model=None,
              responses=_generation_responses(CompletionResponse, CompletionResponse))
-async def completions(body: CompletionRequest, request: Request, client: ClientDep) -> Response:
-    runtime = _runtime(request, body)
-    settings: Settings = request.app.state.settings
+async def completions(body: CompletionRequest, request: Request, client: ClientDep, runtime: RuntimeDep,
+                      settings: SettingsDep, metrics: MetricsDep, limit: ConcurrencyDep) -> Response:
+    _check_model(request, body)
     max_tokens = body.max_tokens or min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_tokens_cap)
     check_generation_limits(body, settings, max_tokens, "max_tokens")
     if isinstance(body.prompt, str):
-        prompt_ids = await _tokenize(request, "prompt", runtime.loaded.tokenizer.encode, body.prompt)
+        prompt_ids = await _tokenize(request, "prompt", runtime.tokenizer.encode, body.prompt)
     else:
-        prompt_ids = _checked_ids(body.prompt, runtime.loaded.model.config.vocab_size)
-    return await _respond("text_completion", body, request, client, runtime, prompt_ids, max_tokens, "prompt",
+        prompt_ids = _checked_ids(body.prompt, runtime.vocab_size)
+    serving = _Serving(runtime, settings, metrics, limit, client)
+    return await _respond("text_completion", body, request, serving, prompt_ids, max_tokens, "prompt",
                           body.num_logprobs)
 
 
 @router.post("/chat/completions", response_model=None,
              responses=_generation_responses(ChatCompletionResponse, ChatCompletionChunk))
-async def chat_completions(body: ChatCompletionRequest, request: Request, client: ClientDep) -> Response:
-    runtime = _runtime(request, body)
-    settings: Settings = request.app.state.settings
+async def chat_completions(body: ChatCompletionRequest, request: Request, client: ClientDep, runtime: RuntimeDep,
+                           settings: SettingsDep, metrics: MetricsDep, limit: ConcurrencyDep) -> Response:
+    _check_model(request, body)
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens or settings.max_tokens
     check_generation_limits(body, settings, max_tokens, asked)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt_ids = await _tokenize(request, "messages", chat_prompt_ids, runtime.loaded.tokenizer, messages)
-    return await _respond("chat.completion", body, request, client, runtime, prompt_ids, max_tokens, "messages",
+    prompt_ids = await _tokenize(request, "messages", chat_prompt_ids, runtime.tokenizer, messages)
+    serving = _Serving(runtime, settings, metrics, limit, client)
+    return await _respond("chat.completion", body, request, serving, prompt_ids, max_tokens, "messages",
                           body.num_logprobs)
 
 
-def _runtime(request: Request, body: GenerationRequest) -> Runtime:
-    runtime: Runtime | None = request.app.state.runtime
-    if runtime is None:
-        raise ApiError(503, "the model is still loading; retry when /ready answers 200", "service_unavailable")
+@dataclass(frozen=True)
+class _Serving:
+    """What a generation route got from the app (app/deps.py) and its caller's identity."""
+
+    runtime: Runtime
+    settings: Settings
+    metrics: Metrics
+    limit: ConcurrencyLimit
+    client: str
+
+
+def _check_model(request: Request, body: GenerationRequest) -> None:
     name = request.app.state.model_name
     if body.model is not None and body.model != name:
         raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{name}`",
                        param="model", code="model_not_found")
-    return runtime
 
 
 async def _tokenize(request: Request, param: str, encode: Callable[..., list[int]], *args: Any) -> list[int]:
@@ -142,25 +153,24 @@ def _params(body: GenerationRequest, settings: Settings, max_tokens: int, logpro
 
 
 async def _respond(
-    kind: Kind, body: GenerationRequest, request: Request, client: str, runtime: Runtime, prompt_ids: list[int],
+    kind: Kind, body: GenerationRequest, request: Request, serving: _Serving, prompt_ids: list[int],
     max_tokens: int, prompt_param: str, logprobs: int | None,
 ) -> Response:
-    settings: Settings = request.app.state.settings
+    runtime, settings, limit, client = serving.runtime, serving.settings, serving.limit, serving.client
     if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
         raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
     params = _params(body, settings, max_tokens, logprobs)
-    enabled = runtime.engine.mixer.names
+    enabled = runtime.enabled_strategies
     if params.strategy not in enabled:  # a model draft this server was not started with
         raise ApiError(400, f"strategy {params.strategy!r} is not enabled on this server; enabled: "
                        f"{', '.join(enabled)}", param="speculation")
     try:
-        runtime.engine.check_fits(len(prompt_ids), params)
+        runtime.check_fits(len(prompt_ids), params)
     except ContextTooLong as error:
         raise ApiError(400, str(error), param=prompt_param, code="context_length_exceeded") from error
     except DoesNotFit as error:
         raise ApiError(400, str(error), param="max_tokens", code="kv_cache_budget_exceeded") from error
-    limit: ConcurrencyLimit = request.app.state.concurrency
     limit.acquire(client)
     try:
         handle = runtime.async_engine.submit(prompt_ids, params)
@@ -174,15 +184,14 @@ async def _respond(
     except BaseException:
         limit.release(client)
         raise
-    metrics: Metrics = request.app.state.metrics
-    metrics.prompt_tokens.inc(len(prompt_ids))
+    serving.metrics.prompt_tokens.inc(len(prompt_ids))
     generation = Generation(
         kind, request.app.state.model_name, runtime.async_engine, handle,
-        TextStream(runtime.loaded.tokenizer, body.stop or []), metrics,
+        TextStream(runtime.tokenizer, body.stop or []), serving.metrics,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
         on_finish=lambda: limit.release(client),
-        logprobs=None if logprobs is None else LogprobsFormatter(runtime.loaded.tokenizer, kind == "chat.completion"),
+        logprobs=None if logprobs is None else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
     )
     if body.stream:
         return GenerationStream(generation)

@@ -115,24 +115,43 @@ class Question:
     text: str  # the first turn
 
 
+# Where the questions file comes from: the bench reads it, it is not shipped here.
+SPECBENCH_SOURCE = "the Spec-Bench repository, github.com/hemingkx/Spec-Bench, file data/spec_bench/question.jsonl"
+
+
+class DatasetError(ValueError):
+    """The questions file is missing, unreadable or not Spec-Bench's format; the message names
+    the file and where to get it, for the command line to print instead of a traceback."""
+
+
 def specbench_questions(
     path: Path, per_category: int | None = None, categories: Sequence[str] | None = None
 ) -> list[Question]:
-    """First turn of each Spec-Bench question; at most `per_category` per category, and only
-    the given `categories` if any."""
+    """First turn of each Spec-Bench question (the format: see `load_specbench`); at most
+    `per_category` per category, and only the given `categories` if any."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise DatasetError(f"cannot read the Spec-Bench questions {path}: {reason}; get question.jsonl from "
+                           f"{SPECBENCH_SOURCE}") from error
     questions: list[Question] = []
     taken: dict[str, int] = {}
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        question = json.loads(line)
-        category = question["category"]
+        try:
+            question = json.loads(line)
+            question_id, category, text = str(question["question_id"]), question["category"], question["turns"][0]
+        except (ValueError, TypeError, KeyError, IndexError) as error:
+            raise DatasetError(f"{path}, line {number}: not a Spec-Bench question ({error!r}): expected "
+                               f"question.jsonl from {SPECBENCH_SOURCE}") from error
         if categories and category not in categories:
             continue
         if per_category is not None and taken.get(category, 0) >= per_category:
             continue
         taken[category] = taken.get(category, 0) + 1
-        questions.append(Question(str(question["question_id"]), category, question["turns"][0]))
+        questions.append(Question(question_id, category, text))
     return questions
 
 
@@ -142,7 +161,13 @@ def load_specbench(
     per_category: int | None = None,
     categories: Sequence[str] | None = None,
 ) -> list[BenchPrompt]:
-    """`specbench_questions`, chat-templated into prompt ids."""
+    """`specbench_questions`, chat-templated into prompt ids.
+
+    `path` is Spec-Bench's question.jsonl (SPECBENCH_SOURCE): one JSON object a line, e.g.
+    {"question_id": 81, "category": "writing", "turns": ["first user turn", "second user turn"]};
+    other keys are ignored, and so is every turn but the first, which becomes the one user
+    message of the prompt. Blank lines are skipped. A missing, unreadable or malformed file
+    raises `DatasetError`."""
     return [
         BenchPrompt(q.question_id, q.category, chat_prompt_ids(tokenizer, [{"role": "user", "content": q.text}]))
         for q in specbench_questions(path, per_category, categories)

@@ -22,9 +22,8 @@ from app.main import create_app
 from app.settings import Settings
 from service.model.loader import LoadedModel
 from app.background import free_port, serving
-from tests.app.server import Asgi24, slowed
-from tests.app.test_http import QUIET, wait_ready, wait_until
-from tests.conftest import make_tiny_model
+from tests.helpers.http import QUIET, Asgi24, slowed, wait_ready, wait_until
+from tests.helpers.models import make_tiny_model
 
 ROOT = Path(__file__).parents[2]
 MESSAGES = [{"role": "user", "content": "Say hi."}]
@@ -309,7 +308,7 @@ def test_keys_are_kept_only_as_digests() -> None:
 def test_serve_exits_nonzero_when_the_model_fails_to_load() -> None:
     """`--model /nonexistent` used to leave a process answering 503 forever."""
     command = [sys.executable, "-m", "app.cli", "serve", "--model", "/nonexistent", "--host", "127.0.0.1",
-               "--port", str(free_port()), "--model-tables", "false", "--cost-profile", "false"]
+               "--port", str(free_port()), "--no-model-tables", "--no-cost-profile"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode != 0
     assert "no model at /nonexistent" in done.stderr

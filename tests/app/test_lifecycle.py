@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,8 +18,7 @@ import pytest
 from app.background import free_port, serving
 from app.main import create_app
 from app.settings import Settings
-from tests.app.server import slowed
-from tests.app.test_http import LONG, MESSAGES, QUIET, wait_ready, wait_until
+from tests.helpers.http import LONG, MESSAGES, QUIET, slowed, wait_ready, wait_until
 
 # The embedded model writes thousands of tokens for this (it reached max_tokens=300 greedy
 # with float32 and packed weights alike), far past any drain timeout here; LONG ends by itself
@@ -67,7 +65,7 @@ def test_sigterm_lets_running_requests_finish_and_ends_the_rest_with_an_error() 
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--model-tables", "false", "--cost-profile", "false", "--default-temperature", "0",
+         "--no-model-tables", "--no-cost-profile", "--default-temperature", "0",
          # draining does not depend on the weights' path; the packed one would first compile its
          # kernels on a fresh machine (~60 s idle, past 120 s on a busy CI machine)
          "--quantization", "none", "--drain-timeout", "8", "--log-level", "warning"],

@@ -20,19 +20,13 @@ import pytest
 import torch
 
 from drafting import TableSlot
+from service.engine.config import EngineConfig
 from service.engine.params import GenerationParams, SpeculationParams
 from service.model_drafts.draft_model import model_drafters
-from service.model.loader import DEFAULT_CACHE_DIR
-from service.bench.near_ties import first_difference, parting
 from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine, build_engine_with_tables
+from tests.helpers.embedded import QUESTIONS, compare
 
-QUESTIONS = [
-    "List the first five prime numbers.",
-    "Repeat exactly, three times: the quick brown fox jumps over the lazy dog.",
-    "Write a Python function that returns the factorial of n.",
-    "Summarize in one sentence: The meeting moved to Tuesday. Tuesday's room is booked, so the meeting is in room 4.",
-]
 NEW_TOKENS = 48
 TABLE_STRATEGIES = ["unigram", "bigram", "extended_bigram", "mixed"]
 
@@ -44,18 +38,6 @@ def reference_generate(model, prompt: list[int], eos: list[int]) -> list[int]:
             do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos[0],
         )
     return out[0, len(prompt):].tolist()
-
-
-def compare(model, prompt: list[int], got: list[int], want: list[int]) -> str:
-    """"identical", "tie" (the first difference is a near tie), or a failure message."""
-    if got == want:
-        return "identical"
-    parted = parting(model, prompt, want, got)
-    if parted is not None and parted.near_tie:
-        return "tie"
-    at = first_difference(want, got)
-    gap = "" if parted is None else f" ({parted.ulps:g} ulps apart)"
-    return f"differs at token {at}: got {got[at:at + 5]}, want {want[at:at + 5]}{gap}"
 
 
 @pytest.mark.slow
@@ -112,7 +94,7 @@ def test_a_batch_of_requests_matches_generate_request_by_request(embedded) -> No
 def test_table_strategies_match_transformers_generate(embedded) -> None:
     """The unigram/bigram drafts of real tables: output still the reference's, and the drafts
     were accepted (so the comparison cannot pass with empty tables drafting nothing)."""
-    engine = build_engine_with_tables(embedded, DEFAULT_CACHE_DIR)
+    engine = build_engine_with_tables(embedded, EngineConfig(cost_profile=False))
     model, tokenizer = embedded.model, embedded.tokenizer
     outcomes: dict[str, int] = {}
     accepted = {strategy: 0 for strategy in TABLE_STRATEGIES}

@@ -1,0 +1,58 @@
+"""What the edge takes from the settings and the runtime: boolean switches, the engine's
+config, and the runtime's accessors the routes read."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.cli import build_parser, serve_settings
+from app.settings import Settings
+from service.engine.config import EngineConfig
+from service.runtime import Runtime, WarmUpState
+
+
+def served(*flags: str) -> Settings:
+    return serve_settings(build_parser().parse_args(["serve", *flags]))
+
+
+def test_boolean_settings_are_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NGRAMMYS_SELF_DRAFT", raising=False)
+    assert served("--self-draft").self_draft is True
+    assert served("--no-self-draft").self_draft is False
+    assert served().self_draft is False
+    assert served("--no-model-tables", "--enforce-eager").model_tables is False
+    assert served("--enforce-eager").enforce_eager is True
+    with pytest.raises(SystemExit):  # a switch takes no value
+        build_parser().parse_args(["serve", "--self-draft", "true"])
+
+
+def test_environment_still_sets_a_switch_and_a_flag_overrides_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NGRAMMYS_SELF_DRAFT", "true")
+    assert served().self_draft is True
+    assert served("--no-self-draft").self_draft is False
+
+
+def test_engine_config_maps_the_settings() -> None:
+    config = Settings(kv_cache_memory_mb=2, max_running_requests=3, max_waiting=5, request_timeout=7.0,
+                      model_tables=False, self_draft=True, self_draft_layers=2, draft_staged=True,
+                      suffix_cache_tokens=0, enforce_eager=True, quantization="none").engine_config()
+    assert config.scheduler.kv_cache_bytes == 2 * 2**20 and config.scheduler.max_running_requests == 3
+    assert (config.max_waiting, config.request_timeout) == (5, 7.0)
+    assert (config.model_tables, config.cost_profile) == (False, True)
+    assert (config.self_draft_layers, config.draft_staged, config.draft_model) == ((2,), True, None)
+    assert (config.suffix_cache_tokens, config.enforce_eager, config.static_passes) == (0, True, False)
+    assert config.quantization == "none"
+    assert Settings(self_draft=False, self_draft_layers=2).engine_config().self_draft_layers == ()
+    assert Settings(self_draft=True).engine_config().self_draft_layers == (None,)  # the measured default depth
+    assert Settings(kv_cache_memory_mb=None).engine_config().scheduler.kv_cache_bytes is None
+
+
+def test_runtime_accessors_are_what_the_routes_read(tiny_served) -> None:
+    runtime = Runtime.start(tiny_served, EngineConfig(model_tables=False, cost_profile=False, self_draft_layers=(1,)))
+    try:
+        assert "self_draft" in runtime.enabled_strategies and "context" in runtime.enabled_strategies
+        assert runtime.vocab_size == tiny_served.model.config.vocab_size
+        assert runtime.tokenizer is tiny_served.tokenizer
+        assert runtime.warm_up_state == WarmUpState(cost_profile=False, model_tables=False)
+    finally:
+        runtime.close()
