@@ -222,21 +222,16 @@ class Engine:
 
     def step(self) -> StepResult:
         """One pass over every running request: schedule → plan → pass → verify → commit →
-        outputs. Returns each decoding request's round (or the error that ended it) and the
-        pass's statistics (None when nothing ran)."""
+        outputs (each decoding request's round or error; the pass's statistics, None if idle)."""
         rows, tree_budget = self._schedule()
         if not rows:
             return [], None
         timer = StepTimer(self.runner.capture_seconds)
         plan = self._plan(rows, tree_budget)
-        timer.mark_drafted()
-        try:
-            logits = self.runner.forward(self.cache, [row.input() for row in rows])
-        except Exception as error:  # the pass failed: its requests end, the engine goes on
-            return self._fail(rows, error), None
-        timer.mark_passed(self.runner.capture_seconds)
+        logits = self._forward(rows, timer)
+        if isinstance(logits, Exception):
+            return self._fail(rows, logits), None
         rounds = self._verify(rows, logits, timer)
-        timer.mark_verified()
         return self._outputs(rows, rounds, plan, timer)
 
     def _schedule(self) -> tuple[list[_Row], int]:
@@ -284,6 +279,17 @@ class Engine:
             if isinstance(strategy, ModelDrafter):
                 strategy.bind_target(self.cache, self._row_of)
 
+    def _forward(self, rows: list[_Row], timer: StepTimer) -> list[torch.Tensor] | Exception:
+        """The pass over every row: each row's logits from its first tree node on, or the
+        error that failed the pass (its requests end; the engine goes on)."""
+        timer.mark_drafted()
+        try:
+            logits = self.runner.forward(self.cache, [row.input() for row in rows])
+        except Exception as error:
+            return error
+        timer.mark_passed(self.runner.capture_seconds)
+        return logits
+
     def _verify(self, rows: list[_Row], logits: list[torch.Tensor], timer: StepTimer) -> list[RoundOutput | Exception | None]:
         """Verify every row against the pass, let its drafts learn, and commit the KV entries
         the rows keep, all rows together. A row's round, its error, or None for a prefill chunk."""
@@ -293,6 +299,7 @@ class Engine:
         rounds = [self._verify_row(row, *row_outputs, commits, timer)
                   for row, *row_outputs in zip(rows, logits, top_ids, self._greedy_choices(rows, logits))]
         self.cache.commit_rows(commits)
+        timer.mark_verified()
         return rounds
 
     def _verify_row(self, row: _Row, logits: torch.Tensor, top_ids: np.ndarray | None, greedy: list[int] | None,
