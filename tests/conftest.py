@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from drafting import ContextNgram, TableSlot, default_mixer
 from service.model_drafts.draft_model import ModelDrafter
@@ -14,31 +13,7 @@ from service.engine.engine import Engine
 from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
 from service.model_drafts.self_draft import first_layers
-
-TINY_VOCAB = 64
-# The device of the tiny models (and so of their engines): `NGRAMMYS_TEST_DEVICE=cuda pytest
-# tests/service/test_engine_lossless.py ...` runs the engine tests on a GPU; CPU by default.
-TEST_DEVICE = torch.device(os.environ.get("NGRAMMYS_TEST_DEVICE", "cpu"))
-
-
-def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = TINY_VOCAB,
-                    num_layers: int = 2) -> LlamaForCausalLM:
-    """A 2-layer Llama with random weights: real attention code, milliseconds per pass."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-        attn_implementation=attn_implementation,
-    )
-    return LlamaForCausalLM(config).to(TEST_DEVICE).eval()
+from tests.helpers.models import make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -18,28 +17,13 @@ from service.engine.params import GenerationParams
 from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine
 from app.background import serving
-from tests.app.server import slowed
+from tests.helpers.http import LONG, MESSAGES, QUIET, slowed, sse_events, wait_ready, wait_until
 
-MESSAGES = [{"role": "user", "content": "List the first five prime numbers."}]
-LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
 EMOJI = [{"role": "user", "content": "Repeat exactly: 🙂🙂🙂 café naïve 日本"}]
 PARAGRAPH = ("The committee met on Tuesday to review the budget. It approved the new library, "
              "postponed the bridge repairs until spring, and asked the treasurer for a report on "
              "the water rates before the next meeting.")
 COPY = [{"role": "user", "content": f"Repeat this paragraph word for word:\n\n{PARAGRAPH}"}]
-# greedy by default (so texts compare with the engine's), no background warm-up in tests
-QUIET = {"model_tables": False, "cost_profile": False, "default_temperature": 0.0}
-
-
-def wait_until(predicate, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition never held"
-        time.sleep(0.05)
-
-
-def wait_ready(base: str) -> None:
-    wait_until(lambda: httpx.get(f"{base}/ready").status_code == 200)
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +47,6 @@ def direct(embedded):
         return tokenizer.decode(completion.token_ids, skip_special_tokens=True), completion, ids
 
     return decode
-
-
-def sse_events(response: httpx.Response) -> list[str]:
-    """Raw `data:` payloads, checking the framing of every event on the way."""
-    body = response.read().decode()
-    assert body.endswith("\n\n")
-    events = body[:-2].split("\n\n")
-    assert all(e.startswith("data: ") and "\n" not in e for e in events)
-    return [e[len("data: ") :] for e in events]
 
 
 # --- both routes, both ways, through the openai client ---------------------------------

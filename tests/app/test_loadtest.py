@@ -12,7 +12,8 @@ from app.cli import build_parser, loadtest_server_flags, main
 from app.main import create_app
 from app.settings import Settings
 from service.bench.specbench import Question
-from tests.app.test_http import wait_ready
+from tests.helpers.bench import write_dataset
+from tests.helpers.http import wait_ready
 
 QUESTIONS = [Question("1", "writing", "Write one sentence about the sea."),
              Question("2", "coding", "Write a Python function that adds two numbers.")]
@@ -72,11 +73,13 @@ def test_the_loadtest_command_runs_its_own_server_process(tiny_served, tmp_path)
     assert all(level["drafted_per_pass"] == 0 for level in levels if level["mode"] == "off")
 
 
-def test_the_loadtest_server_keeps_no_suffix_index_unless_asked() -> None:
+def test_the_loadtest_server_keeps_no_suffix_index_unless_asked(tmp_path) -> None:
     """The load test cycles its questions: a shared suffix index would draft a repeated
     question's earlier greedy answer whole, so by default the server it starts has none."""
+    dataset = write_dataset(tmp_path)  # `--dataset` is read as it is parsed
+
     def flags(*extra: str) -> list[str]:
-        return loadtest_server_flags(build_parser().parse_args(["loadtest", "--dataset", "q.jsonl", *extra]))
+        return loadtest_server_flags(build_parser().parse_args(["loadtest", "--dataset", dataset, *extra]))
 
     default = flags()
     assert default[default.index("--suffix-cache-tokens") + 1] == "0"

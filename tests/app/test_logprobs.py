@@ -11,7 +11,7 @@ import pytest
 from app.main import create_app
 from app.settings import Settings
 from app.background import serving
-from tests.app.test_http import QUIET, sse_events, wait_ready
+from tests.helpers.http import QUIET, sse_events, wait_ready
 
 PROMPT = "one two three one two three one two three"
 MESSAGES = [{"role": "user", "content": PROMPT}]

@@ -15,7 +15,7 @@ import pytest
 from app.main import create_app
 from app.settings import Settings
 from app.background import free_port, serving
-from tests.app.test_http import LONG, MESSAGES, QUIET, wait_ready, wait_until
+from tests.helpers.http import LONG, MESSAGES, QUIET, wait_ready, wait_until
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "ngrammys.json"
 EXPECTED = {  # name -> type, as issue-level contract

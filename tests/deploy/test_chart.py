@@ -12,7 +12,7 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 
 from app.settings import Settings
-from tests.deploy.helpers import (
+from tests.helpers.deploy import (
     BAKED_CACHE,
     CHART,
     CRD_VALIDATOR,

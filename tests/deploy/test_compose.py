@@ -8,7 +8,7 @@ import re
 import subprocess
 from pathlib import Path, PurePosixPath
 
-from tests.deploy.helpers import DEPLOY, load_yaml, tool
+from tests.helpers.deploy import DEPLOY, load_yaml, tool
 
 COMPOSE = DEPLOY / "compose.yaml"
 

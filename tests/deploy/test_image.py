@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy import dockerfile
-from tests.deploy.helpers import ROOT, seed_command, tool
+from tests.helpers import dockerfile
+from tests.helpers.deploy import ROOT, seed_command, tool
 
 DOCKERFILE = ROOT / "Dockerfile"
 

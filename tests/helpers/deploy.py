@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "ngrammys"
 GPU_EXAMPLE = CHART / "examples" / "gpu.yaml"
 DEPLOY = ROOT / "deploy"
-CRD_VALIDATOR = Path(__file__).resolve().parent / "crd"
+CRD_VALIDATOR = ROOT / "tests" / "deploy" / "crd"
 
 # Kubernetes versions the rendered manifests are checked against: the oldest the chart
 # supports (Chart.yaml kubeVersion) and the newest kubernetes-validate ships.

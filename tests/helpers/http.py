@@ -1,13 +1,40 @@
-"""Test helpers around an app served by `app.background.serving`."""
+"""Around an app served by `app.background.serving`: the chat messages and settings the HTTP
+tests send, waits for the server, the SSE framing check, a slowed engine and an ASGI 2.4 shim."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import httpx
 from fastapi import FastAPI
+
+MESSAGES = [{"role": "user", "content": "List the first five prime numbers."}]
+LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
+# greedy by default (so texts compare with the engine's), no background warm-up in tests
+QUIET = {"model_tables": False, "cost_profile": False, "default_temperature": 0.0}
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.05)
+
+
+def wait_ready(base: str) -> None:
+    wait_until(lambda: httpx.get(f"{base}/ready").status_code == 200)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """Raw `data:` payloads, checking the framing of every event on the way."""
+    body = response.read().decode()
+    assert body.endswith("\n\n")
+    events = body[:-2].split("\n\n")
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    return [e[len("data: ") :] for e in events]
 
 
 @contextmanager

@@ -4,40 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from drafting import TableSlot, default_mixer
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
-from service.engine.engine import Engine
-from service.model.runner import ModelRunner
 from service.engine.request import Status
 from service.engine.scheduler import (
     CPU_MAX_RUNNING_REQUESTS, CPU_PREFILL_TOKENS_WHILE_DECODING, GPU_MAX_RUNNING_REQUESTS, DoesNotFit, Scheduler,
     SchedulerConfig,
 )
-from tests.service.test_engine_lossless import reference_greedy
-from tests.service.test_regime import MEMORY_BOUND, gpu_like
-
-PROMPTS = [
-    [5, 9, 13, 2, 7, 7, 30, 41],
-    [3, 4, 5, 6, 3, 4, 5, 6, 3, 4],
-    [11],
-    list(range(2, 60)),
-    [8, 8, 8, 8, 9, 8, 8, 8],
-]
-MODES = [
-    SpeculationParams(0, 0, "off"),
-    SpeculationParams(4, 4, "fixed"),
-    SpeculationParams(6, 5, "auto"),
-    SpeculationParams(2, 3, "fixed"),
-    SpeculationParams(6, 5, "auto"),
-]
-LENGTHS = [20, 12, 24, 16, 8]
-
-
-def make_engine(runner: ModelRunner, tables: TableSlot, **limits: int) -> Engine:
-    engine = Engine(runner, default_mixer(tables), eos_token_ids=[], max_context=512,
-                    scheduler_config=SchedulerConfig(**limits))
-    engine.profile = MEMORY_BOUND
-    return engine
+from tests.helpers.batch import LENGTHS, MODES, PROMPTS
+from tests.helpers.costs import gpu_like
+from tests.helpers.engines import make_engine, reference_greedy
 
 
 def test_greedy_outputs_in_a_batch_equal_each_request_alone(tiny_model, tiny_runner, tiny_tables) -> None:

@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from app.cli import main
 from drafting import STANDALONE_NAMES, STRATEGY_NAMES
-
-QUESTIONS = [
-    {"question_id": 1, "category": "summarization", "turns": ["Repeat exactly: the cat sat on the mat. the cat sat on the mat.", "x"]},
-    {"question_id": 2, "category": "summarization", "turns": ["Summarize: Alice met Bob. Bob met Carol."]},
-    {"question_id": 3, "category": "summarization", "turns": ["ignored by --per-category 2"]},
-    {"question_id": 4, "category": "math", "turns": ["What is 12 times 12?"]},
-]
-
-
-def write_dataset(directory: Path) -> str:
-    dataset = directory / "question.jsonl"
-    dataset.write_text("\n".join(json.dumps(q) for q in QUESTIONS) + "\n")
-    return str(dataset)
+from tests.helpers.bench import write_dataset
 
 
 @pytest.mark.slow
@@ -81,7 +68,7 @@ def test_a_reference_decoder_runs_with_plain_parameters_and_its_agreement_is_cou
     from service.bench.specbench import BenchPrompt, bench_methods, run_bench
     from service.engine.engine import Engine
     from service.model.runner import ModelRunner
-    from tests.conftest import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     other = Engine(ModelRunner(make_tiny_model(seed=9)), default_mixer(None), eos_token_ids=[], max_context=512)
     prompts = [BenchPrompt(str(i), "math", [5, 9, 13, i + 2] * 3) for i in range(3)]
@@ -105,7 +92,7 @@ def test_transformers_generate_answers_like_plain_decoding_and_counts_its_passes
     from service.engine.engine import Engine
     from service.bench.hf_generate_reference import HF_GENERATE, HF_PROMPT_LOOKUP, hf_references
     from service.model.runner import ModelRunner
-    from tests.conftest import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     runner = ModelRunner(make_tiny_model(seed=4))
     engine = Engine(runner, default_mixer(None), eos_token_ids=[1], max_context=512)

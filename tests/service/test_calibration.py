@@ -14,7 +14,7 @@ from service.controller.calibration import (
     HOST_WINDOW, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio,
 )
 from service.controller.planner import CostProfile, PassShape, RowCandidates, plan_trees
-from tests.service.test_regime import CPU_LIKE, candidates
+from tests.helpers.costs import CPU_LIKE, candidates
 
 # drafts that pay on the CPU-like curve: about 2.5 expected tokens for a small tree
 DRAFTS = candidates(0.9, 0.8, k=2, w=4)

@@ -17,8 +17,8 @@ from service.engine.engine import Engine
 from service.model.kv_cache import INITIAL_CAPACITY
 from service.model.runner import ModelRunner
 from service.controller.profiler import measure_profile
-from tests.conftest import make_tiny_model
-from tests.service.test_engine_lossless import OracleDrafter, reference_greedy
+from tests.helpers.engines import OracleDrafter, reference_greedy
+from tests.helpers.models import make_tiny_model
 
 
 class PositionGuard:

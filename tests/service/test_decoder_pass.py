@@ -11,8 +11,8 @@ import transformers
 from service.model.decoder_pass import fuse_projections
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import build_tree
-from tests.conftest import make_tiny_model
-from tests.service.test_tree_attention import DRAFTS, PROMPT, assert_nodes_match, prefilled
+from tests.helpers.models import make_tiny_model
+from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
 
 
 def tiny_model(config_name: str) -> transformers.PreTrainedModel:

@@ -17,9 +17,9 @@ from service.model_drafts.draft_model import ModelDrafter, model_drafters
 from service.engine.engine import Engine
 from service.model.loader import LoadedModel
 from service.model_drafts.self_draft import first_layers
-from tests.conftest import make_tiny_model
-from tests.service.test_engine_lossless import NEW_TOKENS, PROMPTS, reference_greedy
-from tests.service.test_regime import MEMORY_BOUND
+from tests.helpers.costs import MEMORY_BOUND
+from tests.helpers.engines import NEW_TOKENS, PROMPTS, reference_greedy
+from tests.helpers.models import make_tiny_model
 
 MIXES = ["self_draft", "draft_model", "self_draft_staged", "draft_model_staged", "context+self_draft",
          "context+bigram+draft_model", "self_draft+draft_model", "context+self_draft_staged", "mixed"]

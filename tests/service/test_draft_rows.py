@@ -10,7 +10,7 @@ import torch
 from drafting import ContextNgram, TokenHistory
 from service.model_drafts.draft_model import ModelDrafter
 from service.model_drafts.draft_rows import matching_path
-from tests.conftest import make_tiny_model
+from tests.helpers.models import make_tiny_model
 
 PROMPT = [5, 9, 13, 2, 7, 7, 30]
 K, W = 3, 4

@@ -16,8 +16,11 @@ from service.model.tables import compute_tables
 from service.kernels.packed_linear import LLAMA_LINEARS, PackedLinear, pack_gguf_linears, tiles_from_blocks
 from service.controller.profiler import profile_path
 from service.model.tree import chain_tree
-from tests.conftest import make_tiny_model
-from tests.service.test_packed_linear import (
+from tests.helpers.batch import LENGTHS, MODES, PROMPTS
+from tests.helpers.embedded import QUESTIONS, compare
+from tests.helpers.engines import make_engine
+from tests.helpers.models import make_tiny_model
+from tests.helpers.packed import (
     Q4_1,
     Q8_0,
     assert_speculation_equals_plain_decoding,
@@ -114,8 +117,6 @@ def test_speculation_on_the_int8_path_equals_its_plain_decoding(tiny_int8) -> No
 def test_int8_rows_batched_with_other_requests_equal_each_request_alone(tiny_int8) -> None:
     """Prompt chunks of any size and trees beside other requests' rows: the int8 kernel runs
     every pass size, so each request gets what it gets alone."""
-    from tests.service.test_batching import LENGTHS, MODES, PROMPTS, make_engine
-
     _, packed, _ = tiny_int8
     engine = make_engine(ModelRunner(packed), TableSlot(compute_tables(packed, batch_size=16, show_progress=False)))
     requests = [(p, GenerationParams(n, speculation=m)) for p, n, m in zip(PROMPTS, LENGTHS, MODES)]
@@ -129,7 +130,6 @@ def test_embedded_int8_speculation_equals_its_plain_decoding() -> None:
     from service.model.loader import load_model
     from service.model.prompts import chat_prompt_ids
     from service.runtime import build_engine
-    from tests.service.test_embedded_lossless import QUESTIONS, compare
 
     loaded = load_model(quantization="gguf-int8")
     engine = build_engine(loaded, TableSlot())

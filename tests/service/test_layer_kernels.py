@@ -15,8 +15,7 @@ from service.model.runner import ModelRunner, RowInput
 from service.kernels.layer_kernels import half_bits
 from service.kernels.packed_linear import load_kernels, loaded_layer_kernels
 from service.model.tree import build_tree, chain_tree
-from tests.service.test_packed_linear import tiny_packed  # noqa: F401 - a fixture
-from tests.service.test_tree_attention import DRAFTS, PROMPT, assert_nodes_match, prefilled
+from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
 
 pytestmark = pytest.mark.skipif(load_kernels() is None, reason="numba kernels unavailable")
 
@@ -87,7 +86,7 @@ def test_float16_rounding_is_numpys_on_every_kind_of_value() -> None:
     assert np.isnan(half_bits(np.array([np.nan, -np.nan], np.float32)).view(np.float16)).all()
 
 
-def test_the_packed_pass_with_its_layer_kernels_matches_the_torch_operators(tiny_packed, monkeypatch) -> None:  # noqa: F811
+def test_the_packed_pass_with_its_layer_kernels_matches_the_torch_operators(tiny_packed, monkeypatch) -> None:
     _, packed, _, _ = tiny_packed
     runner = ModelRunner(packed)
     assert decoder_pass._layer_kernels(packed) is loaded_layer_kernels()
@@ -98,7 +97,7 @@ def test_the_packed_pass_with_its_layer_kernels_matches_the_torch_operators(tiny
     torch.testing.assert_close(with_kernels, without, rtol=1e-4, atol=1e-4)
 
 
-def test_one_token_rows_of_a_packed_pass_attend_through_the_kernel(tiny_packed) -> None:  # noqa: F811
+def test_one_token_rows_of_a_packed_pass_attend_through_the_kernel(tiny_packed) -> None:
     """Plain rows of other lengths beside a tree row: the plain rows go to the kernel, the tree
     gets a call of its own, and every node's logits are those of decoding its path alone."""
     _, packed, _, _ = tiny_packed

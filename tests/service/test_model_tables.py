@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from service.model.tables import compute_tables, load_or_compute_tables, model_fingerprint
-from tests.conftest import TINY_VOCAB, make_tiny_model
+from tests.helpers.models import TINY_VOCAB, make_tiny_model
 
 
 @pytest.mark.parametrize("prefix", [[], [0], [0, 7, 3]])

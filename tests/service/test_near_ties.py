@@ -15,7 +15,7 @@ from service.engine.params import GenerationParams, SamplingParams
 from service.engine.engine import Completion, Engine
 from service.model.runner import ModelRunner
 from service.bench.near_ties import NEAR_TIE_ULPS, first_difference, gap_ulps, next_token_logits, ulp
-from tests.conftest import TINY_VOCAB, make_tiny_model
+from tests.helpers.models import TINY_VOCAB, make_tiny_model
 
 
 def test_the_first_difference_of_two_answers() -> None:

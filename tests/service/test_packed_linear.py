@@ -3,18 +3,15 @@ a plain torch reference, the GGUF mapping, and losslessness of speculation on th
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import gguf
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from drafting import TableSlot, default_mixer
+from drafting import TableSlot
 from service.kernels import packed_kernels_gen
 from service.engine.params import GenerationParams, SpeculationParams
-from service.engine.engine import Engine
 from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
 from service.kernels.packed_linear import (
@@ -30,25 +27,14 @@ from service.kernels.packed_linear import (
     tune_fused_max_rows,
     unpermute_rows,
 )
-from tests.conftest import make_tiny_model
+from tests.helpers.batch import LENGTHS, MODES, PROMPTS
+from tests.helpers.embedded import QUESTIONS, compare
+from tests.helpers.engines import make_engine
+from tests.helpers.models import make_tiny_model
+from tests.helpers.packed import Q4_1, Q8_0, assert_speculation_equals_plain_decoding, random_blocks, reference
 
-Q4_1 = gguf.GGMLQuantizationType.Q4_1
-Q8_0 = gguf.GGMLQuantizationType.Q8_0
 kernels = load_kernels()
 needs_numba = pytest.mark.skipif(kernels is None, reason="numba is not installed")
-
-
-def random_blocks(out_features: int, in_features: int, seed: int = 0, kind=Q4_1) -> np.ndarray:
-    """GGUF bytes of a random weight, as gguf's own quantizer writes them."""
-    rng = np.random.default_rng(seed)
-    weight = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
-    return gguf.quants.quantize(weight, kind)
-
-
-def reference(blocks: np.ndarray, x: torch.Tensor, kind=Q4_1) -> torch.Tensor:
-    """gguf's dequantization, then a float64 matmul."""
-    weight = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
-    return (x.double() @ weight.double().T).float()
 
 
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
@@ -156,57 +142,6 @@ def test_the_kernels_file_is_generated_from_its_generator() -> None:
     assert packed_kernels_gen.TARGET.read_text() == packed_kernels_gen.source()
 
 
-def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's q/k permutation (convert_hf_to_gguf), the inverse of `unpermute_rows`."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def write_tiny_gguf(model, path: Path) -> None:
-    """Quantize the tiny Llama's linears to Q4_1 and its LM head to Q8_0 into a GGUF (llama.cpp's
-    names and q/k permutation), and set the model's weights to exactly what that file holds."""
-    config = model.config
-    writer = gguf.GGUFWriter(path, "llama")
-    for index, layer in enumerate(model.model.layers):
-        for kind, name in LLAMA_LINEARS.items():
-            linear = layer.get_submodule(name)
-            weight = linear.weight.detach().numpy()
-            heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(kind)
-            stored = permute_rows(weight, heads) if heads else weight
-            blocks = gguf.quants.quantize(stored, Q4_1)
-            served = gguf.quants.dequantize(blocks, Q4_1)
-            if heads:
-                served = served[unpermute_rows(served.shape[0], heads)]
-            linear.weight.data = torch.from_numpy(np.ascontiguousarray(served))
-            writer.add_tensor(f"blk.{index}.{kind}.weight", blocks, raw_dtype=Q4_1)
-    head = gguf.quants.quantize(model.lm_head.weight.detach().numpy(), Q8_0)
-    model.lm_head.weight.data = torch.from_numpy(gguf.quants.dequantize(head, Q8_0))
-    writer.add_tensor("output.weight", head, raw_dtype=Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def tiny_gguf_twins(directory: Path):
-    """The tiny Llama with Q4_1 weights written to a GGUF in `directory`: the float32 model, a
-    second copy of it to pack, and the file."""
-    path = directory / "tiny.Q4_1.gguf"
-    plain = make_tiny_model(seed=3)
-    write_tiny_gguf(plain, path)
-    twin = make_tiny_model(seed=3)
-    twin.load_state_dict(plain.state_dict())
-    return plain, twin, path
-
-
-@pytest.fixture(scope="module")
-def tiny_packed(tmp_path_factory):
-    """The tiny Llama with Q4_1 weights, as float32 and with its linears packed."""
-    plain, packed, path = tiny_gguf_twins(tmp_path_factory.mktemp("gguf"))
-    tiles_file = path.with_suffix(".npz")
-    assert pack_gguf_linears(packed, path, tiles_file=tiles_file) == 15  # 2 layers x 7, and the LM head
-    return plain, packed, path, tiles_file
-
-
 def test_pack_gguf_linears_swaps_every_linear_and_keeps_the_served_weights(tiny_packed) -> None:
     plain, packed, path, tiles_file = tiny_packed
     for name, module in packed.named_modules():
@@ -243,17 +178,6 @@ def test_a_wrong_gguf_is_refused(tiny_packed, tmp_path) -> None:
         pack_gguf_linears(other, path, tiles_file=tmp_path / "tiles.npz")
 
 
-def assert_speculation_equals_plain_decoding(model) -> None:
-    """Speculative greedy output of `model`'s engine equals its plain decoding, for a few shapes."""
-    engine = Engine(ModelRunner(model), default_mixer(TableSlot(compute_tables(model, batch_size=16, show_progress=False))),
-                    eos_token_ids=[], max_context=512)
-    prompt = [5, 9, 5, 9, 5, 9, 12, 30, 5, 9, 5]
-    plain = engine.complete(prompt, GenerationParams(max_new_tokens=40)).token_ids
-    for k, w in ((1, 1), (2, 3), (4, 4)):
-        params = GenerationParams(max_new_tokens=40, speculation=SpeculationParams(k, w))
-        assert engine.complete(prompt, params).token_ids == plain, (k, w)
-
-
 def test_speculation_on_the_packed_path_equals_its_plain_decoding(tiny_packed) -> None:
     assert_speculation_equals_plain_decoding(tiny_packed[1])
 
@@ -262,8 +186,6 @@ def test_packed_rows_batched_with_other_requests_equal_each_request_alone(tiny_p
     """Continuous batching runs every request's rows (prompt chunks, trees) in one flat pass; the
     packed linears and the packed LM head on the tree nodes must give each request what it gets
     alone (here all passes stay at or under KERNEL_MAX_ROWS, so every linear runs the kernel)."""
-    from tests.service.test_batching import LENGTHS, MODES, PROMPTS, make_engine
-
     _, packed, _, _ = tiny_packed
     runner = ModelRunner(packed)
     assert isinstance(runner.model.get_output_embeddings(), PackedLinear)
@@ -309,7 +231,6 @@ def test_embedded_packed_speculation_equals_its_plain_decoding(embedded_packed) 
     plain decoding itself is a numerical tie (attention and the LM head still round by pass size)."""
     from service.model.prompts import chat_prompt_ids
     from service.runtime import build_engine
-    from tests.service.test_embedded_lossless import QUESTIONS, compare
 
     engine = build_engine(embedded_packed, TableSlot())
     model, tokenizer = embedded_packed.model, embedded_packed.tokenizer

@@ -15,27 +15,7 @@ from service.controller.planner import (
     plan_trees,
     sure_draft_pays,
 )
-
-SIZES = [1, 2, 4, 8, 16, 32, 64]
-
-
-def flat_profile(slope: float) -> CostProfile:
-    """T(n) = 1 + slope·(n − 1) seconds at every context length, for any number of rows."""
-    row = [1.0 + slope * (n - 1) for n in SIZES]
-    return CostProfile([1], [100, 1000], [SIZES], [[row, row]])
-
-
-MEMORY_BOUND = flat_profile(0.001)  # a GPU below its knee: 64 tokens cost 6% more than 1
-COMPUTE_BOUND = flat_profile(0.5)  # every extra token costs half a pass
-CPU_LIKE = CostProfile([1], [100], [SIZES], [[[0.110, 0.165, 0.20, 0.23, 0.30, 0.37, 0.55]]])
-
-
-def candidates(p: float, c: float, k: int = 8, w: int = 8, first: int = 1) -> list[ScoredDraft]:
-    """k disjoint drafts (distinct first tokens) of w tokens; rank r accepted with p/(r+1)."""
-    return [
-        ScoredDraft(Draft(tuple(range(first + 10 * r, first + 10 * r + w)), "s", r), Acceptance(p / (r + 1), c))
-        for r in range(k)
-    ]
+from tests.helpers.costs import COMPUTE_BOUND, CPU_LIKE, MEMORY_BOUND, candidates, gpu_like
 
 
 def choose(drafts: list[ScoredDraft], profile: CostProfile, k: int, w: int, context: int = 500) -> RowTree:
@@ -278,13 +258,6 @@ def test_host_work_a_speculating_row_adds_keeps_a_large_batch_plain_where_the_pa
     plan = plan_trees(rows, cost, PassShape(64), 0.0, budget=1024, row_host_seconds=0.0003)
     assert plan.trees[0].k == 3  # its branches share the row's host work: charged once
     assert plan.seconds == pytest.approx(cost(PassShape(plan.tokens)) + 0.0003)  # the forecast counts it
-
-
-def gpu_like(rows: int, wide_row_seconds: float) -> CostProfile:
-    """A nearly flat pass (0.014 s, 10 us a token) whose wide rows each add `wide_row_seconds`."""
-    sizes = [rows * m for m in (1, 2, 4, 8)]
-    return CostProfile([1, rows], [100], [sizes, sizes], [[[0.014 + 1e-5 * n for n in sizes]]] * 2,
-                       wide_row_seconds=[[0.0], [wide_row_seconds]])
 
 
 def test_a_sure_draft_pays_unless_a_wide_row_costs_more_than_its_tokens() -> None:

@@ -11,8 +11,8 @@ from service.engine.params import GenerationParams, SamplingParams, SpeculationP
 from service.engine.engine import Engine
 from service.model.runner import ModelRunner
 from service.engine.request import Status
-from tests.conftest import TINY_VOCAB
-from tests.service.test_engine_lossless import NEW_TOKENS, PROMPTS, reference_greedy
+from tests.helpers.engines import NEW_TOKENS, PROMPTS, reference_greedy
+from tests.helpers.models import TINY_VOCAB
 
 NEW_STRATEGIES = ["recycled", "logit", "suffix", "token_recycling", "mixed"]
 SPEC = SpeculationParams(4, 4)

@@ -25,7 +25,7 @@ from service.engine.engine import Engine
 from service.engine.sampling import PositionUniforms, target_probs
 from service.model.tree import TokenTree, build_tree
 from service.engine.verifier import Verdict, verify
-from tests.service.test_regime import MEMORY_BOUND
+from tests.helpers.costs import MEMORY_BOUND
 
 VOCAB, LENGTH, DRAWS, START = 6, 3, 10000, 0
 TABLE = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(3)) * 1.5  # [token, next]

@@ -13,11 +13,11 @@ from service.engine.scheduler import SchedulerConfig
 from service.model.runner import ModelRunner, RowInput
 from service.model.static_pass import FixedShape
 from service.model.tree import build_tree, chain_tree
-from tests.conftest import make_tiny_model
-from tests.service.test_batching import LENGTHS, MODES, PROMPTS
-from tests.service.test_engine_lossless import reference_greedy
-from tests.service.test_regime import MEMORY_BOUND
-from tests.service.test_tree_attention import DRAFTS, PROMPT, assert_nodes_match, prefilled, sequential_logits
+from tests.helpers.batch import LENGTHS, MODES, PROMPTS
+from tests.helpers.costs import MEMORY_BOUND
+from tests.helpers.engines import reference_greedy
+from tests.helpers.models import make_tiny_model
+from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled, sequential_logits
 
 LONG = [Draft(tuple((10 + i) % 64 for i in range(70)), "x")]  # 71 nodes: the widest slots (128)
 WIDE = [Draft(tuple((10 + i) % 64 for i in range(140)), "x")]  # 141 nodes: wider than the widest slots

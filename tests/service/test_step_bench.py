@@ -13,9 +13,9 @@ from service.engine.engine import Engine
 from service.model.runner import ModelRunner
 from service.engine.scheduler import SchedulerConfig
 from service.bench.step_bench import run_step_bench, run_steps
-from tests.conftest import make_tiny_model
-from tests.service.test_bench import write_dataset
-from tests.service.test_regime import MEMORY_BOUND
+from tests.helpers.bench import write_dataset
+from tests.helpers.costs import MEMORY_BOUND
+from tests.helpers.models import make_tiny_model
 
 PROMPTS = [[5, 9, 13, 2, 7, 7, 30, 41], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], list(range(2, 40))]
 SLOW_SCORING = 0.05  # seconds a round's scoring takes in the test that slows it down

@@ -10,48 +10,8 @@ from drafting import Draft
 from service.model.attention import batched_width, build_layout
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
-from tests.conftest import make_tiny_model
-
-PROMPT = [5, 9, 13, 2, 7, 7, 30, 41]
-DRAFTS = [
-    Draft((3, 4, 5), "context"),
-    Draft((3, 4, 6), "context"),  # shares two nodes with the first
-    Draft((8,), "context"),
-    Draft((3, 9, 10, 11), "context"),
-]
-
-
-def sequential_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """Reference: a plain causal forward over the whole sequence, logits of the last token."""
-    with torch.inference_mode():
-        return model(torch.tensor([token_ids], device=model.device)).logits[0, -1]
-
-
-def prefilled(runner: ModelRunner, prompts: list[list[int]]):
-    """A cache with one row per prompt, holding the prompt minus its last (pending) token."""
-    cache = runner.new_cache()
-    for _ in prompts:
-        cache.add_row()
-    chains = [chain_tree(prompt[:-1]) for prompt in prompts]
-    runner.forward(cache, [RowInput(chain, chain.num_nodes) for chain in chains])
-    for row, chain in enumerate(chains):
-        cache.commit(row, range(chain.num_nodes))
-    return cache
-
-
-def path_to(tree: TokenTree, node: int) -> list[int]:
-    path = []
-    while node > 0:
-        path.append(tree.token_ids[node])
-        node = tree.parents[node]
-    return path[::-1]
-
-
-def assert_nodes_match(model, prompt: list[int], tree: TokenTree, logits: torch.Tensor,
-                       tolerance: float = 1e-5) -> None:
-    for node in range(tree.num_nodes):
-        expected = sequential_logits(model, prompt + path_to(tree, node))
-        torch.testing.assert_close(logits[node], expected, atol=tolerance, rtol=tolerance)
+from tests.helpers.models import make_tiny_model
+from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, path_to, prefilled, sequential_logits
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])

@@ -23,7 +23,7 @@ import psutil
 from app.background import serving
 from app.main import create_app
 from app.settings import Settings
-from tests.app.test_http import QUIET, wait_ready
+from tests.helpers.http import QUIET, wait_ready
 
 FULL = os.environ.get("NGRAMMYS_STRESS_FULL") == "1"
 CLIENTS, REQUESTS = (64, 500) if FULL else (16, 48)

@@ -23,7 +23,7 @@ from schemathesis import checks
 from app.main import create_app
 from app.settings import Settings
 from app.background import serving
-from tests.app.test_http import QUIET, wait_ready
+from tests.helpers.http import QUIET, wait_ready
 
 KEY = "fuzz-key"
 FULL = os.environ.get("NGRAMMYS_STRESS_FULL") == "1"

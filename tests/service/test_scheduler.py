@@ -1,0 +1,189 @@
+"""The scheduler alone (`service/engine/scheduler.py`): who is admitted and when, what each
+running request brings to a pass, and what leaving the batch frees. No model runs: requests
+are moved by hand through the states the engine would move them through."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafting import default_mixer
+from service.controller.calibration import Calibration
+from service.engine.params import GenerationParams
+from service.engine.request import Request, Status
+from service.engine.scheduler import DoesNotFit, Scheduler, SchedulerConfig, kv_capacity_bound
+from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
+
+MIXER = default_mixer(None)
+# One byte per KV token: a row's bound is then its capacity in bytes (256 for a short request).
+BYTES_PER_TOKEN = 1
+
+
+def make_request(prompt_tokens: int = 8, new_tokens: int = 8, name: str = "r") -> Request:
+    prompt = list(range(2, 2 + prompt_tokens))
+    return Request(name, prompt, GenerationParams(new_tokens), MIXER.session(prompt), Calibration().session(),
+                   None, frozenset())
+
+
+def make_scheduler(max_running: int = 4, tokens_per_pass: int = 512, kv_bytes: int | None = None,
+                   prefill_cap: int = 512, cache: TreeKVCache | None = None) -> Scheduler:
+    config = SchedulerConfig(max_running_requests=max_running, max_tokens_per_pass=tokens_per_pass,
+                             kv_cache_bytes=kv_bytes, max_prefill_tokens_while_decoding=prefill_cap)
+    return Scheduler(config, cache or TreeKVCache(num_layers=1, rows=0), BYTES_PER_TOKEN)
+
+
+def decoding(request: Request) -> Request:
+    """The request as it stands once its whole prompt but the pending token is in the cache."""
+    request.num_cached = request.num_prompt_tokens - 1
+    return request
+
+
+@pytest.mark.parametrize("kv_tokens, capacity", [
+    (1, INITIAL_CAPACITY),  # the smallest row still gets the initial capacity
+    (INITIAL_CAPACITY, INITIAL_CAPACITY),  # exactly full: no growth
+    (INITIAL_CAPACITY + 1, 2 * INITIAL_CAPACITY),  # one more: the capacity doubles
+    (1000, 1024),  # powers of two from the initial capacity on
+])
+def test_the_capacity_bound_is_the_caches_power_of_two_growth(kv_tokens: int, capacity: int) -> None:
+    assert kv_capacity_bound(kv_tokens) == capacity
+
+
+def test_admission_is_first_come_first_served_up_to_the_running_cap() -> None:
+    scheduler = make_scheduler(max_running=2)
+    requests = [make_request(name=f"r{i}") for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    assert scheduler.has_work and list(scheduler.waiting) == requests
+    assert scheduler.admit() == requests[:2]
+    assert [r.row for r in requests] == [0, 1, None]
+    assert [r.status for r in requests] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
+    assert requests[0].started_at is not None and requests[2].started_at is None
+    assert scheduler.admit() == []  # the batch is full: the third waits
+    scheduler.finish(requests[0])
+    assert scheduler.admit() == [requests[2]] and scheduler.running == [requests[1], requests[2]]
+
+
+@pytest.mark.parametrize("kv_tokens, budget, fits", [
+    (256, 256, True),  # a row of exactly the budget
+    (257, 511, False),  # the row would grow to 512 columns
+    (257, 512, True),
+    (10**6, None, True),  # no budget: anything fits
+])
+def test_check_fits_refuses_a_request_that_alone_exceeds_the_budget(kv_tokens: int, budget: int | None,
+                                                                     fits: bool) -> None:
+    scheduler = make_scheduler(kv_bytes=budget)
+    if fits:
+        scheduler.check_fits(kv_tokens)
+    else:
+        with pytest.raises(DoesNotFit, match=f"needs up to {kv_tokens} KV tokens"):
+            scheduler.check_fits(kv_tokens)
+
+
+def test_a_request_that_can_never_fit_is_refused_at_the_door() -> None:
+    scheduler = make_scheduler(kv_bytes=300)
+    with pytest.raises(DoesNotFit, match="KV budget"):
+        scheduler.add(make_request(prompt_tokens=200, new_tokens=100))  # 301 KV tokens: 512 columns
+    assert not scheduler.has_work
+
+
+def test_the_kv_budget_holds_every_running_row_at_the_longest_rows_capacity() -> None:
+    """The rows share one capacity, so a long request makes every row count at its length: with
+    two short requests running (2 × 256 bytes), a long one (512 columns) needs 3 × 512."""
+    scheduler = make_scheduler(kv_bytes=3 * 512 - 1)
+    short, other, long = make_request(name="short"), make_request(name="other"), make_request(300, 100, "long")
+    for request in (short, other, long):
+        scheduler.add(request)
+    assert scheduler.memory_bound([short, other]) == 2 * 256
+    assert scheduler.memory_bound([short, other, long]) == 3 * 512
+    assert scheduler.admit() == [short, other]  # the long one does not fit beside them
+    tail = make_request(name="tail")
+    scheduler.add(tail)
+    assert scheduler.admit() == []  # FCFS: the short request behind the long one does not overtake it
+    scheduler.finish(other)
+    assert scheduler.admit() == [long]  # 2 × 512 fits
+    assert scheduler.memory_bound(scheduler.running) <= 3 * 512 - 1
+
+
+def test_buffers_already_held_count_at_their_rows_and_capacity() -> None:
+    """The buffers only grow while held: once they hold three rows of 512 columns, even one
+    short request is bounded by them."""
+    cache = TreeKVCache(num_layers=1, rows=0)
+    for _ in range(3):
+        cache.add_row()
+    cache.reserve(2 * INITIAL_CAPACITY)
+    cache.make_buffers(torch.zeros(1, 1, 1, 1))
+    scheduler = make_scheduler(cache=cache)
+    assert scheduler.memory_bound([make_request()]) == 3 * 512
+    assert scheduler.memory_bound([]) == 0
+
+
+def test_aborted_waiting_requests_are_dropped_and_never_get_a_row() -> None:
+    scheduler = make_scheduler(max_running=1)
+    first, second, third = (make_request(name=n) for n in ("first", "second", "third"))
+    for request in (first, second, third):
+        scheduler.add(request)
+    second.aborted = True
+    assert scheduler.drop_aborted_waiting() == [second]
+    assert second.status is Status.FINISHED and list(scheduler.waiting) == [first, third]
+    assert scheduler.drop_aborted_waiting() == []
+    first.aborted = True  # aborted at the head of the queue: admission skips it
+    assert scheduler.admit() == [third]
+    assert first.row is None and not scheduler.waiting
+
+
+@pytest.mark.parametrize("decoding_rows, prompts, per_pass, cap, chunks, tree_budget", [
+    # nothing decodes: the oldest prompt takes the whole pass; the next still brings a token
+    (0, [100, 30], 64, 5, [64, 1], 0),
+    # one stream decodes: the prompt gets the cap
+    (1, [100], 64, 5, [5], 58),
+    # two streams, two prompts (no burst): the prompts share the cap, oldest first
+    (2, [3, 100], 64, 5, [3, 2], 57),
+    # a burst (3 prompts, 1 stream): prompts take their share of the pass, 3/4 of 40
+    (1, [100, 100, 100], 41, 5, [30, 1, 1], 8),
+    # a few prompts behind many streams: the cap, not their share
+    (3, [100, 100], 41, 5, [5, 1], 32),
+    # a prompt shorter than its share takes only what it needs
+    (1, [4], 64, 32, [4], 59),
+])
+def test_prompt_chunks_share_the_pass_with_decoding_rows(decoding_rows: int, prompts: list[int], per_pass: int,
+                                                        cap: int, chunks: list[int], tree_budget: int) -> None:
+    scheduler = make_scheduler(max_running=8, tokens_per_pass=per_pass, prefill_cap=cap)
+    streams = [make_request(name=f"stream{i}") for i in range(decoding_rows)]
+    waiting = [make_request(prompt_tokens=n + 1, name=f"prompt{i}") for i, n in enumerate(prompts)]
+    for request in (*streams, *waiting):
+        scheduler.add(request)
+    scheduler.admit()
+    for stream in streams:
+        decoding(stream)
+    plan = scheduler.plan()
+    assert [plan.prefill_tokens[r] for r in waiting] == chunks
+    assert set(plan.prefill_tokens) == set(waiting)  # decoding rows bring no prompt tokens
+    assert plan.tree_budget == tree_budget
+
+
+def test_finishing_frees_the_row_and_moves_the_last_row_into_it() -> None:
+    scheduler = make_scheduler()
+    a, b, c = (make_request(name=n) for n in "abc")
+    for request in (a, b, c):
+        scheduler.add(request)
+    scheduler.admit()
+    scheduler.finish(a)
+    assert (a.status, a.row) == (Status.FINISHED, None)
+    assert scheduler.running == [c, b] and (c.row, b.row) == (0, 1)  # `running[i]` holds row i
+    assert scheduler.cache.num_rows == 2
+    scheduler.finish(b)  # the last row: nothing moves
+    assert scheduler.running == [c] and c.row == 0 and scheduler.cache.num_rows == 1
+    waiting = make_request(name="waiting")
+    scheduler.add(waiting)
+    scheduler.finish(waiting)  # never admitted: no row to free
+    assert waiting.status is Status.FINISHED and scheduler.cache.num_rows == 1
+
+
+@pytest.mark.parametrize("limits", [
+    {"max_running_requests": 0},  # no request could ever run
+    {"max_tokens_per_pass": 0},  # no pass could carry a token
+    {"max_prefill_tokens_while_decoding": 0},  # a prompt would never load beside a stream
+])
+def test_limits_below_one_are_refused(limits: dict[str, int]) -> None:
+    with pytest.raises(ValueError, match="must be >= 1"):
+        SchedulerConfig(**limits)
