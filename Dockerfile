@@ -33,7 +33,7 @@ WORKDIR /src
 # hadolint ignore=DL3013
 RUN python -m venv "$VIRTUAL_ENV" \
  && pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}"
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY app ./app
 COPY service ./service
 COPY drafting ./drafting

@@ -34,7 +34,7 @@ def default_mixer(
     unigram and bigram. In the mix those two cost a third of a row's drafting and scoring (16
     of ~44 candidates at k=8, w=8) for nothing: without the bigram, fixed k=8, w=8 made the
     same tokens per pass in every Spec-Bench category; without both, 1.98 where 1.91, and auto
-    1.20 where 1.16 (docs/benchmarks.md, twenty-second session)."""
+    1.20 where 1.16 (docs/benchmarks.md)."""
     slot = tables or TableSlot()
     recycled = SuccessorTable(fallback=slot, pair_bits=PAIR_BITS)
     baseline = SuccessorTable()

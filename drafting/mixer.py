@@ -15,9 +15,9 @@ since measuring it means paying for its draft. And strategies are asked for abou
 drafts, and twice as deep, as the controller took last round (`chosen`): drafting all k × w for
 every request of a batch the controller mostly decodes plainly cost 1.1 ms a request a pass
 (16 requests: 20% of the step). Strategies that run a model draft all of a step's requests
-at once: the engine hands the mixer every session's ask first (`prepare`).
+at once: the engine hands the mixer every request's ask first (`prepare`).
 
-Sessions are per request; the `Mixer` that opens them is shared and holds the global
+Each request has its own draft state (a `DraftSession`); the `Mixer` that opens them is shared and holds the global
 statistics and the state strategies share across requests: the successor tables the passes'
 distributions refresh, the index of all requests' outputs, and how long a new request waits
 before asking a costly strategy others kept passing over.
@@ -122,15 +122,15 @@ class Mixer:
         return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=len(chosen) > 1)
 
     def prepare(self, asks: Sequence[tuple[DraftSession, int, int]]) -> None:
-        """Before a step's sessions are asked for (k, w) drafts each: strategies that draft
+        """Before a step's requests are asked for (k, w) drafts each: strategies that draft
         many requests at once (a draft model, one pass for all) get every ask they will be
-        asked this step, so that each session's own ask then finds its drafts ready."""
+        asked this step, so that each request's own ask then finds its drafts ready."""
         batches: dict[str, list[tuple[TokenHistory, int, int]]] = defaultdict(list)
-        for session, k, w in asks:
-            k, w, asked = session.asks(k, w)
+        for drafts, k, w in asks:
+            k, w, asked = drafts.asks(k, w)
             for strategy in asked:
                 if strategy.name in self.batched:
-                    batches[strategy.name].append((session.history, k, w))
+                    batches[strategy.name].append((drafts.history, k, w))
         for name, batch in batches.items():
             self.batched[name].prepare(batch)
 
@@ -226,7 +226,7 @@ class DraftSession:
         guessed a token of its own. Scored whole, the extended bigram's and the logit
         strategy's first guesses, mostly the recycled table's top one again, were estimated
         2.4x and 3.1x as likely as the nodes they alone added were accepted (GPU-priced
-        simulation, docs/benchmarks.md, twenty-third session).
+        simulation, docs/benchmarks.md).
         Only a candidate's first len(committed) tokens can be scored, so only they enter the
         held nodes: recorded rounds replayed, k=8, w=8 38 -> 27 us, auto 27 -> 22 (same
         counts; 2-core dev VM)."""

@@ -108,7 +108,7 @@ class SuccessorTable:
         stepping through rows kept as Python lists (read anew after each pass that observed
         them) cost ~25 us more of an auto round's ~300 us of candidates and ~95 us more at
         fixed k=8, w=8, and each pass's refresh, which kept those lists current, ~20 and ~130
-        us more (2-core dev VM, docs/benchmarks.md, twenty-eighth session)."""
+        us more (2-core dev VM, docs/benchmarks.md)."""
         ends = np.array(starts, dtype=np.int64).reshape(-1, 2)
         taken = np.array([paths.shape[1]] if depths is None else depths, dtype=np.int64)
         out = np.empty(paths.shape, dtype=np.int64)

@@ -7,7 +7,7 @@ request, realized over forecast accepted tokens of the trees the controller chos
 scale them; learned only where a request speculated, a low factor kept the request plain and so
 was seldom corrected. Without it: a GPU-priced simulation 1.87 -> 2.07 tokens a pass and +3%
 tokens/s, an int8-CPU-priced one at C=1 1.11x -> 1.23x plain decoding, unchanged at C=4 and
-16 (docs/benchmarks.md, twenty-third session).
+16 (docs/benchmarks.md).
 
 Pass costs are observed on EVERY pass, speculative or plain, and split in two:
 - the load `level`: measured over profiled seconds of all passes, with a short horizon. Other
@@ -20,7 +20,7 @@ Pass costs are observed on EVERY pass, speculative or plain, and split in two:
   last (perhaps spiked) value. Keyed by tokens alone, a factor learned on one-row tree passes
   of 3-4 tokens at C=1 priced the plain 4-row pass at C=4, which then looked dear beside
   speculating: a server that had served C=1 first speculated in 2-3x as many passes at C=4
-  and lost to plain decoding there (docs/benchmarks.md, seventh session).
+  and lost to plain decoding there (docs/benchmarks.md).
 And when a request's forecast keeps saying "plain", it still probes speculation after
 `PROBE_EVERY` rounds, so a pessimistic profile is measured again instead of being believed
 forever. Each probe that does not change the forecast's mind doubles the wait for the
@@ -108,10 +108,10 @@ class HostCost:
     """Host seconds that drafting one row adds to a step (its strategies' candidates): what a
     request that speculates costs beyond its share of the pass. The profile times passes alone;
     on a GPU, where a pass of 16 rows costs ~15 ms whatever its size, this work decides whether
-    a row's drafts pay (docs/benchmarks.md, fifteenth and seventeenth sessions). The median of
+    a row's drafts pay (docs/benchmarks.md). The median of
     the last `HOST_WINDOW` steps' per-row figure: a request's first drafting, or a pause of the
     interpreter, takes milliseconds where a round takes ~0.15 ms (2-core CPU, one request: median
-    0.17 ms, maximum 3.5 over 49 steps); a decayed mean of such figures (first GPU run) kept
+    0.17 ms, maximum 3.5 over 49 steps); a decayed mean of such figures (on a GPU) kept
     a lone request nearly plain: 73 tokens/s against 89-96 without the price."""
 
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=HOST_WINDOW))
@@ -226,7 +226,7 @@ class RequestCalibration:
         16th (`QUIET_MAX_EVERY`), and when due for a probe the engine lets through this pass;
         a round that speculates brings it back to every round. At C=16 on the 2-core CPU the
         controller took no node in any pass, yet planning and drafting one request in four each
-        step cost 2.1-2.4 ms of a 38-41 ms step (docs/benchmarks.md, seventeenth session).
+        step cost 2.1-2.4 ms of a 38-41 ms step (docs/benchmarks.md).
         Without the probe condition a request stayed due, and drafted every round, for as long
         as the engine-wide gate kept it from probing: at C=16, 84% of auto rows drafted in every
         step where 25% were meant to."""

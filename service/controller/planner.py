@@ -155,8 +155,7 @@ class PassCost:
         its own call until padding every row is cheaper in its own reckoning (on the H200, at 16
         or 64 rows, not before most rows are wide), so that cap priced 2 to 20 wide rows among
         64 as one, and auto took rows whose own calls cost ~3.6 ms each (16 rows: auto 0.78x
-        off with the cap, 0.88x without; 64 rows: 0.82x and 0.97x; docs/benchmarks.md,
-        nineteenth session)."""
+        off with the cap, 0.88x without; 64 rows: 0.82x and 0.97x; docs/benchmarks.md)."""
         equal_rows = self.equal_rows(shape.tokens)
         return equal_rows + shape.wide_rows * self.wide_row_seconds if shape.wide_rows else equal_rows
 
@@ -236,7 +235,7 @@ def plan_trees(
     for ranking, to its first-level nodes). On a GPU a pass of 16 rows costs about the same
     ~15 ms whatever its tokens, so the pass alone says every node is nearly free, while each
     speculating row's host work made an auto step 4-7 ms dearer than a plain one
-    (docs/benchmarks.md, fifteenth session).
+    (docs/benchmarks.md).
     """
     if not any(row.candidates for row in rows):  # no row drafted (quiet rounds): the plain pass
         return TreePlan([_row_tree([]) for _ in rows], fixed.tokens, fixed_expected + len(rows), cost(fixed))
@@ -294,7 +293,7 @@ def sure_draft_pays(
     can, and drafting them all is host work thrown away:
     on the H200 at C=64 auto's planning took 4.8 ms of a 30 ms step (plain: 0.3) for 0.8
     speculating rows a step, where one more 4-token row costs as much as ~10 sure tokens
-    (docs/benchmarks.md, nineteenth session). One test a step, before any drafting."""
+    (docs/benchmarks.md). One test a step, before any drafting."""
     plain_rate = expected / (cost(fixed) - prefill_seconds)
     shape, width = fixed, row_width
     for tokens in range(1, depth + 1):

@@ -14,7 +14,7 @@ cost is the mean of its two fastest repeats. Other work on the machine (a neighb
 host, stolen CPU time) only ever adds time to a pass, so the fastest repeats are the pass's own
 cost: on a 2-core VM with up to 8% of its time stolen, the middle half of 9 repeats of a pass
 spread over up to 46% of their median while its two fastest repeats agreed within 11%
-(docs/benchmarks.md, seventh session), and the former check on that spread rejected every
+(docs/benchmarks.md), and the former check on that spread rejected every
 profile measured there. The live slowdown from that other work is the calibration's load
 level, not the profile's business. The result is validated before it is trusted or saved —
 costs must not fall as passes grow (within noise), must not fall as context grows (a profile
@@ -48,8 +48,10 @@ from service.model.tree import chain_tree
 log = logging.getLogger(__name__)
 
 # The code whose speed a profile measures: a saved profile of other code is not reused.
-PASS_CODE = ("model_runner.py", "static_pass.py", "decoder_pass.py", "attention.py", "kv_cache.py", "packed_linear.py",
-             "packed_kernels.py", "layer_kernels.py", "int8_kernel.py", "attention_kernel.py")
+# Paths under service/.
+PASS_CODE = ("model/runner.py", "model/static_pass.py", "model/decoder_pass.py", "model/attention.py",
+             "model/kv_cache.py", "kernels/packed_linear.py", "kernels/packed_kernels.py", "kernels/layer_kernels.py",
+             "kernels/int8_kernel.py", "kernels/attention_kernel.py")
 ROWS = (1, 4, 16)
 # A GPU serves more rows a pass (a pass there is host-bound, so rows are nearly free) and its
 # cost past 16 rows was extrapolated from 4 and 16: 64 rows are measured too.
@@ -209,7 +211,7 @@ def pass_code_version() -> str:
     attention change alters the cost curve's shape, which a uniform drift check would miss."""
     digest = hashlib.sha256(torch.__version__.encode())
     for name in PASS_CODE:
-        digest.update(Path(__file__).with_name(name).read_bytes())
+        digest.update((Path(__file__).parents[1] / name).read_bytes())
     return digest.hexdigest()[:8]
 
 

@@ -20,7 +20,7 @@ the pass in proportion to their number, or a burst of 64 prompts behind a few de
 (TGI's `waiting_served_ratio` answers the same problem). Only then: under a steady load, a few
 requests joining together behind many decoding streams took 150-290 prompt tokens a pass by
 that share, and those passes (120-230 ms against 23 ms decode-only, 16 rows, 2-core CPU) set
-the streams' p99 inter-token time (docs/benchmarks.md, seventeenth session). On a CPU a pass
+the streams' p99 inter-token time (docs/benchmarks.md). On a CPU a pass
 costs about in proportion to its tokens, so the default cap there is small (64;
 docs/benchmarks.md, "Continuous batching", has the runs behind it); on a GPU a pass of
 hundreds of tokens costs little more than one, so the default is the whole pass. With nothing decoding, a prompt takes
@@ -66,7 +66,7 @@ CPU_PREFILL_TOKENS_WHILE_DECODING = 64
 # Requests in one batch. On the 2-core dev CPU a 16-row pass already costs ~2.7x a one-row pass
 # (compute-bound), so more rows add latency, not throughput; on the H200 a pass is host-bound
 # and 64 rows ran at 2.0-2.3x the tokens/s of 16 (speculation off, embedded model;
-# docs/benchmarks.md, nineteenth session).
+# docs/benchmarks.md).
 CPU_MAX_RUNNING_REQUESTS = 16
 GPU_MAX_RUNNING_REQUESTS = 64
 

@@ -22,7 +22,7 @@ lanes (8 or 4 when the head size is not a multiple of 16):
 The cache may hold float16 (the 8-bit path's, as llama.cpp keeps it): entries are widened to
 float32 as they are loaded, the arithmetic is the same. Sixteen decoding rows read every row's
 keys and values once a layer, from memory, not from a cache: halving those bytes is what makes
-that pass cheaper (docs/benchmarks.md, sixteenth session).
+that pass cheaper (docs/benchmarks.md).
 
 It replaces a numba kernel that spent ~30 core cycles a (query head, column) pair (scores as a
 horizontal sum each, the value sums through memory), half of a long prompt chunk's pass on the

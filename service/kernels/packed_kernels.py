@@ -18,7 +18,7 @@ one-token pass would. The weights stay exactly gguf's: d*q is exact in float32 (
 float16 significand times a 4- or 8-bit integer), so d*q + m rounds once, fused or not.
 
 `q8_0_matmul(x, qs, d, out, chunks)` does the same for Q8_0 blocks (32 int8 and a float16
-scale d; w = d*q): qs[T, K/32, 32, TILE] int8, d[T, K/32, TILE] float32.
+scale d; w = d*q): qs[T, K/32, 32, 32] int8, d[T, K/32, 32] float32.
 
 The entry points release the GIL (`nogil=True`): they touch no Python object, and a server's
 event loop (streaming every request's tokens) shares the GIL with the engine's thread, so it

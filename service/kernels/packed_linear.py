@@ -40,12 +40,12 @@ from torch import nn
 
 from service.kernels.int8_kernel import COLUMNS, REQUIRED_FEATURES, int8_matmul, int8_supported, int8_tiles
 from service.kernels.int8_kernel import warm_up as warm_up_int8
+from service.kernels.packed_kernels_gen import TILE
 
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
 PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
-TILE = 32  # output rows per tile, as in service/kernels/packed_kernels.py
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
 # Passes above this many rows dequantize the layer and call F.linear (prefill-sized passes,
 # where a BLAS GEMM is faster than the register-tiled kernel). Trees stay below it.
@@ -57,7 +57,7 @@ PARALLEL_MIN_BYTES = 1 << 14
 # Pass sizes at which the in-register Q4_1 kernel is timed against the buffer path at load. Which
 # wins depends on the CPU: on a 2-core AMD EPYC dev VM (AVX2) the buffer path won from three
 # rows on; on a 2-core Intel Xeon one (AVX-512) the in-register kernel won at three to six rows
-# and the two tied around eight to twelve (docs/benchmarks.md, eleventh session).
+# and the two tied around eight to twelve (docs/benchmarks.md).
 FUSED_ROW_CANDIDATES = (3, 4, 6, 8, 12, 16, 24, 32)
 TUNING_REPEATS = 9
 TUNING_LAYERS = 4  # the first few decoder layers' Q4_1 weights are timed (0.1-0.2 s at load)
@@ -157,7 +157,7 @@ def _scratch_weights(shape: tuple[int, int]) -> np.ndarray:
     """A float32 array of `shape` in this thread's scratch buffer. A fresh array of megabytes
     is a fresh memory mapping each call, and its page faults cost more than dequantizing into
     it: the embedded model's 210 layers took 81-177 ms into fresh arrays, 34 ms into the
-    scratch buffer (2-core Xeon VM, docs/benchmarks.md, thirteenth session)."""
+    scratch buffer (2-core Xeon VM; docs/benchmarks.md)."""
     size = shape[0] * shape[1]
     if size > SCRATCH_MAX_WEIGHTS:
         return np.empty(shape, np.float32)

@@ -175,7 +175,7 @@ def batched_width(widths: Sequence[int], call_slots: int, ends: Sequence[int] | 
     longest row, plus for each wider row its width over its own columns (`ends`; default: rows
     alike) and the call's fixed cost, `call_slots` slots over CALL_COLUMNS. Rows of unlike lengths make the batched
     call's padding dear: sixteen four-token trees at Spec-Bench prompts' lengths spent more in
-    one padded call than in a call each (docs/benchmarks.md, thirteenth session)."""
+    one padded call than in a call each (docs/benchmarks.md)."""
     ends = ends or [CALL_COLUMNS] * len(widths)
     longest = max(ends, default=CALL_COLUMNS)
 
@@ -307,7 +307,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     attend as g*n queries of one head, nothing copied but the queries. Grouped heads with a
     mask have no fused kernel on a GPU (flash takes no mask) and ran on the math backend there,
     0.14-1.8 ms a call against 0.03-0.09 folded (H200); on a CPU the folded call halved a bf16
-    pass of 16 one-token rows (docs/benchmarks.md, fifteenth session). `mask` must then hold
+    pass of 16 one-token rows (docs/benchmarks.md). `mask` must then hold
     its n rows g times (`build_layout` repeats them)."""
     if query_groups == 1:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)

@@ -17,8 +17,8 @@ What it does differently, nothing else:
 - rotary embedding once over the queries and keys together;
 - no per-layer decorators, keyword plumbing or output records.
 On the packed CPU path RMSNorm and the rotary embedding with the cache write are one numba
-call each (`service/kernels/layer_kernels.py`; one-token pass 0.88x, docs/benchmarks.md, twelfth
-session), and the packed layers are called through `forward`, without `nn.Module.__call__`.
+call each (`service/kernels/layer_kernels.py`; one-token pass 0.88x, docs/benchmarks.md), and the
+packed layers are called through `forward`, without `nn.Module.__call__`.
 
 Weights, cache writes and attention (`service/model/attention.py`) are the model's own (on the
 packed path one-token rows attend through a kernel: the same softmax, summed in position
@@ -50,8 +50,7 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
 # row's keys once per query, so it wins on one-token rows (16 rows at Spec-Bench lengths: 0.98
 # against SDPA's 2.36 ms a layer call, standalone) and loses to a call of their own on wider
-# ones (a 16-token tree at L=256: 252 against 94 us; 2-core Xeon VM, docs/benchmarks.md,
-# thirteenth session).
+# ones (a 16-token tree at L=256: 252 against 94 us; 2-core Xeon VM, docs/benchmarks.md).
 ATTENTION_KERNEL_WIDTH = 1
 # With 8-bit activations (`--quantization gguf-int8`) every row attends through the kernel,
 # prompt chunks too, dear as that is for long chunks: a call of its own rounds a token's
@@ -63,7 +62,7 @@ ATTENTION_KERNEL_WIDTH = 1
 INT8_ATTENTION_KERNEL_WIDTH = 1 << 30
 # ... and its KV cache holds float16, as llama.cpp's does by default: a pass of sixteen
 # one-token rows reads every row's keys and values once a layer, 189 MB a pass in float32 at
-# L=256, more than the weights; float16 halves it (docs/benchmarks.md, sixteenth session).
+# L=256, more than the weights; float16 halves it (docs/benchmarks.md).
 INT8_KV_DTYPE = torch.float16
 
 

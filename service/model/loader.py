@@ -96,11 +96,11 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def resolve_quantization(quantization: str, is_gguf: bool, device: torch.device, dtype: str | None) -> str:
     """"none", "gguf" or "gguf-int8". "auto" never picks gguf-int8 (another served model: its
-    8-bit activations changed 12 of 13 greedy answers; docs/benchmarks.md, fifteenth session).
+    8-bit activations changed 12 of 13 greedy answers; docs/benchmarks.md).
     It picks gguf where that was measured faster: a GGUF model on a CPU
     with numba installed, unless `dtype` asks for other than float32. That holds on CPUs with
-    native bf16 too: there the packed path decoded 1.59x as fast as bf16 weights (2026-11-24,
-    2-core AMD EPYC with avx512_bf16, embedded model, 13 Spec-Bench prompts, interleaved). bf16
+    native bf16 too: there the packed path decoded 1.59x as fast as bf16 weights (2-core AMD
+    EPYC with avx512_bf16, embedded model, 13 Spec-Bench prompts, interleaved). bf16
     by capability is the dtype of model directories and of --quantization none only."""
     if quantization not in (*QUANTIZATIONS, "auto"):
         raise ValueError(f"unknown quantization {quantization!r}; try auto, {' or '.join(QUANTIZATIONS)}")

@@ -2,7 +2,7 @@
 
 On a GPU a small model's pass is host work: the embedded 30-layer model launches some 25
 operators a layer, and a pass of one to 64 rows took 13-30 ms on an H200 whatever its size
-(docs/benchmarks.md, twentieth session) — the device itself idle most of that time. A CUDA
+(docs/benchmarks.md) — the device itself idle most of that time. A CUDA
 graph records a pass's launches once and replays them in one call (3-6 ms there), but it needs
 every tensor at a fixed address and every shape fixed. So a pass whose rows each bring a whole
 tree of at most `SLOT_WIDTHS[-1]` nodes is brought to a fixed shape (`FixedShape`):

@@ -91,7 +91,7 @@ class DraftRows:
 
 
 class TargetRows:
-    """The target's own KV rows, lent to a self-draft for the drafting part of each step
+    """The target's own KV rows, borrowed by a self-draft for the drafting part of each step
     (`bind` before drafting: the engine's cache and its row of each request)."""
 
     kv_bytes_per_token = 0  # it holds nothing of its own
