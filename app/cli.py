@@ -109,7 +109,7 @@ def _bench(args: argparse.Namespace) -> None:
     engine = build_engine_with_tables(loaded, config, drafters)
     for strategy in args.strategy:
         try:
-            engine.mixer.session([0], strategy)
+            engine.mixer.for_request([0], strategy)
         except ValueError as error:
             sys.exit(f"ngrammys bench: {error}")
     prompts = bench.load_specbench(args.dataset, loaded.tokenizer, args.per_category, args.category)

@@ -16,7 +16,7 @@ from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
 from app.schemas import Usage, completion_body
 from service.engine.async_engine import AsyncEngine, RequestHandle, RequestTimeout
-from service.engine.engine import RoundOutput
+from service.engine.outputs import RoundOutput
 from service.engine.detokenizer import TextStream
 from service.engine.logprobs import TokenLogprob
 from service.engine.stats import SpecDecodingStats

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from app.auth import metrics_identity
-from service.engine.engine import RoundOutput, StepStats
+from service.engine.outputs import RoundOutput, StepStats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PASS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)

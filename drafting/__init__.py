@@ -6,7 +6,7 @@ from drafting.base import BatchStrategy, Draft, PassDistributions, Strategy, com
 from drafting.context_ngram import ContextNgram
 from drafting.history import TokenHistory
 from drafting.acceptance import Acceptance
-from drafting.mixer import MIXED, DraftSession, Mixer, ScoredDraft, select
+from drafting.mixer import MIXED, RequestDrafts, Mixer, ScoredDraft, select
 from drafting.logit import LogitHints
 from drafting.model_ngram import ExtendedBigram, ModelBigram, ModelTables, ModelUnigram, TableSlot
 from drafting.recycled import PAIR_BITS, Recycled, SuccessorTable, compile_table_kernels, rank_paths
@@ -53,7 +53,7 @@ __all__ = [
     "STRATEGY_NAMES",
     "ContextNgram",
     "Draft",
-    "DraftSession",
+    "RequestDrafts",
     "ExtendedBigram",
     "Mixer",
     "ScoredDraft",

@@ -29,7 +29,7 @@ class AcceptanceCounts:
         """`accepted` of the draft's tokens matched; no more than `cap` could have. The first
         `shared` tokens are nodes a better-valued draft of the round holds too: they count for
         that draft, and this one is scored from its first token of its own, a continuation
-        trial once the shared part was accepted (see `DraftSession.observe`)."""
+        trial once the shared part was accepted (see `RequestDrafts.observe`)."""
         if cap <= shared:
             return
         if shared == 0:

@@ -17,10 +17,10 @@ every request of a batch the controller mostly decodes plainly cost 1.1 ms a req
 (16 requests: 20% of the step). Strategies that run a model draft all of a step's requests
 at once: the engine hands the mixer every request's ask first (`prepare`).
 
-Each request has its own draft state (a `DraftSession`); the `Mixer` that opens them is shared and holds the global
-statistics and the state strategies share across requests: the successor tables the passes'
-distributions refresh, the index of all requests' outputs, and how long a new request waits
-before asking a costly strategy others kept passing over.
+Each request has its own draft state (`RequestDrafts`); the `Mixer` that opens them is
+shared and holds the global statistics and the state strategies share across requests: the
+successor tables the passes' distributions refresh, the index of all requests' outputs, and
+how long a new request waits before asking a costly strategy others kept passing over.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class ScoredDraft(NamedTuple):
 
 class Mixer:
     """Holds the strategies, the global statistics and the shared tables; opens a
-    `DraftSession` per request.
+    `RequestDrafts` per request.
 
     `standalone` strategies may be selected alone but stay out of `mixed` (a baseline the
     benchmark compares against). `successors` are refreshed from the distributions of every pass
@@ -109,7 +109,7 @@ class Mixer:
         after a pass (0: no strategy learns from them, skip the work)."""
         return max((table.top_k for table in self.successors), default=0)
 
-    def session(self, prompt_ids: Sequence[int], strategy: str = MIXED) -> DraftSession:
+    def for_request(self, prompt_ids: Sequence[int], strategy: str = MIXED) -> RequestDrafts:
         """A request's drafting with one strategy, `mixed` (all but the standalone ones), or a
         mix named "a+b"."""
         every = self.strategies | self.standalone
@@ -119,9 +119,9 @@ class Mixer:
             raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(self.names)} "
                              f"or join several with {SEPARATOR!r}")
         chosen = [every[name] for name in dict.fromkeys(names)]
-        return DraftSession(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=len(chosen) > 1)
+        return RequestDrafts(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=len(chosen) > 1)
 
-    def prepare(self, asks: Sequence[tuple[DraftSession, int, int]]) -> None:
+    def prepare(self, asks: Sequence[tuple[RequestDrafts, int, int]]) -> None:
         """Before a step's requests are asked for (k, w) drafts each: strategies that draft
         many requests at once (a draft model, one pass for all) get every ask they will be
         asked this step, so that each request's own ask then finds its drafts ready."""
@@ -150,7 +150,7 @@ class Mixer:
         self._priors.pop(key, None)
 
 
-class DraftSession:
+class RequestDrafts:
     """One request's drafting: propose drafts each round, learn from what was committed."""
 
     def __init__(

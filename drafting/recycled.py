@@ -17,7 +17,7 @@ row too, in a fixed hashed array where the newest pair wins a bucket. A draft st
 pair row where a pass saw the pair, else from the one-token row: after "of the" and after
 "in the" the model rarely predicts the same, and a one-token row holds whichever came last.
 Fixed k=8, w=8, 26 Spec-Bench prompts x 128 tokens: the mix 2.29 -> 2.45 tokens a pass
-(docs/recycled-drafts.md). Token Recycling keys by one token, so its baseline table keeps no
+(docs/drafting.md). Token Recycling keys by one token, so its baseline table keeps no
 pair rows.
 """
 

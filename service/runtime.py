@@ -13,7 +13,8 @@ from drafting import Strategy, TableSlot, compile_table_kernels, default_mixer
 from service.controller.profiler import load_or_measure, load_saved, measure_and_save_steps
 from service.engine.async_engine import AsyncEngine
 from service.engine.config import EngineConfig
-from service.engine.engine import Engine, StepStats
+from service.engine.engine import Engine
+from service.engine.outputs import StepStats
 from service.engine.params import GenerationParams
 from service.model.loader import LoadedModel
 from service.model.prompts import assistant_prefix_ids, stop_token_ids

@@ -53,8 +53,8 @@ def embedded():
     """The real embedded SmolLM2 with float32 weights (converted once into the user cache, then
     reused), whatever the CPU: a CPU with native bf16 would otherwise get bf16 by capability,
     whose rounding makes the exact comparisons of these tests part at near-ties.
-    tests/service/test_packed_linear.py loads the packed (`--quantization gguf`) one and
-    tests/service/test_embedded_lossless.py the bf16 one."""
+    tests/service/kernels/test_packed_linear.py loads the packed (`--quantization gguf`) one and
+    tests/service/engine/test_embedded_lossless.py the bf16 one."""
     from service.model.loader import load_model
 
     return load_model(quantization="none", dtype="float32")

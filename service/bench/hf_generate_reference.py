@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from service.engine.params import GenerationParams
-from service.engine.engine import Completion
+from service.engine.outputs import Completion
 
 HF_GENERATE = "transformers generate"
 HF_PROMPT_LOOKUP = "transformers prompt lookup"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from service.engine.params import GenerationParams
-from service.engine.engine import Completion
+from service.engine.outputs import Completion
 
 LLAMA_CPP = "llama.cpp greedy"  # the method's name in bench tables
 INSTALL_HINT = "llama.cpp's reference needs `pip install 'ngrammys[llama-cpp]'` (compiles llama.cpp, minutes)"

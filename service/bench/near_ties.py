@@ -16,7 +16,7 @@ and auto) 20 answers parted from plain decoding, each at a gap of 0, 1 or 2 ulps
 at logits of 15-36, where an ulp is 0.0625-0.25); an earlier bf16 test run saw one at 2 ulps
 (0.25 at 16.5). A defect (a node that attends to the wrong tokens) moves logits by far more;
 in float32 a few ulps are ~1e-6 of a logit, which no defect hides in. The engine's tests hold
-speculative answers to the same rule (`tests/service/test_embedded_lossless.py`).
+speculative answers to the same rule (`tests/service/engine/test_embedded_lossless.py`).
 """
 
 from __future__ import annotations

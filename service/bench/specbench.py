@@ -19,7 +19,8 @@ from typing import Protocol
 from transformers import PreTrainedTokenizerBase
 
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
-from service.engine.engine import Completion, Engine, RoundOutput
+from service.engine.engine import Engine
+from service.engine.outputs import Completion, RoundOutput
 from service.bench.near_ties import Parting, parting
 from service.model.prompts import chat_prompt_ids
 

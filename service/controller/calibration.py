@@ -2,7 +2,7 @@
 runs — and unlearned when it stops being true.
 
 Acceptance is not corrected here: the mixer's estimates, each draft scored on the nodes it
-adds (`drafting.mixer.DraftSession.observe`), serve the controller as they are. A factor per
+adds (`drafting.mixer.RequestDrafts.observe`), serve the controller as they are. A factor per
 request, realized over forecast accepted tokens of the trees the controller chose, used to
 scale them; learned only where a request speculated, a low factor kept the request plain and so
 was seldom corrected. Without it: a GPU-priced simulation 1.87 -> 2.07 tokens a pass and +3%
@@ -145,7 +145,7 @@ class Calibration:
     def count_pass(self, probed: bool) -> None:
         self.passes_since_probe = 0 if probed else self.passes_since_probe + 1
 
-    def session(self) -> RequestCalibration:
+    def for_request(self) -> RequestCalibration:
         return RequestCalibration(self)
 
     def shape_factor(self, tokens: int, rows: int = 1) -> float:

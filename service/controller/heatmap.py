@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from service.controller.planner import CostProfile  # noqa: E402
+from service.controller.cost_profile import CostProfile  # noqa: E402
 
 
 def slowdown_grid(profile: CostProfile, context_length: int, k_max: int, w_max: int) -> list[list[float]]:

@@ -13,11 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from drafting import DraftSession
+from drafting import RequestDrafts
 from service.controller.calibration import Calibration, RequestCalibration
-from service.controller.planner import (
-    CostProfile, PassShape, RowCandidates, RowTree, TreePlan, plan_trees, sure_draft_pays,
-)
+from service.controller.cost_profile import CostProfile, PassShape
+from service.controller.planner import RowCandidates, RowTree, TreePlan, plan_trees, sure_draft_pays
 from service.model.tree import TokenTree, build_tree
 
 # The controller's price of a pass shape, the pass's shape as it stands, its prompt chunks' part
@@ -38,7 +37,7 @@ class Speculation(Protocol):
 class PassRequest(Protocol):
     """What the policy reads of a running request (`service.engine.request.Request`)."""
 
-    drafts: DraftSession
+    drafts: RequestDrafts
     calibration: RequestCalibration
 
     @property

@@ -42,7 +42,7 @@ import torch
 from service.model.kv_cache import TreeKVCache
 from service.model.runner import ModelRunner, RowInput
 from service.model.tables import model_fingerprint, run_to_end
-from service.controller.planner import CostProfile
+from service.controller.cost_profile import CostProfile
 from service.model.tree import chain_tree
 
 log = logging.getLogger(__name__)

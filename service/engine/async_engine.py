@@ -25,7 +25,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from service.engine.params import GenerationParams
-from service.engine.engine import Engine, RoundOutput, StepStats
+from service.engine.engine import Engine
+from service.engine.outputs import RoundOutput, StepStats
 from service.engine.request import Request, Status
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
@@ -25,9 +25,11 @@ import torch
 
 from drafting import Mixer, PassDistributions, TokenHistory
 from service.controller.calibration import Calibration
-from service.controller.planner import CostProfile, RowTree, TreePlan
+from service.controller.cost_profile import CostProfile
+from service.controller.planner import RowTree, TreePlan
 from service.controller.policy import SpeculationPolicy
-from service.engine.logprobs import TokenLogprob, token_logprobs
+from service.engine.logprobs import token_logprobs
+from service.engine.outputs import Completion, RoundOutput, StepStats
 from service.engine.params import GenerationParams
 from service.engine.request import Request, Status, kv_tokens_needed
 from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, top_token_ids_of_rows
@@ -42,84 +44,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-@dataclass(slots=True)
-class RoundOutput:
-    """The tokens one round committed for one request, and what it cost. Filled in place by
-    the step that makes it (its timings once every row is verified: a copy a row cost ~3.5 us,
-    0.1-0.2 ms of a 64-row step), read-only once returned."""
-
-    token_ids: list[int]  # committed by this round, truncated at a stop or at max_new_tokens
-    num_draft_tokens: int  # drafted tree nodes (root excluded)
-    num_accepted_tokens: int  # drafted tokens the model agreed with
-    accepted_strategies: list[str]  # strategy of each accepted token, in order
-    drafted_by_strategy: dict[str, int]  # tree nodes each strategy put in the tree
-    draft_seconds: float  # drafting, planning and learning (scoring, tables) of the whole step
-    forward_seconds: float  # the step's pass and verification (shared by its batch)
-    finish_reason: str | None  # "stop" | "length" | None while generating
-    k: int = 0  # the speculation shape this round used
-    w: int = 0
-    predicted_tokens_per_second: float | None = None  # the controller's forecast (auto mode)
-    batch_size: int = 1  # requests in the pass
-    logprobs: list[TokenLogprob] | None = None  # one per token in `token_ids`, when asked for
-
-    @property
-    def realized_tokens_per_second(self) -> float:
-        return len(self.token_ids) / (self.draft_seconds + self.forward_seconds)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """One pass, for metrics: its batch and its size."""
-
-    batch_size: int  # running requests in the pass
-    tokens: int  # tokens in the pass (prefill chunks, roots, tree nodes)
-    prefill_tokens: int
-    committed_tokens: int  # tokens all requests committed
-    seconds: float
-    draft_seconds: float  # of `seconds`: planning, drafting and learning (what plain decoding does not do)
-    capture_seconds: float = 0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes (once per shape)
-    # of `seconds`: the forward call (on a GPU it returns once the device has run the pass: the
-    # logits are gathered by an index from the host, a copy that waits); the rest, `seconds -
-    # draft_seconds - pass_seconds`, is verification and the KV commit
-    pass_seconds: float = 0.0
-
-
 # a step's rounds, each with its request (or the error that ended it), and its pass's statistics
 StepResult = tuple[list[tuple[Request, RoundOutput | Exception]], StepStats | None]
-
-
-@dataclass
-class Completion:
-    """A whole generation, gathered from its rounds."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # empty unless asked for
-    finish_reason: str | None = None
-    num_passes: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_by_strategy: Counter[str] = field(default_factory=Counter)
-    draft_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    seconds: float = 0.0
-    predicted_seconds: float = 0.0  # Σ over auto rounds of tokens / forecast tokens per second
-
-    def add(self, round_output: RoundOutput) -> None:
-        self.token_ids.extend(round_output.token_ids)
-        self.logprobs.extend(round_output.logprobs or [])
-        self.finish_reason = round_output.finish_reason
-        self.num_passes += 1
-        self.num_draft_tokens += round_output.num_draft_tokens
-        self.num_accepted_tokens += round_output.num_accepted_tokens
-        self.accepted_by_strategy.update(round_output.accepted_strategies)
-        self.draft_seconds += round_output.draft_seconds
-        self.forward_seconds += round_output.forward_seconds
-        if round_output.predicted_tokens_per_second:
-            self.predicted_seconds += len(round_output.token_ids) / round_output.predicted_tokens_per_second
-
-    @property
-    def tokens_per_pass(self) -> float:
-        return len(self.token_ids) / self.num_passes if self.num_passes else 0.0
 
 
 class ContextTooLong(ValueError):
@@ -189,8 +115,8 @@ class Engine:
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
             params=params,
-            drafts=self.mixer.session(prompt_ids, params.strategy),
-            calibration=self.calibration.session(),
+            drafts=self.mixer.for_request(prompt_ids, params.strategy),
+            calibration=self.calibration.for_request(),
             uniforms=None if params.sampling.greedy else PositionUniforms(params.sampling.seed),
             stop_ids=self.eos_token_ids | params.stop_token_ids,
         )
@@ -383,7 +309,7 @@ class Engine:
         """Per decoding row, the top-K next tokens at each tree node ([num_nodes, K]), for
         the strategies that learn from every distribution. Only rows whose request drafts next
         round from a successor table take them (`SpeculationPolicy.drafts_next_round`,
-        `DraftSession.learns_from_passes`): plain decoding should not pay for drafting
+        `RequestDrafts.learns_from_passes`): plain decoding should not pay for drafting
         (the topk alone cost 0.7 ms of a 24-40 ms CPU step, embedded model), nor should an
         auto request's quiet rounds (at C=16 on the 2-core CPU, top tokens and the tables'
         refresh for every auto row took ~0.7 ms a step, for drafts the controller never took);

@@ -7,7 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from drafting import DraftSession
+from drafting import RequestDrafts
 from service.controller.calibration import RequestCalibration
 from service.engine.params import GenerationParams, SpeculationParams
 from service.engine.sampling import PositionUniforms
@@ -32,7 +32,7 @@ class Request:
     request_id: str
     prompt_ids: list[int]
     params: GenerationParams
-    drafts: DraftSession
+    drafts: RequestDrafts
     calibration: RequestCalibration
     uniforms: PositionUniforms | None
     stop_ids: frozenset[int]

@@ -20,11 +20,11 @@ the pass in proportion to their number, or a burst of 64 prompts behind a few de
 (TGI's `waiting_served_ratio` answers the same problem). Only then: under a steady load, a few
 requests joining together behind many decoding streams took 150-290 prompt tokens a pass by
 that share, and those passes (120-230 ms against 23 ms decode-only, 16 rows, 2-core CPU) set
-the streams' p99 inter-token time (docs/benchmarks.md). On a CPU a pass
-costs about in proportion to its tokens, so the default cap there is small (64;
-docs/benchmarks.md, "Continuous batching", has the runs behind it); on a GPU a pass of
-hundreds of tokens costs little more than one, so the default is the whole pass. With nothing decoding, a prompt takes
-the whole pass (first token sooner).
+the streams' p99 inter-token time. On a CPU a pass costs about in proportion to its tokens,
+so the default cap there is small (64; docs/benchmarks.md, "Prompt processing" and "Load
+tests", has the runs behind it); on a GPU a pass of hundreds of tokens costs little more than
+one, so the default is the whole pass. With nothing decoding, a prompt takes the whole pass
+(first token sooner).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.engine.engine import RoundOutput
+from service.engine.outputs import RoundOutput
 
 
 @dataclass

@@ -31,7 +31,7 @@ from service.model.kv_cache import TreeKVCache
 from service.model.loader import LoadedModel, load_model
 from service.model.runner import ModelRunner, RowInput
 from service.model_drafts.self_draft import default_layers, first_layers
-from service.model.tree import chain_tree
+from service.model.tree import TokenTree, chain_tree
 
 COST_SMOOTHING = 0.2  # weight of the newest round in the running seconds-per-token estimate
 Ask = tuple[TokenHistory, int, int]  # a request's history, k drafts, w tokens each

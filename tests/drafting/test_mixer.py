@@ -24,21 +24,21 @@ class Fixed:
 
 def test_slots_go_to_the_strategy_that_gets_accepted() -> None:
     mixer = Mixer([Fixed("a", ((1, 2), (3, 4))), Fixed("b", ((5, 6), (7, 8)))])
-    session = mixer.session([0, 0])
+    request_drafts = mixer.for_request([0, 0])
     for _ in range(10):
-        session.propose(2, 2)
-        session.observe([5, 6, 9])  # b's first draft matches fully, a's never
-    assert [d.strategy for d in session.propose(2, 2)] == ["b", "a"]
-    assert [d.strategy for d in session.propose(1, 2)] == ["b"]
+        request_drafts.propose(2, 2)
+        request_drafts.observe([5, 6, 9])  # b's first draft matches fully, a's never
+    assert [d.strategy for d in request_drafts.propose(2, 2)] == ["b", "a"]
+    assert [d.strategy for d in request_drafts.propose(1, 2)] == ["b"]
 
 
 def test_unchosen_candidates_are_measured_too() -> None:
     mixer = Mixer([Fixed("a", ((1,),)), Fixed("b", ((2,),))])
-    session = mixer.session([0])
+    request_drafts = mixer.for_request([0])
     for _ in range(10):
-        session.propose(1, 1)  # one slot: only one strategy is verified
-        session.observe([2])  # ...but b is scored even while a holds the slot
-    assert session.propose(1, 1)[0].strategy == "b"
+        request_drafts.propose(1, 1)  # one slot: only one strategy is verified
+        request_drafts.observe([2])  # ...but b is scored even while a holds the slot
+    assert request_drafts.propose(1, 1)[0].strategy == "b"
 
 
 @dataclass(frozen=True)
@@ -55,45 +55,45 @@ def test_a_guess_shared_with_a_better_draft_counts_for_that_draft() -> None:
     """`echo` is right exactly when it repeats `a`'s guess: the node it adds of its own (6)
     never is, and that is what its estimate says, not the 50% it matches overall."""
     mixer = Mixer([Fixed("a", ((5,),)), Echo()])
-    session = mixer.session([0, 0])
+    request_drafts = mixer.for_request([0, 0])
     for _ in range(40):
-        session.candidates(2, 1)
-        session.observe([5, 9])  # two tokens a round: echo alternates between 5 and 6
-    assert session.acceptance(Draft((5,), "a")).p > 0.9
-    assert session.acceptance(Draft((6,), "echo")).p < 0.1
+        request_drafts.candidates(2, 1)
+        request_drafts.observe([5, 9])  # two tokens a round: echo alternates between 5 and 6
+    assert request_drafts.acceptance(Draft((5,), "a")).p > 0.9
+    assert request_drafts.acceptance(Draft((6,), "echo")).p < 0.1
     assert mixer.prior(("echo", 0)).p < 0.1
 
 
 def test_global_statistics_inform_new_requests() -> None:
     mixer = Mixer([Fixed("a", ((1,),)), Fixed("b", ((2,),))])
-    first = mixer.session([0])
+    first = mixer.for_request([0])
     for _ in range(20):
         first.propose(1, 1)
         first.observe([2])
-    assert mixer.session([0]).propose(1, 1)[0].strategy == "b"
+    assert mixer.for_request([0]).propose(1, 1)[0].strategy == "b"
 
 
 def test_duplicates_and_prefixes_do_not_take_slots() -> None:
     mixer = Mixer([Fixed("a", ((1, 2, 3),)), Fixed("b", ((1, 2), (1, 2, 3), (4,)))])
-    drafts = mixer.session([0]).propose(3, 3)
+    drafts = mixer.for_request([0]).propose(3, 3)
     assert sorted(d.token_ids for d in drafts) == [(1, 2, 3), (4,)]
 
 
-def test_single_strategy_sessions_and_unknown_names() -> None:
+def test_single_strategy_requests_and_unknown_names() -> None:
     mixer = default_mixer()
     assert mixer.names == [n for n in STRATEGY_NAMES if n not in MODEL_STRATEGY_NAMES]  # none enabled
-    assert mixer.session([1, 2, 1], "context").propose(2, 2) == [Draft((2, 1), "context", 0)]
+    assert mixer.for_request([1, 2, 1], "context").propose(2, 2) == [Draft((2, 1), "context", 0)]
     with pytest.raises(ValueError, match="unknown strategy 'trigram'"):
-        mixer.session([1], "trigram")
+        mixer.for_request([1], "trigram")
 
 
 def test_mixed_mode_lengthens_short_context_drafts_by_bigram_chaining() -> None:
     bigram = np.array([[1], [2], [3], [0]], dtype=np.uint32)  # x -> x + 1 (mod 4)
     slot = TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram))
-    session = default_mixer(slot).session([2, 3, 2])  # context: after 2 came 3
-    context_drafts = [d for d in session.propose(4, 3) if d.strategy == "context"]
+    request_drafts = default_mixer(slot).for_request([2, 3, 2])  # context: after 2 came 3
+    context_drafts = [d for d in request_drafts.propose(4, 3) if d.strategy == "context"]
     assert context_drafts == [Draft((3, 2, 3), "context", 0)]  # (3, 2) then 2 -> 3
-    alone = default_mixer(slot).session([2, 3, 2], "context").propose(4, 3)
+    alone = default_mixer(slot).for_request([2, 3, 2], "context").propose(4, 3)
     assert alone == [Draft((3, 2), "context", 0)]  # single strategy: not lengthened
 
 
@@ -111,18 +111,18 @@ class Costly(Fixed):
 
 def test_a_costly_strategy_the_controller_passes_over_is_only_probed() -> None:
     costly, cheap = Costly("model", ((1, 2),)), Fixed("cheap", ((3, 4),))
-    session = Mixer([costly, cheap]).session([0])
+    request_drafts = Mixer([costly, cheap]).for_request([0])
     asked = []
     for round_number in range(1, 31):
         before = len(costly.calls)
-        scored = session.candidates(1, 2)
-        session.chosen([s.draft for s in scored if s.draft.strategy == "cheap"])  # the controller's pick
-        session.observe([3, 4, 5])
+        scored = request_drafts.candidates(1, 2)
+        request_drafts.chosen([s.draft for s in scored if s.draft.strategy == "cheap"])  # the controller's pick
+        request_drafts.observe([3, 4, 5])
         if len(costly.calls) > before:
             asked.append(round_number)
     assert asked == [1, 10, 27]  # then after 8 skipped rounds, then 16 (the wait doubles)
-    session.chosen([Draft((1, 2), "model")])  # picked again: asked every round
-    session.candidates(1, 2)
+    request_drafts.chosen([Draft((1, 2), "model")])  # picked again: asked every round
+    request_drafts.candidates(1, 2)
     assert len(costly.calls) == 4
 
 
@@ -130,21 +130,21 @@ def test_a_new_request_waits_as_long_as_the_last_one_that_passed_a_costly_strate
     costly, cheap = Costly("model", ((1, 2),)), Fixed("cheap", ((3, 4),))
     mixer = Mixer([costly, cheap])
 
-    def rounds_asked(session, rounds: int, take_costly: bool = False) -> list[int]:
+    def rounds_asked(request_drafts, rounds: int, take_costly: bool = False) -> list[int]:
         asked = []
         for round_number in range(1, rounds + 1):
             before = len(costly.calls)
-            scored = session.candidates(1, 2)
-            session.chosen([s.draft for s in scored if (s.draft.strategy == "model") == take_costly])
-            session.observe([3, 4, 5])
+            scored = request_drafts.candidates(1, 2)
+            request_drafts.chosen([s.draft for s in scored if (s.draft.strategy == "model") == take_costly])
+            request_drafts.observe([3, 4, 5])
             if len(costly.calls) > before:
                 asked.append(round_number)
         return asked
 
-    assert rounds_asked(mixer.session([0]), 30) == [1, 10, 27]  # its wait reached 32 rounds
-    assert rounds_asked(mixer.session([0]), 40) == [33]  # not in its first round: after 32
-    assert rounds_asked(mixer.session([0]), 68, take_costly=True) == [65, 66, 67, 68]  # waits 64; taken
-    assert rounds_asked(mixer.session([0]), 2) == [1]  # taken again: a new request asks at once
+    assert rounds_asked(mixer.for_request([0]), 30) == [1, 10, 27]  # its wait reached 32 rounds
+    assert rounds_asked(mixer.for_request([0]), 40) == [33]  # not in its first round: after 32
+    assert rounds_asked(mixer.for_request([0]), 68, take_costly=True) == [65, 66, 67, 68]  # waits 64; taken
+    assert rounds_asked(mixer.for_request([0]), 2) == [1]  # taken again: a new request asks at once
 
 
 def test_strategies_are_asked_for_about_what_the_controller_takes() -> None:
@@ -152,11 +152,11 @@ def test_strategies_are_asked_for_about_what_the_controller_takes() -> None:
     tokens was taken, four of eight; outside auto mode (no `chosen`), all k × w."""
     long = tuple(range(1, 11))
     strategy = Fixed("a", tuple(tuple(t + 100 * r for t in long) for r in range(8)))
-    session = Mixer([strategy]).session([0])
-    assert [len(s.draft.token_ids) for s in session.candidates(8, 10)] == [10] * 8
-    session.chosen([])
-    assert [len(s.draft.token_ids) for s in session.candidates(8, 10)] == [2, 2]
-    session.chosen([Draft((1, 2, 3), "a", 0)])
-    assert [len(s.draft.token_ids) for s in session.candidates(8, 10)] == [8] * 4
-    session.chosen([Draft(long[:9], "a", 0), Draft((101, 102), "a", 1)])
-    assert [len(s.draft.token_ids) for s in session.candidates(8, 10)] == [10] * 6
+    request_drafts = Mixer([strategy]).for_request([0])
+    assert [len(s.draft.token_ids) for s in request_drafts.candidates(8, 10)] == [10] * 8
+    request_drafts.chosen([])
+    assert [len(s.draft.token_ids) for s in request_drafts.candidates(8, 10)] == [2, 2]
+    request_drafts.chosen([Draft((1, 2, 3), "a", 0)])
+    assert [len(s.draft.token_ids) for s in request_drafts.candidates(8, 10)] == [8] * 4
+    request_drafts.chosen([Draft(long[:9], "a", 0), Draft((101, 102), "a", 1)])
+    assert [len(s.draft.token_ids) for s in request_drafts.candidates(8, 10)] == [10] * 6

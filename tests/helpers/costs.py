@@ -4,7 +4,7 @@ planner and for engines that must speculate (or not) whatever the machine the te
 from __future__ import annotations
 
 from drafting import Acceptance, Draft, ScoredDraft
-from service.controller.planner import CostProfile
+from service.controller.cost_profile import CostProfile
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 

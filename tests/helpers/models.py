@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 TINY_VOCAB = 64
 # The device of the tiny models (and so of their engines): `NGRAMMYS_TEST_DEVICE=cuda pytest
-# tests/service/test_engine_lossless.py ...` runs the engine tests on a GPU; CPU by default.
+# tests/service/engine/test_engine_lossless.py ...` runs the engine tests on a GPU; CPU by default.
 TEST_DEVICE = torch.device(os.environ.get("NGRAMMYS_TEST_DEVICE", "cpu"))
 
 

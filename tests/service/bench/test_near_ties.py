@@ -12,7 +12,8 @@ import torch
 from drafting import default_mixer
 from service.bench.specbench import BenchPrompt, parted_beyond_near_ties, run_bench
 from service.engine.params import GenerationParams, SamplingParams
-from service.engine.engine import Completion, Engine
+from service.engine.engine import Engine
+from service.engine.outputs import Completion
 from service.model.runner import ModelRunner
 from service.bench.near_ties import NEAR_TIE_ULPS, first_difference, gap_ulps, next_token_logits, ulp
 from tests.helpers.models import TINY_VOCAB, make_tiny_model

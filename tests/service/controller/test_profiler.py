@@ -7,7 +7,7 @@ import torch
 
 from service.model.runner import ModelRunner
 from service.controller.profiler import load_or_measure, measure_profile, own_cost, pass_sizes, profile_path, profiled_rows, validate
-from service.controller.planner import CostProfile
+from service.controller.cost_profile import CostProfile
 from tests.helpers.models import make_tiny_model
 
 GRID = {"rows": (1, 4), "context_lengths": (8, 64), "repeats": 2}

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from app.cli import main
-from drafting import DraftSession, default_mixer
+from drafting import RequestDrafts, default_mixer
 from service.engine.params import GenerationParams, SpeculationParams
 from service.engine.engine import Engine
 from service.model.runner import ModelRunner
@@ -41,13 +41,13 @@ def test_a_run_decodes_every_request_to_the_end_and_splits_its_step_time() -> No
 def test_scoring_the_candidates_counts_as_drafting_not_as_the_pass(monkeypatch) -> None:
     """Scoring a round's candidates against what was committed runs after the pass, but it is
     the drafting layer's work: a slow scorer shows in each round's draft time."""
-    scored = DraftSession.observe
+    scored = RequestDrafts.observe
 
-    def slow_observe(self: DraftSession, committed) -> None:
+    def slow_observe(self: RequestDrafts, committed) -> None:
         time.sleep(SLOW_SCORING)
         scored(self, committed)
 
-    monkeypatch.setattr(DraftSession, "observe", slow_observe)
+    monkeypatch.setattr(RequestDrafts, "observe", slow_observe)
     engine = new_engine()
     completion = engine.complete(PROMPTS[0], GenerationParams(max_new_tokens=6, speculation=SpeculationParams(2, 2)))
     assert completion.draft_seconds >= completion.num_passes * SLOW_SCORING

@@ -13,7 +13,8 @@ from contextlib import contextmanager
 import pytest
 
 from service.engine.async_engine import AsyncEngine, QueueFull, RequestHandle, RequestTimeout, ShuttingDown
-from service.engine.engine import ContextTooLong, Engine, RoundOutput
+from service.engine.engine import ContextTooLong, Engine
+from service.engine.outputs import RoundOutput
 from service.engine.params import GenerationParams, SpeculationParams
 from tests.helpers.engines import PROMPTS, make_engine, reference_greedy
 

@@ -21,7 +21,7 @@ BYTES_PER_TOKEN = 1
 
 def make_request(prompt_tokens: int = 8, new_tokens: int = 8, name: str = "r") -> Request:
     prompt = list(range(2, 2 + prompt_tokens))
-    return Request(name, prompt, GenerationParams(new_tokens), MIXER.session(prompt), Calibration().session(),
+    return Request(name, prompt, GenerationParams(new_tokens), MIXER.for_request(prompt), Calibration().for_request(),
                    None, frozenset())
 
 

@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 
 from drafting import Acceptance, Draft, ScoredDraft
+from service.controller.cost_profile import CostProfile, PassShape
 from service.controller.planner import (
-    PATIENCE,
-    PATIENCE_PER_ROW,
-    CostProfile,
-    PassShape,
-    RowCandidates,
-    RowTree,
-    plan_trees,
-    sure_draft_pays,
+    PATIENCE, PATIENCE_PER_ROW, RowCandidates, RowTree, plan_trees, sure_draft_pays,
 )
 from tests.helpers.costs import COMPUTE_BOUND, CPU_LIKE, MEMORY_BOUND, candidates, gpu_like
 

@@ -13,7 +13,8 @@ import pytest
 from service.controller.calibration import (
     HOST_WINDOW, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio,
 )
-from service.controller.planner import CostProfile, PassShape, RowCandidates, plan_trees
+from service.controller.cost_profile import CostProfile, PassShape
+from service.controller.planner import RowCandidates, plan_trees
 from tests.helpers.costs import CPU_LIKE, candidates
 
 # drafts that pay on the CPU-like curve: about 2.5 expected tokens for a small tree
@@ -25,7 +26,7 @@ TrueCost = Callable[[int, int], float]  # (tokens, round) -> seconds
 def simulate(profile: CostProfile, true_cost: TrueCost, rounds: int) -> list[int]:
     """Drive one auto request for `rounds` rounds; the tree size chosen at each round."""
     shared = Calibration()
-    request = shared.session()
+    request = shared.for_request()
     chosen = []
     for t in range(rounds):
         row = RowCandidates(DRAFTS, 2, 4, probe=request.due_for_probe)
@@ -116,7 +117,7 @@ def test_a_ratio_starts_at_its_prior_and_converges_to_what_happens() -> None:
 def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them() -> None:
     """A request whose drafts never pay probes after 16, 32, 64, 128, 128 ... plain rounds; once
     the forecast itself speculates again, the wait is back to 16."""
-    request = Calibration().session()
+    request = Calibration().for_request()
     waits = []
     for _ in range(6):
         plain = 0
@@ -133,7 +134,7 @@ def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them()
 
 
 def test_a_request_kept_plain_is_drafted_only_every_few_rounds_until_it_speculates() -> None:
-    request = Calibration().session()
+    request = Calibration().for_request()
     drafted = []
     for round_number in range(PROBE_EVERY + 2):
         drafted.append(request.drafts_this_round)
@@ -150,7 +151,7 @@ def test_quiet_rounds_thin_out_to_one_in_quiet_max_every() -> None:
     """Past its probes' reach (the engine-wide gate shut), a request kept plain is drafted at
     4 and 8 plain rounds, then every 16th; `drafts_next_round` foretells each of them."""
     shared = Calibration()
-    request = shared.session()
+    request = shared.for_request()
     drafted, foretold = [], []
     for _ in range(80):
         shared.count_pass(probed=True)  # another request's probe: the gate stays shut
@@ -166,7 +167,7 @@ def test_a_request_due_for_a_probe_the_engine_holds_back_stays_quiet() -> None:
     """Another request took this pass's probe: this one, due too, keeps its quiet rounds
     until the engine-wide gate opens again."""
     shared = Calibration()
-    request = shared.session()
+    request = shared.for_request()
     for _ in range(PROBE_EVERY):
         request.observe_round(speculated=False)
     shared.count_pass(probed=True)  # someone else's probe

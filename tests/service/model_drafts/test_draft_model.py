@@ -159,4 +159,4 @@ def test_a_draft_on_another_dtype_device_or_shorter_context_is_refused(tiny_mode
 
 def test_an_unknown_or_disabled_draft_strategy_is_refused(tiny_tables) -> None:
     with pytest.raises(ValueError, match="unknown strategy 'context\\+self_draft'"):
-        default_mixer(tiny_tables).session([1, 2], "context+self_draft")
+        default_mixer(tiny_tables).for_request([1, 2], "context+self_draft")
