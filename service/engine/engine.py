@@ -152,7 +152,7 @@ class Engine:
         rows, tree_budget = self._schedule()
         if not rows:
             return [], None
-        timer = StepTimer(self.runner.capture_seconds)
+        timer = StepTimer()
         plan = self._plan(rows, tree_budget)
         logits = self._forward(rows, timer)
         if isinstance(logits, Exception):
@@ -208,7 +208,7 @@ class Engine:
     def _forward(self, rows: list[_Row], timer: StepTimer) -> list[torch.Tensor] | Exception:
         """The pass over every row: each row's logits from its first tree node on, or the
         error that failed the pass (its requests end; the engine goes on)."""
-        timer.mark_drafted()
+        timer.mark_drafted(self.runner.capture_seconds)
         try:
             logits = self.runner.forward(self.cache, [row.input() for row in rows])
         except Exception as error:

@@ -18,16 +18,17 @@ class StepTimer:
     __slots__ = ("started", "drafted", "passed", "verified", "learn_seconds", "_capture_before", "_capture_after",
                  "_learn_began")
 
-    def __init__(self, capture_seconds: float) -> None:
-        """`capture_seconds`: the runner's CUDA-graph recording time so far (recording a new
-        pass shape is a one-off, told apart from the pass's own time)."""
+    def __init__(self) -> None:
         self.started = self.drafted = self.passed = self.verified = time.perf_counter()
         self.learn_seconds = 0.0
-        self._capture_before = self._capture_after = capture_seconds
+        self._capture_before = self._capture_after = 0.0
         self._learn_began = 0.0
 
-    def mark_drafted(self) -> None:
+    def mark_drafted(self, capture_seconds: float) -> None:
+        """`capture_seconds`, here and after the pass: the runner's CUDA-graph recording time so
+        far (recording a new pass shape is a one-off, told apart from the pass's own time)."""
         self.drafted = time.perf_counter()
+        self._capture_before = self._capture_after = capture_seconds
 
     def mark_passed(self, capture_seconds: float) -> None:
         self.passed = time.perf_counter()
