@@ -16,6 +16,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.outputs import StepStats
 from service.engine.params import GenerationParams
+from service.kernels.packed_linear import kernels_error
 from service.model.loader import LoadedModel
 from service.model.prompts import assistant_prefix_ids, stop_token_ids
 from service.model.runner import ModelRunner
@@ -131,6 +132,12 @@ class Runtime:
         """The strategy names a request may ask for: the built-in ones and the model drafts
         this server was started with."""
         return self.engine.mixer.names
+
+    @property
+    def kernels_fallback(self) -> str | None:
+        """Why the packed CPU path runs on its torch fallback (the numba kernels failed to
+        load), or None."""
+        return kernels_error()
 
     @property
     def warm_up_state(self) -> WarmUpState:

@@ -21,6 +21,7 @@ class Health(BaseModel):
     requests_waiting: int | None = None
     cost_profile: bool | None = None  # measured or loaded: auto mode speculates
     model_tables: bool | None = None  # computed or loaded: the table strategies draft
+    kernels_fallback: str | None = None  # only when the CPU kernels failed to load: why (their torch fallback runs)
     error: str | None = None
 
 
@@ -47,6 +48,8 @@ async def health(request: Request) -> JSONResponse:
     body = {"status": "ok" if engine.alive else "engine stopped",
             "requests_running": engine.num_running, "requests_waiting": engine.num_waiting,
             "cost_profile": warm.cost_profile, "model_tables": warm.model_tables}
+    if state.runtime.kernels_fallback is not None:
+        body["kernels_fallback"] = state.runtime.kernels_fallback
     return JSONResponse(body, status_code=200 if engine.alive else 503)
 
 

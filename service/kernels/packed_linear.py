@@ -106,7 +106,8 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
         from service.kernels import packed_kernels
     except Exception as error:  # noqa: BLE001 - any import failure means: use the fallback
         _kernels_error = f"{type(error).__name__}: {error}"
-        log.warning("numba kernels unavailable (%s); packed linears use the torch fallback", _kernels_error)
+        log.error("the numba kernels failed to load (%s): the packed linears run on their torch fallback, "
+                  "several times slower; /health reports it", _kernels_error)
         return None
     started = time.perf_counter()
     _warm_up(packed_kernels)
@@ -125,6 +126,12 @@ def loaded_kernels() -> Any:
     """The kernels module if `load_kernels` already loaded it (the CPU fast path is on), else
     None: for callers that use a kernel where it is ready but should not compile them."""
     return _kernels
+
+
+def kernels_error() -> str | None:
+    """Why `load_kernels` found no kernels (numba missing or failing to import or compile), or
+    None if they loaded or were never asked for."""
+    return _kernels_error
 
 
 def loaded_layer_kernels() -> Any:

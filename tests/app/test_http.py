@@ -14,6 +14,7 @@ from app.main import create_app
 from app.settings import Settings
 from drafting import TableSlot
 from service.engine.params import GenerationParams
+from service.kernels import packed_linear
 from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine
 from app.background import serving
@@ -268,6 +269,14 @@ def test_ready_waits_for_the_model_and_health_does_not(embedded) -> None:
         assert busy.status_code == 503 and "loading" in busy.json()["error"]["message"]
         release.set()
         wait_ready(base)
+
+
+def test_health_names_a_kernel_fallback_only_when_there_is_one(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert "kernels_fallback" not in httpx.get(f"{server}/health").json()
+    monkeypatch.setattr(packed_linear, "_kernels_error", "ImportError: numba's kernels did not import")
+    health = httpx.get(f"{server}/health")
+    assert health.status_code == 200  # slower, not broken: the server serves on the fallback
+    assert health.json()["kernels_fallback"] == "ImportError: numba's kernels did not import"
 
 
 def test_failed_load_fails_ready_and_health() -> None:

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 
 from service.engine.params import SamplingParams
-from service.kernels.packed_linear import load_kernels, loaded_kernels
+from service.kernels.packed_linear import kernels_error, load_kernels, loaded_kernels
 from service.engine.sampling import (
     PositionUniforms,
     choose_tokens,
@@ -18,6 +18,7 @@ from service.engine.sampling import (
     top_token_ids,
     top_token_ids_of_rows,
 )
+from tests.helpers.kernels import NUMBA_INSTALLED
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # [1, 5]
 
@@ -70,9 +71,9 @@ def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
     """The CPU fast path's kernel (once loaded) and torch's fallback rank alike: distinct
     logits, a row whose best logits crowd one block, one holding -inf; NaN ranks last in the
     kernel (first in torch), and even an all-NaN row gets k distinct valid ids."""
-    if load_kernels() is None:
+    if not NUMBA_INSTALLED:
         pytest.skip("numba is not installed")
-    assert loaded_kernels() is not None
+    assert load_kernels() is not None and loaded_kernels() is not None, kernels_error()
     k = min(8, vocab)
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(vocab))
     logits[1, :k] += 100.0  # all k in the first block
@@ -94,8 +95,9 @@ def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
 def test_top_token_ids_rank_infinities_first_and_ties_by_index() -> None:
     """The kernel ranks by integer keys of the floats' bits: +inf above every number, equal
     logits (in different blocks) lowest index first, and a row of -inf still in index order."""
-    if load_kernels() is None:
+    if not NUMBA_INSTALLED:
         pytest.skip("numba is not installed")
+    assert load_kernels() is not None, kernels_error()
     logits = torch.full((3, 1000), -1.0)
     logits[0, [900, 5, 300]] = 2.0
     logits[0, 700] = float("inf")

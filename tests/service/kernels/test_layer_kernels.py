@@ -16,8 +16,10 @@ from service.kernels.layer_kernels import half_bits
 from service.kernels.packed_linear import load_kernels, loaded_layer_kernels
 from service.model.tree import build_tree, chain_tree
 from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
+from tests.helpers.kernels import needs_numba
 
-pytestmark = pytest.mark.skipif(load_kernels() is None, reason="numba kernels unavailable")
+pytestmark = needs_numba
+load_kernels()  # where numba is installed and they fail to load, every test here fails
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 17])
