@@ -1,1 +1,1 @@
-"""How much to speculate: the cost profile, its calibration and the tree planner."""
+"""How much to speculate: the cost profile, its calibration, the tree planner and the step's policy."""
