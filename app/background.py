@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -46,13 +46,17 @@ def serving(app: FastAPI) -> Iterator[str]:
 
 
 @contextmanager
-def serving_process(serve_flags: list[str], start_timeout: float = 600) -> Iterator[str]:
+def serving_process(serve_flags: list[str], start_timeout: float = 600,
+                    started: Callable[[int], None] | None = None) -> Iterator[str]:
     """Run `ngrammys serve` with `serve_flags` as a child process on 127.0.0.1 and yield its
-    base URL once it answers `/health`; stop it (SIGTERM, then kill) afterwards."""
+    base URL once it answers `/health` (`started` is told its process id); stop it (SIGTERM,
+    then kill) afterwards."""
     port = free_port()
     command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--log-level", "warning", *serve_flags]
     child = subprocess.Popen(command)
+    if started is not None:
+        started(child.pid)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout

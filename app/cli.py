@@ -1,4 +1,4 @@
-"""`ngrammys serve`, `prepare`, `bench`, `profile`, `steps` and `loadtest`.
+"""`ngrammys serve`, `prepare`, `bench`, `profile`, `steps`, `loadtest` and `neighbour`.
 
 `serve` flags are generated from the `Settings` fields, so a flag, its `NGRAMMYS_*`
 variable and its documentation never drift apart.
@@ -352,6 +352,30 @@ def _loadtest(args: argparse.Namespace) -> None:
         print(f"wrote {args.png}")
 
 
+def _neighbour(args: argparse.Namespace) -> None:
+    import json
+    from contextlib import nullcontext
+
+    from app import neighbour
+    from app.background import serving_process
+
+    if args.url and args.pid is None:
+        sys.exit("ngrammys neighbour: --url needs --pid, the server's process id (its CPU time is read)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
+    pids = [args.pid]
+    flags = ["--suffix-cache-tokens", "0", "--cache-dir", str(args.cache_dir)]
+    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
+                        ("--quantization", args.quantization)):
+        if value is not None:
+            flags += [flag, str(value)]
+    with nullcontext(args.url) if args.url else serving_process(flags, started=pids.append) as base:
+        _wait_warm(base, True)
+        figures = neighbour.run(base, pids[-1], args.neighbours, args.seconds, args.max_tokens)
+    print(json.dumps(figures, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
 def _wait_warm(base: str, warm_up: bool) -> None:
     """Until /ready, and (for a server started here) until the cost profile and tables exist."""
     import httpx
@@ -501,6 +525,17 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     load.add_argument("--png", type=Path, default=None, help="plot tokens/s and p99 ITL against C")
     load.set_defaults(run=_loadtest)
+    near = commands.add_parser("neighbour", help="the server beside busy processes: its cost profile, auto vs off "
+                                                 "before and after")
+    near.add_argument("--neighbours", type=int, default=2, help="busy processes")
+    near.add_argument("--seconds", type=float, default=120.0,
+                      help="the neighbours run this long while the server serves, then as long while it is idle")
+    near.add_argument("--max-tokens", type=int, default=128)
+    near.add_argument("--url", default=None, help="a running server (default: start one here); needs --pid")
+    near.add_argument("--pid", type=int, default=None, help="the process id of the server at --url")
+    _model_flags(near)
+    near.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    near.set_defaults(run=_neighbour)
     return parser
 
 

@@ -8,13 +8,15 @@ registry (one worker process per server), so tests can build many apps side by s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from app.auth import metrics_identity
+from service.controller.profile_keeper import OUTCOMES, ProfileState
 from service.engine.outputs import RoundOutput, StepStats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -85,6 +87,10 @@ class Metrics:
         self.waiting.set_function(waiting)
         self.running.set_function(running)
 
+    def watch_profile(self, state: Callable[[], ProfileState | None]) -> None:
+        """Read the cost profile's state (None: the server measures none) at scrape time."""
+        self.registry.register(_ProfileCollector(state))
+
     def record_step(self, stats: StepStats) -> None:
         """One pass of the engine (called on the engine's thread; the client is thread-safe)."""
         self.forward.labels(tree_size_bucket(stats.tokens)).observe(stats.pass_seconds)
@@ -110,6 +116,24 @@ class Metrics:
         for position, strategy in enumerate(output.accepted_strategies):
             self.num_accepted_tokens.labels(strategy).inc()
             self.accepted_per_pos.labels(str(min(position, MAX_POSITION_LABEL))).inc()
+
+
+class _ProfileCollector:
+    """The cost profile's validity and its measurements, as the keeper counts them."""
+
+    def __init__(self, state: Callable[[], ProfileState | None]) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.state()
+        yield GaugeMetricFamily("ngrammys_cost_profile_valid", "1 while a valid cost profile is in use (auto mode "
+                                "speculates)", value=float(state is not None and state.valid))
+        remeasures = CounterMetricFamily("ngrammys_cost_profile_remeasures", "Cost profile measurements by outcome: "
+                                         "adopted, failed (validation), abandoned (machine busy or budget spent)",
+                                         labels=["outcome"])
+        for outcome in OUTCOMES:
+            remeasures.add_metric([outcome], 0 if state is None else state.remeasures[outcome])
+        yield remeasures
 
 
 router = APIRouter(dependencies=[Depends(metrics_identity)])

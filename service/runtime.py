@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -10,7 +11,9 @@ from dataclasses import dataclass
 from transformers import PreTrainedTokenizerBase
 
 from drafting import Strategy, TableSlot, compile_table_kernels, default_mixer
-from service.controller.profiler import load_or_measure, load_saved, measure_and_save_steps
+from service.controller.cost_profile import CostProfile
+from service.controller.profile_keeper import ProfileKeeper, ProfileState
+from service.controller.profiler import load_or_measure
 from service.engine.async_engine import AsyncEngine
 from service.engine.config import EngineConfig
 from service.engine.engine import Engine
@@ -60,39 +63,55 @@ def build_engine_with_tables(loaded: LoadedModel, config: EngineConfig = EngineC
     return engine
 
 
-def warm_up(engine: Engine, loaded: LoadedModel, config: EngineConfig) -> Generator[bool | None, None, None]:
-    """The warm-up as increments: the cost profile, then the model tables (each if `config`
-    asks); then, for as long as the server runs, a new profile whenever live pass times drift
-    from it (yields False while there is nothing to do). First the successor tables' compiled
-    refresh and walk, which every round of a request drafting from them runs."""
-    cache_dir = config.cache_dir
+def warm_up(engine: Engine, loaded: LoadedModel, config: EngineConfig,
+            keeper: ProfileKeeper | None) -> Generator[bool | None, None, None]:
+    """The warm-up as increments, for as long as the server runs (yields False while there is
+    nothing to do). First the successor tables' compiled refresh and walk, which every round of
+    a request drafting from them runs. Then the cost profile's `keeper` (a first valid profile,
+    later probes and re-measures: `service/controller/profile_keeper.py`) before anything else;
+    the model tables, if `config` asks, are computed in the increments the keeper leaves free
+    (while it waits for a quiet machine or its back-off)."""
     compile_table_kernels()
     yield None
-    if config.cost_profile:
-        engine.profile = load_saved(engine.runner, cache_dir)
-        if engine.profile is None:
-            engine.profile = yield from measure_and_save_steps(engine.runner, cache_dir)
-        log.info("cost profile ready: auto mode enabled")
+    profiling = keeper.steps() if keeper is not None else itertools.repeat(False)
+    tables = None
     if config.model_tables:
         prefix = assistant_prefix_ids(loaded.tokenizer)
-        steps = load_or_compute_tables_steps(loaded.model, cache_dir, prefix, TABLE_BATCH, show_progress=False)
-        engine.mixer.tables.tables = yield from steps
-        log.info("model tables ready: unigram/bigram strategies enabled")
-    while config.cost_profile:
-        if engine.calibration.drifted():
-            log.warning("live pass times drifted from the cost profile: measuring it again")
-            engine.profile = yield from measure_and_save_steps(engine.runner, cache_dir)
-            engine.calibration.reset_costs()
+        tables = load_or_compute_tables_steps(loaded.model, config.cache_dir, prefix, TABLE_BATCH, show_progress=False)
+    while True:
+        if next(profiling) is not False:
+            yield True
+        elif tables is not None:
+            try:
+                next(tables)
+            except StopIteration as done:
+                engine.mixer.tables.tables = done.value
+                tables = None
+                log.info("model tables ready: unigram/bigram strategies enabled")
+            yield True
         else:
             yield False
+
+
+def profile_keeper(engine: Engine, config: EngineConfig) -> ProfileKeeper | None:
+    """The keeper of `engine`'s cost profile, started from the saved one if valid (None if
+    `config` measures none: auto mode then decodes plainly)."""
+    if not config.cost_profile:
+        return None
+
+    def adopt(profile: CostProfile) -> None:
+        engine.profile = profile
+
+    return ProfileKeeper.for_runner(engine.runner, config.cache_dir, engine.calibration, adopt)
 
 
 @dataclass(frozen=True)
 class WarmUpState:
     """How far the background warm-up got."""
 
-    cost_profile: bool  # measured or loaded: auto mode speculates
+    cost_profile: bool  # a valid one measured or loaded: auto mode speculates
     model_tables: bool  # computed or loaded: the table strategies draft
+    profile: ProfileState | None = None  # the keeper's account (None: the server measures no profile)
 
 
 @dataclass
@@ -105,17 +124,20 @@ class Runtime:
     loaded: LoadedModel
     engine: Engine
     async_engine: AsyncEngine
+    keeper: ProfileKeeper | None = None
 
     @classmethod
     def start(cls, loaded: LoadedModel, config: EngineConfig,
               on_step: Callable[[StepStats], None] | None = None) -> Runtime:
-        """Serve at once; the worker measures (or loads) the cost profile, then the model
-        tables, while idle. Until then auto mode decodes plainly and the table strategies
+        """Serve at once; the worker measures (or loads) the cost profile and the model
+        tables while idle. Until then auto mode decodes plainly and the table strategies
         propose nothing. The model drafts `config` enables load first (a draft model that
         cannot draft for `loaded` raises here)."""
         engine = build_engine(loaded, TableSlot(), config, drafters_for(loaded, config))
-        steps = warm_up(engine, loaded, config)
-        return cls(loaded, engine, AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step))
+        keeper = profile_keeper(engine, config)
+        steps = warm_up(engine, loaded, config, keeper)
+        async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step)
+        return cls(loaded, engine, async_engine, keeper)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -142,7 +164,8 @@ class Runtime:
     @property
     def warm_up_state(self) -> WarmUpState:
         return WarmUpState(cost_profile=self.engine.profile is not None,
-                           model_tables=self.engine.mixer.tables.tables is not None)
+                           model_tables=self.engine.mixer.tables.tables is not None,
+                           profile=None if self.keeper is None else self.keeper.state)
 
     def check_fits(self, num_prompt_tokens: int, params: GenerationParams) -> None:
         """`Engine.check_fits`: raises `ContextTooLong` or `DoesNotFit` (thread-safe)."""

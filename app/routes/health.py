@@ -6,11 +6,14 @@ orchestrator should restart it (the CLI also exits non-zero then).
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+
+from service.controller.profile_keeper import ProfileState
 
 router = APIRouter()
 
@@ -19,7 +22,8 @@ class Health(BaseModel):
     status: Literal["ok", "failed", "engine stopped"]
     requests_running: int | None = None
     requests_waiting: int | None = None
-    cost_profile: bool | None = None  # measured or loaded: auto mode speculates
+    cost_profile: bool | None = None  # a valid one measured or loaded: auto mode speculates
+    cost_profile_state: ProfileState | None = None  # validity, staleness and measurements (if the server measures one)
     model_tables: bool | None = None  # computed or loaded: the table strategies draft
     kernels_fallback: str | None = None  # only when the CPU kernels failed to load: why (their torch fallback runs)
     error: str | None = None
@@ -48,6 +52,8 @@ async def health(request: Request) -> JSONResponse:
     body = {"status": "ok" if engine.alive else "engine stopped",
             "requests_running": engine.num_running, "requests_waiting": engine.num_waiting,
             "cost_profile": warm.cost_profile, "model_tables": warm.model_tables}
+    if warm.profile is not None:
+        body["cost_profile_state"] = asdict(warm.profile)
     if state.runtime.kernels_fallback is not None:
         body["kernels_fallback"] = state.runtime.kernels_fallback
     return JSONResponse(body, status_code=200 if engine.alive else 503)

@@ -20,9 +20,10 @@ level, not the profile's business. The result is validated before it is trusted 
 costs must not fall as passes grow (within noise), must not fall as context grows (a profile
 whose short-context passes look slower than long ones was measured under changing load), and
 the two fastest repeats must agree (a machine so busy that not even two repeats ran
-undisturbed). A profile that fails is measured again; one that keeps failing is used for this
-run only and never saved. Measurement is a generator of small increments, so the engine runs it
-between steps, only while idle.
+undisturbed). A profile that fails is never saved, and a server never puts one in use
+(`profile_keeper.py`). Measurement is a generator of small increments, so the engine runs it
+between steps, only while idle; `probe_steps` times a few of the profile's shapes again, to
+tell a neighbour's passing slowdown from relative costs that changed.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ CPU_MAX_PASS_TOKENS = 128
 GPU_MAX_PASS_TOKENS = 512
 REPEATS = 7
 NOISE = 0.15  # relative slack of the validation rules
-ATTEMPTS = 3
+ATTEMPTS = 3  # measurements the profile command makes until one is valid
+PROBE_REPEATS = 3
 WIDE_ROW_TOKENS = 4  # the row whose own cost among one-token rows is measured: a small tree
 WIDE_PAIRS = 3  # (wide pass, plain pass) pairs per repeat: their difference is small and noisy
 
@@ -135,6 +137,31 @@ def _wide_row_cost(equal_rows: CostProfile, rows: int, length: int, extras: list
     tokens = rows + WIDE_ROW_TOKENS - 1
     curve = equal_rows.cost(tokens, length, rows) - equal_rows.cost(rows, length, rows)
     return max(statistics.median(extras) - curve, 0.0)
+
+
+def probe_steps(runner: ModelRunner, profile: CostProfile,
+                repeats: int = PROBE_REPEATS) -> Generator[None, None, float]:
+    """How far this machine's relative pass costs now are from `profile`'s: of a few shapes
+    timed again (the smallest and largest pass of one row and of the most rows, at the shortest
+    context), the largest ratio between two shapes' measured-over-profiled factors (1: the
+    profile's shape holds, whatever the load level). A few seconds where a measurement takes
+    minutes; yields after each repeat."""
+    length = profile.context_lengths[0]
+    generator = torch.Generator().manual_seed(1)
+    shapes = []  # (rows, tokens, cache, trees)
+    for index in sorted({0, len(profile.rows) - 1}):
+        rows, sizes = profile.rows[index], profile.tree_sizes[index]
+        cache = _filled_cache(runner, rows, length)
+        shapes += [(rows, n, cache, _chains(runner, rows, n // rows, generator)) for n in sorted({sizes[0], sizes[-1]})]
+    for _, _, cache, trees in shapes:  # warm-up
+        _timed_pass(runner, cache, trees)
+    timings: list[list[float]] = [[] for _ in shapes]
+    for _ in range(repeats):
+        for times, (_, _, cache, trees) in zip(timings, shapes):
+            times.append(_timed_pass(runner, cache, trees))
+        yield
+    factors = [own_cost(times) / profile.cost(n, length, rows) for times, (rows, n, _, _) in zip(timings, shapes)]
+    return max(factors) / min(factors)
 
 
 def measure_profile(runner: ModelRunner, **grid: Sequence[int]) -> tuple[CostProfile, list[str]]:
@@ -241,28 +268,25 @@ def load_saved(runner: ModelRunner, cache_dir: Path) -> CostProfile | None:
     return profile
 
 
-def measure_and_save_steps(
-    runner: ModelRunner, cache_dir: Path, **grid: Sequence[int]
-) -> Generator[None, None, CostProfile]:
-    """Measure (up to `ATTEMPTS` times until valid); save only a valid profile."""
-    for attempt in range(1, ATTEMPTS + 1):
-        profile, problems = yield from measure_steps(runner, **grid)  # type: ignore[arg-type]
-        if not problems:
-            profile.save(profile_path(cache_dir, runner))
-            return profile
-        log.warning("cost profile attempt %d failed validation (was the machine busy?): %s",
-                    attempt, "; ".join(problems))
-    log.warning("using the last cost profile for this run only (not saved); "
-                "remedy: `ngrammys profile --remeasure` on an idle machine")
-    return profile
-
-
 def load_or_measure(
     runner: ModelRunner, cache_dir: Path, remeasure: bool = False, **grid: Sequence[int]
 ) -> CostProfile:
-    """The saved profile for this device/model/dtype, measuring (and saving) it if absent."""
+    """The saved profile for this device/model/dtype, measuring (and saving) it if absent: for
+    the bench and profile commands, run by an operator. Up to `ATTEMPTS` measurements until one
+    is valid; if none is, the last is used for this command only and never saved (a server
+    never puts one in use: `profile_keeper.py`)."""
     saved = None if remeasure else load_saved(runner, cache_dir)
     if saved is not None:
         return saved
-    log.info("measuring forward-pass costs (saved to %s)", profile_path(cache_dir, runner))
-    return run_to_end(measure_and_save_steps(runner, cache_dir, **grid))
+    path = profile_path(cache_dir, runner)
+    log.info("measuring forward-pass costs (saved to %s)", path)
+    for attempt in range(1, ATTEMPTS + 1):
+        profile, problems = measure_profile(runner, **grid)
+        if not problems:
+            profile.save(path)
+            return profile
+        log.warning("cost profile attempt %d failed validation (was the machine busy?): %s",
+                    attempt, "; ".join(problems))
+    log.warning("using the last cost profile for this command only (not saved); "
+                "remedy: `ngrammys profile --remeasure` on an idle machine")
+    return profile

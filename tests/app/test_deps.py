@@ -7,8 +7,11 @@ import pytest
 
 from app.cli import build_parser, serve_settings
 from app.settings import Settings
+from service.controller.profiler import profile_path
 from service.engine.config import EngineConfig
+from service.model.runner import ModelRunner
 from service.runtime import Runtime, WarmUpState
+from tests.helpers.costs import CPU_LIKE
 
 
 def served(*flags: str) -> Settings:
@@ -54,5 +57,19 @@ def test_runtime_accessors_are_what_the_routes_read(tiny_served) -> None:
         assert runtime.vocab_size == tiny_served.model.config.vocab_size
         assert runtime.tokenizer is tiny_served.tokenizer
         assert runtime.warm_up_state == WarmUpState(cost_profile=False, model_tables=False)
+    finally:
+        runtime.close()
+
+
+def test_a_server_starts_from_its_saved_valid_profile_and_reports_its_state(tiny_served, tmp_path) -> None:
+    """The saved profile is in use at once, before any warm-up increment runs."""
+    path = profile_path(tmp_path, ModelRunner(tiny_served.model))
+    CPU_LIKE.save(path)
+    runtime = Runtime.start(tiny_served, EngineConfig(model_tables=False, cost_profile=True, cache_dir=tmp_path))
+    try:
+        state = runtime.warm_up_state
+        assert state.cost_profile and runtime.engine.profile == CPU_LIKE
+        assert state.profile is not None and state.profile.valid and state.profile.valid_since == path.stat().st_mtime
+        assert not state.profile.stale and state.profile.remeasures == {"adopted": 0, "failed": 0, "abandoned": 0}
     finally:
         runtime.close()

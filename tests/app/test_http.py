@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -311,9 +312,11 @@ def auto_server(embedded):
                         default_temperature=0.0)
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
-        # a busy machine spoils sweeps, and the profiler measures up to ATTEMPTS of them (2-3
-        # minutes each on the 2-core dev VM, longer beside this module's other servers)
+        # a measurement takes 2-3 minutes on the 2-core dev VM; the keeper waits for a quiet
+        # machine, and after a failed one backs off (60 s, then 120 s, ...)
         wait_until(lambda: httpx.get(f"{base}/health").json()["cost_profile"], timeout=1500)
+        state = httpx.get(f"{base}/health").json()["cost_profile_state"]
+        assert state["valid"] and state["valid_since"] <= time.time() and not state["remeasuring"]
         yield base
 
 

@@ -43,6 +43,8 @@ EXPECTED = {  # name -> type, as issue-level contract
     "ngrammys_generation_tokens": "counter",
     "ngrammys_requests": "counter",
     "ngrammys_client_disconnects": "counter",
+    "ngrammys_cost_profile_valid": "gauge",
+    "ngrammys_cost_profile_remeasures": "counter",
 }
 
 

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from service.model.runner import ModelRunner
-from service.controller.profiler import load_or_measure, measure_profile, own_cost, pass_sizes, profile_path, profiled_rows, validate
+from service.controller.profiler import (
+    load_or_measure, measure_profile, own_cost, pass_sizes, probe_steps, profile_path, profiled_rows, validate,
+)
 from service.controller.cost_profile import CostProfile
+from service.model.tables import run_to_end
 from tests.helpers.models import make_tiny_model
 
 GRID = {"rows": (1, 4), "context_lengths": (8, 64), "repeats": 2}
@@ -114,3 +117,24 @@ def test_a_gpu_profile_measures_larger_passes() -> None:
     assert pass_sizes(1, torch.device("cuda")) == [1, 2, 4, 8, 16, 32, 64]
     assert pass_sizes(64, torch.device("cuda")) == [64, 128, 256, 512]
     assert max(profiled_rows(torch.device("cuda"))) == 64 and max(profiled_rows(torch.device("cpu"))) == 16
+
+
+def test_a_probe_measures_how_far_relative_costs_moved_whatever_the_load_level(tiny_runner: ModelRunner,
+                                                                                monkeypatch) -> None:
+    """Passes of n tokens over R rows cost 1 + n/R seconds when the profile is measured. Every
+    pass twice as slow (a neighbour's level): the probe agrees with the profile. Large passes
+    three times as slow and small ones not (another kernel): it reports the 3x."""
+    import service.controller.profiler as profiler
+
+    def machine(slow_large: float, level: float):
+        def timed(runner, cache, rows) -> float:
+            tokens = sum(row.tree.num_nodes for row in rows)
+            return level * (1.0 + tokens / len(rows)) * (slow_large if tokens > len(rows) else 1.0)
+        return timed
+
+    monkeypatch.setattr(profiler, "_timed_pass", machine(1.0, 1.0))
+    profile, _ = measure_profile(tiny_runner, rows=(1, 4), context_lengths=(8,), repeats=2)
+    monkeypatch.setattr(profiler, "_timed_pass", machine(1.0, 2.0))
+    assert run_to_end(probe_steps(tiny_runner, profile)) == pytest.approx(1.0)
+    monkeypatch.setattr(profiler, "_timed_pass", machine(3.0, 1.0))
+    assert run_to_end(probe_steps(tiny_runner, profile)) == pytest.approx(3.0)
