@@ -19,7 +19,10 @@ from service.kernels import packed_linear
 from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine
 from app.background import serving
-from tests.helpers.http import LONG, MESSAGES, QUIET, slowed, sse_events, wait_ready, wait_until
+from tests.helpers.http import (
+    COPY_LONG, MESSAGES, QUIET, accepted_draft_tokens, assert_engine_idle, slowed, speculating, sse_events, wait_ready,
+    wait_until,
+)
 
 EMOJI = [{"role": "user", "content": "Repeat exactly: 🙂🙂🙂 café naïve 日本"}]
 PARAGRAPH = ("The committee met on Tuesday to review the budget. It approved the new library, "
@@ -149,14 +152,17 @@ def test_disconnect_mid_stream_frees_the_engine(embedded) -> None:
     app = create_app(Settings(**QUIET), loader=lambda _: embedded)
     with serving(app) as base, slowed(app, 0.2):
         wait_ready(base)
-        body = {"messages": LONG, "max_tokens": 400, "stream": True}
+        speculating(app)
+        body = {"messages": COPY_LONG, "max_tokens": 400, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             next(line for line in lines if '"content"' in line and '""' not in line)
+            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)  # it left in the middle of speculating
             assert httpx.get(f"{base}/health").json()["requests_running"] == 1
         # the client is gone: the worker notices within a round, long before 400 tokens
         wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=3)
         assert 'ngrammys_client_disconnects_total 1.0' in httpx.get(f"{base}/metrics").text
+        assert_engine_idle(app)
 
 
 # --- errors --------------------------------------------------------------------------
@@ -210,10 +216,12 @@ def test_queue_full_gets_429_with_retry_after(embedded) -> None:
     app = create_app(settings, loader=lambda _: embedded)
     with serving(app) as base, slowed(app, 0.2):
         wait_ready(base)
-        long = {"messages": LONG, "max_tokens": 400, "stream": True}
+        speculating(app)
+        long = {"messages": COPY_LONG, "max_tokens": 400, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as running:
             lines = running.iter_lines()  # kept: a dropped iterator closes the stream, aborting it
             next(lines)
+            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)  # refused while one speculates
             with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as waiting:
                 wait_until(lambda: httpx.get(f"{base}/health").json()["requests_waiting"] == 1)
                 refused = httpx.post(f"{base}/v1/chat/completions", json=long, timeout=60)
@@ -222,6 +230,7 @@ def test_queue_full_gets_429_with_retry_after(embedded) -> None:
                 del waiting
         idle = {"status": "ok", "requests_running": 0, "requests_waiting": 0}
         wait_until(lambda: httpx.get(f"{base}/health").json().items() >= idle.items(), timeout=30)
+        assert_engine_idle(app)
 
 
 def test_timeout_and_engine_failures_fail_only_their_request(embedded) -> None:
@@ -236,6 +245,15 @@ def test_timeout_and_engine_failures_fail_only_their_request(embedded) -> None:
         for slow in both:
             assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
             assert "2 s" in slow.json()["error"]["message"]
+        wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=10)
+        assert_engine_idle(app)
+        speculating(app)  # a deadline that falls while a request speculates
+        with slowed(app, 0.1):
+            copy = {"messages": COPY_LONG, "max_tokens": 400}
+            late = httpx.post(f"{base}/v1/chat/completions", json=copy, timeout=60)
+        assert late.status_code == 504 and accepted_draft_tokens(base) > 0
+        wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=10)
+        assert_engine_idle(app)
 
         engine = app.state.runtime.engine
         original = engine.runner.forward

@@ -18,7 +18,10 @@ import pytest
 from app.background import free_port, serving
 from app.main import create_app
 from app.settings import Settings
-from tests.helpers.http import LONG, MESSAGES, QUIET, slowed, wait_ready, wait_until
+from tests.helpers.http import (
+    COPY_LONG, MESSAGES, QUIET, accepted_draft_tokens, assert_engine_idle, slowed, speculating, wait_ready,
+    wait_until,
+)
 
 # The embedded model writes thousands of tokens for this (it reached max_tokens=300 greedy
 # with float32 and packed weights alike), far past any drain timeout here; LONG ends by itself
@@ -49,14 +52,16 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(embedded) -> 
     app = create_app(Settings(**QUIET), loader=lambda _: embedded)
     with serving(app) as base, slowed(app, 0.2):
         wait_ready(base)
+        speculating(app)
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{base}/v1/chat/completions", json={"messages": LONG, "max_tokens": 400}, timeout=1.5)
+            httpx.post(f"{base}/v1/chat/completions", json={"messages": COPY_LONG, "max_tokens": 400}, timeout=3)
         # gone within a poll and a pass, long before 400 tokens (at least 0.2 s each)
         wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=30)
         metrics = httpx.get(f"{base}/metrics").text
         assert 'ngrammys_requests_total{status="aborted"} 1.0' in metrics
         generated = float(re.search(r"^ngrammys_generation_tokens_total (\S+)$", metrics, re.M).group(1))
-        assert generated < 100
+        assert 0 < accepted_draft_tokens(base) and generated < 200  # it left while the request speculated
+        assert_engine_idle(app)
 
 
 @pytest.mark.slow

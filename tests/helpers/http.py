@@ -4,6 +4,7 @@ tests send, waits for the server, the SSE framing check, a slowed engine and an 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -11,8 +12,20 @@ from contextlib import contextmanager
 import httpx
 from fastapi import FastAPI
 
+from service.runtime import Runtime
+from tests.helpers.costs import MEMORY_BOUND
+
 MESSAGES = [{"role": "user", "content": "List the first five prime numbers."}]
 LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
+ESSAY = ("The harbour town woke early. Fishing boats left before dawn, their lamps swinging over black water, "
+         "and the bakery on the square lit its ovens at four. By seven the market stalls were up: apples from the "
+         "valley farms, cheese wrapped in cloth, knives sharpened while you waited. The ferry to the island ran "
+         "twice a day, at nine and at three, and the captain knew every passenger by name. In winter the storms "
+         "came from the west and the town closed its shutters; in summer the visitors came from the east and the "
+         "town opened everything it had. The old lighthouse had not been used for forty years, but the children "
+         "still climbed its stairs to count the ships, and the council still argued every spring about who should "
+         "pay to paint it.")
+COPY_LONG = [{"role": "user", "content": f"Repeat this text word for word:\n\n{ESSAY}"}]  # drafts from the context pay
 # greedy by default (so texts compare with the engine's), no background warm-up in tests
 QUIET = {"model_tables": False, "cost_profile": False, "default_temperature": 0.0}
 
@@ -37,6 +50,35 @@ def sse_events(response: httpx.Response) -> list[str]:
     return [e[len("data: ") :] for e in events]
 
 
+def runtime_of(app: FastAPI) -> Runtime:
+    """The app's runtime, once it has loaded its engine in the background."""
+    deadline = time.monotonic() + 60
+    while getattr(app.state, "runtime", None) is None:
+        assert time.monotonic() < deadline, "the app's engine did not load within 60 s"
+        time.sleep(0.01)
+    return app.state.runtime
+
+
+def speculating(app: FastAPI) -> None:
+    """Give the app's engine a cost profile under which drafts pay (a device below its
+    knee), so its auto requests speculate on any machine: the faults the edge handles (a
+    client gone, a deadline, a full queue) then meet requests in the middle of a tree."""
+    runtime_of(app).engine.profile = MEMORY_BOUND
+
+
+def accepted_draft_tokens(base: str) -> float:
+    """Drafted tokens the server's engine accepted so far (its metrics)."""
+    text = httpx.get(f"{base}/metrics").text
+    return sum(float(v) for v in re.findall(r"^ngrammys_spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+
+
+def assert_engine_idle(app: FastAPI) -> None:
+    """Nothing running or queued, and the KV cache holds no bytes."""
+    engine = runtime_of(app).engine
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.cache.nbytes == 0
+
+
 @contextmanager
 def slowed(app: FastAPI, seconds: float) -> Iterator[None]:
     """Make every forward pass of the app's engine take `seconds` longer.
@@ -44,11 +86,7 @@ def slowed(app: FastAPI, seconds: float) -> Iterator[None]:
     Tests of timeouts, queueing and disconnects need a request that is still running when
     they look; slowing the pass makes that hold on a machine of any speed.
     """
-    deadline = time.monotonic() + 60
-    while getattr(app.state, "runtime", None) is None:  # the app loads its engine in the background
-        assert time.monotonic() < deadline, "the app's engine did not load within 60 s"
-        time.sleep(0.01)
-    runner = app.state.runtime.engine.runner
+    runner = runtime_of(app).engine.runner
     original = runner.forward
 
     def slow_forward(*args, **kwargs):
