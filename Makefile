@@ -7,7 +7,7 @@ PORT ?= 8000
 DATASET ?= ../shared/specbench/question.jsonl
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test-tools deploy-tools serve test test-full lint bench clean
+.PHONY: setup test-tools deploy-tools serve test test-full lint bench gpu-bundle gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,5 +51,27 @@ test-full: setup
 bench: setup
 	$(BIN)/ngrammys bench --dataset $(DATASET) --per-category 3
 
+# A machine with a GPU runs `make gpu-check OUT=dir` (tests/gpu/check.sh: GPU tests, bench, load
+# test, ~9 minutes, JSON in OUT) with what `make gpu-bundle` put in .gpu/ here: the wheels its
+# image lacks (for its Python 3.12), the Spec-Bench questions and the embedded GGUF in two parts,
+# .gpu/a and .gpu/b, each under 64 MiB with the tree. docs/benchmarks.md says how to send them.
+GPU_PYTHON ?= 3.12
+GPU_PACKAGES := fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv typing-inspection \
+  annotated-types uvicorn gguf
+gpu-bundle: setup
+	rm -rf .gpu && mkdir -p .gpu/a .gpu/b/wheels
+	$(BIN)/pip freeze | sed 's/_/-/g' | grep -iE '^($(shell echo $(GPU_PACKAGES) | tr ' ' '|'))==' >.gpu/b/requirements.txt
+	$(BIN)/pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .gpu/b/wheels -r .gpu/b/requirements.txt
+	cp $(DATASET) .gpu/b/question.jsonl
+	gguf=$$($(BIN)/python -c "from service.model.loader import embedded_gguf_path; print(embedded_gguf_path())") && \
+	  split -b 56000000 "$$gguf" .gpu/model.part- && mv .gpu/model.part-aa .gpu/a/ && mv .gpu/model.part-a? .gpu/b/ && \
+	  (cd "$$(dirname "$$gguf")" && sha256sum "$$(basename "$$gguf")") >.gpu/b/model.sha256
+	du -sh .gpu/a .gpu/b
+
+gpu-check:
+	bash tests/gpu/check.sh
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache tests/deploy/crd/node_modules
+	rm -rf $(VENV) *.egg-info .pytest_cache tests/deploy/crd/node_modules .gpu

@@ -1,0 +1,69 @@
+"""The served GPU path: bf16 weights on a CUDA device, small passes replayed as CUDA graphs.
+Greedy speculative output equals plain decoding (or parts at a near tie of the reference, as
+on the CPU's bf16 path), alone and batched, and a seeded sample is the same sample with
+speculation. Run by `make gpu-check` (`tests/gpu/check.sh`) on a machine with a GPU; where
+there is none, as in CI, these tests are skipped, saying so."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from drafting import TableSlot
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.model.loader import LoadedModel, load_model
+from service.model.prompts import chat_prompt_ids
+from service.runtime import build_engine
+from tests.helpers.embedded import QUESTIONS, compare
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
+
+NEW_TOKENS = 64
+SHAPES = [SpeculationParams(4, 4), SpeculationParams(8, 8)]
+
+
+@pytest.fixture(scope="module")
+def served() -> LoadedModel:
+    """The embedded model as the server loads it on a GPU (its GGUF from `NGRAMMYS_GPU_MODEL`
+    where the embedded package is not installed)."""
+    return load_model(os.environ.get("NGRAMMYS_GPU_MODEL"), device="cuda")
+
+
+def prompts(loaded: LoadedModel) -> list[list[int]]:
+    return [chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def test_the_passes_run_as_cuda_graphs(served) -> None:
+    engine = build_engine(served, TableSlot())
+    assert engine.runner.static is not None and engine.runner.static.capture
+    engine.complete(prompts(served)[0], GenerationParams(8, speculation=SpeculationParams(4, 4)))
+    assert engine.runner.static.capture_seconds > 0
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"k{s.k}w{s.w}")
+def test_greedy_speculation_equals_plain_decoding_alone_and_batched(served, shape) -> None:
+    engine = build_engine(served, TableSlot())
+    asked = prompts(served)
+    plain = [engine.complete(p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode="off"))).token_ids
+             for p in asked]
+    params = GenerationParams(NEW_TOKENS, speculation=shape)
+    alone = [engine.complete(p, params).token_ids for p in asked]
+    batched = [c.token_ids for c in engine.complete_many([(p, params) for p in asked])]
+    outcomes = [compare(served.model, p, got, want)
+                for runs in (alone, batched) for p, got, want in zip(asked, runs, plain)]
+    print(f"\nk={shape.k} w={shape.w} against plain decoding: {outcomes}")
+    assert all(outcome in ("identical", "tie") for outcome in outcomes), outcomes
+    assert outcomes.count("identical") >= len(outcomes) // 2
+
+
+def test_a_seeded_sample_is_the_same_with_speculation(served) -> None:
+    engine = build_engine(served, TableSlot())
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    asked = prompts(served)
+    plain = [engine.complete(p, GenerationParams(NEW_TOKENS, sampling=sampling,
+                                                 speculation=SpeculationParams(mode="off"))).token_ids for p in asked]
+    speculative = [engine.complete(p, GenerationParams(NEW_TOKENS, sampling=sampling,
+                                                       speculation=SpeculationParams(8, 8))).token_ids for p in asked]
+    assert speculative == plain
