@@ -5,31 +5,41 @@ token a pass. In float32 on the CPU paths every kernel gives each row the same r
 the pass's size, so greedy answers are token-identical and any difference is a defect. In
 bf16 (a GPU's default, and the unpacked path on a CPU with native bf16) a pass of other shape
 rounds the logits otherwise, and where the two likeliest tokens are within that rounding the
-answers can part there and go their own ways. The bench tells the two apart: it takes the
-logits at the first token where the answers differ from one more pass over the prompt and the
-common part of the answers, and measures the two tokens' gap in units in the last place (ulps)
-of the logits' own dtype at their magnitude.
+answers can part there and go their own ways.
 
-A gap of at most `NEAR_TIE_ULPS` counts as a near tie: twice the widest parting measured. On
-the dev CPU's bf16 path (embedded model, 13 Spec-Bench prompts x 128 tokens, fixed k=8, w=8
-and auto) 20 answers parted from plain decoding, each at a gap of 0, 1 or 2 ulps (0 to 0.25
-at logits of 15-36, where an ulp is 0.0625-0.25); an earlier bf16 test run saw one at 2 ulps
-(0.25 at 16.5). A defect (a node that attends to the wrong tokens) moves logits by far more;
-in float32 a few ulps are ~1e-6 of a logit, which no defect hides in. The engine's tests hold
-speculative answers to the same rule (`tests/service/engine/test_embedded_lossless.py`).
+The rule that tells the two apart asks the truth, not the rounded logits. At the first token
+where the answers differ, one more pass over the prompt and the common part of the answers
+computes the logits at a higher precision from the same weights (bf16 and float16 weights cast
+exactly to float32, float32 ones to float64): the two tokens' true gap. One more pass in the
+served dtype measures how far its rounding moves logits at that very position: the largest
+deviation from the truth among the `ROUNDING_TOP` likeliest tokens. The two answers were chosen
+by two passes, each off the truth by about that much, so a parting is a tie only if the true
+gap is within twice that deviation (and never less than `MIN_TIE_ULPS` ulps of the served dtype
+at the logits' magnitude); anything wider fails. The former rule measured the gap on the served
+dtype's own logits and let any parting within 4 ulps pass: 1.0 of a logit in bf16 at
+magnitudes 32-64, where a slightly wrong position or mask could hide. Packed CPU weights
+(float32, kernels of their own) are their own reference: there a tie needs a gap within
+float32's rounding, ~1e-6 of a logit.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-NEAR_TIE_ULPS = 4.0
+from service.kernels.packed_linear import PackedLinear
+
+MIN_TIE_ULPS = 1.0
+ROUNDING_TOP = 8
+HIGHER_PRECISION = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
+_REFERENCES: weakref.WeakKeyDictionary[PreTrainedModel, PreTrainedModel] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -37,11 +47,13 @@ class Parting:
     """Where an answer first differs from plain decoding's, and the logits' gap there."""
 
     index: int  # the first answer token that differs
-    ulps: float  # |logit(plain's token) - logit(the other's)| in ulps of the logits' dtype
+    gap: float  # |logit(plain's token) - logit(the other's)| at the higher precision
+    bound: float  # the widest gap the served dtype's rounding there explains
+    ulps: float  # the gap in ulps of the served dtype at the logits' magnitude (for reports)
 
     @property
     def near_tie(self) -> bool:
-        return self.ulps <= NEAR_TIE_ULPS
+        return self.gap <= self.bound
 
 
 def first_difference(plain: Sequence[int], other: Sequence[int]) -> int | None:
@@ -55,19 +67,33 @@ def first_difference(plain: Sequence[int], other: Sequence[int]) -> int | None:
 
 def parting(model: PreTrainedModel, prompt_ids: Sequence[int], plain: Sequence[int], other: Sequence[int]) -> Parting | None:
     """Where greedy answer `other` parts from plain decoding's `plain` after `prompt_ids`, with
-    the gap between the two tokens chosen there; None if the answers are equal or one is the
-    other cut short (no token chosen otherwise: no tie to explain it)."""
+    the gap between the two tokens chosen there (`reference_of(model)`'s logits, in ulps of
+    `model`'s dtype); None if the answers are equal or one is the other cut short (no token
+    chosen otherwise: no tie to explain it)."""
     index = first_difference(plain, other)
     if index is None or index >= min(len(plain), len(other)):
         return None
-    logits = next_token_logits(model, [*prompt_ids, *plain[:index]])
-    return Parting(index, gap_ulps(logits, plain[index], other[index]))
+    ids, chosen = [*prompt_ids, *plain[:index]], [plain[index], other[index]]
+    reference = reference_of(model)
+    truth = next_token_logits(reference, ids).double()
+    gap = abs(float(truth[chosen[0]] - truth[chosen[1]]))
+    unit = ulp(float(truth[chosen].abs().max()), model.dtype)
+    deviation = 0.0
+    if reference is not model:
+        top = truth.topk(ROUNDING_TOP).indices
+        deviation = float((next_token_logits(model, ids).double()[top] - truth[top]).abs().max())
+    return Parting(index, gap, max(2 * deviation, MIN_TIE_ULPS * unit), gap / unit)
 
 
-def gap_ulps(logits: torch.Tensor, token: int, other: int) -> float:
-    """|logits[token] - logits[other]| in ulps of the logits' dtype, at the larger magnitude."""
-    a, b = float(logits[token]), float(logits[other])
-    return abs(a - b) / ulp(max(abs(a), abs(b)), logits.dtype)
+def reference_of(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` at a higher precision from the same weights (kept while `model` lives); packed
+    CPU weights, which compute in float32 with kernels of their own, are their own reference."""
+    if any(isinstance(module, PackedLinear) for module in model.modules()):
+        return model
+    reference = _REFERENCES.get(model)
+    if reference is None:
+        reference = _REFERENCES[model] = copy.deepcopy(model).to(HIGHER_PRECISION[model.dtype])
+    return reference
 
 
 def ulp(magnitude: float, dtype: torch.dtype) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from drafting import Draft
+from service.bench.near_ties import next_token_logits, reference_of
 from service.model.kv_cache import TreeKVCache
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, chain_tree
@@ -50,3 +51,17 @@ def assert_nodes_match(model, prompt: list[int], tree: TokenTree, logits: torch.
     for node in range(tree.num_nodes):
         expected = sequential_logits(model, prompt + path_to(tree, node))
         torch.testing.assert_close(logits[node], expected, atol=tolerance, rtol=tolerance)
+
+
+def assert_nodes_within_rounding(model, prompt: list[int], tree: TokenTree, logits: torch.Tensor) -> None:
+    """`assert_nodes_match` for a model whose dtype rounds (bf16): each node's logits within
+    twice the served dtype's own deviation from the truth (a higher-precision pass from the same
+    weights) of decoding that node's path token by token — the rule of service/bench/near_ties.py
+    applied to whole logit vectors."""
+    reference = reference_of(model)
+    for node in range(tree.num_nodes):
+        path = prompt + path_to(tree, node)
+        truth = next_token_logits(reference, path).double()
+        rounding = (sequential_logits(model, path).double() - truth).abs().max()
+        error = (logits[node].double() - truth).abs().max()
+        assert error <= 2 * rounding, f"node {node}: {float(error):.4g} off the truth, rounding {float(rounding):.4g}"

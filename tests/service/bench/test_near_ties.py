@@ -15,7 +15,7 @@ from service.engine.params import GenerationParams, SamplingParams
 from service.engine.engine import Engine
 from service.engine.outputs import Completion
 from service.model.runner import ModelRunner
-from service.bench.near_ties import NEAR_TIE_ULPS, first_difference, gap_ulps, next_token_logits, ulp
+from service.bench.near_ties import MIN_TIE_ULPS, first_difference, next_token_logits, parting, reference_of, ulp
 from tests.helpers.models import TINY_VOCAB, make_tiny_model
 
 
@@ -36,11 +36,43 @@ def test_an_ulp_is_the_spacing_of_the_dtype_at_that_magnitude(magnitude: float) 
     assert float(torch.tensor(value + 0.75 * step, dtype=torch.bfloat16)) == value + step  # nothing between
 
 
-def test_the_gap_of_two_logits_in_ulps_of_their_dtype() -> None:
-    logits = torch.tensor([26.625, 26.5, 20.0, -26.5], dtype=torch.bfloat16)  # 0.125 apart at 16..32
-    assert gap_ulps(logits, 0, 1) == 1.0
-    assert gap_ulps(logits, 1, 3) == 53 * 8  # far apart
-    assert gap_ulps(logits, 0, 2) > NEAR_TIE_ULPS
+def test_the_reference_is_the_same_weights_at_a_higher_precision_made_once() -> None:
+    model = make_tiny_model(seed=2).to(torch.bfloat16)
+    reference = reference_of(model)
+    assert reference.dtype == torch.float32 and reference_of(model) is reference
+    torch.testing.assert_close(reference.lm_head.weight, model.lm_head.weight.float(), atol=0, rtol=0)
+    assert reference_of(make_tiny_model(seed=2)).dtype == torch.float64
+
+
+def twin_tokens(model, prompt: list[int]) -> tuple[int, int, int]:
+    """The greedy token after `prompt`, a token made its exact twin (the same LM head row), and
+    one the model ranks last there."""
+    logits = next_token_logits(model, prompt)
+    chosen, last = int(logits.argmax()), int(logits.argmin())
+    twin = next(t for t in range(TINY_VOCAB) if t not in (chosen, last))
+    with torch.no_grad():
+        model.lm_head.weight[twin] = model.lm_head.weight[chosen]
+    return chosen, twin, last
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_a_parting_is_a_tie_only_where_the_truth_has_the_two_tokens_within_the_dtypes_rounding(dtype) -> None:
+    """Judged on logits computed at a higher precision: two tokens with the same LM head row are
+    tied in truth whatever the served dtype rounded; a token the model ranks last is not, and
+    the rounding bound is the served dtype's (wider in bf16, never under `MIN_TIE_ULPS` ulps)."""
+    model = make_tiny_model(seed=4).to(dtype)
+    prompt = [5, 9, 13, 2, 7]
+    chosen, twin, last = twin_tokens(model, prompt)
+    tie = parting(model, prompt, [chosen, 3], [twin, 3])
+    assert tie is not None and tie.index == 0 and tie.gap == 0.0 and tie.near_tie
+    wrong = parting(model, prompt, [chosen], [last])
+    assert wrong is not None and not wrong.near_tie and wrong.gap > wrong.bound
+    magnitude = float(next_token_logits(reference_of(model), prompt).double()[[chosen, last]].abs().max())
+    assert wrong.bound >= MIN_TIE_ULPS * ulp(magnitude, dtype)
+    if dtype == torch.float32:  # float32 against float64: rounding of a millionth of a logit
+        assert wrong.bound < 1e-5
+    else:
+        assert wrong.bound >= ulp(magnitude, torch.bfloat16)
 
 
 class WithoutLogitsToKeep(torch.nn.Module):
