@@ -44,7 +44,7 @@ lint: setup
 test: lint test-tools deploy-tools
 	$(BIN)/python -m pytest
 
-# tests/stress at full size (schemathesis: >= 2,000 generated requests)
+# tests/stress at full size (schemathesis: some 5,000 generated requests)
 test-full: setup
 	NGRAMMYS_STRESS_FULL=1 $(BIN)/python -m pytest tests/stress
 

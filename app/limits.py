@@ -52,9 +52,12 @@ class BodySizeLimit:
 
 def check_generation_limits(body: GenerationRequest, settings: Settings, max_tokens: int, max_tokens_param: str) -> None:
     """400 naming the field for a request beyond the server's limits (before tokenizing)."""
-    if max_tokens > settings.max_tokens_cap:
-        raise ApiError(400, f"{max_tokens_param}: {max_tokens} is more than this server allows "
-                            f"({settings.max_tokens_cap}); ask for fewer", param=max_tokens_param)
+    # chat's `max_tokens` beside `max_completion_tokens` is not used, but is held to the cap
+    # all the same, as the published schema says
+    for param, value in ((max_tokens_param, max_tokens), ("max_tokens", body.max_tokens)):
+        if value is not None and value > settings.max_tokens_cap:
+            raise ApiError(400, f"{param}: {value} is more than this server allows "
+                                f"({settings.max_tokens_cap}); ask for fewer", param=param)
     stops = body.stop or []
     if len(stops) > settings.max_stop_sequences:
         raise ApiError(400, f"stop: at most {settings.max_stop_sequences} stop sequences", param="stop")

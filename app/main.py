@@ -8,18 +8,17 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import FastAPI
-from pydantic.json_schema import models_json_schema
 
 from app.auth import ApiKeys, ConcurrencyLimit
 from app.errors import install_error_handlers
 from app.limits import BodySizeLimit
 from app.metrics import Metrics
 from app.metrics import router as metrics_router
+from app.openapi import finish_openapi
 from app.routes import health, openai
-from app.schemas import STREAM_MODELS
 from app.settings import Settings
 from service.model.loader import LoadedModel, load_model
 from service.runtime import Runtime
@@ -66,7 +65,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(openai.router)
     app.include_router(metrics_router)
-    _finish_openapi(app)
+    finish_openapi(app)
     return app
 
 
@@ -109,26 +108,3 @@ async def in_passing_thread(work: Callable[[], T]) -> T:
         return await loop.run_in_executor(executor, work)
     finally:
         executor.shutdown(wait=False)  # its thread ends once `work` returns
-
-
-def _finish_openapi(app: FastAPI) -> None:
-    """Make the generated schema say what the server answers: validation errors leave as 400
-    in OpenAI's shape (app/errors.py), not 422; stream chunks get their components."""
-    generate = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            schema = generate()
-            for operations in schema.get("paths", {}).values():
-                for operation in operations.values():
-                    operation.get("responses", {}).pop("422", None)
-            components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for name in ("HTTPValidationError", "ValidationError"):
-                components.pop(name, None)
-            _, definitions = models_json_schema([(m, "serialization") for m in STREAM_MODELS],
-                                                ref_template="#/components/schemas/{model}")
-            for name, definition in definitions.get("$defs", {}).items():
-                components.setdefault(name, definition)
-        return app.openapi_schema  # type: ignore[return-value]
-
-    app.openapi = openapi  # type: ignore[method-assign]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from app.settings import Strategy
 from service.engine.params import MIN_TEMPERATURE, SpeculationMode
@@ -20,6 +20,14 @@ def _valid_unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_valid_unicode)]
+
+
+def integral(value: Any) -> Any:
+    """626.0 is the integer 626 (as JSON Schema reads it; strict validation would refuse it),
+    while `"5"` and `true` stay refused. A token-id list's items alike."""
+    if isinstance(value, list):
+        return [integral(item) for item in value]
+    return int(value) if isinstance(value, float) and value.is_integer() else value
 MAX_REQUEST_SEED = 2**63 - 1  # a signed 64-bit integer, as OpenAI clients send it
 MAX_COMPLETION_LOGPROBS = 5  # alternatives per token on /v1/completions (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # alternatives per token on /v1/chat/completions (OpenAI's limit)
@@ -43,6 +51,11 @@ class SpeculationOptions(_Request):
     w: int | None = Field(None, ge=0, le=64)
     strategy: Strategy | None = None
 
+    @field_validator("k", "w", mode="before")
+    @classmethod
+    def _whole(cls, value: Any) -> Any:
+        return integral(value)
+
 
 class StreamOptions(_Request):
     include_usage: bool = False
@@ -65,6 +78,12 @@ UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 
 
+def unsupported(name: str) -> WithJsonSchema:
+    """The published schema of an unsupported field: only the values that ask for nothing."""
+    return WithJsonSchema({"enum": list(UNSUPPORTED_DEFAULTS[name]),
+                           "description": "not supported by this server: only this value, which asks for nothing"})
+
+
 class GenerationRequest(_Request):
     """Fields common to both endpoints; unknown fields are ignored, as OpenAI does."""
 
@@ -84,21 +103,26 @@ class GenerationRequest(_Request):
     user: str | None = None
     speculation: SpeculationOptions | None = None
     # not implemented: only the values in UNSUPPORTED_DEFAULTS are accepted
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    echo: bool | None = None
-    suffix: str | None = None
+    tools: Annotated[list[dict[str, Any]] | None, unsupported("tools")] = None
+    tool_choice: Annotated[str | dict[str, Any] | None, unsupported("tool_choice")] = None
+    functions: Annotated[list[dict[str, Any]] | None, unsupported("functions")] = None
+    function_call: Annotated[str | dict[str, Any] | None, unsupported("function_call")] = None
+    response_format: Annotated[dict[str, Any] | None, unsupported("response_format")] = None
+    frequency_penalty: Annotated[float | None, unsupported("frequency_penalty")] = None
+    presence_penalty: Annotated[float | None, unsupported("presence_penalty")] = None
+    logit_bias: Annotated[dict[str, float] | None, unsupported("logit_bias")] = None
+    echo: Annotated[bool | None, unsupported("echo")] = None
+    suffix: Annotated[str | None, unsupported("suffix")] = None
 
     @field_validator("stop")
     @classmethod
     def _as_list(cls, stop: str | list[str] | None) -> list[str]:
         return [stop] if isinstance(stop, str) else list(stop or [])
+
+    @field_validator("max_tokens", "top_k", "seed", "n", mode="before")
+    @classmethod
+    def _whole(cls, value: Any) -> Any:
+        return integral(value)
 
     @field_validator("n", mode="before")
     @classmethod
@@ -118,12 +142,20 @@ class GenerationRequest(_Request):
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: Text | list[Text] | list[int] = Field(
-        description="a string, a one-element list of strings, or token ids")
+    prompt: (Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[Text, Field(min_length=1)]],
+                                                               Field(min_length=1, max_length=1)]
+              | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]) = Field(
+        description="a string, a one-element list of strings, or token ids (never empty)")
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | Literal[False] | None = Field(
         None, description="each token's logprob and this many likeliest alternatives (raw: temperature 1); "
                           "`false` (what some clients send by default) asks for none")
-    top_logprobs: int | None = Field(None, description="chat only: here `logprobs` is the count (0 or null only)")
+    top_logprobs: int | None = Field(None, ge=0, le=0,
+                                     description="chat only: here `logprobs` is the count (0 or null only)")
+
+    @field_validator("prompt", "logprobs", "top_logprobs", mode="before")
+    @classmethod
+    def _whole_ids(cls, value: Any) -> Any:
+        return integral(value)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -163,11 +195,23 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    # top_logprobs above 0 needs `logprobs: true` (OpenAI's rule): in the published schema too,
+    # so a client (or a fuzzer) that follows the schema is never refused for it
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+    })
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = Field(None, description="each token's logprob (raw: temperature 1)")
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="likeliest alternatives per token; needs `logprobs: true`")
+
+    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
+    @classmethod
+    def _whole_chat(cls, value: Any) -> Any:
+        return integral(value)
 
     @field_validator("top_logprobs")
     @classmethod

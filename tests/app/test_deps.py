@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.cli import build_parser, serve_settings
+from app.openapi import enabled_strategies
 from app.settings import Settings
 from service.controller.profiler import profile_path
 from service.engine.config import EngineConfig
@@ -71,5 +72,15 @@ def test_a_server_starts_from_its_saved_valid_profile_and_reports_its_state(tiny
         assert state.cost_profile and runtime.engine.profile == CPU_LIKE
         assert state.profile is not None and state.profile.valid and state.profile.valid_since == path.stat().st_mtime
         assert not state.profile.stale and state.profile.remeasures == {"adopted": 0, "failed": 0, "abandoned": 0}
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize("flags", [(), ("--self-draft", "--draft-staged")], ids=["plain", "self-draft staged"])
+def test_the_published_strategies_are_the_ones_the_runtime_enables(tiny_served, flags) -> None:
+    settings = served("--no-model-tables", "--no-cost-profile", *flags)
+    runtime = Runtime.start(tiny_served, settings.engine_config())
+    try:
+        assert enabled_strategies(settings) == set(runtime.enabled_strategies)
     finally:
         runtime.close()

@@ -345,8 +345,37 @@ def test_openapi_documents_what_the_server_answers(server: str) -> None:
         responses = schema["paths"][route]["post"]["responses"]
         assert {"200", "400", "401", "404", "413", "429", "500", "503", "504"} <= set(responses)
         assert "text/event-stream" in responses["200"]["content"]
-    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     assert "ChatCompletionChunk" in schema["components"]["schemas"]
+    # this server asks for no key: the schema says so
+    assert "securitySchemes" not in schema["components"]
+    assert not any("security" in op for operations in schema["paths"].values() for op in operations.values())
+
+
+def test_openapi_asks_for_a_key_where_the_server_does(keyed: str) -> None:
+    schema = httpx.get(f"{keyed}/openapi.json").json()
+    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert all("security" in schema["paths"][route]["post"] for route in ("/v1/completions", "/v1/chat/completions"))
+    assert not any("security" in op for path in ("/health", "/ready") for op in schema["paths"][path].values())
+
+
+def test_openapi_states_the_limits_the_server_enforces(server: str, tiny_served) -> None:
+    """What a schema-following client sends is never refused for a limit the schema hides."""
+    settings = Settings(**LIMITS, **QUIET)
+    components = httpx.get(f"{server}/openapi.json").json()["components"]["schemas"]
+    chat, completion = components["ChatCompletionRequest"], components["CompletionRequest"]
+    integer = lambda field: next(b for b in field["anyOf"] if b.get("type") == "integer")  # noqa: E731
+    assert integer(chat["properties"]["max_tokens"]) == {"type": "integer", "minimum": 1,
+                                                         "maximum": settings.max_tokens_cap}
+    assert integer(chat["properties"]["seed"])["maximum"] == 2**63 - 1  # exactly, not as a float
+    options = components["SpeculationOptions"]
+    assert integer(options["properties"]["k"])["maximum"] == settings.spec_k
+    strategies = next(b for b in options["properties"]["strategy"]["anyOf"] if "enum" in b)["enum"]
+    assert "context" in strategies and "self_draft" not in strategies  # not started with model drafts
+    assert {"if", "then"} <= set(chat)  # top_logprobs needs logprobs: true
+    prompt = completion["properties"]["prompt"]["anyOf"]
+    assert all(b.get("minLength") == 1 or b.get("minItems") == 1 for b in prompt)
+    ids = next(b for b in prompt if b.get("items", {}).get("type") == "integer")["items"]
+    assert ids["minimum"] == 0 and ids["maximum"] == tiny_served.model.config.vocab_size - 1  # the model loaded
 
 
 @pytest.mark.parametrize("asgi_2_4", [False, True], ids=["uvicorn", "asgi-2.4"])

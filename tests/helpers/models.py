@@ -14,7 +14,7 @@ TEST_DEVICE = torch.device(os.environ.get("NGRAMMYS_TEST_DEVICE", "cpu"))
 
 
 def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = TINY_VOCAB,
-                    num_layers: int = 2) -> LlamaForCausalLM:
+                    num_layers: int = 2, context: int = 512) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights: real attention code, milliseconds per pass."""
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -24,7 +24,7 @@ def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=context,
         bos_token_id=0,
         eos_token_id=1,
         pad_token_id=1,
