@@ -57,15 +57,12 @@ def test_the_published_schema_holds_for_generated_requests(long_context_served, 
         command = [str(Path(sys.executable).parent / "schemathesis"), "run", f"{base}/openapi.json",
                    "--checks", "all", "--seed", str(SEED), "--max-examples", str(EXAMPLES),
                    "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "60",
-                   "--continue-on-failure", "--output-sanitize", "false", "--report", "pytest,ndjson", "--report-dir", str(reports)]
+                   "--continue-on-failure", "--output-sanitize", "false", "--report", "pytest", "--report-dir", str(reports)]
         run = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=tmp_path)  # its caches there
         health = httpx.get(f"{base}/health").json()
     output = run.stdout + run.stderr
-    requests = sum(1 for line in (reports / next(iter(os.listdir(reports)), "")).read_text().splitlines()
-                   if '"ScenarioFinished"' in line) if any(reports.glob("*.ndjson")) else 0
     summary = output[output.rfind("SUMMARY"):] if "SUMMARY" in output else output[-3000:]
-    print(f"\nschemathesis, seed {SEED} (NGRAMMYS_FUZZ_SEED={SEED} replays it), {requests} scenarios; "
-          f"server afterwards: {health}\n{summary}")
+    print(f"\nschemathesis, seed {SEED} (NGRAMMYS_FUZZ_SEED={SEED} replays it); server afterwards: {health}\n{summary}")
     if run.returncode != 0:
         FAILURES.mkdir(exist_ok=True)
         for report in reports.glob("*.py"):
