@@ -361,3 +361,63 @@ def test_sampling_with_a_seed_is_reproducible_and_speculation_keeps_it(server: s
     assert ask(7, {"mode": "off"}) == plain
     assert ask(7, {"mode": "fixed", "k": 6, "w": 4}) == plain  # same seed: the very same sample
     assert {ask(seed, {"mode": "off"}) for seed in (1, 2, 3)} != {plain}
+
+
+# --- the default CPU path: packed GGUF weights ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def packed():
+    """The embedded model as `make serve` serves it on a CPU: packed Q4_1/Q8_0 weights."""
+    from service.model.loader import load_model
+
+    return load_model(quantization="gguf")
+
+
+@pytest.fixture(scope="module")
+def packed_server(packed):
+    """A server on the packed weights whose auto mode speculates (a scripted cost profile)."""
+    app = create_app(Settings(spec_mode="auto", max_tokens=48, **QUIET), loader=lambda _: packed)
+    with serving(app) as base:
+        wait_ready(base)
+        speculating(app)
+        yield base
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("speculation", [
+    {"mode": "off"},
+    {"mode": "fixed", "k": 6, "w": 4, "strategy": "context"},
+    {"mode": "auto", "k": 8, "w": 6},
+], ids=["off", "fixed", "auto"])
+def test_the_packed_cpu_path_answers_the_same_text_whatever_the_speculation(packed, packed_server, speculation,
+                                                                            stream: bool) -> None:
+    engine = build_engine(packed, TableSlot())
+    for messages in (MESSAGES, COPY):
+        ids = chat_prompt_ids(packed.tokenizer, messages)
+        want = packed.tokenizer.decode(engine.complete(ids, GenerationParams(max_new_tokens=48)).token_ids,
+                                       skip_special_tokens=True)
+        body = {"messages": messages, "max_tokens": 48, "stream": stream, "speculation": speculation}
+        if stream:
+            with httpx.stream("POST", f"{packed_server}/v1/chat/completions", json=body, timeout=120) as response:
+                chunks = [json.loads(e) for e in sse_events(response)[:-1]]
+            got = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        else:
+            got = httpx.post(f"{packed_server}/v1/chat/completions", json=body, timeout=120).json()[
+                "choices"][0]["message"]["content"]
+        assert got == want, (messages, speculation)
+    if speculation["mode"] != "off":  # the copy prompt's drafts were accepted: trees were verified
+        assert accepted_draft_tokens(packed_server) > 0
+
+
+@pytest.mark.slow
+def test_a_seeded_sample_on_the_packed_path_is_the_same_with_speculation(packed_server) -> None:
+    def ask(speculation: dict) -> str:
+        body = {"messages": COPY, "max_tokens": 40, "temperature": 0.8, "top_p": 0.95, "seed": 11,
+                "speculation": speculation}
+        return httpx.post(f"{packed_server}/v1/chat/completions", json=body, timeout=120).json()[
+            "choices"][0]["message"]["content"]
+
+    plain = ask({"mode": "off"})
+    assert ask({"mode": "fixed", "k": 6, "w": 4}) == plain and ask({"mode": "auto"}) == plain

@@ -3,7 +3,9 @@
 Statistical part: a synthetic bigram "model" over 6 tokens (the logits after a node depend
 on its token only) lets the real tree builder and verifier generate 3-token sequences
 10,000 times; their empirical distribution is tested (chi-square) against the exact product
-of the target distributions, for several temperature/top-p/top-k settings and tree shapes.
+of the target distributions, for several temperature/top-p/top-k settings and tree shapes:
+trees that branch at the root, and trees whose drafts share their first token and branch
+below it (where a rejected child's residual distribution is taken deeper in the tree).
 The same test rejects a known-wrong rule (accept a draft whenever it is the argmax).
 
 End-to-end part: on the tiny Llama, sampled speculative output is token-identical to plain
@@ -32,18 +34,23 @@ TABLE = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(3)) * 
 
 
 @functools.cache
-def tree_after(token: int, k: int, w: int) -> tuple[TokenTree, torch.Tensor]:
+def tree_after(token: int, k: int, w: int, deep: bool = False) -> tuple[TokenTree, torch.Tensor]:
     """The round's tree after `token`, and its nodes' logits (a bigram model: by node token)."""
-    tree = build_tree(token, drafts_after(token, k, w) if k else [])
+    tree = build_tree(token, drafts_after(token, k, w, deep) if k else [])
+    assert not deep or k < 2 or len(tree.children[0]) == 1 < len(tree.children[1])  # branches at depth 1
     return tree, TABLE[tree.token_ids]  # [num_nodes, vocab]
 
 
-def drafts_after(token: int, k: int, w: int) -> list[Draft]:
-    """Deterministic drafts: the k most likely next tokens, each chained greedily to w."""
-    firsts = TABLE[token].topk(k).indices.tolist()
+def drafts_after(token: int, k: int, w: int, deep: bool = False) -> list[Draft]:
+    """Deterministic drafts, each chained greedily to w: from the k most likely next tokens, or
+    (`deep`) all from the likeliest one, through the k most likely tokens after it."""
+    if deep:
+        first = int(TABLE[token].argmax())
+        starts = [[first, second] for second in TABLE[first].topk(k).indices.tolist()]
+    else:
+        starts = [[first] for first in TABLE[token].topk(k).indices.tolist()]
     drafts = []
-    for rank, first in enumerate(firsts):
-        chain = [first]
+    for rank, chain in enumerate(starts):
         while len(chain) < w:
             chain.append(int(TABLE[chain[-1]].argmax()))
         drafts.append(Draft(tuple(chain), "test", rank))
@@ -65,15 +72,16 @@ def wrong_verify(tree, logits, sampling, uniforms, first_position) -> Verdict:
         return Verdict(path, [tree.token_ids[i] for i in path], bonus)
 
 
-def sample_sequence(seed: int, sampling: SamplingParams, k: int, w: int, rule=verify) -> tuple[int, ...]:
+def sample_sequence(seed: int, sampling: SamplingParams, k: int, w: int, rule=verify,
+                    deep: bool = False) -> tuple[int, ...]:
     uniforms, tokens = PositionUniforms(seed), [START]
     while len(tokens) <= LENGTH:
-        tree, logits = tree_after(tokens[-1], k, w)
+        tree, logits = tree_after(tokens[-1], k, w, deep)
         tokens += rule(tree, logits, sampling, uniforms, first_position=len(tokens)).token_ids
     return tuple(tokens[1 : LENGTH + 1])
 
 
-def chi_square_pvalue(sampling: SamplingParams, k: int, w: int, rule=verify) -> float:
+def chi_square_pvalue(sampling: SamplingParams, k: int, w: int, rule=verify, deep: bool = False) -> float:
     probs = target_probs(TABLE, sampling)  # [token, next]
     cells = list(itertools.product(range(VOCAB), repeat=LENGTH))
     index = {cell: i for i, cell in enumerate(cells)}
@@ -82,7 +90,7 @@ def chi_square_pvalue(sampling: SamplingParams, k: int, w: int, rule=verify) -> 
     ]) * DRAWS
     observed = torch.zeros(len(cells))
     for seed in range(DRAWS):
-        observed[index[sample_sequence(seed, sampling, k, w, rule)]] += 1
+        observed[index[sample_sequence(seed, sampling, k, w, rule, deep)]] += 1
     possible = expected > 0
     assert observed[~possible].sum() == 0  # nothing outside the top-k/top-p support
     rare = possible & (expected < 5)  # pooled into one cell, so the chi-square approximation holds
@@ -106,9 +114,22 @@ def test_sequences_follow_the_target_distribution(sampling: SamplingParams, k: i
     assert chi_square_pvalue(sampling, k, w) > 0.01
 
 
-def test_the_argmax_rule_is_caught() -> None:
+@pytest.mark.parametrize(
+    "sampling,k,w",
+    [
+        (SamplingParams(temperature=1.0), 3, 3),
+        (SamplingParams(temperature=0.7, top_p=0.9), 2, 3),
+        (SamplingParams(temperature=1.3, top_k=4), 4, 2),
+    ],
+)
+def test_trees_branching_below_the_root_keep_the_target_distribution(sampling: SamplingParams, k: int, w: int) -> None:
+    assert chi_square_pvalue(sampling, k, w, deep=True) > 0.01
+
+
+@pytest.mark.parametrize("deep", [False, True], ids=["branching at the root", "branching below it"])
+def test_the_argmax_rule_is_caught(deep: bool) -> None:
     """Same statistic, known-wrong rule: the distribution visibly shifts."""
-    assert chi_square_pvalue(SamplingParams(temperature=1.0), 3, 2, rule=wrong_verify) < 0.01
+    assert chi_square_pvalue(SamplingParams(temperature=1.0), 3, 2, rule=wrong_verify, deep=deep) < 0.01
 
 
 @pytest.mark.parametrize(
