@@ -22,7 +22,9 @@ from app.main import create_app
 from app.settings import Settings
 from service.model.loader import LoadedModel
 from app.background import free_port, serving
-from tests.helpers.http import QUIET, Asgi24, slowed, wait_ready, wait_until
+from tests.helpers.http import (
+    COPY_LONG, QUIET, Asgi24, accepted_draft_tokens, assert_engine_idle, slowed, speculating, wait_ready, wait_until,
+)
 from tests.helpers.models import make_tiny_model
 
 ROOT = Path(__file__).parents[2]
@@ -233,22 +235,26 @@ def test_requests_at_the_limits_are_served(server: str, route: str, extra) -> No
     assert post(server, route, {**ROUTES[route], **extra}).status_code == 200
 
 
-def test_concurrent_requests_per_api_key_beyond_the_limit_get_429(tiny_served) -> None:
+def test_concurrent_requests_per_api_key_beyond_the_limit_get_429(embedded) -> None:
+    """The embedded model, whose copy of a text accepts drafts: the limit holds while a request speculates."""
     settings = Settings(api_keys="key-a,key-b", max_concurrent_per_key=1, retry_after_seconds=2, **QUIET)
-    app = create_app(settings, loader=lambda _: tiny_served)
+    app = create_app(settings, loader=lambda _: embedded)
     a, b = ({"Authorization": f"Bearer {key}"} for key in ("key-a", "key-b"))
-    long = {"messages": MESSAGES, "max_tokens": 200, "stream": True}
+    long = {"messages": COPY_LONG, "max_tokens": 200, "stream": True}
     with serving(app) as base, slowed(app, 0.05):
         wait_ready(base)
+        speculating(app)
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, headers=a, timeout=60) as running:
             lines = running.iter_lines()  # kept: a dropped iterator closes the stream (the slot is freed then)
             next(lines)
+            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)  # refused while one speculates
             refused = post(base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=a)
             assert_openai_error(refused, 429, None, "concurrency_limit_exceeded")
             assert refused.headers["retry-after"] == "2"
             assert post(base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=b).status_code == 200
             assert [line for line in lines if line][-1] == "data: [DONE]"
         assert post(base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=a).status_code == 200
+        assert_engine_idle(app)
 
 
 # --- API keys ---------------------------------------------------------------------------

@@ -71,6 +71,8 @@ def test_sigterm_lets_running_requests_finish_and_ends_the_rest_with_an_error() 
     server = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--no-model-tables", "--no-cost-profile", "--default-temperature", "0",
+         # every round drafts (no cost profile needed): the drain meets requests mid-speculation
+         "--spec-mode", "fixed", "--spec-k", "4", "--spec-w", "4",
          # draining does not depend on the weights' path; the packed one would first compile its
          # kernels on a fresh machine (~60 s idle, past 120 s on a busy CI machine)
          "--quantization", "none", "--drain-timeout", "8", "--log-level", "warning"],
@@ -85,6 +87,7 @@ def test_sigterm_lets_running_requests_finish_and_ends_the_rest_with_an_error() 
             cut = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=endless, timeout=60)
             stream = pool.submit(_stream_events, base, endless)
             wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] >= 2, timeout=30)
+            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=60)
             server.send_signal(signal.SIGTERM)
             wait_until(lambda: httpx.get(f"{base}/ready").status_code == 503, timeout=5)
             refused = httpx.post(f"{base}/v1/chat/completions", json=short, timeout=10)
