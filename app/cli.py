@@ -314,11 +314,17 @@ def _print_table(header: list[object], rows: list[list[object]]) -> None:
 def loadtest_server_flags(args: argparse.Namespace) -> list[str]:
     """`ngrammys serve` flags of the server the load test starts."""
     flags = ["--max-running-requests", str(args.max_running_requests), "--max-waiting", str(max(args.concurrency) * 2),
-             "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--cache-dir", str(args.cache_dir),
-             "--suffix-cache-tokens", str(args.suffix_cache_tokens)]
+             "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--suffix-cache-tokens", str(args.suffix_cache_tokens)]
+    if args.max_prefill_tokens_while_decoding is not None:
+        flags += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
+    return flags + _model_serve_flags(args)
+
+
+def _model_serve_flags(args: argparse.Namespace) -> list[str]:
+    """The `ngrammys serve` flags that load the model `args` names (`_model_flags`)."""
+    flags = ["--cache-dir", str(args.cache_dir)]
     for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
-                        ("--quantization", args.quantization),
-                        ("--max-prefill-tokens-while-decoding", args.max_prefill_tokens_while_decoding)):
+                        ("--quantization", args.quantization)):
         if value is not None:
             flags += [flag, str(value)]
     return flags
@@ -363,11 +369,7 @@ def _neighbour(args: argparse.Namespace) -> None:
         sys.exit("ngrammys neighbour: --url needs --pid, the server's process id (its CPU time is read)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
     pids = [args.pid]
-    flags = ["--suffix-cache-tokens", "0", "--cache-dir", str(args.cache_dir)]
-    for flag, value in (("--model", args.model), ("--device", args.device), ("--dtype", args.dtype),
-                        ("--quantization", args.quantization)):
-        if value is not None:
-            flags += [flag, str(value)]
+    flags = ["--suffix-cache-tokens", "0", *_model_serve_flags(args)]
     with nullcontext(args.url) if args.url else serving_process(flags, started=pids.append) as base:
         _wait_warm(base, True)
         figures = neighbour.run(base, pids[-1], args.neighbours, args.seconds, args.max_tokens)

@@ -51,10 +51,7 @@ class SpeculationOptions(_Request):
     w: int | None = Field(None, ge=0, le=64)
     strategy: Strategy | None = None
 
-    @field_validator("k", "w", mode="before")
-    @classmethod
-    def _whole(cls, value: Any) -> Any:
-        return integral(value)
+    _whole_options = field_validator("k", "w", mode="before")(integral)  # 626.0 is 626
 
 
 class StreamOptions(_Request):
@@ -119,10 +116,7 @@ class GenerationRequest(_Request):
     def _as_list(cls, stop: str | list[str] | None) -> list[str]:
         return [stop] if isinstance(stop, str) else list(stop or [])
 
-    @field_validator("max_tokens", "top_k", "seed", "n", mode="before")
-    @classmethod
-    def _whole(cls, value: Any) -> Any:
-        return integral(value)
+    _whole_generation = field_validator("max_tokens", "top_k", "seed", "n", mode="before")(integral)  # 626.0 is 626
 
     @field_validator("n", mode="before")
     @classmethod
@@ -152,10 +146,7 @@ class CompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=0,
                                      description="chat only: here `logprobs` is the count (0 or null only)")
 
-    @field_validator("prompt", "logprobs", "top_logprobs", mode="before")
-    @classmethod
-    def _whole_ids(cls, value: Any) -> Any:
-        return integral(value)
+    _whole_completion = field_validator("prompt", "logprobs", "top_logprobs", mode="before")(integral)  # 626.0 is 626
 
     @field_validator("top_logprobs")
     @classmethod
@@ -208,10 +199,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="likeliest alternatives per token; needs `logprobs: true`")
 
-    @field_validator("max_completion_tokens", "top_logprobs", mode="before")
-    @classmethod
-    def _whole_chat(cls, value: Any) -> Any:
-        return integral(value)
+    _whole_chat = field_validator("max_completion_tokens", "top_logprobs", mode="before")(integral)  # 626.0 is 626
 
     @field_validator("top_logprobs")
     @classmethod

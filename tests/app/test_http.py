@@ -43,10 +43,15 @@ def server(embedded):
 @pytest.fixture(scope="module")
 def direct(embedded):
     """Plain greedy decoding straight from the engine: what the API must reproduce."""
-    engine = build_engine(embedded, TableSlot())
+    return plain_decoding(embedded)
+
+
+def plain_decoding(loaded):
+    """`loaded`'s plain greedy decoding by an engine of its own: (text, completion, prompt ids)."""
+    engine = build_engine(loaded, TableSlot())
 
     def decode(messages=None, prompt=None, max_tokens=24):
-        tokenizer = embedded.tokenizer
+        tokenizer = loaded.tokenizer
         ids = chat_prompt_ids(tokenizer, messages) if messages else tokenizer.encode(prompt)
         completion = engine.complete(ids, GenerationParams(max_new_tokens=max_tokens))
         return tokenizer.decode(completion.token_ids, skip_special_tokens=True), completion, ids
@@ -393,11 +398,9 @@ def packed_server(packed):
 ], ids=["off", "fixed", "auto"])
 def test_the_packed_cpu_path_answers_the_same_text_whatever_the_speculation(packed, packed_server, speculation,
                                                                             stream: bool) -> None:
-    engine = build_engine(packed, TableSlot())
+    decode = plain_decoding(packed)
     for messages in (MESSAGES, COPY):
-        ids = chat_prompt_ids(packed.tokenizer, messages)
-        want = packed.tokenizer.decode(engine.complete(ids, GenerationParams(max_new_tokens=48)).token_ids,
-                                       skip_special_tokens=True)
+        want = decode(messages, max_tokens=48)[0]
         body = {"messages": messages, "max_tokens": 48, "stream": stream, "speculation": speculation}
         if stream:
             with httpx.stream("POST", f"{packed_server}/v1/chat/completions", json=body, timeout=120) as response:
