@@ -4,8 +4,8 @@ FastAPI generates it from the routes; a client or a schema fuzzer that follows i
 be refused for a request the schema calls valid. So, from this server's settings: validation
 errors leave as 400 in OpenAI's shape (app/errors.py), not 422; the bearer scheme appears
 only where a key is asked for; the limits the settings set (max_tokens, stop sequences,
-speculation k and w, the strategies enabled) are the schema's bounds; and stream chunks get
-their components.
+speculation k and w, the strategies enabled) are the schema's bounds, and the model's vocabulary
+bounds token ids (a prompt's, logit_bias's keys); and stream chunks get their components.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, get_args
 from fastapi import FastAPI
 from pydantic.json_schema import models_json_schema
 
-from app.schemas import MAX_REQUEST_SEED, STREAM_MODELS
+from app.schemas import MAX_REQUEST_SEED, STREAM_MODELS, logit_bias_schema
 from app.settings import Settings, Strategy
 from drafting import MODEL_STRATEGY_NAMES
 
@@ -115,10 +115,29 @@ def _limits_as_configured(components: Schema, settings: Settings) -> None:
 
 
 def _token_ids_below(components: Schema, vocab_size: int) -> None:
-    """A prompt's token ids exist in the model's embedding."""
+    """A prompt's token ids and logit_bias's keys exist in the model's embedding."""
     for branch in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if branch.get("type") == "array" and branch["items"].get("type") == "integer":
             branch["items"]["maximum"] = vocab_size - 1
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        components[request]["properties"]["logit_bias"] = logit_bias_schema(decimals_below(vocab_size))
+
+
+def decimals_below(bound: int) -> str:
+    """A regex (unanchored alternatives) matching exactly the integers in [0, bound), written in
+    decimal without leading zeros: a JSON schema can bound an object's keys only by pattern.
+    For the top's digits t_1..t_L: `0`, every shorter number, then each prefix t_1..t_(i-1)
+    followed by a smaller digit and any L - i digits, and the top itself."""
+    top = str(bound - 1)
+    branches = ["0"]
+    if len(top) > 1:
+        branches.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
+    for i, digit in enumerate(map(int, top)):
+        lowest = 1 if i == 0 else 0
+        if digit > lowest:
+            branches.append(f"{top[:i]}[{lowest}-{digit - 1}][0-9]{{{len(top) - i - 1}}}")
+    branches.append(top)
+    return "|".join(dict.fromkeys(branches))
 
 
 def _speculation_rules(settings: Settings) -> list[Schema]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from app.settings import Strategy
-from service.engine.params import MIN_TEMPERATURE, SpeculationMode
+from service.engine.params import (
+    MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SpeculationMode,
+)
 
 
 def _valid_unicode(text: str) -> str:
@@ -67,9 +70,6 @@ UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "echo": (None, False),
     "suffix": (None, ""),
 }
@@ -79,6 +79,20 @@ def unsupported(name: str) -> WithJsonSchema:
     """The published schema of an unsupported field: only the values that ask for nothing."""
     return WithJsonSchema({"enum": list(UNSUPPORTED_DEFAULTS[name]),
                            "description": "not supported by this server: only this value, which asks for nothing"})
+
+
+# A logit_bias key: a token id in decimal, as OpenAI's clients write it (at most ten digits,
+# beyond any vocabulary); the published schema narrows it to the model's vocabulary once loaded.
+TOKEN_ID_KEY = "0|[1-9][0-9]{0,9}"
+
+
+def logit_bias_schema(token_id_key: str) -> dict[str, Any]:
+    """The published schema of `logit_bias`, with keys matching the regex `token_id_key`."""
+    bias = {"type": "object", "propertyNames": {"pattern": f"^({token_id_key})$"},
+            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}}
+    return {"anyOf": [bias, {"type": "null"}],
+            "description": f"token id (in decimal) -> bias added to its logit, in "
+                           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"}
 
 
 class GenerationRequest(_Request):
@@ -99,15 +113,26 @@ class GenerationRequest(_Request):
     n: int = Field(1, ge=1, le=1, description="only 1")
     user: str | None = None
     speculation: SpeculationOptions | None = None
+    # the logit controls, in the order they apply (service/engine/logits_adjuster.py, sampling.py)
+    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(logit_bias_schema(TOKEN_ID_KEY))] = None
+    repetition_penalty: float | None = Field(
+        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+        description="vLLM's: divides positive (multiplies negative) logits of tokens in the prompt or the output; "
+                    "1 = none (any value > 0 beyond these bounds would only saturate)")
+    frequency_penalty: float | None = Field(
+        None, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        description="subtracted from a token's logit per occurrence in the output")
+    presence_penalty: float | None = Field(
+        None, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        description="subtracted from a token's logit if it occurs in the output")
+    min_p: float | None = Field(
+        None, ge=0, le=1, description="keep tokens with probability >= min_p × the largest (after temperature)")
     # not implemented: only the values in UNSUPPORTED_DEFAULTS are accepted
     tools: Annotated[list[dict[str, Any]] | None, unsupported("tools")] = None
     tool_choice: Annotated[str | dict[str, Any] | None, unsupported("tool_choice")] = None
     functions: Annotated[list[dict[str, Any]] | None, unsupported("functions")] = None
     function_call: Annotated[str | dict[str, Any] | None, unsupported("function_call")] = None
     response_format: Annotated[dict[str, Any] | None, unsupported("response_format")] = None
-    frequency_penalty: Annotated[float | None, unsupported("frequency_penalty")] = None
-    presence_penalty: Annotated[float | None, unsupported("presence_penalty")] = None
-    logit_bias: Annotated[dict[str, float] | None, unsupported("logit_bias")] = None
     echo: Annotated[bool | None, unsupported("echo")] = None
     suffix: Annotated[str | None, unsupported("suffix")] = None
 
@@ -117,6 +142,18 @@ class GenerationRequest(_Request):
         return [stop] if isinstance(stop, str) else list(stop or [])
 
     _whole_generation = field_validator("max_tokens", "top_k", "seed", "n", mode="before")(integral)  # 626.0 is 626
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids in decimal, biases in OpenAI's range (the vocabulary is the route's check)."""
+        for token, value in (bias or {}).items():
+            if not re.fullmatch(TOKEN_ID_KEY, token):
+                raise ValueError(f"keys must be token ids in decimal (as \"50256\"), got {token!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {value} for {token}")
+        return bias
 
     @field_validator("n", mode="before")
     @classmethod

@@ -127,15 +127,16 @@ async def _tokenize(request: Request, param: str, encode: Callable[..., list[int
     return ids
 
 
-def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+def _checked_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list[int]:
     """Token ids must exist in the model's embedding (its config's vocabulary, which may be
     larger or smaller than the tokenizer's)."""
     if any(not 0 <= i < vocab_size for i in ids):
-        raise ApiError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+        raise ApiError(400, f"{param}: token ids must be in [0, {vocab_size})", param=param)
     return ids
 
 
-def _params(body: GenerationRequest, settings: Settings, max_tokens: int, logprobs: int | None) -> GenerationParams:
+def _params(body: GenerationRequest, serving: _Serving, max_tokens: int, logprobs: int | None) -> GenerationParams:
+    settings = serving.settings
     options = body.speculation or SpeculationOptions()
     k = settings.spec_k if options.k is None else options.k
     w = settings.spec_w if options.w is None else options.w
@@ -143,13 +144,27 @@ def _params(body: GenerationRequest, settings: Settings, max_tokens: int, logpro
         speculation = SpeculationParams(k, w, options.mode or settings.spec_mode)
     except ValueError as error:
         raise ApiError(400, str(error), param="speculation") from error
+    return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
+                            strategy=options.strategy or settings.spec_strategy,
+                            sampling=_sampling(body, settings, serving.runtime.vocab_size), logprobs=logprobs)
+
+
+def _sampling(body: GenerationRequest, settings: Settings, vocab_size: int) -> SamplingParams:
+    """The request's sampling controls; their ranges are the schema's, checked already."""
     temperature = settings.default_temperature if body.temperature is None else body.temperature
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0  # that close to 0 the distribution is the argmax (see MIN_TEMPERATURE)
-    sampling = SamplingParams(temperature, body.top_p or 1.0, max(body.top_k or 0, 0), body.seed)
-    return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
-                            strategy=options.strategy or settings.spec_strategy, sampling=sampling,
-                            logprobs=logprobs)
+    return SamplingParams(
+        temperature, body.top_p or 1.0, max(body.top_k or 0, 0), body.seed, min_p=body.min_p or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0, logit_bias=_logit_bias(body.logit_bias or {}, vocab_size))
+
+
+def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """logit_bias keyed by token id; each must exist in the model's embedding, as a prompt's."""
+    by_id = {int(token): value for token, value in bias.items()}
+    _checked_ids(list(by_id), vocab_size, "logit_bias")
+    return by_id
 
 
 async def _respond(
@@ -160,7 +175,7 @@ async def _respond(
     if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
         raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
-    params = _params(body, settings, max_tokens, logprobs)
+    params = _params(body, serving, max_tokens, logprobs)
     enabled = runtime.enabled_strategies
     if params.strategy not in enabled:  # a model draft this server was not started with
         raise ApiError(400, f"strategy {params.strategy!r} is not enabled on this server; enabled: "

@@ -28,6 +28,7 @@ from service.controller.calibration import Calibration
 from service.controller.cost_profile import CostProfile
 from service.controller.planner import RowTree, TreePlan
 from service.controller.policy import SpeculationPolicy
+from service.engine.logits_adjuster import LogitsAdjuster
 from service.engine.logprobs import token_logprobs
 from service.engine.outputs import Completion, RoundOutput, StepStats
 from service.engine.params import GenerationParams
@@ -107,7 +108,8 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], params: GenerationParams, request_id: str | None = None) -> Request:
-        """Queue a request (raises `ContextTooLong` or `DoesNotFit` if it can never run)."""
+        """Queue a request (raises `ContextTooLong` or `DoesNotFit` if it can never run, and
+        `ValueError` for a logit_bias token outside the vocabulary)."""
         if not prompt_ids:
             raise ValueError("the prompt holds no tokens")
         self.check_fits(len(prompt_ids), params)
@@ -119,6 +121,8 @@ class Engine:
             calibration=self.calibration.for_request(),
             uniforms=None if params.sampling.greedy else PositionUniforms(params.sampling.seed),
             stop_ids=self.eos_token_ids | params.stop_token_ids,
+            logits_adjuster=LogitsAdjuster.for_request(params.sampling, prompt_ids, self.runner.vocab_size,
+                                                       self.runner.device),
         )
         self.scheduler.add(request)
         return request
@@ -221,24 +225,27 @@ class Engine:
         the rows keep, all rows together. A row's round, its error, or None for a prefill chunk."""
         with timer.learning():
             top_ids = self._top_ids(rows, logits)
+        adjusted = [_adjusted(row, row_logits) for row, row_logits in zip(rows, logits)]
         commits: dict[int, list[int]] = {}  # KV row -> pass entries kept
         rounds = [self._verify_row(row, *row_outputs, commits, timer)
-                  for row, *row_outputs in zip(rows, logits, top_ids, self._greedy_choices(rows, logits))]
+                  for row, *row_outputs in zip(rows, logits, adjusted, top_ids, self._greedy_choices(rows, adjusted))]
         self.cache.commit_rows(commits)
         timer.mark_verified()
         return rounds
 
-    def _verify_row(self, row: _Row, logits: torch.Tensor, top_ids: np.ndarray | None, greedy: list[int] | None,
-                    commits: dict[int, list[int]], timer: StepTimer) -> RoundOutput | Exception | None:
-        """A row's prompt chunk joins its cache row; a decoding row's tree is verified, the
-        pass entries its KV row keeps go into `commits`, and its drafts learn the outcome."""
+    def _verify_row(self, row: _Row, logits: torch.Tensor, adjusted: torch.Tensor, top_ids: np.ndarray | None,
+                    greedy: list[int] | None, commits: dict[int, list[int]],
+                    timer: StepTimer) -> RoundOutput | Exception | None:
+        """A row's prompt chunk joins its cache row; a decoding row's tree is verified (on its
+        `adjusted` logits), the pass entries its KV row keeps go into `commits`, and its drafts
+        learn the outcome."""
         request = row.request
         request.num_cached += len(row.chunk)
         if row.tree is None:
             commits[request.row] = list(range(len(row.chunk)))  # type: ignore[index]
             return None
         try:
-            verdict = verify(row.tree, logits, request.params.sampling, request.uniforms,
+            verdict = verify(row.tree, adjusted, request.params.sampling, request.uniforms,
                              first_position=request.context_length, greedy=greedy)
             offset = len(row.chunk)
             commits[request.row] = [*range(offset), offset, *(offset + node for node in verdict.accepted_nodes)]  # type: ignore[index]
@@ -327,8 +334,8 @@ class Engine:
 
     @staticmethod
     def _greedy_choices(rows: list[_Row], logits: list[torch.Tensor]) -> list[list[int] | None]:
-        """Each greedy decoding row's argmax token at each of its tree's nodes, every row's taken
-        together (off the CPU one device call for the pass, not one a row)."""
+        """Each greedy decoding row's argmax token at each of its tree's nodes (of the `_adjusted`
+        logits), every row's taken together (off the CPU one device call for the pass, not one a row)."""
         wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.params.sampling.greedy]
         return _scattered(len(rows), wanted,
                           greedy_choices_of_rows([logits[i][: rows[i].tree.num_nodes] for i in wanted]))  # type: ignore[union-attr]
@@ -397,6 +404,16 @@ class Engine:
                     if out.finish_reason is not None:
                         completions[id(request)].seconds = time.perf_counter() - started
         return [completions[id(r)] for r in added]
+
+
+def _adjusted(row: _Row, logits: torch.Tensor) -> torch.Tensor:
+    """A decoding row's logits after its request's logit_bias and penalties, each node's from
+    its own path; the raw logits themselves for every other row. The raw ones stay what the
+    successor tables (shared by all requests) learn from and what logprobs report."""
+    adjuster = row.request.logits_adjuster
+    if row.tree is None or adjuster is None:
+        return logits
+    return adjuster(logits, row.tree, row.request.drafts.history.token_ids)
 
 
 def _scattered(size: int, at: list[int], values: Sequence[T]) -> list[T | None]:

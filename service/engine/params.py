@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -42,16 +43,31 @@ class SpeculationParams:
 # temperatures below this as 0 (greedy); the engine refuses them.
 MIN_TEMPERATURE = 1e-3
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| at most this (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # |logit_bias| values at most this (OpenAI's range)
+# repetition_penalty's range: any value beyond already saturates (a penalized logit ~0, or far
+# above or below every other), while logits times or over it, then over MIN_TEMPERATURE, would
+# overflow float32 (and inf - inf in softmax is NaN)
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-30, 1e30
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Temperature 0 is greedy; otherwise sample from p after top-k and top-p."""
+    """Temperature 0 is greedy; otherwise sample from p after min-p, top-k and top-p.
+
+    `logit_bias` and the penalties change the logits before either (greedy takes the argmax of
+    the adjusted logits); `service/engine/logits_adjuster.py` says which tokens each counts.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = no top-k cut
     seed: int | None = None
+    min_p: float = 0.0  # keep tokens with p >= min_p × the largest p (after temperature); 0 = no cut
+    frequency_penalty: float = 0.0  # subtracted once per occurrence of the token in the output
+    presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
+    repetition_penalty: float = 1.0  # divides (multiplies, if negative) logits of prompt and output tokens
+    logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
@@ -62,10 +78,32 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= -1, got {self.top_k}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self._check_adjustments()
+
+    def _check_adjustments(self) -> None:
+        """logit_bias and the penalties within OpenAI's ranges (repetition_penalty within float32's)."""
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                             f"got {self.repetition_penalty}")
+        for token, bias in self.logit_bias.items():
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in "
+                                 f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logit_bias or a penalty asks for anything: requests without them skip that work."""
+        return (bool(self.logit_bias) or self.frequency_penalty != 0 or self.presence_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 @dataclass(frozen=True)

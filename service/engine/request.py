@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from drafting import RequestDrafts
 from service.controller.calibration import RequestCalibration
+from service.engine.logits_adjuster import LogitsAdjuster
 from service.engine.params import GenerationParams, SpeculationParams
 from service.engine.sampling import PositionUniforms
 
@@ -36,6 +37,7 @@ class Request:
     calibration: RequestCalibration
     uniforms: PositionUniforms | None
     stop_ids: frozenset[int]
+    logits_adjuster: LogitsAdjuster | None = None  # logit_bias and penalties, when asked for
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     row: int | None = None  # KV cache row while running

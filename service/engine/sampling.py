@@ -1,7 +1,8 @@
 """From logits to the target distribution p, and the randomness that samples from it.
 
-p: temperature, then top-k, then top-p (nucleus), the order OpenAI-style servers apply
-them. Temperature 0 is greedy (argmax), with no randomness at all.
+p: temperature, then min-p, top-k, then top-p (nucleus), the order vLLM applies them (on logits
+that logit_bias and the penalties adjusted first: `logits_adjuster.py`). Temperature 0 is
+greedy (argmax), with no randomness at all.
 
 Sampling is by inverse CDF with one uniform number per *output position*: the token at
 position t is F⁻¹_p(u_t), where p is the model's distribution given the prefix and u_t comes
@@ -25,8 +26,10 @@ from service.kernels.packed_linear import loaded_kernels
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[n, vocab] logits → [n, vocab] probabilities after temperature, top-k, top-p."""
+    """[n, vocab] logits → [n, vocab] probabilities after temperature, min-p, top-k, top-p."""
     scaled = logits.float() / params.temperature
+    if params.min_p > 0:
+        scaled = _min_p_cut(scaled, params.min_p)
     if params.top_k > 0 and params.top_k < scaled.shape[-1]:
         kth = scaled.topk(params.top_k, dim=-1).values[..., -1:]  # [n, 1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -38,6 +41,13 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def _min_p_cut(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
+    """[n, vocab] logits with the tokens below min_p × the row's largest probability masked
+    out (vLLM's rule: the likeliest token always stays)."""
+    probs = scaled.softmax(dim=-1)  # [n, vocab]
+    return scaled.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
 def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> list[int]:

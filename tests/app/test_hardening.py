@@ -7,6 +7,7 @@ every refusal must be a 4xx in OpenAI's error shape, and the server must live on
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from app.auth import ApiKeys
+from app.openapi import decimals_below
 from app.main import create_app
 from app.settings import Settings
 from service.model.loader import LoadedModel
@@ -145,17 +147,53 @@ def test_token_ids_are_checked_against_the_models_vocabulary(embedded) -> None:
 
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("response_format", {"type": "json_object"}), ("frequency_penalty", 0.5), ("presence_penalty", -1),
-    ("logit_bias", {"42": 5}), ("echo", True), ("suffix", "end"), ("functions", [{"name": "f"}]),
+    ("response_format", {"type": "json_object"}), ("echo", True), ("suffix", "end"), ("functions", [{"name": "f"}]),
 ]
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("field,value", UNSUPPORTED)
 def test_unsupported_fields_are_400_naming_the_field_on_both_routes(server: str, route: str, field: str, value) -> None:
-    """Chat used to accept and silently ignore tools, response_format and the penalties."""
+    """Chat used to accept and silently ignore tools and response_format."""
     error = assert_openai_error(post(server, route, {**ROUTES[route], field: value}), 400, field)
     assert "not supported" in error["message"]
+
+
+BAD_CONTROLS = [
+    ("frequency_penalty", 2.5), ("frequency_penalty", -2.01), ("presence_penalty", -3), ("presence_penalty", "1"),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", 1e31),
+    ("min_p", 1.5), ("min_p", -0.1),
+    ("logit_bias", {"abc": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"05": 1}), ("logit_bias", {"5": 100.5}),
+    ("logit_bias", {"5": "x"}), ("logit_bias", {"5": True}), ("logit_bias", [5]), ("logit_bias", {"1" * 11: 1}),
+]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("field,value", BAD_CONTROLS)
+def test_sampling_controls_out_of_range_are_400_naming_the_field(server: str, route: str, field: str, value) -> None:
+    assert_openai_error(post(server, route, {**ROUTES[route], field: value}), 400, field)
+
+
+def test_a_logit_bias_outside_the_models_vocabulary_is_400(server: str, tiny_served) -> None:
+    vocab = tiny_served.model.config.vocab_size
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert post(server, "completions", {**body, "logit_bias": {str(vocab - 1): 5}}).status_code == 200
+    error = assert_openai_error(post(server, "completions", {**body, "logit_bias": {str(vocab): 5}}), 400, "logit_bias")
+    assert str(vocab) in error["message"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_sampling_controls_at_their_bounds_are_accepted(server: str, route: str) -> None:
+    body = {**ROUTES[route], "max_tokens": 4, "frequency_penalty": -2, "presence_penalty": 2.0, "min_p": 1,
+            "repetition_penalty": 1e-3, "logit_bias": {"0": -100, "5": 100}}
+    assert post(server, route, body).status_code == 200
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_full_logit_bias_forces_its_token(server: str, route: str, tiny_served) -> None:
+    token = tiny_served.tokenizer.encode(" hello")[0]
+    body = {**ROUTES[route], "max_tokens": 4, "temperature": 1, "logit_bias": {str(token): 100}}
+    assert text_of(post(server, route, body)) == tiny_served.tokenizer.decode([token] * 4)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -380,8 +418,28 @@ def test_openapi_states_the_limits_the_server_enforces(server: str, tiny_served)
     assert {"if", "then"} <= set(chat)  # top_logprobs needs logprobs: true
     prompt = completion["properties"]["prompt"]["anyOf"]
     assert all(b.get("minLength") == 1 or b.get("minItems") == 1 for b in prompt)
+    vocab = tiny_served.model.config.vocab_size
     ids = next(b for b in prompt if b.get("items", {}).get("type") == "integer")["items"]
-    assert ids["minimum"] == 0 and ids["maximum"] == tiny_served.model.config.vocab_size - 1  # the model loaded
+    assert ids["minimum"] == 0 and ids["maximum"] == vocab - 1  # the model loaded
+    number = lambda field: next(b for b in field["anyOf"] if b.get("type") == "number")  # noqa: E731
+    for request in (chat, completion):
+        bias = next(b for b in request["properties"]["logit_bias"]["anyOf"] if b.get("type") == "object")
+        keys = re.compile(bias["propertyNames"]["pattern"])
+        assert keys.search(str(vocab - 1)) and not any(keys.search(k) for k in (str(vocab), "07", "-1", "1.0", ""))
+        assert bias["additionalProperties"] == {"type": "number", "minimum": -100, "maximum": 100}
+        assert (number(request["properties"]["presence_penalty"])["minimum"],
+                number(request["properties"]["frequency_penalty"])["maximum"]) == (-2, 2)
+        repetition = number(request["properties"]["repetition_penalty"])
+        assert (repetition["minimum"], repetition["maximum"]) == (1e-30, 1e30)
+        min_p = number(request["properties"]["min_p"])
+        assert (min_p["minimum"], min_p["maximum"]) == (0, 1)
+
+
+@pytest.mark.parametrize("bound", [1, 2, 10, 11, 64, 100, 101, 999, 49152, 50257])
+def test_the_token_id_pattern_matches_exactly_the_ids_below_the_vocabulary(bound: int) -> None:
+    pattern = re.compile(f"^({decimals_below(bound)})$")
+    assert [n for n in range(3 * bound + 20) if pattern.search(str(n))] == list(range(bound))
+    assert not any(pattern.search(key) for key in ("00", "01", "-0", " 1", "1 ", "+1"))
 
 
 @pytest.mark.parametrize("asgi_2_4", [False, True], ids=["uvicorn", "asgi-2.4"])

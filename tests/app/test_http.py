@@ -14,7 +14,7 @@ import pytest
 from app.main import create_app
 from app.settings import Settings
 from drafting import TableSlot
-from service.engine.params import GenerationParams
+from service.engine.params import GenerationParams, SamplingParams
 from service.kernels import packed_linear
 from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine
@@ -50,10 +50,10 @@ def plain_decoding(loaded):
     """`loaded`'s plain greedy decoding by an engine of its own: (text, completion, prompt ids)."""
     engine = build_engine(loaded, TableSlot())
 
-    def decode(messages=None, prompt=None, max_tokens=24):
+    def decode(messages=None, prompt=None, max_tokens=24, sampling=SamplingParams()):
         tokenizer = loaded.tokenizer
         ids = chat_prompt_ids(tokenizer, messages) if messages else tokenizer.encode(prompt)
-        completion = engine.complete(ids, GenerationParams(max_new_tokens=max_tokens))
+        completion = engine.complete(ids, GenerationParams(max_new_tokens=max_tokens, sampling=sampling))
         return tokenizer.decode(completion.token_ids, skip_special_tokens=True), completion, ids
 
     return decode
@@ -366,6 +366,34 @@ def test_sampling_with_a_seed_is_reproducible_and_speculation_keeps_it(server: s
     assert ask(7, {"mode": "off"}) == plain
     assert ask(7, {"mode": "fixed", "k": 6, "w": 4}) == plain  # same seed: the very same sample
     assert {ask(seed, {"mode": "off"}) for seed in (1, 2, 3)} != {plain}
+
+
+def test_penalties_bias_and_min_p_keep_the_plain_text_whatever_the_speculation(server: str, embedded, direct) -> None:
+    """Through the openai client: greedy text with every logit control equals the engine's plain
+    decoding with the same controls (and differs from it without them); a seeded sample with
+    them is the same sample with speculation as without."""
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
+    banned = embedded.tokenizer.encode(" 2")[0]
+    controls = {"frequency_penalty": 0.6, "presence_penalty": 0.4, "logit_bias": {str(banned): -100}}
+    extra = {"repetition_penalty": 1.3, "min_p": 0.05}
+
+    def ask(speculation: dict, **sampling) -> str:
+        reply = client.chat.completions.create(model=embedded.name, messages=MESSAGES, max_tokens=24, **controls,
+                                               **sampling, extra_body={**extra, "speculation": speculation})
+        accepted.append(reply.choices[0].model_extra["speculative_decoding_stats"]["num_accepted_draft_tokens"])
+        return reply.choices[0].message.content
+
+    accepted: list[int] = []
+
+    adjusted = SamplingParams(frequency_penalty=0.6, presence_penalty=0.4, repetition_penalty=1.3, min_p=0.05,
+                              logit_bias={banned: -100.0})
+    text = direct(MESSAGES, sampling=adjusted)[0]
+    assert text != direct(MESSAGES)[0]
+    for speculation in ({"mode": "off"}, {"mode": "fixed", "k": 8, "w": 6}, {"mode": "auto", "k": 8, "w": 6}):
+        assert ask(speculation, temperature=0) == text, speculation
+    sample = ask({"mode": "off"}, temperature=0.9, seed=7)
+    assert ask({"mode": "fixed", "k": 6, "w": 4}, temperature=0.9, seed=7) == sample
+    assert accepted[1] > 0 and accepted[-1] > 0  # the fixed trees had drafts accepted
 
 
 # --- the default CPU path: packed GGUF weights ----------------------------------------

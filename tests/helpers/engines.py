@@ -1,12 +1,17 @@
 """Engines over the tiny model, the prompts the lossless tests decode, and the references they
-must equal: plain greedy decoding with no cache code, and a drafter that knows the answer."""
+must equal: plain decoding with no cache code (greedy, or with logit controls adjusting token by
+token), and a drafter that knows the answer."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from drafting import Draft, TableSlot, TokenHistory, default_mixer
 from service.engine.engine import Engine
+from service.engine.params import SamplingParams
+from service.engine.sampling import PositionUniforms, choose_tokens
 from service.engine.scheduler import SchedulerConfig
 from service.model.runner import ModelRunner
 from tests.helpers.costs import MEMORY_BOUND
@@ -27,6 +32,37 @@ def reference_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
         for _ in range(num_tokens):
             ids.append(int(model(torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+def reference_adjusted_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
+                              sampling: SamplingParams) -> torch.Tensor:
+    """One position's logits [vocab] after logit_bias and the penalties, token by token, as vLLM
+    and OpenAI define them (`output`: the tokens generated before the position)."""
+    out = logits.float().clone()
+    for token, bias in sampling.logit_bias.items():
+        out[token] += bias
+    for token in set(prompt) | set(output):
+        penalty = sampling.repetition_penalty
+        out[token] = out[token] / penalty if out[token] > 0 else out[token] * penalty
+    for token, count in Counter(output).items():
+        out[token] -= sampling.frequency_penalty * count
+        out[token] -= sampling.presence_penalty
+    return out
+
+
+def reference_decode(model, prompt: list[int], num_tokens: int, sampling: SamplingParams) -> list[int]:
+    """Plain decoding with a full recompute per token, each token's logits adjusted one token at
+    a time (`reference_adjusted_logits`): no cache, tree or vectorised adjustment involved.
+    Greedy takes the argmax; sampling the inverse CDF of the position's uniform, as the engine
+    reads them."""
+    ids = list(prompt)
+    uniforms = None if sampling.greedy else PositionUniforms(sampling.seed)
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
+            adjusted = reference_adjusted_logits(logits, prompt, ids[len(prompt):], sampling)[None]  # [1, vocab]
+            ids += choose_tokens(adjusted, sampling, None if uniforms is None else uniforms.at([len(ids)]))
+    return ids[len(prompt):]
 
 
 class OracleDrafter:

@@ -1,4 +1,4 @@
-"""Target distribution (temperature, top-k, top-p) and inverse-CDF sampling per position."""
+"""Target distribution (temperature, min-p, top-k, top-p) and inverse-CDF sampling per position."""
 
 from __future__ import annotations
 
@@ -48,6 +48,23 @@ def test_top_k_then_top_p() -> None:
     probs = target_probs(LOGITS, SamplingParams(temperature=1.0, top_k=3, top_p=0.8))
     three = LOGITS[0, :3].softmax(-1)  # ≈ [0.63, 0.23, 0.14]: 0.63 < 0.8 ≤ 0.86
     torch.testing.assert_close(probs[0, :2], three[:2] / three[:2].sum())
+
+
+def test_min_p_keeps_tokens_within_a_share_of_the_likeliest() -> None:
+    full = LOGITS.softmax(-1)[0]  # ≈ [0.56, 0.21, 0.13, 0.08, 0.03]
+    probs = target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.3))  # p >= 0.17 stays
+    torch.testing.assert_close(probs[0, :2], full[:2] / full[:2].sum())
+    assert probs[0, 2:].sum() == 0
+    assert target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=1.0))[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_min_p_cuts_after_temperature_and_before_top_p() -> None:
+    # at temperature 4, p ≈ [0.28, 0.22, 0.19, 0.17, 0.13]: all >= 0.4 × 0.28; at 1, only the top one
+    assert (target_probs(LOGITS, SamplingParams(temperature=4.0, min_p=0.4)) > 0).all()
+    assert (target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.4)) > 0).sum() == 1
+    # min-p 0.2 keeps 3 tokens, renormalized ≈ [0.63, 0.23, 0.14], of which top-p 0.85 keeps 2;
+    # top-p first would keep 3 (0.56 + 0.21 < 0.85), and min-p after it all 3
+    assert (target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.2, top_p=0.85)) > 0).sum() == 2
 
 
 def test_greedy_is_argmax_without_randomness() -> None:
@@ -150,6 +167,10 @@ def test_uniforms_are_fixed_per_position_and_seed() -> None:
     {"temperature": 1e-45},  # logits / 1e-45 overflow to inf, softmax to NaN: refused, not sampled
     {"temperature": float("nan")}, {"temperature": float("inf")},
     {"seed": -1}, {"seed": 2**64},  # outside torch.Generator's range
+    {"min_p": -0.1}, {"min_p": 1.1}, {"frequency_penalty": 2.1}, {"presence_penalty": -2.5},
+    {"presence_penalty": float("nan")}, {"repetition_penalty": 0}, {"repetition_penalty": float("inf")},
+    {"repetition_penalty": 1e-31}, {"repetition_penalty": 1e31},  # logits times or over it overflow float32
+    {"logit_bias": {-1: 1.0}}, {"logit_bias": {5: 100.5}},
 ])
 def test_invalid_parameters_are_refused(bad) -> None:
     with pytest.raises(ValueError):
