@@ -59,33 +59,28 @@ def lanes_for(head_dim: int) -> int:
     raise ValueError(f"the attention kernel needs a head size divisible by 4, not {head_dim}")
 
 
-class _Emitter:
-    """Builds the IR of `attend(q, keys, values, start, tree, tree_len, scale, out, scores,
-    positions)` for one token and one KV head: q [group, head_dim] its query heads, keys and
-    values [capacity, head_dim] the KV head's row, `tree` [tree_len] the token's path columns,
-    out [group, head_dim]; scores [group * padded] float32 and positions [padded] int64 are
-    scratch, padded = n rounded up to `lanes`."""
+class VectorIR:
+    """An LLVM IR function under construction in vectors of `lanes` float32, with the helpers
+    the attention kernels share (this module's and `chunk_attention_kernel.py`'s)."""
 
-    def __init__(self, head_dim: int, group: int, half: bool) -> None:
+    def __init__(self, lanes: int, module_name: str) -> None:
         from llvmlite import ir
 
-        self.ir, self.group, self.lanes = ir, group, lanes_for(head_dim)
-        self.entry = ir.HalfType() if half else ir.FloatType()  # the cache's keys and values
-        self.chunks = head_dim // self.lanes
-        self.head_dim = head_dim
+        self.ir, self.lanes = ir, lanes
         self.i32, self.i64, self.f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
         self.vector = ir.VectorType(self.f32, self.lanes)
-        self.module = ir.Module(name="ngrammys_attention")
+        self.module = ir.Module(name=module_name)
         v = self.vector
         self.fma = ir.Function(self.module, ir.FunctionType(v, [v, v, v]), name=f"llvm.fma.v{self.lanes}f32")
         self.floor = ir.Function(self.module, ir.FunctionType(v, [v]), name=f"llvm.floor.v{self.lanes}f32")
         self.maxnum = ir.Function(self.module, ir.FunctionType(v, [v, v]), name=f"llvm.maxnum.v{self.lanes}f32")
         self.reduce_max = ir.Function(self.module, ir.FunctionType(self.f32, [v]),
                                       name=f"llvm.vector.reduce.fmax.v{self.lanes}f32")
-        f32p, i64p, entries = self.f32.as_pointer(), self.i64.as_pointer(), self.entry.as_pointer()
-        signature = ir.FunctionType(ir.VoidType(), [f32p, entries, entries, self.i64, i64p, self.i64,
-                                                    ir.DoubleType(), f32p, f32p, i64p])
-        self.function = ir.Function(self.module, signature, name="attend")
+
+    def begin(self, name: str, arguments: list[Any]) -> None:
+        """Start the function `name(arguments...)` returning nothing; `self.b` builds its body."""
+        ir = self.ir
+        self.function = ir.Function(self.module, ir.FunctionType(ir.VoidType(), arguments), name=name)
         self.b = ir.IRBuilder(self.function.append_basic_block("entry"))
 
     # -- small helpers -------------------------------------------------------------------
@@ -106,15 +101,6 @@ class _Emitter:
     def load_vector(self, pointer: Any, offset: Any) -> Any:
         b = self.b
         return b.load(b.bitcast(b.gep(pointer, [offset]), self.vector.as_pointer()), align=4)
-
-    def load_entries(self, pointer: Any, offset: Any) -> Any:
-        """`lanes` keys' or values' entries from the cache, as float32."""
-        b = self.b
-        if isinstance(self.entry, self.ir.FloatType):
-            return self.load_vector(pointer, offset)
-        entries = b.load(b.bitcast(b.gep(pointer, [offset]), self.ir.VectorType(self.entry, self.lanes).as_pointer()),
-                         align=2)
-        return b.fpext(entries, self.vector)
 
     def store_vector(self, value: Any, pointer: Any, offset: Any) -> None:
         b = self.b
@@ -150,6 +136,49 @@ class _Emitter:
         b.branch(head)
         b.position_at_end(done)
         return carried
+
+    def exp(self, x: Any) -> Any:
+        """exp(x) for x <= 0: 2^k * exp(r), r = x - k ln 2 in [-ln2/2, ln2/2]."""
+        ir, b = self.ir, self.b
+        x = self.maxnum_call(x, self.filled(LOWEST_EXPONENT))
+        k = b.call(self.floor, [b.fadd(b.fmul(x, self.filled(LOG2E)), self.filled(0.5))])
+        r = b.fsub(b.fsub(x, b.fmul(k, self.filled(LN2_HIGH))), b.fmul(k, self.filled(LN2_LOW)))
+        p = self.filled(EXP_POLYNOMIAL[0])
+        for coefficient in EXP_POLYNOMIAL[1:]:
+            p = b.call(self.fma, [p, r, self.filled(coefficient)])
+        e = b.fadd(b.fadd(b.fmul(b.fmul(p, r), r), r), self.filled(1.0))
+        ints = ir.VectorType(self.i32, self.lanes)
+        power = b.shl(b.add(b.fptosi(k, ints), ir.Constant(ints, [127] * self.lanes)),
+                      ir.Constant(ints, [23] * self.lanes))
+        return b.fmul(e, b.bitcast(power, self.vector))
+
+    def maxnum_call(self, a: Any, b_: Any) -> Any:
+        return self.b.call(self.maxnum, [a, b_])
+
+
+class _Emitter(VectorIR):
+    """Builds the IR of `attend(q, keys, values, start, tree, tree_len, scale, out, scores,
+    positions)` for one token and one KV head: q [group, head_dim] its query heads, keys and
+    values [capacity, head_dim] the KV head's row, `tree` [tree_len] the token's path columns,
+    out [group, head_dim]; scores [group * padded] float32 and positions [padded] int64 are
+    scratch, padded = n rounded up to `lanes`."""
+
+    def __init__(self, head_dim: int, group: int, half: bool) -> None:
+        super().__init__(lanes_for(head_dim), "ngrammys_attention")
+        ir = self.ir
+        self.group, self.head_dim, self.chunks = group, head_dim, head_dim // self.lanes
+        self.entry = ir.HalfType() if half else ir.FloatType()  # the cache's keys and values
+        f32p, i64p, entries = self.f32.as_pointer(), self.i64.as_pointer(), self.entry.as_pointer()
+        self.begin("attend", [f32p, entries, entries, self.i64, i64p, self.i64, ir.DoubleType(), f32p, f32p, i64p])
+
+    def load_entries(self, pointer: Any, offset: Any) -> Any:
+        """`lanes` keys' or values' entries from the cache, as float32."""
+        b = self.b
+        if isinstance(self.entry, self.ir.FloatType):
+            return self.load_vector(pointer, offset)
+        entries = b.load(b.bitcast(b.gep(pointer, [offset]), self.ir.VectorType(self.entry, self.lanes).as_pointer()),
+                         align=2)
+        return b.fpext(entries, self.vector)
 
     # -- the arithmetic --------------------------------------------------------------------
     def lane_sums(self, queries: list[list[Any]], keys: Any, columns: list[Any]) -> list[Any]:
@@ -189,24 +218,6 @@ class _Emitter:
             vector = b.fadd(self.shuffle(vector, vector, list(range(width))),
                             self.shuffle(vector, vector, list(range(width, 2 * width))))
         return b.extract_element(vector, self.ir.Constant(self.i32, 0))
-
-    def exp(self, x: Any) -> Any:
-        """exp(x) for x <= 0: 2^k * exp(r), r = x - k ln 2 in [-ln2/2, ln2/2]."""
-        ir, b = self.ir, self.b
-        x = self.maxnum_call(x, self.filled(LOWEST_EXPONENT))
-        k = b.call(self.floor, [b.fadd(b.fmul(x, self.filled(LOG2E)), self.filled(0.5))])
-        r = b.fsub(b.fsub(x, b.fmul(k, self.filled(LN2_HIGH))), b.fmul(k, self.filled(LN2_LOW)))
-        p = self.filled(EXP_POLYNOMIAL[0])
-        for coefficient in EXP_POLYNOMIAL[1:]:
-            p = b.call(self.fma, [p, r, self.filled(coefficient)])
-        e = b.fadd(b.fadd(b.fmul(b.fmul(p, r), r), r), self.filled(1.0))
-        ints = ir.VectorType(self.i32, self.lanes)
-        power = b.shl(b.add(b.fptosi(k, ints), ir.Constant(ints, [127] * self.lanes)),
-                      ir.Constant(ints, [23] * self.lanes))
-        return b.fmul(e, b.bitcast(power, self.vector))
-
-    def maxnum_call(self, a: Any, b_: Any) -> Any:
-        return self.b.call(self.maxnum, [a, b_])
 
     # -- the kernel ------------------------------------------------------------------------
     def build(self) -> str:

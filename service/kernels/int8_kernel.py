@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,10 @@ from service.kernels.native import compile_ir
 COLUMNS = 16  # output columns of a tile: one vector of 16 int32 / float32 lanes
 BLOCK = 32  # inputs per block (Q4_1's, and the activations' scale)
 TILE_BYTES = BLOCK * COLUMNS // 2  # a block of a tile: 4 vectors of 64 bytes
-ROW_GROUP = 4  # rows sharing each loaded block (their accumulators and the block fit 32 registers)
+# Rows sharing each loaded (and unpacked) block, largest first, while a whole group is left
+# (their accumulators and the block fit 32 registers). Passes of 8 rows or more take
+# `int8_chunk_kernel.py`, which groups 8.
+ROW_GROUPS = (4, 1)
 REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vnni")
 
 
@@ -110,13 +114,30 @@ def quantize_rows(x, xq, dx, xs):  # pragma: no cover - compiled
             xs[r, b] = scale * np.float32(total)
 
 
-def _ir(kind: str) -> str:
+Addresses = Callable[[Any, Sequence[Any], Any, int, Any], tuple[Any, Any, Any]]
+
+
+def row_major(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tuple[Any, Any, Any]:
+    """Where row `row + r`'s block `block` of quantized inputs, its dx and its dx·Σxq are, for
+    `arrays` = (xq [R, K], dx [R, K/32], xs [R, K/32]) and `blocks` = K/32, row-major."""
+    from llvmlite import ir
+
+    xq, dx, xs, blocks = arrays
+    i64 = ir.IntType(64)
+    this_row = b.add(row, ir.Constant(i64, r))
+    row_block = b.add(b.mul(this_row, blocks), block)
+    return b.gep(xq, [b.mul(row_block, ir.Constant(i64, BLOCK))]), b.gep(dx, [row_block]), b.gep(xs, [row_block])
+
+
+def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses = row_major) -> str:
     """The tile kernel's LLVM IR: tiles(packed, d, m, xq, dx, xs, out, rows, blocks,
     out_stride, count) computes out[r, 16u : 16u + 16] for the `count` tiles from `packed`.
     Q4_1: weights (nibbles, unsigned) times xq (signed), plus m·xs; Q8_0: xq + 128 (unsigned)
-    times the weights (signed), the sums starting from m = -128·Σ w. Rows go `ROW_GROUP` at a
-    time through each block, so a block's weights are loaded (and unpacked) once for the group;
-    every row's arithmetic is the same in a group as alone."""
+    times the weights (signed), the sums starting from m = -128·Σ w. Rows go `row_groups` at a
+    time through each block (the largest first, while a whole group is left), so a block's
+    weights are loaded (and unpacked) once for the group; every row's arithmetic is the same in
+    a group as alone. `addresses` says where a row's inputs are (`row_major` by default; see
+    `service/kernels/int8_chunk_kernel.py` for the other layout)."""
     from llvmlite import ir
 
     i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -178,8 +199,7 @@ def _ir(kind: str) -> str:
             operands = [(v, 4 * g) for g, v in enumerate(vectors)]
         news = []
         for r, total in enumerate(totals):
-            this_row = b.add(row, const(r))
-            inputs = b.gep(xq, [b.add(b.mul(this_row, b.mul(blocks, const(BLOCK))), b.mul(block, const(BLOCK)))])
+            inputs, row_dx, row_xs = addresses(b, (xq, dx, xs, blocks), row, r, block)
             sums = ir.Constant(ints, [0] * COLUMNS) if kind == "Q4_1" else column_terms
             for weight, offset in operands:  # xq[offset : offset + 4] in every 32-bit lane
                 word = b.load(b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1)
@@ -188,10 +208,9 @@ def _ir(kind: str) -> str:
                                                          ir.Constant(ints, [0] * COLUMNS)), bytes64)
                 pair = [weight, four_inputs] if kind == "Q4_1" else [four_inputs, weight]  # unsigned first
                 sums = b.call(dot, [sums, *pair])
-            row_block = b.add(b.mul(this_row, blocks), block)
-            new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(b.gep(dx, [row_block]))), total])
+            new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
             if kind == "Q4_1":
-                new = b.call(fma, [column_terms, splat(b.gep(xs, [row_block])), new])
+                new = b.call(fma, [column_terms, splat(row_xs), new])
             news.append(new)
         block_next = b.add(block, const(1))
         block.add_incoming(block_next, body)
@@ -207,8 +226,9 @@ def _ir(kind: str) -> str:
         b.branch(head)
         return leave, row
 
-    left, row = rows_loop(tile_head, const(0), ROW_GROUP)
-    left, _ = rows_loop(left, row, 1)
+    left, row = tile_head, const(0)
+    for group in row_groups:
+        left, row = rows_loop(left, row, group)
 
     b = ir.IRBuilder(left)
     tile_next = b.add(tile, const(1))
@@ -230,7 +250,7 @@ def int8_matmul(kind: str = "Q4_1") -> Any:
     tiles_kernel = compile_ir(_ir(kind), "tiles", [ctypes.c_int64] * 11)
     offset = 0 if kind == "Q4_1" else 128  # Q8_0: the activations are the unsigned operand
 
-    @njit(parallel=True, nogil=True)
+    @njit(nogil=True)
     def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled
         rows, width = x.shape
         blocks = width // BLOCK
@@ -243,18 +263,26 @@ def int8_matmul(kind: str = "Q4_1") -> Any:
             for r in range(rows):
                 for k in range(width):
                     shifted[r, k] = np.uint8(xq[r, k] + offset)
-        tiles = packed.shape[0]
-        parts = max(chunks, 1)
-        per_part = (tiles + parts - 1) // parts
-        for part in prange(parts):
-            first = part * per_part
-            last = min(tiles, first + per_part)
-            if first < last:
-                tiles_kernel(packed[first:].ctypes.data, d[first:].ctypes.data, m[first:].ctypes.data,
-                             xq.ctypes.data, dx.ctypes.data, xs.ctypes.data, out[:, first * COLUMNS:].ctypes.data,
-                             rows, blocks, out.shape[1], last - first)
+        split_tiles(tiles_kernel, packed, d, m, xq.ctypes.data, dx.ctypes.data, xs.ctypes.data, out, rows, blocks,
+                    chunks)
 
     return matmul
+
+
+@njit(parallel=True, nogil=True)
+def split_tiles(tiles_kernel, packed, d, m, inputs, dx, xs, out, rows, blocks, chunks):  # pragma: no cover - compiled
+    """`tiles_kernel` (`_ir`'s) over the tiles of (packed, d, m) in `chunks` parts of
+    consecutive tiles over numba's threads (0 or 1: the calling thread); inputs, dx, xs: the
+    activations' pointers it takes, rows of them."""
+    tiles = packed.shape[0]
+    parts = max(chunks, 1)
+    per_part = (tiles + parts - 1) // parts
+    for part in prange(parts):
+        first = part * per_part
+        last = min(tiles, first + per_part)
+        if first < last:
+            tiles_kernel(packed[first:].ctypes.data, d[first:].ctypes.data, m[first:].ctypes.data, inputs, dx, xs,
+                         out[:, first * COLUMNS:].ctypes.data, rows, blocks, out.shape[1], last - first)
 
 
 def warm_up() -> None:

@@ -41,6 +41,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from service.kernels.attention_kernel import token_attention
+from service.kernels.chunk_attention_kernel import LANES, chunk_attention
 from service.model.tree import TokenTree
 
 IMPLEMENTATION = "ngrammys_ragged"
@@ -65,6 +66,19 @@ class KernelQueries:
 
 
 @dataclass(frozen=True)
+class ChunkQueries:
+    """Prompt tokens the chunk kernel answers (`service/kernels/chunk_attention_kernel.py`), in
+    blocks of up to LANES consecutive tokens of a row (int64 arrays, one entry a block): block i
+    is counts[i] flat tokens from tokens[i], at positions firsts[i], firsts[i] + 1, ... of KV
+    row rows[i]."""
+
+    rows: np.ndarray
+    tokens: np.ndarray
+    firsts: np.ndarray
+    counts: np.ndarray
+
+
+@dataclass(frozen=True)
 class PassLayout:
     """Where each of a pass's T flat tokens sits: its row, its cache position, its mask."""
 
@@ -83,6 +97,8 @@ class PassLayout:
     separate_rows: list[int]  # rows wider than D: a call each
     one_token_rows: bool  # every row brings one token (plain decoding): flat token r is row r's query
     kernel_queries: KernelQueries | None = None  # tokens the attention kernel answers
+    chunk_queries: ChunkQueries | None = None  # prompt tokens the chunk kernel answers
+    skips: list[int] | None = None  # per row: its first tokens, the chunk kernel's (None: none)
     query_groups: int = 1  # query heads per KV head folded into the query length (masks repeated so)
 
     @property
@@ -98,10 +114,18 @@ class PassLayout:
             total += width
         return out
 
+    @property
+    def attended(self) -> tuple[list[int], list[int]]:
+        """Per row, the flat index of its first token that the per-row paths (kernel, batched
+        or separate calls) answer, and how many they answer: the tokens after its skips."""
+        skips = self.skips or [0] * len(self.widths)
+        return ([offset + skip for offset, skip in zip(self.offsets, skips)],
+                [width - skip for width, skip in zip(self.widths, skips)])
+
 
 def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device,
                  cached: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
-                 kernel_width: int = 0, query_groups: int = 1) -> PassLayout:
+                 kernel_width: int = 0, query_groups: int = 1, prompts: Sequence[int] | None = None) -> PassLayout:
     """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
     (default: all) on top of `starts[r]` committed entries. Masks are additive, in `dtype`
     (the queries'): 0 where a query attends, -inf elsewhere. Made once a pass, they spare every
@@ -109,50 +133,77 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     query at L=256 on a CPU, measured; the outputs are bit for bit the same). Rows of 1 to
     `kernel_width` tokens go to the attention kernel, the others then get a call each.
 
+    `prompts[r]` (packed CPU path): row r's first nodes that are prompt tokens needing no
+    logits, a chain; those the row brings go to the chunk kernel, which answers them the same
+    whatever chunks the prompt is cut into, and the row's other nodes see them as cached.
+
     `query_groups` > 1 (query heads per KV head) makes the attention calls fold each KV head's
     query heads into the query length (see `_attend`), so every mask is repeated that often
     along its queries here, once a pass, not in every layer."""
     cached = cached or [0] * len(trees)
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
-    kernel_rows = [row for row, w in enumerate(widths) if 0 < w <= kernel_width]
+    firsts = [max(c, p) for c, p in zip(cached, prompts)] if prompts else list(cached)  # first node attended by row
+    attending = [tree.num_nodes - f for tree, f in zip(trees, firsts)]
+    skips = [f - c for f, c in zip(firsts, cached)]
+    kernel_rows = [row for row, w in enumerate(attending) if 0 < w <= kernel_width]
     ends = [s + tree.num_nodes for s, tree in zip(starts, trees)]
     # node i of a row at start + i, its RoPE position start + depth: array operations over all
     # rows (tensors a row, and a mask for every row, took 2.0 ms for 64 one-token rows, 0.25 now)
     count, start = np.array(widths), np.array(starts)
-    in_row = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)  # a token's index among its row's
+    row_offsets = np.cumsum(count) - count
+    in_row = np.arange(count.sum()) - np.repeat(row_offsets, count)  # a token's index among its row's
     depths = np.fromiter(itertools.chain.from_iterable(tree.depths[c:] for tree, c in zip(trees, cached)), np.int64)
     pass_end = max(ends)
-    width = 0 if kernel_rows else batched_width(widths, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS), ends)
+    chunks = any(skips)
+    width = 0 if kernel_rows or chunks else batched_width(attending, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS), ends)
     batched_mask = query_index = batched_tokens = batched_slots = None
     if width:
         batched_mask, query_index, batched_tokens, batched_slots = _batched(trees, starts, cached, widths, pass_end, width)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
-    separate_rows = [row for row, w in enumerate(widths) if w > width and row not in kernel_rows]
+    separate_rows = [row for row, w in enumerate(attending) if w > width and row not in kernel_rows]
     return PassLayout(
         ends=ends, widths=widths, write_rows=torch.from_numpy(np.repeat(np.arange(len(widths)), count)).to(device),
         write_positions=torch.from_numpy(np.repeat(start + np.array(cached), count) + in_row).to(device),
         position_ids=torch.from_numpy(np.repeat(start, count) + depths)[None].to(device), pass_end=pass_end,
-        row_masks={row: _additive(_row_mask(trees[row], starts[row], cached[row]), device, dtype, query_groups)
+        row_masks={row: _additive(_row_mask(trees[row], starts[row], firsts[row]), device, dtype, query_groups)
                    for row in separate_rows},
         batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype, query_groups),
         query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
-        separate_rows=separate_rows, one_token_rows=not kernel_rows and all(w == 1 for w in widths),
-        kernel_queries=_kernel_queries(trees, starts, cached, widths, kernel_rows) if kernel_rows else None,
-        query_groups=query_groups,
+        separate_rows=separate_rows, one_token_rows=not kernel_rows and not chunks and all(w == 1 for w in widths),
+        kernel_queries=_kernel_queries(trees, starts, firsts, row_offsets + skips, kernel_rows) if kernel_rows else None,
+        chunk_queries=_chunk_queries(starts, cached, skips, row_offsets) if chunks else None,
+        skips=skips if chunks else None, query_groups=query_groups,
     )
 
 
-def _kernel_queries(trees: Sequence[TokenTree], starts: Sequence[int], cached: Sequence[int],
-                    widths: Sequence[int], kernel_rows: Sequence[int]) -> KernelQueries:
-    offsets = np.cumsum([0, *widths])
+def _chunk_queries(starts: Sequence[int], cached: Sequence[int], skips: Sequence[int],
+                   row_offsets: np.ndarray) -> ChunkQueries:
+    blocks = [(row, offset + i, start + c + i, min(LANES, skip - i))
+              for row, (start, c, skip, offset) in enumerate(zip(starts, cached, skips, row_offsets.tolist()))
+              for i in range(0, skip, LANES)]
+    rows, tokens, firsts, counts = (np.array(column, dtype=np.int64) for column in zip(*blocks))
+    return ChunkQueries(rows, tokens, firsts, counts)
+
+
+def prompt_prefix(tree: TokenTree, logits_from: int) -> int:
+    """How many of `tree`'s first nodes are prompt tokens that need no logits: the chain before
+    `logits_from` (a prompt chunk, with a tree on top when it is the prompt's last)."""
+    depths = np.asarray(tree.depths[:logits_from])
+    off_chain = np.flatnonzero(depths != np.arange(len(depths)))
+    return int(off_chain[0]) if len(off_chain) else len(depths)
+
+
+def _kernel_queries(trees: Sequence[TokenTree], starts: Sequence[int], firsts: Sequence[int],
+                    attended_offsets: np.ndarray, kernel_rows: Sequence[int]) -> KernelQueries:
+    """The kernel rows' nodes from firsts[row] on; attended_offsets[row]: the first one's flat index."""
     tokens, rows, row_starts, columns, counts = [], [], [], [], [0]
     for row in kernel_rows:
         tree, start = trees[row], starts[row]
         paths: list[list[int]] = []  # each node's ancestors and itself, root first
         for node, parent in enumerate(tree.parents):
             paths.append((paths[parent] if parent >= 0 else []) + [start + node])
-        for node in range(cached[row], tree.num_nodes):
-            tokens.append(offsets[row] + node - cached[row])
+        for node in range(firsts[row], tree.num_nodes):
+            tokens.append(attended_offsets[row] + node - firsts[row])
             rows.append(row)
             row_starts.append(start)
             columns.extend(paths[node])
@@ -266,16 +317,22 @@ def kernel_attention(
     layout: PassLayout,
     scaling: float,
 ) -> torch.Tensor:
-    """A layout's attention [1, T, heads, head_dim] on the packed CPU path: the attention
-    kernel for its narrow rows' tokens, a call each for the wider rows."""
-    assert layout.kernel_queries is not None
+    """A layout's attention [1, T, heads, head_dim] on the packed CPU path: the chunk kernel for
+    its prompt tokens, the attention kernel for its narrow rows' tokens, a call each for the
+    wider rows."""
     queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
     flat = torch.empty_like(queries)
-    narrow = layout.kernel_queries
     keys, values = buffers
-    attend = token_attention(queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16)
-    attend(queries.numpy(), kernel_array(keys), kernel_array(values), narrow.tokens, narrow.rows, narrow.starts,
-           narrow.columns, narrow.column_offsets, np.float32(scaling), flat.numpy())
+    arrays = (queries.numpy(), kernel_array(keys), kernel_array(values))
+    head_dim, group, half = queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16
+    if layout.chunk_queries is not None:
+        chunk = layout.chunk_queries
+        chunk_attention(head_dim, group, half)(*arrays, chunk.rows, chunk.tokens, chunk.firsts, chunk.counts,
+                                               np.float32(scaling), flat.numpy())
+    if layout.kernel_queries is not None:
+        narrow = layout.kernel_queries
+        token_attention(head_dim, group, half)(*arrays, narrow.tokens, narrow.rows, narrow.starts, narrow.columns,
+                                               narrow.column_offsets, np.float32(scaling), flat.numpy())
     _attend_separate_rows(query, *buffers, layout, scaling, flat)
     return flat[None]
 
@@ -290,9 +347,9 @@ def _attend_separate_rows(query: torch.Tensor, key: torch.Tensor, value: torch.T
                           scaling: float | None, flat: torch.Tensor) -> None:
     """Attention of each of the layout's separate rows, one call a row, into flat [T, heads, head_dim]
     (`key`, `value`: [rows, kv_heads, at least pass_end, head_dim])."""
-    offsets = layout.offsets
+    offsets, widths = layout.attended
     for row in layout.separate_rows:
-        offset, width, end = offsets[row], layout.widths[row], layout.ends[row]
+        offset, width, end = offsets[row], widths[row], layout.ends[row]
         flat[offset : offset + width] = _attend(
             query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
             layout.row_masks[row], scaling, layout.query_groups,

@@ -52,13 +52,14 @@ Projection = Callable[[torch.Tensor], torch.Tensor]
 # against SDPA's 2.36 ms a layer call, standalone) and loses to a call of their own on wider
 # ones (a 16-token tree at L=256: 252 against 94 us; 2-core Xeon VM, docs/benchmarks.md).
 ATTENTION_KERNEL_WIDTH = 1
-# With 8-bit activations (`--quantization gguf-int8`) every row attends through the kernel,
-# prompt chunks too, dear as that is for long chunks: a call of its own rounds a token's
-# attention otherwise than that token decoded alone (or in a chunk of another width: the
-# last chunk of a prompt carries the first tree), and where float activations carry such a
-# last-bit difference into a near-tie at most, rounding to 8 bits can turn it into a whole
-# step of an activation. With tree rows alone on the kernel, speculation still parted from
-# plain decoding at non-ties on 11 of 13 Spec-Bench prompts (k=4, w=4, embedded model).
+# With 8-bit activations (`--quantization gguf-int8`) every row attends through the kernel
+# (prompt tokens needing no logits through the chunk kernel, whose bits do not depend on the
+# chunking either): a call of its own rounds a token's attention otherwise than that token
+# decoded alone (or in a chunk of another width: the last chunk of a prompt carries the first
+# tree), and where float activations carry such a last-bit difference into a near-tie at most,
+# rounding to 8 bits can turn it into a whole step of an activation. With tree rows alone on the
+# kernel, speculation still parted from plain decoding at non-ties on 11 of 13 Spec-Bench
+# prompts (k=4, w=4, embedded model).
 INT8_ATTENTION_KERNEL_WIDTH = 1 << 30
 # ... and its KV cache holds float16, as llama.cpp's does by default: a pass of sixteen
 # one-token rows reads every row's keys and values once a layer, 189 MB a pass in float32 at
@@ -103,7 +104,7 @@ def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLay
         qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(tokens, -1, attn.head_dim)
         layer_cache = cache.layers[index]
         queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, layer_cache, kernels)
-        if layout.kernel_queries is not None:
+        if layout.kernel_queries is not None or layout.chunk_queries is not None:
             out = kernel_attention(queries, (layer_cache.keys, layer_cache.values), layout,
                                    attn.scaling)  # [1, T, heads, head_dim]
         else:

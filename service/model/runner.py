@@ -24,8 +24,10 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
-from service.model.attention import build_layout, use_ragged_attention
+from service.model.attention import build_layout, prompt_prefix, use_ragged_attention
 from service.kernels.attention_kernel import warm_up as warm_up_attention
+from service.kernels.chunk_attention_kernel import chunk_kernel_fits
+from service.kernels.chunk_attention_kernel import warm_up as warm_up_chunk_attention
 from service.model.decoder_pass import attention_kernel_width, kv_cache_dtype, lean_hidden, supports_lean_pass
 from service.model.kv_cache import TreeKVCache
 from service.model.static_pass import FixedShape, StaticPasses
@@ -77,8 +79,12 @@ class ModelRunner:
             2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * self.kv_dtype.itemsize
         )
         self.query_groups: int = config.num_attention_heads // config.num_key_value_heads
-        if self.lean and attention_kernel_width(self.model):  # compile it now, not in the first request's pass
+        # on the packed CPU path, prompt tokens attend through the chunk kernel (their own bits)
+        self.chunk_kernel = bool(self.lean and attention_kernel_width(self.model) and chunk_kernel_fits(head_dim))
+        if self.lean and attention_kernel_width(self.model):  # compile them now, not in the first request's pass
             warm_up_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
+            if self.chunk_kernel:
+                warm_up_chunk_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
 
     @property
     def capture_seconds(self) -> float:
@@ -125,8 +131,9 @@ class ModelRunner:
         """The pass as it comes (every row's new nodes, nothing padded), with each row's first
         flat token."""
         trees = [row.tree for row in rows]
+        prompts = [prompt_prefix(row.tree, row.logits_from) for row in rows] if self.chunk_kernel else None
         layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype,
-                              attention_kernel_width(self.model), self.query_groups)
+                              attention_kernel_width(self.model), self.query_groups, prompts)
         cache.begin_pass(layout)
         input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
                                  device=self.device)  # [1, T]

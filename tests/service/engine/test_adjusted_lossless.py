@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 
 from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams

@@ -1,0 +1,148 @@
+"""Q4_1 linears with 8-bit activations for passes of many rows (prompt chunks, large trees).
+
+`service/kernels/int8_kernel.py` serves every pass size, but a prompt chunk ran it at about a
+third of what the cores can do: a core issues ~3.7 G `vpdpbusd` a second (235 G multiply-adds,
+a register-only loop), and a 512-row chunk through the gate/up layer got 75 G a core (Cascade
+Lake VM, docs/benchmarks.md). Two changes, measured there:
+- the activations are quantized by vector IR, rows split over the threads, not by a scalar
+  numba loop on one thread (0.65 -> 0.11 ms for 512 rows of 576; a quarter of the down
+  projection's time before);
+- the quantized rows are laid out per group of `GROUP` rows and block: one record holds the
+  group's 32 bytes a row, then their scales dx and their dx·Σxq (`RECORD_BYTES`), so a single
+  pointer walking the records reaches every input at a constant displacement. The same
+  instruction mix on row-major inputs, whose addresses need an index register (which Intel
+  cores split into two micro-ops), ran 76 G a core; on the records, 111 G.
+
+The arithmetic is `int8_kernel`'s to the bit: the same rounding of the activations, the same
+exact integer sums, and per block the same float steps, total = fma(Σ, d·dx, total) then
+fma(m, dx·Σxq, total). So a row's result does not depend on which kernel its pass took: a
+decode row batched with a prompt chunk, and a prompt token, get the same bits as alone, and
+speculation stays exact. Rows are padded with zero rows to a whole group (their outputs are
+dropped).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from service.kernels.int8_kernel import BLOCK, COLUMNS, TILE_BYTES, _ir, split_tiles
+from service.kernels.native import compile_ir
+
+GROUP = 8  # rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill the registers
+SCALES_AT = GROUP * BLOCK  # a record: GROUP rows x 32 int8, GROUP float32 dx, GROUP float32 dx·Σxq
+SUMS_AT = SCALES_AT + 4 * GROUP
+RECORD_BYTES = SUMS_AT + 4 * GROUP
+# Passes of at least this many rows take this kernel: it took 0.54-0.82 of the other's time from
+# 8 rows on, at each of the embedded model's layer shapes (two threads, Cascade Lake VM), so
+# trees of 8 nodes and more gain too; below, padding to a whole group would cost more.
+CHUNK_MIN_ROWS = GROUP
+
+
+def _quantize_ir() -> str:
+    """`quantize(x, records, row, blocks)`: one row of x (float32, blocks * 32) into its place
+    `row` (< GROUP) of its group's records, which start at `records`: per block of 32,
+    dx = max|x| / 127, xq = round(x / dx) half away from zero, dx·Σxq; `int8_kernel.quantize_rows`'
+    steps, in vector lanes."""
+    from llvmlite import ir
+
+    i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    floats, ints, bytes16 = ir.VectorType(f32, 16), ir.VectorType(i32, 16), ir.VectorType(i8, 16)
+    module = ir.Module(name="ngrammys_int8_quantize")
+    fabs = ir.Function(module, ir.FunctionType(floats, [floats]), name="llvm.fabs.v16f32")
+    floor = ir.Function(module, ir.FunctionType(floats, [floats]), name="llvm.floor.v16f32")
+    umax = ir.Function(module, ir.FunctionType(ints, [ints, ints]), name="llvm.umax.v16i32")
+    minnum = ir.Function(module, ir.FunctionType(floats, [floats, floats]), name="llvm.minnum.v16f32")
+    reduce_max = ir.Function(module, ir.FunctionType(i32, [ints]), name="llvm.vector.reduce.umax.v16i32")
+    reduce_add = ir.Function(module, ir.FunctionType(i32, [ints]), name="llvm.vector.reduce.add.v16i32")
+    function = ir.Function(module, ir.FunctionType(ir.VoidType(), [f32.as_pointer(), i8.as_pointer(), i64, i64]),
+                           name="quantize")
+    x, records, row, blocks = function.args
+    entry, body, done = (function.append_basic_block(name) for name in ("entry", "body", "done"))
+    ir.IRBuilder(entry).branch(body)
+    b = ir.IRBuilder(body)
+    block = b.phi(i64, "block")
+    block.add_incoming(ir.Constant(i64, 0), entry)
+
+    def splat(scalar: Any) -> Any:
+        lanes = b.insert_element(ir.Constant(floats, None), scalar, ir.Constant(i32, 0))
+        return b.shuffle_vector(lanes, ir.Constant(floats, None), ir.Constant(ints, [0] * 16))
+
+    values = [b.load(b.bitcast(b.gep(x, [b.add(b.mul(block, ir.Constant(i64, BLOCK)), ir.Constant(i64, 16 * h))]),
+                               floats.as_pointer()), align=4) for h in (0, 1)]
+    # max |x| on the bits: non-negative floats order as their bits do (a float reduction
+    # compiles to a scalar chain, for the NaN rules)
+    magnitudes = [b.bitcast(b.call(fabs, [value]), ints) for value in values]
+    amax = b.bitcast(b.call(reduce_max, [b.call(umax, magnitudes)]), f32)
+    scale = b.fdiv(amax, ir.Constant(f32, 127.0))
+    positive = b.fcmp_ordered(">", scale, ir.Constant(f32, 0.0))
+    inverse = b.select(positive, b.fdiv(ir.Constant(f32, 1.0), scale), ir.Constant(f32, 0.0))
+    record = b.gep(records, [b.mul(block, ir.Constant(i64, RECORD_BYTES))])
+    here = b.gep(record, [b.mul(row, ir.Constant(i64, BLOCK))])
+    total = ir.Constant(ints, [0] * 16)
+    for h, value in enumerate(values):
+        v = b.fmul(value, splat(inverse))
+        q = b.call(minnum, [b.call(floor, [b.fadd(b.call(fabs, [v]), ir.Constant(floats, [0.5] * 16))]),
+                            ir.Constant(floats, [127.0] * 16)])
+        magnitude = b.fptosi(q, ints)
+        signed = b.select(b.fcmp_ordered("<", v, ir.Constant(floats, [0.0] * 16)), b.neg(magnitude), magnitude)
+        total = b.add(total, signed)
+        b.store(b.trunc(signed, bytes16), b.bitcast(b.gep(here, [ir.Constant(i64, 16 * h)]), bytes16.as_pointer()),
+                align=1)
+    dx_sum = b.fmul(scale, b.sitofp(b.call(reduce_add, [total]), f32))
+    for at, value in ((SCALES_AT, scale), (SUMS_AT, dx_sum)):
+        b.store(value, b.gep(b.bitcast(b.gep(record, [ir.Constant(i64, at)]), f32.as_pointer()), [row]), align=4)
+    block_next = b.add(block, ir.Constant(i64, 1))
+    block.add_incoming(block_next, body)
+    b.cbranch(b.icmp_unsigned("<", block_next, blocks), body, done)
+    ir.IRBuilder(done).ret_void()
+    return str(module)
+
+
+def records(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tuple[Any, Any, Any]:
+    """`int8_kernel.row_major`'s counterpart for the records (`arrays`[0] points at them; `row` is
+    a group's first row): every address a constant displacement from the group's record."""
+    from llvmlite import ir
+
+    first, _, _, blocks = arrays
+    i64, f32p = ir.IntType(64), ir.FloatType().as_pointer()
+    group = b.udiv(row, ir.Constant(i64, GROUP))
+    record = b.gep(first, [b.mul(b.add(b.mul(group, blocks), block), ir.Constant(i64, RECORD_BYTES))])
+    scales, sums = (b.bitcast(b.gep(record, [ir.Constant(i64, at + 4 * r)]), f32p) for at in (SCALES_AT, SUMS_AT))
+    return b.gep(record, [ir.Constant(i64, BLOCK * r)]), scales, sums
+
+
+@functools.cache
+def chunk_matmul() -> Any:
+    """`chunk_matmul()(x, packed, d, m, out, chunks)`: out[:R, 16U] = x[R, K] @ W.T for a Q4_1
+    `Int8Tiles` (packed, d, m), as `int8_kernel.int8_matmul("Q4_1")` computes it; `out` has
+    room for R rounded up to a whole `GROUP` of rows. The rows are quantized over numba's
+    threads, then the tiles split into `chunks` parts over them (0 or 1: the calling thread)."""
+    quantize = compile_ir(_quantize_ir(), "quantize", [ctypes.c_int64] * 4)
+    tiles_kernel = compile_ir(_ir("Q4_1", (GROUP,), records), "tiles", [ctypes.c_int64] * 11)
+
+    @njit(parallel=True, nogil=True)
+    def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled
+        rows, width = x.shape
+        blocks = width // BLOCK
+        groups = (rows + GROUP - 1) // GROUP
+        laid = np.empty((groups, blocks, RECORD_BYTES), np.uint8)
+        laid[groups - 1] = 0  # padding rows: zero inputs and scales
+        for r in prange(rows):
+            quantize(x[r:].ctypes.data, laid[r // GROUP].ctypes.data, r % GROUP, blocks)
+        split_tiles(tiles_kernel, packed, d, m, laid.ctypes.data, 0, 0, out, groups * GROUP, blocks, chunks)
+
+    return matmul
+
+
+def warm_up() -> None:
+    """Build and compile the kernel now, not in the first long prompt's pass (like
+    `int8_kernel.warm_up`)."""
+    scales = np.zeros((1, 1, COLUMNS), np.float32)
+    chunk_matmul()(np.zeros((1, BLOCK), np.float32), np.zeros((1, 1, TILE_BYTES), np.uint8), scales, scales,
+                   np.empty((GROUP, COLUMNS), np.float32), 0)

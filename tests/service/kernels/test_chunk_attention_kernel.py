@@ -1,0 +1,123 @@
+"""Prompt tokens' attention on the packed CPU path (`service/kernels/chunk_attention_kernel.py`):
+causal attention as SDPA computes it, with bits that depend on the query alone, so a prompt
+gets the same cache and logits however it is cut into chunks; tree nodes still take the
+per-token kernel (speculation stays exact)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from drafting.base import Draft
+from service.model.attention import build_layout, kernel_array, prompt_prefix
+from service.model.runner import ModelRunner, RowInput
+from service.model.tree import build_tree, chain_tree, prepend_chain
+from service.kernels.chunk_attention_kernel import LANES, chunk_attention, chunk_kernel_fits
+from tests.helpers.kernels import needs_numba
+
+pytestmark = needs_numba
+
+
+def chunk_attention_of(queries, keys, values, blocks, scale=0.125):
+    """`blocks`: (row, first flat token, its position, count) each."""
+    out = torch.full_like(queries, float("nan"))
+    rows, tokens, firsts, counts = (np.array(column, dtype=np.int64) for column in zip(*blocks))
+    chunk_attention(queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16)(
+        queries.numpy(), kernel_array(keys), kernel_array(values), rows, tokens, firsts, counts, np.float32(scale),
+        out.numpy())
+    return out
+
+
+def blocks_of(row: int, first_token: int, first_position: int, count: int, size: int = LANES):
+    return [(row, first_token + i, first_position + i, min(size, count - i)) for i in range(0, count, size)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_each_prompt_token_attends_causally_as_sdpa_does(dtype) -> None:
+    """Two rows' chunks after cached columns, three query heads a KV head: each token over its
+    row's columns up to its own position."""
+    generator = torch.Generator().manual_seed(0)
+    dim, capacity = 64, 80
+    keys = torch.randn(2, 3, capacity, dim, generator=generator).to(dtype)
+    values = torch.randn(2, 3, capacity, dim, generator=generator).to(dtype)
+    queries = torch.randn(50, 9, dim, generator=generator)
+    got = chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 30) + blocks_of(1, 30, 0, 20))
+    for token in range(50):
+        row, position = (0, 10 + token) if token < 30 else (1, token - 30)
+        want = F.scaled_dot_product_attention(queries[token, :, None], keys[row, :, : position + 1].float(),
+                                              values[row, :, : position + 1].float(), scale=0.125, enable_gqa=True)
+        torch.testing.assert_close(got[token], want[:, 0], rtol=2e-5, atol=2e-6)
+
+
+def test_a_tokens_bits_do_not_depend_on_its_block() -> None:
+    generator = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(1, 2, 70, 16, generator=generator), torch.randn(1, 2, 70, 16, generator=generator)
+    queries = torch.randn(60, 4, 16, generator=generator)
+    whole = chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 60))
+    for size in (1, 5, 7):
+        assert torch.equal(chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 60, size)), whole)
+    later = chunk_attention_of(queries[23:], keys, values, blocks_of(0, 0, 33, 37))  # a chunk starting at 33
+    assert torch.equal(later, whole[23:])
+
+
+def test_the_prompt_prefix_is_the_chain_before_the_logits() -> None:
+    chunk = chain_tree([5, 6, 7, 8])
+    assert prompt_prefix(chunk, 4) == 4  # a chunk needing no logits
+    assert prompt_prefix(chunk, 3) == 3  # a prompt's last chunk: its last token gets logits
+    tree = build_tree(9, [Draft((1, 2), "context"), Draft((3,), "context")])
+    assert prompt_prefix(prepend_chain([5, 6, 7], tree), 3) == 3  # the chunk under the first tree
+    assert prompt_prefix(tree, 0) == 0
+    assert chunk_kernel_fits(64) and not chunk_kernel_fits(24)
+
+
+def test_a_layout_gives_the_prompt_tokens_to_the_chunk_kernel_and_the_rest_to_the_others() -> None:
+    """Row 0: a 20-token chunk under a tree; row 1: a decode row; row 2: a chunk alone."""
+    trees = [prepend_chain(list(range(20)), build_tree(9, [Draft((1, 2), "context"), Draft((3,), "context")])), chain_tree([4]), chain_tree(list(range(40)))]
+    layout = build_layout(trees, [0, 30, 5], torch.device("cpu"), kernel_width=1, prompts=[20, 0, 40])
+    chunks = layout.chunk_queries
+    assert chunks is not None
+    assert chunks.rows.tolist() == [0, 0, 2, 2, 2] and chunks.counts.tolist() == [16, 4, 16, 16, 8]
+    assert chunks.tokens.tolist() == [0, 16, 25, 41, 57] and chunks.firsts.tolist() == [0, 16, 5, 21, 37]
+    assert layout.kernel_queries is not None and layout.kernel_queries.tokens.tolist() == [24]  # the decode row
+    assert layout.separate_rows == [0] and layout.batched_mask is None  # row 0's four tree nodes: a call
+    assert layout.attended == ([20, 24, 65], [4, 1, 0])
+    assert layout.row_masks[0].shape[-2:] == (4, 24)  # the tree's nodes over the chunk and the tree
+
+
+@pytest.mark.parametrize("path", ["gguf", "gguf-int8"])
+def test_a_prompt_gets_the_same_cache_and_logits_however_it_is_chunked(path, tiny_packed, tmp_path) -> None:
+    """The same prompt in one chunk, in chunks of 7 and 16, and beside another row: equal bits."""
+    from service.kernels.int8_kernel import int8_supported
+    from service.kernels.packed_linear import pack_gguf_linears
+    from tests.helpers.packed import tiny_gguf_twins
+
+    if path == "gguf":
+        model = tiny_packed[1]
+    else:
+        if not int8_supported():
+            pytest.skip("the CPU lacks AVX-512 VNNI")
+        _, model, gguf = tiny_gguf_twins(tmp_path)
+        pack_gguf_linears(model, gguf, int8_activations=True)
+    runner = ModelRunner(model)
+    assert runner.chunk_kernel
+    prompt = [(7 * i + 3) % 60 for i in range(45)]
+
+    def prefill(width: int, beside: bool = False):
+        cache = runner.new_cache(2 if beside else 1)
+        for at in range(0, len(prompt) - 1, width):
+            chunk = prompt[at : min(at + width, len(prompt) - 1)]
+            rows = [RowInput(chain_tree(chunk), logits_from=len(chunk))]
+            if beside:
+                rows.append(RowInput(chain_tree([11, 12, 13][: 1 + at % 3])))
+            runner.forward(cache, rows)
+            cache.commit_rows({row: list(range(r.tree.num_nodes)) for row, r in enumerate(rows)})
+        logits = runner.forward(cache, [RowInput(chain_tree(prompt[-1:]))] + ([RowInput(chain_tree([14]))] if beside else []))
+        keys = torch.stack([layer.keys[0, :, : len(prompt)] for layer in cache.layers])
+        return logits[0], keys
+
+    whole_logits, whole_keys = prefill(len(prompt))
+    for width, beside in ((7, False), (16, True)):
+        logits, keys = prefill(width, beside)
+        assert torch.equal(keys, whole_keys) and torch.equal(logits, whole_logits)
