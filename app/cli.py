@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from app.loadtest import MODES as LOAD_MODES
@@ -22,6 +23,7 @@ from service.engine.config import EngineConfig
 from service.engine.params import SamplingParams
 from service.model.loader import DEFAULT_CACHE_DIR
 from service.kernels.packed_linear import QUANTIZATIONS
+from service.bench.speed import PROMPT_LENGTHS
 from service.bench.step_bench import REQUESTS_PER_SLOT
 
 if TYPE_CHECKING:
@@ -137,7 +139,7 @@ def _bench(args: argparse.Namespace) -> None:
         fresh.profile = engine.profile
         return fresh
 
-    references = _llama_cpp(args, engine) if args.llama_cpp else {}
+    references = _llama_cpp(args, engine.eos_token_ids) if args.llama_cpp else {}
     if args.hf_generate:
         from service.bench.hf_generate_reference import hf_references
 
@@ -185,7 +187,7 @@ def _parting_text(parting: Parting | None) -> str:
     return f" from token {parting.index} ({parting.ulps:g} {unit}{', a near tie' if parting.near_tie else ''})"
 
 
-def _llama_cpp(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
+def _llama_cpp(args: argparse.Namespace, eos_token_ids: Sequence[int]) -> dict[str, Any]:
     """`--llama-cpp`: llama.cpp's greedy decoding of the bench's own GGUF, same threads."""
     import torch
 
@@ -193,12 +195,12 @@ def _llama_cpp(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
     from service.model.loader import embedded_gguf_path
 
     path = Path(args.model) if args.model else embedded_gguf_path()
-    if path.suffix != ".gguf" or args.temperature > 0:
-        sys.exit("ngrammys bench: --llama-cpp compares greedy decoding of a GGUF model")
+    if path.suffix != ".gguf" or getattr(args, "temperature", 0) > 0:
+        sys.exit(f"ngrammys {args.command}: --llama-cpp compares greedy decoding of a GGUF model")
     try:
-        return {LLAMA_CPP: LlamaCppGreedy(path, engine.eos_token_ids, torch.get_num_threads())}
+        return {LLAMA_CPP: LlamaCppGreedy(path, eos_token_ids, torch.get_num_threads())}
     except RuntimeError as error:
-        sys.exit(f"ngrammys bench: {error}")
+        sys.exit(f"ngrammys {args.command}: {error}")
 
 
 def _workload(loaded: Any, args: argparse.Namespace) -> None:
@@ -273,6 +275,41 @@ def _steps(args: argparse.Namespace) -> None:
     runs = step_bench.run_step_bench(new_engine, prompts, args.concurrency, args.max_new_tokens, args.k, args.w,
                                      args.repeats, args.requests_per_slot, progress=lambda run: print(run.row(), flush=True))
     print(f"\n{step_bench.format_summary(runs)}")
+
+
+def _speed(args: argparse.Namespace) -> None:
+    """`ngrammys speed`: prompt processing and decoding tokens/s, and the references'."""
+    import json
+
+    from drafting import TableSlot
+    from service.bench import speed
+    from service.bench.hf_generate_reference import HF_GENERATE, HfGenerate
+    from service.bench.specbench import load_specbench
+    from service.model.loader import load_model, resolve_device, resolve_quantization
+    from service.runtime import build_engine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
+    quantization = resolve_quantization(args.quantization, args.model is None or str(args.model).endswith(".gguf"),
+                                        resolve_device(args.device), args.dtype)
+    prompts = [p.prompt_ids for p in load_specbench(args.dataset, loaded.tokenizer)]
+    stream = speed.token_stream(prompts, max([*args.lengths, speed.DECODE_PROMPT]))
+    engine = build_engine(loaded, TableSlot(), _engine_config(args))
+    engine.eos_token_ids = frozenset()  # every method decodes its whole budget: no stop token ends a run
+    methods: dict[str, Any] = {f"ngrammys ({quantization})": engine.complete}
+    if args.transformers:  # the library's own float32 forward of the same model, unpacked
+        floats = load_model(args.model, args.device, "float32", args.cache_dir, "none")
+        methods[f"{HF_GENERATE} (float32)"] = HfGenerate(floats.model, ()).complete
+    methods |= {name: reference.complete for name, reference in (_llama_cpp(args, ()) if args.llama_cpp else {}).items()}
+    print(f"{loaded.name} on {loaded.model.device}: prompts of {', '.join(map(str, args.lengths))} tokens cut from "
+          f"Spec-Bench's questions, fastest of {args.repeats} runs each", flush=True)
+    speeds = []
+    for name, complete in methods.items():
+        speeds.append(speed.measure(name, complete, stream, args.lengths, args.repeats))
+        print(speed.format_speeds(speeds).splitlines()[-1], flush=True)
+    print(f"\n{speed.format_speeds(speeds)}")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(s) for s in speeds], indent=2))
 
 
 def _profile(args: argparse.Namespace) -> None:
@@ -481,6 +518,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "on the same model (greedy only)")
     bench.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     bench.set_defaults(run=_bench)
+    fast = commands.add_parser("speed", help="prompt processing and decoding tokens/s, beside llama.cpp's and transformers'")
+    fast.add_argument("--dataset", type=_dataset, required=True, help="Spec-Bench question.jsonl (the prompts' text)")
+    fast.add_argument("--lengths", type=int, nargs="+", default=list(PROMPT_LENGTHS), help="prompt lengths, tokens")
+    fast.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the fastest counts")
+    _model_flags(fast)
+    fast.add_argument("--llama-cpp", action="store_true",
+                      help="also llama.cpp on the same GGUF and token ids (needs the llama-cpp extra)")
+    fast.add_argument("--transformers", action="store_true",
+                      help="also transformers' own float32 forward of the same model (unpacked: its memory too)")
+    fast.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    fast.set_defaults(run=_speed)
     profile = commands.add_parser("profile", help="measure forward-pass cost over tree size and context length")
     _model_flags(profile)
     profile.add_argument("--remeasure", action="store_true",

@@ -28,8 +28,7 @@ class HfGenerate:
     """Greedy `model.generate`, optionally with prompt lookup; `complete` is shaped like the engine's."""
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: Sequence[int], prompt_lookup_tokens: int = 0) -> None:
-        if not eos_token_ids:
-            raise ValueError("generate needs a stop token to pad with")
+        """No `eos_token_ids`: every call decodes exactly its `max_new_tokens` (`ngrammys speed`)."""
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
         self.prompt_lookup_tokens = prompt_lookup_tokens
@@ -45,8 +44,9 @@ class HfGenerate:
         if params.sampling.temperature > 0:
             raise ValueError("the transformers reference decodes greedily only")
         config = GenerationConfig(  # not the model's own defaults: those may sample
-            max_new_tokens=params.max_new_tokens, do_sample=False, eos_token_id=self.eos_token_ids,
-            pad_token_id=self.eos_token_ids[0], prompt_lookup_num_tokens=self.prompt_lookup_tokens or None,
+            max_new_tokens=params.max_new_tokens, do_sample=False, eos_token_id=self.eos_token_ids or None,
+            min_new_tokens=None if self.eos_token_ids else params.max_new_tokens,  # the model's own EOS held off
+            pad_token_id=(self.eos_token_ids or [0])[0], prompt_lookup_num_tokens=self.prompt_lookup_tokens or None,
         )
         input_ids = torch.tensor([list(prompt_ids)], device=self.model.device)
         self._passes = 0
