@@ -151,21 +151,21 @@ class _ChunkEmitter(VectorIR):
 
 def _widen_ir() -> str:
     """`widen(source, target, count)`: `count` (a multiple of LANES) float16 values as float32."""
-    ir = VectorIR(LANES, "ngrammys_widen")
-    b16 = ir.ir.VectorType(ir.ir.HalfType(), LANES)
-    ir.begin("widen", [ir.ir.HalfType().as_pointer(), ir.f32.as_pointer(), ir.i64])
-    source, target, count = ir.function.args
-    b = ir.b
+    emit = VectorIR(LANES, "ngrammys_widen")
+    halves16 = emit.ir.VectorType(emit.ir.HalfType(), LANES)
+    emit.begin("widen", [emit.ir.HalfType().as_pointer(), emit.f32.as_pointer(), emit.i64])
+    source, target, count = emit.function.args
+    b = emit.b
 
     def step(i: Any, _: list[Any]) -> list[Any]:
-        at = b.mul(i, ir.const(LANES))
-        halves = b.load(b.bitcast(b.gep(source, [at]), b16.as_pointer()), align=2)
-        ir.store_vector(b.fpext(halves, ir.vector), target, at)
+        at = b.mul(i, emit.const(LANES))
+        halves = b.load(b.bitcast(b.gep(source, [at]), halves16.as_pointer()), align=2)
+        emit.store_vector(b.fpext(halves, emit.vector), target, at)
         return []
 
-    ir.loop(b.udiv(count, ir.const(LANES)), "widen", [], step)
+    emit.loop(b.udiv(count, emit.const(LANES)), "widen", [], step)
     b.ret_void()
-    return str(ir.module)
+    return str(emit.module)
 
 
 @functools.cache
