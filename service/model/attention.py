@@ -178,6 +178,8 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
 
 def _chunk_queries(starts: Sequence[int], cached: Sequence[int], skips: Sequence[int],
                    row_offsets: np.ndarray) -> ChunkQueries:
+    """Each row's first skips[row] tokens (flat from row_offsets[row], at start + cached on) in
+    blocks of up to LANES."""
     blocks = [(row, offset + i, start + c + i, min(LANES, skip - i))
               for row, (start, c, skip, offset) in enumerate(zip(starts, cached, skips, row_offsets.tolist()))
               for i in range(0, skip, LANES)]
