@@ -54,7 +54,9 @@ def test_bench_samples_alike_so_speculation_still_matches_plain(tmp_path, capsys
           "--json", str(out)])
 
     report = json.loads(out.read_text())
-    assert report["run"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 5}
+    assert report["run"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 5, "min_p": 0.0,
+                                         "frequency_penalty": 0.0, "presence_penalty": 0.0,
+                                         "repetition_penalty": 1.0, "logit_bias": {}}
     by_category = {c["category"]: c for c in report["methods"]["mixed k4w3"]}
     assert set(by_category) == {"math", "overall"}
     assert by_category["overall"]["identical"] == by_category["overall"]["prompts"] == 1
