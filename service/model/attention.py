@@ -190,6 +190,8 @@ def _chunk_queries(starts: Sequence[int], cached: Sequence[int], skips: Sequence
 def prompt_prefix(tree: TokenTree, logits_from: int) -> int:
     """How many of `tree`'s first nodes are prompt tokens that need no logits: the chain before
     `logits_from` (a prompt chunk, with a tree on top when it is the prompt's last)."""
+    if not logits_from:  # a decode row (every pass, every row): no array work
+        return 0
     depths = np.asarray(tree.depths[:logits_from])
     off_chain = np.flatnonzero(depths != np.arange(len(depths)))
     return int(off_chain[0]) if len(off_chain) else len(depths)
