@@ -1,14 +1,14 @@
-"""One request in flight at the edge: rounds from the engine → text deltas → OpenAI shapes.
+"""One choice in flight at the edge: rounds from its engine request → text deltas → OpenAI shapes.
 
 Shared by streaming and non-streaming responses of both endpoints, so the text a client
-gets is the same whichever way it asks.
+gets is the same whichever way it asks. A request's choices, and its end, are `app/choices.py`'s.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -31,19 +31,20 @@ class Piece:
 
     text: str
     logprobs: list[TokenLogprob]
+    completion_tokens: int = 0  # the choice's tokens by then (its chunk may be sent after more came)
 
 
 @dataclass
 class Generation:
+    """One choice: its engine request, text, logprobs and statistics, each chunk's body."""
+
     kind: Kind
     model: str
     engine: AsyncEngine
     handle: RequestHandle
     text_stream: TextStream
     metrics: Metrics
-    include_usage: bool = False
-    continuous_usage: bool = False  # usage on every chunk
-    on_finish: Callable[[], None] | None = None  # called once, when the request ends
+    continuous_usage: bool = False  # usage on every chunk (this choice's, as vLLM's)
     logprobs: LogprobsFormatter | None = None  # set when the request asked for logprobs
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -52,7 +53,6 @@ class Generation:
     finish_reason: str | None = None
     _last_output_at: float | None = None
     _sent_text: bool = False
-    _finished: bool = False
     _unsent_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
@@ -87,7 +87,7 @@ class Generation:
             yield self._piece("")
 
     def _piece(self, text: str) -> Piece:
-        piece, self._unsent_logprobs = Piece(text, self._unsent_logprobs), []
+        piece, self._unsent_logprobs = Piece(text, self._unsent_logprobs, self.completion_tokens), []
         return piece
 
     def _time(self, output: RoundOutput) -> None:
@@ -101,41 +101,22 @@ class Generation:
         self._last_output_at = now
         self.metrics.record_round(output)
 
-    def finish(self, status: str) -> None:
-        """Account for the end of the request (once): outcome and end-to-end latency."""
-        if self._finished:
-            return
-        self._finished = True
-        if self.on_finish is not None:
-            self.on_finish, release = None, self.on_finish
-            release()
-        self.metrics.requests.labels(status).inc()
-        self.metrics.e2e.observe(time.monotonic() - self.handle.submitted_at)
-        if status == "aborted":
-            self.metrics.disconnects.inc()
-
-    def abandon(self) -> None:
-        """The response ended, whatever happened to its body: stop the request if it still
-        runs (a no-op once it finished)."""
-        if not self._finished:
-            self.engine.abort(self.handle)
-            self.finish("aborted")
-
-    async def collect(self) -> dict[str, Any]:
-        """Run to the end; the whole response object."""
-        pieces = [piece async for piece in self.pieces()]
+    def response(self, pieces: list[Piece]) -> dict[str, Any]:
+        """The whole response object, of all the pieces this choice gave."""
         logprobs = [lp for piece in pieces for lp in piece.logprobs]
         return self._body("".join(p.text for p in pieces), self.finish_reason, self.usage(), chunk=False,
                           logprobs=logprobs)
 
-    def usage(self) -> Usage:
+    def usage(self, completion_tokens: int | None = None) -> Usage:
+        """This choice's usage: its tokens so far, or `completion_tokens`."""
         prompt = len(self.handle.prompt_ids)
-        return Usage(prompt_tokens=prompt, completion_tokens=self.completion_tokens,
-                     total_tokens=prompt + self.completion_tokens)
+        completion = self.completion_tokens if completion_tokens is None else completion_tokens
+        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
     def chunk(self, piece: Piece, role: bool = False) -> dict[str, Any]:
-        body = self._body(piece.text, None, self.usage() if self.continuous_usage else None, chunk=True,
-                          with_stats=False, logprobs=None if role else piece.logprobs)
+        usage = self.usage(piece.completion_tokens) if self.continuous_usage else None
+        body = self._body(piece.text, None, usage, chunk=True, with_stats=False,
+                          logprobs=None if role else piece.logprobs)
         if role:
             body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return body
@@ -143,8 +124,8 @@ class Generation:
     def final_chunk(self) -> dict[str, Any]:
         return self._body(None, self.finish_reason, None, chunk=True)
 
-    def usage_chunk(self) -> dict[str, Any]:
-        body = self._body(None, None, self.usage(), chunk=True, with_stats=False)
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        body = self._body(None, None, usage, chunk=True, with_stats=False)
         body["choices"] = []
         return body
 

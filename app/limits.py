@@ -58,6 +58,9 @@ def check_generation_limits(body: GenerationRequest, settings: Settings, max_tok
         if value is not None and value > settings.max_tokens_cap:
             raise ApiError(400, f"{param}: {value} is more than this server allows "
                                 f"({settings.max_tokens_cap}); ask for fewer", param=param)
+    if body.n > settings.max_waiting:  # its sampled choices could never all be queued: 429 for ever
+        raise ApiError(400, f"n: each choice is a request to the engine, and this server queues at most "
+                            f"{settings.max_waiting}; ask for fewer", param="n")
     stops = body.stop or []
     if len(stops) > settings.max_stop_sequences:
         raise ApiError(400, f"stop: at most {settings.max_stop_sequences} stop sequences", param="stop")

@@ -4,8 +4,9 @@ FastAPI generates it from the routes; a client or a schema fuzzer that follows i
 be refused for a request the schema calls valid. So, from this server's settings: validation
 errors leave as 400 in OpenAI's shape (app/errors.py), not 422; the bearer scheme appears
 only where a key is asked for; the limits the settings set (max_tokens, stop sequences,
-speculation k and w, the strategies enabled) are the schema's bounds, and the model's vocabulary
-bounds token ids (a prompt's, logit_bias's keys); and stream chunks get their components.
+speculation k and w, the strategies enabled, n by the queue's length) are the schema's bounds,
+and the model's vocabulary bounds token ids (a prompt's, logit_bias's keys); and stream chunks
+get their components.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, get_args
 from fastapi import FastAPI
 from pydantic.json_schema import models_json_schema
 
-from app.schemas import MAX_REQUEST_SEED, STREAM_MODELS, logit_bias_schema
+from app.schemas import MAX_N, MAX_REQUEST_SEED, STREAM_MODELS, logit_bias_schema
 from app.settings import Settings, Strategy
 from drafting import MODEL_STRATEGY_NAMES
 
@@ -98,6 +99,7 @@ def _limits_as_configured(components: Schema, settings: Settings) -> None:
                 _bound(properties[field], "integer", maximum=settings.max_tokens_cap)
         # FastAPI's schema holds bounds as floats: 2**63 - 1 would publish as 2**63
         _bound(properties["seed"], "integer", maximum=MAX_REQUEST_SEED)
+        _bound(properties["n"], "integer", maximum=min(MAX_N, settings.max_waiting))  # a choice is a request
         _bound(properties["stop"], "string", maxLength=settings.max_stop_length)
         _bound(properties["stop"], "array", maxItems=settings.max_stop_sequences)
         for branch in properties["stop"]["anyOf"]:

@@ -32,6 +32,7 @@ def integral(value: Any) -> Any:
         return [integral(item) for item in value]
     return int(value) if isinstance(value, float) and value.is_integer() else value
 MAX_REQUEST_SEED = 2**63 - 1  # a signed 64-bit integer, as OpenAI clients send it
+MAX_N = 16  # choices per request: each sampled one is an engine request of its own
 MAX_COMPLETION_LOGPROBS = 5  # alternatives per token on /v1/completions (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20  # alternatives per token on /v1/chat/completions (OpenAI's limit)
 
@@ -106,11 +107,17 @@ class GenerationRequest(_Request):
         None, ge=0, le=2, description=f"0 = greedy; below {MIN_TEMPERATURE} also greedy (no sampling that close to 0)")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=0, le=MAX_REQUEST_SEED)
+    seed: int | None = Field(
+        None, ge=0, le=MAX_REQUEST_SEED,
+        description="makes a sample reproducible; with `n` > 1, choice i samples with seed + i (mod 2^63): "
+                    "the very text a request of n = 1 with that seed gets")
     stop: Text | list[Text] | None = Field(None, description="stop strings (count and length capped by the server)")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1")
+    n: int = Field(
+        1, ge=1, le=MAX_N,
+        description=f"choices to generate (at most {MAX_N}; the server may allow fewer), each sampled on its own: "
+                    "with a `seed`, choice i uses seed + i (mod 2^63); greedy, the n choices are one text")
     user: str | None = None
     speculation: SpeculationOptions | None = None
     # the logit controls, in the order they apply (service/engine/logits_adjuster.py, sampling.py)
@@ -154,13 +161,6 @@ class GenerationRequest(_Request):
                 raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                  f"got {value} for {token}")
         return bias
-
-    @field_validator("n", mode="before")
-    @classmethod
-    def _single_choice(cls, n: Any) -> Any:
-        if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-            raise ValueError("only n=1 is supported")
-        return n
 
     @field_validator(*UNSUPPORTED_DEFAULTS)
     @classmethod

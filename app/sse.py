@@ -9,7 +9,8 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from app.generation import Generation, Piece
+from app.choices import Choices
+from app.generation import Generation
 
 
 def event(payload: dict[str, Any] | str) -> str:
@@ -17,31 +18,28 @@ def event(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def stream_events(generation: Generation) -> AsyncIterator[str]:
+async def stream_events(choices: Choices) -> AsyncIterator[str]:
     """The SSE body of a streamed completion; an engine failure becomes an error event."""
     status = "aborted"  # unless the stream gets to its end: the client left
     try:
-        if generation.kind == "chat.completion":
-            yield event(generation.chunk(Piece("", []), role=True))
-        async for piece in generation.pieces():
-            yield event(generation.chunk(piece))
+        async for chunk in choices.chunks():
+            yield event(chunk)
     except Exception as error:  # the stream ends with an error event; the server lives on
-        status = generation.status_of(error)
-        yield event({"error": generation.error_fields(error)})
+        status = Generation.status_of(error)
+        yield event({"error": Generation.error_fields(error)})
         yield event("[DONE]")
         return
     else:
         status = "ok"
     finally:
-        generation.finish(status)
-    yield event(generation.final_chunk())
-    if generation.include_usage:
-        yield event(generation.usage_chunk())
+        choices.finish(status)
+    if choices.include_usage:
+        yield event(choices.usage_chunk())
     yield event("[DONE]")
 
 
 class GenerationStream(StreamingResponse):
-    """The SSE response of one generation, which ends the request when the response ends.
+    """The SSE response of a request's choices, which ends the request when the response ends.
 
     `stream_events` cleans up in its `finally`, but only once it has started: a client that
     disconnects before the body's first chunk makes Starlette cancel the response while the
@@ -49,13 +47,13 @@ class GenerationStream(StreamingResponse):
     decoding for nobody until its deadline (holding its KV row and concurrency slot).
     """
 
-    def __init__(self, generation: Generation) -> None:
-        super().__init__(stream_events(generation), media_type="text/event-stream",
+    def __init__(self, choices: Choices) -> None:
+        super().__init__(stream_events(choices), media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.generation = generation
+        self.choices = choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.generation.abandon()
+            self.choices.finish("aborted")  # a no-op once the stream got to its end

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.auth import ClientDep, ConcurrencyLimit, client_identity
+from app.choices import Choices, choice_params, submit_all
 from app.deps import ConcurrencyDep, MetricsDep, RuntimeDep, SettingsDep
 from app.errors import ApiError
 from app.generation import Generation, Kind
@@ -33,7 +34,7 @@ from app.schemas import (
 )
 from app.settings import Settings
 from app.sse import GenerationStream
-from service.engine.async_engine import QueueFull, RequestTimeout, ShuttingDown
+from service.engine.async_engine import QueueFull, RequestHandle, RequestTimeout, ShuttingDown
 from service.engine.params import MIN_TEMPERATURE, GenerationParams, SamplingParams, SpeculationParams
 from service.engine.detokenizer import TextStream
 from service.engine.engine import ContextTooLong
@@ -180,15 +181,17 @@ async def _respond(
     if params.strategy not in enabled:  # a model draft this server was not started with
         raise ApiError(400, f"strategy {params.strategy!r} is not enabled on this server; enabled: "
                        f"{', '.join(enabled)}", param="speculation")
+    engine_requests = choice_params(params, body.n)
     try:
-        runtime.check_fits(len(prompt_ids), params)
+        for choice in engine_requests:
+            runtime.check_fits(len(prompt_ids), choice)
     except ContextTooLong as error:
         raise ApiError(400, str(error), param=prompt_param, code="context_length_exceeded") from error
     except DoesNotFit as error:
         raise ApiError(400, str(error), param="max_tokens", code="kv_cache_budget_exceeded") from error
-    limit.acquire(client)
+    limit.acquire(client)  # one slot for the request, whatever its n
     try:
-        handle = runtime.async_engine.submit(prompt_ids, params)
+        handles = submit_all(runtime.async_engine, prompt_ids, engine_requests)
     except QueueFull as error:
         limit.release(client)
         raise ApiError(429, f"the server is busy: {error}; retry shortly", "rate_limit_exceeded",
@@ -199,49 +202,62 @@ async def _respond(
     except BaseException:
         limit.release(client)
         raise
-    serving.metrics.prompt_tokens.inc(len(prompt_ids))
-    generation = Generation(
-        kind, request.app.state.model_name, runtime.async_engine, handle,
-        TextStream(runtime.tokenizer, body.stop or []), serving.metrics,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
-        on_finish=lambda: limit.release(client),
-        logprobs=None if logprobs is None else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
-    )
+    serving.metrics.prompt_tokens.inc(len(prompt_ids))  # once: the choices share the prompt
+    choices = _choices(kind, body, request, serving, handles, logprobs)
     if body.stream:
-        return GenerationStream(generation)
+        return GenerationStream(choices)
     try:
-        body_json = await _collect_while_connected(generation, request)
+        body_json = await _collect_while_connected(choices, request)
     except ClientGone:
-        generation.finish("aborted")
+        choices.finish("aborted")
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
     except Exception as error:
-        generation.finish(generation.status_of(error))
+        choices.finish(Generation.status_of(error))
         if isinstance(error, RequestTimeout):
             raise ApiError(504, str(error), "timeout", code="timeout") from error
         if isinstance(error, ShuttingDown):
             raise ApiError(503, str(error), "service_unavailable", code="shutting_down") from error
         raise ApiError(500, f"generation failed: {error}", "server_error") from error
     except BaseException:  # cancelled: the client left
-        generation.finish("aborted")
+        choices.finish("aborted")
         raise
-    generation.finish("ok")
+    choices.finish("ok")
     return JSONResponse(body_json)
+
+
+def _choices(kind: Kind, body: GenerationRequest, request: Request, serving: _Serving,
+             handles: list[RequestHandle], logprobs: int | None) -> Choices:
+    """The request's `body.n` choices, from its engine requests (one, or one per choice)."""
+    runtime, options = serving.runtime, body.stream_options
+
+    def generation(handle: RequestHandle, **shared: Any) -> Generation:
+        return Generation(
+            kind, request.app.state.model_name, runtime.async_engine, handle,
+            TextStream(runtime.tokenizer, body.stop or []), serving.metrics,
+            continuous_usage=bool(options and options.continuous_usage_stats),
+            logprobs=None if logprobs is None else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
+            **shared,
+        )
+
+    first = generation(handles[0])  # its id and creation time are the other choices' too: one response
+    generations = [first, *(generation(h, request_id=first.request_id, created=first.created) for h in handles[1:])]
+    return Choices(generations, copies=body.n // len(generations),
+                   include_usage=bool(options and options.include_usage),
+                   on_finish=lambda: serving.limit.release(serving.client))
 
 
 class ClientGone(Exception):
     """The client of a non-streaming request disconnected before its answer was ready."""
 
 
-async def _collect_while_connected(generation: Generation, request: Request) -> dict[str, Any]:
+async def _collect_while_connected(choices: Choices, request: Request) -> dict[str, Any]:
     """The whole response; the request is aborted as soon as its client disconnects (so a
     `curl -m 2` with a large max_tokens does not keep the engine busy for nobody)."""
-    collecting = asyncio.ensure_future(generation.collect())
+    collecting = asyncio.ensure_future(choices.collect())
     while True:
         done, _ = await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)
         if done:
             return collecting.result()
         if await request.is_disconnected():
-            generation.engine.abort(generation.handle)
-            collecting.cancel()
+            collecting.cancel()  # the caller's `finish` aborts the engine requests
             raise ClientGone

@@ -20,12 +20,14 @@ import pytest
 
 from app.auth import ApiKeys
 from app.openapi import decimals_below
+from app.schemas import MAX_N
 from app.main import create_app
 from app.settings import Settings
 from service.model.loader import LoadedModel
 from app.background import free_port, serving
 from tests.helpers.http import (
-    COPY_LONG, QUIET, Asgi24, accepted_draft_tokens, assert_engine_idle, slowed, speculating, wait_ready, wait_until,
+    COPY_LONG, QUIET, Asgi24, accepted_draft_tokens, assert_engine_idle, assert_openai_error, post, slowed, speculating,
+    wait_ready, wait_until,
 )
 from tests.helpers.models import make_tiny_model
 
@@ -42,22 +44,6 @@ def server(tiny_served):
     with serving(app) as base:
         wait_ready(base)
         yield base
-
-
-def post(base: str, route: str, body: dict | None = None, raw: bytes | str | None = None, **kwargs) -> httpx.Response:
-    content = raw if raw is not None else json.dumps(body)
-    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
-    return httpx.post(f"{base}/v1/{route}", content=content, headers=headers, timeout=60, **kwargs)
-
-
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
-    assert error["param"] == param
-    if code is not None:
-        assert error["code"] == code
-    return error
 
 
 def text_of(response: httpx.Response) -> str:
@@ -194,11 +180,6 @@ def test_a_full_logit_bias_forces_its_token(server: str, route: str, tiny_served
     token = tiny_served.tokenizer.encode(" hello")[0]
     body = {**ROUTES[route], "max_tokens": 4, "temperature": 1, "logit_bias": {str(token): 100}}
     assert text_of(post(server, route, body)) == tiny_served.tokenizer.decode([token] * 4)
-
-
-@pytest.mark.parametrize("route", ROUTES)
-def test_n_above_one_is_400_on_both_routes(server: str, route: str) -> None:
-    assert_openai_error(post(server, route, {**ROUTES[route], "n": 2}), 400, "n")
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -411,6 +392,7 @@ def test_openapi_states_the_limits_the_server_enforces(server: str, tiny_served)
     assert integer(chat["properties"]["max_tokens"]) == {"type": "integer", "minimum": 1,
                                                          "maximum": settings.max_tokens_cap}
     assert integer(chat["properties"]["seed"])["maximum"] == 2**63 - 1  # exactly, not as a float
+    assert (completion["properties"]["n"]["minimum"], completion["properties"]["n"]["maximum"]) == (1, MAX_N)
     options = components["SpeculationOptions"]
     assert integer(options["properties"]["k"])["maximum"] == settings.spec_k
     strategies = next(b for b in options["properties"]["strategy"]["anyOf"] if "enum" in b)["enum"]

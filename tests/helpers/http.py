@@ -1,9 +1,11 @@
 """Around an app served by `app.background.serving`: the chat messages and settings the HTTP
-tests send, waits for the server, the SSE framing check, a slowed engine and an ASGI 2.4 shim."""
+tests send, waits for the server, posting and OpenAI's error shape, the SSE framing check, a slowed
+engine and an ASGI 2.4 shim."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +14,7 @@ from contextlib import contextmanager
 import httpx
 from fastapi import FastAPI
 
+from app.background import serving
 from service.runtime import Runtime
 from tests.helpers.costs import MEMORY_BOUND
 
@@ -41,6 +44,14 @@ def wait_ready(base: str) -> None:
     wait_until(lambda: httpx.get(f"{base}/ready").status_code == 200)
 
 
+@contextmanager
+def serving_ready(app: FastAPI) -> Iterator[str]:
+    """`serving(app)`, from the moment its model has loaded."""
+    with serving(app) as base:
+        wait_ready(base)
+        yield base
+
+
 def sse_events(response: httpx.Response) -> list[str]:
     """Raw `data:` payloads, checking the framing of every event on the way."""
     body = response.read().decode()
@@ -48,6 +59,24 @@ def sse_events(response: httpx.Response) -> list[str]:
     events = body[:-2].split("\n\n")
     assert all(e.startswith("data: ") and "\n" not in e for e in events)
     return [e[len("data: ") :] for e in events]
+
+
+def post(base: str, route: str, body: dict | None = None, raw: bytes | str | None = None, **kwargs) -> httpx.Response:
+    """POST `body` (or the `raw` bytes) as JSON to /v1/`route`."""
+    content = raw if raw is not None else json.dumps(body)
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    return httpx.post(f"{base}/v1/{route}", content=content, headers=headers, timeout=60, **kwargs)
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """`response` is an error of `status` in OpenAI's shape, naming `param`; its fields."""
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["type"]
+    assert error["param"] == param
+    if code is not None:
+        assert error["code"] == code
+    return error
 
 
 def runtime_of(app: FastAPI) -> Runtime:
