@@ -13,10 +13,11 @@ import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from app.loadtest import MODES as LOAD_MODES
+from app.prefix_workloads import WORKLOADS as PREFIX_WORKLOADS
 from app.settings import Settings
 from drafting import MIXED, STRATEGY_NAMES
 from service.engine.config import EngineConfig
@@ -377,6 +378,8 @@ def _loadtest(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
+    if args.workload != "specbench":
+        return _prefix_workload(args)
     questions = specbench_questions(args.dataset, args.per_category)
     with (nullcontext(args.url) if args.url else serving_process(loadtest_server_flags(args))) as base:
         _wait_warm(base, args.url is None)
@@ -393,6 +396,41 @@ def _loadtest(args: argparse.Namespace) -> None:
     if args.png:
         loadtest.write_plot(results, args.png, f"{args.max_tokens} tokens per request, greedy")
         print(f"wrote {args.png}")
+
+
+def _prefix_workload(args: argparse.Namespace) -> None:
+    """`loadtest --workload chat|document`: with the prefix cache and without, a server each."""
+    import json
+    from contextlib import contextmanager
+
+    from app import prefix_workloads
+    from app.background import serving_process
+    from service.bench.specbench import specbench_questions
+
+    if args.url:
+        sys.exit("ngrammys loadtest: --workload chat|document starts its own servers (one with the prefix cache, "
+                 "one without); leave out --url")
+    turns = args.turns or prefix_workloads.DEFAULT_TURNS[args.workload]
+    workload = prefix_workloads.build(args.workload, specbench_questions(args.dataset), args.conversations, turns)
+
+    mode = args.modes[-1]
+
+    @contextmanager
+    def server(prefix_cache: bool) -> Iterator[str]:
+        with serving_process(loadtest_server_flags(args) + ([] if prefix_cache else ["--no-prefix-cache"])) as base:
+            _wait_warm(base, mode == "auto")  # (only auto drafts from the tables and prices by the profile)
+            yield base
+
+    print(f"workload {args.workload}: {len(workload.conversations)} conversations x "
+          f"{len(workload.conversations[0])} turns, {workload.clients} at a time, {args.max_tokens} tokens each, "
+          f"greedy, speculation {mode}\n\n{prefix_workloads.HEADER}", flush=True)
+    results = prefix_workloads.compare(server, workload, mode, args.max_tokens,
+                                       progress=lambda row: print(row, flush=True))
+    print(f"\n{prefix_workloads.format_comparison(results)}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"workload": args.workload, "max_tokens": args.max_tokens,
+                                         "results": [r.summary() for r in results]}, indent=2))
+        print(f"wrote {args.json}")
 
 
 def _neighbour(args: argparse.Namespace) -> None:
@@ -570,7 +608,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "the shared suffix index would draft a repeated question's earlier greedy answer whole, "
                            "favouring whichever mode runs later; give a size to measure that effect)")
     load.add_argument("--modes", nargs="+", choices=LOAD_MODES, default=list(LOAD_MODES),
-                      help="speculation modes to compare")
+                      help="speculation modes to compare (a prefix workload runs the last one)")
+    load.add_argument("--workload", choices=("specbench", *PREFIX_WORKLOADS), default="specbench",
+                      help="specbench: its questions, off vs auto; chat: conversations behind a long system prompt, "
+                           "document: questions about one long document, each with the prefix cache and without")
+    load.add_argument("--conversations", type=int, default=8, help="chat/document: conversations (or clients' "
+                      "question lists)")
+    load.add_argument("--turns", type=int, default=None, help="chat/document: turns per conversation (default: 6 "
+                      "for chat, 4 for document: 32 questions)")
     _model_flags(load)
     load.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     load.add_argument("--png", type=Path, default=None, help="plot tokens/s and p99 ITL against C")

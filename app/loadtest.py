@@ -36,6 +36,7 @@ class RequestTiming:
     seconds: float
     passes: int = 0  # verification passes (rounds) the request took
     drafted: int = 0  # tree nodes drafted over all its rounds
+    text: str = ""  # the answer
 
 
 @dataclass
@@ -59,21 +60,23 @@ class LoadResult:
             "concurrency": self.concurrency, "mode": self.mode, "repeat": self.repeat, "requests": self.requests,
             "requests_per_second": self.requests / self.seconds,
             "output_tokens_per_second": self.output_tokens / self.seconds,
-            "ttft_p50_ms": _quantile(ttft, 0.5) * 1e3, "ttft_p99_ms": _quantile(ttft, 0.99) * 1e3,
-            "itl_p50_ms": _quantile(itl, 0.5) * 1e3, "itl_p99_ms": _quantile(itl, 0.99) * 1e3,
+            "ttft_p50_ms": quantile(ttft, 0.5) * 1e3, "ttft_p99_ms": quantile(ttft, 0.99) * 1e3,
+            "itl_p50_ms": quantile(itl, 0.5) * 1e3, "itl_p99_ms": quantile(itl, 0.99) * 1e3,
             "tokens_per_pass": self.output_tokens / passes,
             "drafted_per_pass": sum(t.drafted for t in self.timings) / passes,
         }
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-async def _one(client: httpx.AsyncClient, question: Question, mode: str, max_tokens: int) -> RequestTiming:
+async def stream_chat(client: httpx.AsyncClient, messages: list[dict[str, str]], mode: str,
+                      max_tokens: int) -> RequestTiming:
+    """One greedy chat request, streamed, timed token by token."""
     body = {
-        "messages": [{"role": "user", "content": question.text}], "max_tokens": max_tokens, "temperature": 0,
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "speculation": {"mode": mode},
     }
@@ -82,6 +85,7 @@ async def _one(client: httpx.AsyncClient, question: Question, mode: str, max_tok
     itl: list[float] = []
     tokens = 0
     stats: dict = {}
+    text: list[str] = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
@@ -91,8 +95,9 @@ async def _one(client: httpx.AsyncClient, question: Question, mode: str, max_tok
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             usage = chunk.get("usage")
-            for choice in chunk.get("choices", []):  # the last chunk of a choice carries them
+            for choice in chunk.get("choices", []):  # the last chunk of a choice carries the stats
                 stats = choice.get("speculative_decoding_stats") or stats
+                text.append((choice.get("delta") or {}).get("content") or "")
             if not usage or usage["completion_tokens"] == tokens:
                 continue
             now, new = time.perf_counter(), usage["completion_tokens"] - tokens
@@ -104,7 +109,7 @@ async def _one(client: httpx.AsyncClient, question: Question, mode: str, max_tok
             last, tokens = now, usage["completion_tokens"]
     end = time.perf_counter()
     return RequestTiming((first or end) - started, itl, tokens, end - started,
-                         stats.get("num_spec_steps", 0), stats.get("num_draft_tokens", 0))
+                         stats.get("num_spec_steps", 0), stats.get("num_draft_tokens", 0), "".join(text))
 
 
 async def run_level(
@@ -120,7 +125,8 @@ async def run_level(
 
         async def client_loop() -> None:
             while not queue.empty():
-                timings.append(await _one(client, queue.get_nowait(), mode, max_tokens))
+                question = queue.get_nowait()
+                timings.append(await stream_chat(client, [{"role": "user", "content": question.text}], mode, max_tokens))
 
         started = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))

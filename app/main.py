@@ -87,6 +87,7 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Ca
     app.state.model_name = settings.served_model_name or runtime.loaded.name
     app.state.metrics.watch_queue(lambda: runtime.async_engine.num_waiting, lambda: runtime.async_engine.num_running)
     app.state.metrics.watch_profile(lambda: runtime.warm_up_state.profile)
+    app.state.metrics.watch_kv_cache(runtime.async_engine.engine.scheduler)
     app.state.runtime = runtime
     log.info("ready: %s (loaded in %.1f s)", app.state.model_name, runtime.loaded.load_seconds)
 

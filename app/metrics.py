@@ -18,6 +18,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from app.auth import metrics_identity
 from service.controller.profile_keeper import OUTCOMES, ProfileState
 from service.engine.outputs import RoundOutput, StepStats
+from service.engine.scheduler import Scheduler
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PASS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -91,6 +92,10 @@ class Metrics:
         """Read the cost profile's state (None: the server measures none) at scrape time."""
         self.registry.register(_ProfileCollector(state))
 
+    def watch_kv_cache(self, scheduler: Scheduler) -> None:
+        """Read the KV usage and the prefix cache's counters from the scheduler at scrape time."""
+        self.registry.register(_KVCacheCollector(scheduler))
+
     def record_step(self, stats: StepStats) -> None:
         """One pass of the engine (called on the engine's thread; the client is thread-safe)."""
         self.forward.labels(tree_size_bucket(stats.tokens)).observe(stats.pass_seconds)
@@ -134,6 +139,31 @@ class _ProfileCollector:
         for outcome in OUTCOMES:
             remeasures.add_metric([outcome], 0 if state is None else state.remeasures[outcome])
         yield remeasures
+
+
+class _KVCacheCollector:
+    """vLLM's KV cache series: the share of the KV budget the running requests may reach (the
+    Gateway API Inference Extension's KVCacheUtilization; cached prefix blocks count as free,
+    as they give way to any request), and the prompt tokens looked up in and found in the
+    prefix cache (hit rate = hits / queries)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        usage = self.scheduler.kv_usage
+        if usage is not None:  # no budget: no share of it to report
+            yield GaugeMetricFamily("ngrammys_kv_cache_usage_perc", "Share of the KV cache budget the running "
+                                    "requests may reach (1 = full)", value=usage)
+        prefix = self.scheduler.prefix
+        if prefix is None:
+            return
+        yield CounterMetricFamily("ngrammys_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=prefix.stats.queried_tokens)
+        yield CounterMetricFamily("ngrammys_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                  value=prefix.stats.hit_tokens)
+        yield GaugeMetricFamily("ngrammys_prefix_cache_bytes", "Bytes held by cached prefix blocks",
+                                value=prefix.nbytes)
 
 
 router = APIRouter(dependencies=[Depends(metrics_identity)])

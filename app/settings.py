@@ -74,6 +74,8 @@ class Settings(BaseSettings):
         None, ge=1,
         description="Prompt tokens a pass may carry while other requests decode (default: 64 on CPU, max_tokens_per_pass on GPU)")
     kv_cache_memory_mb: int | None = Field(4096, ge=1, description="KV cache budget in MiB; a request waits until it fits (none = unbounded)")
+    prefix_cache: bool = Field(True, description="Keep the KV of computed prompt and output blocks for later requests "
+                               "that start the same way, in the KV budget the running requests leave")
     request_timeout: float | None = Field(600.0, gt=0, description="Seconds a request may take, queueing included")
     drain_timeout: float = Field(30.0, ge=0, description="On SIGTERM: seconds running requests may take to finish before they are ended with an error")
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with 429")
@@ -111,7 +113,7 @@ class Settings(BaseSettings):
         """What the engine and its runtime take from these settings."""
         memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20
         scheduler = SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory,
-                                    self.max_prefill_tokens_while_decoding)
+                                    self.max_prefill_tokens_while_decoding, self.prefix_cache)
         return EngineConfig(
             scheduler=scheduler, max_waiting=self.max_waiting, request_timeout=self.request_timeout,
             model_tables=self.model_tables, cost_profile=self.cost_profile, cache_dir=self.cache_dir,

@@ -1,6 +1,6 @@
 """The engine: every step, ONE forward pass over every running request.
 
-    step():  schedule (admit, prompt chunks) → plan (drafts and a tree for every decoding row;
+    step():  schedule (admit: cached prefix blocks loaded; prompt chunks) → plan (drafts and a tree for every decoding row;
              the controller's policy chooses the auto rows' jointly) → one flat pass → verify
              each row → commit each row's KV → a `RoundOutput` per request that decoded
 
@@ -230,6 +230,9 @@ class Engine:
         rounds = [self._verify_row(row, *row_outputs, commits, timer)
                   for row, *row_outputs in zip(rows, logits, adjusted, top_ids, self._greedy_choices(rows, adjusted))]
         self.cache.commit_rows(commits)
+        for row in rows:
+            if row.chunk:  # a prompt's blocks serve the requests that share them from now on
+                self.scheduler.keep_prefix(row.request)
         timer.mark_verified()
         return rounds
 

@@ -25,6 +25,15 @@ so the default cap there is small (64; docs/benchmarks.md, "Prompt processing" a
 tests", has the runs behind it); on a GPU a pass of hundreds of tokens costs little more than
 one, so the default is the whole pass. With nothing decoding, a prompt takes the whole pass
 (first token sooner).
+
+Prefix cache (`service/model/prefix_cache.py`): an admitted request's row starts with the
+cached blocks its prompt begins with, and the blocks of every prompt chunk a pass commits,
+and of a request's whole row when it ends, are cached for later requests. The blocks fill
+the KV budget the running rows leave, and are evicted (least recently used first) when an
+admission needs the room. A waiting request whose prompt a running request is still
+prefilling (the same system prompt, the `n` samples of one request) waits for that prefill,
+then reads it from the cache, instead of computing the same entries a second time in the
+same passes.
 """
 
 from __future__ import annotations
@@ -32,9 +41,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
+from service.model.prefix_cache import BLOCK_TOKENS, PrefixCache
 from service.engine.request import Request, Status
 
 
@@ -46,6 +57,7 @@ class SchedulerConfig:
     max_tokens_per_pass: int = 512  # prefill chunks + decode tokens + tree nodes in one pass
     kv_cache_bytes: int | None = None  # budget of the KV buffers; None = unbounded
     max_prefill_tokens_while_decoding: int | None = None  # None: by device (`for_device`)
+    prefix_cache: bool = True  # keep computed KV blocks for later requests with the same prefix
 
     def __post_init__(self) -> None:
         if (self.max_running_requests is not None and self.max_running_requests < 1) or self.max_tokens_per_pass < 1:
@@ -69,6 +81,8 @@ CPU_PREFILL_TOKENS_WHILE_DECODING = 64
 # docs/benchmarks.md).
 CPU_MAX_RUNNING_REQUESTS = 16
 GPU_MAX_RUNNING_REQUESTS = 64
+# what cached prefix blocks may hold when the KV budget is unbounded
+UNBOUNDED_BUDGET_PREFIX_CACHE_BYTES = 2**30
 
 
 class DoesNotFit(ValueError):
@@ -103,6 +117,7 @@ class Scheduler:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix = PrefixCache(self._prefix_room) if config.prefix_cache else None
 
     @property
     def has_work(self) -> bool:
@@ -144,14 +159,56 @@ class Scheduler:
                 self.waiting.popleft()
                 continue
             budget = self.config.kv_cache_bytes
-            if budget is not None and self.memory_bound([*self.running, candidate]) > budget:
+            bound = self.memory_bound([*self.running, candidate])
+            if budget is not None and bound > budget:
                 break  # FCFS: it waits for memory, and nothing behind it overtakes
+            if self._joins_running_prefill(candidate):
+                break  # FCFS as well: it waits a few passes at most, for entries it then need not compute
             self.waiting.popleft()
             candidate.status, candidate.started_at = Status.RUNNING, time.monotonic()
             candidate.row = self.cache.add_row()
+            if self.prefix is not None:
+                if budget is not None:
+                    self.prefix.evict_until(budget - bound)
+                candidate.num_cached = self.prefix.load(self.cache, candidate.row, candidate.prompt_ids)
             self.running.append(candidate)
             admitted.append(candidate)
         return admitted
+
+    def _prefix_room(self) -> int:
+        """Bytes the cached prefix blocks may hold now: the KV budget less what the running
+        rows may reach."""
+        budget = self.config.kv_cache_bytes
+        if budget is None:
+            return UNBOUNDED_BUDGET_PREFIX_CACHE_BYTES
+        return budget - self.memory_bound(self.running)
+
+    def _joins_running_prefill(self, candidate: Request) -> bool:
+        """Whether a running request is still prefilling a prefix of `candidate`'s prompt that
+        the cache does not hold yet, a block or more and at least half of what `candidate`
+        would prefill (a shared template of a few tokens is not worth a wait)."""
+        if self.prefix is None:
+            return False
+        prompt = candidate.prompt_ids[: candidate.num_prompt_tokens - 1]
+        cached = self.prefix.peek(prompt)
+        for request in self.running:
+            if request.prefill_remaining > 0:
+                ahead = _common_prefix(prompt, request.prompt_ids[: request.num_prompt_tokens - 1]) - cached
+                if ahead >= BLOCK_TOKENS and 2 * ahead >= len(prompt) - cached:
+                    return True
+        return False
+
+    def keep_prefix(self, request: Request) -> None:
+        """Cache the whole blocks of a running request's committed entries (after a pass)."""
+        if self.prefix is not None and request.row is not None:
+            self.prefix.store(self.cache, request.row, request.drafts.history.token_ids)
+
+    @property
+    def kv_usage(self) -> float | None:
+        """The share of the KV budget the running rows may reach (cached prefix blocks count
+        as free: they give way to any admission); None with no budget."""
+        budget = self.config.kv_cache_bytes
+        return None if budget is None else self.memory_bound(self.running) / budget
 
     def drop_aborted_waiting(self) -> list[Request]:
         """Take aborted requests out of the queue at once (their slot frees now)."""
@@ -189,9 +246,25 @@ class Scheduler:
         request.status = Status.FINISHED
         if request.row is None:
             return
+        if request.finish_reason != "error":  # a failed pass may have left its entries half written
+            self.keep_prefix(request)
         row, request.row = request.row, None
         moved = self.cache.remove_row(row)
         last = self.running.pop()
         if moved is not None:
             self.running[row] = last
             last.row = row
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the longest common prefix of `a` and `b`, by bisection over slice
+    comparisons (each a C loop: prompts run to thousands of tokens, and this runs while a
+    request waits)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low

@@ -256,6 +256,38 @@ class TreeKVCache(Cache):
         _, rows, _, capacity, _ = self._buffers[0].shape
         return (rows, capacity, *(buffer.data_ptr() for buffer in self._buffers))
 
+    @torch.inference_mode()
+    def entries(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the row's committed entries [start, end): keys and values of every
+        layer, [layers, kv_heads, end - start, head_dim] each (a prefix cache's block)."""
+        assert self._buffers is not None and 0 <= start <= end <= self.lengths[row]
+        keys, values = (buffer[:, row, :, start:end].clone(memory_format=torch.contiguous_format)
+                        for buffer in self._buffers)
+        return keys, values
+
+    @property
+    def entry_nbytes(self) -> int:
+        """Bytes of one entry: its keys and values in every layer (0 before the buffers exist)."""
+        return sum(buffer[:, 0, :, 0].numel() * buffer.element_size() for buffer in self._buffers or ())
+
+    @torch.inference_mode()
+    def append_entries(self, row: int, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Commit entries computed earlier (`entries` of some row) as the row's next ones."""
+        if not blocks:
+            return
+        if self._buffers is None:
+            self.make_buffers(blocks[0][0][0].unsqueeze(0))  # like one layer's [1, kv_heads, T, head_dim]
+        start = self.lengths[row]
+        self.reserve(start + sum(keys.shape[2] for keys, _ in blocks))
+        self.fit_buffers()
+        assert self._buffers is not None
+        for keys, values in blocks:
+            end = start + keys.shape[2]
+            self._buffers[0][:, row, :, start:end] = keys
+            self._buffers[1][:, row, :, start:end] = values
+            start = end
+        self.lengths[row] = start
+
     def commit(self, row: int, kept: Sequence[int]) -> None:
         """Keep the pass entries at offsets `kept` (ascending) as the row's next entries."""
         self.commit_rows({row: kept})

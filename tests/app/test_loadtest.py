@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app import loadtest
+from app import loadtest, prefix_workloads
 from app.background import serving
 from app.cli import build_parser, loadtest_server_flags, main
 from app.main import create_app
@@ -85,3 +85,39 @@ def test_the_loadtest_server_keeps_no_suffix_index_unless_asked(tmp_path) -> Non
     assert default[default.index("--suffix-cache-tokens") + 1] == "0"
     asked = flags("--suffix-cache-tokens", "100000")
     assert asked[asked.index("--suffix-cache-tokens") + 1] == "100000"
+
+
+def test_the_prefix_workloads_run_with_the_cache_and_without_on_servers_of_their_own(tiny_served, tmp_path) -> None:
+    """`ngrammys loadtest --workload chat`: a server with the prefix cache and one without,
+    the same conversations (later turns re-send the earlier answers), the cache's hit rate."""
+    model_dir = tmp_path / "model"
+    tiny_served.model.save_pretrained(model_dir)
+    tiny_served.tokenizer.save_pretrained(model_dir)
+    dataset = tmp_path / "questions.jsonl"
+    rows = [("rag", "Passage about rivers and the sea. " * 40), ("summarization", "An article on tides. " * 60),
+            ("qa", "Why is the sea salty?"), ("qa", "What makes waves?"), ("stem", "What is a tide?")]
+    dataset.write_text("\n".join(json.dumps({"question_id": str(i), "category": c, "turns": [t]})
+                                 for i, (c, t) in enumerate(rows)))
+    report = tmp_path / "prefix.json"
+    main(["loadtest", "--dataset", str(dataset), "--workload", "chat", "--conversations", "2", "--turns", "3",
+          "--max-tokens", "4", "--modes", "off", "--model", str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--json", str(report)])
+    cached, uncached = json.loads(report.read_text())["results"]
+    assert (cached["setting"], uncached["setting"]) == ("cache", "no cache")
+    assert cached["requests"] == uncached["requests"] == 6
+    assert cached["hit_rate"] > 0.5 and uncached["hit_rate"] is None  # a server without the cache exports none
+    assert 0 <= cached["same_answers"] == uncached["same_answers"] <= 6
+
+
+def test_the_chat_workload_resends_the_conversation_and_the_document_one_the_document() -> None:
+    questions = [Question("1", "rag", "notes " * 2000), Question("2", "summarization", "article " * 2000),
+                 *(Question(str(i), "qa", f"question {i}?") for i in range(3, 6))]
+    chat = prefix_workloads.build("chat", questions, conversations=2, turns=3)
+    assert len(chat.conversations) == chat.clients == 2 and all(len(c) == 3 for c in chat.conversations)
+    assert chat.multi_turn and len(chat.system) <= prefix_workloads.SYSTEM_CHARS + 100
+    document = prefix_workloads.build("document", questions, conversations=2, turns=3)
+    assert [len(c) for c in document.conversations] == [1] * 6 and not document.multi_turn
+    assert document.clients == prefix_workloads.DOCUMENT_CLIENTS and "article" in document.system
+    with pytest.raises(ValueError, match="summarization"):
+        prefix_workloads.build("document", [questions[0], *questions[2:]], conversations=1, turns=1)
+    with pytest.raises(ValueError, match="short questions"):
+        prefix_workloads.build("chat", questions[:2], conversations=1, turns=1)

@@ -45,6 +45,10 @@ EXPECTED = {  # name -> type, as issue-level contract
     "ngrammys_client_disconnects": "counter",
     "ngrammys_cost_profile_valid": "gauge",
     "ngrammys_cost_profile_remeasures": "counter",
+    "ngrammys_kv_cache_usage_perc": "gauge",
+    "ngrammys_prefix_cache_queries": "counter",
+    "ngrammys_prefix_cache_hits": "counter",
+    "ngrammys_prefix_cache_bytes": "gauge",
 }
 
 
@@ -133,6 +137,7 @@ QUERIES = [
     "sum(ngrammys_forward_pass_seconds_count)",
     "sum(ngrammys_batch_size_count)",
     "sum(ngrammys_client_disconnects_total)",
+    "sum(ngrammys_prefix_cache_queries_total)",
 ]
 
 

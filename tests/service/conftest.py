@@ -15,3 +15,11 @@ def tiny_packed(tmp_path_factory):
     tiles_file = path.with_suffix(".npz")
     assert pack_gguf_linears(packed, path, tiles_file=tiles_file) == 15  # 2 layers x 7, and the LM head
     return plain, packed, path, tiles_file
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tmp_path_factory):
+    """The tiny Llama with Q4_1 weights, as float32 and packed with 8-bit activations (`gguf-int8`)."""
+    plain, packed, path = tiny_gguf_twins(tmp_path_factory.mktemp("gguf"))
+    assert pack_gguf_linears(packed, path, int8_activations=True) == 15
+    return plain, packed, path

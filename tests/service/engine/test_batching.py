@@ -74,7 +74,8 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(tiny_mo
 
 
 def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, tiny_tables) -> None:
-    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=24, max_prefill_tokens_while_decoding=5)
+    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=24, max_prefill_tokens_while_decoding=5,
+                         prefix_cache=False)  # the joining prompt starts as the first: it would be cached
     prompt = list(range(2, 60))
     first = engine.add_request(prompt[:20], GenerationParams(40))
     _, stats = engine.step()
@@ -98,7 +99,8 @@ def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, t
 
 
 def test_a_burst_of_prompts_gets_its_share_of_the_pass(tiny_runner, tiny_tables) -> None:
-    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5)
+    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5,
+                         prefix_cache=False)  # (with it, the three same prompts would be prefilled once)
     engine.add_request(PROMPTS[0], GenerationParams(40))
     engine.step()
     for _ in range(3):
@@ -112,7 +114,8 @@ def test_a_burst_of_prompts_gets_its_share_of_the_pass(tiny_runner, tiny_tables)
 def test_a_few_prompts_joining_many_decoding_streams_keep_to_the_cap(tiny_model, tiny_runner, tiny_tables) -> None:
     """Not a burst (fewer requests wait for a first token than decode): the prompts take the
     cap, not their share of the pass, so the decoding streams' next tokens are not held up."""
-    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5)
+    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5,
+                         prefix_cache=False)  # (with it, the two same prompts would be prefilled once)
     decoding = [engine.add_request(p, GenerationParams(40)) for p in PROMPTS[:3]]
     while any(r.prefill_remaining for r in decoding):
         engine.step()

@@ -26,9 +26,12 @@ def make_request(prompt_tokens: int = 8, new_tokens: int = 8, name: str = "r") -
 
 
 def make_scheduler(max_running: int = 4, tokens_per_pass: int = 512, kv_bytes: int | None = None,
-                   prefill_cap: int = 512, cache: TreeKVCache | None = None) -> Scheduler:
+                   prefill_cap: int = 512, cache: TreeKVCache | None = None, prefix_cache: bool = False) -> Scheduler:
+    """A scheduler whose requests (prompts that all start alike) are admitted as if new:
+    without a prefix cache, unless asked for (its own tests, test_prefix_cache.py)."""
     config = SchedulerConfig(max_running_requests=max_running, max_tokens_per_pass=tokens_per_pass,
-                             kv_cache_bytes=kv_bytes, max_prefill_tokens_while_decoding=prefill_cap)
+                             kv_cache_bytes=kv_bytes, max_prefill_tokens_while_decoding=prefill_cap,
+                             prefix_cache=prefix_cache)
     return Scheduler(config, cache or TreeKVCache(num_layers=1, rows=0), BYTES_PER_TOKEN)
 
 

@@ -26,7 +26,6 @@ from tests.helpers.packed import (
     assert_speculation_equals_plain_decoding,
     random_blocks,
     reference,
-    tiny_gguf_twins,
 )
 
 pytestmark = pytest.mark.skipif(not int8_supported(), reason="the CPU lacks AVX-512 VNNI")
@@ -70,13 +69,6 @@ def test_a_rows_result_does_not_depend_on_the_pass(kind) -> None:
         assert torch.equal(run(kind, blocks, 96, x[row : row + 1], chunks=0)[0], together[row])
     x[:, :BLOCK] = 0  # an all-zero block: scale 0, no division by it
     assert torch.isfinite(run(kind, blocks, 96, x)).all()
-
-
-@pytest.fixture(scope="module")
-def tiny_int8(tmp_path_factory):
-    plain, packed, path = tiny_gguf_twins(tmp_path_factory.mktemp("gguf"))
-    assert pack_gguf_linears(packed, path, int8_activations=True) == 15
-    return plain, packed, path
 
 
 def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
