@@ -73,6 +73,7 @@ UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
+    "best_of": (None, 1),  # candidates ranked by likelihood: not built (vLLM's v1 engine dropped it too)
 }
 
 
@@ -142,6 +143,7 @@ class GenerationRequest(_Request):
     response_format: Annotated[dict[str, Any] | None, unsupported("response_format")] = None
     echo: Annotated[bool | None, unsupported("echo")] = None
     suffix: Annotated[str | None, unsupported("suffix")] = None
+    best_of: Annotated[int | None, unsupported("best_of")] = None
 
     @field_validator("stop")
     @classmethod

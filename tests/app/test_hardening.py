@@ -134,6 +134,7 @@ def test_token_ids_are_checked_against_the_models_vocabulary(embedded) -> None:
 UNSUPPORTED = [
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("response_format", {"type": "json_object"}), ("echo", True), ("suffix", "end"), ("functions", [{"name": "f"}]),
+    ("best_of", 3),  # ignored, it would have answered with one sample, not the likeliest of three
 ]
 
 
@@ -186,7 +187,7 @@ def test_a_full_logit_bias_forces_its_token(server: str, route: str, tiny_served
 def test_unsupported_fields_at_their_defaults_are_accepted(server: str, route: str) -> None:
     defaults = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
                 "response_format": {"type": "text"}, "frequency_penalty": 0, "presence_penalty": 0.0,
-                "logit_bias": {}, "echo": False, "suffix": None, "n": 1, "metadata": {"unknown": "ignored"}}
+                "logit_bias": {}, "echo": False, "suffix": None, "best_of": 1, "n": 1, "metadata": {"unknown": "ignored"}}
     assert post(server, route, {**ROUTES[route], **defaults, "max_tokens": 2}).status_code == 200
 
 
