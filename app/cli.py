@@ -287,6 +287,7 @@ def _speed(args: argparse.Namespace) -> None:
     from service.bench.hf_generate_reference import HF_GENERATE, HfGenerate
     from service.bench.specbench import load_specbench
     from service.model.loader import load_model, resolve_device, resolve_quantization
+    from service.engine.scheduler import SchedulerConfig
     from service.runtime import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -295,7 +296,8 @@ def _speed(args: argparse.Namespace) -> None:
                                         resolve_device(args.device), args.dtype)
     prompts = [p.prompt_ids for p in load_specbench(args.dataset, loaded.tokenizer)]
     stream = speed.token_stream(prompts, max([*args.lengths, speed.DECODE_PROMPT]))
-    engine = build_engine(loaded, TableSlot(), _engine_config(args))
+    # no prefix cache: each length runs several times, and a repeat would find its prompt cached
+    engine = build_engine(loaded, TableSlot(), _engine_config(args, scheduler=SchedulerConfig(prefix_cache=False)))
     engine.eos_token_ids = frozenset()  # every method decodes its whole budget: no stop token ends a run
     methods: dict[str, Any] = {f"ngrammys ({quantization})": engine.complete}
     if args.transformers:  # the library's own float32 forward of the same model, unpacked
@@ -349,10 +351,13 @@ def _print_table(header: list[object], rows: list[list[object]]) -> None:
         print("| " + " | ".join(str(cell) for cell in line) + " |")
 
 
-def loadtest_server_flags(args: argparse.Namespace) -> list[str]:
-    """`ngrammys serve` flags of the server the load test starts."""
+def loadtest_server_flags(args: argparse.Namespace, prefix_cache: bool = False) -> list[str]:
+    """`ngrammys serve` flags of the server the load test starts: without a prefix cache unless
+    asked (the Spec-Bench load test cycles its questions through both modes on one server, and
+    the mode that runs later would find the earlier one's prompts cached)."""
     flags = ["--max-running-requests", str(args.max_running_requests), "--max-waiting", str(max(args.concurrency) * 2),
-             "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--suffix-cache-tokens", str(args.suffix_cache_tokens)]
+             "--max-tokens-per-pass", str(args.max_tokens_per_pass), "--suffix-cache-tokens", str(args.suffix_cache_tokens),
+             *([] if prefix_cache else ["--no-prefix-cache"])]
     if args.max_prefill_tokens_while_decoding is not None:
         flags += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
     return flags + _model_serve_flags(args)
@@ -417,7 +422,7 @@ def _prefix_workload(args: argparse.Namespace) -> None:
 
     @contextmanager
     def server(prefix_cache: bool) -> Iterator[str]:
-        with serving_process(loadtest_server_flags(args) + ([] if prefix_cache else ["--no-prefix-cache"])) as base:
+        with serving_process(loadtest_server_flags(args, prefix_cache)) as base:
             _wait_warm(base, mode == "auto")  # (only auto drafts from the tables and prices by the profile)
             yield base
 
@@ -444,7 +449,7 @@ def _neighbour(args: argparse.Namespace) -> None:
         sys.exit("ngrammys neighbour: --url needs --pid, the server's process id (its CPU time is read)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
     pids = [args.pid]
-    flags = ["--suffix-cache-tokens", "0", *_model_serve_flags(args)]
+    flags = ["--suffix-cache-tokens", "0", "--no-prefix-cache", *_model_serve_flags(args)]  # its prompt repeats
     with nullcontext(args.url) if args.url else serving_process(flags, started=pids.append) as base:
         _wait_warm(base, True)
         figures = neighbour.run(base, pids[-1], args.neighbours, args.seconds, args.max_tokens)

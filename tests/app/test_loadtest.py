@@ -85,6 +85,10 @@ def test_the_loadtest_server_keeps_no_suffix_index_unless_asked(tmp_path) -> Non
     assert default[default.index("--suffix-cache-tokens") + 1] == "0"
     asked = flags("--suffix-cache-tokens", "100000")
     assert asked[asked.index("--suffix-cache-tokens") + 1] == "100000"
+    # nor a prefix cache: the mode that runs later would find the earlier one's prompts cached
+    assert "--no-prefix-cache" in default
+    assert "--no-prefix-cache" not in loadtest_server_flags(build_parser().parse_args(
+        ["loadtest", "--dataset", dataset, "--workload", "chat"]), prefix_cache=True)
 
 
 def test_the_prefix_workloads_run_with_the_cache_and_without_on_servers_of_their_own(tiny_served, tmp_path) -> None:

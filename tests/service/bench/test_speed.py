@@ -58,7 +58,12 @@ def test_transformers_without_stop_tokens_decodes_exactly_the_budget() -> None:
 
 
 @pytest.mark.slow
-def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys) -> None:
+def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys, monkeypatch) -> None:
+    import service.runtime
+
+    built = []
+    build_engine = service.runtime.build_engine
+    monkeypatch.setattr(service.runtime, "build_engine", lambda *a, **k: built.append(build_engine(*a, **k)) or built[-1])
     out = tmp_path / "speed.json"
     main(["speed", "--dataset", write_dataset(tmp_path), "--lengths", "16", "64", "--repeats", "1", "--transformers",
           "--json", str(out)])
@@ -67,3 +72,5 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys) -> None:
     rows = json.loads(out.read_text())
     assert [row["method"].split(" (")[0] for row in rows] == ["ngrammys", "transformers generate"]
     assert all(row["decode"] > 0 and set(row["prompt"]) == {"16", "64"} for row in rows)
+    # each length runs several times, and the longer prompts start as the shorter: none may be cached
+    assert len(built) == 1 and built[0].scheduler.prefix is None
