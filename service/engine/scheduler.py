@@ -41,9 +41,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+from drafting import common_prefix
 from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
 from service.model.prefix_cache import BLOCK_TOKENS, PrefixCache
 from service.engine.request import Request, Status
@@ -193,7 +193,7 @@ class Scheduler:
         cached = self.prefix.peek(prompt)
         for request in self.running:
             if request.prefill_remaining > 0:
-                ahead = _common_prefix(prompt, request.prompt_ids[: request.num_prompt_tokens - 1]) - cached
+                ahead = common_prefix(prompt, request.prompt_ids[: request.num_prompt_tokens - 1]) - cached
                 if ahead >= BLOCK_TOKENS and 2 * ahead >= len(prompt) - cached:
                     return True
         return False
@@ -255,16 +255,3 @@ class Scheduler:
             self.running[row] = last
             last.row = row
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the longest common prefix of `a` and `b`, by bisection over slice
-    comparisons (each a C loop: prompts run to thousands of tokens, and this runs while a
-    request waits)."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
