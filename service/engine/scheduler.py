@@ -254,4 +254,3 @@ class Scheduler:
         if moved is not None:
             self.running[row] = last
             last.row = row
-
