@@ -70,7 +70,6 @@ UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),  # candidates ranked by likelihood: not built (vLLM's v1 engine dropped it too)
@@ -95,6 +94,31 @@ def logit_bias_schema(token_id_key: str) -> dict[str, Any]:
     return {"anyOf": [bias, {"type": "null"}],
             "description": f"token id (in decimal) -> bias added to its logit, in "
                            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"}
+
+
+class TextFormat(_Request):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Request):
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(..., max_length=64, pattern="^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None  # the output always matches the schema, strict or not
+
+
+class JsonSchemaFormat(_Request):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 
 class GenerationRequest(_Request):
@@ -140,7 +164,10 @@ class GenerationRequest(_Request):
     tool_choice: Annotated[str | dict[str, Any] | None, unsupported("tool_choice")] = None
     functions: Annotated[list[dict[str, Any]] | None, unsupported("functions")] = None
     function_call: Annotated[str | dict[str, Any] | None, unsupported("function_call")] = None
-    response_format: Annotated[dict[str, Any] | None, unsupported("response_format")] = None
+    response_format: ResponseFormat | None = Field(
+        None, discriminator="type",
+        description="`json_object`: the output is a JSON object; `json_schema`: it matches the schema "
+                    "(properties and items the schema does not describe are not generated)")
     echo: Annotated[bool | None, unsupported("echo")] = None
     suffix: Annotated[str | None, unsupported("suffix")] = None
     best_of: Annotated[int | None, unsupported("best_of")] = None

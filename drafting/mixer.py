@@ -26,7 +26,7 @@ how long a new request waits before asking a costly strategy others kept passing
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -166,6 +166,8 @@ class RequestDrafts:
         # costly strategies the controller passes over; a new request starts where others left
         self._skipped = {s.name: _Skipped(0, mixer.probe_waits[s.name]) for s in strategies if s.name in mixer.probe_waits}
         self._reach: tuple[int, int] | None = None  # (drafts, depth) worth asking for; None: all
+        # how many of a draft's tokens the request's output may take next (structured output); None: all
+        self.legal_prefix: Callable[[Sequence[int]], int] | None = None
         # the shared successor tables its strategies read: they alone learn from its passes
         self.tables = [t for t in mixer.successors if any(getattr(s, "table", None) is t for s in strategies)]
 
@@ -178,7 +180,7 @@ class RequestDrafts:
         controller takes few: see `chosen`), best expected acceptance first."""
         k, w, asked = self.asks(k, w)
         drafts = [d for s in asked for d in self._lengthen(s.propose(self.history, k, w), w)]
-        self._candidates = list(dict.fromkeys(drafts))
+        self._candidates = list(dict.fromkeys(self._legal(drafts)))
         costs = {s.name: _cost(s) for s in self.strategies}
         scored = [ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates]
         scored.sort(key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
@@ -279,6 +281,18 @@ class RequestDrafts:
         for strategy in self.strategies:
             if strategy.name in self.mixer.batched:
                 self.mixer.batched[strategy.name].release(self.history)
+
+    def _legal(self, drafts: list[Draft]) -> list[Draft]:
+        """Each draft cut where the output may not take it (a grammar's rule), before it costs
+        a place in the pass; a draft with no legal token is dropped."""
+        if self.legal_prefix is None:
+            return drafts
+        kept = []
+        for draft in drafts:
+            legal = self.legal_prefix(draft.token_ids)
+            if legal:
+                kept.append(draft if legal == len(draft.token_ids) else Draft(draft.token_ids[:legal], draft.strategy, draft.rank))
+        return kept
 
     def _lengthen(self, drafts: list[Draft], w: int) -> list[Draft]:
         tables = self.mixer.tables.tables

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +22,9 @@ from app.limits import check_generation_limits, check_prompt_length
 from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
 from app.schemas import (
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    ResponseFormat,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,6 +43,7 @@ from service.engine.params import MIN_TEMPERATURE, GenerationParams, SamplingPar
 from service.engine.detokenizer import TextStream
 from service.engine.engine import ContextTooLong
 from service.engine.scheduler import DoesNotFit
+from service.grammar import GrammarError, GrammarSpec
 from service.model.prompts import chat_prompt_ids
 from service.runtime import Runtime
 
@@ -147,7 +152,18 @@ def _params(body: GenerationRequest, serving: _Serving, max_tokens: int, logprob
         raise ApiError(400, str(error), param="speculation") from error
     return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
                             strategy=options.strategy or settings.spec_strategy,
-                            sampling=_sampling(body, settings, serving.runtime.vocab_size), logprobs=logprobs)
+                            sampling=_sampling(body, settings, serving.runtime.vocab_size), logprobs=logprobs,
+                            grammar=_grammar(body.response_format))
+
+
+def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
+    """What `response_format` asks the output to match (None: free text)."""
+    if isinstance(response_format, JsonObjectFormat):
+        return GrammarSpec("json_object")
+    if isinstance(response_format, JsonSchemaFormat):
+        return GrammarSpec("json_schema", json.dumps(response_format.json_schema.json_schema),
+                           field="response_format.json_schema.schema")
+    return None
 
 
 def _sampling(body: GenerationRequest, settings: Settings, vocab_size: int) -> SamplingParams:
@@ -177,6 +193,11 @@ async def _respond(
         raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
     params = _params(body, serving, max_tokens, logprobs)
+    if params.grammar is not None:
+        try:
+            await asyncio.to_thread(runtime.check_grammar, params.grammar)
+        except GrammarError as error:
+            raise ApiError(400, str(error), param=error.field) from error
     enabled = runtime.enabled_strategies
     if params.strategy not in enabled:  # a model draft this server was not started with
         raise ApiError(400, f"strategy {params.strategy!r} is not enabled on this server; enabled: "

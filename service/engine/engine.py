@@ -37,6 +37,7 @@ from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, to
 from service.engine.scheduler import Scheduler, SchedulerConfig
 from service.engine.timing import StepTimer
 from service.engine.verifier import Verdict, verify
+from service.grammar import Constraint, GrammarCompiler, GrammarError
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from service.model_drafts.draft_model import ModelDrafter
@@ -79,9 +80,10 @@ class Engine:
 
     def __init__(
         self, runner: ModelRunner, mixer: Mixer, eos_token_ids: Sequence[int], max_context: int,
-        scheduler_config: SchedulerConfig = SchedulerConfig(),
+        scheduler_config: SchedulerConfig = SchedulerConfig(), grammars: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
+        self.grammars = grammars  # compiles structured output's grammars (None: the engine has no tokenizer)
         self.mixer = mixer
         self.policy = SpeculationPolicy(max_context)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -108,11 +110,13 @@ class Engine:
     # -- requests -------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: Sequence[int], params: GenerationParams, request_id: str | None = None) -> Request:
-        """Queue a request (raises `ContextTooLong` or `DoesNotFit` if it can never run, and
-        `ValueError` for a logit_bias token outside the vocabulary)."""
+        """Queue a request (raises `ContextTooLong` or `DoesNotFit` if it can never run,
+        `GrammarError` for a grammar it cannot follow, and `ValueError` for a logit_bias token
+        outside the vocabulary)."""
         if not prompt_ids:
             raise ValueError("the prompt holds no tokens")
         self.check_fits(len(prompt_ids), params)
+        constraint = self._constraint(params)
         request = Request(
             request_id=request_id or f"req-{next(self._ids)}",
             prompt_ids=list(prompt_ids),
@@ -123,9 +127,20 @@ class Engine:
             stop_ids=self.eos_token_ids | params.stop_token_ids,
             logits_adjuster=LogitsAdjuster.for_request(params.sampling, prompt_ids, self.runner.vocab_size,
                                                        self.runner.device),
+            constraint=constraint,
         )
+        if constraint is not None:  # drafts are cut where they leave the grammar
+            request.drafts.legal_prefix = constraint.legal_prefix
         self.scheduler.add(request)
         return request
+
+    def _constraint(self, params: GenerationParams) -> Constraint | None:
+        """A new matcher of the request's grammar (compiled once per grammar), or None."""
+        if params.grammar is None:
+            return None
+        if self.grammars is None:
+            raise GrammarError("structured output needs the model's tokenizer", params.grammar.field)
+        return Constraint(self.grammars.compile(params.grammar), sorted(self.eos_token_ids))
 
     def check_fits(self, num_prompt_tokens: int, params: GenerationParams) -> None:
         """Raise `ContextTooLong` unless prompt + max_new_tokens fits the model's context, or
@@ -249,7 +264,8 @@ class Engine:
             return None
         try:
             verdict = verify(row.tree, adjusted, request.params.sampling, request.uniforms,
-                             first_position=request.context_length, greedy=greedy)
+                             first_position=request.context_length, greedy=greedy,
+                             constraint=request.constraint, stop_ids=request.stop_ids)
             offset = len(row.chunk)
             commits[request.row] = [*range(offset), offset, *(offset + node for node in verdict.accepted_nodes)]  # type: ignore[index]
             if row.choice is not None:
@@ -337,9 +353,10 @@ class Engine:
 
     @staticmethod
     def _greedy_choices(rows: list[_Row], logits: list[torch.Tensor]) -> list[list[int] | None]:
-        """Each greedy decoding row's argmax token at each of its tree's nodes (of the `_adjusted`
-        logits), every row's taken together (off the CPU one device call for the pass, not one a row)."""
-        wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.params.sampling.greedy]
+        """Each greedy unconstrained decoding row's argmax token at each of its tree's nodes (of the
+        `_adjusted` logits), every row's taken together (off the CPU one device call for the pass, not one a row)."""
+        wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.params.sampling.greedy
+                  and row.request.constraint is None]
         return _scattered(len(rows), wanted,
                           greedy_choices_of_rows([logits[i][: rows[i].tree.num_nodes] for i in wanted]))  # type: ignore[union-attr]
 

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from service.grammar import GrammarSpec
+
 
 SpeculationMode = Literal["off", "fixed", "auto"]
 
@@ -116,6 +118,7 @@ class GenerationParams:
     strategy: str = "mixed"  # a draft strategy name, or "mixed" for all of them
     sampling: SamplingParams = field(default_factory=SamplingParams)
     logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
+    grammar: GrammarSpec | None = None  # structured output: what the output must match
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

@@ -12,6 +12,7 @@ from service.controller.calibration import RequestCalibration
 from service.engine.logits_adjuster import LogitsAdjuster
 from service.engine.params import GenerationParams, SpeculationParams
 from service.engine.sampling import PositionUniforms
+from service.grammar import Constraint
 
 
 def kv_tokens_needed(num_prompt_tokens: int, params: GenerationParams) -> int:
@@ -38,6 +39,7 @@ class Request:
     uniforms: PositionUniforms | None
     stop_ids: frozenset[int]
     logits_adjuster: LogitsAdjuster | None = None  # logit_bias and penalties, when asked for
+    constraint: Constraint | None = None  # the output's grammar (structured output), when asked for
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     row: int | None = None  # KV cache row while running

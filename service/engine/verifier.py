@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from service.engine.params import SamplingParams
-from service.engine.sampling import PositionUniforms, choose_tokens
+from service.engine.sampling import PositionUniforms, choose_tokens, greedy_choices
+from service.grammar import Constraint
 from service.model.tree import TokenTree
 
 
@@ -54,13 +55,18 @@ def verify(
     uniforms: PositionUniforms | None,
     first_position: int,
     greedy: list[int] | None = None,
+    constraint: Constraint | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> Verdict:
     """Walk `tree` along the model's choices; `logits` is [num_nodes, vocab] for this row.
 
     `first_position` is the output position the root's choice fills (the committed length);
     node i's choice fills `first_position + depth_i`. `greedy`: the nodes' argmax tokens when
     the caller took them already (with greedy `sampling`), for all rows of a pass at once.
+    A `constraint` (structured output) makes the choices one node at a time (`_walk_constrained`).
     """
+    if constraint is not None:
+        return _walk_constrained(tree, logits, sampling, uniforms, first_position, constraint, stop_ids)
     if greedy is not None and sampling.greedy:
         choices = greedy[: tree.num_nodes]
     else:
@@ -76,3 +82,41 @@ def verify(
         accepted_token_ids=[tree.token_ids[i] for i in path],
         bonus_token_id=choices[node],
     )
+
+
+def _walk_constrained(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams,
+                      uniforms: PositionUniforms | None, first_position: int, constraint: Constraint,
+                      stop_ids: frozenset[int]) -> Verdict:
+    """The walk under a grammar: each node's choice is the model's over the tokens the grammar
+    allows after that node's path, so only the nodes the walk reaches need their mask, and the
+    constraint advances by exactly the committed tokens. Plain decoding is the one-node case,
+    so greedy output and seeded samples equal plain constrained decoding's. The walk ends at a
+    stop token (the grammar has nothing after it)."""
+    node, path = 0, []
+    while True:
+        choice = _constrained_choice(logits[node], sampling, uniforms, first_position + len(path), constraint)
+        child = tree.children[node].get(choice)
+        if child is None or choice in stop_ids:
+            break
+        path.append(child)
+        node = child
+    return Verdict(accepted_nodes=path, accepted_token_ids=[tree.token_ids[i] for i in path], bonus_token_id=choice)
+
+
+def _constrained_choice(logits: torch.Tensor, sampling: SamplingParams, uniforms: PositionUniforms | None,
+                        position: int, constraint: Constraint) -> int:
+    """The model's choice at one node ([vocab] logits) among the tokens the grammar allows,
+    accepted by the constraint. Greedy tries the unmasked argmax first: when the grammar allows
+    it, it is the masked argmax too, and the mask is never computed."""
+    if sampling.greedy:
+        choice = greedy_choices(logits[None])[0]
+        if constraint.accept(choice):
+            return choice
+    masked = constraint.masked(logits)
+    if not torch.isfinite(masked).any():
+        raise RuntimeError("the grammar allows no token here")
+    u = None if sampling.greedy or uniforms is None else uniforms.at([position])
+    choice = choose_tokens(masked[None], sampling, u)[0]
+    if not constraint.accept(choice):
+        raise RuntimeError(f"the grammar refused token {choice}, which its own mask allowed")
+    return choice

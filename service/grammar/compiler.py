@@ -1,0 +1,136 @@
+"""Grammars compiled against the served tokenizer, with the JSON-schema features they cannot
+enforce refused up front.
+
+The engine is xgrammar. Measured on the 2-core dev CPU with SmolLM2's 49,152-token vocabulary,
+a six-field schema (pattern, format, enum, nested object, bounded array), mask per token along
+a 66-token answer: xgrammar 13-15 µs mean (5 µs median), llguidance 93-129 µs mean (54-61 µs
+median), outlines-core 2.9 s to build the schema's index before the first token. xgrammar also
+enforced more keywords; where it does not (`not`, `if`/`then`/`else`, `uniqueItems`, `allOf`
+over more than one schema, ...), a schema using them is refused with the field named, rather
+than served with output that could break it.
+
+Output format: `strict_mode` (properties and items a schema does not describe are not
+generated, as OpenAI's strict schemas ask) and no free whitespace (`{"a": 1, "b": [2, 3]}`:
+one space after `:` and `,`), so a small model cannot pad forever and drafts see one spelling.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import xgrammar
+
+GrammarKind = Literal["json_object", "json_schema", "structural_tag", "regex"]
+
+# keywords xgrammar accepts but does not enforce (checked: an instance breaking them passes)
+UNENFORCED_KEYWORDS = frozenset({
+    "not", "if", "then", "else", "uniqueItems", "dependentSchemas", "unevaluatedProperties",
+    "unevaluatedItems", "minContains", "maxContains", "$dynamicRef",
+})
+# keywords whose value maps names to subschemas, and those whose value is one subschema or a list
+_NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "contains", "additionalItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+
+
+class GrammarError(ValueError):
+    """A grammar this server cannot compile or enforce; `field` names the request field."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match.
+
+    `json_object`: any JSON object. `json_schema`: `source` is the schema's JSON text.
+    `structural_tag`: `source` is an xgrammar structural tag (free text with tagged JSON, as a
+    template's tool calls). `regex`: `source` is the pattern. `field` is what an error names.
+    """
+
+    kind: GrammarKind
+    source: str = ""
+    field: str = "response_format"
+
+
+class GrammarCompiler:
+    """Compiles `GrammarSpec`s for one tokenizer (thread-safe; xgrammar caches what it compiled,
+    so a schema seen before costs a lookup)."""
+
+    def __init__(self, info: xgrammar.TokenizerInfo) -> None:
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self._compiler = xgrammar.GrammarCompiler(info)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> GrammarCompiler:
+        """For a Hugging Face tokenizer; `vocab_size` is the model's (logit rows may be wider
+        than the tokenizer), `stop_ids` the tokens that may end a matched output."""
+        return cls(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                           stop_token_ids=sorted(stop_ids)))
+
+    @classmethod
+    def for_vocabulary(cls, pieces: Sequence[str], stop_ids: Sequence[int]) -> GrammarCompiler:
+        """For a vocabulary given as each token's text (the tiny test models)."""
+        return cls(xgrammar.TokenizerInfo(list(pieces), stop_token_ids=sorted(stop_ids)))
+
+    def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+        """The compiled grammar, or `GrammarError` naming `spec.field`."""
+        try:
+            if spec.kind == "json_object":
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                          strict_mode=False)
+            if spec.kind == "json_schema":
+                check_schema(spec.source, spec.field)
+                return self._compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+            if spec.kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec.source)
+            if spec.kind == "regex":
+                return self._compiler.compile_regex(spec.source)
+        except GrammarError:
+            raise
+        except Exception as error:  # xgrammar's own messages say what it could not take
+            raise GrammarError(f"cannot be compiled: {_last_line(error)}", spec.field) from error
+        raise GrammarError(f"unknown kind {spec.kind!r}", spec.field)
+
+
+def check_schema(source: str, field: str) -> None:
+    """`GrammarError` for a schema that is not a JSON object or uses a keyword the grammar would
+    silently ignore (the error names the keyword's place in the schema)."""
+    try:
+        schema = json.loads(source)
+    except json.JSONDecodeError as error:
+        raise GrammarError(f"not valid JSON ({error})", field) from error
+    if not isinstance(schema, dict):
+        raise GrammarError("a JSON schema must be an object", field)
+    _check(schema, field)
+
+
+def _check(schema: Any, at: str) -> None:
+    if not isinstance(schema, dict):
+        return
+    for key, value in schema.items():
+        where = f"{at}.{key}"
+        if key in UNENFORCED_KEYWORDS:
+            raise GrammarError("is not supported in structured output", where)
+        if key == "allOf" and isinstance(value, list) and len(value) > 1:
+            raise GrammarError("is supported with one schema only", where)
+        if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+            for name, sub in value.items():
+                _check(sub, f"{where}.{name}")
+        elif key in _SUBSCHEMA:
+            _check(value, where)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                _check(sub, f"{where}[{i}]")
+
+
+def _last_line(error: Exception) -> str:
+    """xgrammar's message without the C++ source location it starts with."""
+    text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+    return text.split(": ", 1)[-1] if text.startswith("[") else text

@@ -1,0 +1,51 @@
+"""One request's place in its grammar, moved only by the tokens it commits.
+
+The verifier asks at each node of the accepted path, in order, for the token the model chooses
+under the grammar (`choose` in `service/engine/verifier.py`), and the constraint accepts it:
+so the matcher has consumed exactly the committed output, and no draft ever moves it. Drafts
+are cut before the pass where they leave the grammar (`legal_prefix`): tried token by token,
+then rolled back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xgrammar
+
+
+class Constraint:
+    """A request's grammar matcher and the mask buffer of its next token."""
+
+    def __init__(self, compiled: xgrammar.CompiledGrammar, stop_ids: Sequence[int]) -> None:
+        self.vocab_size = compiled.tokenizer_info.vocab_size
+        self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
+        self._bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # int32 [1, ceil(vocab / 32)]
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past `token_id` if the grammar allows it next; whether it did."""
+        return self.matcher.accept_token(token_id)
+
+    def masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """A copy of one position's logits ([vocab]) with the tokens the grammar forbids next at -inf."""
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        out = logits.float().clone()[None]  # [1, vocab]
+        xgrammar.apply_token_bitmask_inplace(out, self._bitmask.to(out.device))
+        return out[0]
+
+    def legal_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids`, from the first, the grammar allows next (state unchanged)."""
+        taken = 0
+        for token in token_ids:
+            if not self.matcher.accept_token(token):
+                break
+            taken += 1
+        if taken:
+            self.matcher.rollback(taken)
+        return taken
+
+    @property
+    def finished(self) -> bool:
+        """Whether a stop token ended the matched output."""
+        return self.matcher.is_terminated()
