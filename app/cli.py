@@ -233,6 +233,41 @@ def _workload(loaded: Any, args: argparse.Namespace) -> None:
     print(workload.format_workload(workload.run_workload(methods, prompts)))
 
 
+def _extract(args: argparse.Namespace) -> None:
+    """`ngrammys extract`: the JSON extraction workload, with the grammar and without, plain vs
+    speculative, every method on an engine of its own."""
+    import json
+
+    from service.bench import structured
+    from service.bench.workload import WorkloadMethod
+    from service.engine.params import GenerationParams, SpeculationParams
+    from service.engine.scheduler import SchedulerConfig
+    from service.grammar import GrammarSpec
+    from service.model.loader import load_model
+    from service.runtime import build_engine_with_tables
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loaded = load_model(args.model, args.device, args.dtype, args.cache_dir, args.quantization)
+    config = _engine_config(args, cost_profile=True, scheduler=SchedulerConfig(prefix_cache=False))
+    grammar = GrammarSpec("json_schema", json.dumps(structured.SCHEMA))
+
+    def method(name: str, speculation: SpeculationParams, constrained: bool) -> WorkloadMethod:
+        params = GenerationParams(args.max_new_tokens, speculation=speculation,
+                                  grammar=grammar if constrained else None)
+        return WorkloadMethod(name, build_engine_with_tables(loaded, config), params)
+
+    shapes = {"plain": SpeculationParams(0, 0, "off"), "auto": SpeculationParams(args.k, args.w, "auto"),
+              f"k{args.k}w{args.w}": SpeculationParams(args.k, args.w, "fixed")}
+    groups = [[method(f"{name}, {label}", shape, constrained) for name, shape in shapes.items()]
+              for label, constrained in (("schema", True), ("free", False))]
+    docs = structured.documents(args.documents)
+    print(f"{loaded.name}: {len(docs)} documents -> one JSON schema, {args.max_new_tokens} tokens at most, greedy; "
+          "each method on an engine of its own", flush=True)
+    results = structured.run(groups, structured.prompts(loaded.tokenizer, docs),
+                             lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
+    print(structured.format_results(results, {m.name: group[0].name for group in groups for m in group}))
+
+
 def _spike(engine: Any, prompts: list[Any], args: argparse.Namespace, sampling: SamplingParams) -> None:
     from service.bench import specbench as bench
     from service.engine.params import GenerationParams, SpeculationParams
@@ -561,6 +596,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "on the same model (greedy only)")
     bench.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     bench.set_defaults(run=_bench)
+    extract = commands.add_parser("extract", help="JSON extraction: structured output vs free text, plain vs speculative")
+    extract.add_argument("--documents", type=int, default=30, help="profiles to extract from")
+    extract.add_argument("--max-new-tokens", type=int, default=128)
+    extract.add_argument("--k", type=int, default=8, help="drafts (auto's maximum)")
+    extract.add_argument("--w", type=int, default=8, help="draft depth (auto's maximum)")
+    _model_flags(extract)
+    extract.set_defaults(run=_extract)
     fast = commands.add_parser("speed", help="prompt processing and decoding tokens/s, beside llama.cpp's and transformers'")
     fast.add_argument("--dataset", type=_dataset, required=True, help="Spec-Bench question.jsonl (the prompts' text)")
     fast.add_argument("--lengths", type=int, nargs="+", default=list(PROMPT_LENGTHS), help="prompt lengths, tokens")

@@ -37,7 +37,7 @@ from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, to
 from service.engine.scheduler import Scheduler, SchedulerConfig
 from service.engine.timing import StepTimer
 from service.engine.verifier import Verdict, verify
-from service.grammar import Constraint, GrammarCompiler, GrammarError
+from service.grammar import Constraint, ForcedText, GrammarCompiler, GrammarError
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from service.model_drafts.draft_model import ModelDrafter
@@ -129,8 +129,9 @@ class Engine:
                                                        self.runner.device),
             constraint=constraint,
         )
-        if constraint is not None:  # drafts are cut where they leave the grammar
+        if constraint is not None:  # drafts are cut where they leave the grammar; its forced text is one
             request.drafts.legal_prefix = constraint.legal_prefix
+            request.drafts.strategies.append(ForcedText(constraint, self.grammars.encode))  # type: ignore[union-attr]
         self.scheduler.add(request)
         return request
 
@@ -298,6 +299,7 @@ class Engine:
             accepted_strategies=[tree.strategies[i] or "" for i in verdict.accepted_nodes],
             drafted_by_strategy=dict(Counter(s for s in tree.strategies[1:] if s)) if tree.num_nodes > 1 else {},
             draft_seconds=0.0, forward_seconds=0.0, finish_reason=finish_reason,
+            grammar_seconds=0.0 if request.constraint is None else request.constraint.take_seconds(),
             **_shape_used(row),
         )
 

@@ -30,6 +30,7 @@ class RoundOutput:
     predicted_tokens_per_second: float | None = None  # the controller's forecast (auto mode)
     batch_size: int = 1  # requests in the pass
     logprobs: list[TokenLogprob] | None = None  # one per token in `token_ids`, when asked for
+    grammar_seconds: float = 0.0  # of the step, this request's structured output (masks, drafts cut, ...)
 
     @property
     def realized_tokens_per_second(self) -> float:
@@ -68,6 +69,7 @@ class Completion:
     forward_seconds: float = 0.0
     seconds: float = 0.0
     predicted_seconds: float = 0.0  # Σ over auto rounds of tokens / forecast tokens per second
+    grammar_seconds: float = 0.0
 
     def add(self, round_output: RoundOutput) -> None:
         self.token_ids.extend(round_output.token_ids)
@@ -79,6 +81,7 @@ class Completion:
         self.accepted_by_strategy.update(round_output.accepted_strategies)
         self.draft_seconds += round_output.draft_seconds
         self.forward_seconds += round_output.forward_seconds
+        self.grammar_seconds += round_output.grammar_seconds
         if round_output.predicted_tokens_per_second:
             self.predicted_seconds += len(round_output.token_ids) / round_output.predicted_tokens_per_second
 

@@ -16,8 +16,10 @@ one space after `:` and `,`), so a small model cannot pad forever and drafts see
 
 from __future__ import annotations
 
+import copy
 import json
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,22 +64,44 @@ class GrammarCompiler:
     """Compiles `GrammarSpec`s for one tokenizer (thread-safe; xgrammar caches what it compiled,
     so a schema seen before costs a lookup)."""
 
-    def __init__(self, info: xgrammar.TokenizerInfo) -> None:
+    def __init__(self, info: xgrammar.TokenizerInfo, encode: Callable[[str], list[int]]) -> None:
         self.info = info
         self.vocab_size = info.vocab_size
+        self.encode = encode  # text -> token ids, as the tokenizer spells it (the forced-text drafts)
         self._compiler = xgrammar.GrammarCompiler(info)
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> GrammarCompiler:
         """For a Hugging Face tokenizer; `vocab_size` is the model's (logit rows may be wider
-        than the tokenizer), `stop_ids` the tokens that may end a matched output."""
-        return cls(xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                           stop_token_ids=sorted(stop_ids)))
+        than the tokenizer), `stop_ids` the tokens that may end a matched output. The engine
+        encodes with a copy of its own, behind a lock: a fast tokenizer used from two threads at
+        once may fail ("Already borrowed"), and the HTTP edge tokenizes prompts on others."""
+        own, lock = copy.deepcopy(tokenizer), threading.Lock()
+
+        def encode(text: str) -> list[int]:
+            with lock:
+                return own.encode(text, add_special_tokens=False)
+
+        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
+        return cls(info, encode)
 
     @classmethod
     def for_vocabulary(cls, pieces: Sequence[str], stop_ids: Sequence[int]) -> GrammarCompiler:
-        """For a vocabulary given as each token's text (the tiny test models)."""
-        return cls(xgrammar.TokenizerInfo(list(pieces), stop_token_ids=sorted(stop_ids)))
+        """For a vocabulary given as each token's text (the tiny test models), encoding by
+        longest match."""
+        longest = max(map(len, pieces))
+
+        def encode(text: str) -> list[int]:
+            ids, at = [], 0
+            while at < len(text):
+                size = next((n for n in range(min(longest, len(text) - at), 0, -1) if text[at:at + n] in pieces), 0)
+                if not size:
+                    break
+                ids.append(pieces.index(text[at:at + size]))
+                at += size
+            return ids
+
+        return cls(xgrammar.TokenizerInfo(list(pieces), stop_token_ids=sorted(stop_ids)), encode)
 
     def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         """The compiled grammar, or `GrammarError` naming `spec.field`."""

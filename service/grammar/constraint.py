@@ -9,7 +9,9 @@ then rolled back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import xgrammar
@@ -22,28 +24,51 @@ class Constraint:
         self.vocab_size = compiled.tokenizer_info.vocab_size
         self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
         self._bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # int32 [1, ceil(vocab / 32)]
+        self.seconds = 0.0  # spent in the grammar so far (what structured output adds to a request)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the block's time as the grammar's."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - began
+
+    def take_seconds(self) -> float:
+        """The grammar time since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
     def accept(self, token_id: int) -> bool:
         """Advance past `token_id` if the grammar allows it next; whether it did."""
-        return self.matcher.accept_token(token_id)
+        with self.timed():
+            return self.matcher.accept_token(token_id)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
         """A copy of one position's logits ([vocab]) with the tokens the grammar forbids next at -inf."""
-        self.matcher.fill_next_token_bitmask(self._bitmask)
-        out = logits.float().clone()[None]  # [1, vocab]
-        xgrammar.apply_token_bitmask_inplace(out, self._bitmask.to(out.device))
-        return out[0]
+        with self.timed():
+            self.matcher.fill_next_token_bitmask(self._bitmask)
+            out = logits.float().clone()[None]  # [1, vocab]
+            xgrammar.apply_token_bitmask_inplace(out, self._bitmask.to(out.device))
+            return out[0]
 
     def legal_prefix(self, token_ids: Sequence[int]) -> int:
         """How many of `token_ids`, from the first, the grammar allows next (state unchanged)."""
-        taken = 0
-        for token in token_ids:
-            if not self.matcher.accept_token(token):
-                break
-            taken += 1
-        if taken:
-            self.matcher.rollback(taken)
-        return taken
+        with self.timed():
+            taken = 0
+            for token in token_ids:
+                if not self.matcher.accept_token(token):
+                    break
+                taken += 1
+            if taken:
+                self.matcher.rollback(taken)
+            return taken
+
+    def forced_text(self) -> str:
+        """The text the grammar allows alone from here ('' where the model has a choice)."""
+        with self.timed():
+            return self.matcher.find_jump_forward_string()
 
     @property
     def finished(self) -> bool:

@@ -2,19 +2,44 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+# a function the probe of a template offers it (any would do: a template shows tools or not)
+PROBE_TOOL = {"type": "function", "function": {
+    "name": "probe", "description": "a probe", "parameters": {"type": "object", "properties": {}}}}
+
 
 def chat_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, str]]
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered by the chat template, ready for the assistant's turn."""
+    """Token ids of `messages` rendered by the chat template, ready for the assistant's turn;
+    `tools` (OpenAI's function list) go to the template, which may show them or not."""
     encoded = tokenizer.apply_chat_template(
-        list(messages), add_generation_prompt=True, tokenize=True, return_dict=True
+        list(messages), tools=None if tools is None else list(tools), add_generation_prompt=True,
+        tokenize=True, return_dict=True,
     )
     return list(encoded["input_ids"])
+
+
+def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template shows the model the tools it is given: a template without
+    tool syntax ignores `tools=`, and the caller has to describe them itself."""
+    return _renders_tools(tokenizer, str(tokenizer.chat_template))
+
+
+@functools.lru_cache(maxsize=8)
+def _renders_tools(tokenizer: PreTrainedTokenizerBase, template: str) -> bool:
+    """(Once per tokenizer and template: the template is part of the key, as it may be replaced.)"""
+    messages = [{"role": "user", "content": "x"}]
+    plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    offered = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], add_generation_prompt=True,
+                                            tokenize=False)
+    return plain != offered
 
 
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[int] | None) -> list[int]:
