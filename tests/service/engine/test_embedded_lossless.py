@@ -168,3 +168,28 @@ def test_bf16_speculation_matches_plain_decoding_of_the_same_path(embedded_bf16)
     print(f"\nbf16, against bf16 plain decoding: {outcomes}")
     assert outcomes.get("identical", 0) >= 0.75 * sum(outcomes.values())
 
+
+
+@pytest.mark.slow
+def test_structured_output_with_speculation_matches_plain(embedded) -> None:
+    """The extraction benchmark's schema on three of its documents: speculative answers (two
+    fixed shapes) equal plain constrained decoding's, and they parse and match the schema."""
+    import json
+
+    import jsonschema
+
+    from service.bench import structured
+    from service.grammar import GrammarSpec
+
+    engine = build_engine(embedded, TableSlot())
+    grammar = GrammarSpec("json_schema", json.dumps(structured.SCHEMA))
+    outcomes: dict[str, int] = {}
+    for prompt in structured.prompts(embedded.tokenizer, structured.documents(3)):
+        want = engine.complete(prompt, GenerationParams(max_new_tokens=96, grammar=grammar)).token_ids
+        jsonschema.validate(json.loads(embedded.tokenizer.decode(want, skip_special_tokens=True)), structured.SCHEMA)
+        for shape in [SpeculationParams(4, 4), SpeculationParams(8, 8)]:
+            got = engine.complete(prompt, GenerationParams(max_new_tokens=96, speculation=shape, grammar=grammar)).token_ids
+            outcome = compare(embedded.model, prompt, got, want)
+            assert outcome in ("identical", "tie"), f"k={shape.k} w={shape.w}: {outcome}"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert outcomes.get("identical", 0) >= 5
