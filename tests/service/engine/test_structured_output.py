@@ -191,3 +191,26 @@ def test_masked_logits_keep_only_allowed_tokens() -> None:
     masked = constraint.masked(torch.zeros(64))
     allowed = {PIECES[i] for i in torch.nonzero(torch.isfinite(masked)).flatten().tolist()}
     assert allowed == {"{", '{"'}  # an object starts with a brace (no free whitespace)
+
+
+def test_forced_text_is_drafted_as_the_tokenizer_spells_it() -> None:
+    from service.grammar import Constraint, ForcedText
+
+    constraint = Constraint(COMPILER.compile(schema_spec(PERSON)), [EOS])
+    drafts = ForcedText(constraint, COMPILER.encode).propose(TokenHistory([0]), 4, 8)
+    assert [text_of(list(d.token_ids)) for d in drafts] == ['{"name": "']
+    assert drafts[0].token_ids == tuple(PIECES.index(p) for p in ['{"', "name", '": "'])
+    assert ForcedText(constraint, COMPILER.encode).propose(TokenHistory([0]), 4, 2)[0].token_ids == drafts[0].token_ids[:2]
+    for token in drafts[0].token_ids:
+        constraint.accept(token)
+    assert ForcedText(constraint, COMPILER.encode).propose(TokenHistory([0]), 4, 8) == []  # the name is free text
+
+
+def test_forced_text_drafts_are_accepted(tiny_model, tiny_runner) -> None:
+    """Drafting nothing but the grammar's forced text, the keys and separators come in whole rounds."""
+    spec = schema_spec(PERSON)
+    engine = engine_for(tiny_runner, None, [DecoyDrafter([0], [])])
+    rounds = list(engine.generate(PROMPTS[0], params(spec, SpeculationParams(1, 8, "fixed"), SAMPLINGS[0], "decoy")))
+    assert [t for r in rounds for t in r.token_ids] == reference_constrained(
+        tiny_model, COMPILER, spec, PROMPTS[0], NEW_TOKENS, SAMPLINGS[0])
+    assert sum(r.accepted_strategies.count("grammar") for r in rounds) >= 3  # '{"', 'name', '": "' at least
