@@ -166,8 +166,8 @@ class RequestDrafts:
         # costly strategies the controller passes over; a new request starts where others left
         self._skipped = {s.name: _Skipped(0, mixer.probe_waits[s.name]) for s in strategies if s.name in mixer.probe_waits}
         self._reach: tuple[int, int] | None = None  # (drafts, depth) worth asking for; None: all
-        # how many of a draft's tokens the request's output may take next (structured output); None: all
-        self.legal_prefix: Callable[[Sequence[int]], int] | None = None
+        # how many of each draft's tokens the request's output may take next (structured output); None: all
+        self.legal_lengths: Callable[[Sequence[Sequence[int]]], list[int]] | None = None
         # the shared successor tables its strategies read: they alone learn from its passes
         self.tables = [t for t in mixer.successors if any(getattr(s, "table", None) is t for s in strategies)]
 
@@ -285,11 +285,10 @@ class RequestDrafts:
     def _legal(self, drafts: list[Draft]) -> list[Draft]:
         """Each draft cut where the output may not take it (a grammar's rule), before it costs
         a place in the pass; a draft with no legal token is dropped."""
-        if self.legal_prefix is None:
+        if self.legal_lengths is None:
             return drafts
         kept = []
-        for draft in drafts:
-            legal = self.legal_prefix(draft.token_ids)
+        for draft, legal in zip(drafts, self.legal_lengths([d.token_ids for d in drafts])):
             if legal:
                 kept.append(draft if legal == len(draft.token_ids) else Draft(draft.token_ids[:legal], draft.strategy, draft.rank))
         return kept

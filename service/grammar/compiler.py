@@ -17,6 +17,7 @@ one space after `:` and `,`), so a small model cannot pad forever and drafts see
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -64,7 +65,7 @@ class GrammarCompiler:
     """Compiles `GrammarSpec`s for one tokenizer (thread-safe; xgrammar caches what it compiled,
     so a schema seen before costs a lookup)."""
 
-    def __init__(self, info: xgrammar.TokenizerInfo, encode: Callable[[str], list[int]]) -> None:
+    def __init__(self, info: xgrammar.TokenizerInfo, encode: Callable[[str], Sequence[int]]) -> None:
         self.info = info
         self.vocab_size = info.vocab_size
         self.encode = encode  # text -> token ids, as the tokenizer spells it (the forced-text drafts)
@@ -78,9 +79,10 @@ class GrammarCompiler:
         once may fail ("Already borrowed"), and the HTTP edge tokenizes prompts on others."""
         own, lock = copy.deepcopy(tokenizer), threading.Lock()
 
-        def encode(text: str) -> list[int]:
+        @functools.lru_cache(maxsize=4096)  # forced texts recur (a schema's keys): ~50 µs each to encode
+        def encode(text: str) -> tuple[int, ...]:
             with lock:
-                return own.encode(text, add_special_tokens=False)
+                return tuple(own.encode(text, add_special_tokens=False))
 
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
         return cls(info, encode)
@@ -91,7 +93,7 @@ class GrammarCompiler:
         longest match."""
         longest = max(map(len, pieces))
 
-        def encode(text: str) -> list[int]:
+        def encode(text: str) -> tuple[int, ...]:
             ids, at = [], 0
             while at < len(text):
                 size = next((n for n in range(min(longest, len(text) - at), 0, -1) if text[at:at + n] in pieces), 0)
@@ -99,7 +101,7 @@ class GrammarCompiler:
                     break
                 ids.append(pieces.index(text[at:at + size]))
                 at += size
-            return ids
+            return tuple(ids)
 
         return cls(xgrammar.TokenizerInfo(list(pieces), stop_token_ids=sorted(stop_ids)), encode)
 

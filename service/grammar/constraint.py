@@ -3,7 +3,7 @@
 The verifier asks at each node of the accepted path, in order, for the token the model chooses
 under the grammar (`choose` in `service/engine/verifier.py`), and the constraint accepts it:
 so the matcher has consumed exactly the committed output, and no draft ever moves it. Drafts
-are cut before the pass where they leave the grammar (`legal_prefix`): tried token by token,
+are cut before the pass where they leave the grammar (`legal_lengths`): tried token by token,
 then rolled back.
 """
 
@@ -53,17 +53,27 @@ class Constraint:
             xgrammar.apply_token_bitmask_inplace(out, self._bitmask.to(out.device))
             return out[0]
 
-    def legal_prefix(self, token_ids: Sequence[int]) -> int:
-        """How many of `token_ids`, from the first, the grammar allows next (state unchanged)."""
+    def legal_lengths(self, drafts: Sequence[Sequence[int]]) -> list[int]:
+        """How many tokens of each draft, from its first, the grammar allows next (state
+        unchanged). Drafts are tried in sorted order, so a prefix several share is tried once:
+        the mix's drafts often start alike (about 20 µs for a legal 8-token draft alone)."""
         with self.timed():
-            taken = 0
-            for token in token_ids:
-                if not self.matcher.accept_token(token):
-                    break
-                taken += 1
-            if taken:
-                self.matcher.rollback(taken)
-            return taken
+            lengths = [0] * len(drafts)
+            path: list[int] = []  # tokens accepted past the committed state, in the matcher
+            for index in sorted(range(len(drafts)), key=lambda i: tuple(drafts[i])):
+                draft = drafts[index]
+                shared = _common_length(path, draft)
+                if len(path) > shared:
+                    self.matcher.rollback(len(path) - shared)
+                    del path[shared:]
+                for token in draft[shared:]:
+                    if not self.matcher.accept_token(token):
+                        break
+                    path.append(token)
+                lengths[index] = len(path)  # path is the draft's legal prefix now
+            if path:
+                self.matcher.rollback(len(path))
+            return lengths
 
     def forced_text(self) -> str:
         """The text the grammar allows alone from here ('' where the model has a choice)."""
@@ -74,3 +84,10 @@ class Constraint:
     def finished(self) -> bool:
         """Whether a stop token ended the matched output."""
         return self.matcher.is_terminated()
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -9,7 +9,7 @@ verified; where the model tokenizes the text otherwise, the draft is simply not 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from drafting import Draft, TokenHistory
 from service.grammar.constraint import Constraint
@@ -22,7 +22,7 @@ class ForcedText:
 
     name = NAME
 
-    def __init__(self, constraint: Constraint, encode: Callable[[str], list[int]]) -> None:
+    def __init__(self, constraint: Constraint, encode: Callable[[str], Sequence[int]]) -> None:
         self.constraint = constraint
         self.encode = encode
 

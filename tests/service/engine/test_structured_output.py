@@ -108,6 +108,26 @@ def test_grammar_illegal_drafts_are_cut_and_never_committed(tiny_model, tiny_run
     assert sum(r.num_draft_tokens for r in rounds) < sum(len(d) for d in drafter.proposed)
 
 
+@given(drafts=st.lists(st.lists(st.sampled_from([2, 3, 6, 9, 10, 11, 13, 45, 58, 60]), min_size=1, max_size=6),
+                       max_size=8))
+@settings(max_examples=50, deadline=None)
+def test_drafts_sharing_prefixes_are_judged_as_alone(drafts) -> None:
+    """Tried together (each shared prefix once), each draft's legal length is what trying it
+    alone gives; the matcher is where it was."""
+    from service.grammar import Constraint
+
+    together = Constraint(COMPILER.compile(schema_spec(PERSON)), [EOS])
+    for token in (PIECES.index("{"), PIECES.index('"')):
+        assert together.accept(token)
+    lengths = together.legal_lengths(drafts)
+    alone = [Constraint(COMPILER.compile(schema_spec(PERSON)), [EOS]) for _ in drafts]
+    for constraint, draft, length in zip(alone, drafts, lengths):
+        constraint.accept(PIECES.index("{"))
+        constraint.accept(PIECES.index('"'))
+        assert constraint.legal_lengths([draft]) == [length]
+    assert together.legal_lengths(drafts) == lengths
+
+
 def test_drafts_are_cut_at_their_first_illegal_token(tiny_runner) -> None:
     engine = engine_for(tiny_runner, None, [DecoyDrafter([0], [])])
     request = engine.add_request([0, 5], params(schema_spec(PERSON), SPECULATIONS[1], SAMPLINGS[0], "decoy"))
@@ -115,7 +135,7 @@ def test_drafts_are_cut_at_their_first_illegal_token(tiny_runner) -> None:
     drafts = [Draft((brace, quote, name, brace), "decoy"), Draft((quote,), "decoy"), Draft((PIECES.index('{"'), name), "decoy")]
     assert request.drafts._legal(drafts) == [Draft((brace, quote, name), "decoy"), Draft((PIECES.index('{"'), name), "decoy")]
     # trying the drafts left the matcher where it was
-    assert request.constraint is not None and request.constraint.legal_prefix([brace]) == 1
+    assert request.constraint is not None and request.constraint.legal_lengths([[brace]]) == [1]
 
 
 @st.composite
