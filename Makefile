@@ -28,7 +28,7 @@ test-tools:
 	command -v prometheus >/dev/null 2>&1 || { apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
 
-# tests/deploy validates the KEDA and Prometheus Operator resources with their CRD schemas,
+# tests/deploy validates the KEDA, Prometheus Operator and Gateway API resources with their CRD schemas,
 # which npm packages carry (Node.js and npm are on the machine; without them that test skips).
 CRD_NODE_MODULES := tests/deploy/crd/node_modules/.installed
 $(CRD_NODE_MODULES): tests/deploy/crd/package-lock.json

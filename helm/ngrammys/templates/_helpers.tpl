@@ -32,6 +32,34 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
+{{/* The LeaderWorkerSet: not the Service's name, which its controller takes for the group's
+headless Service (the pods' DNS names, LWS_LEADER_ADDRESS). */}}
+{{- define "ngrammys.groupName" -}}
+{{- printf "%s-lws" (include "ngrammys.fullname" . | trunc 59 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The pods that serve HTTP: all of the Deployment's, or the groups' leaders. */}}
+{{- define "ngrammys.servingSelectorLabels" -}}
+{{ include "ngrammys.selectorLabels" . }}
+{{- if .Values.leaderWorkerSet.enabled }}
+app.kubernetes.io/component: leader
+{{- end }}
+{{- end }}
+
+{{/* What the HPA or KEDA scales: the Deployment, or the LeaderWorkerSet by whole groups (its
+scale subresource counts groups and selects the leaders). */}}
+{{- define "ngrammys.scaleTargetRef" -}}
+{{- if .Values.leaderWorkerSet.enabled -}}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+name: {{ include "ngrammys.groupName" . }}
+{{- else -}}
+apiVersion: apps/v1
+kind: Deployment
+name: {{ include "ngrammys.fullname" . }}
+{{- end }}
+{{- end }}
+
 {{- define "ngrammys.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "ngrammys.fullname" .) .Values.serviceAccount.name }}
@@ -51,10 +79,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end }}
 
-{{/* The PromQL query KEDA scales on: requests waiting, summed over this release's pods. */}}
+{{/* The PromQL query KEDA scales on: requests waiting, summed over this release's serving pods
+(a Deployment's <name>-<hash>-<id>, or a LeaderWorkerSet's leaders <name>-<group>). */}}
 {{- define "ngrammys.queueQuery" -}}
 {{- if .Values.autoscaling.keda.query }}
 {{- tpl .Values.autoscaling.keda.query . }}
+{{- else if .Values.leaderWorkerSet.enabled }}
+{{- printf "sum(ngrammys_num_requests_waiting{namespace=\"%s\",pod=~\"%s-[0-9]+\"}) or vector(0)" .Release.Namespace (include "ngrammys.groupName" .) }}
 {{- else }}
 {{- printf "sum(ngrammys_num_requests_waiting{namespace=\"%s\",pod=~\"%s-[a-z0-9]+-[a-z0-9]+\"}) or vector(0)" .Release.Namespace (include "ngrammys.fullname" .) }}
 {{- end }}
@@ -76,5 +107,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $cpuScaling := or (not .Values.autoscaling.keda.enabled) .Values.autoscaling.keda.cpuTrigger }}
 {{- if and .Values.autoscaling.enabled $cpuScaling (not (and .Values.resources.requests .Values.resources.requests.cpu)) }}
 {{- fail "scaling on CPU needs resources.requests.cpu" }}
+{{- end }}
+{{- $tp := int .Values.tensorParallelSize }}
+{{- if and .Values.gpu.enabled (gt $tp 1) (ne (int .Values.gpu.count) 1) (ne (int .Values.gpu.count) $tp) }}
+{{- fail (printf "gpu.count (%d) and tensorParallelSize (%d) disagree: each rank takes one GPU, so a pod gets tensorParallelSize GPUs (leave gpu.count at 1)" (int .Values.gpu.count) $tp) }}
+{{- end }}
+{{- if and .Values.leaderWorkerSet.enabled (not .Values.gpu.enabled) }}
+{{- fail "leaderWorkerSet.enabled needs gpu.enabled: the ranks of a group talk over NCCL, one GPU each" }}
 {{- end }}
 {{- end }}
