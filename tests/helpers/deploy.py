@@ -2,8 +2,8 @@
 
 Every validator is a real tool installed by `make test` (deploy-tools): Helm's Go SDK through
 helm-python-sdk, kubernetes-validate's schemas, hadolint, check-jsonschema's compose-spec
-schema, promtool, and the CRD schemas of KEDA, the Prometheus Operator and the Gateway API (npm). A test whose
-tool is missing skips and says which one and how to get it.
+schema, promtool, and the CRD schemas of KEDA, the Prometheus Operator and the Gateway API
+(npm). A test whose tool is missing skips and says which one and how to get it.
 """
 
 from __future__ import annotations
