@@ -102,16 +102,18 @@ class Choices:
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The stream's chunks: (chat) every choice's role first, then the choices' pieces as
-        they come, and each choice's final chunk (its finish reason) as soon as it ends."""
+        they come, and each choice's final chunks (with tools, its calls; then its finish reason)
+        as soon as it ends."""
         if self.kind == "chat.completion":
             for position, generation in enumerate(self.generations):
-                for chunk in self._copies(position, generation.chunk(Piece("", []), role=True)):
+                for chunk in self._copies(position, generation.role_chunk()):
                     yield chunk
         async for position, piece in interleaved([g.pieces() for g in self.generations]):
             generation = self.generations[position]
-            body = generation.final_chunk() if piece is None else generation.chunk(piece)
-            for chunk in self._copies(position, body):
-                yield chunk
+            bodies = generation.final_chunks() if piece is None else [generation.chunk(piece)]
+            for body in filter(None, bodies):  # (a piece whose text is held back as a tool call gives none)
+                for chunk in self._copies(position, body):
+                    yield chunk
 
     async def collect(self) -> dict[str, Any]:
         """Run every choice to its end; the whole response object."""

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
 from app.schemas import Usage, completion_body
+from app.tool_parsing import ToolCall, ToolCallStream
 from service.engine.async_engine import AsyncEngine, RequestHandle, RequestTimeout
 from service.engine.outputs import RoundOutput
 from service.engine.detokenizer import TextStream
@@ -46,6 +47,7 @@ class Generation:
     metrics: Metrics
     continuous_usage: bool = False  # usage on every chunk (this choice's, as vLLM's)
     logprobs: LogprobsFormatter | None = None  # set when the request asked for logprobs
+    tool_calls: ToolCallStream | None = None  # set when the answer may hold tool calls (chat with tools)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
@@ -104,8 +106,19 @@ class Generation:
     def response(self, pieces: list[Piece]) -> dict[str, Any]:
         """The whole response object, of all the pieces this choice gave."""
         logprobs = [lp for piece in pieces for lp in piece.logprobs]
-        return self._body("".join(p.text for p in pieces), self.finish_reason, self.usage(), chunk=False,
-                          logprobs=logprobs)
+        text = "".join(p.text for p in pieces)
+        if self.tool_calls is None:
+            return self._body(text, self.finish_reason, self.usage(), chunk=False, logprobs=logprobs)
+        content = self.tool_calls.push(text)  # the stream's split, so both ways answer alike
+        rest = self.tool_calls.finish()
+        content += rest.content
+        return self._body(None if rest.calls and not content else content, self._finish_reason(rest.calls),
+                          self.usage(), chunk=False, logprobs=logprobs,
+                          tool_calls=[call.as_openai() for call in rest.calls])
+
+    def _finish_reason(self, calls: list[ToolCall]) -> str | None:
+        """`tool_calls` for an answer that made calls, unless it was cut short."""
+        return "tool_calls" if calls and self.finish_reason != "length" else self.finish_reason
 
     def usage(self, completion_tokens: int | None = None) -> Usage:
         """This choice's usage: its tokens so far, or `completion_tokens`."""
@@ -113,16 +126,37 @@ class Generation:
         completion = self.completion_tokens if completion_tokens is None else completion_tokens
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
-    def chunk(self, piece: Piece, role: bool = False) -> dict[str, Any]:
-        usage = self.usage(piece.completion_tokens) if self.continuous_usage else None
-        body = self._body(piece.text, None, usage, chunk=True, with_stats=False,
-                          logprobs=None if role else piece.logprobs)
-        if role:
-            body["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+    def role_chunk(self) -> dict[str, Any]:
+        """The stream's first chunk for this choice: its role (content null where the answer may
+        be calls only, as the whole response's is then, and as OpenAI streams it)."""
+        body = self._body("", None, self._chunk_usage(0), chunk=True, with_stats=False)
+        body["choices"][0]["delta"] = {"role": "assistant", "content": "" if self.tool_calls is None else None}
         return body
 
-    def final_chunk(self) -> dict[str, Any]:
-        return self._body(None, self.finish_reason, None, chunk=True)
+    def chunk(self, piece: Piece) -> dict[str, Any] | None:
+        """The chunk of `piece`; None when it carries nothing (its text held back as a possible
+        tool call, and no logprobs)."""
+        text: str | None = piece.text
+        if self.tool_calls is not None:
+            text = self.tool_calls.push(piece.text) or None
+            if text is None and not (self.logprobs and piece.logprobs):
+                return None
+        return self._body(text, None, self._chunk_usage(piece.completion_tokens), chunk=True, with_stats=False,
+                          logprobs=piece.logprobs)
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """The choice's last chunks: with tools, the content held back and each call (whole,
+        in one part), then the one with the finish reason and statistics."""
+        if self.tool_calls is None:
+            return [self._body(None, self.finish_reason, None, chunk=True)]
+        rest, usage = self.tool_calls.finish(), self._chunk_usage(self.completion_tokens)
+        chunks = [self._body(rest.content, None, usage, chunk=True, with_stats=False)] if rest.content else []
+        chunks += [self._body(None, None, usage, chunk=True, with_stats=False, tool_calls=[call.as_delta(index)])
+                   for index, call in enumerate(rest.calls)]
+        return [*chunks, self._body(None, self._finish_reason(rest.calls), None, chunk=True)]
+
+    def _chunk_usage(self, completion_tokens: int) -> Usage | None:
+        return self.usage(completion_tokens) if self.continuous_usage else None
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._body(None, None, usage, chunk=True, with_stats=False)
@@ -140,8 +174,9 @@ class Generation:
         return {"message": f"generation failed: {error}", "type": "server_error", "param": None, "code": None}
 
     def _body(self, text: str | None, finish_reason: str | None, usage: Usage | None, chunk: bool,
-              with_stats: bool = True, logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+              with_stats: bool = True, logprobs: list[TokenLogprob] | None = None,
+              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         stats = self.stats.as_dict() if with_stats else {}
         formatted = None if self.logprobs is None or logprobs is None else self.logprobs.format(logprobs)
         return completion_body(self.kind, self.response_id, self.created, self.model, text, finish_reason,
-                               stats, usage, chunk=chunk, logprobs=formatted)
+                               stats, usage, chunk=chunk, logprobs=formatted, tool_calls=tool_calls)

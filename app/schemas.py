@@ -66,20 +66,29 @@ class StreamOptions(_Request):
 # OpenAI fields this server does not implement, with the values that ask for nothing: any
 # other value is refused with a 400 naming the field, on both routes alike.
 UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
+    "functions": (None, []),  # the legacy form of `tools` (and `tool_choice`), which chat takes
     "function_call": (None, "none"),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),  # candidates ranked by likelihood: not built (vLLM's v1 engine dropped it too)
 }
+# chat fields that completions refuse likewise, unless asking for nothing (a prompt has no tools)
+CHAT_ONLY_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+}
 
 
-def unsupported(name: str) -> WithJsonSchema:
+def unsupported(name: str, defaults: dict[str, tuple[Any, ...]] = UNSUPPORTED_DEFAULTS,
+                why: str = "not supported by this server") -> WithJsonSchema:
     """The published schema of an unsupported field: only the values that ask for nothing."""
-    return WithJsonSchema({"enum": list(UNSUPPORTED_DEFAULTS[name]),
-                           "description": "not supported by this server: only this value, which asks for nothing"})
+    return WithJsonSchema({"enum": list(defaults[name]), "description": f"{why}: only this value, which asks for nothing"})
+
+
+def asks_for_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
+    """Whether `value` is one of the `harmless` values (`False == 0` in Python, but `logprobs: 0`
+    asks for something and `false` does not)."""
+    return any(value == h and isinstance(value, bool) == isinstance(h, bool) for h in harmless)
 
 
 # A logit_bias key: a token id in decimal, as OpenAI's clients write it (at most ten digits,
@@ -160,8 +169,6 @@ class GenerationRequest(_Request):
     min_p: float | None = Field(
         None, ge=0, le=1, description="keep tokens with probability >= min_p × the largest (after temperature)")
     # not implemented: only the values in UNSUPPORTED_DEFAULTS are accepted
-    tools: Annotated[list[dict[str, Any]] | None, unsupported("tools")] = None
-    tool_choice: Annotated[str | dict[str, Any] | None, unsupported("tool_choice")] = None
     functions: Annotated[list[dict[str, Any]] | None, unsupported("functions")] = None
     function_call: Annotated[str | dict[str, Any] | None, unsupported("function_call")] = None
     response_format: ResponseFormat | None = Field(
@@ -194,9 +201,7 @@ class GenerationRequest(_Request):
     @field_validator(*UNSUPPORTED_DEFAULTS)
     @classmethod
     def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        harmless = UNSUPPORTED_DEFAULTS[info.field_name]  # type: ignore[index]
-        # `False == 0` in Python, but `logprobs: 0` asks for something and `false` does not
-        if not any(value == h and isinstance(value, bool) == isinstance(h, bool) for h in harmless):
+        if not asks_for_nothing(value, UNSUPPORTED_DEFAULTS[info.field_name]):  # type: ignore[index]
             raise ValueError(f"`{info.field_name}` is not supported by this server")
         return value
 
@@ -211,6 +216,10 @@ class CompletionRequest(GenerationRequest):
                           "`false` (what some clients send by default) asks for none")
     top_logprobs: int | None = Field(None, ge=0, le=0,
                                      description="chat only: here `logprobs` is the count (0 or null only)")
+    tools: Annotated[list[dict[str, Any]] | None,
+                     unsupported("tools", CHAT_ONLY_DEFAULTS, "chat only")] = None
+    tool_choice: Annotated[str | dict[str, Any] | None,
+                           unsupported("tool_choice", CHAT_ONLY_DEFAULTS, "chat only")] = None
 
     _whole_completion = field_validator("prompt", "logprobs", "top_logprobs", mode="before")(integral)  # 626.0 is 626
 
@@ -220,6 +229,13 @@ class CompletionRequest(GenerationRequest):
         if top_logprobs:  # silently ignoring it would answer without what was asked
             raise ValueError("`top_logprobs` is a chat field; on completions `logprobs` is the number of alternatives")
         return top_logprobs
+
+    @field_validator(*CHAT_ONLY_DEFAULTS)
+    @classmethod
+    def _chat_only_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        if not asks_for_nothing(value, CHAT_ONLY_DEFAULTS[info.field_name]):  # type: ignore[index]
+            raise ValueError(f"`{info.field_name}` is supported on /v1/chat/completions only")
+        return value
 
     @property
     def num_logprobs(self) -> int | None:
@@ -243,20 +259,112 @@ class TextPart(_Request):
     text: Text
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: Text = Field(description="the arguments, as JSON text (as this server answers them)")
+
+
+class AssistantToolCall(_Request):
+    """A call an assistant message made, as a response's `tool_calls` gave it."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
+    """One turn; besides text, an assistant's tool calls and a tool's result, so that a client
+    can send a conversation with tools back (the roles' rules are in the published schema too)."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"if": {"properties": {"role": {"const": "tool"}}},
+         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}},
+        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+         "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}},
+                                                           "tool_calls": {"type": "null"}}}},
+    ]})
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Text | list[TextPart]
+    content: Text | list[TextPart] | None = Field(
+        None, validate_default=True, description="null or absent only in an assistant message")
+    tool_calls: list[AssistantToolCall] | None = Field(None, description="assistant only: the calls it made")
+    tool_call_id: str | None = Field(
+        None, validate_default=True, description="tool only, and required there: the call this is the result of")
+
+    @field_validator("content")
+    @classmethod
+    def _content_unless_assistant(cls, content: str | list[TextPart] | None,
+                                  info: ValidationInfo) -> str | list[TextPart] | None:
+        if content is None and info.data.get("role") != "assistant":
+            raise ValueError("required (it may be null in an assistant message only)")
+        return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_by_assistant(cls, calls: list[AssistantToolCall] | None,
+                            info: ValidationInfo) -> list[AssistantToolCall] | None:
+        if calls is not None and info.data.get("role") != "assistant":
+            raise ValueError("only an assistant message makes tool calls")
+        return calls
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, call_id: str | None, info: ValidationInfo) -> str | None:
+        if call_id is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message needs the `tool_call_id` of the call it answers")
+        return call_id
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+# OpenAI's rule for a function's name
+FUNCTION_NAME = "^[a-zA-Z0-9_-]{1,64}$"
+MAX_TOOLS = 128  # OpenAI's limit
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Text | None = None
+    parameters: dict[str, Any] | None = Field(
+        None, description="the JSON schema of the arguments; absent: none (`{}`)")
+    strict: bool | None = Field(None, description="the arguments always match `parameters`, strict or not")
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationRequest):
-    # top_logprobs above 0 needs `logprobs: true` (OpenAI's rule): in the published schema too,
-    # so a client (or a fuzzer) that follows the schema is never refused for it
+    # Rules across fields, in the published schema too, so a client (or a fuzzer) that follows
+    # the schema is never refused for them: top_logprobs above 0 needs `logprobs: true` (OpenAI's
+    # rule); a `tool_choice` that asks for a call needs tools; with tools shown, the answer's
+    # format is theirs (no `response_format`). (That a named function is one of `tools` no JSON
+    # schema can say.)
     model_config = ConfigDict(json_schema_extra={
         "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
         "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        "allOf": [
+            {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+                    "required": ["tool_choice"]},
+             "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
+            {"if": {"properties": {"tools": {"type": "array", "minItems": 1},
+                                   "tool_choice": {"not": {"const": "none"}}}, "required": ["tools"]},
+             "then": {"properties": {"response_format": {
+                 "anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}},
+        ],
     })
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -264,6 +372,14 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool | None = Field(None, description="each token's logprob (raw: temperature 1)")
     top_logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="likeliest alternatives per token; needs `logprobs: true`")
+    tools: list[ChatTool] | None = Field(
+        None, max_length=MAX_TOOLS,
+        description="functions the model may call (names unique); see `tool_choice`. A template without tool "
+                    "syntax gets them in a system message, its answer held to JSON (the server's docs)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="`auto` (the default with tools): text or calls; `required`: one call or more; "
+                          "a named function (one of `tools`): calls of it only; `none`: the tools are not shown")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer (default true)")
 
     _whole_chat = field_validator("max_completion_tokens", "top_logprobs", mode="before")(integral)  # 626.0 is 626
 
@@ -273,6 +389,14 @@ class ChatCompletionRequest(GenerationRequest):
         if top_logprobs and info.data.get("logprobs") is not True:
             raise ValueError("`top_logprobs` needs `logprobs: true`")
         return top_logprobs
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
+        names = [tool.function.name for tool in tools or []]
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"function names must be unique: {', '.join(twice)} more than once")
+        return tools
 
     @property
     def num_logprobs(self) -> int | None:
@@ -343,9 +467,16 @@ class CompletionResponse(_Open):
     usage: Usage | None = None
 
 
+class MessageToolCall(_Open):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Open):
     role: Literal["assistant"]
-    content: str | None
+    content: str | None = Field(description="null when the answer is tool calls only")
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatChoice(_Open):
@@ -365,9 +496,25 @@ class ChatCompletionResponse(_Open):
     usage: Usage | None = None
 
 
+class FunctionCallDelta(_Open):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Open):
+    """A part of a streamed tool call: `id`, `type` and `function.name` come in its first part,
+    `function.arguments` in fragments to be joined (this server sends each call whole, in one)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(_Open):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Open):
@@ -450,16 +597,18 @@ ERROR_MEANINGS = {
 def completion_body(
     kind: Literal["text_completion", "chat.completion"], request_id: str, created: int, model: str,
     text: str | None, finish_reason: str | None, stats: dict[str, Any], usage: Usage | None,
-    chunk: bool = False, logprobs: dict[str, Any] | None = None,
+    chunk: bool = False, logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One response object or stream chunk, in either endpoint's shape."""
+    """One response object or stream chunk, in either endpoint's shape (`tool_calls`: chat's
+    `message.tool_calls`, or a chunk's `delta.tool_calls`)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason}
     if kind == "text_completion":
         choice["text"] = text or ""
-    elif chunk:
-        choice["delta"] = {} if text is None else {"content": text}
     else:
-        choice["message"] = {"role": "assistant", "content": text}
+        message = {} if chunk and text is None else {"content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        choice["delta" if chunk else "message"] = message if chunk else {"role": "assistant", **message}
     choice["logprobs"] = logprobs
     if stats:
         choice["speculative_decoding_stats"] = stats

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -38,13 +38,13 @@ from app.schemas import (
 )
 from app.settings import Settings
 from app.sse import GenerationStream
+from app.tools import ToolUse, chat_prompt, tool_use
 from service.engine.async_engine import QueueFull, RequestHandle, RequestTimeout, ShuttingDown
 from service.engine.params import MIN_TEMPERATURE, GenerationParams, SamplingParams, SpeculationParams
 from service.engine.detokenizer import TextStream
 from service.engine.engine import ContextTooLong
 from service.engine.scheduler import DoesNotFit
 from service.grammar import GrammarError, GrammarSpec
-from service.model.prompts import chat_prompt_ids
 from service.runtime import Runtime
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(client_identity)],
@@ -92,11 +92,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, client
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens or settings.max_tokens
     check_generation_limits(body, settings, max_tokens, asked)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    prompt_ids = await _tokenize(request, "messages", chat_prompt_ids, runtime.tokenizer, messages)
+    tools = tool_use(body)
+    prompt_ids, tools = await _tokenize(request, "messages", chat_prompt, runtime.tokenizer, body.messages, tools)
     serving = _Serving(runtime, settings, metrics, limit, client)
     return await _respond("chat.completion", body, request, serving, prompt_ids, max_tokens, "messages",
-                          body.num_logprobs)
+                          body.num_logprobs, tools)
 
 
 @dataclass(frozen=True)
@@ -117,20 +117,22 @@ def _check_model(request: Request, body: GenerationRequest) -> None:
                        param="model", code="model_not_found")
 
 
-async def _tokenize(request: Request, param: str, encode: Callable[..., list[int]], *args: Any) -> list[int]:
+T = TypeVar("T")
+
+
+async def _tokenize(request: Request, param: str, encode: Callable[..., T], *args: Any) -> T:
     """Tokenize on a worker thread (a long prompt must not stall the event loop), one at a
     time (a fast tokenizer shared across threads may fail with "Already borrowed")."""
     lock: threading.Lock = request.app.state.tokenizer_lock
 
-    def run() -> list[int]:
+    def run() -> T:
         with lock:
-            return list(encode(*args))
+            return encode(*args)
 
     try:
-        ids = await asyncio.to_thread(run)
+        return await asyncio.to_thread(run)
     except Exception as error:  # the input's fault: a template that refuses the messages, ...
         raise ApiError(400, f"{param}: could not be tokenized: {error}", param=param) from error
-    return ids
 
 
 def _checked_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list[int]:
@@ -141,7 +143,8 @@ def _checked_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list
     return ids
 
 
-def _params(body: GenerationRequest, serving: _Serving, max_tokens: int, logprobs: int | None) -> GenerationParams:
+def _params(body: GenerationRequest, serving: _Serving, max_tokens: int, logprobs: int | None,
+            tools: ToolUse) -> GenerationParams:
     settings = serving.settings
     options = body.speculation or SpeculationOptions()
     k = settings.spec_k if options.k is None else options.k
@@ -153,7 +156,7 @@ def _params(body: GenerationRequest, serving: _Serving, max_tokens: int, logprob
     return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
                             strategy=options.strategy or settings.spec_strategy,
                             sampling=_sampling(body, settings, serving.runtime.vocab_size), logprobs=logprobs,
-                            grammar=_grammar(body.response_format))
+                            grammar=tools.grammar() or _grammar(body.response_format))
 
 
 def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
@@ -186,13 +189,13 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
 
 async def _respond(
     kind: Kind, body: GenerationRequest, request: Request, serving: _Serving, prompt_ids: list[int],
-    max_tokens: int, prompt_param: str, logprobs: int | None,
+    max_tokens: int, prompt_param: str, logprobs: int | None, tools: ToolUse = ToolUse(),
 ) -> Response:
     runtime, settings, limit, client = serving.runtime, serving.settings, serving.limit, serving.client
     if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
         raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
-    params = _params(body, serving, max_tokens, logprobs)
+    params = _params(body, serving, max_tokens, logprobs, tools)
     if params.grammar is not None:
         try:
             await asyncio.to_thread(runtime.check_grammar, params.grammar)
@@ -224,7 +227,7 @@ async def _respond(
         limit.release(client)
         raise
     serving.metrics.prompt_tokens.inc(len(prompt_ids))  # once: the choices share the prompt
-    choices = _choices(kind, body, request, serving, handles, logprobs)
+    choices = _choices(kind, body, request, serving, handles, logprobs, tools)
     if body.stream:
         return GenerationStream(choices)
     try:
@@ -247,8 +250,9 @@ async def _respond(
 
 
 def _choices(kind: Kind, body: GenerationRequest, request: Request, serving: _Serving,
-             handles: list[RequestHandle], logprobs: int | None) -> Choices:
-    """The request's `body.n` choices, from its engine requests (one, or one per choice)."""
+             handles: list[RequestHandle], logprobs: int | None, tools: ToolUse) -> Choices:
+    """The request's `body.n` choices, from its engine requests (one, or one per choice), each
+    parsing its own answer's tool calls."""
     runtime, options = serving.runtime, body.stream_options
 
     def generation(handle: RequestHandle, **shared: Any) -> Generation:
@@ -257,7 +261,7 @@ def _choices(kind: Kind, body: GenerationRequest, request: Request, serving: _Se
             TextStream(runtime.tokenizer, body.stop or []), serving.metrics,
             continuous_usage=bool(options and options.continuous_usage_stats),
             logprobs=None if logprobs is None else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
-            **shared,
+            tool_calls=tools.output_parser(), **shared,
         )
 
     first = generation(handles[0])  # its id and creation time are the other choices' too: one response
