@@ -23,6 +23,7 @@ class Constraint:
     def __init__(self, compiled: xgrammar.CompiledGrammar, stop_ids: Sequence[int]) -> None:
         self.vocab_size = compiled.tokenizer_info.vocab_size
         self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
+        self.stop_ids = frozenset(stop_ids)
         self._bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # int32 [1, ceil(vocab / 32)]
         self.seconds = 0.0  # spent in the grammar so far (what structured output adds to a request)
 
@@ -67,8 +68,8 @@ class Constraint:
                     self.matcher.rollback(len(path) - shared)
                     del path[shared:]
                 for token in draft[shared:]:
-                    if not self.matcher.accept_token(token):
-                        break
+                    if (path and path[-1] in self.stop_ids) or not self.matcher.accept_token(token):
+                        break  # nothing follows a stop token (xgrammar would warn of a finished matcher)
                     path.append(token)
                 lengths[index] = len(path)  # path is the draft's legal prefix now
             if path:

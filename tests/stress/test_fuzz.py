@@ -5,7 +5,8 @@ Every operation gets generated requests, valid and invalid: its examples, the co
 (every field's boundary and invalid values, other HTTP methods), Hypothesis fuzzing and the
 stateful phase. Every check schemathesis has runs on each response: no 5xx, a status, content
 type, headers and body the schema documents, invalid data refused, schema-valid data accepted
-(so the schema must state what the server enforces), a missing or wrong key refused. API keys
+(so the schema must state what the server enforces; `fuzz_hooks.py` applies the few rules no
+JSON schema can state to the requests generated as valid), a missing or wrong key refused. API keys
 are on, so the authentication path is fuzzed too. The schema is read from the server once its
 model has loaded (the model's vocabulary bounds a prompt's token ids).
 
@@ -36,6 +37,7 @@ KEY = "fuzz-key"
 FULL = os.environ.get("NGRAMMYS_STRESS_FULL") == "1"
 SEED = int(os.environ.get("NGRAMMYS_FUZZ_SEED") or random.randrange(2**32))
 FAILURES = Path(".fuzz-failures")
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = 1000 if FULL else 60  # per operation in the fuzzing phase, beside the coverage phase's ~450 requests
 # max_tokens is capped low so thousands of generations take seconds.
 FUZZ_SETTINGS = Settings(max_tokens=8, max_tokens_cap=16, api_keys=KEY, request_timeout=30, **QUIET)
@@ -58,7 +60,9 @@ def test_the_published_schema_holds_for_generated_requests(long_context_served, 
                    "--checks", "all", "--seed", str(SEED), "--max-examples", str(EXAMPLES),
                    "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "60",
                    "--continue-on-failure", "--output-sanitize", "false", "--report", "pytest", "--report-dir", str(reports)]
-        run = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=tmp_path)  # its caches there
+        hooks = {"SCHEMATHESIS_HOOKS": "tests.stress.fuzz_hooks", "PYTHONPATH": str(ROOT)}  # the rules no schema states
+        run = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=tmp_path,  # its caches there
+                             env={**os.environ, **hooks})
         health = httpx.get(f"{base}/health").json()
     output = run.stdout + run.stderr
     summary = output[output.rfind("SUMMARY"):] if "SUMMARY" in output else output[-3000:]

@@ -129,11 +129,16 @@ def test_drafts_sharing_prefixes_are_judged_as_alone(drafts) -> None:
 
 
 def test_drafts_are_cut_at_their_first_illegal_token(tiny_runner) -> None:
+    from service.grammar import Constraint
+
     engine = engine_for(tiny_runner, None, [DecoyDrafter([0], [])])
     request = engine.add_request([0, 5], params(schema_spec(PERSON), SPECULATIONS[1], SAMPLINGS[0], "decoy"))
     brace, quote, name = PIECES.index("{"), PIECES.index('"'), PIECES.index("name")
     drafts = [Draft((brace, quote, name, brace), "decoy"), Draft((quote,), "decoy"), Draft((PIECES.index('{"'), name), "decoy")]
     assert request.drafts._legal(drafts) == [Draft((brace, quote, name), "decoy"), Draft((PIECES.index('{"'), name), "decoy")]
+    # nothing is tried after the end of text: an empty object then EOS, then more
+    whole = [PIECES.index("{"), PIECES.index("}"), EOS, brace]
+    assert Constraint(COMPILER.compile(GrammarSpec("json_object")), [EOS]).legal_lengths([whole]) == [3]
     # trying the drafts left the matcher where it was
     assert request.constraint is not None and request.constraint.legal_lengths([[brace]]) == [1]
 
