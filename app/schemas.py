@@ -31,6 +31,8 @@ def integral(value: Any) -> Any:
     if isinstance(value, list):
         return [integral(item) for item in value]
     return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 MAX_REQUEST_SEED = 2**63 - 1  # a signed 64-bit integer, as OpenAI clients send it
 MAX_N = 16  # choices per request: each sampled one is an engine request of its own
 MAX_COMPLETION_LOGPROBS = 5  # alternatives per token on /v1/completions (OpenAI's limit)
@@ -89,6 +91,16 @@ def asks_for_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
     """Whether `value` is one of the `harmless` values (`False == 0` in Python, but `logprobs: 0`
     asks for something and `false` does not)."""
     return any(value == h and isinstance(value, bool) == isinstance(h, bool) for h in harmless)
+
+
+def refusing(defaults: dict[str, tuple[Any, ...]], why: str) -> Any:
+    """A validator of `defaults`' fields that refuses any value but the ones asking for nothing."""
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if not asks_for_nothing(value, defaults[info.field_name]):  # type: ignore[index]
+            raise ValueError(f"`{info.field_name}` {why}")
+        return value
+
+    return field_validator(*defaults)(check)
 
 
 # A logit_bias key: a token id in decimal, as OpenAI's clients write it (at most ten digits,
@@ -198,12 +210,7 @@ class GenerationRequest(_Request):
                                  f"got {value} for {token}")
         return bias
 
-    @field_validator(*UNSUPPORTED_DEFAULTS)
-    @classmethod
-    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
-        if not asks_for_nothing(value, UNSUPPORTED_DEFAULTS[info.field_name]):  # type: ignore[index]
-            raise ValueError(f"`{info.field_name}` is not supported by this server")
-        return value
+    _unsupported = refusing(UNSUPPORTED_DEFAULTS, "is not supported by this server")
 
 
 class CompletionRequest(GenerationRequest):
@@ -230,12 +237,7 @@ class CompletionRequest(GenerationRequest):
             raise ValueError("`top_logprobs` is a chat field; on completions `logprobs` is the number of alternatives")
         return top_logprobs
 
-    @field_validator(*CHAT_ONLY_DEFAULTS)
-    @classmethod
-    def _chat_only_tools(cls, value: Any, info: ValidationInfo) -> Any:
-        if not asks_for_nothing(value, CHAT_ONLY_DEFAULTS[info.field_name]):  # type: ignore[index]
-            raise ValueError(f"`{info.field_name}` is supported on /v1/chat/completions only")
-        return value
+    _chat_only_tools = refusing(CHAT_ONLY_DEFAULTS, "is supported on /v1/chat/completions only")
 
     @property
     def num_logprobs(self) -> int | None:
