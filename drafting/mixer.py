@@ -282,6 +282,13 @@ class RequestDrafts:
             if strategy.name in self.mixer.batched:
                 self.mixer.batched[strategy.name].release(self.history)
 
+    def restrict(self, legal_lengths: Callable[[Sequence[Sequence[int]]], list[int]], strategy: Strategy) -> None:
+        """Hold the request's drafts to what its output may take (`legal_lengths`: how many of
+        each draft's tokens, a grammar's rule) and draft with `strategy` too (what the rule
+        forces)."""
+        self.legal_lengths = legal_lengths
+        self.strategies.append(strategy)
+
     def _legal(self, drafts: list[Draft]) -> list[Draft]:
         """Each draft cut where the output may not take it (a grammar's rule), before it costs
         a place in the pass; a draft with no legal token is dropped."""

@@ -130,8 +130,7 @@ class Engine:
             constraint=constraint,
         )
         if constraint is not None:  # drafts are cut where they leave the grammar; its forced text is one
-            request.drafts.legal_lengths = constraint.legal_lengths
-            request.drafts.strategies.append(ForcedText(constraint, self.grammars.encode))  # type: ignore[union-attr]
+            request.drafts.restrict(constraint.legal_lengths, ForcedText(constraint, self.grammars.encode))  # type: ignore[union-attr]
         self.scheduler.add(request)
         return request
 
