@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from app.generation import Generation, Kind, Piece
 from app.schemas import MAX_REQUEST_SEED, Usage
+from app.tool_parsing import new_call_id
 from service.engine.async_engine import AsyncEngine, RequestHandle
 from service.engine.params import GenerationParams
 
@@ -133,7 +134,8 @@ class Choices:
         (Copied after it was built, never built again: a completion's logprobs formatter counts
         text offsets as it formats.)"""
         first = position * self.copies
-        return [{**body, "choices": [{**choice, "index": first + copy} for choice in body["choices"]]}
+        return [{**body, "choices": [{**(_with_own_call_ids(choice) if copy else choice), "index": first + copy}
+                                     for choice in body["choices"]]}
                 for copy in range(self.copies)]
 
     def usage(self) -> Usage:
@@ -161,3 +163,12 @@ class Choices:
         metrics.e2e.observe(time.monotonic() - self.generations[0].handle.submitted_at)
         if status == "aborted":
             metrics.disconnects.inc()
+
+
+def _with_own_call_ids(choice: dict[str, Any]) -> dict[str, Any]:
+    """A copied choice's tool calls with ids of their own: a client answers each call by its id."""
+    for part in ("message", "delta"):
+        if isinstance(choice.get(part), dict) and choice[part].get("tool_calls"):
+            calls = [{**call, "id": new_call_id()} if "id" in call else call for call in choice[part]["tool_calls"]]
+            return {**choice, part: {**choice[part], "tool_calls": calls}}
+    return choice

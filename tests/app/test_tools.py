@@ -182,6 +182,22 @@ def test_each_of_n_choices_parses_its_own_calls_streamed_or_not(server: str) -> 
     assert [calls_of(list(streamed[i].values())) for i in range(3)] == [s[1] for s in singles]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_copies_of_a_call_have_ids_of_their_own(server: str, stream: bool) -> None:
+    """Greedy n = 2 is one answer twice, but a client answers each call by its id."""
+    body = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False, "n": 2, "max_tokens": 128, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
+            choices = [c for e in sse_events(response)[:-1] for c in json.loads(e)["choices"]]
+        calls = {c["index"]: c["delta"]["tool_calls"][0] for c in choices if c["delta"].get("tool_calls")}
+    else:
+        choices = post(server, "chat/completions", body).json()["choices"]
+        calls = {c["index"]: c["message"]["tool_calls"][0] for c in choices}
+    assert calls[0]["function"] == calls[1]["function"] and calls[0]["id"] != calls[1]["id"]
+    assert all(call["id"].startswith("call_") for call in calls.values())
+
+
 def test_streamed_logprobs_cover_every_token_while_the_calls_are_held_back(server: str) -> None:
     body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
             "logprobs": True, "seed": 3, "stream": True, "stream_options": {"include_usage": True}, **WHOLE}
