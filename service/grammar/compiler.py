@@ -66,8 +66,6 @@ class GrammarCompiler:
     so a schema seen before costs a lookup)."""
 
     def __init__(self, info: xgrammar.TokenizerInfo, encode: Callable[[str], Sequence[int]]) -> None:
-        self.info = info
-        self.vocab_size = info.vocab_size
         self.encode = encode  # text -> token ids, as the tokenizer spells it (the forced-text drafts)
         self._compiler = xgrammar.GrammarCompiler(info)
 

@@ -16,15 +16,16 @@ from contextlib import contextmanager
 import torch
 import xgrammar
 
+from drafting import common_prefix
+
 
 class Constraint:
     """A request's grammar matcher and the mask buffer of its next token."""
 
     def __init__(self, compiled: xgrammar.CompiledGrammar, stop_ids: Sequence[int]) -> None:
-        self.vocab_size = compiled.tokenizer_info.vocab_size
         self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
         self.stop_ids = frozenset(stop_ids)
-        self._bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)  # int32 [1, ceil(vocab / 32)]
+        self._bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)  # int32 [1, ceil(vocab / 32)]
         self.seconds = 0.0  # spent in the grammar so far (what structured output adds to a request)
 
     @contextmanager
@@ -63,7 +64,7 @@ class Constraint:
             path: list[int] = []  # tokens accepted past the committed state, in the matcher
             for index in sorted(range(len(drafts)), key=lambda i: tuple(drafts[i])):
                 draft = drafts[index]
-                shared = _common_length(path, draft)
+                shared = common_prefix(path, draft)
                 if len(path) > shared:
                     self.matcher.rollback(len(path) - shared)
                     del path[shared:]
@@ -80,15 +81,3 @@ class Constraint:
         """The text the grammar allows alone from here ('' where the model has a choice)."""
         with self.timed():
             return self.matcher.find_jump_forward_string()
-
-    @property
-    def finished(self) -> bool:
-        """Whether a stop token ended the matched output."""
-        return self.matcher.is_terminated()
-
-
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
