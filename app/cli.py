@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from app.loadtest import MODES as LOAD_MODES
 from app.prefix_workloads import WORKLOADS as PREFIX_WORKLOADS
-from app.settings import Settings
+from app.settings import DEVICE_ROUND_SWITCH, Settings
 from drafting import MIXED, STRATEGY_NAMES
 from service.engine.config import EngineConfig
 from service.engine.params import SamplingParams
@@ -177,7 +177,8 @@ def _engine_config(args: argparse.Namespace, **fields: Any) -> EngineConfig:
     """The engine settings of a bench command, from the flags `_model_flags` adds and `fields`
     (what the command decides itself); the queue's fields are the server's alone."""
     return EngineConfig(cache_dir=args.cache_dir, enforce_eager=args.enforce_eager, device=args.device,
-                        dtype=args.dtype, quantization=args.quantization, **fields)
+                        dtype=args.dtype, quantization=args.quantization,
+                        device_round=DEVICE_ROUND_SWITCH[args.device_round], **fields)
 
 
 def _parting_text(parting: Parting | None) -> str:
@@ -519,6 +520,8 @@ def _model_flags(parser: argparse.ArgumentParser) -> None:
                         help=Settings.model_fields["quantization"].description)
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     parser.add_argument("--enforce-eager", action="store_true", help=Settings.model_fields["enforce_eager"].description)
+    parser.add_argument("--device-round", choices=tuple(DEVICE_ROUND_SWITCH), default="auto",
+                        help=Settings.model_fields["device_round"].description)
 
 
 def _dataset(text: str) -> Path:

@@ -17,6 +17,7 @@ from service.engine.scheduler import SchedulerConfig
 from service.model.loader import DEFAULT_CACHE_DIR
 
 
+DEVICE_ROUND_SWITCH = {"auto": None, "on": True, "off": False}
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
 
 
@@ -45,6 +46,9 @@ class Settings(BaseSettings):
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
     enforce_eager: bool = Field(
         False, description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never records them)")
+    device_round: Literal["auto", "on", "off"] = Field(
+        "auto", description="Take the steps it can (every row decoding, greedy, fixed mode, one shape) through the "
+        "device round: drafts, tree check and KV commit on the model's device, one copy back a step; auto: on a GPU")
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
     spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")
@@ -117,7 +121,8 @@ class Settings(BaseSettings):
         return EngineConfig(
             scheduler=scheduler, max_waiting=self.max_waiting, request_timeout=self.request_timeout,
             model_tables=self.model_tables, cost_profile=self.cost_profile, cache_dir=self.cache_dir,
-            enforce_eager=self.enforce_eager, suffix_cache_tokens=self.suffix_cache_tokens,
+            enforce_eager=self.enforce_eager, device_round=DEVICE_ROUND_SWITCH[self.device_round],
+            suffix_cache_tokens=self.suffix_cache_tokens,
             self_draft_layers=(self.self_draft_layers,) if self.self_draft else (),  # one depth (None: the default)
             draft_model=self.draft_model, draft_staged=self.draft_staged,
             device=self.device, dtype=self.dtype, quantization=self.quantization,

@@ -53,6 +53,7 @@ def build_engine(loaded: LoadedModel, tables: TableSlot, config: EngineConfig = 
         max_context=model_config.max_position_embeddings,
         scheduler_config=config.scheduler,
         grammars=grammar_compiler(loaded.tokenizer, runner.vocab_size, tuple(sorted(eos_token_ids))),
+        device_round=config.device_round,
     )
 
 

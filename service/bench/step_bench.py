@@ -38,6 +38,8 @@ class StepRun:
     rows: int  # Σ over steps of the requests in the pass (their mean shows the batch C really ran)
     capture_seconds: float = 0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes
     pass_seconds: float = 0.0  # of `step_seconds`: the forward passes (the rest: verification and KV commits)
+    device_steps: int = 0  # steps taken by the device round (`service/device_round/`)
+    wait_seconds: float = 0.0  # of their time: the host waiting for the device in their one copy back each
 
     @property
     def tokens_per_second(self) -> float:
@@ -50,11 +52,13 @@ class StepRun:
                 f"| {self.draft_seconds * per_step:.1f} | {self.pass_seconds * per_step:.1f} "
                 f"| {self.capture_seconds * per_step:.1f} "
                 f"| {(self.step_seconds - self.draft_seconds - self.pass_seconds) * per_step:.1f} "
+                f"| {self.device_steps} | {self.wait_seconds * 1e3 / max(self.device_steps, 1):.2f} "
                 f"| {self.tokens_per_second:.0f} |")
 
 
 HEADER = ("| C | mode | steps | rows/step | tokens | ms/step | plan+draft ms | pass ms | of which capture ms "
-          "| verify+commit ms | tokens/s |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "| verify+commit ms | device-round steps | their wait ms | tokens/s |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int, mode: str,
@@ -70,7 +74,8 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
     params = GenerationParams(max_new_tokens=max_new_tokens, speculation=speculation)
     queued = list(itertools.islice(itertools.cycle(prompts), concurrency * requests_per_slot))[::-1]
     in_flight = steps = tokens = rows = 0
-    step_seconds = draft_seconds = capture_seconds = pass_seconds = 0.0
+    step_seconds = draft_seconds = capture_seconds = pass_seconds = wait_seconds = 0.0
+    device_steps = 0
     started = time.perf_counter()
     while queued or in_flight:
         while queued and in_flight < concurrency:
@@ -82,8 +87,9 @@ def run_steps(engine: Engine, prompts: Sequence[Sequence[int]], concurrency: int
             steps, tokens, rows = steps + 1, tokens + stats.committed_tokens, rows + stats.batch_size
             step_seconds, draft_seconds = step_seconds + stats.seconds, draft_seconds + stats.draft_seconds
             capture_seconds, pass_seconds = capture_seconds + stats.capture_seconds, pass_seconds + stats.pass_seconds
+            device_steps, wait_seconds = device_steps + stats.syncs, wait_seconds + stats.wait_seconds
     return StepRun(concurrency, mode, steps, tokens, time.perf_counter() - started, step_seconds, draft_seconds, rows,
-                   capture_seconds, pass_seconds)
+                   capture_seconds, pass_seconds, device_steps, wait_seconds)
 
 
 def run_step_bench(new_engine: Callable[[], Engine], prompts: Sequence[Sequence[int]], concurrency: Sequence[int],

@@ -37,6 +37,7 @@ from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, to
 from service.engine.scheduler import Scheduler, SchedulerConfig
 from service.engine.timing import StepTimer
 from service.engine.verifier import Verdict, verify
+from service.device_round.round import DevicePlan, DeviceRound
 from service.grammar import Constraint, ForcedText, GrammarCompiler, GrammarError
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
@@ -81,7 +82,10 @@ class Engine:
     def __init__(
         self, runner: ModelRunner, mixer: Mixer, eos_token_ids: Sequence[int], max_context: int,
         scheduler_config: SchedulerConfig = SchedulerConfig(), grammars: GrammarCompiler | None = None,
+        device_round: bool | None = None,
     ) -> None:
+        """`device_round`: run the steps it can take on the model's device
+        (`service/device_round/`); None: where that device is a GPU."""
         self.runner = runner
         self.grammars = grammars  # compiles structured output's grammars (None: the engine has no tokenizer)
         self.mixer = mixer
@@ -93,6 +97,8 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config.for_device(runner.device.type), self.cache,
                                    runner.kv_bytes_per_token + mixer.kv_bytes_per_token)
         self._ids = itertools.count()
+        on_gpu = runner.device.type == "cuda"
+        self.device_round = DeviceRound(runner, mixer) if (on_gpu if device_round is None else device_round) else None
 
     @property
     def profile(self) -> CostProfile | None:
@@ -172,6 +178,11 @@ class Engine:
         if not rows:
             return [], None
         timer = StepTimer()
+        device_plan = self._device_plan(rows, tree_budget)
+        if device_plan is not None:
+            return self._device_step(rows, device_plan, timer)
+        if self.device_round is not None:
+            self.device_round.hand_tables_to_host()
         plan = self._plan(rows, tree_budget)
         logits = self._forward(rows, timer)
         if isinstance(logits, Exception):
@@ -192,6 +203,66 @@ class Engine:
             chunk = step_plan.prefill_tokens.get(request, 0)
             rows.append(_Row(request, request.prompt_ids[request.num_cached : request.num_cached + chunk]))
         return rows, step_plan.tree_budget
+
+    def _device_plan(self, rows: list[_Row], budget: int) -> DevicePlan | None:
+        """The device round's plan when it can take this step: every row decoding, greedy, with
+        nothing that needs its logits on the host, and all in fixed mode asking for the same
+        (k, w) drafts, or all in auto mode (the step's template then the device planner's
+        choice), of a strategy the device drafts, within the pass's node budget."""
+        if self.device_round is None:
+            return None
+        modes, strategies, ks, ws = set(), set(), [], []
+        for row in rows:
+            request = row.request
+            if (row.chunk or request.prefill_remaining or not request.params.sampling.greedy
+                    or request.constraint is not None or request.logits_adjuster is not None
+                    or request.params.logprobs is not None):
+                return None
+            spec = request.speculation
+            modes.add("auto" if self.policy.is_auto(request) else "fixed" if spec.mode == "fixed" else "plain")
+            strategies.add(request.params.strategy)
+            ks.append(spec.k)
+            ws.append(self.policy.max_depth(request, spec.w))
+        if len(modes) != 1 or len(strategies) != 1:
+            return None
+        mode, strategy = modes.pop(), strategies.pop()
+        if mode == "fixed" and len(set(ks)) == 1 and len(set(ws)) == 1:
+            plan = self.device_round.plan(ks[0], ws[0], strategy)
+        elif mode == "auto":
+            context = sum(row.request.context_length for row in rows) / len(rows)
+            plan = self.device_round.plan_auto(min(ks), min(ws), strategy, self.policy.profile, context, len(rows))  # type: ignore[arg-type]
+        else:
+            return None
+        return plan if plan is not None and len(rows) * (plan.template.num_nodes - 1) <= budget else None
+
+    def _device_step(self, rows: list[_Row], plan: DevicePlan, timer: StepTimer) -> StepResult:
+        """The step on the device (`DeviceRound.run`): each row's round from the one copy it
+        makes back, the rows' histories extended, finished requests leaving the batch."""
+        template = plan.template
+        timer.mark_drafted(self.runner.capture_seconds)
+        try:
+            step = self.device_round.run(self.cache, [row.request.drafts.history.token_ids for row in rows], plan)  # type: ignore[union-attr]
+        except Exception as error:
+            return self._fail(rows, error), None
+        timer.mark_passed(self.runner.capture_seconds)
+        rounds: list[RoundOutput | Exception | None] = []
+        for index, row in enumerate(rows):
+            drafted = step.drafted[index]
+            row.tree = TokenTree(token_ids=[0] * template.num_nodes, parents=list(template.parents),
+                                 depths=list(template.depths), children=[],
+                                 strategies=[template.strategy_of(node, plan.table) if node and drafted[node] else None
+                                             for node in range(template.num_nodes)])
+            token_ids = step.token_ids(index)
+            verdict = Verdict(accepted_nodes=step.accepted_nodes(index), accepted_token_ids=token_ids[:-1],
+                              bonus_token_id=token_ids[-1])
+            row.request.drafts.observe(token_ids)
+            out = self._round_output(row, verdict, None)
+            out.num_draft_tokens = int(drafted.sum()) - 1
+            if self.policy.is_auto(row.request):
+                out.k, out.w = template.k, template.w
+            rounds.append(out)
+        timer.mark_verified()
+        return self._outputs(rows, rounds, None, timer, wait_seconds=self.device_round.wait_seconds, syncs=1)  # type: ignore[union-attr]
 
     def _plan(self, rows: list[_Row], budget: int) -> TreePlan | None:
         """Drafts and a tree for every decoding row: the configured shape in fixed mode, the
@@ -279,7 +350,7 @@ class Engine:
             return error
 
     @staticmethod
-    def _round_output(row: _Row, verdict: Verdict, logits: torch.Tensor) -> RoundOutput:
+    def _round_output(row: _Row, verdict: Verdict, logits: torch.Tensor | None) -> RoundOutput:
         """What the round committed, cut after a stop token or at the request's budget, with
         each token's logprobs when asked for (the step's times are stamped on later)."""
         request, tree = row.request, row.tree
@@ -288,7 +359,7 @@ class Engine:
         request.num_generated += len(token_ids)
         request.finish_reason = finish_reason
         asked = request.params.logprobs
-        logprobs = None if asked is None else token_logprobs(
+        logprobs = None if asked is None or logits is None else token_logprobs(
             logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked)
         return RoundOutput(
             token_ids=token_ids,
@@ -303,7 +374,7 @@ class Engine:
         )
 
     def _outputs(self, rows: list[_Row], rounds: list[RoundOutput | Exception | None], plan: TreePlan | None,
-                 timer: StepTimer) -> StepResult:
+                 timer: StepTimer, wait_seconds: float = 0.0, syncs: int = 0) -> StepResult:
         """Each decoding row's round with the step's times (and, in auto mode, the
         controller's forecast), the pass's statistics; finished requests leave the batch."""
         results = [(row.request, self._stamp(out, row, plan, timer, len(rows)))
@@ -314,6 +385,7 @@ class Engine:
             committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
             seconds=timer.seconds, draft_seconds=timer.draft_seconds,
             capture_seconds=timer.capture_seconds, pass_seconds=timer.pass_seconds,
+            wait_seconds=wait_seconds, syncs=syncs,
         )
         if not stats.capture_seconds:  # recording a new shape's graph is a one-off, not the shape's price
             context = sum(r.context_length for r in self.scheduler.running) / max(len(self.scheduler.running), 1)

@@ -52,6 +52,10 @@ class StepStats:
     # logits are gathered by an index from the host, a copy that waits); the rest, `seconds -
     # draft_seconds - pass_seconds`, is verification and the KV commit
     pass_seconds: float = 0.0
+    # of `seconds`, on a device round's step (`service/device_round/`): the host waiting for the
+    # device in the step's one copy back (the rest is host time on the step's critical path)
+    wait_seconds: float = 0.0
+    syncs: int = 0  # device → host copies the host waited for: 1 on a device round's step (not counted elsewhere)
 
 
 @dataclass

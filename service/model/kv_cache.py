@@ -288,6 +288,28 @@ class TreeKVCache(Cache):
             start = end
         self.lengths[row] = start
 
+    @torch.inference_mode()
+    def keep_paths(self, starts: torch.Tensor, paths: torch.Tensor, counts: torch.Tensor) -> None:
+        """Rows [0, R)'s accepted paths moved into place on the device, all rows and layers in
+        one gather and one scatter, before the host knows how long they are: row r's pass
+        entry `paths[r, d]` (offset from `starts[r]`) goes to offset d for d in 1..counts[r]
+        (the root's entry, offset 0, is in place); past counts[r] an entry is copied onto
+        itself. `advance` then commits them, once the counts reach the host."""
+        rows, depth = paths.shape[0], paths.shape[1] - 1
+        if self._buffers is None or depth == 0:
+            return
+        offsets = torch.arange(1, depth + 1, device=paths.device)[None]  # [1, W]
+        moving = offsets <= counts[:, None]
+        targets = starts[:, None] + offsets
+        sources = torch.where(moving, starts[:, None] + paths[:, 1:], targets)
+        row_index = torch.arange(rows, device=paths.device)[:, None].expand(rows, depth)
+        for buffer in self._buffers:  # all read before any is written
+            buffer[:, row_index, :, targets] = buffer[:, row_index, :, sources]
+
+    def advance(self, row: int, entries: int) -> None:
+        """Commit the `entries` pass entries at the row's end that `keep_paths` put in place."""
+        self.lengths[row] += entries
+
     def commit(self, row: int, kept: Sequence[int]) -> None:
         """Keep the pass entries at offsets `kept` (ascending) as the row's next entries."""
         self.commit_rows({row: kept})

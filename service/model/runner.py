@@ -95,7 +95,6 @@ class ModelRunner:
         return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows, dtype=self.kv_dtype,
                            spare=None if self.static is None else self.static.spare)
 
-    @torch.inference_mode()
     def forward(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         """Append row r's tree (its nodes past `cached`) to cache row r, for every row, and
         return, per row, the logits [num_nodes - logits_from, vocab] of its nodes from
@@ -103,31 +102,45 @@ class ModelRunner:
 
         The caller must `cache.commit()` each row afterwards.
         """
+        logits = self.forward_flat(cache, rows)
+        return list(logits.split([row.tree.num_nodes - row.logits_from for row in rows]))
+
+    @torch.inference_mode()
+    def forward_flat(self, cache: TreeKVCache, rows: Sequence[RowInput],
+                     token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward`'s logits as one tensor [nodes asked for, vocab], rows in order.
+        `token_ids` [flat tokens] on the model's device, when the tokens were drafted there
+        (`service/device_round/`): the trees then give only the pass's shape, and the host
+        never reads a token."""
         if len(rows) != cache.num_rows:
             raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
         with sdpa_kernel(ATTENTION_BACKENDS):
-            hidden, offsets = self._static_hidden(cache, rows) or self._eager_hidden(cache, rows)
+            hidden, offsets = (self._static_hidden(cache, rows, token_ids)
+                               or self._eager_hidden(cache, rows, token_ids))
+        head = self.model.get_output_embeddings()
+        if all(row.logits_from == 0 and row.cached == 0 for row in rows):  # every node (a device round): no gather
+            return head(hidden[: sum(row.tree.num_nodes for row in rows)])
         wanted = [
             offset + node - row.cached
             for offset, row in zip(offsets, rows)
             for node in range(row.logits_from, row.tree.num_nodes)
         ]
         if not wanted:
-            return [hidden.new_empty(0, self.vocab_size) for _ in rows]
-        logits = self.model.get_output_embeddings()(hidden[wanted])  # [num_wanted, vocab]
-        sizes = [row.tree.num_nodes - row.logits_from for row in rows]
-        return list(logits.split(sizes))
+            return hidden.new_empty(0, self.vocab_size)
+        return head(hidden[wanted])  # [num_wanted, vocab]
 
-    def _static_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> tuple[torch.Tensor, list[int]] | None:
+    def _static_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput],
+                       token_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[int]] | None:
         """The pass at a fixed shape, with each row's first flat token; None where it has none."""
         if self.static is None or any(row.cached for row in rows):
             return None
         sizes = [row.tree.num_nodes for row in rows]
         shape = FixedShape.of(sizes)
-        hidden = None if shape is None else self.static.hidden(cache, [row.tree for row in rows], shape)
+        hidden = None if shape is None else self.static.hidden(cache, [row.tree for row in rows], shape, token_ids)
         return None if hidden is None else (hidden, list(itertools.accumulate(sizes[:-1], initial=0)))
 
-    def _eager_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> tuple[torch.Tensor, list[int]]:
+    def _eager_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput],
+                      token_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
         """The pass as it comes (every row's new nodes, nothing padded), with each row's first
         flat token."""
         trees = [row.tree for row in rows]
@@ -135,8 +148,8 @@ class ModelRunner:
         layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype,
                               attention_kernel_width(self.model), self.query_groups, prompts)
         cache.begin_pass(layout)
-        input_ids = torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]],
-                                 device=self.device)  # [1, T]
+        input_ids = (token_ids[None] if token_ids is not None else  # [1, T]
+                     torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]], device=self.device))
         if self.lean:
             hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
         else:

@@ -119,10 +119,13 @@ class StaticPasses:
         """The shapes run on the last pass's cache buffers, least recently used first."""
         return [shape for buffers, shape in self._passes if buffers == self._buffers]
 
-    def hidden(self, cache: TreeKVCache, trees: Sequence[TokenTree], shape: FixedShape) -> torch.Tensor | None:
+    def hidden(self, cache: TreeKVCache, trees: Sequence[TokenTree], shape: FixedShape,
+               token_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """The final-norm hidden states [shape.tokens, hidden] of the pass that appends row r's
         whole tree to cache row r (flat, rows in order, then padding); None if the cache has no
-        buffers yet (its first pass sizes them) or they hold fewer than the shape's rows."""
+        buffers yet (its first pass sizes them) or they hold fewer than the shape's rows.
+        `token_ids`: the flat tokens on the device, in place of the trees' (a device round's
+        drafts; copied into the inputs there, padding included)."""
         starts = cache.lengths
         cache.reserve(max(start + tree.num_nodes for start, tree in zip(starts, trees)))
         self._buffers = cache.buffer_identity()
@@ -135,7 +138,13 @@ class StaticPasses:
             static = self._passes[key] = _StaticPass(torch.zeros(sum(shape.parts), dtype=torch.long,
                                                                  device=self.model.device))
         self._passes.move_to_end(key)
-        static.inputs.copy_(torch.from_numpy(_inputs(trees, starts, shape)))
+        inputs = torch.from_numpy(_inputs(trees, starts, shape))
+        on_gpu = static.inputs.device.type == "cuda"  # from pinned memory the copy is queued, the host not made to wait
+        static.inputs.copy_(inputs.pin_memory() if on_gpu else inputs, non_blocking=on_gpu)
+        if token_ids is not None:
+            ids = static.inputs[: shape.tokens]
+            ids[: len(token_ids)] = token_ids
+            ids[len(token_ids) :] = token_ids[0]  # padding: copies of the first row's root, as `_inputs` writes them
         if fresh and self.capture:
             began = time.perf_counter()
             self._record(cache, static, shape)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What a machine with a GPU runs (`make gpu-check`), within ~9 minutes: the GPU tests, then
-# `ngrammys bench` (plain, fixed k=8 w=8, auto) and `ngrammys loadtest` (C = 1, 4, 16, 64, off
+# `ngrammys bench` (plain, fixed k=8 w=8, auto) with the device round and on the host path,
+# `ngrammys steps` (where a step's time goes) and `ngrammys loadtest` (C = 1, 4, 16, 64, off
 # vs auto) on the embedded model, each under a time limit, their figures as JSON in $OUT.
 # It downloads nothing: the packages such a machine's image lacks come as wheels, with the
 # Spec-Bench questions and the embedded GGUF in two parts, from `make gpu-bundle` (.gpu/a and
@@ -32,8 +33,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$OUT/gpu.
 DATASET=$BUNDLE/b/question.jsonl
 MODEL_FLAGS=(--model "$MODEL" --device cuda --cache-dir /tmp/ngrammys-cache)
 
-step tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/tests.xml"
-step bench 180 "$PY" -m app.cli bench "${MODEL_FLAGS[@]}" --dataset "$DATASET" --per-category 2 \
+step tests 110 "$PY" -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/tests.xml"
+# the device round (on by default on a GPU), then the host path it replaces, on the same prompts
+step bench 130 "$PY" -m app.cli bench "${MODEL_FLAGS[@]}" --dataset "$DATASET" --per-category 1 \
   --max-new-tokens 128 --k 8 --w 8 --auto --suffix-cache-tokens 0 --json "$OUT/bench.json"
-step loadtest 170 "$PY" -m app.cli loadtest "${MODEL_FLAGS[@]}" --dataset "$DATASET" --per-category 2 \
+step bench-host 100 "$PY" -m app.cli bench "${MODEL_FLAGS[@]}" --dataset "$DATASET" --per-category 1 \
+  --max-new-tokens 128 --k 8 --w 8 --auto --suffix-cache-tokens 0 --device-round off --json "$OUT/bench-host.json"
+step steps 60 "$PY" -m app.cli steps "${MODEL_FLAGS[@]}" --dataset "$DATASET" --per-category 1 \
+  --concurrency 1 16 --repeats 1 --requests-per-slot 1 --max-new-tokens 64
+step loadtest 140 "$PY" -m app.cli loadtest "${MODEL_FLAGS[@]}" --dataset "$DATASET" --per-category 2 \
   --concurrency 1 4 16 64 --max-tokens 128 --json "$OUT/loadtest.json"

@@ -15,6 +15,7 @@ from drafting import TableSlot
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.model.loader import LoadedModel, load_model
 from service.model.prompts import chat_prompt_ids
+from service.engine.config import EngineConfig
 from service.runtime import build_engine
 from tests.helpers.embedded import QUESTIONS, compare
 
@@ -86,3 +87,49 @@ def test_structured_output_on_the_gpu_is_valid_and_equals_plain(served) -> None:
         jsonschema.validate(json.loads(served.tokenizer.decode(want, skip_special_tokens=True)), structured.SCHEMA)
         got = engine.complete(prompt, GenerationParams(96, speculation=SpeculationParams(8, 8), grammar=grammar)).token_ids
         assert compare(served.model, prompt, got, want) in ("identical", "tie")
+
+
+def test_device_round_steps_take_one_copy_back_and_equal_the_host_path(served) -> None:
+    """On a GPU the fixed-mode steps run as device rounds: the same tokens as the host path
+    (or parted at a near tie), and each such step makes the host wait once, for its one copy
+    back (`torch.cuda.set_sync_debug_mode` warns at every synchronizing call)."""
+    import warnings
+
+    asked = prompts(served)
+    params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(8, 8))
+    host = build_engine(served, TableSlot(), EngineConfig(device_round=False))
+    want = [c.token_ids for c in host.complete_many([(p, params) for p in asked])]
+    engine = build_engine(served, TableSlot())
+    assert engine.device_round is not None
+    requests = [engine.add_request(p, params) for p in asked]
+    outputs: dict[int, list[int]] = {id(r): [] for r in requests}
+
+    def step() -> None:
+        for request, out in engine.step()[0]:
+            outputs[id(request)].extend(out.token_ids)
+
+    while any(r.prefill_remaining for r in requests):
+        step()
+    step()
+    syncs, device_steps = [], 0
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(8):
+                copies = engine.device_round.copies
+                step()
+                device_steps += engine.device_round.copies - copies
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message).splitlines()[0] for w in caught]
+    print(f"\n{device_steps} device-round steps, {len(syncs)} synchronizing calls: {syncs}")
+    assert device_steps == 8
+    assert len(syncs) <= device_steps, syncs
+    while engine.has_work:
+        step()
+    got = [outputs[id(r)] for r in requests]
+    outcomes = [compare(served.model, p, g, w) for p, g, w in zip(asked, got, want)]
+    print(f"device round against the host path: {outcomes}")
+    assert all(outcome in ("identical", "tie") for outcome in outcomes), outcomes

@@ -1,0 +1,190 @@
+"""A speculating step with the host off the device's path: drafts, check and KV commit on the
+model's device, and one copy back.
+
+On a GPU a speculating step cost about twice a plain one because of what the host did around
+the pass: drafting row by row, building each tree, pulling the top tokens and choices back,
+walking each tree in Python, compacting the KV row by row (docs/benchmarks.md). Here every
+row of the step drafts into one `TreeTemplate` (the same shape for all rows, so every tensor
+has a size fixed by the step's row count and template):
+
+    upload the rows' recent tokens and KV starts (host → device, no wait)
+    → draft: the context match (`context.py`) and the successor-table walk (`tables.py`), gathers
+    → the pass over the fixed-shape trees, its tokens taken from the device
+    → argmax, the batched acceptance (`accept.py`)
+    → the accepted entries moved in the KV (`TreeKVCache.keep_paths`)
+    → the table refreshed from the pass's top-K (a scatter)
+    → ONE copy to the host: each row's committed tokens, path, count and drafted nodes.
+
+The host then only commits the counts and turns tokens into outputs. Which steps go this way
+(`DeviceRound.plan`): every row decoding (no prompt chunk), greedy, with nothing that needs a
+row's logits on the host (logprobs, a grammar, logit_bias or penalties), and all rows in fixed
+mode with the same (k, w) and a strategy the device drafts. Anything else takes the host path,
+which gives the same tokens: greedy output is plain greedy decoding's either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from drafting import MIXED, Mixer, SuccessorTable
+from service.device_round.accept import accept_greedy
+from service.device_round.context import WINDOW
+from service.controller.cost_profile import CostProfile
+from service.device_round.drafts import draft_trees
+from service.device_round.planner import NodeAcceptance, choose, menu
+from service.device_round.tables import DeviceTable
+from service.device_round.template import TreeTemplate
+from service.model.kv_cache import TreeKVCache
+from service.model.runner import ModelRunner, RowInput
+
+# strategy -> (context chain?, successor table: the mix's "recycled" one or Token Recycling's own)
+DEVICE_STRATEGIES = {
+    MIXED: (True, "recycled"),
+    "context+recycled": (True, "recycled"),
+    "recycled": (False, "recycled"),
+    "token_recycling": (False, "token_recycling"),
+    "context": (True, None),
+}
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """What a device step drafts: the template every row fills, and from which table."""
+
+    template: TreeTemplate
+    table: str | None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A device step's rounds, as the host reads them after its one copy."""
+
+    tokens: np.ndarray  # int64 [R, W + 1]: row r's accepted drafts then its bonus token in [: counts[r] + 1]
+    paths: np.ndarray  # int64 [R, W + 1]: the accepted path's template node at each depth (root at 0)
+    counts: np.ndarray  # int64 [R]: accepted drafts
+    drafted: np.ndarray  # bool [R, N]: the template nodes each row filled (the root included)
+
+    def token_ids(self, row: int) -> list[int]:
+        return self.tokens[row, : self.counts[row] + 1].tolist()
+
+    def accepted_nodes(self, row: int) -> list[int]:
+        return self.paths[row, 1 : self.counts[row] + 1].tolist()
+
+
+class DeviceRound:
+    """The device's drafting state (tables, templates) and the step that uses it."""
+
+    def __init__(self, runner: ModelRunner, mixer: Mixer) -> None:
+        self.runner = runner
+        self.device = runner.device
+        self.tables: dict[str, DeviceTable] = {}
+        for name in ("recycled", "token_recycling"):
+            table = getattr(mixer.strategies.get(name) or mixer.standalone.get(name), "table", None)
+            if isinstance(table, SuccessorTable):
+                self.tables[name] = DeviceTable(table, runner.vocab_size, self.device)
+        self.acceptance = NodeAcceptance()  # what auto mode values the templates by
+        self.copies = 0  # device → host copies made (one a step)
+        self.wait_seconds = 0.0  # how long the last step's copy waited for the device
+        # which side's tables the last round refreshed: the other takes them before it drafts
+        self._newest_on_device = False
+
+    def hand_tables_to_host(self) -> None:
+        """Before a step drafted on the host: the host tables take what device rounds learned
+        since the last one (a copy back, on such steps only)."""
+        if self._newest_on_device:
+            for table in self.tables.values():
+                table.pull()
+            self._newest_on_device = False
+
+    def plan(self, k: int, w: int, strategy: str) -> DevicePlan | None:
+        """The plan of a step whose rows all ask for (k, w) drafts of `strategy` (fixed mode);
+        None where the device does not draft that strategy."""
+        drafts = self._drafts(strategy)
+        if drafts is None or k <= 0 or w <= 0:
+            return None
+        chain, table = drafts
+        return DevicePlan(TreeTemplate.of(k if table else 0, w, w if chain else 0), table)
+
+    def plan_auto(self, k: int, w: int, strategy: str, profile: CostProfile, context: float,
+                  rows: int) -> DevicePlan | None:
+        """The plan of a step whose rows are all in auto mode with at most (k, w) drafts of
+        `strategy`: the menu's template that buys the most tokens per second
+        (`planner.choose`), the root alone included."""
+        drafts = self._drafts(strategy)
+        if drafts is None:
+            return None
+        chain, table = drafts
+        templates = menu(k, w, chain, table is not None)
+        return DevicePlan(choose(templates, self.acceptance, profile, rows, context), table)
+
+    def _drafts(self, strategy: str) -> tuple[bool, str | None] | None:
+        """(a context chain?, the table) of `strategy`; None where the device drafts none of it."""
+        chain, table = DEVICE_STRATEGIES.get(strategy, (False, None))
+        if table is not None and table not in self.tables:
+            table = None
+        return None if not chain and table is None else (chain, table)
+
+    @torch.inference_mode()
+    def run(self, cache: TreeKVCache, histories: Sequence[Sequence[int]], plan: DevicePlan) -> StepResult:
+        """The step over rows [0, R) of `cache`, row r's committed tokens `histories[r]` (its
+        KV row holding all but the newest)."""
+        template, device = plan.template, self.device
+        shape = template.tensors(device)
+        rows = len(histories)
+        if not self._newest_on_device:  # host rounds refreshed the host tables since the last device round
+            for device_table in self.tables.values():
+                device_table.push()
+            self._newest_on_device = True
+        starts_host = list(cache.lengths)
+        recent, starts = self._upload(histories, starts_host, plan)
+        table = None if plan.table is None else self.tables[plan.table]
+        tokens, valid = draft_trees(recent, template, table)  # [R, N] each
+        logits = self.runner.forward_flat(
+            cache, [RowInput(template.shape_tree)] * rows, tokens.flatten())  # [R * N, vocab]
+        choices = logits.argmax(-1).view(rows, template.num_nodes)
+        accepted = accept_greedy(tokens, valid, choices, shape, template.max_depth)
+        cache.keep_paths(starts, accepted.path, accepted.counts)
+        if table is not None:
+            top = logits.topk(table.top_k, dim=-1).indices
+            parents = tokens[:, shape.parents].clone()
+            parents[:, 0] = recent[:, -2]
+            table.refresh(tokens.flatten(), parents.flatten(), top, valid.flatten())
+        packed = torch.cat([accepted.tokens, accepted.path, accepted.counts[:, None], valid.long()], dim=1)
+        host = self._to_host(packed)
+        depth, nodes = template.max_depth + 1, template.num_nodes
+        result = StepResult(tokens=host[:, :depth], paths=host[:, depth : 2 * depth], counts=host[:, 2 * depth],
+                            drafted=host[:, 2 * depth + 1 :].astype(bool))
+        for row, count in enumerate(result.counts.tolist()):
+            cache.advance(row, 1 + count)
+        self.acceptance.observe(template, result.paths, result.counts)
+        assert result.drafted.shape[1] == nodes
+        return result
+
+    def _upload(self, histories: Sequence[Sequence[int]], starts: Sequence[int],
+                plan: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's recent tokens [R, L] (-1 before its first) and KV start [R], in one
+        host → device copy that the device does not wait for."""
+        width = WINDOW if plan.template.chain else 2
+        host = np.full((len(histories), width + 1), -1, dtype=np.int64)
+        for row, history in enumerate(histories):
+            tail = history[-width:]
+            host[row, width - len(tail) : width] = tail
+        host[:, width] = starts
+        staging = torch.from_numpy(host)
+        if self.device.type == "cuda":  # from pinned memory the copy is queued, not waited for
+            staging = staging.pin_memory()
+        uploaded = staging.to(self.device, non_blocking=True)
+        return uploaded[:, :width], uploaded[:, width]
+
+    def _to_host(self, packed: torch.Tensor) -> np.ndarray:
+        """The step's one device → host copy: where the host waits for the device (timed)."""
+        self.copies += 1
+        began = time.perf_counter()
+        host = packed.cpu().numpy()
+        self.wait_seconds = time.perf_counter() - began
+        return host
