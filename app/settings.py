@@ -47,8 +47,8 @@ class Settings(BaseSettings):
     enforce_eager: bool = Field(
         False, description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never records them)")
     device_round: Literal["auto", "on", "off"] = Field(
-        "auto", description="Take the steps it can (every row decoding, greedy, fixed mode, one shape) through the "
-        "device round: drafts, tree check and KV commit on the model's device, one copy back a step; auto: on a GPU")
+        "auto", description="Take the steps it can (every row decoding, no logprobs, grammar or logit controls; fixed mode "
+        "with one shape, or auto) through the device round: drafts, tree check and KV commit on the model's device, one copy back a step; auto: on a GPU")
     spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
     spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
     spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")

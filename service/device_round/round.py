@@ -16,16 +16,17 @@ has a size fixed by the step's row count and template):
     → ONE copy to the host: each row's committed tokens, path, count and drafted nodes.
 
 The host then only commits the counts and turns tokens into outputs. Which steps go this way
-(`DeviceRound.plan`): every row decoding (no prompt chunk), greedy, with nothing that needs a
-row's logits on the host (logprobs, a grammar, logit_bias or penalties), and all rows in fixed
-mode with the same (k, w) and a strategy the device drafts. Anything else takes the host path,
-which gives the same tokens: greedy output is plain greedy decoding's either way.
+(the engine asks): every row decoding (no prompt chunk), greedy, with nothing that needs a
+row's logits on the host (logprobs, a grammar, logit_bias or penalties), with a strategy the
+device drafts, and all rows in fixed mode with the same (k, w) (`plan`) or all in auto mode
+(`plan_auto`: the step's template from a menu). Anything else takes the host path, which gives
+the same tokens: greedy output is plain greedy decoding's either way.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,10 @@ DEVICE_STRATEGIES = {
     "token_recycling": (False, "token_recycling"),
     "context": (True, None),
 }
+
+
+# the model's choice after every node of a step's rows, from their logits [R * N, vocab], on the device
+Chooser = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -102,12 +107,15 @@ class DeviceRound:
             self._newest_on_device = False
 
     def plan(self, k: int, w: int, strategy: str) -> DevicePlan | None:
-        """The plan of a step whose rows all ask for (k, w) drafts of `strategy` (fixed mode);
-        None where the device does not draft that strategy."""
+        """The plan of a step whose rows all ask for (k, w) drafts of `strategy` (fixed mode; the
+        root alone where no draft fits, as at a request's last token); None where the device
+        does not draft that strategy."""
         drafts = self._drafts(strategy)
-        if drafts is None or k <= 0 or w <= 0:
+        if drafts is None:
             return None
         chain, table = drafts
+        if k <= 0 or w <= 0:
+            return DevicePlan(TreeTemplate.of(0, 0, 0), table)
         return DevicePlan(TreeTemplate.of(k if table else 0, w, w if chain else 0), table)
 
     def plan_auto(self, k: int, w: int, strategy: str, profile: CostProfile, context: float,
@@ -130,9 +138,13 @@ class DeviceRound:
         return None if not chain and table is None else (chain, table)
 
     @torch.inference_mode()
-    def run(self, cache: TreeKVCache, histories: Sequence[Sequence[int]], plan: DevicePlan) -> StepResult:
+    def run(self, cache: TreeKVCache, histories: Sequence[Sequence[int]], plan: DevicePlan,
+            choose: Chooser | None = None) -> StepResult:
         """The step over rows [0, R) of `cache`, row r's committed tokens `histories[r]` (its
-        KV row holding all but the newest)."""
+        KV row holding all but the newest). The model's choice after each node is its argmax,
+        or what `choose` makes of the logits [R * N, vocab] (sampled rows: a sample of each
+        node's distribution, on the device; accepting along samples is speculative sampling's
+        rule, as on the host)."""
         template, device = plan.template, self.device
         shape = template.tensors(device)
         rows = len(histories)
@@ -146,7 +158,7 @@ class DeviceRound:
         tokens, valid = draft_trees(recent, template, table)  # [R, N] each
         logits = self.runner.forward_flat(
             cache, [RowInput(template.shape_tree)] * rows, tokens.flatten())  # [R * N, vocab]
-        choices = logits.argmax(-1).view(rows, template.num_nodes)
+        choices = (logits.argmax(-1) if choose is None else choose(logits)).view(rows, template.num_nodes)
         accepted = accept_greedy(tokens, valid, choices, shape, template.max_depth)
         cache.keep_paths(starts, accepted.path, accepted.counts)
         if table is not None:
@@ -156,13 +168,12 @@ class DeviceRound:
             table.refresh(tokens.flatten(), parents.flatten(), top, valid.flatten())
         packed = torch.cat([accepted.tokens, accepted.path, accepted.counts[:, None], valid.long()], dim=1)
         host = self._to_host(packed)
-        depth, nodes = template.max_depth + 1, template.num_nodes
+        depth = template.max_depth + 1
         result = StepResult(tokens=host[:, :depth], paths=host[:, depth : 2 * depth], counts=host[:, 2 * depth],
                             drafted=host[:, 2 * depth + 1 :].astype(bool))
         for row, count in enumerate(result.counts.tolist()):
             cache.advance(row, 1 + count)
         self.acceptance.observe(template, result.paths, result.counts)
-        assert result.drafted.shape[1] == nodes
         return result
 
     def _upload(self, histories: Sequence[Sequence[int]], starts: Sequence[int],

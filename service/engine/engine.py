@@ -33,11 +33,12 @@ from service.engine.logprobs import token_logprobs
 from service.engine.outputs import Completion, RoundOutput, StepStats
 from service.engine.params import GenerationParams
 from service.engine.request import Request, Status, kv_tokens_needed
-from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, top_token_ids_of_rows
+from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, sampled_tokens, top_token_ids_of_rows
 from service.engine.scheduler import Scheduler, SchedulerConfig
 from service.engine.timing import StepTimer
 from service.engine.verifier import Verdict, verify
-from service.device_round.round import DevicePlan, DeviceRound
+from service.device_round.round import Chooser, DevicePlan, DeviceRound
+from service.device_round.template import TreeTemplate
 from service.grammar import Constraint, ForcedText, GrammarCompiler, GrammarError
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
@@ -205,8 +206,8 @@ class Engine:
         return rows, step_plan.tree_budget
 
     def _device_plan(self, rows: list[_Row], budget: int) -> DevicePlan | None:
-        """The device round's plan when it can take this step: every row decoding, greedy, with
-        nothing that needs its logits on the host, and all in fixed mode asking for the same
+        """The device round's plan when it can take this step: every row decoding, with nothing
+        that needs its logits on the host, and all in fixed mode asking for the same
         (k, w) drafts, or all in auto mode (the step's template then the device planner's
         choice), of a strategy the device drafts, within the pass's node budget."""
         if self.device_round is None:
@@ -214,7 +215,7 @@ class Engine:
         modes, strategies, ks, ws = set(), set(), [], []
         for row in rows:
             request = row.request
-            if (row.chunk or request.prefill_remaining or not request.params.sampling.greedy
+            if (row.chunk or request.prefill_remaining
                     or request.constraint is not None or request.logits_adjuster is not None
                     or request.params.logprobs is not None):
                 return None
@@ -241,7 +242,8 @@ class Engine:
         template = plan.template
         timer.mark_drafted(self.runner.capture_seconds)
         try:
-            step = self.device_round.run(self.cache, [row.request.drafts.history.token_ids for row in rows], plan)  # type: ignore[union-attr]
+            step = self.device_round.run(self.cache, [row.request.drafts.history.token_ids for row in rows], plan,  # type: ignore[union-attr]
+                                         _device_chooser([row.request for row in rows], template, self.runner.device))
         except Exception as error:
             return self._fail(rows, error), None
         timer.mark_passed(self.runner.capture_seconds)
@@ -507,6 +509,38 @@ def _adjusted(row: _Row, logits: torch.Tensor) -> torch.Tensor:
     if row.tree is None or adjuster is None:
         return logits
     return adjuster(logits, row.tree, row.request.drafts.history.token_ids)
+
+
+def _device_chooser(requests: Sequence[Request], template: TreeTemplate, device: torch.device) -> Chooser | None:
+    """The model's choice after each node of a device step whose rows are `requests`, each
+    drafting into `template`: the argmax, and for the sampled rows F⁻¹_p(u) with each node's
+    position's uniform, the rows of equal sampling settings in one call. Their rows and
+    uniforms go to the device before the pass, queued (from pinned memory on a GPU); nothing
+    comes back. None where every row is greedy."""
+    groups: dict[tuple[float, int, float, float], list[int]] = {}
+    for index, request in enumerate(requests):
+        sampling = request.params.sampling
+        if not sampling.greedy:
+            groups.setdefault((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p), []).append(index)
+    if not groups:
+        return None
+    nodes = template.num_nodes
+
+    def upload(values: torch.Tensor) -> torch.Tensor:
+        return (values.pin_memory() if device.type == "cuda" else values).to(device, non_blocking=True)
+
+    sampled = [(requests[members[0]].params.sampling, upload(torch.tensor(members)),
+                upload(torch.cat([requests[i].uniforms.at([requests[i].context_length + d for d in template.depths])  # type: ignore[union-attr]
+                                  for i in members])))
+               for members in groups.values()]
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        choices = logits.argmax(-1).view(len(requests), nodes)
+        by_row = logits.view(len(requests), nodes, -1)
+        for params, rows, uniforms in sampled:
+            choices[rows] = sampled_tokens(by_row[rows].flatten(0, 1), params, uniforms).view(len(rows), nodes)
+        return choices.flatten()
+    return choose
 
 
 def _scattered(size: int, at: list[int], values: Sequence[T]) -> list[T | None]:

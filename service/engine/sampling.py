@@ -58,9 +58,15 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     if params.greedy:
         return greedy_choices(logits)
     assert uniforms is not None
+    return sampled_tokens(logits, params, uniforms).tolist()
+
+
+def sampled_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
+    """F⁻¹_p(u) per node ([n, vocab] logits, [n] uniforms → [n] ids), on the logits' device:
+    what `choose_tokens` returns when sampling, left there (a device round reads it there)."""
     cdf = target_probs(logits, params).cumsum(dim=-1)  # [n, vocab]
     u = uniforms.to(cdf.device)[:, None] * cdf[:, -1:]  # [n, 1]: scaled to the float total
-    return torch.searchsorted(cdf, u).clamp_(max=cdf.shape[-1] - 1).squeeze(-1).tolist()
+    return torch.searchsorted(cdf, u).clamp_(max=cdf.shape[-1] - 1).squeeze(-1)
 
 
 def greedy_choices(logits: torch.Tensor) -> list[int]:

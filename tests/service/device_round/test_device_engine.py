@@ -67,7 +67,7 @@ def test_device_rounds_draft_the_trees_the_host_would(tiny_runner: ModelRunner, 
     device_round = engine.device_round
     run, checked = device_round.run, []
 
-    def checking_run(cache, histories, plan):
+    def checking_run(cache, histories, plan, choose=None):
         device_table = device_round.tables[plan.table]
         if device_round._newest_on_device:
             device_table.pull()  # the host copy: what the host path would draft from now
@@ -80,7 +80,7 @@ def test_device_rounds_draft_the_trees_the_host_would(tiny_runner: ModelRunner, 
                 TokenHistory(list(history)), plan.template.k, plan.template.w))
             assert _filled_paths(plan.template, tokens[row], valid[row]) == _paths(host_tree)
             checked.append(host_tree.num_nodes)
-        return run(cache, histories, plan)
+        return run(cache, histories, plan, choose)
 
     device_round.run = checking_run
     completions = engine.complete_many([(prompt, _params(4, 4, strategy)) for prompt in PROMPTS])
@@ -147,3 +147,28 @@ def test_auto_mode_steps_on_the_device_with_the_templates_that_pay(tiny_model, t
         assert engine.device_round.copies > NEW_TOKENS // 4
         drafted[name] = sum(c.num_draft_tokens for c in completions)
     assert drafted["flat"] > 20 * drafted["steep"]
+
+
+@pytest.mark.parametrize("mode", ["fixed", "auto"])
+def test_seeded_samples_are_the_host_paths_samples(tiny_runner: ModelRunner, mode: str) -> None:
+    """Sampled rows (two settings, one seed each) beside a greedy one, on the device: each
+    the very sample the host path draws (which is plain sampling's), and drafts accepted."""
+    def params(sampling: SamplingParams) -> GenerationParams:
+        return GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode=mode, k=4, w=4), sampling=sampling)
+    requests = [(PROMPTS[1], params(SamplingParams(temperature=0.8, seed=1))),
+                (PROMPTS[0], params(SamplingParams(temperature=0.8, seed=2))),
+                (PROMPTS[3], params(SamplingParams(temperature=1.2, top_p=0.9, top_k=20, seed=3))),
+                (PROMPTS[2], params(SamplingParams(temperature=0)))]
+    runs = []
+    for device_round in (True, False):
+        engine = _engine(tiny_runner, device_round)
+        engine.profile = MEMORY_BOUND
+        runs.append(engine.complete_many(requests))
+        if device_round:
+            assert engine.device_round.copies > NEW_TOKENS // 4
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in runs[1]]
+    assert sum(c.num_accepted_tokens for c in runs[0][:3]) > 0
+    plain = _engine(tiny_runner, False).complete_many(
+        [(p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode="off"), sampling=r.sampling))
+         for p, r in requests])
+    assert [c.token_ids for c in runs[0]] == [c.token_ids for c in plain]
