@@ -33,12 +33,12 @@ from service.engine.logprobs import token_logprobs
 from service.engine.outputs import Completion, RoundOutput, StepStats
 from service.engine.params import GenerationParams
 from service.engine.request import Request, Status, kv_tokens_needed
-from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, sampled_tokens, top_token_ids_of_rows
+from service.engine.sampling import PositionUniforms, greedy_choices_of_rows, top_token_ids_of_rows
 from service.engine.scheduler import Scheduler, SchedulerConfig
 from service.engine.timing import StepTimer
 from service.engine.verifier import Verdict, verify
-from service.device_round.round import Chooser, DevicePlan, DeviceRound
-from service.device_round.template import TreeTemplate
+from service.engine.device_steps import device_chooser, device_step_plan
+from service.device_round.round import DevicePlan, DeviceRound
 from service.grammar import Constraint, ForcedText, GrammarCompiler, GrammarError
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
@@ -179,7 +179,8 @@ class Engine:
         if not rows:
             return [], None
         timer = StepTimer()
-        device_plan = self._device_plan(rows, tree_budget)
+        device_plan = None if self.device_round is None else device_step_plan(
+            self.device_round, self.policy, rows, tree_budget)
         if device_plan is not None:
             return self._device_step(rows, device_plan, timer)
         if self.device_round is not None:
@@ -205,37 +206,6 @@ class Engine:
             rows.append(_Row(request, request.prompt_ids[request.num_cached : request.num_cached + chunk]))
         return rows, step_plan.tree_budget
 
-    def _device_plan(self, rows: list[_Row], budget: int) -> DevicePlan | None:
-        """The device round's plan when it can take this step: every row decoding, with nothing
-        that needs its logits on the host, and all in fixed mode asking for the same
-        (k, w) drafts, or all in auto mode (the step's template then the device planner's
-        choice), of a strategy the device drafts, within the pass's node budget."""
-        if self.device_round is None:
-            return None
-        modes, strategies, ks, ws = set(), set(), [], []
-        for row in rows:
-            request = row.request
-            if (row.chunk or request.prefill_remaining
-                    or request.constraint is not None or request.logits_adjuster is not None
-                    or request.params.logprobs is not None):
-                return None
-            spec = request.speculation
-            modes.add("auto" if self.policy.is_auto(request) else "fixed" if spec.mode == "fixed" else "plain")
-            strategies.add(request.params.strategy)
-            ks.append(spec.k)
-            ws.append(self.policy.max_depth(request, spec.w))
-        if len(modes) != 1 or len(strategies) != 1:
-            return None
-        mode, strategy = modes.pop(), strategies.pop()
-        if mode == "fixed" and len(set(ks)) == 1 and len(set(ws)) == 1:
-            plan = self.device_round.plan(ks[0], ws[0], strategy)
-        elif mode == "auto":
-            context = sum(row.request.context_length for row in rows) / len(rows)
-            plan = self.device_round.plan_auto(min(ks), min(ws), strategy, self.policy.profile, context, len(rows))  # type: ignore[arg-type]
-        else:
-            return None
-        return plan if plan is not None and len(rows) * (plan.template.num_nodes - 1) <= budget else None
-
     def _device_step(self, rows: list[_Row], plan: DevicePlan, timer: StepTimer) -> StepResult:
         """The step on the device (`DeviceRound.run`): each row's round from the one copy it
         makes back, the rows' histories extended, finished requests leaving the batch."""
@@ -243,7 +213,7 @@ class Engine:
         timer.mark_drafted(self.runner.capture_seconds)
         try:
             step = self.device_round.run(self.cache, [row.request.drafts.history.token_ids for row in rows], plan,  # type: ignore[union-attr]
-                                         _device_chooser([row.request for row in rows], template, self.runner.device))
+                                         device_chooser([row.request for row in rows], template, self.runner.device))
         except Exception as error:
             return self._fail(rows, error), None
         timer.mark_passed(self.runner.capture_seconds)
@@ -509,38 +479,6 @@ def _adjusted(row: _Row, logits: torch.Tensor) -> torch.Tensor:
     if row.tree is None or adjuster is None:
         return logits
     return adjuster(logits, row.tree, row.request.drafts.history.token_ids)
-
-
-def _device_chooser(requests: Sequence[Request], template: TreeTemplate, device: torch.device) -> Chooser | None:
-    """The model's choice after each node of a device step whose rows are `requests`, each
-    drafting into `template`: the argmax, and for the sampled rows F⁻¹_p(u) with each node's
-    position's uniform, the rows of equal sampling settings in one call. Their rows and
-    uniforms go to the device before the pass, queued (from pinned memory on a GPU); nothing
-    comes back. None where every row is greedy."""
-    groups: dict[tuple[float, int, float, float], list[int]] = {}
-    for index, request in enumerate(requests):
-        sampling = request.params.sampling
-        if not sampling.greedy:
-            groups.setdefault((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p), []).append(index)
-    if not groups:
-        return None
-    nodes = template.num_nodes
-
-    def upload(values: torch.Tensor) -> torch.Tensor:
-        return (values.pin_memory() if device.type == "cuda" else values).to(device, non_blocking=True)
-
-    sampled = [(requests[members[0]].params.sampling, upload(torch.tensor(members)),
-                upload(torch.cat([requests[i].uniforms.at([requests[i].context_length + d for d in template.depths])  # type: ignore[union-attr]
-                                  for i in members])))
-               for members in groups.values()]
-
-    def choose(logits: torch.Tensor) -> torch.Tensor:
-        choices = logits.argmax(-1).view(len(requests), nodes)
-        by_row = logits.view(len(requests), nodes, -1)
-        for params, rows, uniforms in sampled:
-            choices[rows] = sampled_tokens(by_row[rows].flatten(0, 1), params, uniforms).view(len(rows), nodes)
-        return choices.flatten()
-    return choose
 
 
 def _scattered(size: int, at: list[int], values: Sequence[T]) -> list[T | None]:
