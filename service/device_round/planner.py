@@ -12,7 +12,9 @@ rank path from the root, a context node by its depth), as "accepted, once its pa
 a key means the same in every template, so rounds of any entry value all of them. A round
 commits one token plus the accepted nodes, and a node is accepted only along its path, so a
 template's expected tokens are 1 + the sum over its nodes of the product of their path's
-rates. The counts decay, so they follow the text being written.
+rates. The counts decay, so they follow the text being written. A step of the root alone
+measures nothing, so after `PROBE_EVERY` of them in a row the next drafts the menu's smallest
+tree: where drafts start to pay (the text turns repetitive), the rates find out.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ from drafting.recycled import RANK_PRIOR
 from service.controller.cost_profile import CostProfile
 from service.device_round.template import TreeTemplate
 
-MENU = ((1, 2), (2, 3), (4, 4), (8, 6), (8, 8))  # (k, w) besides the root alone, cut to the rows' maxima
+# (k, w) besides the root alone, cut to the rows' maxima; k = 0: the context chain alone (for
+# strategies with one). Small entries matter where a pass's price grows with its tokens (a CPU).
+MENU = ((0, 1), (1, 1), (0, 2), (1, 2), (0, 4), (2, 3), (4, 4), (0, 8), (8, 6), (8, 8))
 CONTEXT_PRIOR = 0.5  # a context node's rate before any round measured it
 PRIOR_WEIGHT = 2.0  # the prior counts as this many rounds
 DECAY = 0.995  # a round's weight after the next one
+PROBE_EVERY = 16  # after this many steps of the root alone, one step drafts the smallest tree (to measure)
 
 
 class NodeAcceptance:
@@ -59,10 +64,9 @@ class NodeAcceptance:
         """Tokens a row's round is expected to commit with `template`."""
         ids = self._ids(template)
         rates = (self.accepted[ids] + PRIOR_WEIGHT * np.asarray(self.priors)[ids]) / (self.trials[ids] + PRIOR_WEIGHT)
-        reach = np.ones(template.num_nodes)
-        for node in range(1, template.num_nodes):  # parents come first
-            reach[node] = reach[template.parents[node]] * rates[node]
-        return float(reach.sum())  # the root's 1 is the bonus token
+        rates[0] = 1.0  # the root: the bonus token, always committed
+        # a node is reached with the product of its path's rates: a sum of logs over the ancestor matrix
+        return float(np.exp(_ancestors(template) @ np.log(np.maximum(rates, 1e-12))).sum())
 
     def _ids(self, template: TreeTemplate) -> np.ndarray:
         keys = node_keys(template)
@@ -86,6 +90,17 @@ def node_keys(template: TreeTemplate) -> tuple[tuple, ...]:
         else:
             keys.append(keys[parent] + (rank,) if keys[parent][0] == "table" else ("table", rank))
     return tuple(keys)
+
+
+@lru_cache(maxsize=64)
+def _ancestors(template: TreeTemplate) -> np.ndarray:
+    """[N, N] float: 1 where node j is node i or one of its ancestors."""
+    matrix = np.zeros((template.num_nodes, template.num_nodes))
+    for node, parent in enumerate(template.parents):
+        if parent >= 0:
+            matrix[node] = matrix[parent]
+        matrix[node, node] = 1.0
+    return matrix
 
 
 def _prior(key: tuple) -> float:
@@ -114,3 +129,22 @@ def choose(templates: list[TreeTemplate], acceptance: NodeAcceptance, profile: C
         wide = rows if template.num_nodes > 1 else 0
         return rows * acceptance.expected_tokens(template) / profile.cost(rows * template.num_nodes, context, rows, wide)
     return max(templates, key=rate)
+
+
+class TemplateChooser:
+    """`choose` every step, with a probe after `PROBE_EVERY` steps of the root alone."""
+
+    def __init__(self) -> None:
+        self.acceptance = NodeAcceptance()
+        self.plain_steps = 0
+
+    def __call__(self, templates: list[TreeTemplate], profile: CostProfile, rows: int, context: float) -> TreeTemplate:
+        chosen = choose(templates, self.acceptance, profile, rows, context)
+        if chosen.num_nodes > 1 or len(templates) == 1:
+            self.plain_steps = 0
+            return chosen
+        self.plain_steps += 1
+        if self.plain_steps <= PROBE_EVERY:
+            return chosen
+        self.plain_steps = 0
+        return templates[1]  # the smallest that drafts

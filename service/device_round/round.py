@@ -37,7 +37,7 @@ from service.device_round.accept import accept_greedy
 from service.device_round.context import WINDOW
 from service.controller.cost_profile import CostProfile
 from service.device_round.drafts import draft_trees
-from service.device_round.planner import NodeAcceptance, choose, menu
+from service.device_round.planner import TemplateChooser, menu
 from service.device_round.tables import DeviceTable
 from service.device_round.template import TreeTemplate
 from service.model.kv_cache import TreeKVCache
@@ -92,7 +92,7 @@ class DeviceRound:
             table = getattr(mixer.strategies.get(name) or mixer.standalone.get(name), "table", None)
             if isinstance(table, SuccessorTable):
                 self.tables[name] = DeviceTable(table, runner.vocab_size, self.device)
-        self.acceptance = NodeAcceptance()  # what auto mode values the templates by
+        self.chooser = TemplateChooser()  # auto mode's template each step
         self.copies = 0  # device → host copies made (one a step)
         self.wait_seconds = 0.0  # how long the last step's copy waited for the device
         # which side's tables the last round refreshed: the other takes them before it drafts
@@ -128,7 +128,7 @@ class DeviceRound:
             return None
         chain, table = drafts
         templates = menu(k, w, chain, table is not None)
-        return DevicePlan(choose(templates, self.acceptance, profile, rows, context), table)
+        return DevicePlan(self.chooser(templates, profile, rows, context), table)
 
     def _drafts(self, strategy: str) -> tuple[bool, str | None] | None:
         """(a context chain?, the table) of `strategy`; None where the device drafts none of it."""
@@ -173,7 +173,7 @@ class DeviceRound:
                             drafted=host[:, 2 * depth + 1 :].astype(bool))
         for row, count in enumerate(result.counts.tolist()):
             cache.advance(row, 1 + count)
-        self.acceptance.observe(template, result.paths, result.counts)
+        self.chooser.acceptance.observe(template, result.paths, result.counts)
         return result
 
     def _upload(self, histories: Sequence[Sequence[int]], starts: Sequence[int],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.device_round.planner import NodeAcceptance, choose, menu, node_keys
+from service.device_round.planner import PROBE_EVERY, NodeAcceptance, TemplateChooser, choose, menu, node_keys
 from service.device_round.template import TreeTemplate
 from tests.helpers.costs import COMPUTE_BOUND, MEMORY_BOUND
 
@@ -45,11 +45,24 @@ def test_measured_acceptance_values_every_template() -> None:
     assert acceptance.expected_tokens(TreeTemplate.of(0, 0, 0)) == 1.0
 
 
-def test_the_choice_follows_the_price_of_a_wider_pass() -> None:
-    acceptance = NodeAcceptance()
+def test_the_choice_follows_acceptance_and_the_price_of_a_wider_pass() -> None:
+    template = TreeTemplate.of(8, 6, 6)
+    templates = menu(8, 6, chain=True, table=True)
+    hits, misses = NodeAcceptance(), NodeAcceptance()
+    for _ in range(200):
+        _rounds(hits, template, [[1, 2, 3, 4, 5, 6]] * 4)  # the context chain accepted to its end
+        _rounds(misses, template, [[]] * 4)  # nothing accepted
+    assert choose(templates, hits, MEMORY_BOUND, rows=4, context=200).chain == 6
+    assert choose(templates, hits, COMPUTE_BOUND, rows=4, context=200).chain == 6  # sure tokens pay even there
+    assert choose(templates, misses, COMPUTE_BOUND, rows=4, context=200).num_nodes == 1
+
+
+def test_after_many_plain_steps_one_step_drafts_the_smallest_tree() -> None:
+    """With nothing accepted the root alone is chosen, yet every 17th step probes."""
+    chooser = TemplateChooser()
     template = TreeTemplate.of(8, 6, 6)
     for _ in range(200):
-        _rounds(acceptance, template, [[1, 2, 3]] * 4)
+        _rounds(chooser.acceptance, template, [[]] * 4)
     templates = menu(8, 6, chain=True, table=True)
-    assert choose(templates, acceptance, MEMORY_BOUND, rows=4, context=200).num_nodes > 1
-    assert choose(templates, acceptance, COMPUTE_BOUND, rows=4, context=200).num_nodes == 1
+    chosen = [chooser(templates, COMPUTE_BOUND, 4, 200).num_nodes for _ in range(3 * (PROBE_EVERY + 1))]
+    assert chosen.count(templates[1].num_nodes) == 3 and chosen.count(1) == 3 * PROBE_EVERY
