@@ -122,13 +122,17 @@ def menu(k_max: int, w_max: int, chain: bool, table: bool) -> list[TreeTemplate]
     return sorted(templates, key=lambda t: t.num_nodes)
 
 
+def row_rate(template: TreeTemplate, acceptance: NodeAcceptance, profile: CostProfile, rows: int,
+             context: float) -> float:
+    """A row's expected tokens per second in a step of `rows` rows drafting into `template`."""
+    wide = rows if template.num_nodes > 1 else 0
+    return acceptance.expected_tokens(template) / profile.cost(rows * template.num_nodes, context, rows, wide)
+
+
 def choose(templates: list[TreeTemplate], acceptance: NodeAcceptance, profile: CostProfile, rows: int,
            context: float) -> TreeTemplate:
     """The template whose step commits the most tokens per second of its pass."""
-    def rate(template: TreeTemplate) -> float:
-        wide = rows if template.num_nodes > 1 else 0
-        return rows * acceptance.expected_tokens(template) / profile.cost(rows * template.num_nodes, context, rows, wide)
-    return max(templates, key=rate)
+    return max(templates, key=lambda template: row_rate(template, acceptance, profile, rows, context))
 
 
 class TemplateChooser:
@@ -138,13 +142,15 @@ class TemplateChooser:
         self.acceptance = NodeAcceptance()
         self.plain_steps = 0
 
-    def __call__(self, templates: list[TreeTemplate], profile: CostProfile, rows: int, context: float) -> TreeTemplate:
+    def __call__(self, templates: list[TreeTemplate], profile: CostProfile, rows: int,
+                 context: float) -> tuple[TreeTemplate, float]:
+        """The step's template, and a row's tokens per second expected of it (the forecast)."""
         chosen = choose(templates, self.acceptance, profile, rows, context)
         if chosen.num_nodes > 1 or len(templates) == 1:
             self.plain_steps = 0
-            return chosen
-        self.plain_steps += 1
-        if self.plain_steps <= PROBE_EVERY:
-            return chosen
-        self.plain_steps = 0
-        return templates[1]  # the smallest that drafts
+        else:
+            self.plain_steps += 1
+            if self.plain_steps > PROBE_EVERY:
+                self.plain_steps = 0
+                chosen = templates[1]  # the smallest that drafts
+        return chosen, row_rate(chosen, self.acceptance, profile, rows, context)

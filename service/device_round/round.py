@@ -59,10 +59,12 @@ Chooser = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """What a device step drafts: the template every row fills, and from which table."""
+    """What a device step drafts: the template every row fills, and from which table; in auto
+    mode, a row's tokens per second the planner expects of it."""
 
     template: TreeTemplate
     table: str | None
+    forecast: float | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ class DeviceRound:
             return None
         chain, table = drafts
         templates = menu(k, w, chain, table is not None)
-        return DevicePlan(self.chooser(templates, profile, rows, context), table)
+        template, forecast = self.chooser(templates, profile, rows, context)
+        return DevicePlan(template, table, forecast)
 
     def _drafts(self, strategy: str) -> tuple[bool, str | None] | None:
         """(a context chain?, the table) of `strategy`; None where the device drafts none of it."""

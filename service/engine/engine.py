@@ -234,7 +234,11 @@ class Engine:
                 out.k, out.w = template.k, template.w
             rounds.append(out)
         timer.mark_verified()
-        return self._outputs(rows, rounds, None, timer, wait_seconds=self.device_round.wait_seconds, syncs=1)  # type: ignore[union-attr]
+        results, stats = self._outputs(rows, rounds, None, timer, wait_seconds=self.device_round.wait_seconds, syncs=1)  # type: ignore[union-attr]
+        for request, out in results:
+            if isinstance(out, RoundOutput) and self.policy.is_auto(request):
+                out.predicted_tokens_per_second = plan.forecast
+        return results, stats
 
     def _plan(self, rows: list[_Row], budget: int) -> TreePlan | None:
         """Drafts and a tree for every decoding row: the configured shape in fixed mode, the

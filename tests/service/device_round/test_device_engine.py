@@ -146,6 +146,7 @@ def test_auto_mode_steps_on_the_device_with_the_templates_that_pay(tiny_model, t
         assert [c.token_ids for c in completions] == expected
         assert engine.device_round.copies > NEW_TOKENS // 4
         drafted[name] = sum(c.num_draft_tokens for c in completions)
+        assert all(c.predicted_seconds > 0 for c in completions)  # the device planner's forecasts
     assert drafted["flat"] > 20 * drafted["steep"]
 
 

@@ -64,5 +64,5 @@ def test_after_many_plain_steps_one_step_drafts_the_smallest_tree() -> None:
     for _ in range(200):
         _rounds(chooser.acceptance, template, [[]] * 4)
     templates = menu(8, 6, chain=True, table=True)
-    chosen = [chooser(templates, COMPUTE_BOUND, 4, 200).num_nodes for _ in range(3 * (PROBE_EVERY + 1))]
+    chosen = [chooser(templates, COMPUTE_BOUND, 4, 200)[0].num_nodes for _ in range(3 * (PROBE_EVERY + 1))]
     assert chosen.count(templates[1].num_nodes) == 3 and chosen.count(1) == 3 * PROBE_EVERY
