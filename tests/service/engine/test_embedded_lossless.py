@@ -21,10 +21,11 @@ import torch
 
 from drafting import TableSlot
 from service.engine.config import EngineConfig
-from service.engine.params import GenerationParams, SpeculationParams
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.model_drafts.draft_model import model_drafters
 from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine, build_engine_with_tables
+from tests.helpers.costs import MEMORY_BOUND
 from tests.helpers.embedded import QUESTIONS, compare
 
 NEW_TOKENS = 48
@@ -193,3 +194,28 @@ def test_structured_output_with_speculation_matches_plain(embedded) -> None:
             assert outcome in ("identical", "tie"), f"k={shape.k} w={shape.w}: {outcome}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert outcomes.get("identical", 0) >= 5
+
+
+@pytest.mark.slow
+def test_device_round_matches_generate_and_samples_as_the_host_path(embedded) -> None:
+    """The device round on the embedded model (here on the CPU): a batch in fixed mode and one
+    in auto mode (a flat scripted profile, so its trees grow) equal `generate` (ties counted as
+    above), and seeded samples equal the host path's."""
+    model, tokenizer = embedded.model, embedded.tokenizer
+    prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    engine = build_engine(embedded, TableSlot(), EngineConfig(device_round=True))
+    engine.profile = MEMORY_BOUND
+    outcomes: dict[str, int] = {}
+    for spec in (SpeculationParams(8, 6), SpeculationParams(8, 6, "auto")):
+        completions = engine.complete_many([(p, GenerationParams(NEW_TOKENS, speculation=spec)) for p in prompts])
+        for prompt, completion in zip(prompts, completions):
+            outcome = compare(model, prompt, completion.token_ids, reference_generate(model, prompt, sorted(engine.eos_token_ids)))
+            assert outcome in ("identical", "tie"), f"{spec}: {outcome}"
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        assert sum(c.num_accepted_tokens for c in completions) > 0
+    print(f"\ndevice round against transformers' generate: {outcomes}")
+    assert engine.device_round.copies > NEW_TOKENS // 2
+    seeded = [(p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), sampling=SamplingParams(0.7, seed=i)))
+              for i, p in enumerate(prompts)]
+    host = build_engine(embedded, TableSlot(), EngineConfig(device_round=False))
+    assert [c.token_ids for c in engine.complete_many(seeded)] == [c.token_ids for c in host.complete_many(seeded)]
