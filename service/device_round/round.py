@@ -26,13 +26,14 @@ the same tokens: greedy output is plain greedy decoding's either way.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from drafting import MIXED, Mixer, SuccessorTable
+from drafting import MIXED, Mixer, SuccessorTable, TokenHistory
 from service.device_round.accept import accept_greedy
 from service.device_round.context import WINDOW
 from service.controller.cost_profile import CostProfile
@@ -83,6 +84,31 @@ class StepResult:
         return self.paths[row, 1 : self.counts[row] + 1].tolist()
 
 
+class RecentWindows:
+    """Each request's last `width` tokens as an array, kept up to date with the few tokens it
+    gained since the last step: building the rows' windows from the histories' lists every step
+    took 2.2 ms at 64 rows (Cascade Lake VM), on the host's critical path."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self._windows: weakref.WeakKeyDictionary[TokenHistory, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
+
+    def of(self, history: TokenHistory) -> np.ndarray:
+        """The history's last `width` tokens, -1 before its first."""
+        tokens, length = history.token_ids, len(history)
+        window, seen = self._windows.get(history, (None, 0))
+        if window is None or length - seen > self.width or length < seen:
+            window = np.full(self.width, -1, dtype=np.int64)
+            tail = tokens[-self.width :]
+            window[self.width - len(tail) :] = tail
+        elif length > seen:
+            gained = length - seen
+            window[:-gained] = window[gained:]
+            window[-gained:] = tokens[seen:]
+        self._windows[history] = (window, length)
+        return window
+
+
 class DeviceRound:
     """The device's drafting state (tables, templates) and the step that uses it."""
 
@@ -99,6 +125,7 @@ class DeviceRound:
         self.wait_seconds = 0.0  # how long the last step's copy waited for the device
         # which side's tables the last round refreshed: the other takes them before it drafts
         self._newest_on_device = False
+        self._windows = RecentWindows(WINDOW)
 
     def hand_tables_to_host(self) -> None:
         """Before a step drafted on the host: the host tables take what device rounds learned
@@ -141,7 +168,7 @@ class DeviceRound:
         return None if not chain and table is None else (chain, table)
 
     @torch.inference_mode()
-    def run(self, cache: TreeKVCache, histories: Sequence[Sequence[int]], plan: DevicePlan,
+    def run(self, cache: TreeKVCache, histories: Sequence[TokenHistory], plan: DevicePlan,
             choose: Chooser | None = None) -> StepResult:
         """The step over rows [0, R) of `cache`, row r's committed tokens `histories[r]` (its
         KV row holding all but the newest). The model's choice after each node is its argmax,
@@ -179,15 +206,14 @@ class DeviceRound:
         self.chooser.acceptance.observe(template, result.paths, result.counts)
         return result
 
-    def _upload(self, histories: Sequence[Sequence[int]], starts: Sequence[int],
+    def _upload(self, histories: Sequence[TokenHistory], starts: Sequence[int],
                 plan: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's recent tokens [R, L] (-1 before its first) and KV start [R], in one
         host → device copy that the device does not wait for."""
         width = WINDOW if plan.template.chain else 2
-        host = np.full((len(histories), width + 1), -1, dtype=np.int64)
+        host = np.empty((len(histories), width + 1), dtype=np.int64)
         for row, history in enumerate(histories):
-            tail = history[-width:]
-            host[row, width - len(tail) : width] = tail
+            host[row, :width] = self._windows.of(history)[-width:]
         host[:, width] = starts
         staging = torch.from_numpy(host)
         if self.device.type == "cuda":  # from pinned memory the copy is queued, not waited for

@@ -212,7 +212,7 @@ class Engine:
         template = plan.template
         timer.mark_drafted(self.runner.capture_seconds)
         try:
-            step = self.device_round.run(self.cache, [row.request.drafts.history.token_ids for row in rows], plan,  # type: ignore[union-attr]
+            step = self.device_round.run(self.cache, [row.request.drafts.history for row in rows], plan,  # type: ignore[union-attr]
                                          device_chooser([row.request for row in rows], template, self.runner.device))
         except Exception as error:
             return self._fail(rows, error), None

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from drafting import Recycled, TokenHistory, default_mixer
 from service.device_round.drafts import draft_trees
+from service.device_round.round import RecentWindows
 from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.model.runner import ModelRunner
@@ -73,11 +74,11 @@ def test_device_rounds_draft_the_trees_the_host_would(tiny_runner: ModelRunner, 
             device_table.pull()  # the host copy: what the host path would draft from now
         else:
             device_table.push()
-        recent = torch.tensor([[-1, *history][-2:] for history in histories])
+        recent = torch.tensor([[-1, *history.token_ids][-2:] for history in histories])
         tokens, valid = draft_trees(recent, plan.template, device_table)
         for row, history in enumerate(histories):
-            host_tree = build_tree(history[-1], Recycled(device_table.host).propose(
-                TokenHistory(list(history)), plan.template.k, plan.template.w))
+            host_tree = build_tree(history.last_token, Recycled(device_table.host).propose(
+                history, plan.template.k, plan.template.w))
             assert _filled_paths(plan.template, tokens[row], valid[row]) == _paths(host_tree)
             checked.append(host_tree.num_nodes)
         return run(cache, histories, plan, choose)
@@ -173,3 +174,15 @@ def test_seeded_samples_are_the_host_paths_samples(tiny_runner: ModelRunner, mod
         [(p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode="off"), sampling=r.sampling))
          for p, r in requests])
     assert [c.token_ids for c in runs[0]] == [c.token_ids for c in plain]
+
+
+def test_recent_windows_follow_their_histories() -> None:
+    windows = RecentWindows(6)
+    history = TokenHistory([1, 2, 3])
+    assert windows.of(history).tolist() == [-1, -1, -1, 1, 2, 3]
+    history.extend([4, 5])
+    assert windows.of(history).tolist() == [-1, 1, 2, 3, 4, 5]
+    history.extend([6, 7, 8, 9, 10, 11, 12])  # more than the window gained at once
+    assert windows.of(history).tolist() == [7, 8, 9, 10, 11, 12]
+    history.extend([13])
+    assert windows.of(history).tolist() == [8, 9, 10, 11, 12, 13]
