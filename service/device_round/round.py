@@ -148,15 +148,16 @@ class DeviceRound:
         return DevicePlan(TreeTemplate.of(k if table else 0, w, w if chain else 0), table)
 
     def plan_auto(self, k: int, w: int, strategy: str, profile: CostProfile, context: float,
-                  rows: int) -> DevicePlan | None:
+                  rows: int, budget: int) -> DevicePlan | None:
         """The plan of a step whose rows are all in auto mode with at most (k, w) drafts of
-        `strategy`: the menu's template that buys the most tokens per second
-        (`planner.choose`), the root alone included."""
+        `strategy`: of the menu's templates whose drafted nodes fit the pass's `budget` for all
+        rows, the one that buys the most tokens per second (`planner.choose`), the root alone
+        included."""
         drafts = self._drafts(strategy)
         if drafts is None:
             return None
         chain, table = drafts
-        templates = menu(k, w, chain, table is not None)
+        templates = [t for t in menu(k, w, chain, table is not None) if rows * (t.num_nodes - 1) <= budget]
         template, forecast = self.chooser(templates, profile, rows, context)
         return DevicePlan(template, table, forecast)
 

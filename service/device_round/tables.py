@@ -98,16 +98,13 @@ class DeviceTable:
         node winning a row or bucket several write."""
         width = min(top_ids.shape[1], self.top_k)
         top = top_ids[:, :width]
-        later = torch.ones(len(tokens), len(tokens), dtype=torch.bool, device=tokens.device).triu_(1)
-        overridden = ((tokens[:, None] == tokens[None, :]) & keep[None, :] & later).any(1)
-        rows = torch.where(keep & ~overridden, tokens, self.vocab_size)  # the scratch row takes the rest
+        rows = torch.where(_last_writers(tokens, keep, self.vocab_size + 1), tokens, self.vocab_size)  # the rest: scratch
         self.successors[rows, :width] = top
         if not self.pair_bits:
             return
         buckets = _bucket(parents.clamp(min=0), tokens, self.pair_bits)
-        pairs = keep & (parents >= 0)
-        taken = ((buckets[:, None] == buckets[None, :]) & pairs[None, :] & later).any(1)
-        buckets = torch.where(pairs & ~taken, buckets, len(self.pair_keys) - 1)
+        scratch = len(self.pair_keys) - 1
+        buckets = torch.where(_last_writers(buckets, keep & (parents >= 0), scratch + 1), buckets, scratch)
         self.pair_keys[buckets] = parents << 32 | tokens
         row = torch.full((len(tokens), self.top_k), -1, dtype=torch.long, device=tokens.device)
         row[:, :width] = top
@@ -116,6 +113,16 @@ class DeviceTable:
     def host_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(successors, pair keys, pair successors) without the scratch row and bucket (tests)."""
         return self.successors[:-1], self.pair_keys[:-1], self.pair_successors[:-1]
+
+
+def _last_writers(slots: torch.Tensor, writing: torch.Tensor, size: int) -> torch.Tensor:
+    """Which of the writes to `slots` (values below `size`; where `writing`) is its slot's last:
+    the greatest index writing to each slot, found by one scatter of maxima (deterministic, and
+    linear in the writes where comparing every pair took 22 ms of a 64-row CPU step)."""
+    index = torch.arange(len(slots), device=slots.device)
+    last = torch.full((size,), -1, dtype=torch.long, device=slots.device)
+    last.scatter_reduce_(0, slots, torch.where(writing, index, -1), "amax")
+    return writing & (last[slots] == index)
 
 
 def _bucket(previous: torch.Tensor, token: torch.Tensor, bits: int) -> torch.Tensor:

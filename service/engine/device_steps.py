@@ -53,7 +53,7 @@ def device_step_plan(device_round: DeviceRound, policy: SpeculationPolicy, rows:
     elif mode == "auto":
         assert policy.profile is not None  # auto mode's rows have one
         context = sum(row.request.context_length for row in rows) / len(rows)
-        plan = device_round.plan_auto(min(ks), min(ws), strategy, policy.profile, context, len(rows))
+        plan = device_round.plan_auto(min(ks), min(ws), strategy, policy.profile, context, len(rows), budget)
     else:
         return None
     return plan if plan is not None and len(rows) * (plan.template.num_nodes - 1) <= budget else None

@@ -217,22 +217,25 @@ class Engine:
         except Exception as error:
             return self._fail(rows, error), None
         timer.mark_passed(self.runner.capture_seconds)
+        chain_drafted = step.drafted[:, 1 : 1 + template.chain].sum(1).tolist()
+        table_drafted = step.drafted[:, 1 + template.chain :].sum(1).tolist()
+        table = plan.table or ""
         rounds: list[RoundOutput | Exception | None] = []
         for index, row in enumerate(rows):
-            drafted = step.drafted[index]
-            row.tree = TokenTree(token_ids=[0] * template.num_nodes, parents=list(template.parents),
-                                 depths=list(template.depths), children=[],
-                                 strategies=[template.strategy_of(node, plan.table) if node and drafted[node] else None
-                                             for node in range(template.num_nodes)])
-            token_ids = step.token_ids(index)
-            verdict = Verdict(accepted_nodes=step.accepted_nodes(index), accepted_token_ids=token_ids[:-1],
-                              bonus_token_id=token_ids[-1])
-            row.request.drafts.observe(token_ids)
-            out = self._round_output(row, verdict, None)
-            out.num_draft_tokens = int(drafted.sum()) - 1
-            if self.policy.is_auto(row.request):
-                out.k, out.w = template.k, template.w
-            rounds.append(out)
+            row.tree = template.shape_tree  # the pass's shape (what the statistics count)
+            committed = step.token_ids(index)
+            row.request.drafts.observe(committed)
+            token_ids, finish_reason = _finish_round(row.request, committed)
+            accepted = step.accepted_nodes(index)
+            drafted = {name: count for name, count in (("context", chain_drafted[index]), (table, table_drafted[index]))
+                       if count}
+            rounds.append(RoundOutput(
+                token_ids=token_ids, logprobs=None, num_draft_tokens=sum(drafted.values()),
+                num_accepted_tokens=len(accepted),
+                accepted_strategies=["context" if node <= template.chain else table for node in accepted],
+                drafted_by_strategy=drafted, draft_seconds=0.0, forward_seconds=0.0, finish_reason=finish_reason,
+                **({"k": template.k, "w": template.w} if self.policy.is_auto(row.request) else _shape_used(row)),
+            ))
         timer.mark_verified()
         results, stats = self._outputs(rows, rounds, None, timer, wait_seconds=self.device_round.wait_seconds, syncs=1)  # type: ignore[union-attr]
         for request, out in results:
@@ -331,9 +334,7 @@ class Engine:
         each token's logprobs when asked for (the step's times are stamped on later)."""
         request, tree = row.request, row.tree
         assert tree is not None
-        token_ids, finish_reason = _truncate(verdict.token_ids, request.stop_ids, request.token_budget)
-        request.num_generated += len(token_ids)
-        request.finish_reason = finish_reason
+        token_ids, finish_reason = _finish_round(request, verdict.token_ids)
         asked = request.params.logprobs
         logprobs = None if asked is None or logits is None else token_logprobs(
             logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked)
@@ -521,6 +522,14 @@ def _shape_used(row: _Row) -> dict[str, int]:
     if spec.mode == "fixed":
         return {"k": spec.k, "w": spec.w}
     return {"k": 0, "w": 0}
+
+
+def _finish_round(request: Request, committed: list[int]) -> tuple[list[int], str | None]:
+    """A round's tokens as the request takes them (`_truncate`), counted, and why it ends if it does."""
+    token_ids, finish_reason = _truncate(committed, request.stop_ids, request.token_budget)
+    request.num_generated += len(token_ids)
+    request.finish_reason = finish_reason
+    return token_ids, finish_reason
 
 
 def _truncate(token_ids: list[int], stops: frozenset[int], budget: int) -> tuple[list[int], str | None]:
