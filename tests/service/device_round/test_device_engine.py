@@ -13,6 +13,7 @@ from service.device_round.drafts import draft_trees
 from service.device_round.round import RecentWindows
 from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.engine.scheduler import SchedulerConfig
 from service.model.runner import ModelRunner
 from service.model.tree import build_tree
 from tests.helpers.costs import COMPUTE_BOUND, MEMORY_BOUND
@@ -186,3 +187,22 @@ def test_recent_windows_follow_their_histories() -> None:
     assert windows.of(history).tolist() == [7, 8, 9, 10, 11, 12]
     history.extend([13])
     assert windows.of(history).tolist() == [8, 9, 10, 11, 12, 13]
+
+
+def test_auto_keeps_to_the_pass_budget_on_the_device(tiny_model, tiny_runner: ModelRunner) -> None:
+    """Four auto rows under a 24-token pass budget: the device's templates are cut to fit (at
+    most 5 drafted nodes a row), never handing the step to the host for it."""
+    engine = Engine(tiny_runner, default_mixer(), eos_token_ids=[], max_context=512, device_round=True,
+                    scheduler_config=SchedulerConfig(max_tokens_per_pass=24))
+    engine.profile = MEMORY_BOUND
+    auto = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode="auto", k=8, w=6))
+    requests = [engine.add_request(prompt, auto) for prompt in PROMPTS]
+    widest = device_steps = 0
+    while engine.has_work:
+        copies = engine.device_round.copies
+        _, stats = engine.step()
+        if engine.device_round.copies > copies:
+            device_steps += 1
+            widest = max(widest, stats.tokens)
+    assert device_steps > NEW_TOKENS // 2 and 4 < widest <= 24
+    assert [r.output_ids[:NEW_TOKENS] for r in requests] == [reference_greedy(tiny_model, p, NEW_TOKENS) for p in PROMPTS]
