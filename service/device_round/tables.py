@@ -70,24 +70,26 @@ class DeviceTable:
 
     # -- drafting ----------------------------------------------------------------------------
 
-    def step(self, previous: torch.Tensor, token: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+    def single_rows(self) -> torch.Tensor:
+        """[vocab, W] the row a walk steps from after a token alone: its observed successors
+        where a pass saw it, else the model bigram's (each padded with -1 to W, the wider of
+        the two). Made once a step, so a level of the walk reads one row, not both and a choice."""
+        width = max(self.top_k, self.fallback.shape[1])
+        observed = self.successors[:-1, :1] >= 0
+        return torch.where(observed, _widened(self.successors[:-1], width), _widened(self.fallback, width))
+
+    def step(self, previous: torch.Tensor, token: torch.Tensor, rank: torch.Tensor, single: torch.Tensor) -> torch.Tensor:
         """The `rank`-th successor after (`previous`, `token`), elementwise (same shapes; a
-        negative previous: none known); -1 where the rows hold none. Inputs must be valid
-        token ids (the caller masks invalid nodes)."""
-        k = self.top_k
-        in_rank = rank.clamp(max=k - 1)
-        from_token = self.successors[token, in_rank]
-        observed = self.successors[token, 0] >= 0
-        width = self.fallback.shape[1]
-        from_fallback = torch.where(rank < width, self.fallback[token, rank.clamp(max=width - 1)], -1)
-        single = torch.where(observed, from_token, from_fallback)
-        single = torch.where(rank < k, single, torch.where(observed, -1, from_fallback))
+        negative previous: none known; `single`: this step's `single_rows`); -1 where the
+        rows hold none. Inputs must be valid token ids (the caller masks invalid nodes)."""
+        width = single.shape[1]
+        following = torch.where(rank < width, single[token, rank.clamp(max=width - 1)], -1)
         if not self.pair_bits:
-            return single
+            return following
         bucket = _bucket(previous.clamp(min=0), token, self.pair_bits)
         paired = (previous >= 0) & (self.pair_keys[bucket] == (previous << 32 | token))
-        from_pair = torch.where(rank < k, self.pair_successors[bucket, in_rank], -1)
-        return torch.where(paired, from_pair, single)
+        from_pair = torch.where(rank < self.top_k, self.pair_successors[bucket, rank.clamp(max=self.top_k - 1)], -1)
+        return torch.where(paired, from_pair, following)
 
     # -- learning ----------------------------------------------------------------------------
 
@@ -113,6 +115,11 @@ class DeviceTable:
     def host_view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(successors, pair keys, pair successors) without the scratch row and bucket (tests)."""
         return self.successors[:-1], self.pair_keys[:-1], self.pair_successors[:-1]
+
+
+def _widened(rows: torch.Tensor, width: int) -> torch.Tensor:
+    """`rows` [n, w] padded with -1 to [n, width]."""
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
 
 
 def _last_writers(slots: torch.Tensor, writing: torch.Tensor, size: int) -> torch.Tensor:
