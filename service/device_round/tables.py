@@ -100,13 +100,13 @@ class DeviceTable:
         node winning a row or bucket several write."""
         width = min(top_ids.shape[1], self.top_k)
         top = top_ids[:, :width]
-        rows = torch.where(_last_writers(tokens, keep, self.vocab_size + 1), tokens, self.vocab_size)  # the rest: scratch
+        rows = torch.where(last_writers(tokens, keep, self.vocab_size + 1), tokens, self.vocab_size)  # the rest: scratch
         self.successors[rows, :width] = top
         if not self.pair_bits:
             return
         buckets = _bucket(parents.clamp(min=0), tokens, self.pair_bits)
         scratch = len(self.pair_keys) - 1
-        buckets = torch.where(_last_writers(buckets, keep & (parents >= 0), scratch + 1), buckets, scratch)
+        buckets = torch.where(last_writers(buckets, keep & (parents >= 0), scratch + 1), buckets, scratch)
         self.pair_keys[buckets] = parents << 32 | tokens
         row = torch.full((len(tokens), self.top_k), -1, dtype=torch.long, device=tokens.device)
         row[:, :width] = top
@@ -122,7 +122,7 @@ def _widened(rows: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=-1)
 
 
-def _last_writers(slots: torch.Tensor, writing: torch.Tensor, size: int) -> torch.Tensor:
+def last_writers(slots: torch.Tensor, writing: torch.Tensor, size: int) -> torch.Tensor:
     """Which of the writes to `slots` (values below `size`; where `writing`) is its slot's last:
     the greatest index writing to each slot, found by one scatter of maxima (deterministic, and
     linear in the writes where comparing every pair took 22 ms of a 64-row CPU step)."""

@@ -9,7 +9,7 @@ import torch
 
 from drafting import ModelTables, PassDistributions, Recycled, SuccessorTable, TableSlot, TokenHistory
 from service.device_round.drafts import draft_trees
-from service.device_round.tables import DeviceTable
+from service.device_round.tables import DeviceTable, last_writers
 from service.device_round.template import TreeTemplate
 from service.model.tree import build_tree
 
@@ -83,3 +83,11 @@ def test_walks_draft_the_host_trees(k: int, w: int, pair_bits: int, fallback: bo
         host_tree = build_tree(history[-1], Recycled(host).propose(TokenHistory(history), k, w))
         assert set(filled.values()) == _paths(host_tree)
         assert len(filled) == host_tree.num_nodes  # siblings are distinct: no path twice
+
+
+def test_each_slot_keeps_its_last_writer_only() -> None:
+    """The rule the refresh relies on where a device applies repeated writes in any order (a
+    CPU applies them in order, so the table comparisons above would not see it broken)."""
+    slots = torch.tensor([3, 1, 3, 0, 1, 3, 2])
+    writing = torch.tensor([True, True, True, True, False, False, True])
+    assert last_writers(slots, writing, 5).tolist() == [False, True, True, True, False, False, True]
