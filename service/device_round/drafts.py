@@ -30,11 +30,10 @@ def draft_trees(recent: torch.Tensor, template: TreeTemplate,
     single = table.single_rows()
     before = torch.cat([recent[:, -2:-1], tokens], dim=1)  # column i + 1: node i's token; column 0: the root's previous
     for level in shape.table_levels:
-        parents = shape.parents[level]
-        grandparents = torch.where(parents == 0, -1, shape.parents[parents]) + 1  # columns of `before`
-        following = table.step(before[:, grandparents], tokens[:, parents], shape.ranks[level].expand(rows, -1), single)
-        filled = valid[:, parents] & (following >= 0)
-        tokens[:, level] = torch.where(filled, following, 0)
-        valid[:, level] = filled
-        before[:, level + 1] = tokens[:, level]
+        following = table.step(before[:, level.grandparent_columns], tokens[:, level.parents],
+                               level.ranks.expand(rows, -1), single)
+        filled = valid[:, level.parents] & (following >= 0)
+        tokens[:, level.nodes] = torch.where(filled, following, 0)
+        valid[:, level.nodes] = filled
+        before[:, level.nodes + 1] = tokens[:, level.nodes]
     return tokens, valid

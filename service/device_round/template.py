@@ -64,6 +64,18 @@ class TreeTemplate:
 
 
 @dataclass(frozen=True)
+class TableLevel:
+    """The table nodes at one depth, as the walk reads them: their indices, their parents', the
+    columns of their grandparents' tokens (in the walk's [previous, node tokens...] array, so
+    column 0 is the root's previous token) and their ranks."""
+
+    nodes: torch.Tensor  # int64 [n]
+    parents: torch.Tensor  # int64 [n]
+    grandparent_columns: torch.Tensor  # int64 [n]
+    ranks: torch.Tensor  # int64 [n]
+
+
+@dataclass(frozen=True)
 class TemplateTensors:
     """A template on a device: parents (the root its own parent), ranks, depths, the
     ancestor matrix, and the table nodes by depth (the walk fills one depth a gather)."""
@@ -72,7 +84,7 @@ class TemplateTensors:
     ranks: torch.Tensor  # int64 [N]
     depths: torch.Tensor  # int64 [N]
     ancestors: torch.Tensor  # bool [N, N]: j is i or one of i's ancestors
-    table_levels: tuple[torch.Tensor, ...]  # int64 node indices of the table nodes at depth 1, 2, ...
+    table_levels: tuple[TableLevel, ...]  # the table nodes at depth 1, 2, ...
 
     @classmethod
     def of(cls, template: TreeTemplate, device: torch.device) -> TemplateTensors:
@@ -82,17 +94,20 @@ class TemplateTensors:
             if parent >= 0:
                 ancestors[node] = ancestors[parent]
             ancestors[node, node] = True
-        levels = tuple(
-            torch.tensor([i for i in range(n) if template.ranks[i] >= 0 and template.depths[i] == depth],
-                         dtype=torch.long, device=device)
-            for depth in range(1, template.max_depth + 1)
-        )
+        levels = []
+        for depth in range(1, template.max_depth + 1):
+            nodes = [i for i in range(n) if template.ranks[i] >= 0 and template.depths[i] == depth]
+            if nodes:
+                parents = [template.parents[i] for i in nodes]
+                levels.append(TableLevel(*(torch.tensor(values, dtype=torch.long, device=device) for values in (
+                    nodes, parents, [0 if p == 0 else template.parents[p] + 1 for p in parents],
+                    [template.ranks[i] for i in nodes]))))
         return cls(
             parents=torch.tensor([max(p, 0) for p in template.parents], dtype=torch.long, device=device),
             ranks=torch.tensor(template.ranks, dtype=torch.long, device=device),
             depths=torch.tensor(template.depths, dtype=torch.long, device=device),
             ancestors=ancestors.to(device),
-            table_levels=tuple(level for level in levels if len(level)),
+            table_levels=tuple(levels),
         )
 
 
