@@ -93,7 +93,7 @@ class SuccessorTable:
         pair since another took its bucket, or the table keeps no pair rows)."""
         if not self.pair_bits or previous < 0:
             return []
-        bucket = _bucket(previous, token, self.pair_bits)
+        bucket = pair_bucket(previous, token, self.pair_bits)
         if self.pair_keys[bucket] != previous << 32 | token:
             return []
         return [t for t in self.pair_successors[bucket].tolist() if t >= 0]
@@ -130,14 +130,14 @@ class SuccessorTable:
 _MIX_PREVIOUS, _MIX_TOKEN = 0x5BD1E995, 0x7FEB352D  # odd multipliers below 2**31
 
 
-def _bucket(previous: int, token: int, bits: int) -> int:
-    """The bucket of the pair (previous, token): token ids below 2**32 keep every product
-    below 2**63 (so numba's int64 arithmetic in `_refresh` and `_walk` agrees with Python's),
+def pair_bucket(previous: int, token: int, bits: int) -> int:
+    """The bucket of the pair (previous, token), elementwise on int64 arrays and tensors too
+    (the device tables hash alike): token ids below 2**32 keep every product below 2**63 (so numba's int64 arithmetic in `_refresh` and `_walk` agrees with Python's),
     and the bits taken from the middle of the products depend on all the low 31 bits of both ids."""
     return ((previous * _MIX_PREVIOUS ^ token * _MIX_TOKEN) >> 15) & ((1 << bits) - 1)
 
 
-_bucket_compiled = njit(cache=True, inline="always")(_bucket)
+_bucket_compiled = njit(cache=True, inline="always")(pair_bucket)
 
 
 @njit(cache=True, nogil=True)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from drafting import SuccessorTable, TableSlot
-from drafting.recycled import _MIX_PREVIOUS, _MIX_TOKEN
+from drafting.recycled import pair_bucket
 
 
 class DeviceTable:
@@ -86,7 +86,7 @@ class DeviceTable:
         following = torch.where(rank < width, single[token, rank.clamp(max=width - 1)], -1)
         if not self.pair_bits:
             return following
-        bucket = _bucket(previous.clamp(min=0), token, self.pair_bits)
+        bucket = pair_bucket(previous.clamp(min=0), token, self.pair_bits)
         paired = (previous >= 0) & (self.pair_keys[bucket] == (previous << 32 | token))
         from_pair = torch.where(rank < self.top_k, self.pair_successors[bucket, rank.clamp(max=self.top_k - 1)], -1)
         return torch.where(paired, from_pair, following)
@@ -104,7 +104,7 @@ class DeviceTable:
         self.successors[rows, :width] = top
         if not self.pair_bits:
             return
-        buckets = _bucket(parents.clamp(min=0), tokens, self.pair_bits)
+        buckets = pair_bucket(parents.clamp(min=0), tokens, self.pair_bits)
         scratch = len(self.pair_keys) - 1
         buckets = torch.where(last_writers(buckets, keep & (parents >= 0), scratch + 1), buckets, scratch)
         self.pair_keys[buckets] = parents << 32 | tokens
@@ -130,8 +130,3 @@ def last_writers(slots: torch.Tensor, writing: torch.Tensor, size: int) -> torch
     last = torch.full((size,), -1, dtype=torch.long, device=slots.device)
     last.scatter_reduce_(0, slots, torch.where(writing, index, -1), "amax")
     return writing & (last[slots] == index)
-
-
-def _bucket(previous: torch.Tensor, token: torch.Tensor, bits: int) -> torch.Tensor:
-    """`drafting.recycled._bucket` on tensors (int64: ids below 2**32 keep the products below 2**63)."""
-    return ((previous * _MIX_PREVIOUS ^ token * _MIX_TOKEN) >> 15) & ((1 << bits) - 1)
