@@ -51,10 +51,6 @@ class TreeTemplate:
         return TokenTree(token_ids=[0] * n, parents=list(self.parents), depths=list(self.depths),
                          strategies=[None] * n, children=[{} for _ in range(n)])
 
-    def strategy_of(self, node: int, table: str | None) -> str:
-        """The strategy a drafted node counts for: the context chain's, else the table's."""
-        return "context" if node <= self.chain else (table or "")
-
     def tensors(self, device: torch.device) -> TemplateTensors:
         """The template's index tensors on `device` (made once per device)."""
         made = self._tensors.get(device)
@@ -77,11 +73,10 @@ class TableLevel:
 
 @dataclass(frozen=True)
 class TemplateTensors:
-    """A template on a device: parents (the root its own parent), ranks, depths, the
-    ancestor matrix, and the table nodes by depth (the walk fills one depth a gather)."""
+    """A template on a device: parents (the root its own parent), depths, the ancestor
+    matrix, and the table nodes by depth (the walk fills one depth a gather)."""
 
     parents: torch.Tensor  # int64 [N]
-    ranks: torch.Tensor  # int64 [N]
     depths: torch.Tensor  # int64 [N]
     ancestors: torch.Tensor  # bool [N, N]: j is i or one of i's ancestors
     table_levels: tuple[TableLevel, ...]  # the table nodes at depth 1, 2, ...
@@ -104,7 +99,6 @@ class TemplateTensors:
                     [template.ranks[i] for i in nodes]))))
         return cls(
             parents=torch.tensor([max(p, 0) for p in template.parents], dtype=torch.long, device=device),
-            ranks=torch.tensor(template.ranks, dtype=torch.long, device=device),
             depths=torch.tensor(template.depths, dtype=torch.long, device=device),
             ancestors=ancestors.to(device),
             table_levels=tuple(levels),
