@@ -132,8 +132,9 @@ _MIX_PREVIOUS, _MIX_TOKEN = 0x5BD1E995, 0x7FEB352D  # odd multipliers below 2**3
 
 def pair_bucket(previous: int, token: int, bits: int) -> int:
     """The bucket of the pair (previous, token), elementwise on int64 arrays and tensors too
-    (the device tables hash alike): token ids below 2**32 keep every product below 2**63 (so numba's int64 arithmetic in `_refresh` and `_walk` agrees with Python's),
-    and the bits taken from the middle of the products depend on all the low 31 bits of both ids."""
+    (the device tables hash alike): token ids below 2**32 keep every product below 2**63 (so
+    numba's int64 arithmetic in `_refresh` and `_walk` agrees with Python's), and the bits taken
+    from the middle of the products depend on all the low 31 bits of both ids."""
     return ((previous * _MIX_PREVIOUS ^ token * _MIX_TOKEN) >> 15) & ((1 << bits) - 1)
 
 

@@ -76,6 +76,7 @@ class StepResult:
     paths: np.ndarray  # int64 [R, W + 1]: the accepted path's template node at each depth (root at 0)
     counts: np.ndarray  # int64 [R]: accepted drafts
     drafted: np.ndarray  # bool [R, N]: the template nodes each row filled (the root included)
+    wait_seconds: float  # the host waiting for the device in the step's one copy back
 
     def token_ids(self, row: int) -> list[int]:
         return self.tokens[row, : self.counts[row] + 1].tolist()
@@ -122,7 +123,6 @@ class DeviceRound:
                 self.tables[name] = DeviceTable(table, runner.vocab_size, self.device)
         self.chooser = TemplateChooser()  # auto mode's template each step
         self.copies = 0  # device → host copies made (one a step)
-        self.wait_seconds = 0.0  # how long the last step's copy waited for the device
         # which side's tables the last round refreshed: the other takes them before it drafts
         self._newest_on_device = False
         self._windows = RecentWindows(WINDOW)
@@ -198,10 +198,11 @@ class DeviceRound:
             parents[:, 0] = recent[:, -2]
             table.refresh(tokens.flatten(), parents.flatten(), top, valid.flatten())
         packed = torch.cat([accepted.tokens, accepted.path, accepted.counts[:, None], valid.long()], dim=1)
+        began = time.perf_counter()
         host = self._to_host(packed)
         depth = template.max_depth + 1
         result = StepResult(tokens=host[:, :depth], paths=host[:, depth : 2 * depth], counts=host[:, 2 * depth],
-                            drafted=host[:, 2 * depth + 1 :].astype(bool))
+                            drafted=host[:, 2 * depth + 1 :].astype(bool), wait_seconds=time.perf_counter() - began)
         for row, count in enumerate(result.counts.tolist()):
             cache.advance(row, 1 + count)
         self.chooser.acceptance.observe(template, result.paths, result.counts)
@@ -223,9 +224,6 @@ class DeviceRound:
         return uploaded[:, :width], uploaded[:, width]
 
     def _to_host(self, packed: torch.Tensor) -> np.ndarray:
-        """The step's one device → host copy: where the host waits for the device (timed)."""
+        """The step's one device → host copy: where the host waits for the device."""
         self.copies += 1
-        began = time.perf_counter()
-        host = packed.cpu().numpy()
-        self.wait_seconds = time.perf_counter() - began
-        return host
+        return packed.cpu().numpy()

@@ -237,7 +237,7 @@ class Engine:
                 **({"k": template.k, "w": template.w} if self.policy.is_auto(row.request) else _shape_used(row)),
             ))
         timer.mark_verified()
-        results, stats = self._outputs(rows, rounds, None, timer, wait_seconds=self.device_round.wait_seconds, syncs=1)  # type: ignore[union-attr]
+        results, stats = self._outputs(rows, rounds, None, timer, wait_seconds=step.wait_seconds, syncs=1)
         for request, out in results:
             if isinstance(out, RoundOutput) and self.policy.is_auto(request):
                 out.predicted_tokens_per_second = plan.forecast
