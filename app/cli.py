@@ -1,4 +1,4 @@
-"""`ngrammys serve`, `prepare`, `bench`, `profile`, `steps`, `loadtest` and `neighbour`.
+"""`ngrammys serve`, `worker`, `prepare`, `bench`, `profile`, `steps`, `loadtest` and `neighbour`.
 
 `serve` flags are generated from the `Settings` fields, so a flag, its `NGRAMMYS_*`
 variable and its documentation never drift apart.
@@ -72,6 +72,17 @@ def _serve(args: argparse.Namespace) -> None:
         sys.exit(f"ngrammys serve: the model failed to load: {app.state.load_error}")
     if not server.started:
         sys.exit(3)  # uvicorn could not start (e.g. the port is taken); it logged why
+
+
+def _worker(args: argparse.Namespace) -> None:
+    from app.ranks import run_worker
+
+    try:
+        settings = serve_settings(args)
+    except ValueError as error:
+        sys.exit(f"ngrammys worker: {error}")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_worker(settings)
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -543,6 +554,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     _settings_flags(serve)
     serve.set_defaults(run=_serve)
+    worker = commands.add_parser(
+        "worker", help="a tensor-parallel rank other than 0: a pod's first starts the pod's others (LeaderWorkerSet)")
+    _settings_flags(worker)
+    worker.set_defaults(run=_worker)
     prepare = commands.add_parser(
         "prepare", help="convert the model and compute its draft tables into the cache (for images)")
     prepare.add_argument("--model", default=None, help="model directory or .gguf [env NGRAMMYS_MODEL; default: embedded]")

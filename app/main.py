@@ -17,6 +17,7 @@ from app.errors import install_error_handlers
 from app.limits import BodySizeLimit
 from app.metrics import Metrics
 from app.metrics import router as metrics_router
+from app.ranks import start_rank_zero, world_size
 from app.openapi import finish_openapi
 from app.routes import health, openai
 from app.settings import Settings
@@ -74,6 +75,8 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Ca
     is recorded for /health and /ready, and `on_failure` is told."""
 
     def start() -> Runtime:
+        if world_size(settings) > 1:
+            return start_rank_zero(settings, on_step=app.state.metrics.record_step)
         return Runtime.start(loader(settings), settings.engine_config(), on_step=app.state.metrics.record_step)
 
     try:

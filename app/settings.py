@@ -44,6 +44,9 @@ class Settings(BaseSettings):
         "dtype unset or float32), else none",
     )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64, description="Ranks the model is split over (its heads and MLP columns), one GPU each (on a CPU, its "
+        "cores shared), started by this command; Llama-family models, --quantization none, no model drafts or device round")
     enforce_eager: bool = Field(
         False, description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never records them)")
     device_round: Literal["auto", "on", "off"] = Field(

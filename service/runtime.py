@@ -7,7 +7,7 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
@@ -27,6 +27,11 @@ from service.model.prompts import assistant_prefix_ids, stop_token_ids
 from service.model.runner import ModelRunner
 from service.model.tables import load_or_compute_tables, load_or_compute_tables_steps
 from service.model_drafts.draft_model import ModelDrafter, load_drafters
+from service.parallel.group import Control
+from service.parallel.launch import RankShard
+from service.parallel.ranks import PodRanks
+from service.parallel.runner import ParallelRunner
+from service.parallel.shard import NotShardable
 
 log = logging.getLogger(__name__)
 TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (a fraction of a second on a CPU)
@@ -40,11 +45,12 @@ def drafters_for(loaded: LoadedModel, config: EngineConfig) -> list[ModelDrafter
 
 
 def build_engine(loaded: LoadedModel, tables: TableSlot, config: EngineConfig = EngineConfig(),
-                 drafters: Sequence[Strategy] = ()) -> Engine:
+                 drafters: Sequence[Strategy] = (), runner: ModelRunner | None = None) -> Engine:
     """The engine for `loaded`, drafting with every strategy over `tables` and `drafters`
-    (`drafters_for`: loaded once, they may serve several engines)."""
+    (`drafters_for`: loaded once, they may serve several engines), its passes run by `runner`
+    (default: one over `loaded.model` on its device)."""
     model_config = loaded.model.config
-    runner = ModelRunner(loaded.model, static_passes=config.static_passes)
+    runner = runner or ModelRunner(loaded.model, static_passes=config.static_passes)
     eos_token_ids = stop_token_ids(loaded.tokenizer, model_config.eos_token_id)
     return Engine(
         runner,
@@ -138,6 +144,7 @@ class Runtime:
     engine: Engine
     async_engine: AsyncEngine
     keeper: ProfileKeeper | None = None
+    pod: PodRanks | None = None  # the tensor-parallel ranks this process started
 
     @classmethod
     def start(cls, loaded: LoadedModel, config: EngineConfig,
@@ -151,6 +158,25 @@ class Runtime:
         steps = warm_up(engine, loaded, config, keeper)
         async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step)
         return cls(loaded, engine, async_engine, keeper)
+
+    @classmethod
+    def start_parallel(cls, shard: RankShard, config: EngineConfig, on_lost: Callable[[BaseException], None],
+                       on_step: Callable[[StepStats], None] | None = None, pod: PodRanks | None = None) -> Runtime:
+        """`start` as rank 0 of tensor-parallel ranks (`service/parallel/`): the engine's passes
+        run on every rank; `on_lost` is told if a rank is lost; `pod`: the ranks this process
+        started, waited for at `close`. No model drafts, no device round; the model tables are
+        those the cache held for the whole model."""
+        if config.self_draft_layers or config.draft_model:
+            raise NotShardable("the model-running draft strategies do not run under tensor parallelism")
+        if config.device_round:
+            raise NotShardable("the device round does not run under tensor parallelism")
+        config = replace(config, device_round=False, model_tables=False)
+        runner = ParallelRunner(shard.loaded.model, Control(shard.control_group, on_lost), shard.place.world)
+        engine = build_engine(shard.loaded, TableSlot(shard.tables), config, runner=runner)
+        keeper = profile_keeper(engine, config)
+        steps = warm_up(engine, shard.loaded, config, keeper)
+        async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step)
+        return cls(shard.loaded, engine, async_engine, keeper, pod)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -192,4 +218,11 @@ class Runtime:
         self.engine.grammars.compile(spec)
 
     def close(self) -> None:
+        """Stop the engine's worker, then the other ranks' (if any)."""
         self.async_engine.shutdown()
+        if self.pod is not None:
+            self.pod.stopping()
+        if isinstance(self.engine.runner, ParallelRunner):
+            self.engine.runner.close()
+        if self.pod is not None:
+            self.pod.wait()

@@ -247,7 +247,8 @@ def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
     # the same packed weights compute otherwise with 8-bit activations (--quantization gguf-int8)
     int8 = "-int8" if getattr(runner.model.get_output_embeddings(), "int8_activations", False) else ""
     static = "-static" if runner.static is not None else ""  # fixed-shape passes (CUDA graphs) cost otherwise
-    name = f"{device_name(runner.device)}-{fingerprint}{int8}{static}-{runner.dtype}-code{pass_code_version()}"
+    ranks = f"-tp{runner.tensor_parallel_size}" if runner.tensor_parallel_size > 1 else ""
+    name = f"{device_name(runner.device)}-{fingerprint}{int8}{static}{ranks}-{runner.dtype}-code{pass_code_version()}"
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
     return cache_dir / "profiles" / f"{safe}.json"
 

@@ -57,6 +57,8 @@ class RowInput:
 class ModelRunner:
     """Holds a causal LM in eval mode and runs flat passes over the rows of a `TreeKVCache`."""
 
+    tensor_parallel_size = 1  # ranks each pass runs on (`service/parallel/runner.py`)
+
     def __init__(self, model: PreTrainedModel, static_passes: bool | None = None) -> None:
         """`static_passes`: bring small passes to fixed shapes (`service/model/static_pass.py`),
         recorded as CUDA graphs on a GPU. Default: on a GPU for models of the lean pass; True

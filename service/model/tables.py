@@ -117,11 +117,10 @@ def load_or_compute_tables_steps(
     show_progress: bool = True,
 ) -> Generator[None, None, ModelTables]:
     """`load_or_compute_tables` in increments of one batch."""
-    key = hashlib.sha256(f"{model_fingerprint(model)}{list(prefix_ids)}".encode()).hexdigest()[:16]
-    path = cache_dir / "tables" / f"{key}.npz"
-    if path.exists():
-        with np.load(path) as saved:
-            return ModelTables(unigram=saved["unigram"], bigram=saved["bigram"])
+    path = tables_path(model, cache_dir, prefix_ids)
+    cached = saved_tables(path)
+    if cached is not None:
+        return cached
     log.info("computing the model's unigram/bigram tables (cached at %s)", path)
     tables = yield from compute_tables_steps(model, prefix_ids, batch_size, show_progress)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,3 +128,17 @@ def load_or_compute_tables_steps(
     np.savez(staging, unigram=tables.unigram, bigram=tables.bigram)
     staging.rename(path)
     return tables
+
+
+def tables_path(model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[int] = ()) -> Path:
+    """Where `model`'s tables (after `prefix_ids`) are saved: keyed by its weights' fingerprint."""
+    key = hashlib.sha256(f"{model_fingerprint(model)}{list(prefix_ids)}".encode()).hexdigest()[:16]
+    return cache_dir / "tables" / f"{key}.npz"
+
+
+def saved_tables(path: Path) -> ModelTables | None:
+    """The tables saved at `path` (`tables_path`), or None if none are."""
+    if not path.exists():
+        return None
+    with np.load(path) as saved:
+        return ModelTables(unigram=saved["unigram"], bigram=saved["bigram"])

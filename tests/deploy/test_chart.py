@@ -339,12 +339,12 @@ def test_tensor_parallel_pods_get_one_gpu_per_rank_and_shared_memory(rendered: d
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     told = notes(CASES["tensor-parallel-example"])
-    assert "IN PROGRESS: tensorParallelSize=4" in told  # the server side is not there yet
+    assert "Tensor parallelism: one model copy over 4 ranks (4 per pod)" in told
 
     default = rendered["default"]
     assert _config(default)["NGRAMMYS_TENSOR_PARALLEL_SIZE"] == "1"
     assert all(v["name"] != "shm" for v in _deployment(default)["spec"]["template"]["spec"]["volumes"])
-    assert "IN PROGRESS" not in notes()
+    assert "Tensor parallelism" not in notes()
     assert _container(rendered["gpu-example"])["resources"]["limits"]["nvidia.com/gpu"] == "1"  # gpu.count
 
     cpu_only = render({"tensorParallelSize": 2})  # passed through; no GPU is requested without gpu.enabled
@@ -399,6 +399,7 @@ def test_a_leader_worker_set_replaces_the_deployment(rendered: dict) -> None:
     assert selector <= leader["metadata"]["labels"].items()
     assert not selector <= worker["metadata"]["labels"].items()
     assert "leaderworkerset" in notes(CASES["multi-node-example"])
+    assert "one model copy over 16 ranks (8 per pod, 2 pods a group)" in notes(CASES["multi-node-example"])
 
 
 def test_autoscaling_scales_whole_groups(rendered: dict) -> None:

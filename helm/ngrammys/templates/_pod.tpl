@@ -95,8 +95,8 @@ spec:
       image: {{ include "ngrammys.image" $root }}
       imagePullPolicy: {{ $values.image.pullPolicy }}
       {{- if not $serves }}
-      # The rest of the group's ranks; the leader's server drives them (in progress: see
-      # deploy/README.md, "Scaling out").
+      # The rest of the group's ranks, started by this pod's worker; the leader's server
+      # drives them (deploy/README.md, "Scaling out").
       command:
         {{- toYaml $values.leaderWorkerSet.workerCommand | nindent 8 }}
       {{- end }}

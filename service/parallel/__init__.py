@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model copy over several ranks (`--tensor-parallel-size`)."""
