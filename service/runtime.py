@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from transformers import PreTrainedTokenizerBase
 
-from drafting import Strategy, TableSlot, compile_table_kernels, default_mixer
+from drafting import ModelTables, Strategy, TableSlot, compile_table_kernels, default_mixer
 from service.controller.cost_profile import CostProfile
 from service.controller.profile_keeper import ProfileKeeper, ProfileState
 from service.controller.profiler import load_or_measure
@@ -82,21 +82,23 @@ def build_engine_with_tables(loaded: LoadedModel, config: EngineConfig = EngineC
     return engine
 
 
-def warm_up(engine: Engine, loaded: LoadedModel, config: EngineConfig,
-            keeper: ProfileKeeper | None) -> Generator[bool | None, None, None]:
+def model_tables_steps(loaded: LoadedModel, config: EngineConfig) -> Generator[None, None, ModelTables]:
+    """The model tables from the cache, or computed (and saved) in increments."""
+    prefix = assistant_prefix_ids(loaded.tokenizer)
+    return load_or_compute_tables_steps(loaded.model, config.cache_dir, prefix, TABLE_BATCH, show_progress=False)
+
+
+def warm_up(engine: Engine, keeper: ProfileKeeper | None,
+            tables: Generator[None, None, ModelTables] | None) -> Generator[bool | None, None, None]:
     """The warm-up as increments, for as long as the server runs (yields False while there is
     nothing to do). First the successor tables' compiled refresh and walk, which every round of
     a request drafting from them runs. Then the cost profile's `keeper` (a first valid profile,
     later probes and re-measures: `service/controller/profile_keeper.py`) before anything else;
-    the model tables, if `config` asks, are computed in the increments the keeper leaves free
+    the model `tables` (None: none to make) are computed in the increments the keeper leaves free
     (while it waits for a quiet machine or its back-off)."""
     compile_table_kernels()
     yield None
     profiling = keeper.steps() if keeper is not None else itertools.repeat(False)
-    tables = None
-    if config.model_tables:
-        prefix = assistant_prefix_ids(loaded.tokenizer)
-        tables = load_or_compute_tables_steps(loaded.model, config.cache_dir, prefix, TABLE_BATCH, show_progress=False)
     while True:
         if next(profiling) is not False:
             yield True
@@ -155,7 +157,7 @@ class Runtime:
         cannot draft for `loaded` raises here)."""
         engine = build_engine(loaded, TableSlot(), config, drafters_for(loaded, config))
         keeper = profile_keeper(engine, config)
-        steps = warm_up(engine, loaded, config, keeper)
+        steps = warm_up(engine, keeper, model_tables_steps(loaded, config) if config.model_tables else None)
         async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step)
         return cls(loaded, engine, async_engine, keeper)
 
@@ -165,16 +167,20 @@ class Runtime:
         """`start` as rank 0 of tensor-parallel ranks (`service/parallel/`): the engine's passes
         run on every rank; `on_lost` is told if a rank is lost; `pod`: the ranks this process
         started, waited for at `close`. No model drafts, no device round; the model tables are
-        those the cache held for the whole model."""
+        those the cache holds for the whole model, or computed over the ranks and saved there."""
         if config.self_draft_layers or config.draft_model:
             raise NotShardable("the model-running draft strategies do not run under tensor parallelism")
         if config.device_round:
             raise NotShardable("the device round does not run under tensor parallelism")
-        config = replace(config, device_round=False, model_tables=False)
+        config = replace(config, device_round=False)
         runner = ParallelRunner(shard.loaded.model, Control(shard.control_group, on_lost), shard.place.world)
         engine = build_engine(shard.loaded, TableSlot(shard.tables), config, runner=runner)
         keeper = profile_keeper(engine, config)
-        steps = warm_up(engine, shard.loaded, config, keeper)
+        tables = None
+        if config.model_tables and shard.tables is None:
+            prefix = assistant_prefix_ids(shard.loaded.tokenizer)
+            tables = runner.table_steps(prefix, shard.tables_path, TABLE_BATCH)
+        steps = warm_up(engine, keeper, tables)
         async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step)
         return cls(shard.loaded, engine, async_engine, keeper, pod)
 

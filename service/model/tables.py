@@ -123,10 +123,7 @@ def load_or_compute_tables_steps(
         return cached
     log.info("computing the model's unigram/bigram tables (cached at %s)", path)
     tables = yield from compute_tables_steps(model, prefix_ids, batch_size, show_progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
-    np.savez(staging, unigram=tables.unigram, bigram=tables.bigram)
-    staging.rename(path)
+    save_tables(path, tables)
     return tables
 
 
@@ -142,3 +139,11 @@ def saved_tables(path: Path) -> ModelTables | None:
         return None
     with np.load(path) as saved:
         return ModelTables(unigram=saved["unigram"], bigram=saved["bigram"])
+
+
+def save_tables(path: Path, tables: ModelTables) -> None:
+    """Save `tables` at `path`, written aside and renamed: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
+    np.savez(staging, unigram=tables.unigram, bigram=tables.bigram)
+    staging.rename(path)

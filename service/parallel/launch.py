@@ -2,8 +2,8 @@
 
 Every rank reads the whole checkpoint into host memory, keeps its shard and moves only that to
 its device, so a model larger than one GPU loads (the host must hold one whole copy per rank
-loading at once). Rank 0 also takes the model tables from the cache while it holds the whole
-model: they are keyed by the whole weights, and a sharded model cannot compute them alone.
+loading at once). Rank 0 also looks the model tables up while it holds the whole model: they
+are kept under the whole weights' fingerprint, where one rank's server finds them too.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ class RankShard:
     data_group: dist.ProcessGroup
     control_group: dist.ProcessGroup
     tables: ModelTables | None  # rank 0: the model tables found in the cache
+    tables_path: Path  # where the whole model's tables are kept
 
 
 def rank_device(device: str | None, local_rank: int) -> torch.device:
@@ -59,15 +61,11 @@ def load_shard(place: RankPlace, source: str | None, device: str | None, dtype: 
     dtype_name = str(resolve_dtype(dtype, target)).removeprefix("torch.")
     loaded = load_model(source, "cpu", dtype_name, cache_dir, "none")
     check_shardable(loaded.model, place.world)
-    tables = None
-    if place.rank == 0:
-        tables = saved_tables(tables_path(loaded.model, cache_dir, assistant_prefix_ids(loaded.tokenizer)))
-        if tables is None:
-            log.warning("no model tables in the cache for this model: the unigram/bigram strategies stay off "
-                        "(`ngrammys prepare --quantization none` with the same model and dtype computes them)")
+    path = tables_path(loaded.model, Path(cache_dir), assistant_prefix_ids(loaded.tokenizer))
+    tables = saved_tables(path) if place.rank == 0 else None
     started = time.perf_counter()
     data_group, control_group = join_ranks(place, target)
     log.info("rank %d of %d met the others in %.1f s", place.rank, place.world, time.perf_counter() - started)
     shard_model(loaded.model, place.rank, place.world, data_group)
     loaded.model.to(target)
-    return RankShard(loaded, place, data_group, control_group, tables)
+    return RankShard(loaded, place, data_group, control_group, tables, path)

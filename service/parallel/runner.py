@@ -12,14 +12,17 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
+from drafting import ModelTables
 from service.model.kv_cache import TreeKVCache
 from service.model.runner import ModelRunner, RowInput
+from service.model.tables import compute_tables_steps, save_tables
 from service.parallel.group import Control, receive
 from service.parallel.mirror import MirroredCache, Replica
 
@@ -50,6 +53,23 @@ class ParallelRunner(ModelRunner):
         with self.control.turn("forward", cache.cache_id, list(rows)):
             return super().forward_flat(cache, rows)
 
+    def table_steps(self, prefix_ids: Sequence[int], path: Path,
+                    batch_size: int) -> Generator[None, None, ModelTables]:
+        """The model tables computed over the ranks, one batch a step in turn with the passes
+        (`compute_tables_steps` runs the model's own forward, which every rank must run with
+        it), then saved at `path` (the whole model's)."""
+        steps = compute_tables_steps(self.model, prefix_ids, batch_size, show_progress=False)
+        while True:
+            with self.control.turn("tables", list(prefix_ids), batch_size):
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    tables = done.value
+                    break
+            yield
+        save_tables(path, tables)
+        return tables
+
     def close(self) -> None:
         self.control.close()
 
@@ -58,12 +78,20 @@ def serve_rank(runner: ModelRunner, control_group: dist.ProcessGroup) -> None:
     """Another rank's life: run what rank 0 sends, until it says stop (or is lost: the
     collective's error is raised)."""
     replica = Replica(runner.new_cache)
+    tables: Generator[None, None, ModelTables] | None = None
     while True:
         ops, message = receive(control_group)
         replica.replay(ops)
         if message[0] == "forward":
             _, cache_id, rows = message
             runner.forward_flat(replica.caches[cache_id], rows)
+        elif message[0] == "tables":
+            _, prefix_ids, batch_size = message
+            tables = tables or compute_tables_steps(runner.model, prefix_ids, batch_size, show_progress=False)
+            try:
+                next(tables)
+            except StopIteration:
+                tables = None
         elif message[0] == "ping":
             dist.all_reduce(torch.zeros(1), group=control_group)
         elif message[0] == "stop":

@@ -47,7 +47,7 @@ class RowParallelLinear(nn.Module):
 
 class VocabParallelHead(nn.Module):
     """The LM head cut by vocabulary rows (padded to equal parts): each rank's logits, gathered
-    over `group` into the whole [T, vocab] on every rank."""
+    over `group` into the whole [..., vocab] on every rank."""
 
     def __init__(self, weight: torch.Tensor, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
         super().__init__()
@@ -60,10 +60,10 @@ class VocabParallelHead(nn.Module):
         self.world, self.group = world, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight).contiguous()  # [T, part]
+        local = F.linear(x, self.weight).contiguous()  # [..., part]
         parts = [torch.empty_like(local) for _ in range(self.world)]
         dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
 def check_shardable(model: PreTrainedModel, world: int) -> None:

@@ -15,11 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import psutil
 import pytest
 import torch
 
 from app.background import free_port
+from service.model.loader import load_model
+from service.model.prompts import assistant_prefix_ids
+from service.model.tables import compute_tables, saved_tables, tables_path
 from tests.helpers.http import wait_until
 from tests.helpers.models import make_tiny_model
 
@@ -190,3 +194,22 @@ def _ranks_of(cache: Path) -> list[psutil.Process]:
         if "worker" in command and str(cache) in command:
             found.append(process)
     return found
+
+
+@pytest.mark.slow
+def test_the_ranks_compute_the_model_tables_one_rank_would(tiny_dir: Path, tmp_path: Path) -> None:
+    """Computed over the ranks in the background and kept where one rank's server looks."""
+    server, base, _ = _start(tiny_dir, tmp_path, 2, "--model-tables")
+    try:
+        wait_until(lambda: _ready(base, server), timeout=180)
+        wait_until(lambda: httpx.get(f"{base}/health").json()["model_tables"], timeout=300)
+    finally:
+        server.terminate()
+        assert server.wait(timeout=60) == 0
+    loaded = load_model(str(tiny_dir), "cpu", "float32", tmp_path, "none")
+    prefix = assistant_prefix_ids(loaded.tokenizer)
+    split = saved_tables(tables_path(loaded.model, tmp_path, prefix))
+    assert split is not None  # where a one-rank server with the same model and dtype finds them
+    alone = compute_tables(loaded.model, prefix, show_progress=False)
+    assert np.array_equal(split.unigram, alone.unigram)
+    assert (split.bigram == alone.bigram).mean() > 0.999  # logits differ in the last bits: near ties may swap
