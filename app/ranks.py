@@ -15,11 +15,12 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from datetime import timedelta
 
 from app.settings import Settings
 from service.engine.outputs import StepStats
 from service.model.runner import ModelRunner
-from service.parallel.launch import load_shard
+from service.parallel.launch import RankShard, load_shard
 from service.parallel.ranks import PodRanks, RankPlace
 from service.parallel.runner import serve_rank
 from service.runtime import Runtime
@@ -38,7 +39,8 @@ def worker_argv(settings: Settings) -> list[str]:
     as this process does (the rest of the environment they inherit)."""
     flags = {"model": settings.model, "device": settings.device, "dtype": settings.dtype,
              "quantization": settings.quantization, "cache_dir": settings.cache_dir,
-             "tensor_parallel_size": settings.tensor_parallel_size, "log_level": settings.log_level}
+             "tensor_parallel_size": settings.tensor_parallel_size,
+             "tensor_parallel_timeout": settings.tensor_parallel_timeout, "log_level": settings.log_level}
     argv = ["-m", "app.cli", "worker"]
     for name, value in flags.items():
         if value is not None:
@@ -54,8 +56,7 @@ def start_rank_zero(settings: Settings, on_step: Callable[[StepStats], None] | N
                          "group run ngrammys worker")
     pod = PodRanks(place, worker_argv(settings), lambda why: _lost(why, pod)) if place.starts_pod else None
     try:
-        shard = load_shard(place, settings.model, settings.device, settings.dtype, settings.cache_dir,
-                           settings.quantization)
+        shard = _load_shard(place, settings)
         return Runtime.start_parallel(shard, settings.engine_config(), lambda error: _lost(f"a collective with the other ranks failed ({error})", pod),
                                       on_step, pod)
     except BaseException:
@@ -72,13 +73,17 @@ def run_worker(settings: Settings) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pod = PodRanks(place, worker_argv(settings), lambda why: _lost(why, pod)) if place.starts_pod else None
     try:
-        shard = load_shard(place, settings.model, settings.device, settings.dtype, settings.cache_dir,
-                           settings.quantization)
+        shard = _load_shard(place, settings)
         serve_rank(ModelRunner(shard.loaded.model, static_passes=False), shard.control_group)
     except Exception as error:  # noqa: BLE001 — rank 0 gone, or this rank failed: either way the copy is lost
         _lost(f"rank {place.rank}: {type(error).__name__}: {error}", pod)
     if pod is not None:
         pod.wait()
+
+
+def _load_shard(place: RankPlace, settings: Settings) -> RankShard:
+    return load_shard(place, settings.model, settings.device, settings.dtype, settings.cache_dir,
+                      settings.quantization, timedelta(seconds=settings.tensor_parallel_timeout))
 
 
 def _lost(why: str, pod: PodRanks | None) -> None:

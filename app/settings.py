@@ -47,6 +47,9 @@ class Settings(BaseSettings):
     tensor_parallel_size: int = Field(
         1, ge=1, le=64, description="Ranks the model is split over (its heads and MLP columns), one GPU each (on a CPU, its "
         "cores shared), started by this command; Llama-family models, --quantization none, no model drafts or device round")
+    tensor_parallel_timeout: float = Field(
+        60.0, gt=0, description="Seconds an exchange between the ranks (a pass, an idle ping) may wait; past it a rank "
+        "is taken as lost and the server exits")
     enforce_eager: bool = Field(
         False, description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never records them)")
     device_round: Literal["auto", "on", "off"] = Field(

@@ -173,7 +173,8 @@ class Runtime:
         if config.device_round:
             raise NotShardable("the device round does not run under tensor parallelism")
         config = replace(config, device_round=False)
-        runner = ParallelRunner(shard.loaded.model, Control(shard.control_group, on_lost), shard.place.world)
+        runner = ParallelRunner(shard.loaded.model, Control(shard.control_group, on_lost, shard.timeout),
+                                shard.place.world)
         engine = build_engine(shard.loaded, TableSlot(shard.tables), config, runner=runner)
         keeper = profile_keeper(engine, config)
         tables = None

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,6 +40,7 @@ class RankShard:
     control_group: dist.ProcessGroup
     tables: ModelTables | None  # rank 0: the model tables found in the cache
     tables_path: Path  # where the whole model's tables are kept
+    timeout: timedelta  # the longest a collective waits
 
 
 def rank_device(device: str | None, local_rank: int) -> torch.device:
@@ -48,9 +50,10 @@ def rank_device(device: str | None, local_rank: int) -> torch.device:
 
 
 def load_shard(place: RankPlace, source: str | None, device: str | None, dtype: str | None,
-               cache_dir: os.PathLike[str], quantization: str) -> RankShard:
-    """Load the model (whole, on the host), meet the other ranks, keep this rank's shard on its
-    device. Raises `NotShardable` for what tensor parallelism cannot split."""
+               cache_dir: os.PathLike[str], quantization: str, timeout: timedelta) -> RankShard:
+    """Load the model (whole, on the host), meet the other ranks (each collective then bound by
+    `timeout`), keep this rank's shard on its device. Raises `NotShardable` for what tensor
+    parallelism cannot split."""
     if quantization in PACKED:
         raise NotShardable(f"--quantization {quantization} cannot be split over ranks: use --quantization none")
     target = rank_device(device, place.local_rank)
@@ -64,8 +67,8 @@ def load_shard(place: RankPlace, source: str | None, device: str | None, dtype: 
     path = tables_path(loaded.model, Path(cache_dir), assistant_prefix_ids(loaded.tokenizer))
     tables = saved_tables(path) if place.rank == 0 else None
     started = time.perf_counter()
-    data_group, control_group = join_ranks(place, target)
+    data_group, control_group = join_ranks(place, target, timeout)
     log.info("rank %d of %d met the others in %.1f s", place.rank, place.world, time.perf_counter() - started)
     shard_model(loaded.model, place.rank, place.world, data_group)
     loaded.model.to(target)
-    return RankShard(loaded, place, data_group, control_group, tables, path)
+    return RankShard(loaded, place, data_group, control_group, tables, path, timeout)

@@ -149,6 +149,25 @@ def test_a_killed_rank_ends_the_server_within_the_bound(tiny_dir: Path, tmp_path
 
 
 @pytest.mark.slow
+def test_a_rank_that_hangs_while_the_server_is_idle_ends_it_within_the_timeout(tiny_dir: Path,
+                                                                               tmp_path: Path) -> None:
+    """The process is alive, so only the idle pings (an all-reduce each) can find it."""
+    server, base, log = _start(tiny_dir, tmp_path, 2, "--tensor-parallel-timeout", "4")
+    try:
+        wait_until(lambda: _ready(base, server), timeout=180)
+        worker = psutil.Process(server.pid).children()[0]
+        stopped = time.monotonic()
+        worker.suspend()  # SIGSTOP
+        assert server.wait(timeout=60) == 70
+        assert time.monotonic() - stopped < 4 + 1 + 10  # the timeout, a ping interval, and slack
+        assert "a collective with the other ranks failed" in log.read_text()
+        wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, timeout=10)
+    finally:
+        if server.poll() is None:
+            server.kill()
+
+
+@pytest.mark.slow
 def test_sigterm_drains_and_stops_every_rank(tiny_dir: Path, tmp_path: Path) -> None:
     server, base, log = _start(tiny_dir, tmp_path, 2, "--drain-timeout", "30")
     try:
