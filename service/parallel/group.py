@@ -10,7 +10,6 @@ since the model copy is gone.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,8 +22,6 @@ import torch.distributed as dist
 
 from service.parallel.mirror import Op
 from service.parallel.ranks import RankPlace
-
-log = logging.getLogger(__name__)
 
 MEET_TIMEOUT = timedelta(minutes=30)  # ranks meeting at start: each loads the model first
 PINGS_PER_TIMEOUT = 4  # an idle rank 0 pings this often within the timeout (at most every 5 s)
