@@ -32,16 +32,16 @@ class RankLost(RuntimeError):
 
 
 def join_ranks(place: RankPlace, device: torch.device,
-               timeout: timedelta) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """Meet the other ranks; returns (data group, control group), whose collectives give up
-    after `timeout`."""
+               timeout: timedelta) -> tuple[dist.Store, dist.ProcessGroup, dist.ProcessGroup]:
+    """Meet the other ranks; returns the store they met at (its waits are the meeting's), and
+    the data and control groups, whose collectives give up after `timeout`."""
     store = dist.TCPStore(place.master_addr, place.master_port, place.world, is_master=place.rank == 0,
                           timeout=MEET_TIMEOUT)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=place.rank, world_size=place.world, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
-    return dist.group.WORLD, control
+    return store, dist.group.WORLD, control
 
 
 class Control:

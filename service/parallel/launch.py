@@ -1,8 +1,8 @@
 """Bring one rank up: its model shard on its device, met with the other ranks.
 
 Every rank reads the whole checkpoint into host memory, keeps its shard and moves only that to
-its device, so a model larger than one GPU loads (the host must hold one whole copy per rank
-loading at once). Rank 0 also looks the model tables up while it holds the whole model: they
+its device, so a model larger than one GPU loads; the ranks of a pod load one after another, so
+its host holds one whole copy at a time (and the shards kept). Rank 0 also looks the model tables up while it holds the whole model: they
 are kept under the whole weights' fingerprint, where one rank's server finds them too.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -51,9 +53,9 @@ def rank_device(device: str | None, local_rank: int) -> torch.device:
 
 def load_shard(place: RankPlace, source: str | None, device: str | None, dtype: str | None,
                cache_dir: os.PathLike[str], quantization: str, timeout: timedelta) -> RankShard:
-    """Load the model (whole, on the host), meet the other ranks (each collective then bound by
-    `timeout`), keep this rank's shard on its device. Raises `NotShardable` for what tensor
-    parallelism cannot split."""
+    """Meet the other ranks (each collective then bound by `timeout`), then, in turn with the
+    other ranks of this pod (`in_turn`), load the model whole on the host and keep this rank's
+    shard on its device. Raises `NotShardable` for what tensor parallelism cannot split."""
     if quantization in PACKED:
         raise NotShardable(f"--quantization {quantization} cannot be split over ranks: use --quantization none")
     target = rank_device(device, place.local_rank)
@@ -62,13 +64,25 @@ def load_shard(place: RankPlace, source: str | None, device: str | None, dtype: 
     else:  # the pod's cores shared among its ranks
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // place.per_pod))
     dtype_name = str(resolve_dtype(dtype, target)).removeprefix("torch.")
-    loaded = load_model(source, "cpu", dtype_name, cache_dir, "none")
-    check_shardable(loaded.model, place.world)
-    path = tables_path(loaded.model, Path(cache_dir), assistant_prefix_ids(loaded.tokenizer))
-    tables = saved_tables(path) if place.rank == 0 else None
     started = time.perf_counter()
-    data_group, control_group = join_ranks(place, target, timeout)
+    store, data_group, control_group = join_ranks(place, target, timeout)
     log.info("rank %d of %d met the others in %.1f s", place.rank, place.world, time.perf_counter() - started)
-    shard_model(loaded.model, place.rank, place.world, data_group)
-    loaded.model.to(target)
+    with in_turn(store, place):
+        loaded = load_model(source, "cpu", dtype_name, cache_dir, "none")
+        check_shardable(loaded.model, place.world)
+        path = tables_path(loaded.model, Path(cache_dir), assistant_prefix_ids(loaded.tokenizer))
+        tables = saved_tables(path) if place.rank == 0 else None
+        shard_model(loaded.model, place.rank, place.world, data_group)
+        loaded.model.to(target)
     return RankShard(loaded, place, data_group, control_group, tables, path, timeout)
+
+
+@contextmanager
+def in_turn(store: dist.Store, place: RankPlace) -> Iterator[None]:
+    """Run the body after the pod's previous rank ran it (it holds the whole model on the host
+    only until it has cut its shard), so a pod holds one whole copy at a time, not one a rank.
+    Ranks of other pods (hosts) go at once. The wait is the store's (the meeting's)."""
+    if place.local_rank > 0:
+        store.wait([f"loaded/{place.rank - 1}"])
+    yield
+    store.set(f"loaded/{place.rank}", "1")

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import threading
+import time
+from datetime import timedelta
 
-from service.parallel.ranks import RankPlace
+import pytest
+from torch.distributed import TCPStore
+
+from service.parallel.launch import in_turn
+from service.parallel.ranks import RankPlace, free_port
 from service.parallel.shard import NotShardable, check_shardable
 from tests.helpers.models import make_tiny_model
 
@@ -41,3 +47,28 @@ def test_a_leaderworkerset_pod_holds_the_ranks_after_the_pods_before_it() -> Non
     place = RankPlace.from_env(4, lws)
     assert (place.rank, place.local_rank, place.world, place.starts_pod) == (8, 0, 12, True)
     assert (place.master_addr, place.master_port) == ("leader.ns", 29500)
+
+
+def test_a_pods_ranks_load_one_after_another_and_other_pods_at_once() -> None:
+    """`in_turn` over a real store: local rank 1 waits for local rank 0's turn to end; the
+    first rank of the next pod does not."""
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))
+    order: list[str] = []
+    places = [RankPlace(rank, rank % 2, 2, 4, "127.0.0.1", port) for rank in range(4)]
+
+    def load(place: RankPlace, seconds: float) -> None:
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # a process's own
+        with in_turn(store, place):
+            order.append(f"start {place.rank}")
+            time.sleep(seconds)
+            order.append(f"end {place.rank}")
+
+    threads = [threading.Thread(target=load, args=(place, 0.3)) for place in reversed(places)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert order.index("start 1") > order.index("end 0") and order.index("start 3") > order.index("end 2")
+    assert order.index("start 2") < order.index("end 0")  # another pod (host): at once
+    del server
