@@ -57,8 +57,10 @@ def start_rank_zero(settings: Settings, on_step: Callable[[StepStats], None] | N
     pod = PodRanks(place, worker_argv(settings), lambda why: _lost(why, pod)) if place.starts_pod else None
     try:
         shard = _load_shard(place, settings)
-        return Runtime.start_parallel(shard, settings.engine_config(), lambda error: _lost(f"a collective with the other ranks failed ({error})", pod),
-                                      on_step, pod)
+        def lost(error: BaseException) -> None:
+            _lost(f"a collective with the other ranks failed ({error})", pod)
+
+        return Runtime.start_parallel(shard, settings.engine_config(), lost, on_step, pod)
     except BaseException:
         if pod is not None:
             pod.kill()

@@ -156,10 +156,8 @@ class Runtime:
         propose nothing. The model drafts `config` enables load first (a draft model that
         cannot draft for `loaded` raises here)."""
         engine = build_engine(loaded, TableSlot(), config, drafters_for(loaded, config))
-        keeper = profile_keeper(engine, config)
-        steps = warm_up(engine, keeper, model_tables_steps(loaded, config) if config.model_tables else None)
-        async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step)
-        return cls(loaded, engine, async_engine, keeper)
+        return cls._serving(loaded, engine, config, model_tables_steps(loaded, config) if config.model_tables else None,
+                            on_step)
 
     @classmethod
     def start_parallel(cls, shard: RankShard, config: EngineConfig, on_lost: Callable[[BaseException], None],
@@ -176,14 +174,21 @@ class Runtime:
         runner = ParallelRunner(shard.loaded.model, Control(shard.control_group, on_lost, shard.timeout),
                                 shard.place.world)
         engine = build_engine(shard.loaded, TableSlot(shard.tables), config, runner=runner)
-        keeper = profile_keeper(engine, config)
         tables = None
         if config.model_tables and shard.tables is None:
             prefix = assistant_prefix_ids(shard.loaded.tokenizer)
             tables = runner.table_steps(prefix, shard.tables_path, TABLE_BATCH)
-        steps = warm_up(engine, keeper, tables)
-        async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout, steps, on_step)
-        return cls(shard.loaded, engine, async_engine, keeper, pod)
+        return cls._serving(shard.loaded, engine, config, tables, on_step, pod)
+
+    @classmethod
+    def _serving(cls, loaded: LoadedModel, engine: Engine, config: EngineConfig,
+                 tables: Generator[None, None, ModelTables] | None, on_step: Callable[[StepStats], None] | None,
+                 pod: PodRanks | None = None) -> Runtime:
+        """`engine` behind its worker, which warms up (the cost profile's keeper, `tables`) while idle."""
+        keeper = profile_keeper(engine, config)
+        async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout,
+                                   warm_up(engine, keeper, tables), on_step)
+        return cls(loaded, engine, async_engine, keeper, pod)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
