@@ -30,31 +30,36 @@ class ContextNgram:
             raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
-        return [Draft(c, self.name, rank) for rank, c in enumerate(self.continuations(history, k, w))]
+        return [Draft(c, self.name, rank, n) for rank, (n, c) in enumerate(self.matches(history, k, w))]
 
     def continuations(self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()) -> list[tuple[int, ...]]:
         """At most k distinct continuations (≤ w tokens) of history + `tail`, best first."""
+        return [continuation for _, continuation in self.matches(history, k, w, tail)]
+
+    def matches(self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()) -> list[tuple[int, tuple[int, ...]]]:
+        """`continuations`, each with the length of the match it continues."""
         if k <= 0 or w <= 0:
             return []
         by_n = (
-            [tuple(history.token_ids[start : start + w])
-             for start in history.continuation_starts(n, self.most_recent, tail)]
+            (n, [tuple(history.token_ids[start : start + w])
+                 for start in history.continuation_starts(n, self.most_recent, tail)])
             for n in range(min(self.max_n, history.max_n), self.min_n - 1, -1)
         )
         return first_distinct(by_n, k)
 
 
-def first_distinct(by_n: Iterable[Sequence[tuple[int, ...]]], k: int) -> list[tuple[int, ...]]:
-    """Up to k distinct continuations, taking the lists in order (longest match first) and
-    ranking within each by count, then by most recent occurrence (lists are oldest first)."""
-    found: list[tuple[int, ...]] = []
-    for continuations in by_n:
+def first_distinct(by_n: Iterable[tuple[int, Sequence[tuple[int, ...]]]], k: int) -> list[tuple[int, tuple[int, ...]]]:
+    """Up to k distinct continuations, each with its match length n, taking the (n,
+    continuations) lists in order (longest match first) and ranking within each by count,
+    then by most recent occurrence (lists are oldest first)."""
+    found: dict[tuple[int, ...], int] = {}  # continuation -> n, in order
+    for n, continuations in by_n:
         for continuation in _ranked(continuations):
             if continuation and continuation not in found:
-                found.append(continuation)
+                found[continuation] = n
                 if len(found) == k:
-                    return found
-    return found
+                    return [(order, c) for c, order in found.items()]
+    return [(order, c) for c, order in found.items()]
 
 
 def _ranked(continuations: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:

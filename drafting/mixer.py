@@ -1,7 +1,8 @@
 """Split k speculation slots among strategies by how well each has been accepted.
 
 Each candidate is valued by the expected number of its tokens the model will accept,
-estimated per (strategy, rank) with the censored geometric model of `acceptance.py`. Every
+estimated per (strategy, rank, order) with the censored geometric model of `acceptance.py`
+(`Draft.order`: the length of the match a context or suffix draft continues). Every
 round, *every* candidate a strategy proposed — chosen or not — is scored against the tokens
 the model actually committed, so a strategy that gets no slot is still measured and can win
 slots back: no exploration schedule is needed. A request's own statistics dominate once it
@@ -41,17 +42,17 @@ MIXED = "mixed"
 SEPARATOR = "+"  # "context+self_draft": a mix of some strategies
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
-UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every (strategy, rank) gets tried
+UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every key gets tried
 PROBE_FIRST, PROBE_LAST = 8, 128  # a costly strategy passed over is asked again after 8, 16, ... 128 rounds
 REACH_SLACK = 2  # drafts and depth asked for beyond twice what the controller took last round
 
-Key = tuple[str, int]  # (strategy, rank)
+Key = tuple[str, int, int]  # (strategy, rank, order): see `Draft.order`
 
 
 class ScoredDraft(NamedTuple):
-    """A candidate, the acceptance estimated for its (strategy, rank), and what drafting one
-    token of it costs (measured by strategies that run a model; the controller counts it). A
-    named tuple, as `Acceptance`: one per candidate per round."""
+    """A candidate, the acceptance estimated for its key (strategy, rank, order), and what
+    drafting one token of it costs (measured by strategies that run a model; the controller
+    counts it). A named tuple, as `Acceptance`: one per candidate per round."""
 
     draft: Draft
     acceptance: Acceptance
@@ -135,7 +136,7 @@ class Mixer:
             self.batched[name].prepare(batch)
 
     def prior(self, key: Key) -> Acceptance:
-        """Global estimate for (strategy, rank). Kept until the key's counts change: every
+        """Global estimate for (strategy, rank, order). Kept until the key's counts change: every
         request of a step asks for the same few keys."""
         prior = self._priors.get(key)
         if prior is None:
@@ -144,7 +145,7 @@ class Mixer:
         return prior
 
     def record(self, key: Key, accepted: int, cap: int, shared: int = 0) -> None:
-        """A candidate of (strategy, rank) `key` matched `accepted` of at most `cap` tokens, the
+        """A candidate of (strategy, rank, order) `key` matched `accepted` of at most `cap` tokens, the
         first `shared` held by a better candidate (`AcceptanceCounts.observe`)."""
         self.global_counts[key].observe(accepted, cap, shared)
         self._priors.pop(key, None)
@@ -172,7 +173,7 @@ class RequestDrafts:
         self.tables = [t for t in mixer.successors if any(getattr(s, "table", None) is t for s in strategies)]
 
     def acceptance(self, draft: Draft) -> Acceptance:
-        key = (draft.strategy, draft.rank)
+        key = (draft.strategy, draft.rank, draft.order)
         return blend(self.counts[key], self.mixer.prior(key), REQUEST_PRIOR_WEIGHT)
 
     def candidates(self, k: int, w: int) -> list[ScoredDraft]:
@@ -249,7 +250,7 @@ class RequestDrafts:
             cap = len(tokens)
             if cap <= shared:
                 continue  # each node it could be scored on is a better draft's: nothing to learn
-            key = (draft.strategy, draft.rank)
+            key = (draft.strategy, draft.rank, draft.order)
             accepted = common_prefix(tokens, committed)
             counts[key].observe(accepted, cap, shared)
             record(key, accepted, cap, shared)
@@ -297,7 +298,7 @@ class RequestDrafts:
         kept = []
         for draft, legal in zip(drafts, self.legal_lengths([d.token_ids for d in drafts])):
             if legal:
-                kept.append(draft if legal == len(draft.token_ids) else Draft(draft.token_ids[:legal], draft.strategy, draft.rank))
+                kept.append(draft if legal == len(draft.token_ids) else Draft(draft.token_ids[:legal], draft.strategy, draft.rank, draft.order))
         return kept
 
     def _lengthen(self, drafts: list[Draft], w: int) -> list[Draft]:
@@ -305,7 +306,7 @@ class RequestDrafts:
         if not self.extend_short_drafts or tables is None:
             return drafts
         return [
-            Draft(tables.chain(d.token_ids, w), d.strategy, d.rank) if d.strategy == CONTEXT else d
+            Draft(tables.chain(d.token_ids, w), d.strategy, d.rank, d.order) if d.strategy == CONTEXT else d
             for d in drafts
         ]
 
@@ -342,6 +343,6 @@ def select(scored: Sequence[ScoredDraft], k: int, w: int) -> list[Draft]:
             break
         tokens = candidate.draft.token_ids[:w]
         if tokens not in nodes:
-            chosen.append(Draft(tokens, candidate.draft.strategy, candidate.draft.rank))
+            chosen.append(Draft(tokens, candidate.draft.strategy, candidate.draft.rank, candidate.draft.order))
             nodes.update(tokens[:depth] for depth in range(1, len(tokens) + 1))
     return chosen

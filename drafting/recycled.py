@@ -9,7 +9,7 @@ the model bigram table (x alone, computed once), a row reflects x in recent real
 Drafts grow from the newest token along a static tree template of *rank paths*: the path
 (0, 2, 0) takes the newest token's top successor, then that token's third, then its top
 one. The template is fixed per (k, w); the mixer ranks its branches by measured acceptance
-per (strategy, rank). Rows never observed fall back to the model bigram table if it exists.
+per (strategy, rank, order). Rows never observed fall back to the model bigram table if it exists.
 
 The mix's table also keys rows by the last *two* tokens: a node's distribution is what the
 model predicts after its parent's token and its own, so each pass fills a (previous, token)

@@ -138,7 +138,7 @@ class Suffix:
             return []
         tokens = history.token_ids
         by_n = (
-            self.index.continuations(tuple(tokens[-n:]), w, self.most_recent)
+            (n, self.index.continuations(tuple(tokens[-n:]), w, self.most_recent))
             for n in self.index.orders if n <= len(tokens)
         )
-        return [Draft(c, self.name, rank) for rank, c in enumerate(first_distinct(by_n, k))]
+        return [Draft(c, self.name, rank, n) for rank, (n, c) in enumerate(first_distinct(by_n, k))]

@@ -40,9 +40,12 @@ def test_context_ngram_proposals(context, k, w, expected) -> None:
     assert proposals(context, k, w) == expected
 
 
-def test_drafts_carry_strategy_and_rank() -> None:
+def test_drafts_carry_strategy_rank_and_match_length() -> None:
     drafts = ContextNgram().propose(TokenHistory([5, 1, 5, 2, 5]), 2, 1)
-    assert drafts == [Draft((2,), "context", 0), Draft((1,), "context", 1)]
+    assert drafts == [Draft((2,), "context", 0, 1), Draft((1,), "context", 1, 1)]
+    # "1 2 3" occurred before (a 3-token match, then 9); "3" alone was also followed by 7
+    drafts = ContextNgram().propose(TokenHistory([1, 2, 3, 9, 5, 3, 7, 1, 2, 3]), 2, 1)
+    assert drafts == [Draft((9,), "context", 0, 3), Draft((7,), "context", 1, 1)]
 
 
 def test_index_grows_with_the_history() -> None:
@@ -60,7 +63,7 @@ def test_index_grows_with_the_history() -> None:
 
 def test_only_the_most_recent_occurrences_are_examined() -> None:
     history = TokenHistory([7, 1] * 5 + [7, 2] + [7])  # 7 was followed by 1 five times, then 2
-    assert ContextNgram(max_n=1, most_recent=1).propose(history, 2, 1) == [Draft((2,), "context", 0)]
+    assert ContextNgram(max_n=1, most_recent=1).propose(history, 2, 1) == [Draft((2,), "context", 0, 1)]
     assert [d.token_ids for d in ContextNgram(max_n=1).propose(history, 2, 1)] == [(1,), (2,)]
 
 

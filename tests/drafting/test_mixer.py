@@ -61,7 +61,30 @@ def test_a_guess_shared_with_a_better_draft_counts_for_that_draft() -> None:
         request_drafts.observe([5, 9])  # two tokens a round: echo alternates between 5 and 6
     assert request_drafts.acceptance(Draft((5,), "a")).p > 0.9
     assert request_drafts.acceptance(Draft((6,), "echo")).p < 0.1
-    assert mixer.prior(("echo", 0)).p < 0.1
+    assert mixer.prior(("echo", 0, 0)).p < 0.1
+
+
+@dataclass(frozen=True)
+class Matcher:
+    """Continues a 4-token match on even rounds (and is right), a 1-token match on odd ones
+    (and is wrong): the same strategy and rank, told apart by the match's length."""
+
+    name: str = "matcher"
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        long_match = len(history) % 4 == 0
+        return [Draft((5,) if long_match else (6,), self.name, 0, 4 if long_match else 1)]
+
+
+def test_acceptance_is_learned_per_match_length() -> None:
+    mixer = Mixer([Matcher()])
+    request_drafts = mixer.for_request([0, 0])
+    for _ in range(40):
+        request_drafts.candidates(1, 1)
+        request_drafts.observe([5, 9])  # two tokens a round: the match length alternates
+    assert request_drafts.acceptance(Draft((5,), "matcher", 0, 4)).p > 0.9
+    assert request_drafts.acceptance(Draft((6,), "matcher", 0, 1)).p < 0.1
+    assert mixer.prior(("matcher", 0, 4)).p > 0.9
 
 
 def test_global_statistics_inform_new_requests() -> None:
@@ -82,7 +105,7 @@ def test_duplicates_and_prefixes_do_not_take_slots() -> None:
 def test_single_strategy_requests_and_unknown_names() -> None:
     mixer = default_mixer()
     assert mixer.names == [n for n in STRATEGY_NAMES if n not in MODEL_STRATEGY_NAMES]  # none enabled
-    assert mixer.for_request([1, 2, 1], "context").propose(2, 2) == [Draft((2, 1), "context", 0)]
+    assert mixer.for_request([1, 2, 1], "context").propose(2, 2) == [Draft((2, 1), "context", 0, 1)]
     with pytest.raises(ValueError, match="unknown strategy 'trigram'"):
         mixer.for_request([1], "trigram")
 
@@ -92,9 +115,9 @@ def test_mixed_mode_lengthens_short_context_drafts_by_bigram_chaining() -> None:
     slot = TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram))
     request_drafts = default_mixer(slot).for_request([2, 3, 2])  # context: after 2 came 3
     context_drafts = [d for d in request_drafts.propose(4, 3) if d.strategy == "context"]
-    assert context_drafts == [Draft((3, 2, 3), "context", 0)]  # (3, 2) then 2 -> 3
+    assert context_drafts == [Draft((3, 2, 3), "context", 0, 1)]  # (3, 2) then 2 -> 3
     alone = default_mixer(slot).for_request([2, 3, 2], "context").propose(4, 3)
-    assert alone == [Draft((3, 2), "context", 0)]  # single strategy: not lengthened
+    assert alone == [Draft((3, 2), "context", 0, 1)]  # single strategy: not lengthened
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ def test_what_followed_an_ngram_in_earlier_outputs_is_proposed() -> None:
     index.append([9, 2, 3, 7])  # another's
     drafts = Suffix(index).propose(TokenHistory([8, 1, 2, 3]), 3, 2)
     # [1, 2, 3] matched the first output (-> 4 5); [2, 3] matched both (newest first: -> 7)
-    assert drafts == [Draft((4, 5), "suffix", 0), Draft((7,), "suffix", 1)]
+    assert drafts == [Draft((4, 5), "suffix", 0, 3), Draft((7,), "suffix", 1, 2)]
 
 
 @pytest.mark.parametrize(
