@@ -26,7 +26,7 @@ class Draft:
     suffix), the match's length. Acceptance is learned per (strategy, rank, order): the
     continuation of a 4-token match was accepted first time in 88-100% of the rounds, that of
     a 1-token match in 10-36% (embedded model, fixed k=8 w=6, five Spec-Bench categories;
-    docs/benchmarks.md), and one estimate over both made auto mode speculate on 1-token
+    docs/drafting.md), and one estimate over both made auto mode speculate on 1-token
     matches in free text, at a loss, and doubt 4-token ones."""
 
     token_ids: tuple[int, ...]

@@ -9,11 +9,14 @@ they followed the match, then by how recently.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 from drafting.base import Draft
 from drafting.history import TokenHistory
+
+Match = tuple[int, tuple[int, ...]]  # (the match's length n, a continuation)
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class ContextNgram:
         """At most k distinct continuations (≤ w tokens) of history + `tail`, best first."""
         return [continuation for _, continuation in self.matches(history, k, w, tail)]
 
-    def matches(self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()) -> list[tuple[int, tuple[int, ...]]]:
+    def matches(self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()) -> list[Match]:
         """`continuations`, each with the length of the match it continues."""
         if k <= 0 or w <= 0:
             return []
@@ -48,18 +51,20 @@ class ContextNgram:
         return first_distinct(by_n, k)
 
 
-def first_distinct(by_n: Iterable[tuple[int, Sequence[tuple[int, ...]]]], k: int) -> list[tuple[int, tuple[int, ...]]]:
+def first_distinct(by_n: Iterable[tuple[int, Sequence[tuple[int, ...]]]], k: int) -> list[Match]:
     """Up to k distinct continuations, each with its match length n, taking the (n,
-    continuations) lists in order (longest match first) and ranking within each by count,
-    then by most recent occurrence (lists are oldest first)."""
-    found: dict[tuple[int, ...], int] = {}  # continuation -> n, in order
-    for n, continuations in by_n:
-        for continuation in _ranked(continuations):
-            if continuation and continuation not in found:
-                found[continuation] = n
-                if len(found) == k:
-                    return [(order, c) for c, order in found.items()]
-    return [(order, c) for c, order in found.items()]
+    continuations) lists in order (longest match first; read only as far as needed) and
+    ranking within each by count, then by most recent occurrence (lists are oldest first)."""
+    seen: set[tuple[int, ...]] = set()
+
+    def distinct() -> Iterator[Match]:
+        for n, continuations in by_n:
+            for continuation in _ranked(continuations):
+                if continuation and continuation not in seen:
+                    seen.add(continuation)
+                    yield n, continuation
+
+    return list(islice(distinct(), k))
 
 
 def _ranked(continuations: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:

@@ -136,8 +136,8 @@ class Mixer:
             self.batched[name].prepare(batch)
 
     def prior(self, key: Key) -> Acceptance:
-        """Global estimate for (strategy, rank, order). Kept until the key's counts change: every
-        request of a step asks for the same few keys."""
+        """Global estimate for (strategy, rank, order). Kept until the key's counts change:
+        every request of a step asks for the same few keys."""
         prior = self._priors.get(key)
         if prior is None:
             unseen = Acceptance(UNSEEN.p / (key[1] + 1), UNSEEN.c)
@@ -145,8 +145,8 @@ class Mixer:
         return prior
 
     def record(self, key: Key, accepted: int, cap: int, shared: int = 0) -> None:
-        """A candidate of (strategy, rank, order) `key` matched `accepted` of at most `cap` tokens, the
-        first `shared` held by a better candidate (`AcceptanceCounts.observe`)."""
+        """A candidate of (strategy, rank, order) `key` matched `accepted` of at most `cap`
+        tokens, the first `shared` held by a better candidate (`AcceptanceCounts.observe`)."""
         self.global_counts[key].observe(accepted, cap, shared)
         self._priors.pop(key, None)
 
@@ -298,7 +298,8 @@ class RequestDrafts:
         kept = []
         for draft, legal in zip(drafts, self.legal_lengths([d.token_ids for d in drafts])):
             if legal:
-                kept.append(draft if legal == len(draft.token_ids) else Draft(draft.token_ids[:legal], draft.strategy, draft.rank, draft.order))
+                kept.append(draft if legal == len(draft.token_ids)
+                            else Draft(draft.token_ids[:legal], draft.strategy, draft.rank, draft.order))
         return kept
 
     def _lengthen(self, drafts: list[Draft], w: int) -> list[Draft]:
