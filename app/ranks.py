@@ -57,6 +57,7 @@ def start_rank_zero(settings: Settings, on_step: Callable[[StepStats], None] | N
     pod = PodRanks(place, worker_argv(settings), lambda why: _lost(why, pod)) if place.starts_pod else None
     try:
         shard = _load_shard(place, settings)
+
         def lost(error: BaseException) -> None:
             _lost(f"a collective with the other ranks failed ({error})", pod)
 

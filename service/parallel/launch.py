@@ -2,8 +2,9 @@
 
 Every rank reads the whole checkpoint into host memory, keeps its shard and moves only that to
 its device, so a model larger than one GPU loads; the ranks of a pod load one after another, so
-its host holds one whole copy at a time (and the shards kept). Rank 0 also looks the model tables up while it holds the whole model: they
-are kept under the whole weights' fingerprint, where one rank's server finds them too.
+its host holds one whole copy at a time (and the shards kept). Rank 0 also looks the model
+tables up while it holds the whole model: they are kept under the whole weights' fingerprint,
+where one rank's server finds them too.
 """
 
 from __future__ import annotations
