@@ -407,6 +407,8 @@ def loadtest_server_flags(args: argparse.Namespace, prefix_cache: bool = False) 
              *([] if prefix_cache else ["--no-prefix-cache"])]
     if args.max_prefill_tokens_while_decoding is not None:
         flags += ["--max-prefill-tokens-while-decoding", str(args.max_prefill_tokens_while_decoding)]
+    if args.prefill_pass_ms is not None:
+        flags += ["--prefill-pass-ms", str(args.prefill_pass_ms)]
     return flags + _model_serve_flags(args)
 
 
@@ -667,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-running-requests", type=int, default=64, help="for the server started here")
     load.add_argument("--max-tokens-per-pass", type=int, default=512, help="for the server started here")
     load.add_argument("--max-prefill-tokens-while-decoding", type=int, default=None,
+                      help="for the server started here (default: the server's)")
+    load.add_argument("--prefill-pass-ms", type=float, default=None,
                       help="for the server started here (default: the server's)")
     load.add_argument("--suffix-cache-tokens", type=int, default=0,
                       help="for the server started here (default 0, off: the load test cycles its questions, and "

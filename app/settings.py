@@ -82,7 +82,11 @@ class Settings(BaseSettings):
     max_tokens_per_pass: int = Field(512, ge=16, description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the whole batch")
     max_prefill_tokens_while_decoding: int | None = Field(
         None, ge=1,
-        description="Prompt tokens a pass may carry while other requests decode (default: 64 on CPU, max_tokens_per_pass on GPU)")
+        description="Prompt tokens a pass may carry while other requests decode (default: as many as "
+        "prefill_pass_ms allows; 64 on CPU, max_tokens_per_pass on GPU until a cost profile is in use)")
+    prefill_pass_ms: float = Field(
+        100.0, gt=0, description="While other requests decode, prompt chunks are sized by the cost profile so that "
+        "a pass costs about this many ms (the inter-token time a loading prompt may cause)")
     kv_cache_memory_mb: int | None = Field(4096, ge=1, description="KV cache budget in MiB; a request waits until it fits (none = unbounded)")
     prefix_cache: bool = Field(True, description="Keep the KV of computed prompt and output blocks for later requests "
                                "that start the same way, in the KV budget the running requests leave")
@@ -123,7 +127,8 @@ class Settings(BaseSettings):
         """What the engine and its runtime take from these settings."""
         memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20
         scheduler = SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory,
-                                    self.max_prefill_tokens_while_decoding, self.prefix_cache)
+                                    self.max_prefill_tokens_while_decoding, self.prefill_pass_ms,
+                                    self.prefix_cache)
         return EngineConfig(
             scheduler=scheduler, max_waiting=self.max_waiting, request_timeout=self.request_timeout,
             model_tables=self.model_tables, cost_profile=self.cost_profile, cache_dir=self.cache_dir,

@@ -139,3 +139,16 @@ class PassCost:
         off with the cap, 0.88x without; 64 rows: 0.82x and 0.97x; docs/benchmarks.md)."""
         equal_rows = self.equal_rows(shape.tokens)
         return equal_rows + shape.wide_rows * self.wide_row_seconds if shape.wide_rows else equal_rows
+
+    def tokens_within(self, seconds: float, base: PassShape, most: int) -> int:
+        """The most tokens (`base.tokens` .. `most`) a pass of `base`'s wide rows can hold and
+        cost at most `seconds`; `base.tokens` when even that costs more (the costs rise with
+        the tokens: the profile is monotone)."""
+        low, high = base.tokens, max(most, base.tokens)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.seconds(PassShape(middle, base.wide_rows)) <= seconds:
+                low = middle
+            else:
+                high = middle - 1
+        return low

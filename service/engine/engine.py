@@ -108,7 +108,7 @@ class Engine:
 
     @profile.setter
     def profile(self, profile: CostProfile | None) -> None:
-        self.policy.profile = profile
+        self.policy.profile = self.scheduler.profile = profile
 
     @property
     def calibration(self) -> Calibration:

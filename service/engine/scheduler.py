@@ -12,19 +12,23 @@ upper bound of the KV memory, and admission keeps it under `kv_cache_bytes`.
 Chunked prefill: each step every running request brings something to the one pass. Decoding
 requests bring their pending token (plus the tree the controller adds); prefilling requests
 share what is left of `max_tokens_per_pass`, oldest first, so a long prompt is cut into
-chunks and running streams keep flowing while it loads. While any request decodes, prompt
-chunks take at most `max_prefill_tokens_while_decoding` of a pass: every prompt token in the
-pass delays every running stream's next token. But when many requests wait for their first
-token (a burst of arrivals: more of them than decoding requests), prompts get the share of
-the pass in proportion to their number, or a burst of 64 prompts behind a few decoding streams would wait minutes for its first tokens
-(TGI's `waiting_served_ratio` answers the same problem). Only then: under a steady load, a few
-requests joining together behind many decoding streams took 150-290 prompt tokens a pass by
-that share, and those passes (120-230 ms against 23 ms decode-only, 16 rows, 2-core CPU) set
-the streams' p99 inter-token time. On a CPU a pass costs about in proportion to its tokens,
-so the default cap there is small (64; docs/benchmarks.md, "Prompt processing" and "Load
-tests", has the runs behind it); on a GPU a pass of hundreds of tokens costs little more than
-one, so the default is the whole pass. With nothing decoding, a prompt takes the whole pass
-(first token sooner).
+chunks and running streams keep flowing while it loads. While any request decodes, every
+prompt token in the pass delays every running stream's next token, so prompt chunks take only
+as many tokens as keep the pass within `prefill_pass_ms` (100 ms: the inter-token time a loading
+prompt may cause), priced by the cost profile (`prefill_cap`); `max_prefill_tokens_while_decoding`
+fixes a number instead. The price is what a fixed number lacked: a pass costs about in
+proportion to its tokens on a CPU, at a rate that differs by path (64 prompt tokens cost ~80 ms
+on the 2-core dev CPU's float32 path and ~22 ms on its int8 path), while on a GPU a pass of
+hundreds of tokens costs little more than one, so the price gives the whole pass there. Until
+a profile is in use the cap is 64 tokens on a CPU (docs/benchmarks.md, "Prompt processing" and
+"Load tests", has the runs behind it) and the whole pass elsewhere. But when many requests wait
+for their first token (a burst of arrivals: more of them than decoding requests), prompts get
+the share of the pass in proportion to their number, or a burst of 64 prompts behind a few
+decoding streams would wait minutes for its first tokens (TGI's `waiting_served_ratio` answers
+the same problem). Only then: under a steady load, a few requests joining together behind many
+decoding streams took 150-290 prompt tokens a pass by that share, and those passes (120-230 ms
+against 23 ms decode-only, 16 rows, 2-core CPU) set the streams' p99 inter-token time. With
+nothing decoding, a prompt takes the whole pass (first token sooner).
 
 Prefix cache (`service/model/prefix_cache.py`): an admitted request's row starts with the
 cached blocks its prompt begins with, and the blocks of every prompt chunk a pass commits,
@@ -44,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from drafting import common_prefix
+from service.controller.cost_profile import CostProfile, PassShape
 from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
 from service.model.prefix_cache import BLOCK_TOKENS, PrefixCache
 from service.engine.request import Request, Status
@@ -56,25 +61,33 @@ class SchedulerConfig:
     max_running_requests: int | None = None  # None: by device (`for_device`)
     max_tokens_per_pass: int = 512  # prefill chunks + decode tokens + tree nodes in one pass
     kv_cache_bytes: int | None = None  # budget of the KV buffers; None = unbounded
-    max_prefill_tokens_while_decoding: int | None = None  # None: by device (`for_device`)
+    max_prefill_tokens_while_decoding: int | None = None  # a fixed cap; None: priced by `prefill_pass_ms`
+    # while others decode, a pass that carries prompt chunks is sized to cost about this much
+    prefill_pass_ms: float = 100.0
     prefix_cache: bool = True  # keep computed KV blocks for later requests with the same prefix
+    unpriced_prefill_tokens: int | None = None  # the cap until a cost profile prices one: `for_device`
 
     def __post_init__(self) -> None:
         if (self.max_running_requests is not None and self.max_running_requests < 1) or self.max_tokens_per_pass < 1:
             raise ValueError("max_running_requests and max_tokens_per_pass must be >= 1")
         if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
+        if self.prefill_pass_ms <= 0:
+            raise ValueError("prefill_pass_ms must be > 0")
 
     def for_device(self, device_type: str) -> SchedulerConfig:
-        """This config with the batch size and the prefill cap resolved for a device ("cpu",
-        "cuda", ...)."""
+        """This config with the batch size and the unpriced prefill cap resolved for a device
+        ("cpu", "cuda", ...)."""
         cpu = device_type == "cpu"
         running = self.max_running_requests or (CPU_MAX_RUNNING_REQUESTS if cpu else GPU_MAX_RUNNING_REQUESTS)
-        cap = self.max_prefill_tokens_while_decoding or (CPU_PREFILL_TOKENS_WHILE_DECODING if cpu else self.max_tokens_per_pass)
-        return dataclasses.replace(self, max_running_requests=running, max_prefill_tokens_while_decoding=cap)
+        unpriced = CPU_PREFILL_TOKENS_WHILE_DECODING if cpu else self.max_tokens_per_pass
+        return dataclasses.replace(self, max_running_requests=running, unpriced_prefill_tokens=unpriced)
 
 
-CPU_PREFILL_TOKENS_WHILE_DECODING = 64
+CPU_PREFILL_TOKENS_WHILE_DECODING = 64  # until a cost profile is in use
+# The least a priced cap gives prompts while others decode (one prefix-cache block), so that a
+# prompt still loads where the decoding rows alone already cost `prefill_pass_ms`.
+LEAST_PRICED_PREFILL_TOKENS = BLOCK_TOKENS
 # Requests in one batch. On the 2-core dev CPU a 16-row pass already costs ~2.7x a one-row pass
 # (compute-bound), so more rows add latency, not throughput; on the H200 a pass is host-bound
 # and 64 rows ran at 2.0-2.3x the tokens/s of 16 (speculation off, embedded model;
@@ -109,7 +122,7 @@ class Scheduler:
     """Owns the waiting queue and the running batch; `running[i]` holds KV row i."""
 
     def __init__(self, config: SchedulerConfig, cache: TreeKVCache, kv_bytes_per_token: int) -> None:
-        if config.max_running_requests is None or config.max_prefill_tokens_while_decoding is None:
+        if config.max_running_requests is None or config.unpriced_prefill_tokens is None:
             raise ValueError("the scheduler takes a config resolved for its device (SchedulerConfig.for_device)")
         self.config = config
         self.max_running: int = config.max_running_requests
@@ -118,6 +131,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefix = PrefixCache(self._prefix_room) if config.prefix_cache else None
+        self.profile: CostProfile | None = None  # prices the prompt chunks while others decode
 
     @property
     def has_work(self) -> bool:
@@ -222,15 +236,14 @@ class Scheduler:
     def plan(self) -> StepPlan:
         """Split this pass's token budget: one token per decoding row first, then prefill
         chunks oldest first (each prefilling row brings at least one token). While others
-        decode, prompts get `max_prefill_tokens_while_decoding`; in a burst (more requests
-        waiting for their first token than decoding) their share of the pass if larger, in
-        proportion to their number."""
+        decode, prompts get `prefill_cap`; in a burst (more requests waiting for their first
+        token than decoding) their share of the pass if larger, in proportion to their number."""
         prefilling = [r for r in self.running if r.prefill_remaining > 0]
         decoding = len(self.running) - len(prefilling)
         left = self.config.max_tokens_per_pass - decoding
         prefill_left = left
-        cap = self.config.max_prefill_tokens_while_decoding
-        if decoding:
+        if decoding and prefilling:
+            cap = self.prefill_cap(decoding, len(prefilling))
             burst = len(prefilling) > decoding
             prefill_left = min(left, max(cap, left * len(prefilling) // len(self.running)) if burst else cap)
         prefill: dict[Request, int] = {}
@@ -240,6 +253,25 @@ class Scheduler:
             left -= chunk
             prefill_left -= chunk
         return StepPlan(prefill, max(left, 0))
+
+    def prefill_cap(self, decoding: int, prefilling: int) -> int:
+        """Prompt tokens a pass may carry beside `decoding` one-token rows: the configured
+        number if one is fixed; else, priced by the cost profile, as many as keep the pass
+        (`prefilling` wide rows among the running rows, at their mean context) within
+        `prefill_pass_ms`, and at least `LEAST_PRICED_PREFILL_TOKENS`; without a profile, the
+        device's default. A fixed number suits one device and path: 64 tokens cost ~80 ms
+        on the 2-core dev CPU's float32 path, ~22 ms on its int8 path and next to nothing
+        on a GPU, so the price sets how long the loading prompts hold up the streams."""
+        config = self.config
+        if config.max_prefill_tokens_while_decoding is not None:
+            return config.max_prefill_tokens_while_decoding
+        if self.profile is None:
+            return config.unpriced_prefill_tokens  # type: ignore[return-value]  # resolved in __init__
+        context = sum(r.context_length for r in self.running) / len(self.running)
+        cost = self.profile.at(context, len(self.running))
+        fits = cost.tokens_within(config.prefill_pass_ms / 1e3, PassShape(decoding + prefilling, prefilling),
+                                  config.max_tokens_per_pass)
+        return max(fits - decoding, LEAST_PRICED_PREFILL_TOKENS)
 
     def finish(self, request: Request) -> None:
         """Take a request out of the batch and free its KV row."""

@@ -15,6 +15,11 @@ def flat_profile(slope: float) -> CostProfile:
     return CostProfile([1], [100, 1000], [SIZES], [[row, row]])
 
 
+def linear_profile(first: float, per_token: float) -> CostProfile:
+    """T(n) = first + per_token·n seconds, whatever the rows and context."""
+    return CostProfile([1], [100], [SIZES], [[[first + per_token * n for n in SIZES]]])
+
+
 MEMORY_BOUND = flat_profile(0.001)  # a GPU below its knee: 64 tokens cost 6% more than 1
 COMPUTE_BOUND = flat_profile(0.5)  # every extra token costs half a pass
 CPU_LIKE = CostProfile([1], [100], [SIZES], [[[0.110, 0.165, 0.20, 0.23, 0.30, 0.37, 0.55]]])

@@ -11,7 +11,7 @@ from service.engine.scheduler import (
     SchedulerConfig,
 )
 from tests.helpers.batch import LENGTHS, MODES, PROMPTS
-from tests.helpers.costs import gpu_like
+from tests.helpers.costs import gpu_like, linear_profile
 from tests.helpers.engines import make_engine, reference_greedy
 
 
@@ -98,6 +98,30 @@ def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, t
         assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 40)
 
 
+def test_prompt_chunks_beside_decoding_streams_are_priced_by_the_engines_profile(tiny_model, tiny_runner,
+                                                                                tiny_tables) -> None:
+    """The profile the engine is given prices the chunks: 10 ms + 1 ms a token keeps a pass of
+    2 streams within 30.5 ms at 20 tokens, 18 of them the joining prompt's."""
+    engine = make_engine(tiny_runner, tiny_tables, prefill_pass_ms=30.5, prefix_cache=False)
+    engine.profile = linear_profile(0.010, 0.001)
+    streams = [engine.add_request(p, GenerationParams(40)) for p in PROMPTS[:2]]
+    while any(r.prefill_remaining for r in streams):
+        engine.step()
+    prompt = list(range(2, 60))
+    joining = engine.add_request(prompt, GenerationParams(4))
+    chunks = []
+    while joining.num_generated == 0:
+        _, stats = engine.step()
+        assert stats is not None
+        chunks.append(stats.prefill_tokens)
+    assert chunks == [18, 18, 18, 3]  # 57 prompt tokens to cache
+    while engine.has_work:
+        engine.step()
+    assert joining.output_ids == reference_greedy(tiny_model, prompt, 4)
+    for request in streams:
+        assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 40)
+
+
 def test_a_burst_of_prompts_gets_its_share_of_the_pass(tiny_runner, tiny_tables) -> None:
     engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5,
                          prefix_cache=False)  # (with it, the three same prompts would be prefilled once)
@@ -130,12 +154,12 @@ def test_a_few_prompts_joining_many_decoding_streams_keep_to_the_cap(tiny_model,
 
 def test_the_batch_size_and_the_prefill_cap_default_by_device() -> None:
     config = SchedulerConfig(max_tokens_per_pass=300)
-    assert config.for_device("cpu").max_prefill_tokens_while_decoding == CPU_PREFILL_TOKENS_WHILE_DECODING
-    assert config.for_device("cuda").max_prefill_tokens_while_decoding == 300
+    assert config.for_device("cpu").unpriced_prefill_tokens == CPU_PREFILL_TOKENS_WHILE_DECODING
+    assert config.for_device("cuda").unpriced_prefill_tokens == 300
     assert config.for_device("cpu").max_running_requests == CPU_MAX_RUNNING_REQUESTS
     assert config.for_device("cuda").max_running_requests == GPU_MAX_RUNNING_REQUESTS
     chosen = SchedulerConfig(max_running_requests=5, max_prefill_tokens_while_decoding=7)
-    assert chosen.for_device("cpu") == chosen.for_device("cuda") == chosen
+    assert chosen.for_device("cpu").max_running_requests == chosen.for_device("cuda").max_running_requests == 5
 
 
 def test_a_scheduler_takes_only_a_config_resolved_for_its_device(tiny_runner) -> None:

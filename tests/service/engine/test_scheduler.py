@@ -11,8 +11,13 @@ from drafting import default_mixer
 from service.controller.calibration import Calibration
 from service.engine.params import GenerationParams
 from service.engine.request import Request, Status
-from service.engine.scheduler import DoesNotFit, Scheduler, SchedulerConfig, kv_capacity_bound
+from service.controller.cost_profile import CostProfile
+from service.engine.scheduler import (
+    CPU_PREFILL_TOKENS_WHILE_DECODING, LEAST_PRICED_PREFILL_TOKENS, DoesNotFit, Scheduler, SchedulerConfig,
+    kv_capacity_bound,
+)
 from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
+from tests.helpers.costs import linear_profile
 
 MIXER = default_mixer(None)
 # One byte per KV token: a row's bound is then its capacity in bytes (256 for a short request).
@@ -26,13 +31,14 @@ def make_request(prompt_tokens: int = 8, new_tokens: int = 8, name: str = "r") -
 
 
 def make_scheduler(max_running: int = 4, tokens_per_pass: int = 512, kv_bytes: int | None = None,
-                   prefill_cap: int = 512, cache: TreeKVCache | None = None, prefix_cache: bool = False) -> Scheduler:
+                   prefill_cap: int | None = 512, cache: TreeKVCache | None = None, prefix_cache: bool = False,
+                   pass_ms: float = 100.0) -> Scheduler:
     """A scheduler whose requests (prompts that all start alike) are admitted as if new:
     without a prefix cache, unless asked for (its own tests, test_prefix_cache.py)."""
     config = SchedulerConfig(max_running_requests=max_running, max_tokens_per_pass=tokens_per_pass,
                              kv_cache_bytes=kv_bytes, max_prefill_tokens_while_decoding=prefill_cap,
-                             prefix_cache=prefix_cache)
-    return Scheduler(config, cache or TreeKVCache(num_layers=1, rows=0), BYTES_PER_TOKEN)
+                             prefill_pass_ms=pass_ms, prefix_cache=prefix_cache)
+    return Scheduler(config.for_device("cpu"), cache or TreeKVCache(num_layers=1, rows=0), BYTES_PER_TOKEN)
 
 
 def decoding(request: Request) -> Request:
@@ -164,6 +170,56 @@ def test_prompt_chunks_share_the_pass_with_decoding_rows(decoding_rows: int, pro
     assert plan.tree_budget == tree_budget
 
 
+CPU = linear_profile(0.010, 0.001)
+GPU = linear_profile(0.003, 0.000002)  # 512 tokens: 4 ms
+
+
+def _one_prompt_beside(streams: int, scheduler: Scheduler) -> Request:
+    """A long prompt admitted beside `streams` decoding requests."""
+    for stream in [make_request(name=f"stream{i}") for i in range(streams)]:
+        scheduler.add(stream)
+        scheduler.admit()
+        decoding(stream)
+    prompt = make_request(prompt_tokens=1000, name="prompt")
+    scheduler.add(prompt)
+    scheduler.admit()
+    return prompt
+
+
+@pytest.mark.parametrize("pass_ms, profile, streams, chunk", [
+    # 10 ms + 1 ms a token (a CPU): a pass of 4 streams and the prompt's tokens stays within
+    # 50.5 ms up to 40 tokens in all, 36 of them the prompt's; 100.5 ms allows 90, 86 the prompt's
+    (50.5, CPU, 4, 36),
+    (100.5, CPU, 4, 86),
+    (100.5, CPU, 1, 89),
+    # the decoding rows alone cost over the budget: the prompt still gets its least chunk
+    (50.5, linear_profile(0.060, 0.001), 4, LEAST_PRICED_PREFILL_TOKENS),
+    # a pass costs next to nothing more per token (a GPU below its knee): the whole pass
+    (100.0, GPU, 4, 512 - 4),
+])
+def test_the_prefill_cap_is_priced_by_the_cost_profile(pass_ms: float, profile: CostProfile, streams: int,
+                                                       chunk: int) -> None:
+    scheduler = make_scheduler(max_running=8, prefill_cap=None, pass_ms=pass_ms)
+    scheduler.profile = profile
+    prompt = _one_prompt_beside(streams, scheduler)
+    assert scheduler.plan().prefill_tokens[prompt] == chunk
+    if chunk != LEAST_PRICED_PREFILL_TOKENS and profile is not GPU:  # the most tokens within the budget
+        assert profile.cost(streams + chunk, 100, streams + 1, 1) <= pass_ms / 1e3
+        assert profile.cost(streams + chunk + 1, 100, streams + 1, 1) > pass_ms / 1e3
+
+
+def test_a_fixed_prefill_cap_wins_over_the_price_and_the_device_default_holds_until_a_profile() -> None:
+    priced = make_scheduler(max_running=8, prefill_cap=None)
+    prompt = _one_prompt_beside(2, priced)
+    assert priced.plan().prefill_tokens[prompt] == CPU_PREFILL_TOKENS_WHILE_DECODING  # no profile yet
+    priced.profile = GPU
+    assert priced.plan().prefill_tokens[prompt] == 512 - 2
+    fixed = make_scheduler(max_running=8, prefill_cap=7)
+    fixed.profile = GPU
+    prompt = _one_prompt_beside(2, fixed)
+    assert fixed.plan().prefill_tokens[prompt] == 7
+
+
 def test_finishing_frees_the_row_and_moves_the_last_row_into_it() -> None:
     scheduler = make_scheduler()
     a, b, c = (make_request(name=n) for n in "abc")
@@ -190,3 +246,5 @@ def test_finishing_frees_the_row_and_moves_the_last_row_into_it() -> None:
 def test_limits_below_one_are_refused(limits: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         SchedulerConfig(**limits)
+    with pytest.raises(ValueError, match="must be > 0"):
+        SchedulerConfig(prefill_pass_ms=0)  # no prompt chunk would ever be priced in
