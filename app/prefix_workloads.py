@@ -89,9 +89,11 @@ class WorkloadResult:
 
     def summary(self) -> dict[str, float | int | str | None]:
         ttft = [t.ttft for t in self.timings]
+        itl = [x for t in self.timings for x in t.itl] or [0.0]
         return {
             "setting": self.setting, "requests": len(self.timings),
             "ttft_p50_ms": quantile(ttft, 0.5) * 1e3, "ttft_p99_ms": quantile(ttft, 0.99) * 1e3,
+            "itl_p50_ms": quantile(itl, 0.5) * 1e3, "itl_p99_ms": quantile(itl, 0.99) * 1e3,
             "output_tokens_per_second": sum(t.tokens for t in self.timings) / self.seconds,
             "seconds": self.seconds, "hit_rate": self.hit_rate, "same_answers": self.shared_answers,
         }
@@ -166,14 +168,14 @@ def compare(servers: Callable[[bool], AbstractContextManager[str]], workload: Wo
     return results
 
 
-HEADER = ("| setting | requests | TTFT p50 ms | TTFT p99 ms | output tok/s | seconds | prefix hit rate |\n"
-          "|---|---|---|---|---|---|---|")
+HEADER = ("| setting | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s | seconds "
+          "| prefix hit rate |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def _row(s: dict[str, float | int | str | None]) -> str:
     hit = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.0%}"
     return (f"| {s['setting']} | {s['requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
-            f"| {s['output_tokens_per_second']:.1f} | {s['seconds']:.1f} | {hit} |")
+            f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['output_tokens_per_second']:.1f} | {s['seconds']:.1f} | {hit} |")
 
 
 def format_comparison(results: list[WorkloadResult]) -> str:

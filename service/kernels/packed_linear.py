@@ -4,8 +4,8 @@
 layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16
 scale d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4,
 and the numba kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and
-applies it to every row of the pass (up to KERNEL_MAX_ROWS rows; larger passes dequantize the
-layer and call `F.linear`). Without numba the same modules dequantize and call `F.linear`
+applies it to every row of the pass (up to a pass size measured on the CPU at load,
+`tune_kernel_max_rows`; larger passes dequantize the layer and call `F.linear`). Without numba the same modules dequantize and call `F.linear`
 (slower, same weights). Up to a pass size measured on the CPU at load (`tune_fused_max_rows`)
 the weights are dequantized in registers, four rows at a time; above it, once per tile into a
 buffer that every row then reads.
@@ -13,8 +13,9 @@ buffer that every row then reads.
 The served weights are bit-for-bit those of the float32 path (the converted cache holds the
 same dequantized values); what differs is only the order of the float32 sums inside a matmul,
 so the two paths' greedy outputs part only where the top two logits nearly tie. Within the
-packed path a row's result does not depend on the pass size, so speculation reproduces plain
-decoding bit for bit in the linears.
+kernels a row's result does not depend on the pass size, so speculation reproduces plain
+decoding bit for bit in the linears (trees stay within the kernels on every CPU; where the
+kernels won at every size, prompt chunks and the rows beside them do too).
 
 The LM head is packed too when its tensor is Q4_1 or Q8_0 (here it is tied to the Q8_0 token
 embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the same values).
@@ -49,9 +50,16 @@ log = logging.getLogger(__name__)
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
 PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
-# Passes above this many rows dequantize the layer and call F.linear (prefill-sized passes,
-# where a BLAS GEMM is faster than the register-tiled kernel). Trees stay below it.
+# Passes above this many rows may dequantize the layer and call F.linear (prefill-sized passes,
+# where a BLAS GEMM can be faster than the register-tiled kernel), if the CPU says so at load
+# (`tune_kernel_max_rows`: the kernel is timed against that path at these sizes). Trees stay
+# below the least of them. A fixed 64 had been set where the GEMM was faster; on the 2-core Zen 5
+# dev VM the kernel won at every size, 1.18 against 1.46 ms a token at 512 rows (all linears of
+# the embedded model, dequantizing included; docs/benchmarks.md).
 KERNEL_MAX_ROWS = 64
+LARGE_PASS_CANDIDATES = (128, 512)
+UNBOUNDED_ROWS = 1 << 30  # the kernel won at every candidate: it takes every pass
+LARGE_PASS_TUNING_REPEATS = 3
 # A pass whose rows x packed bytes are below this runs on one thread (see forward). Measured on
 # the 2-core CPU, one row: a 64x576 layer (18 KiB) 6.1 us serial, 5.3 parallel; 32x576 (9 KiB)
 # 3.6 and 5.3; the embedded model's o_proj (166 KiB) 46 and 25.
@@ -236,13 +244,14 @@ class PackedLinear(nn.Module):
     """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept packed."""
 
     def __init__(self, tiles: PackedTiles, kernels: Any = None, fused_max_rows: int = 2,
-                 int8_activations: bool = False) -> None:
+                 int8_activations: bool = False, kernel_max_rows: int = KERNEL_MAX_ROWS) -> None:
         super().__init__()
         self.kind = tiles.kind
         self.in_features = tiles.in_features
         self.out_features = tiles.out_features
         self.kernels = kernels
         self.fused_max_rows = fused_max_rows  # Q4_1 passes up to this many rows dequantize in registers
+        self.kernel_max_rows = kernel_max_rows  # larger passes dequantize the layer for F.linear
         # 8-bit activations on VNNI (service/kernels/int8_kernel.py), for passes of every size
         self.int8_activations = int8_activations
         self._set_tiles(tiles)
@@ -286,7 +295,7 @@ class PackedLinear(nn.Module):
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self._int8 is not None:
             return self._int8_forward(x, rows)
-        if self.kernels is None or rows.shape[0] > KERNEL_MAX_ROWS or x.device.type != "cpu":
+        if self.kernels is None or rows.shape[0] > self.kernel_max_rows or x.device.type != "cpu":
             return F.linear(x, self.dequantized(reuse=x.device.type == "cpu").to(x.device, x.dtype))
         if rows.dtype != torch.float32:
             rows = rows.float()
@@ -353,7 +362,8 @@ def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
                                       t.out_features, t.in_features))
         start = stop
     fused = PackedTiles(tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features)
-    return PackedLinear(fused, modules[0].kernels, modules[0].fused_max_rows, modules[0].int8_activations)
+    first = modules[0]
+    return PackedLinear(fused, first.kernels, first.fused_max_rows, first.int8_activations, first.kernel_max_rows)
 
 
 def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
@@ -386,6 +396,38 @@ def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
             break
         best = rows
     return best
+
+
+def tune_kernel_max_rows(layers: Sequence[PackedTiles], kernels: Any, fused_max_rows: int) -> int:
+    """The pass size up to which the packed kernel beat dequantizing the layer for `F.linear` at
+    every one of `LARGE_PASS_CANDIDATES` (`UNBOUNDED_ROWS` if at all of them, `KERNEL_MAX_ROWS`
+    if at none), timed on `layers` as the served modules run them, each size's fastest of
+    `LARGE_PASS_TUNING_REPEATS` rounds, the two paths alternating within a round. The paths
+    round differently (float32 sums in another order), so the choice decides which bits a large
+    pass gets; within the kernel's range every row's result is the same whatever the pass."""
+    kernel = [PackedLinear(t, kernels, fused_max_rows, kernel_max_rows=UNBOUNDED_ROWS) for t in layers]
+    gemm = [PackedLinear(t, kernels, fused_max_rows, kernel_max_rows=0) for t in layers]
+    generator = torch.Generator().manual_seed(0)
+    best = KERNEL_MAX_ROWS
+    for rows in LARGE_PASS_CANDIDATES:
+        inputs = [torch.randn(rows, t.in_features, generator=generator) for t in layers]
+
+        def seconds(modules: list[PackedLinear]) -> float:
+            started = time.perf_counter()
+            for module, x in zip(modules, inputs):
+                module(x)
+            return time.perf_counter() - started
+
+        in_kernel, in_gemm = [], []
+        for _ in range(LARGE_PASS_TUNING_REPEATS):
+            in_kernel.append(seconds(kernel))
+            in_gemm.append(seconds(gemm))
+        log.debug("packed linears at %d rows: kernel %.1f ms, dequantized + F.linear %.1f ms", rows,
+                  min(in_kernel) * 1e3, min(in_gemm) * 1e3)
+        if min(in_kernel) >= min(in_gemm):
+            return best
+        best = rows
+    return UNBOUNDED_ROWS
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
@@ -488,15 +530,17 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
         tiles, kept = read_packed_linears(model, gguf_path)
     if not any(t.kind == "Q4_1" for t in tiles.values()):
         raise ValueError(f"{gguf_path.name} has no Q4_1 linear weights to keep packed")
-    fused_max_rows = 2
+    fused_max_rows, kernel_max_rows = 2, KERNEL_MAX_ROWS
     if kernels is not None:
         first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
-        fused_max_rows = tune_fused_max_rows(
-            [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)], kernels)
+        tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]
+        fused_max_rows = tune_fused_max_rows(tuned, kernels)
+        if not int8_activations:  # (8-bit activations run their own kernels at every size)
+            kernel_max_rows = tune_kernel_max_rows(tuned, kernels, fused_max_rows)
     for name, t in tiles.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        packed = PackedLinear(t, kernels, fused_max_rows, int8_activations)
+        packed = PackedLinear(t, kernels, fused_max_rows, int8_activations, kernel_max_rows)
         if not from_file and not torch.equal(packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()):
             raise ValueError(f"{name}: packed blocks differ from the loaded weight "
                              f"(is {gguf_path.name} the file this model was converted from?)")
@@ -506,7 +550,8 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
     kinds = Counter(t.kind for t in tiles.values())
     log.info("packed %s linears (%s)%s", " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
              "8-bit activations (VNNI)" if int8_activations else
-             f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows"
+             f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows, "
+             f"the kernels for {'every pass' if kernel_max_rows == UNBOUNDED_ROWS else f'passes of up to {kernel_max_rows} rows'}"
              if kernels is not None else "torch fallback: numba not installed",
              f"; kept {kept} of other types" if kept >= 0 else "")
     return len(tiles)

@@ -17,7 +17,9 @@ from service.model.tables import compute_tables
 from service.kernels.packed_linear import (
     FUSED_ROW_CANDIDATES,
     KERNEL_MAX_ROWS,
+    LARGE_PASS_CANDIDATES,
     LLAMA_LINEARS,
+    UNBOUNDED_ROWS,
     PackedLinear,
     dequantize_tiles,
     fuse_packed,
@@ -25,6 +27,7 @@ from service.kernels.packed_linear import (
     pack_gguf_linears,
     tiles_from_blocks,
     tune_fused_max_rows,
+    tune_kernel_max_rows,
     unpermute_rows,
 )
 from tests.helpers.batch import LENGTHS, MODES, PROMPTS
@@ -101,6 +104,21 @@ def test_the_q4_1_dispatch_changes_no_bit_and_is_tuned_among_its_candidates() ->
         assert torch.equal(in_registers(x[:rows]), buffered(x[:rows]))
     assert tune_fused_max_rows([tiles, tiles_from_blocks(random_blocks(64, 1536), 64, 1536)], kernels) in (
         2, *FUSED_ROW_CANDIDATES)
+
+
+@needs_numba
+def test_large_passes_take_the_kernel_or_the_gemm_as_tuned_and_the_kernel_keeps_rows_independent() -> None:
+    """Where the CPU measured the kernel faster at large passes, a prompt-sized pass runs it too:
+    each row's result is then the same bits as that row alone; through the GEMM it is only close."""
+    tiles = tiles_from_blocks(random_blocks(96, 576), 96, 576)
+    x = torch.randn(KERNEL_MAX_ROWS + 40, 576)
+    kernel = PackedLinear(tiles, kernels, kernel_max_rows=UNBOUNDED_ROWS)
+    gemm = PackedLinear(tiles, kernels)  # the least limit: above it, dequantized + F.linear
+    together = kernel(x)
+    assert all(torch.equal(kernel(x[i : i + 1])[0], together[i]) for i in range(0, len(x), 7))
+    torch.testing.assert_close(gemm(x), together, rtol=1e-5, atol=2e-5)
+    assert tune_kernel_max_rows([tiles], kernels, fused_max_rows=2) in (KERNEL_MAX_ROWS, *LARGE_PASS_CANDIDATES,
+                                                                       UNBOUNDED_ROWS)
 
 
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
