@@ -472,7 +472,7 @@ def _prefix_workload(args: argparse.Namespace) -> None:
     @contextmanager
     def server(prefix_cache: bool) -> Iterator[str]:
         with serving_process(loadtest_server_flags(args, prefix_cache)) as base:
-            _wait_warm(base, mode == "auto")  # (only auto drafts from the tables and prices by the profile)
+            _wait_warm(base, True)  # (the profile prices the prompt chunks in every mode)
             yield base
 
     print(f"workload {args.workload}: {len(workload.conversations)} conversations x "
