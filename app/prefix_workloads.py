@@ -175,7 +175,8 @@ HEADER = ("| setting | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p
 def _row(s: dict[str, float | int | str | None]) -> str:
     hit = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.0%}"
     return (f"| {s['setting']} | {s['requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
-            f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['output_tokens_per_second']:.1f} | {s['seconds']:.1f} | {hit} |")
+            f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['output_tokens_per_second']:.1f} "
+            f"| {s['seconds']:.1f} | {hit} |")
 
 
 def format_comparison(results: list[WorkloadResult]) -> str:

@@ -4,9 +4,9 @@
 layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16
 scale d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4,
 and the numba kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and
-applies it to every row of the pass (up to a pass size measured on the CPU at load,
-`tune_kernel_max_rows`; larger passes dequantize the layer and call `F.linear`). Without numba the same modules dequantize and call `F.linear`
-(slower, same weights). Up to a pass size measured on the CPU at load (`tune_fused_max_rows`)
+applies it to every row of the pass (up to a pass size measured once on each kind of CPU,
+`kernel_max_rows_for`; larger passes dequantize the layer and call `F.linear`). Without numba
+the same modules dequantize and call `F.linear` (slower, same weights). Up to a pass size measured on the CPU at load (`tune_fused_max_rows`)
 the weights are dequantized in registers, four rows at a time; above it, once per tile into a
 buffer that every row then reads.
 
@@ -24,6 +24,7 @@ Embeddings, norms and tensors of other GGUF types stay as loaded.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -430,6 +431,24 @@ def tune_kernel_max_rows(layers: Sequence[PackedTiles], kernels: Any, fused_max_
     return UNBOUNDED_ROWS
 
 
+def kernel_max_rows_for(layers: Sequence[PackedTiles], kernels: Any, fused_max_rows: int,
+                        cache_dir: Path | None) -> int:
+    """`tune_kernel_max_rows`, measured once per kind of CPU (LLVM's name for it) and thread
+    count and kept in `cache_dir`: the limit decides which bits a large pass gets, so a timing
+    that came out otherwise on a busy start would change a server's answers at near ties."""
+    if cache_dir is None:
+        return tune_kernel_max_rows(layers, kernels, fused_max_rows)
+    import llvmlite.binding as llvm
+
+    path = cache_dir / "tuning" / f"kernel-max-rows-{llvm.get_host_cpu_name()}-x{_threads()}.json"
+    if path.exists():
+        return int(json.loads(path.read_text())["kernel_max_rows"])
+    rows = tune_kernel_max_rows(layers, kernels, fused_max_rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"kernel_max_rows": rows}))
+    return rows
+
+
 def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     """Row order that undoes llama.cpp's q/k permutation (as transformers' GGUF loader does):
     `weight_hf = weight_gguf[index]`, a permutation of whole rows, so of whole Q4_1 blocks."""
@@ -536,7 +555,7 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
         tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]
         fused_max_rows = tune_fused_max_rows(tuned, kernels)
         if not int8_activations:  # (8-bit activations run their own kernels at every size)
-            kernel_max_rows = tune_kernel_max_rows(tuned, kernels, fused_max_rows)
+            kernel_max_rows = kernel_max_rows_for(tuned, kernels, fused_max_rows, cache_dir)
     for name, t in tiles.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)

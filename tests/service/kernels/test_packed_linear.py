@@ -3,6 +3,8 @@ a plain torch reference, the GGUF mapping, and losslessness of speculation on th
 
 from __future__ import annotations
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -23,6 +25,7 @@ from service.kernels.packed_linear import (
     PackedLinear,
     dequantize_tiles,
     fuse_packed,
+    kernel_max_rows_for,
     load_kernels,
     pack_gguf_linears,
     tiles_from_blocks,
@@ -119,6 +122,17 @@ def test_large_passes_take_the_kernel_or_the_gemm_as_tuned_and_the_kernel_keeps_
     torch.testing.assert_close(gemm(x), together, rtol=1e-5, atol=2e-5)
     assert tune_kernel_max_rows([tiles], kernels, fused_max_rows=2) in (KERNEL_MAX_ROWS, *LARGE_PASS_CANDIDATES,
                                                                        UNBOUNDED_ROWS)
+
+
+@needs_numba
+def test_the_large_pass_limit_is_measured_once_per_kind_of_cpu(tmp_path) -> None:
+    """Kept in the cache dir: a later start of the same machine reads it, not its own timing."""
+    tiles = tiles_from_blocks(random_blocks(96, 576), 96, 576)
+    measured = kernel_max_rows_for([tiles], kernels, 2, tmp_path)
+    (saved,) = (tmp_path / "tuning").iterdir()
+    assert json.loads(saved.read_text()) == {"kernel_max_rows": measured}
+    saved.write_text(json.dumps({"kernel_max_rows": 128}))
+    assert kernel_max_rows_for([tiles], kernels, 2, tmp_path) == 128
 
 
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
