@@ -126,6 +126,7 @@ class Scheduler:
             raise ValueError("the scheduler takes a config resolved for its device (SchedulerConfig.for_device)")
         self.config = config
         self.max_running: int = config.max_running_requests
+        self.unpriced_prefill_tokens: int = config.unpriced_prefill_tokens
         self.cache = cache
         self.kv_bytes_per_token = kv_bytes_per_token
         self.waiting: deque[Request] = deque()
@@ -259,14 +260,12 @@ class Scheduler:
         number if one is fixed; else, priced by the cost profile, as many as keep the pass
         (`prefilling` wide rows among the running rows, at their mean context) within
         `prefill_pass_ms`, and at least `LEAST_PRICED_PREFILL_TOKENS`; without a profile, the
-        device's default. A fixed number suits one device and path: 64 tokens cost ~80 ms
-        on the 2-core dev CPU's float32 path, ~22 ms on its int8 path and next to nothing
-        on a GPU, so the price sets how long the loading prompts hold up the streams."""
+        device's default (see the module's docstring)."""
         config = self.config
         if config.max_prefill_tokens_while_decoding is not None:
             return config.max_prefill_tokens_while_decoding
         if self.profile is None:
-            return config.unpriced_prefill_tokens  # type: ignore[return-value]  # resolved in __init__
+            return self.unpriced_prefill_tokens
         context = sum(r.context_length for r in self.running) / len(self.running)
         cost = self.profile.at(context, len(self.running))
         fits = cost.tokens_within(config.prefill_pass_ms / 1e3, PassShape(decoding + prefilling, prefilling),

@@ -9,15 +9,14 @@ from service.controller.cost_profile import CostProfile
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 
 
-def flat_profile(slope: float) -> CostProfile:
-    """T(n) = 1 + slope·(n − 1) seconds at every context length, for any number of rows."""
-    row = [1.0 + slope * (n - 1) for n in SIZES]
-    return CostProfile([1], [100, 1000], [SIZES], [[row, row]])
-
-
 def linear_profile(first: float, per_token: float) -> CostProfile:
     """T(n) = first + per_token·n seconds, whatever the rows and context."""
     return CostProfile([1], [100], [SIZES], [[[first + per_token * n for n in SIZES]]])
+
+
+def flat_profile(slope: float) -> CostProfile:
+    """T(n) = 1 + slope·(n − 1) seconds, whatever the rows and context."""
+    return linear_profile(1.0 - slope, slope)
 
 
 MEMORY_BOUND = flat_profile(0.001)  # a GPU below its knee: 64 tokens cost 6% more than 1
