@@ -2,8 +2,8 @@
 
 For a draft of a given key (strategy, rank, order: `drafting/mixer.py`), model the accepted
 length L as: the first token is accepted with probability p; each further token, given the
-previous one was, with probability c. Then E[min(L, w)] = p·(1 − c^w)/(1 − c): one estimate serves every w, which
-is what lets the controller weigh a speculation shape it has not tried.
+previous one was, with probability c. Then E[min(L, w)] = p·(1 − c^w)/(1 − c): one estimate
+serves every w, which is what lets the controller weigh a speculation shape it has not tried.
 
 Observations are censored: a draft can match at most min(len(draft), len(committed))
 tokens of what the model committed this round, so reaching that cap says "at least", not

@@ -1,14 +1,14 @@
 """Linear layers that keep a GGUF's Q4_1 blocks packed and compute with them (CPU fast path).
 
 `--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
-layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16
-scale d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4,
-and the numba kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and
+layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16 scale
+d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4, and
+the numba kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and
 applies it to every row of the pass (up to a pass size measured once on each kind of CPU,
 `kernel_max_rows_for`; larger passes dequantize the layer and call `F.linear`). Without numba
-the same modules dequantize and call `F.linear` (slower, same weights). Up to a pass size measured on the CPU at load (`tune_fused_max_rows`)
-the weights are dequantized in registers, four rows at a time; above it, once per tile into a
-buffer that every row then reads.
+the same modules dequantize and call `F.linear` (slower, same weights). Up to a pass size
+measured on the CPU at load (`tune_fused_max_rows`) the weights are dequantized in registers,
+four rows at a time; above it, once per tile into a buffer that every row then reads.
 
 The served weights are bit-for-bit those of the float32 path (the converted cache holds the
 same dequantized values); what differs is only the order of the float32 sums inside a matmul,
@@ -567,10 +567,11 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
     if tiles_file is not None and not from_file:
         _save_tiles(tiles, tiles_file)
     kinds = Counter(t.kind for t in tiles.values())
+    large_passes = "every pass" if kernel_max_rows == UNBOUNDED_ROWS else f"passes of up to {kernel_max_rows} rows"
     log.info("packed %s linears (%s)%s", " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
              "8-bit activations (VNNI)" if int8_activations else
              f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows, "
-             f"the kernels for {'every pass' if kernel_max_rows == UNBOUNDED_ROWS else f'passes of up to {kernel_max_rows} rows'}"
+             f"the kernels for {large_passes}"
              if kernels is not None else "torch fallback: numba not installed",
              f"; kept {kept} of other types" if kept >= 0 else "")
     return len(tiles)
