@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import ClassVar
 
 from drafting.base import Draft
 from drafting.history import TokenHistory
@@ -27,6 +28,8 @@ class ContextNgram:
     min_n: int = 1
     most_recent: int = 64  # occurrences examined per n: bounds the work on repetitive text
     name: str = "context"
+    # its drafts continue a match in text, so its worth comes and goes with the text: always asked
+    follows_matches: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 
@@ -132,6 +133,8 @@ class Suffix:
     index: SuffixIndex
     most_recent: int = 32  # occurrences examined per order: bounds the work
     name: str = "suffix"
+    # its drafts continue a match in text, so its worth comes and goes with the text: always asked
+    follows_matches: ClassVar[bool] = True
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
         if k <= 0 or w <= 0:

@@ -15,9 +15,9 @@ Pass costs are observed on EVERY pass, speculative or plain, and split in two:
   compares shapes with each other, a uniform slowdown changes no decision at all.
 - per pass-shape `shape` factors: measured over profiled seconds × level, for the shapes in
   use, keyed like the profile by the pass's tokens AND its rows. They capture what the profile
-  got wrong about *relative* costs. Every pass decays all of them, so the factor of a shape no
-  longer used returns to the profile's word within tens of passes instead of freezing at its
-  last (perhaps spiked) value. Keyed by tokens alone, a factor learned on one-row tree passes
+  got wrong about *relative* costs. Every pass decays all of them (lazily), so the factor of a
+  shape no longer used returns to the profile's word within tens of passes instead of freezing
+  at its last (perhaps spiked) value. Keyed by tokens alone, a factor learned on one-row tree passes
   of 3-4 tokens at C=1 priced the plain 4-row pass at C=4, which then looked dear beside
   speculating: a server that had served C=1 first speculated in 2-3x as many passes at C=4
   and lost to plain decoding there (docs/benchmarks.md).
@@ -40,7 +40,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 LEVEL_DECAY = 0.8  # horizon ≈ 5 passes: load changes show at once
@@ -68,10 +68,12 @@ class Ratio:
     realized: float = 0.0
     rounds: float = 0.0
 
-    def fade(self) -> None:
-        self.predicted *= self.decay
-        self.realized *= self.decay
-        self.rounds *= self.decay
+    def fade(self, rounds: int = 1) -> None:
+        """`rounds` rounds pass without an observation."""
+        kept = self.decay if rounds == 1 else self.decay**rounds
+        self.predicted *= kept
+        self.realized *= kept
+        self.rounds *= kept
 
     def add(self, predicted: float, realized: float) -> None:
         self.predicted += predicted
@@ -126,12 +128,40 @@ class HostCost:
         return statistics.median(self.recent) if self.recent else 0.0
 
 
+class ShapeRatios:
+    """The per-shape ratios, every one faded on every pass, lazily: a ratio catches up with
+    the passes it missed when it is next read or fed (`SHAPE_DECAY` to the power of them),
+    since only the one shape a pass had changes. Fading all forty on every pass took ~0.06 ms
+    of a ~7 ms step (one request, embedded model, 2-core dev CPU), in every mode."""
+
+    def __init__(self) -> None:
+        self._ratios = [Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS) for _ in range(len(ROW_BUCKETS) * len(SIZE_BUCKETS))]
+        self._faded_at = [0] * len(self._ratios)  # the pass count each ratio is faded up to
+        self.passes = 0
+
+    def __getitem__(self, index: int) -> Ratio:
+        """The ratio of shape bucket `index`, faded up to now."""
+        ratio, missed = self._ratios[index], self.passes - self._faded_at[index]
+        if missed:
+            ratio.fade(missed)
+            self._faded_at[index] = self.passes
+        return ratio
+
+    def __iter__(self) -> Iterator[Ratio]:
+        return (self[index] for index in range(len(self._ratios)))
+
+    def observe(self, index: int, predicted: float, realized: float) -> None:
+        """One pass, of shape bucket `index`: every ratio fades, that one learns."""
+        self.passes += 1
+        self[index].add(predicted, realized)
+
+
 @dataclass
 class Calibration:
     """The engine's factors: load level and relative pass costs."""
 
     level: Ratio = field(default_factory=lambda: _level_ratio())
-    shapes: list[Ratio] = field(default_factory=lambda: _shape_ratios())
+    shapes: ShapeRatios = field(default_factory=ShapeRatios)
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
     host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
     # rows -> the size buckets' factors (`size_factor`), until the next pass changes them (the controller asks per node)
@@ -161,7 +191,7 @@ class Calibration:
         factors = self._factors.get(rows)
         if factors is None:
             first = shape_bucket(0, rows)  # the row count's smallest size
-            factors = self._factors[rows] = [ratio.factor() for ratio in self.shapes[first : first + len(SIZE_BUCKETS)]]
+            factors = self._factors[rows] = [self.shapes[index].factor() for index in range(first, first + len(SIZE_BUCKETS))]
         largest = len(SIZE_BUCKET_OF) - 1
         return lambda tokens: factors[SIZE_BUCKET_OF[tokens if tokens < largest else largest]]
 
@@ -176,9 +206,7 @@ class Calibration:
         `profiled_seconds`."""
         self.level.observe(profiled_seconds, seconds)
         self._factors.clear()
-        for ratio in self.shapes:
-            ratio.fade()
-        self.shapes[shape_bucket(tokens, rows)].add(profiled_seconds * self.level.factor(), seconds)
+        self.shapes.observe(shape_bucket(tokens, rows), profiled_seconds * self.level.factor(), seconds)
 
     def drifted(self) -> bool:
         """The observed relative costs of pass sizes disagree with the profile's, steadily."""
@@ -188,16 +216,12 @@ class Calibration:
     def reset_costs(self) -> None:
         """Forget the pass-cost factors (a new profile was measured)."""
         self.level = _level_ratio()
-        self.shapes = _shape_ratios()
+        self.shapes = ShapeRatios()
         self._factors.clear()
 
 
 def _level_ratio() -> Ratio:
     return Ratio(LEVEL_DECAY, LEVEL_PRIOR_ROUNDS)
-
-
-def _shape_ratios() -> list[Ratio]:
-    return [Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS) for _ in range(len(ROW_BUCKETS) * len(SIZE_BUCKETS))]
 
 
 class RequestCalibration:

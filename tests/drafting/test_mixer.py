@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
 from drafting import MODEL_STRATEGY_NAMES, STRATEGY_NAMES, Draft, Mixer, ModelTables, TableSlot, TokenHistory, default_mixer
+from drafting.mixer import CHEAP_GRACE
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,46 @@ def test_a_new_request_waits_as_long_as_the_last_one_that_passed_a_costly_strate
     assert rounds_asked(mixer.for_request([0]), 40) == [33]  # not in its first round: after 32
     assert rounds_asked(mixer.for_request([0]), 68, take_costly=True) == [65, 66, 67, 68]  # waits 64; taken
     assert rounds_asked(mixer.for_request([0]), 2) == [1]  # taken again: a new request asks at once
+
+
+@dataclass(frozen=True)
+class Counted(Fixed):
+    """A cheap strategy that counts the rounds it is asked in."""
+
+    calls: list[int] = dataclasses.field(default_factory=list)
+
+    def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
+        self.calls.append(len(history))
+        return super().propose(history, k, w)
+
+
+@dataclass(frozen=True)
+class Matching(Counted):
+    follows_matches: ClassVar[bool] = True
+
+
+def test_a_cheap_strategy_passed_over_round_after_round_waits_but_one_that_follows_matches_does_not() -> None:
+    """The table-like strategy is asked in every round while taken and for `CHEAP_GRACE`
+    rounds passed over, then after 8, 16 and every 32 rounds (its own wait, not a new
+    request's); the match-following one in every round, though never taken."""
+    table, matching = Counted("table", ((1, 2),)), Matching("matching", ((3, 4),))
+    mixer = Mixer([table, matching])
+    request_drafts = mixer.for_request([0])
+    asked = []
+    for round_number in range(1, 121):
+        before = len(table.calls)
+        request_drafts.candidates(1, 2)
+        request_drafts.chosen([Draft((1, 2), "table")] if round_number <= 3 else [])
+        request_drafts.observe([5])
+        if len(table.calls) > before:
+            asked.append(round_number)
+    waits = [CHEAP_GRACE + 3 + 9, CHEAP_GRACE + 3 + 9 + 17, CHEAP_GRACE + 3 + 9 + 17 + 33]
+    assert asked == [*range(1, CHEAP_GRACE + 4), *waits, waits[-1] + 33]
+    assert len(matching.calls) == 120 and not mixer.probe_waits
+    new_request = mixer.for_request([0])
+    before = len(table.calls)
+    new_request.candidates(1, 2)
+    assert len(table.calls) == before + 1  # a new request asks at once
 
 
 def test_strategies_are_asked_for_about_what_the_controller_takes() -> None:

@@ -11,7 +11,8 @@ from collections.abc import Callable
 import pytest
 
 from service.controller.calibration import (
-    HOST_WINDOW, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, Calibration, Ratio,
+    HOST_WINDOW, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, SHAPE_DECAY, SHAPE_PRIOR_ROUNDS,
+    Calibration, Ratio, shape_bucket,
 )
 from service.controller.cost_profile import CostProfile, PassShape
 from service.controller.planner import RowCandidates, plan_trees
@@ -112,6 +113,22 @@ def test_a_ratio_starts_at_its_prior_and_converges_to_what_happens() -> None:
     for _ in range(400):  # the horizon is finite: a new regime takes over
         ratio.observe(predicted=2.0, realized=2.0)
     assert ratio.factor() == pytest.approx(1.0, abs=0.02)
+
+
+def test_shape_ratios_faded_lazily_equal_every_ratio_faded_on_every_pass() -> None:
+    shared = Calibration()
+    eager = [Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS) for _ in shared.shapes]
+    passes = [(1, 1), (3, 1), (1, 1), (9, 4), (40, 16), (1, 1), (3, 1), (300, 64)] * 5
+    for index, (tokens, rows) in enumerate(passes):
+        shared.observe_pass(tokens, 0.01, 0.01 + 0.001 * index, rows)  # a level that drifts up
+        for ratio in eager:
+            ratio.fade()
+        eager[shape_bucket(tokens, rows)].add(0.01 * shared.level.factor(), 0.01 + 0.001 * index)
+        if index % 7 == 0:  # read now and then, as the controller does
+            assert shared.shape_factor(3) == pytest.approx(eager[shape_bucket(3, 1)].factor())
+    for lazy, ratio in zip(shared.shapes, eager, strict=True):
+        assert (lazy.predicted, lazy.realized, lazy.rounds) == pytest.approx((ratio.predicted, ratio.realized, ratio.rounds))
+    assert not shared.plain_is_stale(1) and shared.plain_is_stale(16, 16)  # seen lately; never seen
 
 
 def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them() -> None:
