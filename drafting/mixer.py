@@ -5,7 +5,7 @@ estimated per (strategy, rank, order) with the censored geometric model of `acce
 (`Draft.order`: the length of the match a context or suffix draft continues). Every
 round, *every* candidate a strategy proposed — chosen or not — is scored against the tokens
 the model actually committed, so a strategy that gets no slot is still measured and can win
-slots back: no exploration schedule is needed. A request's own statistics dominate once it
+slots back (in auto mode, in the rounds it is asked: `chosen`). A request's own statistics dominate once it
 has some; until then the global ones (over all requests) stand in as the prior.
 
 The k best-valued candidates are chosen, skipping any that would add no node to the tree
@@ -86,6 +86,7 @@ class Mixer:
         self.suffix = suffix
         self.global_counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
         self._priors: dict[Key, Acceptance] = {}  # `prior` of each key, until its counts change
+        self._leading: set[Key] = set()  # the recorded keys of each strategy's best draft (rank 0)
         # costly strategy -> the rounds a new request waits before asking it: the wait the
         # last request that kept passing it over had reached (none once one takes it again)
         self.probe_waits: dict[str, int] = {}
@@ -151,6 +152,15 @@ class Mixer:
         tokens, the first `shared` held by a better candidate (`AcceptanceCounts.observe`)."""
         self.global_counts[key].observe(accepted, cap, shared)
         self._priors.pop(key, None)
+        if key[1] == 0:
+            self._leading.add(key)
+
+    def best_acceptance(self, w: int) -> Acceptance:
+        """The estimate, over all requests, of the likeliest draft of up to `w` tokens seen so
+        far: the best (strategy, order) of any strategy's first-ranked drafts (an untried
+        strategy's optimistic start before any is recorded). What the controller may hope of a
+        draft before drafting any (`service.controller.planner.best_draft_pays`)."""
+        return max((self.prior(key) for key in self._leading), key=lambda a: a.expected_tokens(w), default=UNSEEN)
 
 
 class RequestDrafts:

@@ -21,12 +21,13 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import NamedTuple
 
-from drafting import Draft, ScoredDraft
+from drafting import Acceptance, Draft, ScoredDraft
 from service.controller.cost_profile import PassShape
 
 PATIENCE = 32  # nodes in a row that improve no plan before the planner stops adding
 PATIENCE_PER_ROW = 8  # ... at most this many per row of the pass (see `_best_counts`)
 MIN_GAIN = 1.02  # a plan must beat plain decoding's tokens per second by this factor
+SURE = Acceptance(1.0, 1.0)  # a draft every token of which is accepted
 
 
 @dataclass(frozen=True)
@@ -149,25 +150,29 @@ def plan_trees(
                     probed and bool(chosen))
 
 
-def sure_draft_pays(
+def best_draft_pays(
     cost: Callable[[PassShape], float], fixed: PassShape, expected: float, row_width: int, depth: int,
-    prefill_seconds: float = 0.0, row_host_seconds: float = 0.0,
+    prefill_seconds: float = 0.0, row_host_seconds: float = 0.0, acceptance: Acceptance = SURE,
 ) -> bool:
-    """Whether a draft of up to `depth` tokens that is sure to be accepted, in a row that
-    brings `row_width` tokens (the widest decoding row: the cheapest to grow), would beat the
-    plain pass (`expected` tokens, `fixed` shape; terms as in `plan_trees`). Each wide row
-    is priced its own call (`PassCost.seconds`), so a plan whose rows each lose to plain loses
+    """Whether a draft of up to `depth` tokens accepted as `acceptance` says (the best
+    estimate of any draft yet; by default one sure to be accepted), in a row that brings
+    `row_width` tokens (the widest decoding row: the cheapest to grow), would beat the plain
+    pass (`expected` tokens, `fixed` shape; terms as in `plan_trees`). Each wide row is
+    priced its own call (`PassCost.seconds`), so a plan whose rows each lose to plain loses
     too: one row bounds them all (a test checks this against `plan_trees`). No `MIN_GAIN`
     here: several rows share that margin in a plan. If it would not pay, no draft of any row
     can, and drafting them all is host work thrown away:
     on the H200 at C=64 auto's planning took 4.8 ms of a 30 ms step (plain: 0.3) for 0.8
-    speculating rows a step, where one more 4-token row costs as much as ~10 sure tokens
-    (docs/benchmarks.md). One test a step, before any drafting."""
+    speculating rows a step, where one more 4-token row costs as much as ~10 sure tokens; on
+    the 2-core CPU at C=16, where a 16-row pass's further token costs ~2 ms against 2.4 ms a
+    row, a sure draft still paid, yet the drafts the controller knew did not (docs/benchmarks.md).
+    One test a step, before any drafting."""
     plain_rate = expected / (cost(fixed) - prefill_seconds)
     shape, width = fixed, row_width
     for tokens in range(1, depth + 1):
         shape, width = shape.grown(width), width + 1
-        if (expected + tokens) / (cost(shape) - prefill_seconds + row_host_seconds) > plain_rate:
+        gained = acceptance.expected_tokens(tokens)
+        if (expected + gained) / (cost(shape) - prefill_seconds + row_host_seconds) > plain_rate:
             return True
     return False
 

@@ -16,7 +16,7 @@ from typing import Protocol
 from drafting import RequestDrafts
 from service.controller.calibration import Calibration, RequestCalibration
 from service.controller.cost_profile import CostProfile, PassShape
-from service.controller.planner import RowCandidates, RowTree, TreePlan, plan_trees, sure_draft_pays
+from service.controller.planner import RowCandidates, RowTree, TreePlan, best_draft_pays, plan_trees
 from service.model.tree import TokenTree, build_tree
 
 # The controller's price of a pass shape, the pass's shape as it stands, its prompt chunks' part
@@ -110,10 +110,11 @@ class SpeculationPolicy:
         """The decoding rows that draft this step, and the pass's pricing when auto rows asked
         for it (taken before any row drafts, so every decoding row counts as its root).
 
-        An auto row drafts only where even a draft sure to be accepted, in the auto row
-        cheapest to grow, would beat plain decoding in this pass (`planner.sure_draft_pays`)
-        — but for one row due for a probe when the probe gate is open (a probe re-measures
-        what the forecast believes, the pass's costs included)."""
+        An auto row drafts only where the best draft known so far (the mixer's best estimate
+        over all requests, `Mixer.best_acceptance`), in the auto row cheapest to grow, would
+        beat plain decoding in this pass (`planner.best_draft_pays`) — but for one row due for
+        a probe when the probe gate is open (a probe re-measures what the forecast believes,
+        the pass's costs and the drafts' acceptance included)."""
         speculating = [row for row in decoding if self.drafts_this_step(row.request)]
         drafting = [row for row in speculating if self.is_auto(row.request)]
         if not drafting:
@@ -121,8 +122,9 @@ class SpeculationPolicy:
         pricing = self.pricing(rows, {id(row) for row in decoding})
         cost, fixed, prefill_seconds = pricing
         depth = max(self.max_depth(row.request, row.request.speculation.w) for row in drafting)
-        if budget > 0 and sure_draft_pays(cost, fixed, len(decoding), max(row.width + 1 for row in drafting), depth,
-                                          prefill_seconds, self.calibration.host.row_seconds):
+        best = drafting[0].request.drafts.mixer.best_acceptance(depth)  # one mixer per engine
+        if budget > 0 and best_draft_pays(cost, fixed, len(decoding), max(row.width + 1 for row in drafting), depth,
+                                          prefill_seconds, self.calibration.host.row_seconds, best):
             return speculating, pricing
         prober = next((row for row in drafting if row.request.calibration.due_for_probe and self.calibration.may_probe),
                       None)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from drafting import MODEL_STRATEGY_NAMES, STRATEGY_NAMES, Draft, Mixer, ModelTables, TableSlot, TokenHistory, default_mixer
-from drafting.mixer import CHEAP_GRACE
+from drafting.mixer import CHEAP_GRACE, UNSEEN
 
 
 @dataclass(frozen=True)
@@ -210,6 +210,19 @@ def test_a_cheap_strategy_passed_over_round_after_round_waits_but_one_that_follo
     before = len(table.calls)
     new_request.candidates(1, 2)
     assert len(table.calls) == before + 1  # a new request asks at once
+
+
+def test_the_best_acceptance_is_that_of_the_best_first_ranked_draft_seen_over_all_requests() -> None:
+    mixer = Mixer([Fixed("a", ((1, 2, 3), (1, 9, 9))), Fixed("b", ((4, 5, 6),))])
+    assert mixer.best_acceptance(3) == UNSEEN  # nothing recorded: what an untried draft starts at
+    for prompt in ([0], [7]):  # two requests
+        request_drafts = mixer.for_request(prompt)
+        for _ in range(20):
+            request_drafts.candidates(2, 3)
+            request_drafts.observe([1, 2, 3])  # a's first draft is always right, b's never
+    best = mixer.best_acceptance(3)
+    assert best == mixer.prior(("a", 0, 0)) and best.p > 0.9
+    assert mixer.prior(("a", 1, 0)).p < best.p  # a's second draft shares a's first's first token
 
 
 def test_strategies_are_asked_for_about_what_the_controller_takes() -> None:

@@ -7,7 +7,7 @@ import pytest
 from drafting import Acceptance, Draft, ScoredDraft
 from service.controller.cost_profile import CostProfile, PassShape
 from service.controller.planner import (
-    PATIENCE, PATIENCE_PER_ROW, RowCandidates, RowTree, plan_trees, sure_draft_pays,
+    PATIENCE, PATIENCE_PER_ROW, RowCandidates, RowTree, best_draft_pays, plan_trees,
 )
 from tests.helpers.costs import COMPUTE_BOUND, CPU_LIKE, MEMORY_BOUND, candidates, gpu_like
 
@@ -259,7 +259,7 @@ def test_a_sure_draft_pays_unless_a_wide_row_costs_more_than_its_tokens() -> Non
     one wide row costs as much as 10 of them, not even 6 sure tokens do."""
     def pays(rows: int, wide: float, depth: int = 6, host: float = 0.0) -> bool:
         profile = gpu_like(rows, wide)
-        return sure_draft_pays(lambda s: profile.cost(s.tokens, 100, rows, s.wide_rows),
+        return best_draft_pays(lambda s: profile.cost(s.tokens, 100, rows, s.wide_rows),
                                PassShape(rows), rows, 1, depth, row_host_seconds=host)
 
     assert pays(4, 0.0022) and pays(64, 0.0005)
@@ -268,13 +268,24 @@ def test_a_sure_draft_pays_unless_a_wide_row_costs_more_than_its_tokens() -> Non
     assert not pays(4, 0.0, depth=0)
 
 
-@pytest.mark.parametrize("rows, wide", [(64, 0.0022), (16, 0.006), (64, 0.0012), (4, 0.02)])
-def test_where_no_sure_draft_pays_the_planner_takes_no_node_of_any_row(rows: int, wide: float) -> None:
+@pytest.mark.parametrize("acceptance", [Acceptance(1.0, 1.0), Acceptance(0.9, 0.8), Acceptance(0.6, 0.5)])
+@pytest.mark.parametrize("rows, wide", [(64, 0.0022), (16, 0.006), (64, 0.0012), (4, 0.02), (16, 0.0), (4, 0.0)])
+def test_where_the_best_draft_does_not_pay_the_planner_takes_no_node_of_any_row(
+        rows: int, wide: float, acceptance: Acceptance) -> None:
     """The bound the engine tests before drafting holds for the planner's own choice: every row
-    offered a draft sure to be accepted, still none taken."""
+    offered a draft as good as the best one known, still none taken; and where one row's would
+    pay, the planner takes it."""
     profile = gpu_like(rows, wide)
     cost = lambda s: profile.cost(s.tokens, 100, rows, s.wide_rows)  # noqa: E731
-    sure = [RowCandidates([ScoredDraft(Draft(tuple(range(100 * r, 100 * r + 6)), "s", 0), Acceptance(1.0, 1.0))], 1, 6)
+    best = [RowCandidates([ScoredDraft(Draft(tuple(range(100 * r, 100 * r + 6)), "s", 0), acceptance)], 1, 6)
             for r in range(rows)]
-    plan = plan_trees(sure, cost, PassShape(rows), 0.0, budget=1024)
-    assert sure_draft_pays(cost, PassShape(rows), rows, 1, 6) == (plan.tokens > rows)
+    plan = plan_trees(best, cost, PassShape(rows), 0.0, budget=1024, min_gain=1.0)
+    assert best_draft_pays(cost, PassShape(rows), rows, 1, 6, acceptance=acceptance) == (plan.tokens > rows)
+
+
+def test_a_draft_less_than_sure_pays_only_where_its_expected_tokens_do() -> None:
+    """On the CPU-like curve a sure draft pays in a pass of one row; one accepted a fifth of
+    the time, whose tokens cost more than they bring, does not."""
+    cost = lambda s: CPU_LIKE.cost(s.tokens, 100, 1, s.wide_rows)  # noqa: E731
+    assert best_draft_pays(cost, PassShape(1), 1, 1, 6)
+    assert not best_draft_pays(cost, PassShape(1), 1, 1, 6, acceptance=Acceptance(0.2, 0.2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from drafting import Acceptance
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.request import Status
 from service.engine.scheduler import (
@@ -234,6 +235,30 @@ def test_auto_rows_are_not_drafted_where_not_even_a_sure_draft_would_pay(
         request.drafts.candidates = lambda k, w, c=candidates: asked.append(k) or c(k, w)  # type: ignore[method-assign]
     engine.step()  # every prompt in, with its first tree
     assert all(request.prefill_remaining == 0 for request in requests)
+    asked.clear()
+    while engine.has_work:
+        engine.step()
+    assert bool(asked) == drafted
+    for request in requests:
+        assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 12)
+
+
+@pytest.mark.parametrize("best, drafted", [(Acceptance(1.0, 1.0), True), (Acceptance(0.2, 0.2), False)])
+def test_auto_rows_are_not_drafted_where_not_even_the_best_draft_known_would_pay(
+        tiny_model, tiny_runner, tiny_tables, best: Acceptance, drafted: bool) -> None:
+    """Each token costs as much again as the pass's first (four rows: 0.05 s, a sure draft of
+    five tokens 0.10 s for 9 tokens, which pays): where the best draft the mixer knows is
+    accepted a fifth of the time, its tokens cost more than they bring, and no row drafts."""
+    engine = make_engine(tiny_runner, tiny_tables)
+    engine.profile = linear_profile(0.01, 0.01)
+    engine.mixer.best_acceptance = lambda w: best  # type: ignore[method-assign]
+    params = GenerationParams(12, speculation=SpeculationParams(6, 5, "auto"))
+    requests = [engine.add_request(prompt, params) for prompt in PROMPTS[:4]]
+    asked: list[int] = []
+    for request in requests:
+        candidates = request.drafts.candidates
+        request.drafts.candidates = lambda k, w, c=candidates: asked.append(k) or c(k, w)  # type: ignore[method-assign]
+    engine.step()  # every prompt in
     asked.clear()
     while engine.has_work:
         engine.step()
