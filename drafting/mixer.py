@@ -5,18 +5,20 @@ estimated per (strategy, rank, order) with the censored geometric model of `acce
 (`Draft.order`: the length of the match a context or suffix draft continues). Every
 round, *every* candidate a strategy proposed — chosen or not — is scored against the tokens
 the model actually committed, so a strategy that gets no slot is still measured and can win
-slots back (in auto mode, in the rounds it is asked: `chosen`). A request's own statistics dominate once it
-has some; until then the global ones (over all requests) stand in as the prior.
+slots back (in auto mode, in the rounds it is asked: `chosen`). A request's own statistics
+dominate once it has some; until then the global ones (over all requests) stand in as the
+prior.
 
 The k best-valued candidates are chosen, skipping any that would add no node to the tree
 (a duplicate, or a prefix of one already chosen). Strategies that run a model also report
 their measured seconds per drafted token, handed on with each candidate for the controller
 to charge; one the controller keeps passing over is asked only now and then (`chosen`),
-since measuring it means paying for its draft (a cheap one too, after a grace). And strategies are asked for about twice the
-drafts, and twice as deep, as the controller took last round (`chosen`): drafting all k × w for
-every request of a batch the controller mostly decodes plainly cost 1.1 ms a request a pass
-(16 requests: 20% of the step). Strategies that run a model draft all of a step's requests
-at once: the engine hands the mixer every request's ask first (`prepare`).
+since measuring it means paying for its draft (a cheap one too, after a grace). And
+strategies are asked for about twice the drafts, and twice as deep, as the controller took
+last round (`chosen`): drafting all k × w for every request of a batch the controller mostly
+decodes plainly cost 1.1 ms a request a pass (16 requests: 20% of the step). Strategies that
+run a model draft all of a step's requests at once: the engine hands the mixer every
+request's ask first (`prepare`).
 
 Each request has its own draft state (`RequestDrafts`); the `Mixer` that opens them is
 shared and holds the global statistics and the state strategies share across requests: the

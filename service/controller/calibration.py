@@ -17,8 +17,8 @@ Pass costs are observed on EVERY pass, speculative or plain, and split in two:
   use, keyed like the profile by the pass's tokens AND its rows. They capture what the profile
   got wrong about *relative* costs. Every pass decays all of them (lazily), so the factor of a
   shape no longer used returns to the profile's word within tens of passes instead of freezing
-  at its last (perhaps spiked) value. Keyed by tokens alone, a factor learned on one-row tree passes
-  of 3-4 tokens at C=1 priced the plain 4-row pass at C=4, which then looked dear beside
+  at its last (perhaps spiked) value. Keyed by tokens alone, a factor learned on one-row tree
+  passes of 3-4 tokens at C=1 priced the plain 4-row pass at C=4, which then looked dear beside
   speculating: a server that had served C=1 first speculated in 2-3x as many passes at C=4
   and lost to plain decoding there (docs/benchmarks.md).
 And when a request's forecast keeps saying "plain", it still probes speculation after
@@ -191,7 +191,8 @@ class Calibration:
         factors = self._factors.get(rows)
         if factors is None:
             first = shape_bucket(0, rows)  # the row count's smallest size
-            factors = self._factors[rows] = [self.shapes[index].factor() for index in range(first, first + len(SIZE_BUCKETS))]
+            buckets = range(first, first + len(SIZE_BUCKETS))
+            factors = self._factors[rows] = [self.shapes[index].factor() for index in buckets]
         largest = len(SIZE_BUCKET_OF) - 1
         return lambda tokens: factors[SIZE_BUCKET_OF[tokens if tokens < largest else largest]]
 

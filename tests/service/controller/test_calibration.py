@@ -127,7 +127,8 @@ def test_shape_ratios_faded_lazily_equal_every_ratio_faded_on_every_pass() -> No
         if index % 7 == 0:  # read now and then, as the controller does
             assert shared.shape_factor(3) == pytest.approx(eager[shape_bucket(3, 1)].factor())
     for lazy, ratio in zip(shared.shapes, eager, strict=True):
-        assert (lazy.predicted, lazy.realized, lazy.rounds) == pytest.approx((ratio.predicted, ratio.realized, ratio.rounds))
+        assert [lazy.predicted, lazy.realized, lazy.rounds] == pytest.approx(
+            [ratio.predicted, ratio.realized, ratio.rounds])
     assert not shared.plain_is_stale(1) and shared.plain_is_stale(16, 16)  # seen lately; never seen
 
 
