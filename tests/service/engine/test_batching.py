@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from drafting import Acceptance
+from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.request import Status
 from service.engine.scheduler import (
@@ -219,28 +220,34 @@ def test_a_failing_request_ends_alone(tiny_model, tiny_runner, tiny_tables, monk
     bad.drafts.observe = original
 
 
-@pytest.mark.parametrize("wide_row_seconds, drafted", [(1.0, False), (0.0, True)])
-def test_auto_rows_are_not_drafted_where_not_even_a_sure_draft_would_pay(
-        tiny_model, tiny_runner, tiny_tables, wide_row_seconds: float, drafted: bool) -> None:
-    """A batch where one more wide row costs a second (70 passes): once the prompts are in (a
-    row whose last chunk is in the pass is wide already, so its first tree is nearly free), no
-    draft could pay, so no auto row is drafted (the host work saved); answers stay plain's."""
-    engine = make_engine(tiny_runner, tiny_tables)
-    engine.profile = gpu_like(4, wide_row_seconds)
+def drafted_once_prompts_are_in(tiny_model, engine: Engine) -> bool:
+    """Four auto requests to the end: whether any row was drafted after the first step (which
+    takes every prompt in, with its first tree); their answers must be plain's either way."""
     params = GenerationParams(12, speculation=SpeculationParams(6, 5, "auto"))
     requests = [engine.add_request(prompt, params) for prompt in PROMPTS[:4]]
     asked: list[int] = []
     for request in requests:
         candidates = request.drafts.candidates
         request.drafts.candidates = lambda k, w, c=candidates: asked.append(k) or c(k, w)  # type: ignore[method-assign]
-    engine.step()  # every prompt in, with its first tree
+    engine.step()
     assert all(request.prefill_remaining == 0 for request in requests)
     asked.clear()
     while engine.has_work:
         engine.step()
-    assert bool(asked) == drafted
     for request in requests:
         assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 12)
+    return bool(asked)
+
+
+@pytest.mark.parametrize("wide_row_seconds, drafted", [(1.0, False), (0.0, True)])
+def test_auto_rows_are_not_drafted_where_not_even_a_sure_draft_would_pay(
+        tiny_model, tiny_runner, tiny_tables, wide_row_seconds: float, drafted: bool) -> None:
+    """A batch where one more wide row costs a second (70 passes): once the prompts are in (a
+    row whose last chunk is in the pass is wide already, so its first tree is nearly free), no
+    draft could pay, so no auto row is drafted (the host work saved)."""
+    engine = make_engine(tiny_runner, tiny_tables)
+    engine.profile = gpu_like(4, wide_row_seconds)
+    assert drafted_once_prompts_are_in(tiny_model, engine) == drafted
 
 
 @pytest.mark.parametrize("best, drafted", [(Acceptance(1.0, 1.0), True), (Acceptance(0.2, 0.2), False)])
@@ -252,16 +259,4 @@ def test_auto_rows_are_not_drafted_where_not_even_the_best_draft_known_would_pay
     engine = make_engine(tiny_runner, tiny_tables)
     engine.profile = linear_profile(0.01, 0.01)
     engine.mixer.best_acceptance = lambda w: best  # type: ignore[method-assign]
-    params = GenerationParams(12, speculation=SpeculationParams(6, 5, "auto"))
-    requests = [engine.add_request(prompt, params) for prompt in PROMPTS[:4]]
-    asked: list[int] = []
-    for request in requests:
-        candidates = request.drafts.candidates
-        request.drafts.candidates = lambda k, w, c=candidates: asked.append(k) or c(k, w)  # type: ignore[method-assign]
-    engine.step()  # every prompt in
-    asked.clear()
-    while engine.has_work:
-        engine.step()
-    assert bool(asked) == drafted
-    for request in requests:
-        assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 12)
+    assert drafted_once_prompts_are_in(tiny_model, engine) == drafted
