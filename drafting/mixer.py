@@ -226,7 +226,7 @@ class RequestDrafts:
         math_reasoning), at ~0.1 ms a drafted round with their scoring. Strategies that
         continue a match in text (`follows_matches`: the context's, the suffix index's) are
         always asked: a copy to draft from may start any round, and waiting for the context's
-        cost a third of its taken drafts there.
+        cost nearly half of its taken drafts there.
         The next round asks every strategy for twice the drafts and depth taken, plus
         `REACH_SLACK` (two of two tokens after a plain round), so the ask follows the choice
         up within a round or two."""
