@@ -32,12 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import torch
-
 from service.controller.calibration import DRIFT_LIMIT, Calibration
 from service.controller.cost_profile import CostProfile
 from service.controller.machine_load import MachineLoad
-from service.controller.profiler import load_saved, measure_steps, probe_steps, profile_path
+from service.controller.profiler import load_saved, measure_steps, pass_threads, probe_steps, profile_path
 from service.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
@@ -118,7 +116,7 @@ class ProfileKeeper:
                    adopt: Callable[[CostProfile], None], machine: MachineLoad | None = None) -> ProfileKeeper:
         """A keeper measuring `runner`'s passes, saving to (and starting from) `cache_dir`."""
         machine = machine or MachineLoad()
-        threads = torch.get_num_threads() if runner.device.type == "cpu" else 1  # a GPU's passes: one host thread
+        threads = pass_threads(runner)
         keeper = cls(lambda: measure_steps(runner), lambda profile: probe_steps(runner, profile),
                      lambda profile: profile.save(profile_path(cache_dir, runner)), adopt, calibration,
                      lambda: machine.quiet(threads), cpu_cap=CPU_SHARE * HOUR * machine.cores)

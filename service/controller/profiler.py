@@ -21,7 +21,8 @@ costs must not fall as passes grow (within noise), must not fall as context grow
 whose short-context passes look slower than long ones was measured under changing load), and
 the two fastest repeats must agree (a machine so busy that not even two repeats ran
 undisturbed). A profile that fails is never saved, and a server never puts one in use
-(`profile_keeper.py`). Measurement is a generator of small increments, so the engine runs it
+(`profile_keeper.py`); nor is one saved that other work on the cores may have bent
+(`measure_profile` with a `MachineLoad`). Measurement is a generator of small increments, so the engine runs it
 between steps, only while idle; `probe_steps` times a few of the profile's shapes again, to
 tell a neighbour's passing slowdown from relative costs that changed.
 """
@@ -44,6 +45,7 @@ from service.model.kv_cache import TreeKVCache
 from service.model.runner import ModelRunner, RowInput
 from service.model.tables import model_fingerprint, run_to_end
 from service.controller.cost_profile import CostProfile
+from service.controller.machine_load import MachineLoad
 from service.model.tree import chain_tree
 
 log = logging.getLogger(__name__)
@@ -164,9 +166,33 @@ def probe_steps(runner: ModelRunner, profile: CostProfile,
     return max(factors) / min(factors)
 
 
-def measure_profile(runner: ModelRunner, **grid: Sequence[int]) -> tuple[CostProfile, list[str]]:
-    """`measure_steps` run to the end at once."""
-    return run_to_end(measure_steps(runner, **grid))  # type: ignore[arg-type]
+def measure_profile(runner: ModelRunner, machine: MachineLoad | None = None,
+                    **grid: Sequence[int]) -> tuple[CostProfile, list[str]]:
+    """`measure_steps` run to the end at once; with `machine`, one more problem where other
+    work kept the cores the passes run on busy in some second of it. Such a profile can pass
+    validation and still be wrong in the ratios the controller trades on: one found in a cache
+    priced a two-token pass at 1.04× a one-token pass, ~1.2× on the quiet machine
+    (docs/benchmarks.md), and auto speculated where it lost."""
+    steps = measure_steps(runner, **grid)
+    if machine is None:
+        return run_to_end(steps)  # type: ignore[arg-type]
+    threads, busiest = pass_threads(runner), 0.0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            profile, problems = done.value
+            break
+        if not machine.quiet(threads) and machine.others_cores is not None:
+            busiest = max(busiest, machine.others_cores)
+    if busiest:
+        problems = [*problems, f"other work kept {busiest:.1f} cores busy while it was measured"]
+    return profile, problems
+
+
+def pass_threads(runner: ModelRunner) -> int:
+    """The host threads a pass keeps busy: the CPU's torch threads, one for a GPU's launches."""
+    return torch.get_num_threads() if runner.device.type == "cpu" else 1
 
 
 def validate(profile: CostProfile, samples: dict[tuple[int, int], list[list[float]]] | None = None) -> list[str]:
@@ -270,24 +296,26 @@ def load_saved(runner: ModelRunner, cache_dir: Path) -> CostProfile | None:
 
 
 def load_or_measure(
-    runner: ModelRunner, cache_dir: Path, remeasure: bool = False, **grid: Sequence[int]
+    runner: ModelRunner, cache_dir: Path, remeasure: bool = False, machine: MachineLoad | None = None,
+    **grid: Sequence[int],
 ) -> CostProfile:
     """The saved profile for this device/model/dtype, measuring (and saving) it if absent: for
     the bench and profile commands, run by an operator. Up to `ATTEMPTS` measurements until one
-    is valid; if none is, the last is used for this command only and never saved (a server
+    is valid and was measured while no other work kept the cores busy (`machine`: this
+    machine's); if none is, the last is used for this command only and never saved (a server
     never puts one in use: `profile_keeper.py`)."""
     saved = None if remeasure else load_saved(runner, cache_dir)
     if saved is not None:
         return saved
     path = profile_path(cache_dir, runner)
     log.info("measuring forward-pass costs (saved to %s)", path)
+    machine = machine or MachineLoad()
     for attempt in range(1, ATTEMPTS + 1):
-        profile, problems = measure_profile(runner, **grid)
+        profile, problems = measure_profile(runner, machine, **grid)
         if not problems:
             profile.save(path)
             return profile
-        log.warning("cost profile attempt %d failed validation (was the machine busy?): %s",
-                    attempt, "; ".join(problems))
+        log.warning("cost profile attempt %d cannot be trusted: %s", attempt, "; ".join(problems))
     log.warning("using the last cost profile for this command only (not saved); "
                 "remedy: `ngrammys profile --remeasure` on an idle machine")
     return profile

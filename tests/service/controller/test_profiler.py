@@ -57,16 +57,43 @@ def test_a_dip_is_flattened_to_the_cost_before_it_and_reported(tiny_runner: Mode
     assert any("a bigger pass measured cheaper" in p for p in problems)
 
 
+class Neighbours:
+    """A machine where other work keeps `cores` cores busy all along (0: a quiet one)."""
+
+    def __init__(self, cores: float) -> None:
+        self.others_cores = cores
+
+    def quiet(self, threads: int) -> bool:
+        return self.others_cores == 0.0
+
+
+QUIET = Neighbours(0.0)
+
+
 def test_profile_is_saved_and_reused(tmp_path, monkeypatch) -> None:
     import service.controller.profiler as profiler
 
     monkeypatch.setattr(profiler, "validate", lambda *args: [])  # the tiny model's timings are noise
     runner = ModelRunner(make_tiny_model(seed=3))
     grid = {"rows": (1,), "context_lengths": (4,), "repeats": 2}
-    first = load_or_measure(runner, tmp_path, **grid)
+    first = load_or_measure(runner, tmp_path, machine=QUIET, **grid)
     assert profile_path(tmp_path, runner).exists()
-    assert load_or_measure(runner, tmp_path, **grid) == first  # loaded, not measured
-    assert load_or_measure(runner, tmp_path, remeasure=True, **grid) != first  # new timings
+    assert load_or_measure(runner, tmp_path, machine=QUIET, **grid) == first  # loaded, not measured
+    assert load_or_measure(runner, tmp_path, remeasure=True, machine=QUIET, **grid) != first  # new timings
+
+
+def test_a_profile_measured_beside_other_work_is_used_but_never_saved(tmp_path, monkeypatch) -> None:
+    """Valid by every rule of its own, yet measured while a neighbour took a core and a half:
+    this command gets it, the cache does not."""
+    import service.controller.profiler as profiler
+
+    monkeypatch.setattr(profiler, "validate", lambda *args: [])
+    runner = ModelRunner(make_tiny_model(seed=3))
+    grid = {"rows": (1,), "context_lengths": (4,), "repeats": 2}
+    profile = load_or_measure(runner, tmp_path, machine=Neighbours(1.5), **grid)
+    assert profile.rows == [1] and not profile_path(tmp_path, runner).exists()
+    _, problems = measure_profile(runner, Neighbours(1.5), **grid)
+    assert problems == ["other work kept 1.5 cores busy while it was measured"]
 
 
 
@@ -76,7 +103,7 @@ def test_a_profile_of_other_pass_code_is_not_reused(tmp_path, monkeypatch) -> No
 
     monkeypatch.setattr(profiler, "validate", lambda *args: [])
     runner = ModelRunner(make_tiny_model(seed=3))
-    load_or_measure(runner, tmp_path, rows=(1,), context_lengths=(4,), repeats=2)
+    load_or_measure(runner, tmp_path, machine=QUIET, rows=(1,), context_lengths=(4,), repeats=2)
     assert profiler.load_saved(runner, tmp_path) is not None
     monkeypatch.setattr(profiler, "pass_code_version", lambda: "changed")
     assert profiler.load_saved(runner, tmp_path) is None
