@@ -22,9 +22,10 @@ whose short-context passes look slower than long ones was measured under changin
 the two fastest repeats must agree (a machine so busy that not even two repeats ran
 undisturbed). A profile that fails is never saved, and a server never puts one in use
 (`profile_keeper.py`); nor is one saved that other work on the cores may have bent
-(`measure_profile` with a `MachineLoad`). Measurement is a generator of small increments, so the engine runs it
-between steps, only while idle; `probe_steps` times a few of the profile's shapes again, to
-tell a neighbour's passing slowdown from relative costs that changed.
+(`measure_profile` with a `MachineLoad`). Measurement is a generator of small increments, so
+the engine runs it between steps, only while idle; `probe_steps` times a few of the
+profile's shapes again, to tell a neighbour's passing slowdown from relative costs that
+changed.
 """
 
 from __future__ import annotations
