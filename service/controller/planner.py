@@ -51,6 +51,9 @@ class RowTree:
     expected_tokens: float  # Σ P(node accepted), bonus included
 
 
+PLAIN = RowTree([], 0, 0, 1.0)  # a row's root alone: plain decoding (read only, shared)
+
+
 @dataclass(frozen=True)
 class TreePlan:
     trees: list[RowTree]  # one per RowCandidates, in order
@@ -108,7 +111,7 @@ def plan_trees(
     (docs/benchmarks.md).
     """
     if not any(row.candidates for row in rows):  # no row drafted (quiet rounds): the plain pass
-        return TreePlan([_row_tree([]) for _ in rows], fixed.tokens, fixed_expected + len(rows), cost(fixed))
+        return TreePlan([PLAIN] * len(rows), fixed.tokens, fixed_expected + len(rows), cost(fixed))
     candidates = [n for index, row in enumerate(rows) for n in _row_nodes(index, row)]
     spread = max(len(candidates), 1)
     more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows)
