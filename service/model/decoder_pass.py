@@ -49,9 +49,14 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
 # row's keys once per query, so it wins on one-token rows (16 rows at Spec-Bench lengths: 0.98
-# against SDPA's 2.36 ms a layer call, standalone) and loses to a call of their own on wider
-# ones (a 16-token tree at L=256: 252 against 94 us; 2-core Xeon VM, docs/benchmarks.md).
-ATTENTION_KERNEL_WIDTH = 1
+# against SDPA's 2.36 ms a layer call, standalone) and on the small trees auto mode builds on a
+# CPU, but loses to a call of their own on wide ones (a 16-token tree at L=256: 252 against 94
+# us a layer call, 2-core Xeon VM: the two cross near 6 tokens there). A one-row pass of a 2-, 3-
+# and 4-token tree went from 1.28x, 1.44x and 1.76x a one-token pass's time to 1.16x, 1.31x
+# and 1.65x (L=256; 1.44x to 1.17x for two tokens at L=2048), and a 4-token tree among 16
+# one-token rows costs no call of its own (dev CPU, docs/benchmarks.md). Tree nodes answered
+# here also get the bits of the same token decoded alone.
+ATTENTION_KERNEL_WIDTH = 4
 # With 8-bit activations (`--quantization gguf-int8`) every row attends through the kernel
 # (prompt tokens needing no logits through the chunk kernel, whose bits do not depend on the
 # chunking either): a call of its own rounds a token's attention otherwise than that token
