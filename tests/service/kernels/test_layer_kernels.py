@@ -114,3 +114,25 @@ def test_one_token_rows_of_a_packed_pass_attend_through_the_kernel(tiny_packed) 
     logits = runner.forward(cache, [RowInput(tree) for tree in trees])
     for prompt, tree, row_logits in zip(prompts, trees, logits):
         assert_nodes_match(packed, prompt, tree, row_logits, tolerance=1e-4)
+
+
+def test_a_tree_of_up_to_the_kernel_width_attends_through_it_with_its_tokens_bits_decoded_alone(
+        tiny_packed) -> None:
+    """A four-node chain beside a one-token row: both rows go to the kernel (no call of their
+    own), and each node's logits are bit for bit those of its token decoded alone after the
+    ones before it, so speculation with such trees reproduces plain decoding exactly."""
+    _, packed, _, _ = tiny_packed
+    runner = ModelRunner(packed)
+    chain = [PROMPT[-1], 5, 9, 2]
+    assert attention_kernel_width(packed) == len(chain)
+    prompts = [PROMPT, [7, 3]]
+    cache = prefilled(runner, prompts)
+    trees = [chain_tree(chain), chain_tree([prompts[1][-1]])]
+    layout = build_layout(trees, cache.lengths, runner.device, kernel_width=attention_kernel_width(packed))
+    assert layout.kernel_queries is not None and layout.kernel_queries.rows.tolist() == [0] * len(chain) + [1]
+    assert layout.separate_rows == []
+    in_tree = runner.forward(cache, [RowInput(tree) for tree in trees])[0]
+    alone = prefilled(runner, [PROMPT])
+    for node, token in enumerate(chain):
+        assert torch.equal(runner.forward(alone, [RowInput(chain_tree([token]))])[0][0], in_tree[node])
+        alone.commit(0, [0])
