@@ -163,13 +163,13 @@ class SpeculationPolicy:
 
     def _plain(self, auto: Sequence[PassRow], cost: Callable[[PassShape], float], fixed: PassShape,
                fixed_expected: int) -> TreePlan:
-        """The plan of a step where no auto row drafted (a quiet step: about half of a lone
-        request's on the 2-core CPU): every auto row its root alone, priced as the plain pass,
-        as `plan_trees` would choose, without the search's host work around it (the rows'
+        """The plan of a step where no auto row drafted (a quiet step: half to two thirds of a
+        lone request's on the 2-core CPU): every auto row its root alone, priced as the plain
+        pass, as `plan_trees` would choose, without the search's host work around it (the rows'
         candidates, the probe and host clocks). Right after a pass has streamed the weights
-        through the caches, such host work costs several times what it does warm: a quiet step's
-        planning took 0.11 ms (now 0.08) where plain decoding's took 0.025 (medians of ~600
-        steps, embedded model, one request, 2-core dev CPU)."""
+        through the caches, such host work costs several times what it does warm: a quiet
+        step's planning took 0.11 ms through the search and takes 0.08 this way, where plain
+        decoding's takes 0.025 (medians of ~600 steps, embedded model, one request, dev CPU)."""
         plan = TreePlan([PLAIN] * len(auto), fixed.tokens, fixed_expected + len(auto), cost(fixed))
         self._take(auto, plan)
         return plan
