@@ -31,10 +31,8 @@ def default_mixer(
     table refreshed by every pass, and an index of `suffix_cache_tokens` recent output tokens
     of all requests; plus `extra` (the model-running drafts the server enabled). Standalone
     (selectable alone, not mixed): Token Recycling (its own table, nothing else), and the
-    unigram and bigram. In the mix those two cost a third of a row's drafting and scoring (16
-    of ~44 candidates at k=8, w=8) for nothing: without the bigram, fixed k=8, w=8 made the
-    same tokens per pass in every Spec-Bench category; without both, 1.98 where 1.91, and auto
-    1.20 where 1.16 (docs/benchmarks.md)."""
+    unigram and bigram, which in the mix cost a third of a row's drafting and scoring and added
+    no tokens a pass (docs/benchmarks.md, "The mix's members")."""
     slot = tables or TableSlot()
     recycled = SuccessorTable(fallback=slot, pair_bits=PAIR_BITS)
     baseline = SuccessorTable()

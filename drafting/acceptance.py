@@ -46,8 +46,8 @@ class AcceptanceCounts:
 
 class Acceptance(NamedTuple):
     """Estimated first-token (p) and continuation (c) acceptance probabilities. A named tuple:
-    a round estimates one per candidate draft (30-40 in auto mode), and a frozen dataclass's
-    guarded init cost twice the time."""
+    a round estimates one per candidate draft, and a frozen dataclass's guarded init is
+    slower (docs/benchmarks.md, "Drafting's host share")."""
 
     p: float
     c: float

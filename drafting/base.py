@@ -23,11 +23,10 @@ class Draft:
     """One guessed continuation, the strategy that proposed it and its rank there (0 = best).
 
     `order`: for a strategy that continues a match of the context's newest tokens (context,
-    suffix), the match's length. Acceptance is learned per (strategy, rank, order): the
-    continuation of a 4-token match was accepted first time in 88-100% of the rounds, that of
-    a 1-token match in 10-36% (embedded model, fixed k=8 w=6, five Spec-Bench categories;
-    docs/drafting.md), and one estimate over both made auto mode speculate on 1-token
-    matches in free text, at a loss, and doubt 4-token ones."""
+    suffix), the match's length. Acceptance is learned per (strategy, rank, order): long
+    matches continue far more reliably than 1-token ones (docs/drafting.md), and one estimate
+    over both made auto mode speculate on 1-token matches in free text, at a loss, and doubt
+    long ones."""
 
     token_ids: tuple[int, ...]
     strategy: str

@@ -3,9 +3,8 @@
 Each token registers, for each n up to `max_n`, the n-gram that ends there; a lookup of the
 context's last n tokens is then a dict access, not a scan of the context. Each n-gram keeps
 the positions its continuations start at, oldest first, so recency is the order of that list.
-The index catches up on the first lookup after new tokens, not as they arrive: a request
-that never drafts (speculation off) never pays for it (a 190-token prompt's index took 0.28 ms
-and each generated token ~2.8 us on the dev CPU: for 64 plain rows, 0.18 ms a step).
+The index catches up on the first lookup after new tokens, not as they arrive, so a request
+that never drafts (speculation off) never pays for it.
 """
 
 from __future__ import annotations

@@ -10,15 +10,11 @@ dominate once it has some; until then the global ones (over all requests) stand 
 prior.
 
 The k best-valued candidates are chosen, skipping any that would add no node to the tree
-(a duplicate, or a prefix of one already chosen). Strategies that run a model also report
-their measured seconds per drafted token, handed on with each candidate for the controller
-to charge; one the controller keeps passing over is asked only now and then (`chosen`),
-since measuring it means paying for its draft (a cheap one too, after a grace). And
-strategies are asked for about twice the drafts, and twice as deep, as the controller took
-last round (`chosen`): drafting all k × w for every request of a batch the controller mostly
-decodes plainly cost 1.1 ms a request a pass (16 requests: 20% of the step). Strategies that
-run a model draft all of a step's requests at once: the engine hands the mixer every
-request's ask first (`prepare`).
+(a duplicate, or a prefix of one already chosen). Strategies that run a model report their
+measured seconds per drafted token, handed on with each candidate for the controller to
+charge, and draft all of a step's requests at once: the engine hands the mixer every request's
+ask first (`prepare`). Which strategies are asked, and for how much, follows what the
+controller took (`chosen`).
 
 Each request has its own draft state (`RequestDrafts`); the `Mixer` that opens them is
 shared and holds the global statistics and the state strategies share across requests: the
@@ -214,22 +210,19 @@ class RequestDrafts:
 
     def chosen(self, drafts: Sequence[Draft]) -> None:
         """What the controller took this round. A costly strategy (one that runs a model) it
-        passed over is asked again only after 8 rounds, then 16, ... 128 while it keeps
-        losing, so its drafting time is saved, yet it is still measured and can win back. The
-        wait carries over to requests that start later (their first ask comes after it, not in
-        their first round), until some request takes the strategy again.
-        A cheap strategy (a table look-up) waits likewise once it has been passed over
-        `CHEAP_GRACE` rounds in a row, up to every `CHEAP_PROBE_LAST`th round, and its wait
-        stays the request's own. Its time is small, but where the controller keeps every row
-        plain it is paid for nothing: on the 2-core CPU at one request the successor-table and
-        logit drafts were taken in 55 and 0 of 497 drafted rounds (writing, stem, humanities,
-        math_reasoning), at ~0.1 ms a drafted round with their scoring. Strategies that
-        continue a match in text (`follows_matches`: the context's, the suffix index's) are
-        always asked: a copy to draft from may start any round, and waiting for the context's
-        cost nearly half of its taken drafts there.
+        passed over is asked again only after `PROBE_FIRST` rounds, doubling up to
+        `PROBE_LAST` while it keeps losing: its drafting time is saved, yet it is still
+        measured and can win back. The wait carries over to requests that start later, until
+        some request takes the strategy again.
+        A cheap strategy (a table look-up) waits likewise once passed over `CHEAP_GRACE` rounds
+        in a row, up to every `CHEAP_PROBE_LAST`th round, its wait the request's own: where the
+        controller keeps every row plain its time is paid for nothing. Strategies that continue
+        a match in text (`follows_matches`) are always asked: a copy to draft from may start
+        any round.
         The next round asks every strategy for twice the drafts and depth taken, plus
-        `REACH_SLACK` (two of two tokens after a plain round), so the ask follows the choice
-        up within a round or two."""
+        `REACH_SLACK`, so the ask follows the choice within a round or two; drafting all k × w
+        for rows the controller keeps plain is dear (docs/benchmarks.md, "Figures behind
+        design choices")."""
         deepest = max((len(d.token_ids) for d in drafts), default=0)
         self._reach = (2 * len(drafts) + REACH_SLACK, 2 * deepest + REACH_SLACK)
         used = {d.strategy for d in drafts}
@@ -257,12 +250,11 @@ class RequestDrafts:
         draft through it): where two strategies guess the same next token, the node counts for
         the better one, and the other's first-token estimate is learned on the rounds it
         guessed a token of its own. Scored whole, the extended bigram's and the logit
-        strategy's first guesses, mostly the recycled table's top one again, were estimated
-        2.4x and 3.1x as likely as the nodes they alone added were accepted (GPU-priced
-        simulation, docs/benchmarks.md).
+        strategy's first guesses, mostly the recycled table's top one again, were estimated far
+        likelier than the nodes they alone added were accepted (docs/benchmarks.md, "Scoring
+        drafts on the nodes they add").
         Only a candidate's first len(committed) tokens can be scored, so only they enter the
-        held nodes: recorded rounds replayed, k=8, w=8 38 -> 27 us, auto 27 -> 22 (same
-        counts; 2-core dev VM)."""
+        held nodes, which saves time and changes no count."""
         held: dict[int, dict] = {}  # the scorable nodes of the candidates scored so far, as a trie
         counts, record, depth = self.counts, self.mixer.record, len(committed)
         for draft in self._candidates:
@@ -274,7 +266,7 @@ class RequestDrafts:
                     break
                 node, shared = child, shared + 1
             for token in tokens[shared:]:  # a trie, not a set of prefixes: no tuple per node
-                child = {}  # (a set of prefixes took 45 us a k=8, w=8 row, the trie 20; 2-core dev VM)
+                child = {}  # (measured faster than a set of prefixes: docs/benchmarks.md)
                 node[token] = child
                 node = child
             cap = len(tokens)
@@ -298,8 +290,8 @@ class RequestDrafts:
         """After `observe`: the pass's top next tokens at every node refresh the successor
         tables this request's strategies read, and those at the node that chose the newest
         token become the history's hints. Only those tables: a mixed request refreshing the
-        Token Recycling baseline's table too paid a second update a pass, ~40 us of a ~12 ms
-        auto step (2-core dev VM), for a strategy no request of it drafts with."""
+        Token Recycling baseline's table too paid a second update a pass for a strategy no
+        request of it drafts with."""
         for table in self.tables:
             table.observe(passed)
         self.history.hints = tuple(int(t) for t in passed.top_ids[passed.stop_node])

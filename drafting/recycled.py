@@ -16,9 +16,8 @@ model predicts after its parent's token and its own, so each pass fills a (previ
 row too, in a fixed hashed array where the newest pair wins a bucket. A draft steps from the
 pair row where a pass saw the pair, else from the one-token row: after "of the" and after
 "in the" the model rarely predicts the same, and a one-token row holds whichever came last.
-Fixed k=8, w=8, 26 Spec-Bench prompts x 128 tokens: the mix 2.29 -> 2.45 tokens a pass
-(docs/drafting.md). Token Recycling keys by one token, so its baseline table keeps no
-pair rows.
+Pair rows raised the mix's tokens a pass (docs/benchmarks.md, "Rows by the last two tokens").
+Token Recycling keys by one token, so its baseline table keeps no pair rows.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ class SuccessorTable:
         if len(tokens) == 0:
             return
         # rows for the tokens observed (a row's entries may be larger ids); a list's max, as
-        # numpy's reduction took ~20-40 us more just after the pass (2-core dev VM)
+        # numpy's reduction measured slower just after the pass
         self._grow(max(tokens.tolist()) + 1)
         parents = passed.parent_tokens if self.pair_bits and passed.parent_tokens is not None else None
         _refresh(self.successors, tokens, passed.top_ids[:, : self.top_k], parents, self.pair_keys,
@@ -104,11 +103,9 @@ class SuccessorTable:
         given), the tokens after its start (previous token, token; one start for every path, or
         one a path; -1: no previous token) taking the successor of each rank in turn, each from
         the pair row of the last two tokens where a pass saw them, else from the last token's
-        row (`row`), shorter where a row runs out. One compiled call for all the paths:
-        stepping through rows kept as Python lists (read anew after each pass that observed
-        them) cost ~25 us more of an auto round's ~300 us of candidates and ~95 us more at
-        fixed k=8, w=8, and each pass's refresh, which kept those lists current, ~20 and ~130
-        us more (2-core dev VM, docs/benchmarks.md)."""
+        row (`row`), shorter where a row runs out. One compiled call for all the paths: rows
+        kept as Python lists made both the drafts and each pass's refresh (which kept those
+        lists current) slower (docs/benchmarks.md, "What made it so")."""
         ends = np.array(starts, dtype=np.int64).reshape(-1, 2)
         taken = np.array([paths.shape[1]] if depths is None else depths, dtype=np.int64)
         out = np.empty(paths.shape, dtype=np.int64)
@@ -145,9 +142,9 @@ _bucket_compiled = njit(cache=True, inline="always")(pair_bucket)
 def _refresh(successors, tokens, top, parents, pair_keys, pair_successors, bits):  # pragma: no cover - compiled
     """One pass's refresh of the arrays, in one compiled call: each node's top candidates
     become its token's row and, where `parents` is given, the row of (its parent's token, its
-    token), which takes the pair's bucket over (the rest of a shorter row set to -1). As numpy
-    calls, ~20 of them, the refresh took ~165 us of a k=4, w=4 step whose whole drafting took
-    ~820 (2-core dev VM, just after the pass: every call ran cold)."""
+    token), which takes the pair's bucket over (the rest of a shorter row set to -1). One call
+    instead of a score of numpy calls, each of which ran cold just after the pass
+    (docs/benchmarks.md, "What made it so")."""
     n, width = top.shape
     for i in range(n):
         successors[tokens[i], :width] = top[i]
@@ -198,7 +195,7 @@ def _walk(successors, pair_keys, pair_successors, bits, fallback, starts, paths,
 def compile_table_kernels() -> None:
     """Compile (or load from numba's cache) `_refresh` and `_walk` for the arrays the engine
     and the strategies hand over, with pair rows and without, so that no request's first
-    round waits for them (~3.6 s the first time on the 2-core dev VM, ~0.3 s from the cache)."""
+    round waits for them (compiling takes seconds; docs/benchmarks.md)."""
     tokens, top = np.zeros(1, np.int64), np.zeros((1, 1), np.int64)
     table = SuccessorTable(top_k=1, pair_bits=1)
     table._grow(1)
@@ -243,8 +240,8 @@ def _rank_path_array(k: int, w: int) -> np.ndarray:
 def _gain(path: tuple[int, ...], nodes: set[tuple[int, ...]], prior: tuple[float, ...]) -> float:
     """Expected accepted nodes `path` adds to the tree of `nodes`."""
     gain, chance = 0.0, 1.0
-    for depth, rank in enumerate(path, start=1):  # plain floats: numpy's per-call overhead made the
-        chance *= prior[rank]  # k=8, w=8 template take 9.4 ms at its first use, 2.2 ms so (2-core CPU)
+    for depth, rank in enumerate(path, start=1):  # plain floats: numpy's per-call overhead
+        chance *= prior[rank]  # made building a large template several times slower
         if path[:depth] not in nodes:
             gain += chance
     return gain

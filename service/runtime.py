@@ -34,7 +34,7 @@ from service.parallel.runner import ParallelRunner
 from service.parallel.shard import NotShardable
 
 log = logging.getLogger(__name__)
-TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (a fraction of a second on a CPU)
+TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (short, so requests wait little)
 
 
 def drafters_for(loaded: LoadedModel, config: EngineConfig) -> list[ModelDrafter]:
@@ -65,8 +65,8 @@ def build_engine(loaded: LoadedModel, tables: TableSlot, config: EngineConfig = 
 
 @functools.lru_cache(maxsize=4)
 def grammar_compiler(tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarCompiler:
-    """One grammar compiler per tokenizer, shared by its engines (reading a 49,152-token
-    vocabulary takes ~0.4 s; the compiled grammars are cached inside)."""
+    """One grammar compiler per tokenizer, shared by its engines (reading a large vocabulary
+    takes a while; the compiled grammars are cached inside)."""
     return GrammarCompiler.for_tokenizer(tokenizer, vocab_size, eos_token_ids)
 
 

@@ -1,36 +1,27 @@
 """How far the controller's forecasts of pass costs are from what happens, learned while it
 runs — and unlearned when it stops being true.
 
-Acceptance is not corrected here: the mixer's estimates, each draft scored on the nodes it
-adds (`drafting.mixer.RequestDrafts.observe`), serve the controller as they are. A factor per
-request, realized over forecast accepted tokens of the trees the controller chose, used to
-scale them; learned only where a request speculated, a low factor kept the request plain and so
-was seldom corrected. Without it: a GPU-priced simulation 1.87 -> 2.07 tokens a pass and +3%
-tokens/s, an int8-CPU-priced one at C=1 1.11x -> 1.23x plain decoding, unchanged at C=4 and
-16 (docs/benchmarks.md).
+Acceptance is not corrected here: the mixer's estimates (`drafting.mixer.RequestDrafts.observe`)
+serve the controller as they are. A per-request realized/forecast factor would be learned only
+where a request speculated, so a low one would keep the request plain and seldom be corrected
+(docs/benchmarks.md, "Calibration").
 
 Pass costs are observed on EVERY pass, speculative or plain, and split in two:
-- the load `level`: measured over profiled seconds of all passes, with a short horizon. Other
-  work on the machine slows every pass alike; the level absorbs it, and since the controller
-  compares shapes with each other, a uniform slowdown changes no decision at all.
-- per pass-shape `shape` factors: measured over profiled seconds × level, for the shapes in
-  use, keyed like the profile by the pass's tokens AND its rows. They capture what the profile
-  got wrong about *relative* costs. Every pass decays all of them (lazily), so the factor of a
-  shape no longer used returns to the profile's word within tens of passes instead of freezing
-  at its last (perhaps spiked) value. Keyed by tokens alone, a factor learned on one-row tree
-  passes of 3-4 tokens at C=1 priced the plain 4-row pass at C=4, which then looked dear beside
-  speculating: a server that had served C=1 first speculated in 2-3x as many passes at C=4
-  and lost to plain decoding there (docs/benchmarks.md).
-And when a request's forecast keeps saying "plain", it still probes speculation after
-`PROBE_EVERY` rounds, so a pessimistic profile is measured again instead of being believed
-forever. Each probe that does not change the forecast's mind doubles the wait for the
-next (up to `PROBE_MAX_EVERY`): on free text where drafts never pay on a CPU, probes were most of
-auto mode's speculative rounds, each a loss. A round the forecast itself chose to speculate
-resets the wait. And the engine probes at most once every `PROBE_EVERY` passes, whatever the
-batch: with 16 requests each probing on its own clock, a third of all passes carried a probe
-(measured: 89 of 228 passes speculated, mostly probes, each a loss where plain wins).
-Symmetrically, when the all-plain pass size has gone unobserved that long, one pass is plain
-(a slowdown that hits trees harder than plain passes shows that way). If the observed relative
+- the load `level` (a short horizon): other work on the machine slows every pass alike, and
+  since the controller compares shapes with each other, a uniform slowdown changes no decision.
+- per pass-shape `shape` factors, keyed like the profile by the pass's tokens AND its rows: what
+  the profile got wrong about *relative* costs. Every pass decays all of them (lazily), so the
+  factor of a shape no longer used returns to the profile's word instead of freezing at its last
+  (perhaps spiked) value. Keyed by tokens alone, what one-row trees at C=1 taught would price
+  the plain 4-row pass at C=4, and the server would then speculate at a loss there.
+
+A request whose forecast keeps saying "plain" still probes speculation after `PROBE_EVERY`
+rounds, so a pessimistic profile is measured again instead of believed forever; each probe that
+does not change the forecast's mind doubles the wait (up to `PROBE_MAX_EVERY`), since where
+drafts never pay every probe is a loss. A round the forecast chose to speculate resets the wait.
+The engine lets at most one probe through every `PROBE_EVERY` passes, whatever the batch.
+Symmetrically, when the all-plain pass size has gone unobserved that long, one pass is plain (a
+slowdown that hits trees harder than plain passes shows that way). If the observed relative
 costs stay far from the profile, `drifted()` asks the engine to measure the profile again when
 it is idle.
 """
@@ -109,12 +100,11 @@ def shape_bucket(tokens: int, rows: int) -> int:
 class HostCost:
     """Host seconds that drafting one row adds to a step (its strategies' candidates): what a
     request that speculates costs beyond its share of the pass. The profile times passes alone;
-    on a GPU, where a pass of 16 rows costs ~15 ms whatever its size, this work decides whether
-    a row's drafts pay (docs/benchmarks.md). The median of
-    the last `HOST_WINDOW` steps' per-row figure: a request's first drafting, or a pause of the
-    interpreter, takes milliseconds where a round takes ~0.15 ms (2-core CPU, one request: median
-    0.17 ms, maximum 3.5 over 49 steps); a decayed mean of such figures (on a GPU) kept
-    a lone request nearly plain: 73 tokens/s against 89-96 without the price."""
+    on a GPU, where a pass costs about the same whatever its size, this work decides whether a
+    row's drafts pay. The median of the last `HOST_WINDOW` steps' per-row figure: a request's
+    first drafting, or a pause of the interpreter, takes many times a typical round, and a
+    decayed mean of such figures kept a lone request nearly plain (docs/benchmarks.md,
+    "Calibration")."""
 
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=HOST_WINDOW))
 
@@ -131,8 +121,8 @@ class HostCost:
 class ShapeRatios:
     """The per-shape ratios, every one faded on every pass, lazily: a ratio catches up with
     the passes it missed when it is next read or fed (`SHAPE_DECAY` to the power of them),
-    since only the one shape a pass had changes. Fading all forty on every pass took ~0.06 ms
-    of a ~7 ms step (one request, embedded model, 2-core dev CPU), in every mode."""
+    since only the one shape a pass had changes; fading all of them on every pass cost a
+    measurable share of every step, in every mode."""
 
     def __init__(self) -> None:
         self._ratios = [Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS) for _ in range(len(ROW_BUCKETS) * len(SIZE_BUCKETS))]
@@ -186,8 +176,7 @@ class Calibration:
     def size_factor(self, rows: int) -> Callable[[int], float]:
         """`shape_factor` at `rows` rows, as a function of the pass size. The controller prices
         tens of shapes a step: the factors of the size buckets are taken once, until the next
-        pass changes them, and a size's bucket is one indexing (bisecting for it cost ~1 us a
-        shape, one request on the 2-core dev VM)."""
+        pass changes them, and a size's bucket is one indexing, cheaper than bisecting for it."""
         factors = self._factors.get(rows)
         if factors is None:
             first = shape_bucket(0, rows)  # the row count's smallest size
@@ -249,12 +238,10 @@ class RequestCalibration:
         it keeps plain they are pure overhead. So after `QUIET_ROUNDS` plain rounds in a row
         it is drafted only every 4th round, from 8 plain rounds on every 8th, from 16 on every
         16th (`QUIET_MAX_EVERY`), and when due for a probe the engine lets through this pass;
-        a round that speculates brings it back to every round. At C=16 on the 2-core CPU the
-        controller took no node in any pass, yet planning and drafting one request in four each
-        step cost 2.1-2.4 ms of a 38-41 ms step (docs/benchmarks.md).
-        Without the probe condition a request stayed due, and drafted every round, for as long
-        as the engine-wide gate kept it from probing: at C=16, 84% of auto rows drafted in every
-        step where 25% were meant to."""
+        a round that speculates brings it back to every round. At C=16 on a CPU, where the
+        controller takes no node, drafting every round cost a visible share of each step
+        (docs/benchmarks.md, "Calibration"). The probe condition matters: without it a request
+        held back by the engine-wide gate stays due and drafts every round."""
         return self._drafts_after(self.plain_rounds)
 
     def drafts_next_round(self, speculates: bool) -> bool:

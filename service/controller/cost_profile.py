@@ -6,9 +6,9 @@ that knee lies depends on the device, model, dtype, the number of rows (requests
 and their context length, so it is measured (`service/controller/profiler.py`) into a `CostProfile`
 T(N tokens, R rows, L context), measured with every row equally wide. A pass whose rows differ
 costs more than that curve says: one tree among one-token rows gets an attention call of its
-own (or pads every row) — on the 2-core dev CPU 2-6 ms beyond its tokens' share of the curve
-in a ~96 ms pass of 16 rows at L=256 (three profiles). The profile therefore also measures what
-one wide row adds (`wide_row_seconds`), and the controller charges it to a row's first node.
+own (or pads every row), a cost beyond its tokens' share of the curve (docs/benchmarks.md). The
+profile therefore also measures what one wide row adds (`wide_row_seconds`), and the controller
+charges it to a row's first node.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class PassCost:
     """A `CostProfile` at one context length and row count: seconds by pass shape. Every step
     takes one (the pass's observed time is compared with it) and the controller prices tens of
     shapes with it, so it interpolates lazily: each shape costs two look-ups on the pass-size
-    axis, and taking one costs no curve (building the curves took ~10 us warm a step)."""
+    axis, and taking one builds no curve."""
 
     # (weight, pass sizes, seconds at the context length below, seconds at the one above)
     parts: tuple[tuple[float, Sequence[int], Sequence[float], Sequence[float]], ...]
@@ -113,8 +113,8 @@ class PassCost:
 
     def equal_rows(self, n: int) -> float:
         """A pass of `n` tokens with every row alike (linear in n, extrapolated). The
-        interpolation is written out: the controller prices tens of shapes a step, and the
-        call per axis was a third of the price (2-core dev VM)."""
+        interpolation is written out: the controller prices tens of shapes a step, and a call
+        per axis was a large share of the price."""
         a = self.context_weight
         total = 0.0
         for weight, sizes, below, above in self.parts:
@@ -133,10 +133,10 @@ class PassCost:
     def seconds(self, shape: PassShape) -> float:
         """The equal-rows curve plus each wide row's own cost. Not capped at a pass with every
         row as wide as the widest (one padded call): the attention layout gives each wide row
-        its own call until padding every row is cheaper in its own reckoning (on the H200, at 16
-        or 64 rows, not before most rows are wide), so that cap priced 2 to 20 wide rows among
-        64 as one, and auto took rows whose own calls cost ~3.6 ms each (16 rows: auto 0.78x
-        off with the cap, 0.88x without; 64 rows: 0.82x and 0.97x; docs/benchmarks.md)."""
+        its own call until padding every row is cheaper in its own reckoning (on a GPU, not
+        before most rows are wide), so that cap would price many wide rows as one, and auto
+        would take rows whose own calls cost more than they bring (docs/benchmarks.md, "Wide
+        rows and the sure-draft bound")."""
         equal_rows = self.equal_rows(shape.tokens)
         return equal_rows + shape.wide_rows * self.wide_row_seconds if shape.wide_rows else equal_rows
 

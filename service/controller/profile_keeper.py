@@ -17,9 +17,10 @@ When the calibration says the observed relative costs keep disagreeing with the 
 while it runs) or a real change (another machine shape, a changed kernel). A short probe on a
 quiet machine tells them apart: if the probe's relative costs agree with the profile's, the
 drift was the neighbour's and the calibration forgets it; if not, the profile is stale and is
-measured again, and adopted if valid. A server beside a noisy neighbour once measured its
-profile three times back to back while still loaded, every attempt failed, and it put the last
-failed one in use, pricing a 16-row pass at 1.1 s instead of ~31 ms, until restart.
+measured again, and adopted if valid. Without these rules a server beside a noisy neighbour
+can measure back to back while still loaded, every attempt failing, and put a failed profile in
+use that misprices passes wildly until restart (docs/benchmarks.md, "Beside a noisy
+neighbour").
 """
 
 from __future__ import annotations

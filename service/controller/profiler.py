@@ -12,19 +12,17 @@ The controller trades tokens against *ratios* of costs, so the ratios must survi
 machine: each repeat times every size in turn (a slow spell hits all sizes alike), and a size's
 cost is the mean of its two fastest repeats. Other work on the machine (a neighbour on a shared
 host, stolen CPU time) only ever adds time to a pass, so the fastest repeats are the pass's own
-cost: on a 2-core VM with up to 8% of its time stolen, the middle half of 9 repeats of a pass
-spread over up to 46% of their median while its two fastest repeats agreed within 11%
-(docs/benchmarks.md), and the former check on that spread rejected every
-profile measured there. The live slowdown from that other work is the calibration's load
-level, not the profile's business. The result is validated before it is trusted or saved —
-costs must not fall as passes grow (within noise), must not fall as context grows (a profile
-whose short-context passes look slower than long ones was measured under changing load), and
-the two fastest repeats must agree (a machine so busy that not even two repeats ran
-undisturbed). A profile that fails is never saved, and a server never puts one in use
-(`profile_keeper.py`); nor is one saved that other work on the cores may have bent
-(`measure_profile` with a `MachineLoad`). Measurement is a generator of small increments, so
-the engine runs it between steps, only while idle; `probe_steps` times a few of the
-profile's shapes again, to tell a neighbour's passing slowdown from relative costs that
+cost: on a VM with stolen time the two fastest repeats agree closely where the middle half of
+the repeats spreads widely (docs/benchmarks.md, "Cost profile robustness"). The live slowdown
+from that other work is the calibration's load level, not the profile's business. The result is
+validated before it is trusted or saved — costs must not fall as passes grow (within noise),
+must not fall as context grows (a profile whose short-context passes look slower than long ones
+was measured under changing load), and the two fastest repeats must agree (a machine so busy
+that not even two repeats ran undisturbed). A profile that fails is never saved, and a server
+never puts one in use (`profile_keeper.py`); nor is one saved that other work on the cores may
+have bent (`measure_profile` with a `MachineLoad`). Measurement is a generator of small
+increments, so the engine runs it between steps, only while idle; `probe_steps` times a few of
+the profile's shapes again, to tell a neighbour's passing slowdown from relative costs that
 changed.
 """
 
@@ -57,8 +55,8 @@ PASS_CODE = ("model/runner.py", "model/static_pass.py", "model/decoder_pass.py",
              "model/kv_cache.py", "kernels/packed_linear.py", "kernels/packed_kernels.py", "kernels/layer_kernels.py",
              "kernels/int8_kernel.py", "kernels/attention_kernel.py")
 ROWS = (1, 4, 16)
-# A GPU serves more rows a pass (a pass there is host-bound, so rows are nearly free) and its
-# cost past 16 rows was extrapolated from 4 and 16: 64 rows are measured too.
+# A GPU serves more rows a pass (a pass there is host-bound, so rows are nearly free), and its
+# cost past 16 rows extrapolated from 4 and 16 misprices them: 64 rows are measured too.
 GPU_ROWS = (*ROWS, 64)
 CONTEXT_LENGTHS = (32, 256, 1024)
 TOKENS_PER_ROW = (1, 2, 4, 8, 16, 32, 64)
@@ -147,8 +145,8 @@ def probe_steps(runner: ModelRunner, profile: CostProfile,
     """How far this machine's relative pass costs now are from `profile`'s: of a few shapes
     timed again (the smallest and largest pass of one row and of the most rows, at the shortest
     context), the largest ratio between two shapes' measured-over-profiled factors (1: the
-    profile's shape holds, whatever the load level). A few seconds where a measurement takes
-    minutes; yields after each repeat."""
+    profile's shape holds, whatever the load level). Far quicker than a measurement; yields
+    after each repeat."""
     length = profile.context_lengths[0]
     generator = torch.Generator().manual_seed(1)
     shapes = []  # (rows, tokens, cache, trees)
@@ -172,8 +170,8 @@ def measure_profile(runner: ModelRunner, machine: MachineLoad | None = None,
     """`measure_steps` run to the end at once; with `machine`, one more problem where other
     work kept the cores the passes run on busy in some second of it. Such a profile can pass
     validation and still be wrong in the ratios the controller trades on: one found in a cache
-    priced a two-token pass at 1.04× a one-token pass, ~1.2× on the quiet machine
-    (docs/benchmarks.md), and auto speculated where it lost."""
+    priced a two-token pass nearly as cheap as a one-token pass, well below its price on the
+    quiet machine (docs/benchmarks.md), and auto speculated where it lost."""
     steps = measure_steps(runner, **grid)
     if machine is None:
         return run_to_end(steps)  # type: ignore[arg-type]

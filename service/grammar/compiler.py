@@ -1,13 +1,11 @@
 """Grammars compiled against the served tokenizer, with the JSON-schema features they cannot
 enforce refused up front.
 
-The engine is xgrammar. Measured on the 2-core dev CPU with SmolLM2's 49,152-token vocabulary,
-a six-field schema (pattern, format, enum, nested object, bounded array), mask per token along
-a 66-token answer: xgrammar 13-15 µs mean (5 µs median), llguidance 93-129 µs mean (54-61 µs
-median), outlines-core 2.9 s to build the schema's index before the first token. xgrammar also
-enforced more keywords; where it does not (`not`, `if`/`then`/`else`, `uniqueItems`, `allOf`
-over more than one schema, ...), a schema using them is refused with the field named, rather
-than served with output that could break it.
+The engine is xgrammar: against llguidance and outlines-core it computed a token's mask
+fastest and built nothing slow before the first token (docs/benchmarks.md, "Structured
+output"), and it enforced more keywords. Where it does not (`not`,
+`if`/`then`/`else`, `uniqueItems`, `allOf` over more than one schema, ...), a schema using them
+is refused with the field named, rather than served with output that could break it.
 
 Output format: `strict_mode` (properties and items a schema does not describe are not
 generated, as OpenAI's strict schemas ask) and no free whitespace (`{"a": 1, "b": [2, 3]}`:
@@ -77,7 +75,7 @@ class GrammarCompiler:
         once may fail ("Already borrowed"), and the HTTP edge tokenizes prompts on others."""
         own, lock = copy.deepcopy(tokenizer), threading.Lock()
 
-        @functools.lru_cache(maxsize=4096)  # forced texts recur (a schema's keys): ~50 µs each to encode
+        @functools.lru_cache(maxsize=4096)  # forced texts recur (a schema's keys): encode each once
         def encode(text: str) -> tuple[int, ...]:
             with lock:
                 return tuple(own.encode(text, add_special_tokens=False))

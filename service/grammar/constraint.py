@@ -58,7 +58,7 @@ class Constraint:
     def legal_lengths(self, drafts: Sequence[Sequence[int]]) -> list[int]:
         """How many tokens of each draft, from its first, the grammar allows next (state
         unchanged). Drafts are tried in sorted order, so a prefix several share is tried once:
-        the mix's drafts often start alike (about 20 µs for a legal 8-token draft alone)."""
+        the mix's drafts often start alike."""
         with self.timed():
             lengths = [0] * len(drafts)
             path: list[int] = []  # tokens accepted past the committed state, in the matcher

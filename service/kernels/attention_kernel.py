@@ -24,11 +24,11 @@ float32 as they are loaded, the arithmetic is the same. Sixteen decoding rows re
 keys and values once a layer, from memory, not from a cache: halving those bytes is what makes
 that pass cheaper (docs/benchmarks.md).
 
-It replaces a numba kernel that spent ~30 core cycles a (query head, column) pair (scores as a
-horizontal sum each, the value sums through memory), half of a long prompt chunk's pass on the
-8-bit path; numba's vectorizer cannot be told to keep a float order across loop shapes, so the
-IR is built here (`service/kernels/native.py`) and called from numba's threads, one task per (token,
-KV head): the query heads of a KV head share its key and value reads.
+numba's vectorizer cannot be told to keep a float order across loop shapes (a numba kernel
+summed each score horizontally and kept the value sums in memory, and was slower:
+docs/benchmarks.md, "The attention kernel and a float16 cache"), so the IR is built here
+(`service/kernels/native.py`) and called from numba's threads, one task per (token, KV head):
+the query heads of a KV head share its key and value reads.
 """
 
 from __future__ import annotations
@@ -343,8 +343,8 @@ def token_attention(head_dim: int, group: int, half: bool = False) -> Any:
 
 
 def warm_up(head_dim: int, group: int, half: bool) -> None:
-    """Build and compile the kernel for a model's heads now (about a second: LLVM, then numba
-    for these argument types), not in the first request's pass."""
+    """Build and compile the kernel for a model's heads now (LLVM, then numba for these
+    argument types), not in the first request's pass."""
     index = np.zeros(1, np.int64)
     queries = np.zeros((1, group, head_dim), np.float32)
     cache = np.zeros((1, 1, 1, head_dim), np.uint16 if half else np.float32)

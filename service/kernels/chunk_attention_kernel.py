@@ -1,13 +1,12 @@
 """Causal attention of prompt chunks on the packed CPU path, sixteen queries to a vector.
 
 `attention_kernel.py` attends one token at a time: each score is a dot product summed across
-the lanes of a vector, then the lanes are added by a tree of shuffles: 9.9 ns a (query head,
-column) pair for a 512-token chunk after 512 cached (one thread, Cascade Lake VM), most of a
-long prompt's pass. Here a vector holds sixteen consecutive prompt tokens of one query head
-instead, so every step is a lane-wise multiply-add with one key or value entry broadcast: no
-shuffles, a key entry read once for all sixteen tokens and every query head of its KV head;
-eight columns' scores are summed at once over all dims, so each is stored once. The same
-chunk: 4.2-4.9 ns a pair.
+the lanes of a vector, then the lanes are added by a tree of shuffles, most of a long prompt's
+pass. Here a vector holds sixteen consecutive prompt tokens of one query head instead, so
+every step is a lane-wise multiply-add with one key or value entry broadcast: no shuffles, a
+key entry read once for all sixteen tokens and every query head of its KV head; eight columns'
+scores are summed at once over all dims, so each is stored once. A (query head, column) pair
+takes much less time so (docs/benchmarks.md, "Prompt tokens' own kernels").
 
 Each query's arithmetic is fixed by the query alone, whatever its block holds or where the
 chunk starts, so a prompt gets the same bits however it is cut into chunks:

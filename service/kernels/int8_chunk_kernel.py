@@ -1,17 +1,15 @@
 """Q4_1 linears with 8-bit activations for passes of many rows (prompt chunks, large trees).
 
-`service/kernels/int8_kernel.py` serves every pass size, but a prompt chunk ran it at about a
-third of what the cores can do: a core issues ~3.7 G `vpdpbusd` a second (235 G multiply-adds,
-a register-only loop), and a 512-row chunk through the gate/up layer got 75 G a core (Cascade
-Lake VM, docs/benchmarks.md). Two changes, measured there:
+`service/kernels/int8_kernel.py` serves every pass size, but runs a prompt chunk far below
+the rate the cores' `vpdpbusd` allows (docs/benchmarks.md, "Prompt tokens' own kernels").
+Two changes close much of that gap:
 - the activations are quantized by vector IR, rows split over the threads, not by a scalar
-  numba loop on one thread (0.65 -> 0.11 ms for 512 rows of 576; a quarter of the down
-  projection's time before);
+  numba loop on one thread (which took a large share of the down projection's time);
 - the quantized rows are laid out per group of `GROUP` rows and block: one record holds the
   group's 32 bytes a row, then their scales dx and their dx·Σxq (`RECORD_BYTES`), so a single
-  pointer walking the records reaches every input at a constant displacement. The same
-  instruction mix on row-major inputs, whose addresses need an index register (which Intel
-  cores split into two micro-ops), ran 76 G a core; on the records, 111 G.
+  pointer walking the records reaches every input at a constant displacement. Row-major
+  inputs' addresses need an index register, which Intel cores split into two micro-ops: the
+  same instruction mix ran markedly slower on them.
 
 The arithmetic is `int8_kernel`'s to the bit: the same rounding of the activations, the same
 exact integer sums, and per block the same float steps, total = fma(Σ, d·dx, total) then
@@ -38,9 +36,9 @@ GROUP = 8  # rows sharing each block's weights: 8 sums, 8 totals and 8 weight ve
 SCALES_AT = GROUP * BLOCK  # a record: GROUP rows x 32 int8, GROUP float32 dx, GROUP float32 dx·Σxq
 SUMS_AT = SCALES_AT + 4 * GROUP
 RECORD_BYTES = SUMS_AT + 4 * GROUP
-# Passes of at least this many rows take this kernel: it took 0.54-0.82 of the other's time from
-# 8 rows on, at each of the embedded model's layer shapes (two threads, Cascade Lake VM), so
-# trees of 8 nodes and more gain too; below, padding to a whole group would cost more.
+# Passes of at least this many rows take this kernel: from a whole group on it beat the other at
+# each of the embedded model's layer shapes (docs/benchmarks.md), so trees of 8 nodes and more
+# gain too; below, padding to a whole group would cost more.
 CHUNK_MIN_ROWS = GROUP
 
 

@@ -1,8 +1,8 @@
 """Q4_1 linears computed with 8-bit activations on AVX-512 VNNI (`--quantization gguf-int8`).
 
-On a CPU the packed Q4_1 kernel of `service/kernels/packed_kernels.py` multiplies in float32: past a
-few rows a pass is bound by float32 multiply-adds, ~16 a cycle a core, and a tree of 16 tokens
-cost ×3.4 a one-token pass on the 2-core dev VM. VNNI's `vpdpbusd` multiplies 64 unsigned
+On a CPU the packed Q4_1 kernel of `service/kernels/packed_kernels.py` multiplies in float32:
+past a few rows a pass is bound by float32 multiply-adds, and a tree of 16 tokens costs several
+one-token passes (docs/benchmarks.md, "The 8-bit linears"). VNNI's `vpdpbusd` multiplies 64 unsigned
 bytes by 64 signed bytes and adds them in fours into 16 int32 lanes: 64 multiply-adds an
 instruction. llama.cpp computes its Q4_1 dot products that way, with each activation row
 quantized to 8 bits per block of 32 (a float scale per block); so does this module.
@@ -17,7 +17,7 @@ activations, as llama.cpp's does.
 
 The inner kernel is LLVM IR built here with llvmlite (numba's own compiler: nothing to
 install) and compiled for this CPU at load: numba's vectorizer emits no `vpdpbusd` from
-scalar code (an int16 pair-product loop stayed scalar, 2× slower than the float kernel), so the
+scalar code (an int16 pair-product loop stayed scalar, slower than the float kernel), so the
 IR calls the intrinsic itself. Weights are re-laid at load into tiles of 16 output columns:
 per block of 32 inputs, four 64-byte vectors, byte 4c+i of vector g holding column c's
 weights 4g+i (low nibble) and 16+4g+i (high nibble). numba's threads split the tiles.
@@ -286,9 +286,9 @@ def split_tiles(tiles_kernel, packed, d, m, inputs, dx, xs, out, rows, blocks, c
 
 
 def warm_up() -> None:
-    """Build and compile both kinds' kernels now (a few seconds: LLVM, then numba, which
-    cannot cache code that calls into this process's own machine code), not in the first
-    request's pass: a load test's first request waited 2.4 s for them."""
+    """Build and compile both kinds' kernels now (LLVM, then numba, which cannot cache code
+    that calls into this process's own machine code), not in the first request's pass, which
+    would otherwise wait seconds for them."""
     x = np.zeros((1, BLOCK), np.float32)
     for kind, block_bytes, extra in (("Q4_1", TILE_BYTES, np.float32), ("Q8_0", 2 * TILE_BYTES, np.int32)):
         scales = np.zeros((1, 1, COLUMNS), np.float32)

@@ -2,11 +2,10 @@
 rotary embedding together with the KV-cache write (attention: `service/kernels/attention_kernel.py`).
 
 On a CPU a one-token pass of a small model spends a large share of its time outside the
-matmuls, in operators that each cost microseconds whatever their size: in the embedded model's
-one-token pass (2-core Xeon VM, L=256) the two RMSNorms of a layer cost ~32 us each through
-`F.rms_norm` (it runs as six operators), and the rotary embedding plus the scatter of the new
-keys and values into the cache ~67 us (eleven operators, two of them advanced-index writes),
-against a ~0.6 ms layer. Each becomes one call here, a few microseconds.
+matmuls, in operators that each cost microseconds whatever their size: `F.rms_norm` runs as
+six operators, the rotary embedding plus the scatter of the new keys and values into the cache
+as eleven (two of them advanced-index writes). Each becomes one call here (docs/benchmarks.md,
+"The float path's kernels").
 
 Each token is computed on its own, with the same arithmetic whatever the pass holds, so a
 row's result does not depend on the pass size (speculation still reproduces plain decoding

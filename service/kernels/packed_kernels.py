@@ -32,9 +32,8 @@ from numba import njit, prange
 
 CONTRACT = {"contract"}  # a*b + c as one fused multiply-add; no other fast-math liberty
 TILE = 32
-# Q8_0 (the LM head) dequantizes in registers, four rows at a time, up to this many rows: its
-# buffer path costs 2.4x the fused one at 3-4 rows, 1.6x at 8, 1.2x at 16; they cross between
-# 24 and 32 rows (embedded model's head, one core, measured).
+# Q8_0 (the LM head) dequantizes in registers, four rows at a time, up to this many rows: on the
+# embedded model's head the buffer path was slower up to about here (docs/benchmarks.md).
 FUSED_MAX_ROWS_Q8 = 24
 
 
@@ -2956,9 +2955,8 @@ def _dequantize_tile_q8(qs, d, w, o0):  # pragma: no cover - compiled
 @njit(fastmath=CONTRACT, cache=True)
 def _tail_padded(x, first):  # pragma: no cover - compiled
     """Rows first.. of x (at most four) padded with zero rows to four. Three rows run through
-    the four-row kernels: three-row ones compiled 4-6x slower than them (Q8_0: one layer and the
-    LM head; Q4_1: the embedded model's layers, measured), and a padding row changes no other
-    row's sums."""
+    the four-row kernels: three-row ones compiled slower than them (docs/benchmarks.md, "Tried
+    and not kept"), and a padding row changes no other row's sums."""
     tail = np.zeros((4, x.shape[1]), np.float32)
     for i in range(min(4, x.shape[0] - first)):
         tail[i] = x[first + i]
@@ -3009,8 +3007,8 @@ def q4_1_dequantize(qs, d, m, out):  # pragma: no cover - compiled
     """out[K, T*TILE] = the dequantized weights, transposed: tile t's TILE output rows are
     columns t*TILE.. (for large passes, a GEMM that takes the transposed layout as fast, and
     for checks). The tile layout is transposed already: each k's TILE weights are one
-    contiguous store, where the [T*TILE, K] layout took a strided scalar store per weight
-    (the embedded model's layers on two threads: 77-84 ms that way, 34 ms this way)."""
+    contiguous store, where the [T*TILE, K] layout took a strided scalar store per weight and
+    was slower (docs/benchmarks.md, "Chunks on the packed path")."""
     for t in prange(qs.shape[0]):
         _dequantize_tile(qs[t], d[t], m[t], out, t * TILE)
 
@@ -3026,8 +3024,8 @@ NAN_KEYS = 0x7F800000  # order keys above this are positive NaNs (0x7F800000 is 
 @njit(cache=True, inline="always")
 def _order_key(bits):  # pragma: no cover - compiled
     """An int32 that orders as the float32 whose bits these are do (−0 just below +0), NaN
-    lowest. Maxima of integers vectorize where numba's NaN-aware float `max` does not: a
-    49,152-logit row's block maxima took 14 us as floats, 5 as keys (2-core dev VM)."""
+    lowest. Maxima of integers vectorize where numba's NaN-aware float `max` does not
+    (docs/benchmarks.md, "What made it so")."""
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     return key if key <= NAN_KEYS else np.int32(LOWEST_KEY)
 
@@ -3065,10 +3063,10 @@ def top_k_ids(logits, k):  # pragma: no cover - compiled
 
     Every one of a row's k largest logits lies in a block whose maximum is among the k largest
     block maxima, so only those blocks are searched after one vectorized pass over the row
-    (about 9 us a 49,152-logit row, against torch.topk's 110 on the 2-core dev VM). NaN
-    logits rank last (torch ranks them first): ids are always k distinct valid tokens.
-    From TOP_K_PARALLEL_ROWS rows (a tree's nodes) the rows are split over the threads: a
-    13-node tree's top tokens took ~0.6 ms of a ~30 ms pass on one thread."""
+    (far faster than torch.topk: docs/benchmarks.md, "The float path's kernels"). NaN logits
+    rank last (torch ranks them first): ids are always k distinct valid tokens. From
+    TOP_K_PARALLEL_ROWS rows (a tree's nodes) the rows are split over the threads: on one
+    thread a tree's top tokens took a noticeable share of its pass."""
     out = np.empty((logits.shape[0], k), np.int64)
     if logits.shape[0] >= TOP_K_PARALLEL_ROWS:
         _top_k_rows_parallel(logits, k, out)

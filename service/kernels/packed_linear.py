@@ -53,25 +53,22 @@ PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks 
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
 # Passes above this many rows may dequantize the layer and call F.linear (prefill-sized passes,
 # where a BLAS GEMM can be faster than the register-tiled kernel), if the CPU says so at load
-# (`tune_kernel_max_rows`: the kernel is timed against that path at these sizes). Trees stay
-# below the least of them. A fixed 64 had been set where the GEMM was faster; on the 2-core Zen 5
-# dev VM the kernel won at every size, 1.18 against 1.46 ms a token at 512 rows (all linears of
-# the embedded model, dequantizing included; docs/benchmarks.md).
+# (`tune_kernel_max_rows`: the kernel is timed against that path at these sizes; on some CPUs
+# it wins at every size: docs/benchmarks.md, "Large passes in the kernels"). Trees stay below
+# the least of them.
 KERNEL_MAX_ROWS = 64
 LARGE_PASS_CANDIDATES = (128, 512)
 UNBOUNDED_ROWS = 1 << 30  # the kernel won at every candidate: it takes every pass
 LARGE_PASS_TUNING_REPEATS = 3
-# A pass whose rows x packed bytes are below this runs on one thread (see forward). Measured on
-# the 2-core CPU, one row: a 64x576 layer (18 KiB) 6.1 us serial, 5.3 parallel; 32x576 (9 KiB)
-# 3.6 and 5.3; the embedded model's o_proj (166 KiB) 46 and 25.
+# A pass whose rows x packed bytes are below this runs on one thread (see forward): below it a
+# parallel launch measured slower than the serial call (docs/benchmarks.md).
 PARALLEL_MIN_BYTES = 1 << 14
 # Pass sizes at which the in-register Q4_1 kernel is timed against the buffer path at load. Which
-# wins depends on the CPU: on a 2-core AMD EPYC dev VM (AVX2) the buffer path won from three
-# rows on; on a 2-core Intel Xeon one (AVX-512) the in-register kernel won at three to six rows
-# and the two tied around eight to twelve (docs/benchmarks.md).
+# wins depends on the CPU, its vector registers above all (docs/benchmarks.md, "The float path's
+# kernels").
 FUSED_ROW_CANDIDATES = (3, 4, 6, 8, 12, 16, 24, 32)
 TUNING_REPEATS = 9
-TUNING_LAYERS = 4  # the first few decoder layers' Q4_1 weights are timed (0.1-0.2 s at load)
+TUNING_LAYERS = 4  # the first few decoder layers' Q4_1 weights are timed (briefly, at load)
 
 # GGUF tensor name (per block) -> Hugging Face Llama module name.
 LLAMA_LINEARS = {
@@ -93,9 +90,9 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
     """The compiled numba kernels module, or None when numba is not installed (or fails).
     The per-layer kernels (`service/kernels/layer_kernels.py`) load with it (`loaded_layer_kernels`).
 
-    The first call per machine compiles them (tens of seconds on 2 cores; logged) into numba's
-    cache, `<cache_dir>/numba` (next to the source without a `cache_dir`; `NUMBA_CACHE_DIR`
-    overrides both); later starts load them from there in about a second. The cache dir, not
+    The first call per machine compiles them (slow; logged) into numba's cache,
+    `<cache_dir>/numba` (next to the source without a `cache_dir`; `NUMBA_CACHE_DIR` overrides
+    both); later starts load them from there, much faster. The cache dir, not
     the package, so that `ngrammys prepare` bakes them where an image's server finds them: numba
     only uses a cache directory it can write, and an installed package is read-only to a
     non-root server. (numba compiles again, once, on a CPU other than the one that compiled.)
@@ -174,8 +171,7 @@ SCRATCH_MAX_WEIGHTS = 4 << 20
 def _scratch_weights(shape: tuple[int, int]) -> np.ndarray:
     """A float32 array of `shape` in this thread's scratch buffer. A fresh array of megabytes
     is a fresh memory mapping each call, and its page faults cost more than dequantizing into
-    it: the embedded model's 210 layers took 81-177 ms into fresh arrays, 34 ms into the
-    scratch buffer (2-core Xeon VM; docs/benchmarks.md)."""
+    it (docs/benchmarks.md, "Chunks on the packed path")."""
     size = shape[0] * shape[1]
     if size > SCRATCH_MAX_WEIGHTS:
         return np.empty(shape, np.float32)
@@ -316,11 +312,9 @@ class PackedLinear(nn.Module):
     def _int8_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The VNNI kernels, whatever the pass size (from CHUNK_MIN_ROWS rows on, a Q4_1 layer's
         many-row kernel, with the same bits): a prompt chunk's rows then compute as they would
-        in a pass of their own. Lean: a one-token pass makes ~120 of these calls,
-        and the glue around the kernel (a conversion that was a no-op, the kernel's look-up)
-        cost 2-3.5 us of 9-18 a call (a layer's four linears at one row, interleaved medians,
-        2-core dev VM); a one-token pass 8.84 -> 8.71 and 8.90 -> 8.81 ms (medians of 290
-        passes each, alternated, two runs)."""
+        in a pass of their own. Lean: a one-token pass makes over a hundred of these calls, so
+        what every call needs is looked up once (`_set_tiles`) and no no-op conversion runs
+        (docs/benchmarks.md, "Figures behind design choices")."""
         assert self._int8 is not None
         t = self._int8
         if rows.dtype != torch.float32 or not rows.is_contiguous():

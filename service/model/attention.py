@@ -12,7 +12,8 @@ scaled-dot-product attention per row: one batched call over every row with D que
 (the rows at most D wide; the others get padding slots there), plus one call per wider row.
 D is chosen per pass to minimize query slots plus calls: a batched call pads every row to D,
 so one 5-node tree among 15 one-token rows must not make all 16 rows attend with 5 queries
-(measured: D=2 costs 2.2x D=1 for 16 rows at L=257, a second call for the wide row ~0.15x).
+(a second query slot for every row measured far dearer than a call of its own for the wide row;
+docs/benchmarks.md).
 
 Masks: row r's node i sees the row's committed cache [0, start_r) and its own ancestors in
 the tree (itself included), nothing else — the same rule as a single sequence.
@@ -46,10 +47,10 @@ from service.model.tree import TokenTree
 
 IMPLEMENTATION = "ngrammys_ragged"
 # What a call of its own costs, in query slots of the batched call: about one on a CPU
-# (measured); on a GPU a launch costs far more than a padded query (16 there: not measured).
+# (measured); on a GPU a launch costs far more than a padded query (an estimate, not measured).
 CALL_SLOTS = {"cpu": 1}
 GPU_CALL_SLOTS = 16
-CALL_COLUMNS = 256  # the context length those call costs stand for (measured at L=257)
+CALL_COLUMNS = 256  # the context length those call costs stand for (the CPU's was measured there)
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
     (default: all) on top of `starts[r]` committed entries. Masks are additive, in `dtype`
     (the queries'): 0 where a query attends, -inf elsewhere. Made once a pass, they spare every
-    layer's attention call the conversion of a boolean mask (half the call's time for one
-    query at L=256 on a CPU, measured; the outputs are bit for bit the same). Rows of 1 to
+    layer's attention call the conversion of a boolean mask (a large share of a one-query call's
+    time on a CPU; the outputs are bit for bit the same). Rows of 1 to
     `kernel_width` tokens go to the attention kernel, the others then get a call each.
 
     `prompts[r]` (packed CPU path): row r's first nodes that are prompt tokens needing no
@@ -148,7 +149,7 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     kernel_rows = [row for row, w in enumerate(attending) if 0 < w <= kernel_width]
     ends = [s + tree.num_nodes for s, tree in zip(starts, trees)]
     # node i of a row at start + i, its RoPE position start + depth: array operations over all
-    # rows (tensors a row, and a mask for every row, took 2.0 ms for 64 one-token rows, 0.25 now)
+    # rows (tensors a row, and a mask for every row, were several times slower for many rows)
     count, start = np.array(widths), np.array(starts)
     row_offsets = np.cumsum(count) - count
     in_row = np.arange(count.sum()) - np.repeat(row_offsets, count)  # a token's index among its row's
@@ -366,10 +367,9 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     and `value` [b, kv_heads, L, head_dim]. With `query_groups` > 1 the query heads that share
     a KV head (heads h*g .. h*g+g-1 share KV head h, as transformers' `repeat_kv` pairs them)
     attend as g*n queries of one head, nothing copied but the queries. Grouped heads with a
-    mask have no fused kernel on a GPU (flash takes no mask) and ran on the math backend there,
-    0.14-1.8 ms a call against 0.03-0.09 folded (H200); on a CPU the folded call halved a bf16
-    pass of 16 one-token rows (docs/benchmarks.md). `mask` must then hold
-    its n rows g times (`build_layout` repeats them)."""
+    mask have no fused kernel on a GPU (flash takes no mask) and ran on the far slower math
+    backend there; on a CPU too the folded call is faster (docs/benchmarks.md, "Attention on
+    the GPU"). `mask` must then hold its n rows g times (`build_layout` repeats them)."""
     if query_groups == 1:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     b, heads, n, head_dim = query.shape

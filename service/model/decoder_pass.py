@@ -4,10 +4,9 @@ modules, in a fraction of the operator calls.
 On a CPU a one-token pass of a small model is mostly fixed costs: each torch operator call
 costs microseconds whatever its size, and transformers' decoder layer makes ~90 of them per
 layer (RMSNorm as eight ops, rotary embedding as fourteen, decorators and keyword plumbing on
-every call). Measured on the embedded 30-layer model (2-core CPU, packed weights, one token,
-L=256, old and new code alternated): 30.2 ms a pass through transformers' modules, 24.2 ms
-through this one with the masks of `service/model/attention.py` built once a pass, and bitwise equal
-logits (docs/benchmarks.md).
+every call). This module, with the masks of `service/model/attention.py` built once a pass,
+makes a one-token pass markedly cheaper, with bitwise equal logits (docs/benchmarks.md, "The
+float path's kernels").
 
 What it does differently, nothing else:
 - one RMSNorm operator (`F.rms_norm`) instead of eight;
@@ -17,8 +16,8 @@ What it does differently, nothing else:
 - rotary embedding once over the queries and keys together;
 - no per-layer decorators, keyword plumbing or output records.
 On the packed CPU path RMSNorm and the rotary embedding with the cache write are one numba
-call each (`service/kernels/layer_kernels.py`; one-token pass 0.88x, docs/benchmarks.md), and the
-packed layers are called through `forward`, without `nn.Module.__call__`.
+call each (`service/kernels/layer_kernels.py`), and the packed layers are called through
+`forward`, without `nn.Module.__call__`.
 
 Weights, cache writes and attention (`service/model/attention.py`) are the model's own (on the
 packed path one-token rows attend through a kernel: the same softmax, summed in position
@@ -48,14 +47,10 @@ LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
-# row's keys once per query, so it wins on one-token rows (16 rows at Spec-Bench lengths: 0.98
-# against SDPA's 2.36 ms a layer call, standalone) and on the small trees auto mode builds on a
-# CPU, but loses to a call of their own on wide ones (a 16-token tree at L=256: 252 against 94
-# us a layer call, 2-core Xeon VM: the two cross near 6 tokens there). A one-row pass of a 2-, 3-
-# and 4-token tree went from 1.28x, 1.44x and 1.76x a one-token pass's time to 1.16x, 1.31x
-# and 1.65x (L=256; 1.44x to 1.17x for two tokens at L=2048), and a 4-token tree among 16
-# one-token rows costs no call of its own (dev CPU, docs/benchmarks.md). Tree nodes answered
-# here also get the bits of the same token decoded alone.
+# row's keys once per query, so it beats SDPA on one-token rows (no padding to the longest row)
+# and on the small trees auto mode builds on a CPU, but loses to a call of their own on wide
+# trees (docs/benchmarks.md: "One-token rows without padding", and the default path by
+# category). Tree nodes answered here also get the bits of the same token decoded alone.
 ATTENTION_KERNEL_WIDTH = 4
 # With 8-bit activations (`--quantization gguf-int8`) every row attends through the kernel
 # (prompt tokens needing no logits through the chunk kernel, whose bits do not depend on the
@@ -63,12 +58,13 @@ ATTENTION_KERNEL_WIDTH = 4
 # decoded alone (or in a chunk of another width: the last chunk of a prompt carries the first
 # tree), and where float activations carry such a last-bit difference into a near-tie at most,
 # rounding to 8 bits can turn it into a whole step of an activation. With tree rows alone on the
-# kernel, speculation still parted from plain decoding at non-ties on 11 of 13 Spec-Bench
-# prompts (k=4, w=4, embedded model).
+# kernel, speculation still parted from plain decoding at non-ties on most Spec-Bench prompts
+# (docs/benchmarks.md).
 INT8_ATTENTION_KERNEL_WIDTH = 1 << 30
 # ... and its KV cache holds float16, as llama.cpp's does by default: a pass of sixteen
-# one-token rows reads every row's keys and values once a layer, 189 MB a pass in float32 at
-# L=256, more than the weights; float16 halves it (docs/benchmarks.md).
+# one-token rows reads every row's keys and values once a layer, in float32 more bytes than
+# the weights; float16 halves them (docs/benchmarks.md, "The attention kernel and a float16
+# cache").
 INT8_KV_DTYPE = torch.float16
 
 
@@ -181,9 +177,9 @@ def fused_projections(layer: nn.Module) -> FusedProjections:
 
 
 def _direct(module: nn.Module) -> Projection:
-    """A packed layer's `forward` itself: `nn.Module.__call__`'s hook machinery costs a few
-    microseconds a call, a visible share of a one-token pass's ~120 small matmuls (there are
-    no hooks to run on a served model's layers)."""
+    """A packed layer's `forward` itself: `nn.Module.__call__`'s hook machinery costs time on
+    every call, a visible share of a one-token pass's many small matmuls (there are no hooks
+    to run on a served model's layers)."""
     return module.forward if isinstance(module, PackedLinear) else module
 
 

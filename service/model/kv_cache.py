@@ -318,9 +318,9 @@ class TreeKVCache(Cache):
     def commit_rows(self, kept_by_row: Mapping[int, Sequence[int]]) -> None:
         """`commit` for several rows: the entries that move (those after the first kept one
         not already in place) move in one gather and one scatter of the keys and of the values,
-        all layers and rows together. On a GPU each call is a launch: a call per layer took
-        0.56 ms of a 5.2 ms speculating step of one request (H200, embedded model), a call
-        per row and layer thousands of launches a step at large batches."""
+        all layers and rows together. On a GPU each call is a launch: a call per layer took a
+        tenth of a speculating step of one request, a call per row and layer would be thousands
+        of launches a step at large batches (docs/benchmarks.md)."""
         moves = []
         for row, kept in kept_by_row.items():
             start = self.lengths[row]

@@ -1,9 +1,9 @@
 """Load the served model: the embedded SmolLM2 GGUF or any local Hugging Face directory.
 
-Dequantizing the embedded GGUF takes tens of seconds on a CPU, so the converted weights and
-tokenizer are saved once as safetensors under a cache directory keyed by the GGUF file's
-hash; later starts load that directory in a few seconds. Nothing is ever downloaded: every
-load is `local_files_only`.
+Dequantizing the embedded GGUF is slow on a CPU, so the converted weights and tokenizer are
+saved once as safetensors under a cache directory keyed by the GGUF file's hash; later starts
+load that directory, much faster. Nothing is ever downloaded: every load is
+`local_files_only`.
 """
 
 from __future__ import annotations
@@ -96,12 +96,11 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def resolve_quantization(quantization: str, is_gguf: bool, device: torch.device, dtype: str | None) -> str:
     """"none", "gguf" or "gguf-int8". "auto" never picks gguf-int8 (another served model: its
-    8-bit activations changed 12 of 13 greedy answers; docs/benchmarks.md).
-    It picks gguf where that was measured faster: a GGUF model on a CPU
-    with numba installed, unless `dtype` asks for other than float32. That holds on CPUs with
-    native bf16 too: there the packed path decoded 1.59x as fast as bf16 weights (2-core AMD
-    EPYC with avx512_bf16, embedded model, 13 Spec-Bench prompts, interleaved). bf16
-    by capability is the dtype of model directories and of --quantization none only."""
+    8-bit activations change most greedy answers). It picks gguf where that was measured
+    faster: a GGUF model on a CPU with numba installed, unless `dtype` asks for other than
+    float32. That holds on CPUs with native bf16 too (docs/benchmarks.md, "Which weights to
+    serve on a CPU"). bf16 by capability is the dtype of model directories and of
+    --quantization none only."""
     if quantization not in (*QUANTIZATIONS, "auto"):
         raise ValueError(f"unknown quantization {quantization!r}; try auto, {' or '.join(QUANTIZATIONS)}")
     if quantization != "auto":

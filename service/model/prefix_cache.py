@@ -1,17 +1,17 @@
 """Automatic prefix caching: the KV of token blocks outlives the request that computed it.
 
 Real traffic repeats prompt prefixes (system prompts, few-shot examples, a chat's whole
-history every turn, agents re-sending their transcript), and on a CPU a prompt token costs
-about a millisecond to prefill. So every full block of `BLOCK_TOKENS` committed tokens a
+history every turn, agents re-sending their transcript), and on a CPU prefill is the dearest
+part of such a request. So every full block of `BLOCK_TOKENS` committed tokens a
 request computed is kept — keys and values of all layers, a copy — keyed by its tokens and
 the block before it, and a later request whose prompt starts with the same blocks gets
 their entries copied into its KV row instead of prefilling them.
 
 Copied, not shared: the KV cache keeps one contiguous row per request (`kv_cache.py`), which
 the attention kernels, the per-row compaction after verification and CUDA graphs all rely
-on. A copy costs a memory move of ~46 KB a token (embedded model, float32 KV), against ~1
-ms of prefill a token on the CPU; and a row never writes into a cached block, so
-speculation and compaction need no copy-on-write.
+on. A copy costs a memory move of ~46 KB a token (embedded model, float32 KV), far less than
+prefilling the token (docs/benchmarks.md, "Prefix caching"); and a row never writes into a
+cached block, so speculation and compaction need no copy-on-write.
 
 Exact: a block's key is (its parent block's id, its tokens), compared as is — no hash that
 could collide — so a block is found only after the very same tokens at the very same

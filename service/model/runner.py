@@ -34,8 +34,8 @@ from service.model.static_pass import FixedShape, StaticPasses
 from service.model.tree import TokenTree
 
 # Attention backends a pass may use: all but cuDNN's, which builds a plan for every new shape
-# (~37 ms a call on an H200 where the others take 0.03-0.2 ms), and a pass's rows end at new
-# lengths every step (docs/benchmarks.md).
+# (far dearer than the call itself), and a pass's rows end at new lengths every step
+# (docs/benchmarks.md, "Attention on the GPU").
 ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -1,10 +1,10 @@
 """Passes of a few fixed shapes, replayed as CUDA graphs.
 
 On a GPU a small model's pass is host work: the embedded 30-layer model launches some 25
-operators a layer, and a pass of one to 64 rows took 13-30 ms on an H200 whatever its size
-(docs/benchmarks.md) — the device itself idle most of that time. A CUDA
-graph records a pass's launches once and replays them in one call (3-6 ms there), but it needs
-every tensor at a fixed address and every shape fixed. So a pass whose rows each bring a whole
+operators a layer, and an eager pass costs about the same whatever its size, the device idle
+most of that time. A CUDA graph records a pass's launches once and replays them in one call,
+several times faster (docs/benchmarks.md, "CUDA graphs"), but it needs every tensor at a fixed
+address and every shape fixed. So a pass whose rows each bring a whole
 tree of at most `SLOT_WIDTHS[-1]` nodes is brought to a fixed shape (`FixedShape`):
 - its T flat tokens (every row's nodes, as in an eager pass) padded to a power of two with
   copies of the first row's root (same token, position and cache entry: they write what the
@@ -16,7 +16,7 @@ tree of at most `SLOT_WIDTHS[-1]` nodes is brought to a fixed shape (`FixedShape
 - R the running rows rounded up to a power of two (the cache's buffers hold that many rows):
   a row past the running ones has one node, its query and cache entry at column 0 of its own
   unused buffer row, so 5 to 8 rows are one shape, not four — under a steady load, rows come and
-  go with every request, and each new shape is a recording (35-150 ms on an H200);
+  go with every request, and each new shape is a recording (the time of many replays);
 - one graph per shape and set of cache buffers, captured at its first pass; a cache's buffers
   pass on to the model's next cache (`SpareBuffers`), so they move only when they grow.
 Passes of other shapes (prompt chunks, trees wider than the slots, rows continuing a tree

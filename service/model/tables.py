@@ -6,8 +6,8 @@ neutral prefix (the tokens that open an assistant turn): a token at position 0 i
 attention sink and the model then predicts little but punctuation. The prefix's KV cache is
 computed once and shared by every batch, so each input still costs one token. Unigram: the
 tokens with the highest next-token probability averaged over those same V inputs — the
-model's preference with no real context. One pass over the vocabulary yields both: seconds on a GPU, a few
-minutes on a CPU, so it runs in the background at start and the table strategies switch on
+model's preference with no real context. One pass over the vocabulary yields both; on a CPU
+that takes minutes, so it runs in the background at start and the table strategies switch on
 when it is done. The result is a few MB ([V, K] uint32) saved under the cache directory,
 keyed by a fingerprint of the weights.
 """

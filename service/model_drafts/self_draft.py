@@ -13,9 +13,9 @@ import copy
 from torch import nn
 from transformers import PreTrainedModel
 
-# Default depth, as a share of the model's layers: on the embedded 30-layer model 24 layers
-# drafted 1.69 tokens a pass against 1.17 for 8 (docs/benchmarks.md); shallower exits barely
-# ever agree with the full model.
+# Default depth, as a share of the model's layers: on the embedded model a deep exit drafted
+# far more tokens a pass than a shallow one, and shallower exits barely ever agree with the full
+# model (docs/benchmarks.md, "Model drafts").
 DEFAULT_SHARE = 0.8
 
 
