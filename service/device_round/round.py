@@ -10,17 +10,18 @@ has a size fixed by the step's row count and template):
     upload the rows' recent tokens and KV starts (host → device, no wait)
     → draft: the context match (`context.py`) and the successor-table walk (`tables.py`), gathers
     → the pass over the fixed-shape trees, its tokens taken from the device
-    → argmax, the batched acceptance (`accept.py`)
+    → the model's choice at each node (argmax, or a sample), the batched acceptance (`accept.py`)
     → the accepted entries moved in the KV (`TreeKVCache.keep_paths`)
     → the table refreshed from the pass's top-K (a scatter)
     → ONE copy to the host: each row's committed tokens, path, count and drafted nodes.
 
 The host then only commits the counts and turns tokens into outputs. Which steps go this way
-(the engine asks): every row decoding (no prompt chunk), greedy, with nothing that needs a
+(the engine asks): every row decoding (no prompt chunk), with nothing that needs a
 row's logits on the host (logprobs, a grammar, logit_bias or penalties), with a strategy the
-device drafts, and all rows in fixed mode with the same (k, w) (`plan`) or all in auto mode
-(`plan_auto`: the step's template from a menu). Anything else takes the host path, which gives
-the same tokens: greedy output is plain greedy decoding's either way.
+device drafts, and all rows in fixed mode with the same (k, w) (`fixed_template`) or all in
+auto mode (`auto_template`: the step's template from a menu). Greedy rows take the argmax,
+sampled rows a sample of each node's distribution (`Chooser`). Anything else takes the host
+path, which gives the same tokens.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from service.device_round.accept import accept_greedy
 from service.device_round.context import WINDOW
 from service.controller.cost_profile import CostProfile
 from service.device_round.drafts import draft_trees
-from service.device_round.planner import TemplateChooser, menu
+from service.device_round.menu import TemplateChooser, menu
 from service.device_round.tables import DeviceTable
 from service.device_round.template import TreeTemplate
 from service.model.kv_cache import TreeKVCache
@@ -59,9 +60,9 @@ Chooser = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class DevicePlan:
+class TemplateChoice:
     """What a device step drafts: the template every row fills, and from which table; in auto
-    mode, a row's tokens per second the planner expects of it."""
+    mode, a row's tokens per second the menu's chooser expects of it."""
 
     template: TreeTemplate
     table: str | None
@@ -69,7 +70,7 @@ class DevicePlan:
 
 
 @dataclass(frozen=True)
-class StepResult:
+class DeviceRoundOutput:
     """A device step's rounds, as the host reads them after its one copy."""
 
     tokens: np.ndarray  # int64 [R, W + 1]: row r's accepted drafts then its bonus token in [: counts[r] + 1]
@@ -88,7 +89,7 @@ class StepResult:
 class RecentWindows:
     """Each request's last `width` tokens as an array, kept up to date with the few tokens it
     gained since the last step: building the rows' windows from the histories' lists every step
-    took 2.2 ms at 64 rows (Cascade Lake VM), on the host's critical path."""
+    would put work that grows with the batch on the host's critical path."""
 
     def __init__(self, width: int) -> None:
         self.width = width
@@ -135,8 +136,8 @@ class DeviceRound:
                 table.pull()
             self._newest_on_device = False
 
-    def plan(self, k: int, w: int, strategy: str) -> DevicePlan | None:
-        """The plan of a step whose rows all ask for (k, w) drafts of `strategy` (fixed mode; the
+    def fixed_template(self, k: int, w: int, strategy: str) -> TemplateChoice | None:
+        """The template of a step whose rows all ask for (k, w) drafts of `strategy` (fixed mode; the
         root alone where no draft fits, as at a request's last token); None where the device
         does not draft that strategy."""
         drafts = self._drafts(strategy)
@@ -144,14 +145,14 @@ class DeviceRound:
             return None
         chain, table = drafts
         if k <= 0 or w <= 0:
-            return DevicePlan(TreeTemplate.of(0, 0, 0), table)
-        return DevicePlan(TreeTemplate.of(k if table else 0, w, w if chain else 0), table)
+            return TemplateChoice(TreeTemplate.of(0, 0, 0), table)
+        return TemplateChoice(TreeTemplate.of(k if table else 0, w, w if chain else 0), table)
 
-    def plan_auto(self, k: int, w: int, strategy: str, profile: CostProfile, context: float,
-                  rows: int, budget: int) -> DevicePlan | None:
-        """The plan of a step whose rows are all in auto mode with at most (k, w) drafts of
+    def auto_template(self, k: int, w: int, strategy: str, profile: CostProfile, context: float,
+                  rows: int, budget: int) -> TemplateChoice | None:
+        """The template of a step whose rows are all in auto mode with at most (k, w) drafts of
         `strategy`: of the menu's templates whose drafted nodes fit the pass's `budget` for all
-        rows, the one that buys the most tokens per second (`planner.choose`), the root alone
+        rows, the one that buys the most tokens per second (`menu.choose`), the root alone
         included."""
         drafts = self._drafts(strategy)
         if drafts is None:
@@ -159,7 +160,7 @@ class DeviceRound:
         chain, table = drafts
         templates = [t for t in menu(k, w, chain, table is not None) if rows * (t.num_nodes - 1) <= budget]
         template, forecast = self.chooser(templates, profile, rows, context)
-        return DevicePlan(template, table, forecast)
+        return TemplateChoice(template, table, forecast)
 
     def _drafts(self, strategy: str) -> tuple[bool, str | None] | None:
         """(a context chain?, the table) of `strategy`; None where the device drafts none of it."""
@@ -169,14 +170,14 @@ class DeviceRound:
         return None if not chain and table is None else (chain, table)
 
     @torch.inference_mode()
-    def run(self, cache: TreeKVCache, histories: Sequence[TokenHistory], plan: DevicePlan,
-            choose: Chooser | None = None) -> StepResult:
+    def run(self, cache: TreeKVCache, histories: Sequence[TokenHistory], choice: TemplateChoice,
+            choose: Chooser | None = None) -> DeviceRoundOutput:
         """The step over rows [0, R) of `cache`, row r's committed tokens `histories[r]` (its
         KV row holding all but the newest). The model's choice after each node is its argmax,
         or what `choose` makes of the logits [R * N, vocab] (sampled rows: a sample of each
         node's distribution, on the device; accepting along samples is speculative sampling's
         rule, as on the host)."""
-        template, device = plan.template, self.device
+        template, device = choice.template, self.device
         shape = template.tensors(device)
         rows = len(histories)
         if not self._newest_on_device:  # host rounds refreshed the host tables since the last device round
@@ -184,8 +185,8 @@ class DeviceRound:
                 device_table.push()
             self._newest_on_device = True
         starts_host = list(cache.lengths)
-        recent, starts = self._upload(histories, starts_host, plan)
-        table = None if plan.table is None else self.tables[plan.table]
+        recent, starts = self._upload(histories, starts_host, choice)
+        table = None if choice.table is None else self.tables[choice.table]
         tokens, valid = draft_trees(recent, template, table)  # [R, N] each
         logits = self.runner.forward_flat(
             cache, [RowInput(template.shape_tree)] * rows, tokens.flatten())  # [R * N, vocab]
@@ -201,7 +202,7 @@ class DeviceRound:
         began = time.perf_counter()
         host = self._to_host(packed)
         depth = template.max_depth + 1
-        result = StepResult(tokens=host[:, :depth], paths=host[:, depth : 2 * depth], counts=host[:, 2 * depth],
+        result = DeviceRoundOutput(tokens=host[:, :depth], paths=host[:, depth : 2 * depth], counts=host[:, 2 * depth],
                             drafted=host[:, 2 * depth + 1 :].astype(bool), wait_seconds=time.perf_counter() - began)
         for row, count in enumerate(result.counts.tolist()):
             cache.advance(row, 1 + count)
@@ -209,10 +210,10 @@ class DeviceRound:
         return result
 
     def _upload(self, histories: Sequence[TokenHistory], starts: Sequence[int],
-                plan: DevicePlan) -> tuple[torch.Tensor, torch.Tensor]:
+                choice: TemplateChoice) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's recent tokens [R, L] (-1 before its first) and KV start [R], in one
         host → device copy that the device does not wait for."""
-        width = WINDOW if plan.template.chain else 2
+        width = WINDOW if choice.template.chain else 2
         host = np.empty((len(histories), width + 1), dtype=np.int64)
         for row, history in enumerate(histories):
             host[row, :width] = self._windows.of(history)[-width:]

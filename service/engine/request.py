@@ -42,7 +42,7 @@ class Request:
     constraint: Constraint | None = None  # the output's grammar (structured output), when asked for
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
-    row: int | None = None  # KV cache row while running
+    kv_row: int | None = None  # KV cache row while running
     num_cached: int = 0  # prompt tokens already in the KV row
     num_generated: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
@@ -75,8 +75,14 @@ class Request:
         return len(self.drafts.history)
 
     @property
+    def token_ids(self) -> list[int]:
+        """The committed tokens: the prompt, then the output (with the cut-off rest of a final
+        round, if any)."""
+        return self.drafts.history.token_ids
+
+    @property
     def output_ids(self) -> list[int]:
         """The tokens generated so far (the history may also hold the cut-off rest of a final
         round)."""
         start = self.num_prompt_tokens
-        return self.drafts.history.token_ids[start : start + self.num_generated]
+        return self.token_ids[start : start + self.num_generated]

@@ -103,7 +103,7 @@ class DoesNotFit(ValueError):
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class Schedule:
     """What each running request brings to this step's pass."""
 
     prefill_tokens: dict[Request, int]  # prompt tokens each prefilling request puts in the cache
@@ -181,11 +181,11 @@ class Scheduler:
                 break  # FCFS as well: it waits a few passes at most, for entries it then need not compute
             self.waiting.popleft()
             candidate.status, candidate.started_at = Status.RUNNING, time.monotonic()
-            candidate.row = self.cache.add_row()
+            candidate.kv_row = self.cache.add_row()
             if self.prefix is not None:
                 if budget is not None:
                     self.prefix.evict_until(budget - bound)
-                candidate.num_cached = self.prefix.load(self.cache, candidate.row, candidate.prompt_ids)
+                candidate.num_cached = self.prefix.load(self.cache, candidate.kv_row, candidate.prompt_ids)
             self.running.append(candidate)
             admitted.append(candidate)
         return admitted
@@ -215,8 +215,8 @@ class Scheduler:
 
     def keep_prefix(self, request: Request) -> None:
         """Cache the whole blocks of a running request's committed entries (after a pass)."""
-        if self.prefix is not None and request.row is not None:
-            self.prefix.store(self.cache, request.row, request.drafts.history.token_ids)
+        if self.prefix is not None and request.kv_row is not None:
+            self.prefix.store(self.cache, request.kv_row, request.token_ids)
 
     @property
     def kv_usage(self) -> float | None:
@@ -234,7 +234,7 @@ class Scheduler:
             request.status = Status.FINISHED
         return gone
 
-    def plan(self) -> StepPlan:
+    def schedule(self) -> Schedule:
         """Split this pass's token budget: one token per decoding row first, then prefill
         chunks oldest first (each prefilling row brings at least one token). While others
         decode, prompts get `prefill_cap`; in a burst (more requests waiting for their first
@@ -253,7 +253,7 @@ class Scheduler:
             prefill[request] = chunk
             left -= chunk
             prefill_left -= chunk
-        return StepPlan(prefill, max(left, 0))
+        return Schedule(prefill, max(left, 0))
 
     def prefill_cap(self, decoding: int, prefilling: int) -> int:
         """Prompt tokens a pass may carry beside `decoding` one-token rows: the configured
@@ -275,13 +275,13 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """Take a request out of the batch and free its KV row."""
         request.status = Status.FINISHED
-        if request.row is None:
+        if request.kv_row is None:
             return
         if request.finish_reason != "error":  # a failed pass may have left its entries half written
             self.keep_prefix(request)
-        row, request.row = request.row, None
+        row, request.kv_row = request.kv_row, None
         moved = self.cache.remove_row(row)
         last = self.running.pop()
         if moved is not None:
             self.running[row] = last
-            last.row = row
+            last.kv_row = row

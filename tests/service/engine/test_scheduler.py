@@ -64,7 +64,7 @@ def test_admission_is_first_come_first_served_up_to_the_running_cap() -> None:
         scheduler.add(request)
     assert scheduler.has_work and list(scheduler.waiting) == requests
     assert scheduler.admit() == requests[:2]
-    assert [r.row for r in requests] == [0, 1, None]
+    assert [r.kv_row for r in requests] == [0, 1, None]
     assert [r.status for r in requests] == [Status.RUNNING, Status.RUNNING, Status.WAITING]
     assert requests[0].started_at is not None and requests[2].started_at is None
     assert scheduler.admit() == []  # the batch is full: the third waits
@@ -137,7 +137,7 @@ def test_aborted_waiting_requests_are_dropped_and_never_get_a_row() -> None:
     assert scheduler.drop_aborted_waiting() == []
     first.aborted = True  # aborted at the head of the queue: admission skips it
     assert scheduler.admit() == [third]
-    assert first.row is None and not scheduler.waiting
+    assert first.kv_row is None and not scheduler.waiting
 
 
 @pytest.mark.parametrize("decoding_rows, prompts, per_pass, cap, chunks, tree_budget", [
@@ -164,7 +164,7 @@ def test_prompt_chunks_share_the_pass_with_decoding_rows(decoding_rows: int, pro
     scheduler.admit()
     for stream in streams:
         decoding(stream)
-    plan = scheduler.plan()
+    plan = scheduler.schedule()
     assert [plan.prefill_tokens[r] for r in waiting] == chunks
     assert set(plan.prefill_tokens) == set(waiting)  # decoding rows bring no prompt tokens
     assert plan.tree_budget == tree_budget
@@ -202,7 +202,7 @@ def test_the_prefill_cap_is_priced_by_the_cost_profile(pass_ms: float, profile: 
     scheduler = make_scheduler(max_running=8, prefill_cap=None, pass_ms=pass_ms)
     scheduler.profile = profile
     prompt = _one_prompt_beside(streams, scheduler)
-    assert scheduler.plan().prefill_tokens[prompt] == chunk
+    assert scheduler.schedule().prefill_tokens[prompt] == chunk
     if chunk != LEAST_PRICED_PREFILL_TOKENS and profile is not GPU:  # the most tokens within the budget
         assert profile.cost(streams + chunk, 100, streams + 1, 1) <= pass_ms / 1e3
         assert profile.cost(streams + chunk + 1, 100, streams + 1, 1) > pass_ms / 1e3
@@ -211,13 +211,13 @@ def test_the_prefill_cap_is_priced_by_the_cost_profile(pass_ms: float, profile: 
 def test_a_fixed_prefill_cap_wins_over_the_price_and_the_device_default_holds_until_a_profile() -> None:
     priced = make_scheduler(max_running=8, prefill_cap=None)
     prompt = _one_prompt_beside(2, priced)
-    assert priced.plan().prefill_tokens[prompt] == CPU_PREFILL_TOKENS_WHILE_DECODING  # no profile yet
+    assert priced.schedule().prefill_tokens[prompt] == CPU_PREFILL_TOKENS_WHILE_DECODING  # no profile yet
     priced.profile = GPU
-    assert priced.plan().prefill_tokens[prompt] == 512 - 2
+    assert priced.schedule().prefill_tokens[prompt] == 512 - 2
     fixed = make_scheduler(max_running=8, prefill_cap=7)
     fixed.profile = GPU
     prompt = _one_prompt_beside(2, fixed)
-    assert fixed.plan().prefill_tokens[prompt] == 7
+    assert fixed.schedule().prefill_tokens[prompt] == 7
 
 
 def test_finishing_frees_the_row_and_moves_the_last_row_into_it() -> None:
@@ -227,11 +227,11 @@ def test_finishing_frees_the_row_and_moves_the_last_row_into_it() -> None:
         scheduler.add(request)
     scheduler.admit()
     scheduler.finish(a)
-    assert (a.status, a.row) == (Status.FINISHED, None)
-    assert scheduler.running == [c, b] and (c.row, b.row) == (0, 1)  # `running[i]` holds row i
+    assert (a.status, a.kv_row) == (Status.FINISHED, None)
+    assert scheduler.running == [c, b] and (c.kv_row, b.kv_row) == (0, 1)  # `running[i]` holds row i
     assert scheduler.cache.num_rows == 2
     scheduler.finish(b)  # the last row: nothing moves
-    assert scheduler.running == [c] and c.row == 0 and scheduler.cache.num_rows == 1
+    assert scheduler.running == [c] and c.kv_row == 0 and scheduler.cache.num_rows == 1
     waiting = make_request(name="waiting")
     scheduler.add(waiting)
     scheduler.finish(waiting)  # never admitted: no row to free

@@ -19,23 +19,28 @@ def test_a_step_where_no_auto_row_drafted_is_planned_as_the_planner_plans_rows_w
     engine = make_engine(tiny_runner, tiny_tables)
     engine.profile = linear_profile(0.01, 0.01)
     engine.mixer.best_acceptance = lambda w: Acceptance(0.2, 0.2)  # type: ignore[method-assign]
-    policy, plan = engine.policy, engine.policy.plan
-    quiet_steps = []
+    policy, plan, trees = engine.policy, engine.policy.plan, engine.policy.trees
+    quiet_steps, taken = [], []
 
-    def checked(auto, rows, budget, drafted, pricing):
-        if any(id(row) in drafted for row in auto):
-            return plan(auto, rows, budget, drafted, pricing)
-        cost, fixed, prefill_seconds = pricing or policy.pricing(rows, {id(row) for row in auto})
+    def checked(rows, speculating, budget, pricing):
+        decided = trees(rows, speculating, budget, pricing)
+        auto = [row for row in rows if row.decoding and policy.is_auto(row.request)]
+        if any(row in speculating for row in auto):
+            return decided
+        cost, fixed, prefill_seconds = pricing or policy.pricing(rows, set(auto))
         expected = plan_trees([RowCandidates([], row.request.speculation.k, row.request.speculation.w)
                                for row in auto], cost, fixed, sum(1 for r in rows if r.tree is not None), budget,
                               prefill_seconds=prefill_seconds)
-        taken = plan(auto, rows, budget, drafted, pricing)
-        assert taken == expected
-        assert all(row.tree is not None and row.tree.num_nodes == 1 for row in auto)
+        assert taken[-1] == expected
+        assert all(row.tree is not None and row.tree.num_nodes == 1 for row in decided if row.decoding)
         quiet_steps.append(len(auto))
-        return taken
+        return decided
 
-    policy.plan = checked  # type: ignore[method-assign]
+    def recorded(*args):
+        taken.append(plan(*args))
+        return taken[-1]
+
+    policy.trees, policy.plan = checked, recorded  # type: ignore[method-assign]
     params = GenerationParams(12, speculation=SpeculationParams(6, 5, "auto"))
     requests = [engine.add_request(prompt, params) for prompt in PROMPTS[:4]]
     while engine.has_work:

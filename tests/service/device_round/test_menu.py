@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.device_round.planner import PROBE_EVERY, NodeAcceptance, TemplateChooser, choose, menu, node_keys
+from service.device_round.menu import PROBE_EVERY, NodeAcceptance, TemplateChooser, choose, menu, node_keys
 from service.device_round.template import TreeTemplate
 from tests.helpers.costs import COMPUTE_BOUND, MEMORY_BOUND
 
