@@ -98,17 +98,13 @@ def plan_trees(
     chunk (the one that carries its first tree) included: it buys no token this pass, so plans
     are compared by tokens per second of the pass's decoding alone, and a node must pay for
     itself against plain decoding's rate. Counted in, a pass carrying a prompt chunk decodes so
-    slowly that almost any tree beats it: at C=16 on the 2-core CPU (one in-process run of 32
-    requests) the controller put 9-96 nodes into passes carrying other requests' chunks, where
-    passes without a chunk took 1-6; and four requests starting together at C=4 had their first
-    trees take 48 nodes (12 each, forecast +11 tokens, none accepted) where 12 with the chunks
-    priced apart (the pass 0.48 -> 0.41 s).
+    slowly that almost any tree beats it, and passes carrying other requests' chunks took many
+    times the nodes of passes without one (docs/benchmarks.md, figures behind design choices).
     `row_host_seconds` is the host work a row that speculates adds to the step outside the pass
     (drafting it: measured by the engine, `HostCost`), charged once per speculating row (and,
     for ranking, to its first-level nodes). On a GPU a pass of 16 rows costs about the same
-    ~15 ms whatever its tokens, so the pass alone says every node is nearly free, while each
-    speculating row's host work made an auto step 4-7 ms dearer than a plain one
-    (docs/benchmarks.md).
+    whatever its tokens, so the pass alone says every node is nearly free, while each
+    speculating row's host work makes an auto step dearer than a plain one (docs/benchmarks.md).
     """
     if not any(row.candidates for row in rows):  # no row drafted (quiet rounds): the plain pass
         return TreePlan([PLAIN] * len(rows), fixed.tokens, fixed_expected + len(rows), cost(fixed))
@@ -140,8 +136,8 @@ def plan_trees(
     probed = best_count == 0 and probing is not None
     if probed:
         # Measure the speculation the forecast rejects, one row per pass: rows that start
-        # together come due together, and all of them probing at once made a pass of 13 rows
-        # carry 20 nodes at 2.2x a plain pass's time. The others stay due for the next passes.
+        # together come due together, and all of them probing at once makes one pass carry
+        # many nodes at a multiple of a plain pass's time. The others stay due for the next passes.
         own = [n for n in islice(_parents_first(ranked), budget) if n.row == probing]
         _, count, _ = _best_counts(own, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds)
         chosen = own[:count]
@@ -164,12 +160,9 @@ def best_draft_pays(
     priced its own call (`PassCost.seconds`), so a plan whose rows each lose to plain loses
     too: one row bounds them all (a test checks this against `plan_trees`). No `MIN_GAIN`
     here: several rows share that margin in a plan. If it would not pay, no draft of any row
-    can, and drafting them all is host work thrown away:
-    on the H200 at C=64 auto's planning took 4.8 ms of a 30 ms step (plain: 0.3) for 0.8
-    speculating rows a step, where one more 4-token row costs as much as ~10 sure tokens; on
-    the 2-core CPU at C=16, where a 16-row pass's further token costs ~2 ms against 2.4 ms a
-    row, a sure draft still paid, yet the drafts the controller knew did not (docs/benchmarks.md).
-    One test a step, before any drafting."""
+    can, and drafting them all is host work thrown away (a large share of an auto step at large
+    batches; docs/benchmarks.md, figures behind design choices). One test a step, before any
+    drafting."""
     plain_rate = expected / (cost(fixed) - prefill_seconds)
     shape, width = fixed, row_width
     for tokens in range(1, depth + 1):
@@ -199,14 +192,12 @@ def _best_counts(
     drafting: the best count (0 unless it beats the plain pass by `min_gain`), the best
     count with at least one node (what a probe verifies), and the nodes looked at. The nodes
     come best first, so the search stops after `PATIENCE` nodes in a row that improve neither
-    (pricing every node of 16 requests' candidates took 13 ms a step), or `PATIENCE_PER_ROW`
-    per row where there are fewer than four. The rate dips where a row's first node brings
-    its host work and its own call, until its deeper nodes, interleaved with other rows',
-    pay them back; a lone row has one such dip, at its start, and after it only bends of the
-    cost curve. At one row, on 453 recorded plans (2-core CPU) the shorter search chose the
-    same trees at 0.64-0.71x the planner's time (replayed); priced as on a GPU (36 curves),
-    it chose other trees in 0-7 of them, at most 3.4% fewer forecast tokens a second in one,
-    0.009% in the mean; at sixteen rows a patience of 8 changed up to a third of the plans."""
+    (pricing every node of a batch's candidates costs more than the step can spare), or
+    `PATIENCE_PER_ROW` per row where there are fewer than four. The rate dips where a row's
+    first node brings its host work and its own call, until its deeper nodes, interleaved with
+    other rows', pay them back; a lone row has one such dip, at its start, and after it only
+    bends of the cost curve. Replayed recorded plans chose the same or nearly as good trees in
+    less time (docs/benchmarks.md, figures behind design choices)."""
     patience = min(PATIENCE, PATIENCE_PER_ROW * len(widths))
     best_count, best_rate = 0, expected / cost(fixed) * min_gain
     speculative_count, speculative_rate = 0, 0.0

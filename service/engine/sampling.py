@@ -73,9 +73,8 @@ def greedy_choices(logits: torch.Tensor) -> list[int]:
     """Each row's argmax ([n, vocab] → n ids; the first of equal maxima and NaN as the
     maximum, as torch picks). Float32 CPU logits go through numpy: torch's reduction over a
     vocabulary row costs far more than its arithmetic there, more still right after the packed
-    kernels streamed the weights through the caches (two 49,152-logit rows: 130 µs in torch,
-    11 µs in numpy; a one-row step's verification inside the engine 0.57 → 0.40 ms; embedded
-    model, the 2-core dev VM). Other devices and dtypes keep torch."""
+    kernels streamed the weights through the caches (docs/benchmarks.md, figures behind design
+    choices). Other devices and dtypes keep torch."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1).tolist()
     return logits.detach().numpy().argmax(axis=-1).tolist()
@@ -84,10 +83,9 @@ def greedy_choices(logits: torch.Tensor) -> list[int]:
 def top_token_ids(logits: torch.Tensor, k: int) -> np.ndarray:
     """[n, k] ids of each row's k largest logits, largest first ([n, vocab], k <= vocab): what
     the drafting layer's successor tables learn from every pass. On the CPU fast path (its
-    kernels loaded, float32 logits) a numba kernel takes it; torch.topk otherwise. Inside the
-    engine that took a one-request auto step's top tokens from 0.59-0.66 to 0.44 ms (embedded
-    model, 2-core dev VM, 6 Spec-Bench prompts). Equal logits may come in either order, and
-    the kernel ranks NaN last where torch ranks it first."""
+    kernels loaded, float32 logits) a numba kernel takes it, faster than torch.topk there;
+    torch.topk otherwise. Equal logits may come in either order, and the kernel ranks NaN last
+    where torch ranks it first."""
     kernels = loaded_kernels()
     if kernels is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
         return kernels.top_k_ids(logits.detach().contiguous().numpy(), k)

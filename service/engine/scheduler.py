@@ -14,20 +14,20 @@ requests bring their pending token (plus the tree the controller adds); prefilli
 share what is left of `max_tokens_per_pass`, oldest first, so a long prompt is cut into
 chunks and running streams keep flowing while it loads. While any request decodes, every
 prompt token in the pass delays every running stream's next token, so prompt chunks take only
-as many tokens as keep the pass within `prefill_pass_ms` (100 ms: the inter-token time a loading
+as many tokens as keep the pass within `prefill_pass_ms` (the inter-token time a loading
 prompt may cause), priced by the cost profile (`prefill_cap`); `max_prefill_tokens_while_decoding`
 fixes a number instead. The price is what a fixed number lacked: a pass costs about in
-proportion to its tokens on a CPU, at a rate that differs by path (64 prompt tokens cost ~80 ms
-on the 2-core dev CPU's float32 path and ~22 ms on its int8 path), while on a GPU a pass of
-hundreds of tokens costs little more than one, so the price gives the whole pass there. Until
+proportion to its tokens on a CPU, at a rate that differs by path several times over, while on
+a GPU a pass of hundreds of tokens costs little more than one, so the price gives the whole
+pass there. Until
 a profile is in use the cap is 64 tokens on a CPU (docs/benchmarks.md, "Prompt processing" and
 "Load tests", has the runs behind it) and the whole pass elsewhere. But when many requests wait
 for their first token (a burst of arrivals: more of them than decoding requests), prompts get
 the share of the pass in proportion to their number, or a burst of 64 prompts behind a few
 decoding streams would wait minutes for its first tokens (TGI's `waiting_served_ratio` answers
 the same problem). Only then: under a steady load, a few requests joining together behind many
-decoding streams took 150-290 prompt tokens a pass by that share, and those passes (120-230 ms
-against 23 ms decode-only, 16 rows, 2-core CPU) set the streams' p99 inter-token time. With
+decoding streams would take hundreds of prompt tokens a pass by that share, and those passes
+would set the streams' p99 inter-token time (docs/benchmarks.md, "Load tests"). With
 nothing decoding, a prompt takes the whole pass (first token sooner).
 
 Prefix cache (`service/model/prefix_cache.py`): an admitted request's row starts with the
@@ -88,10 +88,9 @@ CPU_PREFILL_TOKENS_WHILE_DECODING = 64  # until a cost profile is in use
 # The least a priced cap gives prompts while others decode (one prefix-cache block), so that a
 # prompt still loads where the decoding rows alone already cost `prefill_pass_ms`.
 LEAST_PRICED_PREFILL_TOKENS = BLOCK_TOKENS
-# Requests in one batch. On the 2-core dev CPU a 16-row pass already costs ~2.7x a one-row pass
-# (compute-bound), so more rows add latency, not throughput; on the H200 a pass is host-bound
-# and 64 rows ran at 2.0-2.3x the tokens/s of 16 (speculation off, embedded model;
-# docs/benchmarks.md).
+# Requests in one batch. On a CPU a 16-row pass already costs several one-row passes
+# (compute-bound), so more rows add latency, not throughput; on a GPU a pass is host-bound and
+# 64 rows run at about twice the tokens/s of 16 (docs/benchmarks.md).
 CPU_MAX_RUNNING_REQUESTS = 16
 GPU_MAX_RUNNING_REQUESTS = 64
 # what cached prefix blocks may hold when the KV budget is unbounded
