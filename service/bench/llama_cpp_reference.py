@@ -19,6 +19,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from service.bench.command import UsageError
 from service.engine.params import GenerationParams
 from service.engine.outputs import Completion
 
@@ -57,3 +60,12 @@ class LlamaCppGreedy:
         completion.seconds = completion.forward_seconds = time.perf_counter() - started
         completion.num_passes = len(completion.token_ids)  # one token a pass
         return completion
+
+
+def llama_cpp_references(gguf_path: Path, eos_token_ids: Sequence[int]) -> dict[str, LlamaCppGreedy]:
+    """`--llama-cpp`: llama.cpp's greedy decoding of the measured GGUF, on as many threads as
+    the engine's; without the package, a `UsageError` saying how to get it."""
+    try:
+        return {LLAMA_CPP: LlamaCppGreedy(gguf_path, eos_token_ids, torch.get_num_threads())}
+    except RuntimeError as error:
+        raise UsageError(str(error)) from None

@@ -12,10 +12,14 @@ Speculation is off: this measures the passes themselves.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
+from service.bench.command import load
+from service.engine.config import EngineConfig
 from service.engine.outputs import Completion
 from service.engine.params import GenerationParams
 
@@ -76,3 +80,42 @@ def format_speeds(speeds: Sequence[Speed]) -> str:
         cells.append(f"{speed.decode:.1f}" + ("" if speed is first else f" ({speed.decode / first.decode:.2f}×)"))
         lines.append(f"| {speed.method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def run_command(model: str | None, config: EngineConfig, dataset: Path, lengths: list[int], repeats: int,
+                llama_cpp: Path | None, transformers: bool, json_path: Path | None) -> None:
+    """`ngrammys speed`: the engine's prompt processing and decoding tokens/s, and the references'
+    (`llama_cpp`: the GGUF llama.cpp decodes; `transformers`: the library's own float32 forward
+    of the same model, unpacked), a row a method as it is measured, then the table."""
+    from drafting import TableSlot
+    from service.bench.hf_generate_reference import HF_GENERATE, HfGenerate
+    from service.bench.specbench import load_specbench
+    from service.engine.scheduler import SchedulerConfig
+    from service.model.loader import load_model, resolve_device, resolve_quantization
+    from service.runtime import build_engine
+
+    loaded = load(model, config)
+    quantization = resolve_quantization(config.quantization, model is None or str(model).endswith(".gguf"),
+                                        resolve_device(config.device), config.dtype)
+    prompts = [p.prompt_ids for p in load_specbench(dataset, loaded.tokenizer)]
+    stream = token_stream(prompts, max([*lengths, DECODE_PROMPT]))
+    # no prefix cache: each length runs several times, and a repeat would find its prompt cached
+    engine = build_engine(loaded, TableSlot(), replace(config, scheduler=SchedulerConfig(prefix_cache=False)))
+    engine.eos_token_ids = frozenset()  # every method decodes its whole budget: no stop token ends a run
+    methods: dict[str, Complete] = {f"ngrammys ({quantization})": engine.complete}
+    if transformers:  # the library's own float32 forward of the same model, unpacked
+        floats = load_model(model, config.device, "float32", config.cache_dir, "none")
+        methods[f"{HF_GENERATE} (float32)"] = HfGenerate(floats.model, ()).complete
+    if llama_cpp:
+        from service.bench.llama_cpp_reference import llama_cpp_references
+
+        methods |= {name: reference.complete for name, reference in llama_cpp_references(llama_cpp, ()).items()}
+    print(f"{loaded.name} on {loaded.model.device}: prompts of {', '.join(map(str, lengths))} tokens cut from "
+          f"Spec-Bench's questions, fastest of {repeats} runs each", flush=True)
+    speeds = []
+    for name, complete in methods.items():
+        speeds.append(measure(name, complete, stream, lengths, repeats))
+        print(format_speeds(speeds).splitlines()[-1], flush=True)
+    print(f"\n{format_speeds(speeds)}")
+    if json_path:
+        json_path.write_text(json.dumps([asdict(s) for s in speeds], indent=2))

@@ -1,7 +1,7 @@
 """In-process batch benchmark (`ngrammys steps`): `Engine.step()` loops over C concurrent
 requests, speculation off against auto, and where a step's time goes.
 
-The load test (`app/loadtest.py`) measures what clients see through HTTP; this measures the
+The load test (`loadtest.py`) measures what clients see through HTTP; this measures the
 engine alone — step time, split into planning and drafting, the forward pass, and
 verification with the KV commit; output tokens per second — so the host's share of a step
 shows (on a GPU, where a pass is cheap, that share decides whether speculation pays). Each
@@ -15,8 +15,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
+from service.bench.command import load
+from service.engine.config import EngineConfig
 from service.engine.params import GenerationParams, SpeculationParams
 from service.engine.engine import Engine
 
@@ -117,3 +120,32 @@ def format_summary(runs: Sequence[StepRun]) -> str:
                 / sum(r.seconds for r in runs if (r.concurrency, r.mode) == (c, mode)) for mode in MODES}
         lines.append(f"| {c} | {rate['off']:.0f} | {rate['auto']:.0f} | {rate['auto'] / rate['off']:.2f}x |")
     return "\n".join(lines)
+
+
+def run_command(model: str | None, config: EngineConfig, dataset: Path, per_category: int, concurrency: list[int],
+                max_new_tokens: int, k: int, w: int, requests_per_slot: int, repeats: int) -> None:
+    """`ngrammys steps`: the engine's steps in process, speculation off against auto, a row a
+    run as it ends, then the ratios."""
+    from service.bench.specbench import load_specbench
+    from service.engine.scheduler import SchedulerConfig
+    from service.runtime import build_engine, build_engine_with_tables
+
+    loaded = load(model, config)
+    # no suffix index: the prompts cycle, and it would draft a repeated prompt's earlier answer whole
+    config = replace(config, cost_profile=True, suffix_cache_tokens=0)
+    engine = build_engine_with_tables(loaded, config)
+    prompts = [p.prompt_ids for p in load_specbench(dataset, loaded.tokenizer, per_category)]
+
+    batch = SchedulerConfig(max_running_requests=max(concurrency))  # C in flight means C in the pass
+
+    def new_engine() -> Engine:
+        fresh = build_engine(loaded, engine.mixer.tables, replace(config, scheduler=batch))
+        fresh.profile = engine.profile
+        return fresh
+
+    print(f"{loaded.name} on {loaded.model.device}, {loaded.model.dtype}: {len(prompts)} prompts cycled, "
+          f"{max_new_tokens} tokens each, C x {requests_per_slot} requests a run, greedy, "
+          f"auto up to k={k} w={w}\n\n{HEADER}", flush=True)
+    runs = run_step_bench(new_engine, prompts, concurrency, max_new_tokens, k, w, repeats, requests_per_slot,
+                          progress=lambda run: print(run.row(), flush=True))
+    print(f"\n{format_summary(runs)}")

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jsonschema
 from transformers import PreTrainedTokenizerBase
 
+from service.bench.command import load
 from service.bench.workload import WorkloadMethod
+from service.engine.config import EngineConfig
 from service.engine.outputs import Completion
 from service.model.prompts import chat_prompt_ids
 
@@ -130,3 +132,32 @@ def format_results(results: dict[str, StructuredResult], plain: dict[str, str]) 
                     f"| {speedup:.2f}x | {r.valid}/{len(r.completions)} | {r.identical}/{len(r.completions)} "
                     f"| {r.grammar_share:.1%} |")
     return "\n".join([header, *rows])
+
+
+def run_command(model: str | None, config: EngineConfig, document_count: int, max_new_tokens: int, k: int,
+                w: int) -> None:
+    """`ngrammys extract`: the workload with the grammar and without, plain vs speculative
+    (auto, and fixed at k drafts of depth w), every method on an engine of its own; the table."""
+    from service.engine.params import GenerationParams, SpeculationParams
+    from service.engine.scheduler import SchedulerConfig
+    from service.grammar import GrammarSpec
+    from service.runtime import build_engine_with_tables
+
+    loaded = load(model, config)
+    config = replace(config, cost_profile=True, scheduler=SchedulerConfig(prefix_cache=False))
+    grammar = GrammarSpec("json_schema", json.dumps(SCHEMA))
+
+    def method(name: str, speculation: SpeculationParams, constrained: bool) -> WorkloadMethod:
+        params = GenerationParams(max_new_tokens, speculation=speculation, grammar=grammar if constrained else None)
+        return WorkloadMethod(name, build_engine_with_tables(loaded, config), params)
+
+    shapes = {"plain": SpeculationParams(0, 0, "off"), "auto": SpeculationParams(k, w, "auto"),
+              f"k{k}w{w}": SpeculationParams(k, w, "fixed")}
+    groups = [[method(f"{name}, {label}", shape, constrained) for name, shape in shapes.items()]
+              for label, constrained in (("schema", True), ("free", False))]
+    docs = documents(document_count)
+    print(f"{loaded.name}: {len(docs)} documents -> one JSON schema, {max_new_tokens} tokens at most, greedy; "
+          "each method on an engine of its own", flush=True)
+    results = run(groups, prompts(loaded.tokenizer, docs),
+                  lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
+    print(format_results(results, {m.name: group[0].name for group in groups for m in group}))

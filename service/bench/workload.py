@@ -11,12 +11,16 @@ tokens, and replaying them would flatter the index). Methods are interleaved per
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from service.bench.specbench import BenchPrompt, MethodTotals, Question, shares_text
-from service.engine.params import GenerationParams
+from drafting import MIXED
+from service.bench.command import load
+from service.bench.specbench import BenchPrompt, MethodTotals, Question, shares_text, specbench_questions
+from service.engine.config import EngineConfig
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.engine import Engine
 from service.model.prompts import chat_prompt_ids
 
@@ -79,3 +83,31 @@ def format_workload(results: dict[str, WorkloadResult]) -> str:
         for name, r in results.items() for t in [r.totals]
     ]
     return "\n".join([header, *rows])
+
+
+def run_command(model: str | None, config: EngineConfig, dataset: Path, per_category: int | None,
+                categories: list[str] | None, task: str, repeat: int, strategies: list[str], k: int, w: int,
+                suffix_cache_tokens: int, max_new_tokens: int, sampling: SamplingParams) -> None:
+    """`ngrammys bench --task`: the task over each question's text, the series `repeat` times,
+    requests in order; each strategy with and without the suffix index (each on its own
+    engine), against plain decoding; the table."""
+    from service.runtime import build_engine_with_tables
+
+    loaded = load(model, config)
+    config = replace(config, cost_profile=False)
+    prompts = task_prompts(specbench_questions(dataset, per_category, categories), task, loaded.tokenizer) * repeat
+
+    def method(name: str, strategy: str, draft_count: int, cache_tokens: int) -> WorkloadMethod:
+        params = GenerationParams(max_new_tokens, speculation=SpeculationParams(draft_count, w), strategy=strategy,
+                                  sampling=sampling)
+        engine = build_engine_with_tables(loaded, replace(config, suffix_cache_tokens=cache_tokens))
+        return WorkloadMethod(name, engine, params)
+
+    methods = [method("plain", MIXED, 0, 0)]
+    for strategy in dict.fromkeys(strategies):
+        methods.append(method(f"{strategy} k{k}w{w}", strategy, k, suffix_cache_tokens))
+        if strategy != "suffix":
+            methods.append(method(f"{strategy} k{k}w{w} no suffix", strategy, k, 0))
+    print(f"{loaded.name}: {len(prompts)} requests of one task, in order; methods: "
+          f"{', '.join(m.name for m in methods)}; max_new_tokens={max_new_tokens}", flush=True)
+    print(format_workload(run_workload(methods, prompts)))

@@ -18,12 +18,13 @@ import asyncio
 import json
 import statistics
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from service.bench.specbench import Question
+from service.bench.specbench import Question, specbench_questions
 
 MODES = ("off", "auto")
 
@@ -150,6 +151,39 @@ def run_loadtest(
                 progress(_row(result.summary()))
                 results.append(result)
     return results
+
+
+def wait_warm(base: str, warm_up: bool) -> None:
+    """Until /ready, and (`warm_up`: for a server started here) until its cost profile and tables exist."""
+    while True:
+        ready = httpx.get(f"{base}/ready", timeout=10).status_code == 200
+        health = httpx.get(f"{base}/health", timeout=10).json()
+        if ready and (not warm_up or (health.get("cost_profile") and health.get("model_tables"))):
+            return
+        time.sleep(1)
+
+
+def run_command(server: AbstractContextManager[str], warm_up: bool, dataset: Path, per_category: int,
+                levels: list[int], requests_per_client: int, max_tokens: int, modes: tuple[str, ...], repeats: int,
+                max_running_requests: int, json_path: Path | None, png: Path | None) -> None:
+    """`ngrammys loadtest`: the load test against the server `server` yields (warmed up first
+    when `warm_up`), a row a run as it ends, then the comparison (`max_running_requests`, the
+    server's batch, goes into the JSON beside the run's own figures)."""
+    questions = specbench_questions(dataset, per_category)
+    with server as base:
+        wait_warm(base, warm_up)
+        print(f"{len(questions)} questions, {max_tokens} tokens each, greedy; server {base}\n", flush=True)
+        print(HEADER, flush=True)
+        results = run_loadtest(base, questions, levels, requests_per_client, max_tokens,
+                               progress=lambda row: print(row, flush=True), modes=modes, repeats=repeats)
+    print(f"\n{format_comparison(results)}", flush=True)
+    if json_path:
+        write_json(results, json_path, max_tokens=max_tokens, per_category=per_category,
+                   max_running_requests=max_running_requests, repeats=repeats)
+        print(f"wrote {json_path}")
+    if png:
+        write_plot(results, png, f"{max_tokens} tokens per request, greedy")
+        print(f"wrote {png}")
 
 
 def _runs(results: list[LoadResult]) -> dict[tuple[int, str], list[float]]:

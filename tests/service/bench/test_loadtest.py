@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from app import loadtest, prefix_workloads
 from app.background import serving
 from app.cli import build_parser, loadtest_server_flags, main
 from app.main import create_app
 from app.settings import Settings
+from service.bench import loadtest, prefix_workloads
 from service.bench.specbench import Question
 from tests.helpers.bench import write_dataset
 from tests.helpers.http import wait_ready

@@ -13,15 +13,18 @@ runs later.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from service.bench.loadtest import wait_warm
 
 PARAGRAPH = ("The committee met on Tuesday to review the budget. It approved the new library, postponed the "
              "bridge repairs until spring, and asked the treasurer for a report on the water rates before the next "
@@ -106,3 +109,16 @@ def run(base: str, pid: int, count: int, seconds: float, max_tokens: int, log=pr
     return {"server_cpu_seconds_idle_beside_neighbours": cpu_idle, "health": health,
             "before": {"off": before.off, "auto": before.auto, "ratio": before.ratio},
             "after": {"off": after.off, "auto": after.auto, "ratio": after.ratio}}
+
+
+def run_command(server: AbstractContextManager[str], pid: Callable[[], int], count: int, seconds: float,
+                max_tokens: int, json_path: Path | None) -> None:
+    """`ngrammys neighbour`: the benchmark against the server `server` yields, once its cost
+    profile and tables exist (`pid()`: its process id, known once it runs); the figures printed
+    as JSON."""
+    with server as base:
+        wait_warm(base, True)
+        figures = run(base, pid(), count, seconds, max_tokens)
+    print(json.dumps(figures, indent=2))
+    if json_path:
+        json_path.write_text(json.dumps(figures, indent=2))

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
-from app.loadtest import RequestTiming, quantile, stream_chat
-from service.bench.specbench import Question
+from service.bench.loadtest import RequestTiming, quantile, stream_chat, wait_warm
+from service.bench.specbench import Question, specbench_questions
 
 WORKLOADS = ("chat", "document")
 SYSTEM_CHARS = 4_200  # about 1,000 tokens of the embedded model's tokenizer
@@ -186,3 +188,27 @@ def format_comparison(results: list[WorkloadResult]) -> str:
     rate = (sum(t.tokens for t in cached.timings) / cached.seconds) / (sum(t.tokens for t in uncached.timings) / uncached.seconds)
     return (f"with/without the cache: TTFT p50 {ttft:.2f}x, output tokens/s {rate:.2f}x; "
             f"same answers: {cached.shared_answers} of {len(cached.answers)}")
+
+
+def run_command(servers: Callable[[bool], AbstractContextManager[str]], name: str, dataset: Path, conversations: int,
+                turns: int | None, mode: str, max_tokens: int, json_path: Path | None) -> None:
+    """`ngrammys loadtest --workload chat|document`: the workload `name` (`turns`: None for its
+    default) with the prefix cache and without, on a server each (`servers(prefix_cache)` starts
+    one and yields its URL; it is warmed up here), a row a setting, then the comparison."""
+    workload = build(name, specbench_questions(dataset), conversations, turns or DEFAULT_TURNS[name])
+
+    @contextmanager
+    def warm(prefix_cache: bool) -> Iterator[str]:
+        with servers(prefix_cache) as base:
+            wait_warm(base, True)  # (the profile prices the prompt chunks in every mode)
+            yield base
+
+    print(f"workload {name}: {len(workload.conversations)} conversations x "
+          f"{len(workload.conversations[0])} turns, {workload.clients} at a time, {max_tokens} tokens each, "
+          f"greedy, speculation {mode}\n\n{HEADER}", flush=True)
+    results = compare(warm, workload, mode, max_tokens, progress=lambda row: print(row, flush=True))
+    print(f"\n{format_comparison(results)}", flush=True)
+    if json_path:
+        json_path.write_text(json.dumps({"workload": name, "max_tokens": max_tokens,
+                                         "results": [r.summary() for r in results]}, indent=2))
+        print(f"wrote {json_path}")

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from app import neighbour
 from app.background import serving
 from app.main import create_app
 from app.settings import Settings
+from service.bench import neighbour
 from service.controller.machine_load import MachineLoad
 from tests.helpers.http import wait_ready
 
