@@ -39,6 +39,8 @@ $(CRD_NODE_MODULES): tests/deploy/crd/package-lock.json
 deploy-tools: setup $(CRD_NODE_MODULES)
 
 lint: setup
+	$(BIN)/ruff format --check --quiet .
+	$(BIN)/ruff check --quiet .
 	$(BIN)/lint-imports
 
 test: lint test-tools deploy-tools

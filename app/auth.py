@@ -55,11 +55,15 @@ class ApiKeys:
 
 
 def _unauthorized(message: str) -> ApiError:
-    return ApiError(401, message, param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(
+        401, message, param=None, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+    )
 
 
 # Documents the scheme in the OpenAPI schema; the checks below decide (and answer 401 themselves).
-bearer = HTTPBearer(auto_error=False, description="An API key, when the server is started with keys")
+bearer = HTTPBearer(
+    auto_error=False, description="An API key, when the server is started with keys"
+)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
 
@@ -99,8 +103,10 @@ class ConcurrencyLimit:
     def acquire(self, client: str) -> None:
         if self.limit and self.in_flight[client] >= self.limit:
             raise ApiError(
-                429, f"too many concurrent requests for this API key (at most {self.limit}); retry when one ends",
-                "rate_limit_exceeded", code="concurrency_limit_exceeded",
+                429,
+                f"too many concurrent requests for this API key (at most {self.limit}); retry when one ends",
+                "rate_limit_exceeded",
+                code="concurrency_limit_exceeded",
                 headers={"Retry-After": str(self.retry_after)},
             )
         self.in_flight[client] += 1

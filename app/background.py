@@ -46,14 +46,26 @@ def serving(app: FastAPI) -> Iterator[str]:
 
 
 @contextmanager
-def serving_process(serve_flags: list[str], start_timeout: float = 600,
-                    started: Callable[[int], None] | None = None) -> Iterator[str]:
+def serving_process(
+    serve_flags: list[str], start_timeout: float = 600, started: Callable[[int], None] | None = None
+) -> Iterator[str]:
     """Run `ngrammys serve` with `serve_flags` as a child process on 127.0.0.1 and yield its
     base URL once it answers `/health` (`started` is told its process id); stop it (SIGTERM,
     then kill) afterwards."""
     port = free_port()
-    command = [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "warning", *serve_flags]
+    command = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *serve_flags,
+    ]
     child = subprocess.Popen(command)
     if started is not None:
         started(child.pid)
@@ -62,7 +74,9 @@ def serving_process(serve_flags: list[str], start_timeout: float = 600,
         deadline = time.monotonic() + start_timeout
         while True:
             if child.poll() is not None:
-                raise RuntimeError(f"the server exited with status {child.returncode} while starting")
+                raise RuntimeError(
+                    f"the server exited with status {child.returncode} while starting"
+                )
             try:
                 httpx.get(f"{base}/health", timeout=5)
                 break

@@ -34,11 +34,17 @@ def choice_params(params: GenerationParams, n: int) -> list[GenerationParams]:
         return [params]
     if sampling.seed is None:
         return [params] * n
-    return [replace(params, sampling=replace(sampling, seed=(sampling.seed + i) % (MAX_REQUEST_SEED + 1)))
-            for i in range(n)]
+    return [
+        replace(
+            params, sampling=replace(sampling, seed=(sampling.seed + i) % (MAX_REQUEST_SEED + 1))
+        )
+        for i in range(n)
+    ]
 
 
-def submit_all(engine: AsyncEngine, prompt_ids: list[int], params: list[GenerationParams]) -> list[RequestHandle]:
+def submit_all(
+    engine: AsyncEngine, prompt_ids: list[int], params: list[GenerationParams]
+) -> list[RequestHandle]:
     """Submit one engine request per `params`, or none: if one is refused (a full queue, a
     draining server), those already submitted are aborted and the error raised."""
     handles: list[RequestHandle] = []
@@ -112,7 +118,9 @@ class Choices:
         async for position, piece in interleaved([g.pieces() for g in self.generations]):
             generation = self.generations[position]
             bodies = generation.final_chunks() if piece is None else [generation.chunk(piece)]
-            for body in filter(None, bodies):  # (a piece whose text is held back as a tool call gives none)
+            for body in filter(
+                None, bodies
+            ):  # (a piece whose text is held back as a tool call gives none)
                 for chunk in self._copies(position, body):
                     yield chunk
 
@@ -124,8 +132,11 @@ class Choices:
                 received[position].append(piece)
         bodies = [g.response(pieces) for g, pieces in zip(self.generations, received)]
         body = bodies[0]
-        body["choices"] = [copy["choices"][0] for position, whole in enumerate(bodies)
-                           for copy in self._copies(position, whole)]
+        body["choices"] = [
+            copy["choices"][0]
+            for position, whole in enumerate(bodies)
+            for copy in self._copies(position, whole)
+        ]
         body["usage"] = self.usage().model_dump()
         return body
 
@@ -134,15 +145,24 @@ class Choices:
         (Copied after it was built, never built again: a completion's logprobs formatter counts
         text offsets as it formats.)"""
         first = position * self.copies
-        return [{**body, "choices": [{**(_with_own_call_ids(choice) if copy else choice), "index": first + copy}
-                                     for choice in body["choices"]]}
-                for copy in range(self.copies)]
+        return [
+            {
+                **body,
+                "choices": [
+                    {**(_with_own_call_ids(choice) if copy else choice), "index": first + copy}
+                    for choice in body["choices"]
+                ],
+            }
+            for copy in range(self.copies)
+        ]
 
     def usage(self) -> Usage:
         """The prompt once (the choices share it); completion tokens summed over the choices."""
         prompt = len(self.generations[0].handle.prompt_ids)
         completion = self.copies * sum(g.completion_tokens for g in self.generations)
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
 
     def usage_chunk(self) -> dict[str, Any]:
         return self.generations[0].usage_chunk(self.usage())
@@ -169,6 +189,9 @@ def _with_own_call_ids(choice: dict[str, Any]) -> dict[str, Any]:
     """A copied choice's tool calls with ids of their own: a client answers each call by its id."""
     for part in ("message", "delta"):
         if isinstance(choice.get(part), dict) and choice[part].get("tool_calls"):
-            calls = [{**call, "id": new_call_id()} if "id" in call else call for call in choice[part]["tool_calls"]]
+            calls = [
+                {**call, "id": new_call_id()} if "id" in call else call
+                for call in choice[part]["tool_calls"]
+            ]
             return {**choice, part: {**choice[part], "tool_calls": calls}}
     return choice

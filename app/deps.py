@@ -26,7 +26,9 @@ async def _settings(request: Request) -> Settings:
 async def _runtime(request: Request) -> Runtime:
     runtime: Runtime | None = request.app.state.runtime
     if runtime is None:
-        raise ApiError(503, "the model is still loading; retry when /ready answers 200", "service_unavailable")
+        raise ApiError(
+            503, "the model is still loading; retry when /ready answers 200", "service_unavailable"
+        )
     return runtime
 
 
@@ -41,4 +43,6 @@ async def _concurrency(request: Request) -> ConcurrencyLimit:
 SettingsDep = Annotated[Settings, Depends(_settings)]
 RuntimeDep = Annotated[Runtime, Depends(_runtime)]  # 503 while the model loads
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
-ConcurrencyDep = Annotated[ConcurrencyLimit, Depends(_concurrency)]  # requests in flight per API key
+ConcurrencyDep = Annotated[
+    ConcurrencyLimit, Depends(_concurrency)
+]  # requests in flight per API key

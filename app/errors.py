@@ -16,28 +16,50 @@ class ApiError(Exception):
     """An error with its HTTP status and OpenAI error fields."""
 
     def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, headers: dict[str, str] | None = None,
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+        )
         self.headers = headers
 
 
-def error_response(request: Request, status: int, message: str, type_: str, param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    request: Request,
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """The error body; API requests refused before reaching the engine are counted here."""
     if request.url.path.startswith("/v1/") and request.method == "POST" and status < 500:
         outcome = "rejected" if status in (429, 503) else "invalid"
         request.app.state.metrics.requests.labels(outcome).inc()
-    message = message.encode("utf-8", "replace").decode("utf-8")  # a lone surrogate echoed back stays valid
+    message = message.encode("utf-8", "replace").decode(
+        "utf-8"
+    )  # a lone surrogate echoed back stays valid
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, ApiError)
-    return error_response(request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+    return error_response(
+        request, exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers
+    )
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
@@ -48,11 +70,18 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     message = str(first.get("msg")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":  # the location is a byte offset, not a field
         position = first.get("loc", ("body", "?"))[-1]
-        return error_response(request, 400, f"the request body is not valid JSON ({message} at byte {position})",
-                              "invalid_request_error", code="invalid_json")
+        return error_response(
+            request,
+            400,
+            f"the request body is not valid JSON ({message} at byte {position})",
+            "invalid_request_error",
+            code="invalid_json",
+        )
     location = [str(part) for part in first.get("loc", ())[1:] if _is_field(part)]
     param = ".".join(location) or None
-    return error_response(request, 400, f"{param}: {message}" if param else message, "invalid_request_error", param)
+    return error_response(
+        request, 400, f"{param}: {message}" if param else message, "invalid_request_error", param
+    )
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -61,14 +90,18 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
 def _is_field(part: str | int) -> bool:
     """A location part that names a field or an index, not a union member's tag such as
     `str`, `list[int]`, `function-after[...]` or a model's class name."""
-    return isinstance(part, int) or (part.isidentifier() and part.islower() and part not in _UNION_TAGS)
+    return isinstance(part, int) or (
+        part.isidentifier() and part.islower() and part not in _UNION_TAGS
+    )
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     code = "request_too_large" if exc.status_code == 413 else None
-    return error_response(request, exc.status_code, str(exc.detail), kind, code=code, headers=exc.headers)
+    return error_response(
+        request, exc.status_code, str(exc.detail), kind, code=code, headers=exc.headers
+    )
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

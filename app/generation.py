@@ -17,9 +17,9 @@ from app.metrics import Metrics
 from app.schemas import Usage, completion_body
 from app.tool_parsing import ToolCall, ToolCallStream
 from service.engine.async_engine import AsyncEngine, RequestHandle, RequestTimeout
-from service.engine.outputs import RoundOutput
 from service.engine.detokenizer import TextStream
 from service.engine.logprobs import TokenLogprob
+from service.engine.outputs import RoundOutput
 from service.engine.stats import SpecDecodingStats
 
 Kind = Literal["text_completion", "chat.completion"]
@@ -32,7 +32,9 @@ class Piece:
 
     text: str
     logprobs: list[TokenLogprob]
-    completion_tokens: int = 0  # the choice's tokens by then (its chunk may be sent after more came)
+    completion_tokens: int = (
+        0  # the choice's tokens by then (its chunk may be sent after more came)
+    )
 
 
 @dataclass
@@ -47,7 +49,9 @@ class Generation:
     metrics: Metrics
     continuous_usage: bool = False  # usage on every chunk (this choice's, as vLLM's)
     logprobs: LogprobsFormatter | None = None  # set when the request asked for logprobs
-    tool_calls: ToolCallStream | None = None  # set when the answer may hold tool calls (chat with tools)
+    tool_calls: ToolCallStream | None = (
+        None  # set when the answer may hold tool calls (chat with tools)
+    )
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
@@ -89,7 +93,10 @@ class Generation:
             yield self._piece("")
 
     def _piece(self, text: str) -> Piece:
-        piece, self._unsent_logprobs = Piece(text, self._unsent_logprobs, self.completion_tokens), []
+        piece, self._unsent_logprobs = (
+            Piece(text, self._unsent_logprobs, self.completion_tokens),
+            [],
+        )
         return piece
 
     def _time(self, output: RoundOutput) -> None:
@@ -108,13 +115,20 @@ class Generation:
         logprobs = [lp for piece in pieces for lp in piece.logprobs]
         text = "".join(p.text for p in pieces)
         if self.tool_calls is None:
-            return self._body(text, self.finish_reason, self.usage(), chunk=False, logprobs=logprobs)
+            return self._body(
+                text, self.finish_reason, self.usage(), chunk=False, logprobs=logprobs
+            )
         content = self.tool_calls.push(text)  # the stream's split, so both ways answer alike
         rest = self.tool_calls.finish()
         content += rest.content
-        return self._body(None if rest.calls and not content else content, self._finish_reason(rest.calls),
-                          self.usage(), chunk=False, logprobs=logprobs,
-                          tool_calls=[call.as_openai() for call in rest.calls])
+        return self._body(
+            None if rest.calls and not content else content,
+            self._finish_reason(rest.calls),
+            self.usage(),
+            chunk=False,
+            logprobs=logprobs,
+            tool_calls=[call.as_openai() for call in rest.calls],
+        )
 
     def _finish_reason(self, calls: list[ToolCall]) -> str | None:
         """`tool_calls` for an answer that made calls, unless it was cut short."""
@@ -124,13 +138,18 @@ class Generation:
         """This choice's usage: its tokens so far, or `completion_tokens`."""
         prompt = len(self.handle.prompt_ids)
         completion = self.completion_tokens if completion_tokens is None else completion_tokens
-        return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
 
     def role_chunk(self) -> dict[str, Any]:
         """The stream's first chunk for this choice: its role (content null where the answer may
         be calls only, as the whole response's is then, and as OpenAI streams it)."""
         body = self._body("", None, self._chunk_usage(0), chunk=True, with_stats=False)
-        body["choices"][0]["delta"] = {"role": "assistant", "content": "" if self.tool_calls is None else None}
+        body["choices"][0]["delta"] = {
+            "role": "assistant",
+            "content": "" if self.tool_calls is None else None,
+        }
         return body
 
     def chunk(self, piece: Piece) -> dict[str, Any] | None:
@@ -141,8 +160,14 @@ class Generation:
             text = self.tool_calls.push(piece.text) or None
             if text is None and not (self.logprobs and piece.logprobs):
                 return None
-        return self._body(text, None, self._chunk_usage(piece.completion_tokens), chunk=True, with_stats=False,
-                          logprobs=piece.logprobs)
+        return self._body(
+            text,
+            None,
+            self._chunk_usage(piece.completion_tokens),
+            chunk=True,
+            with_stats=False,
+            logprobs=piece.logprobs,
+        )
 
     def final_chunks(self) -> list[dict[str, Any]]:
         """The choice's last chunks: with tools, the content held back and each call (whole,
@@ -150,9 +175,17 @@ class Generation:
         if self.tool_calls is None:
             return [self._body(None, self.finish_reason, None, chunk=True)]
         rest, usage = self.tool_calls.finish(), self._chunk_usage(self.completion_tokens)
-        chunks = [self._body(rest.content, None, usage, chunk=True, with_stats=False)] if rest.content else []
-        chunks += [self._body(None, None, usage, chunk=True, with_stats=False, tool_calls=[call.as_delta(index)])
-                   for index, call in enumerate(rest.calls)]
+        chunks = (
+            [self._body(rest.content, None, usage, chunk=True, with_stats=False)]
+            if rest.content
+            else []
+        )
+        chunks += [
+            self._body(
+                None, None, usage, chunk=True, with_stats=False, tool_calls=[call.as_delta(index)]
+            )
+            for index, call in enumerate(rest.calls)
+        ]
         return [*chunks, self._body(None, self._finish_reason(rest.calls), None, chunk=True)]
 
     def _chunk_usage(self, completion_tokens: int) -> Usage | None:
@@ -171,12 +204,37 @@ class Generation:
     def error_fields(error: Exception) -> dict[str, Any]:
         if isinstance(error, RequestTimeout):
             return {"message": str(error), "type": "timeout", "param": None, "code": "timeout"}
-        return {"message": f"generation failed: {error}", "type": "server_error", "param": None, "code": None}
+        return {
+            "message": f"generation failed: {error}",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
 
-    def _body(self, text: str | None, finish_reason: str | None, usage: Usage | None, chunk: bool,
-              with_stats: bool = True, logprobs: list[TokenLogprob] | None = None,
-              tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _body(
+        self,
+        text: str | None,
+        finish_reason: str | None,
+        usage: Usage | None,
+        chunk: bool,
+        with_stats: bool = True,
+        logprobs: list[TokenLogprob] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
         stats = self.stats.as_dict() if with_stats else {}
-        formatted = None if self.logprobs is None or logprobs is None else self.logprobs.format(logprobs)
-        return completion_body(self.kind, self.response_id, self.created, self.model, text, finish_reason,
-                               stats, usage, chunk=chunk, logprobs=formatted, tool_calls=tool_calls)
+        formatted = (
+            None if self.logprobs is None or logprobs is None else self.logprobs.format(logprobs)
+        )
+        return completion_body(
+            self.kind,
+            self.response_id,
+            self.created,
+            self.model,
+            text,
+            finish_reason,
+            stats,
+            usage,
+            chunk=chunk,
+            logprobs=formatted,
+            tool_calls=tool_calls,
+        )

@@ -47,35 +47,61 @@ class BodySizeLimit:
         await self.app(scope, limited_receive, send)
 
     def _too_large(self) -> HTTPException:
-        return HTTPException(413, f"the request body is larger than this server's limit of {self.limit} bytes")
+        return HTTPException(
+            413, f"the request body is larger than this server's limit of {self.limit} bytes"
+        )
 
 
-def check_generation_limits(body: GenerationRequest, settings: Settings, max_tokens: int, max_tokens_param: str) -> None:
+def check_generation_limits(
+    body: GenerationRequest, settings: Settings, max_tokens: int, max_tokens_param: str
+) -> None:
     """400 naming the field for a request beyond the server's limits (before tokenizing)."""
     # chat's `max_tokens` beside `max_completion_tokens` is not used, but is held to the cap
     # all the same, as the published schema says
     for param, value in ((max_tokens_param, max_tokens), ("max_tokens", body.max_tokens)):
         if value is not None and value > settings.max_tokens_cap:
-            raise ApiError(400, f"{param}: {value} is more than this server allows "
-                                f"({settings.max_tokens_cap}); ask for fewer", param=param)
+            raise ApiError(
+                400,
+                f"{param}: {value} is more than this server allows "
+                f"({settings.max_tokens_cap}); ask for fewer",
+                param=param,
+            )
     if body.n > settings.max_waiting:  # its sampled choices could never all be queued: 429 for ever
-        raise ApiError(400, f"n: each choice is a request to the engine, and this server queues at most "
-                            f"{settings.max_waiting}; ask for fewer", param="n")
+        raise ApiError(
+            400,
+            f"n: each choice is a request to the engine, and this server queues at most "
+            f"{settings.max_waiting}; ask for fewer",
+            param="n",
+        )
     stops = body.stop or []
     if len(stops) > settings.max_stop_sequences:
-        raise ApiError(400, f"stop: at most {settings.max_stop_sequences} stop sequences", param="stop")
+        raise ApiError(
+            400, f"stop: at most {settings.max_stop_sequences} stop sequences", param="stop"
+        )
     if any(len(s) > settings.max_stop_length for s in stops):
-        raise ApiError(400, f"stop: a stop sequence may have at most {settings.max_stop_length} characters",
-                       param="stop")
+        raise ApiError(
+            400,
+            f"stop: a stop sequence may have at most {settings.max_stop_length} characters",
+            param="stop",
+        )
     options = body.speculation
     for name, server_max in (("k", settings.spec_k), ("w", settings.spec_w)):
         value = None if options is None else getattr(options, name)
         if value is not None and value > server_max:
-            raise ApiError(400, f"speculation.{name}: {value} is above this server's maximum "
-                                f"(--spec-{name} {server_max})", param=f"speculation.{name}")
+            raise ApiError(
+                400,
+                f"speculation.{name}: {value} is above this server's maximum "
+                f"(--spec-{name} {server_max})",
+                param=f"speculation.{name}",
+            )
 
 
 def check_prompt_length(num_tokens: int, settings: Settings, param: str) -> None:
     if settings.max_prompt_tokens is not None and num_tokens > settings.max_prompt_tokens:
-        raise ApiError(400, f"{param}: the prompt has {num_tokens} tokens; this server accepts at most "
-                            f"{settings.max_prompt_tokens}", param=param, code="context_length_exceeded")
+        raise ApiError(
+            400,
+            f"{param}: the prompt has {num_tokens} tokens; this server accepts at most "
+            f"{settings.max_prompt_tokens}",
+            param=param,
+            code="context_length_exceeded",
+        )

@@ -53,8 +53,10 @@ class LogprobsFormatter:
         return top
 
     def _chat_entry(self, lp: TokenLogprob) -> dict[str, Any]:
-        return {**self._chat_token(lp.token_id, lp.logprob),
-                "top_logprobs": [self._chat_token(t, v) for t, v in lp.top]}
+        return {
+            **self._chat_token(lp.token_id, lp.logprob),
+            "top_logprobs": [self._chat_token(t, v) for t, v in lp.top],
+        }
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self._text(token_id)

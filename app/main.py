@@ -17,8 +17,8 @@ from app.errors import install_error_handlers
 from app.limits import BodySizeLimit
 from app.metrics import Metrics
 from app.metrics import router as metrics_router
-from app.ranks import start_rank_zero, world_size
 from app.openapi import finish_openapi
+from app.ranks import start_rank_zero, world_size
 from app.routes import health, openai
 from app.settings import Settings
 from service.model.loader import LoadedModel, load_model
@@ -31,11 +31,15 @@ T = TypeVar("T")
 
 
 def load_from_settings(settings: Settings) -> LoadedModel:
-    return load_model(settings.model, settings.device, settings.dtype, settings.cache_dir, settings.quantization)
+    return load_model(
+        settings.model, settings.device, settings.dtype, settings.cache_dir, settings.quantization
+    )
 
 
 def create_app(
-    settings: Settings, loader: Loader = load_from_settings, on_load_failure: Callable[[], None] | None = None,
+    settings: Settings,
+    loader: Loader = load_from_settings,
+    on_load_failure: Callable[[], None] | None = None,
 ) -> FastAPI:
     """An app that answers /health at once and /ready once `loader` has built the model.
 
@@ -59,7 +63,9 @@ def create_app(
     app.state.model_name = settings.served_model_name
     app.state.metrics = Metrics()
     app.state.api_keys = ApiKeys.from_settings(settings)
-    app.state.concurrency = ConcurrencyLimit(settings.max_concurrent_per_key, settings.retry_after_seconds)
+    app.state.concurrency = ConcurrencyLimit(
+        settings.max_concurrent_per_key, settings.retry_after_seconds
+    )
     app.state.tokenizer_lock = threading.Lock()
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     install_error_handlers(app)
@@ -70,14 +76,18 @@ def create_app(
     return app
 
 
-async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Callable[[], None] | None) -> None:
+async def _load(
+    app: FastAPI, settings: Settings, loader: Loader, on_failure: Callable[[], None] | None
+) -> None:
     """Load and start the engine off the event loop so probes answer meanwhile; a failure
     is recorded for /health and /ready, and `on_failure` is told."""
 
     def start() -> Runtime:
         if world_size(settings) > 1:
             return start_rank_zero(settings, on_step=app.state.metrics.record_step)
-        return Runtime.start(loader(settings), settings.engine_config(), on_step=app.state.metrics.record_step)
+        return Runtime.start(
+            loader(settings), settings.engine_config(), on_step=app.state.metrics.record_step
+        )
 
     try:
         runtime = await in_passing_thread(start)
@@ -88,7 +98,9 @@ async def _load(app: FastAPI, settings: Settings, loader: Loader, on_failure: Ca
             on_failure()
         return
     app.state.model_name = settings.served_model_name or runtime.loaded.name
-    app.state.metrics.watch_queue(lambda: runtime.async_engine.num_waiting, lambda: runtime.async_engine.num_running)
+    app.state.metrics.watch_queue(
+        lambda: runtime.async_engine.num_waiting, lambda: runtime.async_engine.num_running
+    )
     app.state.metrics.watch_profile(lambda: runtime.warm_up_state.profile)
     app.state.metrics.watch_kv_cache(runtime.async_engine.engine.scheduler)
     app.state.runtime = runtime

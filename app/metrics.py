@@ -11,7 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from fastapi import APIRouter, Depends, Request, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -40,48 +47,115 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.num_drafts = Counter("ngrammys_spec_decode_num_drafts", "Rounds that verified drafts", registry=r)
+        self.num_drafts = Counter(
+            "ngrammys_spec_decode_num_drafts", "Rounds that verified drafts", registry=r
+        )
         self.num_draft_tokens = Counter(
-            "ngrammys_spec_decode_num_draft_tokens", "Drafted tokens verified", ["strategy"], registry=r)
+            "ngrammys_spec_decode_num_draft_tokens",
+            "Drafted tokens verified",
+            ["strategy"],
+            registry=r,
+        )
         self.num_accepted_tokens = Counter(
-            "ngrammys_spec_decode_num_accepted_tokens", "Drafted tokens accepted", ["strategy"], registry=r)
+            "ngrammys_spec_decode_num_accepted_tokens",
+            "Drafted tokens accepted",
+            ["strategy"],
+            registry=r,
+        )
         self.accepted_per_pos = Counter(
-            "ngrammys_spec_decode_num_accepted_tokens_per_pos", "Accepted drafted tokens by depth (0 = first)",
-            ["position"], registry=r)
+            "ngrammys_spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafted tokens by depth (0 = first)",
+            ["position"],
+            registry=r,
+        )
         self.tokens_per_pass = Histogram(
-            "ngrammys_spec_decode_tokens_per_pass", "Tokens committed per forward pass (bonus included)",
-            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+            "ngrammys_spec_decode_tokens_per_pass",
+            "Tokens committed per forward pass (bonus included)",
+            buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32),
+            registry=r,
+        )
         self.k = Gauge("ngrammys_spec_decode_k", "Speculations in the last round", registry=r)
-        self.w = Gauge("ngrammys_spec_decode_w", "Tokens per speculation in the last round", registry=r)
-        self.predicted = Gauge("ngrammys_spec_decode_predicted_tokens_per_second",
-                               "Controller's forecast for the last auto round", registry=r)
-        self.realized = Gauge("ngrammys_spec_decode_realized_tokens_per_second",
-                              "Tokens per second the last round achieved (drafting + pass)", registry=r)
-        self.ttft = Histogram("ngrammys_time_to_first_token_seconds", "Arrival to first text",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("ngrammys_inter_token_latency_seconds", "Time per token between outputs",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("ngrammys_e2e_request_latency_seconds", "Arrival to completion",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("ngrammys_request_queue_time_seconds", "Arrival to engine start",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.forward = Histogram("ngrammys_forward_pass_seconds", "One forward pass over the batch (not its "
-                                 "planning, drafting or verification), by its tokens",
-                                 ["tree_size"], buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("ngrammys_batch_size", "Requests in one pass", buckets=BATCH_BUCKETS,
-                                    registry=r)
-        self.pass_tokens = Histogram("ngrammys_pass_tokens", "Tokens one pass computed (prompt chunks, "
-                                     "roots, tree nodes), summed over the batch", buckets=PASS_BUCKETS, registry=r)
-        self.pass_committed = Histogram("ngrammys_pass_committed_tokens", "Tokens one pass committed, summed "
-                                        "over the batch", buckets=PASS_BUCKETS, registry=r)
-        self.graph_capture = Counter("ngrammys_cuda_graph_capture_seconds", "Time passes spent recording CUDA "
-                                     "graphs of new pass shapes", registry=r)
+        self.w = Gauge(
+            "ngrammys_spec_decode_w", "Tokens per speculation in the last round", registry=r
+        )
+        self.predicted = Gauge(
+            "ngrammys_spec_decode_predicted_tokens_per_second",
+            "Controller's forecast for the last auto round",
+            registry=r,
+        )
+        self.realized = Gauge(
+            "ngrammys_spec_decode_realized_tokens_per_second",
+            "Tokens per second the last round achieved (drafting + pass)",
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ngrammys_time_to_first_token_seconds",
+            "Arrival to first text",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "ngrammys_inter_token_latency_seconds",
+            "Time per token between outputs",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "ngrammys_e2e_request_latency_seconds",
+            "Arrival to completion",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "ngrammys_request_queue_time_seconds",
+            "Arrival to engine start",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.forward = Histogram(
+            "ngrammys_forward_pass_seconds",
+            "One forward pass over the batch (not its "
+            "planning, drafting or verification), by its tokens",
+            ["tree_size"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "ngrammys_batch_size", "Requests in one pass", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.pass_tokens = Histogram(
+            "ngrammys_pass_tokens",
+            "Tokens one pass computed (prompt chunks, roots, tree nodes), summed over the batch",
+            buckets=PASS_BUCKETS,
+            registry=r,
+        )
+        self.pass_committed = Histogram(
+            "ngrammys_pass_committed_tokens",
+            "Tokens one pass committed, summed over the batch",
+            buckets=PASS_BUCKETS,
+            registry=r,
+        )
+        self.graph_capture = Counter(
+            "ngrammys_cuda_graph_capture_seconds",
+            "Time passes spent recording CUDA graphs of new pass shapes",
+            registry=r,
+        )
         self.waiting = Gauge("ngrammys_num_requests_waiting", "Requests in the queue", registry=r)
-        self.running = Gauge("ngrammys_num_requests_running", "Requests the engine is decoding", registry=r)
-        self.prompt_tokens = Counter("ngrammys_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("ngrammys_generation_tokens", "Generated tokens", registry=r)
-        self.requests = Counter("ngrammys_requests", "Finished requests by outcome", ["status"], registry=r)
-        self.disconnects = Counter("ngrammys_client_disconnects", "Clients gone before the end", registry=r)
+        self.running = Gauge(
+            "ngrammys_num_requests_running", "Requests the engine is decoding", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "ngrammys_prompt_tokens", "Prompt tokens of admitted requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "ngrammys_generation_tokens", "Generated tokens", registry=r
+        )
+        self.requests = Counter(
+            "ngrammys_requests", "Finished requests by outcome", ["status"], registry=r
+        )
+        self.disconnects = Counter(
+            "ngrammys_client_disconnects", "Clients gone before the end", registry=r
+        )
 
     def watch_queue(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
         """Read the queue gauges from the engine at scrape time."""
@@ -131,11 +205,17 @@ class _ProfileCollector:
 
     def collect(self) -> Iterator[Metric]:
         state = self.state()
-        yield GaugeMetricFamily("ngrammys_cost_profile_valid", "1 while a valid cost profile is in use (auto mode "
-                                "speculates)", value=float(state is not None and state.valid))
-        remeasures = CounterMetricFamily("ngrammys_cost_profile_remeasures", "Cost profile measurements by outcome: "
-                                         "adopted, failed (validation), abandoned (machine busy or budget spent)",
-                                         labels=["outcome"])
+        yield GaugeMetricFamily(
+            "ngrammys_cost_profile_valid",
+            "1 while a valid cost profile is in use (auto mode speculates)",
+            value=float(state is not None and state.valid),
+        )
+        remeasures = CounterMetricFamily(
+            "ngrammys_cost_profile_remeasures",
+            "Cost profile measurements by outcome: "
+            "adopted, failed (validation), abandoned (machine busy or budget spent)",
+            labels=["outcome"],
+        )
         for outcome in OUTCOMES:
             remeasures.add_metric([outcome], 0 if state is None else state.remeasures[outcome])
         yield remeasures
@@ -153,17 +233,27 @@ class _KVCacheCollector:
     def collect(self) -> Iterator[Metric]:
         usage = self.scheduler.kv_usage
         if usage is not None:  # no budget: no share of it to report
-            yield GaugeMetricFamily("ngrammys_kv_cache_usage_perc", "Share of the KV cache budget the running "
-                                    "requests may reach (1 = full)", value=usage)
+            yield GaugeMetricFamily(
+                "ngrammys_kv_cache_usage_perc",
+                "Share of the KV cache budget the running requests may reach (1 = full)",
+                value=usage,
+            )
         prefix = self.scheduler.prefix
         if prefix is None:
             return
-        yield CounterMetricFamily("ngrammys_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=prefix.stats.queried_tokens)
-        yield CounterMetricFamily("ngrammys_prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                                  value=prefix.stats.hit_tokens)
-        yield GaugeMetricFamily("ngrammys_prefix_cache_bytes", "Bytes held by cached prefix blocks",
-                                value=prefix.nbytes)
+        yield CounterMetricFamily(
+            "ngrammys_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            value=prefix.stats.queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "ngrammys_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            value=prefix.stats.hit_tokens,
+        )
+        yield GaugeMetricFamily(
+            "ngrammys_prefix_cache_bytes", "Bytes held by cached prefix blocks", value=prefix.nbytes
+        )
 
 
 router = APIRouter(dependencies=[Depends(metrics_identity)])
@@ -171,4 +261,6 @@ router = APIRouter(dependencies=[Depends(metrics_identity)])
 
 @router.get("/metrics", include_in_schema=False)
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(
+        generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )

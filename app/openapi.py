@@ -38,7 +38,9 @@ def finish_openapi(app: FastAPI) -> None:
             for operations in schema.get("paths", {}).values():
                 for operation in operations.values():
                     operation.get("responses", {}).pop("422", None)
-            _security_as_configured(schema, app.state.api_keys.enabled, app.state.settings.metrics_auth)
+            _security_as_configured(
+                schema, app.state.api_keys.enabled, app.state.settings.metrics_auth
+            )
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
@@ -46,8 +48,10 @@ def finish_openapi(app: FastAPI) -> None:
             _limits_as_configured(components, app.state.settings)
             if vocab_size is not None:
                 _token_ids_below(components, vocab_size)
-            _, definitions = models_json_schema([(m, "serialization") for m in STREAM_MODELS],
-                                                ref_template="#/components/schemas/{model}")
+            _, definitions = models_json_schema(
+                [(m, "serialization") for m in STREAM_MODELS],
+                ref_template="#/components/schemas/{model}",
+            )
             for name, definition in definitions.get("$defs", {}).items():
                 components.setdefault(name, definition)
         return app.openapi_schema  # type: ignore[return-value]
@@ -99,7 +103,9 @@ def _limits_as_configured(components: Schema, settings: Settings) -> None:
                 _bound(properties[field], "integer", maximum=settings.max_tokens_cap)
         # FastAPI's schema holds bounds as floats: 2**63 - 1 would publish as 2**63
         _bound(properties["seed"], "integer", maximum=MAX_REQUEST_SEED)
-        _bound(properties["n"], "integer", maximum=min(MAX_N, settings.max_waiting))  # a choice is a request
+        _bound(
+            properties["n"], "integer", maximum=min(MAX_N, settings.max_waiting)
+        )  # a choice is a request
         _bound(properties["stop"], "string", maxLength=settings.max_stop_length)
         _bound(properties["stop"], "array", maxItems=settings.max_stop_sequences)
         for branch in properties["stop"]["anyOf"]:
@@ -122,7 +128,9 @@ def _token_ids_below(components: Schema, vocab_size: int) -> None:
         if branch.get("type") == "array" and branch["items"].get("type") == "integer":
             branch["items"]["maximum"] = vocab_size - 1
     for request in ("CompletionRequest", "ChatCompletionRequest"):
-        components[request]["properties"]["logit_bias"] = logit_bias_schema(decimals_below(vocab_size))
+        components[request]["properties"]["logit_bias"] = logit_bias_schema(
+            decimals_below(vocab_size)
+        )
 
 
 def decimals_below(bound: int) -> str:
@@ -151,8 +159,12 @@ def _speculation_rules(settings: Settings) -> list[Schema]:
         k_zero = {"properties": {"k": {"anyOf": [{"const": 0}, {"type": "null"}]}}}
     rules = [{"if": w_zero, "then": k_zero}]
     if not settings.spec_w:
-        rules.append({"if": {"properties": {"k": {"type": "integer", "minimum": 1}}, "required": ["k"]},
-                      "then": {"properties": {"w": {"type": "integer", "minimum": 1}}, "required": ["w"]}})
+        rules.append(
+            {
+                "if": {"properties": {"k": {"type": "integer", "minimum": 1}}, "required": ["k"]},
+                "then": {"properties": {"w": {"type": "integer", "minimum": 1}}, "required": ["w"]},
+            }
+        )
     return rules
 
 

@@ -37,10 +37,16 @@ def world_size(settings: Settings) -> int:
 def worker_argv(settings: Settings) -> list[str]:
     """A pod's other ranks' command (after the interpreter): what they need to load the model
     as this process does (the rest of the environment they inherit)."""
-    flags = {"model": settings.model, "device": settings.device, "dtype": settings.dtype,
-             "quantization": settings.quantization, "cache_dir": settings.cache_dir,
-             "tensor_parallel_size": settings.tensor_parallel_size,
-             "tensor_parallel_timeout": settings.tensor_parallel_timeout, "log_level": settings.log_level}
+    flags = {
+        "model": settings.model,
+        "device": settings.device,
+        "dtype": settings.dtype,
+        "quantization": settings.quantization,
+        "cache_dir": settings.cache_dir,
+        "tensor_parallel_size": settings.tensor_parallel_size,
+        "tensor_parallel_timeout": settings.tensor_parallel_timeout,
+        "log_level": settings.log_level,
+    }
     argv = ["-m", "app.cli", "worker"]
     for name, value in flags.items():
         if value is not None:
@@ -48,13 +54,21 @@ def worker_argv(settings: Settings) -> list[str]:
     return argv
 
 
-def start_rank_zero(settings: Settings, on_step: Callable[[StepStats], None] | None = None) -> Runtime:
+def start_rank_zero(
+    settings: Settings, on_step: Callable[[StepStats], None] | None = None
+) -> Runtime:
     """This process as rank 0: start the pod's other ranks, load this rank's shard, serve."""
     place = RankPlace.from_env(settings.tensor_parallel_size)
     if place.rank != 0:
-        raise ValueError(f"ngrammys serve runs rank 0 (this process is rank {place.rank}): the other pods of a "
-                         "group run ngrammys worker")
-    pod = PodRanks(place, worker_argv(settings), lambda why: _lost(why, pod)) if place.starts_pod else None
+        raise ValueError(
+            f"ngrammys serve runs rank 0 (this process is rank {place.rank}): the other pods of a "
+            "group run ngrammys worker"
+        )
+    pod = (
+        PodRanks(place, worker_argv(settings), lambda why: _lost(why, pod))
+        if place.starts_pod
+        else None
+    )
     try:
         shard = _load_shard(place, settings)
 
@@ -74,7 +88,11 @@ def run_worker(settings: Settings) -> None:
     place = RankPlace.from_env(settings.tensor_parallel_size)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # rank 0 drains, then stops us
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    pod = PodRanks(place, worker_argv(settings), lambda why: _lost(why, pod)) if place.starts_pod else None
+    pod = (
+        PodRanks(place, worker_argv(settings), lambda why: _lost(why, pod))
+        if place.starts_pod
+        else None
+    )
     try:
         shard = _load_shard(place, settings)
         serve_rank(ModelRunner(shard.loaded.model, static_passes=False), shard.control_group)
@@ -85,8 +103,15 @@ def run_worker(settings: Settings) -> None:
 
 
 def _load_shard(place: RankPlace, settings: Settings) -> RankShard:
-    return load_shard(place, settings.model, settings.device, settings.dtype, settings.cache_dir,
-                      settings.quantization, timedelta(seconds=settings.tensor_parallel_timeout))
+    return load_shard(
+        place,
+        settings.model,
+        settings.device,
+        settings.dtype,
+        settings.cache_dir,
+        settings.quantization,
+        timedelta(seconds=settings.tensor_parallel_timeout),
+    )
 
 
 def _lost(why: str, pod: PodRanks | None) -> None:

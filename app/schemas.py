@@ -5,11 +5,24 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
 
 from app.settings import Strategy
 from service.engine.params import (
-    MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, MIN_TEMPERATURE, SpeculationMode,
+    MAX_LOGIT_BIAS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+    MIN_TEMPERATURE,
+    SpeculationMode,
 )
 
 
@@ -62,7 +75,9 @@ class SpeculationOptions(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # usage on every chunk (as vLLM), for exact per-token timing
+    continuous_usage_stats: bool = (
+        False  # usage on every chunk (as vLLM), for exact per-token timing
+    )
 
 
 # OpenAI fields this server does not implement, with the values that ask for nothing: any
@@ -72,7 +87,10 @@ UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "echo": (None, False),
     "suffix": (None, ""),
-    "best_of": (None, 1),  # candidates ranked by likelihood: not built (vLLM's v1 engine dropped it too)
+    "best_of": (
+        None,
+        1,
+    ),  # candidates ranked by likelihood: not built (vLLM's v1 engine dropped it too)
 }
 # chat fields that completions refuse likewise, unless asking for nothing (a prompt has no tools)
 CHAT_ONLY_DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -81,10 +99,18 @@ CHAT_ONLY_DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 
 
-def unsupported(name: str, defaults: dict[str, tuple[Any, ...]] = UNSUPPORTED_DEFAULTS,
-                why: str = "not supported by this server") -> WithJsonSchema:
+def unsupported(
+    name: str,
+    defaults: dict[str, tuple[Any, ...]] = UNSUPPORTED_DEFAULTS,
+    why: str = "not supported by this server",
+) -> WithJsonSchema:
     """The published schema of an unsupported field: only the values that ask for nothing."""
-    return WithJsonSchema({"enum": list(defaults[name]), "description": f"{why}: only this value, which asks for nothing"})
+    return WithJsonSchema(
+        {
+            "enum": list(defaults[name]),
+            "description": f"{why}: only this value, which asks for nothing",
+        }
+    )
 
 
 def asks_for_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
@@ -95,6 +121,7 @@ def asks_for_nothing(value: Any, harmless: tuple[Any, ...]) -> bool:
 
 def refusing(defaults: dict[str, tuple[Any, ...]], why: str) -> Any:
     """A validator of `defaults`' fields that refuses any value but the ones asking for nothing."""
+
     def check(value: Any, info: ValidationInfo) -> Any:
         if not asks_for_nothing(value, defaults[info.field_name]):  # type: ignore[index]
             raise ValueError(f"`{info.field_name}` {why}")
@@ -110,11 +137,20 @@ TOKEN_ID_KEY = "0|[1-9][0-9]{0,9}"
 
 def logit_bias_schema(token_id_key: str) -> dict[str, Any]:
     """The published schema of `logit_bias`, with keys matching the regex `token_id_key`."""
-    bias = {"type": "object", "propertyNames": {"pattern": f"^({token_id_key})$"},
-            "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}}
-    return {"anyOf": [bias, {"type": "null"}],
-            "description": f"token id (in decimal) -> bias added to its logit, in "
-                           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"}
+    bias = {
+        "type": "object",
+        "propertyNames": {"pattern": f"^({token_id_key})$"},
+        "additionalProperties": {
+            "type": "number",
+            "minimum": -MAX_LOGIT_BIAS,
+            "maximum": MAX_LOGIT_BIAS,
+        },
+    }
+    return {
+        "anyOf": [bias, {"type": "null"}],
+        "description": f"token id (in decimal) -> bias added to its logit, in "
+        f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+    }
 
 
 class TextFormat(_Request):
@@ -150,43 +186,72 @@ class GenerationRequest(_Request):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(
-        None, ge=0, le=2, description=f"0 = greedy; below {MIN_TEMPERATURE} also greedy (no sampling that close to 0)")
+        None,
+        ge=0,
+        le=2,
+        description=f"0 = greedy; below {MIN_TEMPERATURE} also greedy (no sampling that close to 0)",
+    )
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
     seed: int | None = Field(
-        None, ge=0, le=MAX_REQUEST_SEED,
+        None,
+        ge=0,
+        le=MAX_REQUEST_SEED,
         description="makes a sample reproducible; with `n` > 1, choice i samples with seed + i (mod 2^63): "
-                    "the very text a request of n = 1 with that seed gets")
-    stop: Text | list[Text] | None = Field(None, description="stop strings (count and length capped by the server)")
+        "the very text a request of n = 1 with that seed gets",
+    )
+    stop: Text | list[Text] | None = Field(
+        None, description="stop strings (count and length capped by the server)"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(
-        1, ge=1, le=MAX_N,
+        1,
+        ge=1,
+        le=MAX_N,
         description=f"choices to generate (at most {MAX_N}; the server may allow fewer), each sampled on its own: "
-                    "with a `seed`, choice i uses seed + i (mod 2^63); greedy, the n choices are one text")
+        "with a `seed`, choice i uses seed + i (mod 2^63); greedy, the n choices are one text",
+    )
     user: str | None = None
     speculation: SpeculationOptions | None = None
     # the logit controls, in the order they apply (service/engine/logits_adjuster.py, sampling.py)
-    logit_bias: Annotated[dict[str, float] | None, WithJsonSchema(logit_bias_schema(TOKEN_ID_KEY))] = None
+    logit_bias: Annotated[
+        dict[str, float] | None, WithJsonSchema(logit_bias_schema(TOKEN_ID_KEY))
+    ] = None
     repetition_penalty: float | None = Field(
-        None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+        None,
+        ge=MIN_REPETITION_PENALTY,
+        le=MAX_REPETITION_PENALTY,
         description="vLLM's: divides positive (multiplies negative) logits of tokens in the prompt or the output; "
-                    "1 = none (any value > 0 beyond these bounds would only saturate)")
+        "1 = none (any value > 0 beyond these bounds would only saturate)",
+    )
     frequency_penalty: float | None = Field(
-        None, ge=-MAX_PENALTY, le=MAX_PENALTY,
-        description="subtracted from a token's logit per occurrence in the output")
+        None,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="subtracted from a token's logit per occurrence in the output",
+    )
     presence_penalty: float | None = Field(
-        None, ge=-MAX_PENALTY, le=MAX_PENALTY,
-        description="subtracted from a token's logit if it occurs in the output")
+        None,
+        ge=-MAX_PENALTY,
+        le=MAX_PENALTY,
+        description="subtracted from a token's logit if it occurs in the output",
+    )
     min_p: float | None = Field(
-        None, ge=0, le=1, description="keep tokens with probability >= min_p × the largest (after temperature)")
+        None,
+        ge=0,
+        le=1,
+        description="keep tokens with probability >= min_p × the largest (after temperature)",
+    )
     # not implemented: only the values in UNSUPPORTED_DEFAULTS are accepted
     functions: Annotated[list[dict[str, Any]] | None, unsupported("functions")] = None
     function_call: Annotated[str | dict[str, Any] | None, unsupported("function_call")] = None
     response_format: ResponseFormat | None = Field(
-        None, discriminator="type",
+        None,
+        discriminator="type",
         description="`json_object`: the output is a JSON object; `json_schema`: it matches the schema "
-                    "(properties and items the schema does not describe are not generated)")
+        "(properties and items the schema does not describe are not generated)",
+    )
     echo: Annotated[bool | None, unsupported("echo")] = None
     suffix: Annotated[str | None, unsupported("suffix")] = None
     best_of: Annotated[int | None, unsupported("best_of")] = None
@@ -196,7 +261,9 @@ class GenerationRequest(_Request):
     def _as_list(cls, stop: str | list[str] | None) -> list[str]:
         return [stop] if isinstance(stop, str) else list(stop or [])
 
-    _whole_generation = field_validator("max_tokens", "top_k", "seed", "n", mode="before")(integral)  # 626.0 is 626
+    _whole_generation = field_validator("max_tokens", "top_k", "seed", "n", mode="before")(
+        integral
+    )  # 626.0 is 626
 
     @field_validator("logit_bias")
     @classmethod
@@ -204,37 +271,51 @@ class GenerationRequest(_Request):
         """Keys are token ids in decimal, biases in OpenAI's range (the vocabulary is the route's check)."""
         for token, value in (bias or {}).items():
             if not re.fullmatch(TOKEN_ID_KEY, token):
-                raise ValueError(f"keys must be token ids in decimal (as \"50256\"), got {token!r}")
+                raise ValueError(f'keys must be token ids in decimal (as "50256"), got {token!r}')
             if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-                raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                                 f"got {value} for {token}")
+                raise ValueError(
+                    f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {value} for {token}"
+                )
         return bias
 
     _unsupported = refusing(UNSUPPORTED_DEFAULTS, "is not supported by this server")
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: (Annotated[Text, Field(min_length=1)] | Annotated[list[Annotated[Text, Field(min_length=1)]],
-                                                               Field(min_length=1, max_length=1)]
-              | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]) = Field(
-        description="a string, a one-element list of strings, or token ids (never empty)")
-    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | Literal[False] | None = Field(
-        None, description="each token's logprob and this many likeliest alternatives (raw: temperature 1); "
-                          "`false` (what some clients send by default) asks for none")
-    top_logprobs: int | None = Field(None, ge=0, le=0,
-                                     description="chat only: here `logprobs` is the count (0 or null only)")
-    tools: Annotated[list[dict[str, Any]] | None,
-                     unsupported("tools", CHAT_ONLY_DEFAULTS, "chat only")] = None
-    tool_choice: Annotated[str | dict[str, Any] | None,
-                           unsupported("tool_choice", CHAT_ONLY_DEFAULTS, "chat only")] = None
+    prompt: (
+        Annotated[Text, Field(min_length=1)]
+        | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    ) = Field(description="a string, a one-element list of strings, or token ids (never empty)")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | Literal[False] | None = (
+        Field(
+            None,
+            description="each token's logprob and this many likeliest alternatives (raw: temperature 1); "
+            "`false` (what some clients send by default) asks for none",
+        )
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=0, description="chat only: here `logprobs` is the count (0 or null only)"
+    )
+    tools: Annotated[
+        list[dict[str, Any]] | None, unsupported("tools", CHAT_ONLY_DEFAULTS, "chat only")
+    ] = None
+    tool_choice: Annotated[
+        str | dict[str, Any] | None, unsupported("tool_choice", CHAT_ONLY_DEFAULTS, "chat only")
+    ] = None
 
-    _whole_completion = field_validator("prompt", "logprobs", "top_logprobs", mode="before")(integral)  # 626.0 is 626
+    _whole_completion = field_validator("prompt", "logprobs", "top_logprobs", mode="before")(
+        integral
+    )  # 626.0 is 626
 
     @field_validator("top_logprobs")
     @classmethod
     def _chat_only(cls, top_logprobs: int | None) -> int | None:
         if top_logprobs:  # silently ignoring it would answer without what was asked
-            raise ValueError("`top_logprobs` is a chat field; on completions `logprobs` is the number of alternatives")
+            raise ValueError(
+                "`top_logprobs` is a chat field; on completions `logprobs` is the number of alternatives"
+            )
         return top_logprobs
 
     _chat_only_tools = refusing(CHAT_ONLY_DEFAULTS, "is supported on /v1/chat/completions only")
@@ -278,33 +359,57 @@ class ChatMessage(_Request):
     """One turn; besides text, an assistant's tool calls and a tool's result, so that a client
     can send a conversation with tools back (the roles' rules are in the published schema too)."""
 
-    model_config = ConfigDict(json_schema_extra={"allOf": [
-        {"if": {"properties": {"role": {"const": "tool"}}},
-         "then": {"required": ["tool_call_id"], "properties": {"tool_call_id": {"type": "string"}}}},
-        {"if": {"properties": {"role": {"not": {"const": "assistant"}}}},
-         "then": {"required": ["content"], "properties": {"content": {"not": {"type": "null"}},
-                                                           "tool_calls": {"type": "null"}}}},
-    ]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {
+                    "if": {"properties": {"role": {"const": "tool"}}},
+                    "then": {
+                        "required": ["tool_call_id"],
+                        "properties": {"tool_call_id": {"type": "string"}},
+                    },
+                },
+                {
+                    "if": {"properties": {"role": {"not": {"const": "assistant"}}}},
+                    "then": {
+                        "required": ["content"],
+                        "properties": {
+                            "content": {"not": {"type": "null"}},
+                            "tool_calls": {"type": "null"},
+                        },
+                    },
+                },
+            ]
+        }
+    )
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = Field(
-        None, validate_default=True, description="null or absent only in an assistant message")
-    tool_calls: list[AssistantToolCall] | None = Field(None, description="assistant only: the calls it made")
+        None, validate_default=True, description="null or absent only in an assistant message"
+    )
+    tool_calls: list[AssistantToolCall] | None = Field(
+        None, description="assistant only: the calls it made"
+    )
     tool_call_id: str | None = Field(
-        None, validate_default=True, description="tool only, and required there: the call this is the result of")
+        None,
+        validate_default=True,
+        description="tool only, and required there: the call this is the result of",
+    )
 
     @field_validator("content")
     @classmethod
-    def _content_unless_assistant(cls, content: str | list[TextPart] | None,
-                                  info: ValidationInfo) -> str | list[TextPart] | None:
+    def _content_unless_assistant(
+        cls, content: str | list[TextPart] | None, info: ValidationInfo
+    ) -> str | list[TextPart] | None:
         if content is None and info.data.get("role") != "assistant":
             raise ValueError("required (it may be null in an assistant message only)")
         return content
 
     @field_validator("tool_calls")
     @classmethod
-    def _calls_by_assistant(cls, calls: list[AssistantToolCall] | None,
-                            info: ValidationInfo) -> list[AssistantToolCall] | None:
+    def _calls_by_assistant(
+        cls, calls: list[AssistantToolCall] | None, info: ValidationInfo
+    ) -> list[AssistantToolCall] | None:
         if calls is not None and info.data.get("role") != "assistant":
             raise ValueError("only an assistant message makes tool calls")
         return calls
@@ -319,7 +424,9 @@ class ChatMessage(_Request):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return (
+            self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        )
 
 
 # OpenAI's rule for a function's name
@@ -331,8 +438,11 @@ class FunctionDefinition(_Request):
     name: str = Field(pattern=FUNCTION_NAME)
     description: Text | None = None
     parameters: dict[str, Any] | None = Field(
-        None, description="the JSON schema of the arguments; absent: none (`{}`)")
-    strict: bool | None = Field(None, description="the arguments always match `parameters`, strict or not")
+        None, description="the JSON schema of the arguments; absent: none (`{}`)"
+    )
+    strict: bool | None = Field(
+        None, description="the arguments always match `parameters`, strict or not"
+    )
 
 
 class ChatTool(_Request):
@@ -355,35 +465,76 @@ class ChatCompletionRequest(GenerationRequest):
     # rule); a `tool_choice` that asks for a call needs tools; with tools shown, the answer's
     # format is theirs (no `response_format`). (That a named function is one of `tools` no JSON
     # schema can say.)
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
-        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
-        "allOf": [
-            {"if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
-                    "required": ["tool_choice"]},
-             "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]}},
-            {"if": {"properties": {"tools": {"type": "array", "minItems": 1},
-                                   "tool_choice": {"not": {"const": "none"}}}, "required": ["tools"]},
-             "then": {"properties": {"response_format": {
-                 "anyOf": [{"type": "null"}, {"properties": {"type": {"const": "text"}}}]}}}},
-        ],
-    })
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {
+                "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+                "required": ["top_logprobs"],
+            },
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            "allOf": [
+                {
+                    "if": {
+                        "properties": {
+                            "tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}
+                        },
+                        "required": ["tool_choice"],
+                    },
+                    "then": {
+                        "properties": {"tools": {"type": "array", "minItems": 1}},
+                        "required": ["tools"],
+                    },
+                },
+                {
+                    "if": {
+                        "properties": {
+                            "tools": {"type": "array", "minItems": 1},
+                            "tool_choice": {"not": {"const": "none"}},
+                        },
+                        "required": ["tools"],
+                    },
+                    "then": {
+                        "properties": {
+                            "response_format": {
+                                "anyOf": [
+                                    {"type": "null"},
+                                    {"properties": {"type": {"const": "text"}}},
+                                ]
+                            }
+                        }
+                    },
+                },
+            ],
+        }
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = Field(None, description="each token's logprob (raw: temperature 1)")
     top_logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS, description="likeliest alternatives per token; needs `logprobs: true`")
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="likeliest alternatives per token; needs `logprobs: true`",
+    )
     tools: list[ChatTool] | None = Field(
-        None, max_length=MAX_TOOLS,
+        None,
+        max_length=MAX_TOOLS,
         description="functions the model may call (names unique); see `tool_choice`. A template without tool "
-                    "syntax gets them in a system message, its answer held to JSON (the server's docs)")
+        "syntax gets them in a system message, its answer held to JSON (the server's docs)",
+    )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
-        None, description="`auto` (the default with tools): text or calls; `required`: one call or more; "
-                          "a named function (one of `tools`): calls of it only; `none`: the tools are not shown")
-    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer (default true)")
+        None,
+        description="`auto` (the default with tools): text or calls; `required`: one call or more; "
+        "a named function (one of `tools`): calls of it only; `none`: the tools are not shown",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call per answer (default true)"
+    )
 
-    _whole_chat = field_validator("max_completion_tokens", "top_logprobs", mode="before")(integral)  # 626.0 is 626
+    _whole_chat = field_validator("max_completion_tokens", "top_logprobs", mode="before")(
+        integral
+    )  # 626.0 is 626
 
     @field_validator("top_logprobs")
     @classmethod
@@ -561,27 +712,41 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-STREAM_MODELS = (ChatCompletionChunk, CompletionResponse)  # CompletionResponse doubles as its own chunk
+STREAM_MODELS = (
+    ChatCompletionChunk,
+    CompletionResponse,
+)  # CompletionResponse doubles as its own chunk
 
 
 def event_stream_schema(chunk: type[BaseModel]) -> dict[str, Any]:
     """One server-sent event: `data` is `[DONE]`, or JSON of a chunk or of an error.
 
     (`$ref`s point into the schema's components, where `app.main` puts `STREAM_MODELS`.)"""
-    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
-                         {"$ref": "#/components/schemas/ErrorResponse"}]}
+    payload = {
+        "anyOf": [
+            {"$ref": f"#/components/schemas/{chunk.__name__}"},
+            {"$ref": "#/components/schemas/ErrorResponse"},
+        ]
+    }
     return {
         "type": "object",
         "required": ["data"],
         "properties": {"data": {"type": "string"}},
         "if": {"properties": {"data": {"const": "[DONE]"}}},
-        "else": {"properties": {"data": {"contentMediaType": "application/json", "contentSchema": payload}}},
+        "else": {
+            "properties": {
+                "data": {"contentMediaType": "application/json", "contentSchema": payload}
+            }
+        },
     }
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` entries: each status answers with an `ErrorResponse`."""
-    return {status: {"model": ErrorResponse, "description": ERROR_MEANINGS[status]} for status in statuses}
+    return {
+        status: {"model": ErrorResponse, "description": ERROR_MEANINGS[status]}
+        for status in statuses
+    }
 
 
 ERROR_MEANINGS = {
@@ -597,9 +762,17 @@ ERROR_MEANINGS = {
 
 
 def completion_body(
-    kind: Literal["text_completion", "chat.completion"], request_id: str, created: int, model: str,
-    text: str | None, finish_reason: str | None, stats: dict[str, Any], usage: Usage | None,
-    chunk: bool = False, logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+    kind: Literal["text_completion", "chat.completion"],
+    request_id: str,
+    created: int,
+    model: str,
+    text: str | None,
+    finish_reason: str | None,
+    stats: dict[str, Any],
+    usage: Usage | None,
+    chunk: bool = False,
+    logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One response object or stream chunk, in either endpoint's shape (`tool_calls`: chat's
     `message.tool_calls`, or a chunk's `delta.tool_calls`)."""
@@ -610,7 +783,9 @@ def completion_body(
         message = {} if chunk and text is None else {"content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice["delta" if chunk else "message"] = message if chunk else {"role": "assistant", **message}
+        choice["delta" if chunk else "message"] = (
+            message if chunk else {"role": "assistant", **message}
+        )
     choice["logprobs"] = logprobs
     if stats:
         choice["speculative_decoding_stats"] = stats

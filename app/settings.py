@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -16,7 +15,6 @@ from service.engine.params import SpeculationMode
 from service.engine.scheduler import SchedulerConfig
 from service.model.loader import DEFAULT_CACHE_DIR
 
-
 DEVICE_ROUND_SWITCH = {"auto": None, "on": True, "off": False}
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
 
@@ -27,14 +25,20 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="NGRAMMYS_")
 
     model: str | None = Field(
-        None, description="A local Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+        None,
+        description="A local Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
     )
-    served_model_name: str | None = Field(None, description="Model name reported by the API (default: derived from the model)")
+    served_model_name: str | None = Field(
+        None, description="Model name reported by the API (default: derived from the model)"
+    )
     host: str = Field("0.0.0.0", description="Address to listen on")
     port: int = Field(8000, ge=1, le=65535, description="Port to listen on")
-    device: str | None = Field(None, description="torch device, e.g. cpu or cuda:0 (default: cuda if present)")
+    device: str | None = Field(
+        None, description="torch device, e.g. cpu or cuda:0 (default: cuda if present)"
+    )
     dtype: str | None = Field(
-        None, description="float32, bfloat16 or float16 (default: bfloat16 on GPU; on a CPU float32 for the packed GGUF path, else bfloat16 with native bf16, float32 without)"
+        None,
+        description="float32, bfloat16 or float16 (default: bfloat16 on GPU; on a CPU float32 for the packed GGUF path, else bfloat16 with native bf16, float32 without)",
     )
     quantization: Literal["auto", "none", "gguf", "gguf-int8"] = Field(
         "auto",
@@ -45,96 +49,199 @@ class Settings(BaseSettings):
     )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64, description="Ranks the model is split over (its heads and MLP columns), one GPU each (on a CPU, its "
-        "cores shared), started by this command; Llama-family models, --quantization none, no model drafts or device round")
+        1,
+        ge=1,
+        le=64,
+        description="Ranks the model is split over (its heads and MLP columns), one GPU each (on a CPU, its "
+        "cores shared), started by this command; Llama-family models, --quantization none, no model drafts or device round",
+    )
     tensor_parallel_timeout: float = Field(
-        60.0, gt=0, description="Seconds an exchange between the ranks (a pass, an idle ping) may wait; past it a rank "
-        "is taken as lost and the server exits")
+        60.0,
+        gt=0,
+        description="Seconds an exchange between the ranks (a pass, an idle ping) may wait; past it a rank "
+        "is taken as lost and the server exits",
+    )
     enforce_eager: bool = Field(
-        False, description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never records them)")
+        False,
+        description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never records them)",
+    )
     device_round: Literal["auto", "on", "off"] = Field(
-        "auto", description="Take the steps it can (every row decoding, no logprobs, grammar or logit controls; fixed mode "
-        "with one shape, or auto) through the device round: drafts, tree check and KV commit on the model's device, one copy back a step; auto: on a GPU")
-    spec_mode: SpeculationMode = Field("auto", description="off, fixed (k x w every round) or auto (the controller picks up to k x w)")
-    spec_k: int = Field(8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)")
-    spec_w: int = Field(6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)")
+        "auto",
+        description="Take the steps it can (every row decoding, no logprobs, grammar or logit controls; fixed mode "
+        "with one shape, or auto) through the device round: drafts, tree check and KV commit on the model's device, one copy back a step; auto: on a GPU",
+    )
+    spec_mode: SpeculationMode = Field(
+        "auto",
+        description="off, fixed (k x w every round) or auto (the controller picks up to k x w)",
+    )
+    spec_k: int = Field(
+        8, ge=0, le=64, description="Speculations per round (the maximum in auto mode)"
+    )
+    spec_w: int = Field(
+        6, ge=0, le=64, description="Tokens per speculation (the maximum in auto mode)"
+    )
     spec_strategy: Strategy = Field(
-        "mixed", description="Draft strategy: context, extended_bigram, recycled, logit, suffix, unigram, bigram, "
+        "mixed",
+        description="Draft strategy: context, extended_bigram, recycled, logit, suffix, unigram, bigram, "
         "token_recycling (the last three never in mixed), self_draft, draft_model, self_draft_staged, "
-        "draft_model_staged (the model drafts when enabled) or mixed (all enabled but those three)")
+        "draft_model_staged (the model drafts when enabled) or mixed (all enabled but those three)",
+    )
     suffix_cache_tokens: int = Field(
-        DEFAULT_CAPACITY, ge=0,
-        description="Recent output tokens of all requests the suffix strategy indexes (about 40 bytes each; 0 = off)")
-    self_draft: bool = Field(False, description="Enable the self_draft strategy: the model's first self_draft_layers "
-                             "layers (plus its final norm and LM head) draft for it; no extra weights")
+        DEFAULT_CAPACITY,
+        ge=0,
+        description="Recent output tokens of all requests the suffix strategy indexes (about 40 bytes each; 0 = off)",
+    )
+    self_draft: bool = Field(
+        False,
+        description="Enable the self_draft strategy: the model's first self_draft_layers "
+        "layers (plus its final norm and LM head) draft for it; no extra weights",
+    )
     self_draft_layers: int | None = Field(
-        None, ge=1, description="Layers of the self-draft (default: 4/5 of the model's, measured in docs/benchmarks.md)")
-    draft_staged: bool = Field(False, description="Also serve self_draft_staged / draft_model_staged: the same drafts "
-                               "with their own chain guessed ahead by the context n-gram and verified in one pass")
+        None,
+        ge=1,
+        description="Layers of the self-draft (default: 4/5 of the model's, measured in docs/benchmarks.md)",
+    )
+    draft_staged: bool = Field(
+        False,
+        description="Also serve self_draft_staged / draft_model_staged: the same drafts "
+        "with their own chain guessed ahead by the context n-gram and verified in one pass",
+    )
     draft_model: str | None = Field(
-        None, description="Enable the draft_model strategy: a local Hugging Face directory or .gguf with the model's "
-        "tokenizer, drafting for it (checked at start)")
-    model_tables: bool = Field(True, description="Derive the unigram/bigram draft tables from the model at start (background)")
-    cost_profile: bool = Field(True, description="Measure forward-pass costs at start (background; auto mode needs them)")
-    max_waiting: int = Field(64, ge=1, description="Requests that may wait for the engine; more get 429")
+        None,
+        description="Enable the draft_model strategy: a local Hugging Face directory or .gguf with the model's "
+        "tokenizer, drafting for it (checked at start)",
+    )
+    model_tables: bool = Field(
+        True,
+        description="Derive the unigram/bigram draft tables from the model at start (background)",
+    )
+    cost_profile: bool = Field(
+        True, description="Measure forward-pass costs at start (background; auto mode needs them)"
+    )
+    max_waiting: int = Field(
+        64, ge=1, description="Requests that may wait for the engine; more get 429"
+    )
     max_running_requests: int | None = Field(
-        None, ge=1, description="Requests decoded together in one batch, one pass per step (default: 16 on CPU, 64 on GPU)")
-    max_tokens_per_pass: int = Field(512, ge=16, description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the whole batch")
+        None,
+        ge=1,
+        description="Requests decoded together in one batch, one pass per step (default: 16 on CPU, 64 on GPU)",
+    )
+    max_tokens_per_pass: int = Field(
+        512,
+        ge=16,
+        description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the whole batch",
+    )
     max_prefill_tokens_while_decoding: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Prompt tokens a pass may carry while other requests decode (default: as many as "
-        "prefill_pass_ms allows; 64 on CPU, max_tokens_per_pass on GPU until a cost profile is in use)")
+        "prefill_pass_ms allows; 64 on CPU, max_tokens_per_pass on GPU until a cost profile is in use)",
+    )
     prefill_pass_ms: float = Field(
-        100.0, gt=0, description="While other requests decode, prompt chunks are sized by the cost profile so that "
-        "a pass costs about this many ms (the inter-token time a loading prompt may cause)")
-    kv_cache_memory_mb: int | None = Field(4096, ge=1, description="KV cache budget in MiB; a request waits until it fits (none = unbounded)")
-    prefix_cache: bool = Field(True, description="Keep the KV of computed prompt and output blocks for later requests "
-                               "that start the same way, in the KV budget the running requests leave")
-    request_timeout: float | None = Field(600.0, gt=0, description="Seconds a request may take, queueing included")
-    drain_timeout: float = Field(30.0, ge=0, description="On SIGTERM: seconds running requests may take to finish before they are ended with an error")
+        100.0,
+        gt=0,
+        description="While other requests decode, prompt chunks are sized by the cost profile so that "
+        "a pass costs about this many ms (the inter-token time a loading prompt may cause)",
+    )
+    kv_cache_memory_mb: int | None = Field(
+        4096,
+        ge=1,
+        description="KV cache budget in MiB; a request waits until it fits (none = unbounded)",
+    )
+    prefix_cache: bool = Field(
+        True,
+        description="Keep the KV of computed prompt and output blocks for later requests "
+        "that start the same way, in the KV budget the running requests leave",
+    )
+    request_timeout: float | None = Field(
+        600.0, gt=0, description="Seconds a request may take, queueing included"
+    )
+    drain_timeout: float = Field(
+        30.0,
+        ge=0,
+        description="On SIGTERM: seconds running requests may take to finish before they are ended with an error",
+    )
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with 429")
-    default_temperature: float = Field(1.0, ge=0, le=2, description="Temperature when a request gives none (OpenAI's default is 1; 0 = greedy)")
+    default_temperature: float = Field(
+        1.0,
+        ge=0,
+        le=2,
+        description="Temperature when a request gives none (OpenAI's default is 1; 0 = greedy)",
+    )
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
     log_level: str = Field("info", description="Logging level")
 
     # Limits: a request beyond one gets a 4xx in OpenAI's error shape (README: Limits).
-    max_body_bytes: int = Field(1_048_576, ge=1024, description="Largest request body in bytes; more gets 413")
+    max_body_bytes: int = Field(
+        1_048_576, ge=1024, description="Largest request body in bytes; more gets 413"
+    )
     max_prompt_tokens: int | None = Field(
-        None, ge=1, description="Most prompt tokens a request may send (default: the model's context); more gets 400")
+        None,
+        ge=1,
+        description="Most prompt tokens a request may send (default: the model's context); more gets 400",
+    )
     max_tokens_cap: int = Field(
-        4096, ge=1,
-        description="Largest max_tokens / max_completion_tokens a request may ask for; more gets 400 (not clamped)")
-    max_stop_sequences: int = Field(4, ge=0, description="Most stop strings per request; more gets 400")
-    max_stop_length: int = Field(256, ge=1, description="Longest stop string in characters; longer gets 400")
+        4096,
+        ge=1,
+        description="Largest max_tokens / max_completion_tokens a request may ask for; more gets 400 (not clamped)",
+    )
+    max_stop_sequences: int = Field(
+        4, ge=0, description="Most stop strings per request; more gets 400"
+    )
+    max_stop_length: int = Field(
+        256, ge=1, description="Longest stop string in characters; longer gets 400"
+    )
     max_concurrent_per_key: int = Field(
-        0, ge=0,
-        description="Requests one API key may have in flight (0 = no limit; without keys all clients are one); more get 429")
+        0,
+        ge=0,
+        description="Requests one API key may have in flight (0 = no limit; without keys all clients are one); more get 429",
+    )
 
     # Authentication (README: Authentication).
     api_keys: str | None = Field(
-        None, description="Comma-separated API keys accepted as `Authorization: Bearer KEY` (none and no file: no auth)")
+        None,
+        description="Comma-separated API keys accepted as `Authorization: Bearer KEY` (none and no file: no auth)",
+    )
     api_key_file: Path | None = Field(
-        None, description="A file of API keys, one per line (# comments and blank lines skipped)")
+        None, description="A file of API keys, one per line (# comments and blank lines skipped)"
+    )
     metrics_auth: bool = Field(False, description="Require an API key on /metrics too")
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> Settings:
         if self.max_tokens > self.max_tokens_cap:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap ({self.max_tokens_cap})")
+            raise ValueError(
+                f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap ({self.max_tokens_cap})"
+            )
         return self
 
     def engine_config(self) -> EngineConfig:
         """What the engine and its runtime take from these settings."""
         memory = None if self.kv_cache_memory_mb is None else self.kv_cache_memory_mb * 2**20
-        scheduler = SchedulerConfig(self.max_running_requests, self.max_tokens_per_pass, memory,
-                                    self.max_prefill_tokens_while_decoding, self.prefill_pass_ms,
-                                    self.prefix_cache)
+        scheduler = SchedulerConfig(
+            self.max_running_requests,
+            self.max_tokens_per_pass,
+            memory,
+            self.max_prefill_tokens_while_decoding,
+            self.prefill_pass_ms,
+            self.prefix_cache,
+        )
         return EngineConfig(
-            scheduler=scheduler, max_waiting=self.max_waiting, request_timeout=self.request_timeout,
-            model_tables=self.model_tables, cost_profile=self.cost_profile, cache_dir=self.cache_dir,
-            enforce_eager=self.enforce_eager, device_round=DEVICE_ROUND_SWITCH[self.device_round],
+            scheduler=scheduler,
+            max_waiting=self.max_waiting,
+            request_timeout=self.request_timeout,
+            model_tables=self.model_tables,
+            cost_profile=self.cost_profile,
+            cache_dir=self.cache_dir,
+            enforce_eager=self.enforce_eager,
+            device_round=DEVICE_ROUND_SWITCH[self.device_round],
             suffix_cache_tokens=self.suffix_cache_tokens,
-            self_draft_layers=(self.self_draft_layers,) if self.self_draft else (),  # one depth (None: the default)
-            draft_model=self.draft_model, draft_staged=self.draft_staged,
-            device=self.device, dtype=self.dtype, quantization=self.quantization,
+            self_draft_layers=(self.self_draft_layers,)
+            if self.self_draft
+            else (),  # one depth (None: the default)
+            draft_model=self.draft_model,
+            draft_staged=self.draft_staged,
+            device=self.device,
+            dtype=self.dtype,
+            quantization=self.quantization,
         )

@@ -50,7 +50,9 @@ def settings_table() -> str:
     lines = ["| flag | environment variable | default | description |", "|---|---|---|---|"]
     for name, info in Settings.model_fields.items():
         env = f"`{prefix}{name.upper()}`"
-        lines.append(f"| {_flag(name, info)} | {env} | {_default(info.default)} | {_cell(info.description or '')} |")
+        lines.append(
+            f"| {_flag(name, info)} | {env} | {_default(info.default)} | {_cell(info.description or '')} |"
+        )
     return "\n".join(lines)
 
 
@@ -79,7 +81,9 @@ def main(argv: list[str]) -> int:
         print(f"usage: {COMMAND}", file=sys.stderr)
         return 2
     path = Path(argv[0])
-    path.write_text(replace_block(path.read_text(encoding="utf-8"), settings_table()), encoding="utf-8")
+    path.write_text(
+        replace_block(path.read_text(encoding="utf-8"), settings_table()), encoding="utf-8"
+    )
     return 0
 
 

@@ -48,8 +48,11 @@ class GenerationStream(StreamingResponse):
     """
 
     def __init__(self, choices: Choices) -> None:
-        super().__init__(stream_events(choices), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            stream_events(choices),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
         self.choices = choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

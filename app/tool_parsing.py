@@ -40,7 +40,11 @@ class ToolCall:
 
     def as_openai(self) -> dict[str, Any]:
         """The call in a response's `message.tool_calls`."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
     def as_delta(self, index: int) -> dict[str, Any]:
         """The call, whole, as one streamed part of `delta.tool_calls`."""
@@ -55,7 +59,11 @@ class Parsed:
 
 def _call(value: Any) -> ToolCall | None:
     """`{"name": str, "arguments": object}` as a call (arguments re-serialized: JSON text)."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or "arguments" not in value:
+    if (
+        not isinstance(value, dict)
+        or not isinstance(value.get("name"), str)
+        or "arguments" not in value
+    ):
         return None
     return ToolCall(value["name"], json.dumps(value["arguments"], ensure_ascii=False))
 
@@ -104,8 +112,12 @@ class ToolCallStream:
     def __init__(self, format: ToolFormat) -> None:
         self.format = format
         self._undecided = ""  # content not sent yet: it may begin a tag
-        self._calls: list[str] | None = [] if format == "generic" else None  # the text from the first tag on
-        self._dropped = ""  # whitespace between the content and the first tag (content again if no call parses)
+        self._calls: list[str] | None = (
+            [] if format == "generic" else None
+        )  # the text from the first tag on
+        self._dropped = (
+            ""  # whitespace between the content and the first tag (content again if no call parses)
+        )
 
     def push(self, text: str) -> str:
         """The content `text` releases (maybe "")."""
@@ -116,10 +128,14 @@ class ToolCallStream:
         start = text.find(CALL_OPEN)
         if start >= 0:
             content = text[:start].rstrip()
-            self._dropped, self._calls, self._undecided = text[len(content):start], [text[start:]], ""
+            self._dropped, self._calls, self._undecided = (
+                text[len(content) : start],
+                [text[start:]],
+                "",
+            )
             return content
         keep = _undecided_tail(text)
-        self._undecided = text[len(text) - keep:]
+        self._undecided = text[len(text) - keep :]
         return text[: len(text) - keep]
 
     def finish(self) -> Parsed:

@@ -25,15 +25,23 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from app.errors import ApiError
-from app.schemas import ChatCompletionRequest, ChatMessage, FunctionDefinition, NamedToolChoice, TextFormat
+from app.schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    FunctionDefinition,
+    NamedToolChoice,
+    TextFormat,
+)
 from app.tool_parsing import CALL_CLOSE, CALL_OPEN, ToolCallStream
 from service.grammar import GrammarError, GrammarSpec
 from service.grammar.compiler import check_schema
 from service.model.prompts import chat_prompt_ids, renders_tools
 
 NO_ARGUMENTS = {"type": "object"}  # a function without `parameters` (strict: only `{}`)
-GENERIC_INTRO = ("You can call the following tools. Each is described by a JSON object: its name, its "
-                 "description and the JSON schema of its arguments.")
+GENERIC_INTRO = (
+    "You can call the following tools. Each is described by a JSON object: its name, its "
+    "description and the JSON schema of its arguments."
+)
 GENERIC_CALLS = '{{"tool_calls": [{{"name": "{name}", "arguments": {{"<argument>": <value>}}}}]}}'
 GENERIC_REPLY = '{"content": "<your reply>"}'
 ANSWER_ONLY = "Answer with one JSON object and nothing else"
@@ -45,7 +53,9 @@ HERMES_WHITESPACE = 1
 class ToolUse:
     """What the request's tools ask: which the prompt lists, which the answer may call, how."""
 
-    listed: tuple[FunctionDefinition, ...] = ()  # shown to the model: none with `tool_choice: "none"`
+    listed: tuple[
+        FunctionDefinition, ...
+    ] = ()  # shown to the model: none with `tool_choice: "none"`
     required: bool = False  # `required` or a named function: at least one call
     named: str | None = None  # the one function the answer may call, if named
     parallel: bool = True  # more than one call per answer
@@ -75,34 +85,53 @@ def tool_use(body: ChatCompletionRequest) -> ToolUse:
     choice = body.tool_choice or ("auto" if tools else "none")
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if named is not None and named not in {tool.name for tool in tools}:
-        raise ApiError(400, f"tool_choice: no function named {named!r} in `tools`", param="tool_choice")
+        raise ApiError(
+            400, f"tool_choice: no function named {named!r} in `tools`", param="tool_choice"
+        )
     if choice == "required" and not tools:
         raise ApiError(400, "tool_choice: `required` needs `tools`", param="tool_choice")
     if choice == "none" or not tools:
         return ToolUse()
     if body.response_format is not None and not isinstance(body.response_format, TextFormat):
-        raise ApiError(400, "response_format: the answer's format is the tools' (use `tool_choice: \"none\"` to "
-                       "ask for a response_format)", param="response_format")
-    use = ToolUse(tools, required=choice == "required" or named is not None, named=named,
-                  parallel=body.parallel_tool_calls is not False)
+        raise ApiError(
+            400,
+            "response_format: the answer's format is the tools' (use `tool_choice: \"none\"` to "
+            "ask for a response_format)",
+            param="response_format",
+        )
+    use = ToolUse(
+        tools,
+        required=choice == "required" or named is not None,
+        named=named,
+        parallel=body.parallel_tool_calls is not False,
+    )
     for index, tool in enumerate(tools):
         if named in (None, tool.name):
             try:
-                check_schema(json.dumps(tool.parameters or NO_ARGUMENTS), f"tools.{index}.function.parameters")
+                check_schema(
+                    json.dumps(tool.parameters or NO_ARGUMENTS),
+                    f"tools.{index}.function.parameters",
+                )
             except GrammarError as error:
                 raise ApiError(400, str(error), param=error.field) from error
     return use
 
 
-def chat_prompt(tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage],
-                use: ToolUse) -> tuple[list[int], ToolUse]:
+def chat_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage], use: ToolUse
+) -> tuple[list[int], ToolUse]:
     """The prompt's token ids, and `use` with the template's convention (tokenizer calls: on
     a worker thread, under the tokenizer's lock)."""
     if not use.listed and not any(m.role == "tool" or m.tool_calls for m in messages):
-        return chat_prompt_ids(tokenizer, [{"role": m.role, "content": m.text()} for m in messages]), use
+        return chat_prompt_ids(
+            tokenizer, [{"role": m.role, "content": m.text()} for m in messages]
+        ), use
     use = replace(use, native=renders_tools(tokenizer))
     if use.native:
-        tools = [{"type": "function", "function": tool.model_dump(exclude_none=True)} for tool in use.listed]
+        tools = [
+            {"type": "function", "function": tool.model_dump(exclude_none=True)}
+            for tool in use.listed
+        ]
         return chat_prompt_ids(tokenizer, [_native(m) for m in messages], tools or None), use
     return chat_prompt_ids(tokenizer, generic_messages(messages, use)), use
 
@@ -113,9 +142,16 @@ def _native(message: ChatMessage) -> dict[str, Any]:
     rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
     if message.tool_calls:
         rendered["tool_calls"] = [
-            {"id": call.id, "type": "function",
-             "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
-            for call in message.tool_calls]
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
     if message.tool_call_id is not None:
         rendered["tool_call_id"] = message.tool_call_id
     return rendered
@@ -134,17 +170,29 @@ def _arguments(text: str) -> Any:
 
 def generic_prompt(use: ToolUse) -> str:
     """The system text that describes the tools and the answer's JSON."""
-    described = [json.dumps({"name": tool.name, **({"description": tool.description} if tool.description else {}),
-                             "parameters": tool.parameters or NO_ARGUMENTS}, ensure_ascii=False)
-                 for tool in use.listed]
+    described = [
+        json.dumps(
+            {
+                "name": tool.name,
+                **({"description": tool.description} if tool.description else {}),
+                "parameters": tool.parameters or NO_ARGUMENTS,
+            },
+            ensure_ascii=False,
+        )
+        for tool in use.listed
+    ]
     calls = "one or more tools (one entry per call)" if use.parallel else "one tool"
     if use.named is not None:
-        answer = f'{ANSWER_ONLY}, calling the tool "{use.named}": {GENERIC_CALLS.format(name=use.named)}'
+        answer = (
+            f'{ANSWER_ONLY}, calling the tool "{use.named}": {GENERIC_CALLS.format(name=use.named)}'
+        )
     elif use.required:
         answer = f"{ANSWER_ONLY}, calling {calls}: {GENERIC_CALLS.format(name='<tool name>')}"
     else:
-        answer = (f"{ANSWER_ONLY}: either {GENERIC_CALLS.format(name='<tool name>')} to call {calls}, "
-                  f"or {GENERIC_REPLY} to reply directly.")
+        answer = (
+            f"{ANSWER_ONLY}: either {GENERIC_CALLS.format(name='<tool name>')} to call {calls}, "
+            f"or {GENERIC_REPLY} to reply directly."
+        )
     return "\n\n".join([GENERIC_INTRO, "\n".join(described), answer])
 
 
@@ -164,14 +212,21 @@ def generic_messages(messages: Sequence[ChatMessage], use: ToolUse) -> list[dict
                 rendered.append({"role": "user", "content": result})
         elif message.tool_calls:
             answer: dict[str, Any] = {"content": message.text()} if message.text() else {}
-            answer["tool_calls"] = [{"name": call.function.name, "arguments": _arguments(call.function.arguments)}
-                                    for call in message.tool_calls]
-            rendered.append({"role": "assistant", "content": json.dumps(answer, ensure_ascii=False)})
+            answer["tool_calls"] = [
+                {"name": call.function.name, "arguments": _arguments(call.function.arguments)}
+                for call in message.tool_calls
+            ]
+            rendered.append(
+                {"role": "assistant", "content": json.dumps(answer, ensure_ascii=False)}
+            )
         else:
             rendered.append({"role": message.role, "content": message.text()})
     if use.listed:
         if rendered[0]["role"] == "system":
-            rendered[0] = {"role": "system", "content": f"{rendered[0]['content']}\n\n{generic_prompt(use)}"}
+            rendered[0] = {
+                "role": "system",
+                "content": f"{rendered[0]['content']}\n\n{generic_prompt(use)}",
+            }
         else:
             rendered.insert(0, {"role": "system", "content": generic_prompt(use)})
     return rendered
@@ -180,12 +235,17 @@ def generic_messages(messages: Sequence[ChatMessage], use: ToolUse) -> list[dict
 def _generic_grammar(use: ToolUse) -> GrammarSpec:
     """`{"tool_calls": [calls of the allowed functions]}` (at least one; at most one unless
     parallel), or, under `auto`, that or `{"content": string}`."""
-    calls: dict[str, Any] = {"type": "array", "items": _one_of([_call_schema(t) for t in use.allowed]),
-                             "minItems": 1}
+    calls: dict[str, Any] = {
+        "type": "array",
+        "items": _one_of([_call_schema(t) for t in use.allowed]),
+        "minItems": 1,
+    }
     if not use.parallel:
         calls["maxItems"] = 1
     calling = _object({"tool_calls": calls})
-    schema = calling if use.required else {"anyOf": [calling, _object({"content": {"type": "string"}})]}
+    schema = (
+        calling if use.required else {"anyOf": [calling, _object({"content": {"type": "string"}})]}
+    )
     schema["$defs"] = _argument_defs(use.allowed)
     return GrammarSpec("json_schema", json.dumps(schema), field="tools")
 
@@ -196,13 +256,30 @@ def _generic_grammar(use: ToolUse) -> GrammarSpec:
 def _hermes_grammar(use: ToolUse) -> GrammarSpec:
     """One or more `<tool_call>` blocks (one unless parallel), a newline between two, each a
     call of an allowed function, and nothing else (xgrammar's structural tag)."""
-    calls = [{"type": "json_schema", "json_schema": {**_call_schema(tool), "$defs": _argument_defs([tool])},
-              "max_whitespace_cnt": HERMES_WHITESPACE} for tool in use.allowed]
-    block = {"type": "tag", "begin": CALL_OPEN + "\n", "end": "\n" + CALL_CLOSE,
-             "content": calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}}
-    blocks = {"type": "tags_with_separator", "tags": [block], "separator": "\n", "at_least_one": True,
-              "stop_after_first": not use.parallel}
-    return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": blocks}), field="tools")
+    calls = [
+        {
+            "type": "json_schema",
+            "json_schema": {**_call_schema(tool), "$defs": _argument_defs([tool])},
+            "max_whitespace_cnt": HERMES_WHITESPACE,
+        }
+        for tool in use.allowed
+    ]
+    block = {
+        "type": "tag",
+        "begin": CALL_OPEN + "\n",
+        "end": "\n" + CALL_CLOSE,
+        "content": calls[0] if len(calls) == 1 else {"type": "or", "elements": calls},
+    }
+    blocks = {
+        "type": "tags_with_separator",
+        "tags": [block],
+        "separator": "\n",
+        "at_least_one": True,
+        "stop_after_first": not use.parallel,
+    }
+    return GrammarSpec(
+        "structural_tag", json.dumps({"type": "structural_tag", "format": blocks}), field="tools"
+    )
 
 
 # --- a call's schema ----------------------------------------------------------------------
@@ -218,20 +295,32 @@ def _argument_defs(tools: Sequence[FunctionDefinition]) -> dict[str, Any]:
     """Each function's parameters under its name, for a schema's root `$defs`: a parameters
     schema's own references (`#/$defs/...` of a pydantic model's) are rewritten to point into
     its place there, as they pointed into its root."""
-    return {tool.name: _rooted(tool.parameters or NO_ARGUMENTS, f"#/$defs/{tool.name}") for tool in tools}
+    return {
+        tool.name: _rooted(tool.parameters or NO_ARGUMENTS, f"#/$defs/{tool.name}")
+        for tool in tools
+    }
 
 
 def _rooted(schema: Any, root: str) -> Any:
     if isinstance(schema, dict):
-        return {key: root + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
-                else _rooted(value, root) for key, value in schema.items()}
+        return {
+            key: root + value[1:]
+            if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rooted(value, root)
+            for key, value in schema.items()
+        }
     if isinstance(schema, list):
         return [_rooted(value, root) for value in schema]
     return schema
 
 
 def _object(properties: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
 
 
 def _one_of(schemas: list[dict[str, Any]]) -> dict[str, Any]:

@@ -36,19 +36,30 @@ class ContextNgram:
             raise ValueError(f"need 1 <= min_n <= max_n, got {self.min_n}, {self.max_n}")
 
     def propose(self, history: TokenHistory, k: int, w: int) -> list[Draft]:
-        return [Draft(c, self.name, rank, n) for rank, (n, c) in enumerate(self.matches(history, k, w))]
+        return [
+            Draft(c, self.name, rank, n) for rank, (n, c) in enumerate(self.matches(history, k, w))
+        ]
 
-    def continuations(self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()) -> list[tuple[int, ...]]:
+    def continuations(
+        self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()
+    ) -> list[tuple[int, ...]]:
         """At most k distinct continuations (≤ w tokens) of history + `tail`, best first."""
         return [continuation for _, continuation in self.matches(history, k, w, tail)]
 
-    def matches(self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()) -> list[Match]:
+    def matches(
+        self, history: TokenHistory, k: int, w: int, tail: Sequence[int] = ()
+    ) -> list[Match]:
         """`continuations`, each with the length of the match it continues."""
         if k <= 0 or w <= 0:
             return []
         by_n = (
-            (n, [tuple(history.token_ids[start : start + w])
-                 for start in history.continuation_starts(n, self.most_recent, tail)])
+            (
+                n,
+                [
+                    tuple(history.token_ids[start : start + w])
+                    for start in history.continuation_starts(n, self.most_recent, tail)
+                ],
+            )
             for n in range(min(self.max_n, history.max_n), self.min_n - 1, -1)
         )
         return first_distinct(by_n, k)
@@ -71,7 +82,9 @@ def first_distinct(by_n: Iterable[tuple[int, Sequence[tuple[int, ...]]]], k: int
 
 
 def _ranked(continuations: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    counts: dict[tuple[int, ...], int] = {}  # most recent first: a stable sort keeps that among equal counts
+    counts: dict[
+        tuple[int, ...], int
+    ] = {}  # most recent first: a stable sort keeps that among equal counts
     for continuation in reversed(continuations):
         counts[continuation] = counts.get(continuation, 0) + 1
     return sorted(counts, key=counts.__getitem__, reverse=True)

@@ -47,7 +47,9 @@ class TokenHistory:
                 follows[tuple(tokens[end - n : end])].append(end)
         self._indexed = len(tokens)
 
-    def continuation_starts(self, n: int, most_recent: int, tail: Sequence[int] = ()) -> Sequence[int]:
+    def continuation_starts(
+        self, n: int, most_recent: int, tail: Sequence[int] = ()
+    ) -> Sequence[int]:
         """Where continuations of the last n tokens start (≤ `most_recent` newest, oldest first).
 
         With `tail`, of the last n tokens of history + tail: where the history's text would

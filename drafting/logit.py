@@ -35,21 +35,34 @@ class LogitHints:
             return []
         tokens = history.token_ids
         # the newest n-1 tokens that a guess completes to a context n-gram, longest first
-        contexts = [tuple(tokens[len(tokens) - n + 1 :]) for n in range(min(self.max_n, len(tokens) + 1), 1, -1)]
+        contexts = [
+            tuple(tokens[len(tokens) - n + 1 :])
+            for n in range(min(self.max_n, len(tokens) + 1), 1, -1)
+        ]
         found = [self._found(history, contexts, g, w - 1) for g in guesses]
         # then top-1 successors from the newest two tokens of each, all in one walk of the table
         starts = [((history.last_token, g) + text)[-2:] for g, text in zip(guesses, found)]
-        tails = self.table.walk(starts, np.zeros((len(found), w - 1), dtype=np.int64), [w - 1 - len(t) for t in found])
-        return [Draft((g, *text, *tail), self.name, rank)
-                for rank, (g, text, tail) in enumerate(zip(guesses, found, tails))]
+        tails = self.table.walk(
+            starts, np.zeros((len(found), w - 1), dtype=np.int64), [w - 1 - len(t) for t in found]
+        )
+        return [
+            Draft((g, *text, *tail), self.name, rank)
+            for rank, (g, text, tail) in enumerate(zip(guesses, found, tails))
+        ]
 
     @staticmethod
-    def _found(history: TokenHistory, contexts: list[tuple[int, ...]], guess: int, length: int) -> tuple[int, ...]:
+    def _found(
+        history: TokenHistory, contexts: list[tuple[int, ...]], guess: int, length: int
+    ) -> tuple[int, ...]:
         """Up to `length` tokens of the text that followed the newest occurrence of the longest
         matching context + `guess` (none where no context matches). A longer context + guess
         occurs only where the newest token + guess does, and most guesses never followed the
         newest token: that pair is looked up first, one lookup instead of three for them."""
-        if length <= 0 or not contexts or not history.follows((*contexts[-1], guess), most_recent=1):
+        if (
+            length <= 0
+            or not contexts
+            or not history.follows((*contexts[-1], guess), most_recent=1)
+        ):
             return ()
         for context in contexts:
             starts = history.follows((*context, guess), most_recent=1)

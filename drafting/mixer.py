@@ -41,9 +41,14 @@ SEPARATOR = "+"  # "context+self_draft": a mix of some strategies
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
 UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every key gets tried
-PROBE_FIRST, PROBE_LAST = 8, 128  # a costly strategy passed over is asked again after 8, 16, ... 128 rounds
+PROBE_FIRST, PROBE_LAST = (
+    8,
+    128,
+)  # a costly strategy passed over is asked again after 8, 16, ... 128 rounds
 CHEAP_GRACE = 8  # rounds in a row the controller may pass a cheap strategy over before it waits too
-CHEAP_PROBE_LAST = 32  # ... after 8, 16, then every 32 rounds: a copy to draft from may start any time
+CHEAP_PROBE_LAST = (
+    32  # ... after 8, 16, then every 32 rounds: a copy to draft from may start any time
+)
 REACH_SLACK = 2  # drafts and depth asked for beyond twice what the controller took last round
 
 Key = tuple[str, int, int]  # (strategy, rank, order): see `Draft.order`
@@ -70,15 +75,20 @@ class Mixer:
     """
 
     def __init__(
-        self, strategies: Iterable[Strategy], tables: TableSlot | None = None, *,
-        standalone: Iterable[Strategy] = (), successors: Iterable[SuccessorTable] = (),
+        self,
+        strategies: Iterable[Strategy],
+        tables: TableSlot | None = None,
+        *,
+        standalone: Iterable[Strategy] = (),
+        successors: Iterable[SuccessorTable] = (),
         suffix: SuffixIndex | None = None,
     ) -> None:
         self.strategies = {s.name: s for s in strategies}
         self.standalone = {s.name: s for s in standalone}
         # names of those that draft many requests at once (a protocol check is slow per call)
         self.batched: dict[str, BatchStrategy] = {
-            s.name: s for s in self.every_strategy if isinstance(s, BatchStrategy)}
+            s.name: s for s in self.every_strategy if isinstance(s, BatchStrategy)
+        }
         self.tables = tables or TableSlot()
         self.successors = list(successors)
         self.suffix = suffix
@@ -118,10 +128,14 @@ class Mixer:
         names = list(self.strategies) if strategy == MIXED else strategy.split(SEPARATOR)
         unknown = [name for name in names if name not in every]
         if unknown or not names:
-            raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(self.names)} "
-                             f"or join several with {SEPARATOR!r}")
+            raise ValueError(
+                f"unknown strategy {strategy!r}; choose from {', '.join(self.names)} "
+                f"or join several with {SEPARATOR!r}"
+            )
         chosen = [every[name] for name in dict.fromkeys(names)]
-        return RequestDrafts(TokenHistory(prompt_ids), chosen, self, extend_short_drafts=len(chosen) > 1)
+        return RequestDrafts(
+            TokenHistory(prompt_ids), chosen, self, extend_short_drafts=len(chosen) > 1
+        )
 
     def prepare(self, asks: Sequence[tuple[RequestDrafts, int, int]]) -> None:
         """Before a step's requests are asked for (k, w) drafts each: strategies that draft
@@ -158,14 +172,22 @@ class Mixer:
         far: the best (strategy, order) of any strategy's first-ranked drafts (an untried
         strategy's optimistic start before any is recorded). What the controller may hope of a
         draft before drafting any (`service.controller.planner.best_draft_pays`)."""
-        return max((self.prior(key) for key in self._leading), key=lambda a: a.expected_tokens(w), default=UNSEEN)
+        return max(
+            (self.prior(key) for key in self._leading),
+            key=lambda a: a.expected_tokens(w),
+            default=UNSEEN,
+        )
 
 
 class RequestDrafts:
     """One request's drafting: propose drafts each round, learn from what was committed."""
 
     def __init__(
-        self, history: TokenHistory, strategies: list[Strategy], mixer: Mixer, extend_short_drafts: bool
+        self,
+        history: TokenHistory,
+        strategies: list[Strategy],
+        mixer: Mixer,
+        extend_short_drafts: bool,
     ) -> None:
         self.history = history
         self.strategies = strategies
@@ -175,12 +197,18 @@ class RequestDrafts:
         self._candidates: list[Draft] = []
         self._writer = SuffixWriter(mixer.suffix) if mixer.suffix is not None else None
         # strategies the controller passes over; a new request starts where others left the costly ones
-        self._skipped = {s.name: _Skipped(0, mixer.probe_waits[s.name]) for s in strategies if s.name in mixer.probe_waits}
+        self._skipped = {
+            s.name: _Skipped(0, mixer.probe_waits[s.name])
+            for s in strategies
+            if s.name in mixer.probe_waits
+        }
         self._reach: tuple[int, int] | None = None  # (drafts, depth) worth asking for; None: all
         # how many of each draft's tokens the request's output may take next (structured output); None: all
         self.legal_lengths: Callable[[Sequence[Sequence[int]]], list[int]] | None = None
         # the shared successor tables its strategies read: they alone learn from its passes
-        self.tables = [t for t in mixer.successors if any(getattr(s, "table", None) is t for s in strategies)]
+        self.tables = [
+            t for t in mixer.successors if any(getattr(s, "table", None) is t for s in strategies)
+        ]
 
     def acceptance(self, draft: Draft) -> Acceptance:
         key = (draft.strategy, draft.rank, draft.order)
@@ -193,8 +221,12 @@ class RequestDrafts:
         drafts = [d for s in asked for d in self._lengthen(s.propose(self.history, k, w), w)]
         self._candidates = list(dict.fromkeys(self._legal(drafts)))
         costs = {s.name: _cost(s) for s in self.strategies}
-        scored = [ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates]
-        scored.sort(key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True)
+        scored = [
+            ScoredDraft(d, self.acceptance(d), costs.get(d.strategy, 0.0)) for d in self._candidates
+        ]
+        scored.sort(
+            key=lambda s: s.acceptance.expected_tokens(len(s.draft.token_ids)), reverse=True
+        )
         self._candidates = [s.draft for s in scored]  # best first: `observe` scores in this order
         return scored
 
@@ -202,7 +234,15 @@ class RequestDrafts:
         """What `candidates(k, w)` asks for, and of which strategies (see `chosen`)."""
         if self._reach is not None:
             k, w = min(k, self._reach[0]), min(w, self._reach[1])
-        return k, w, [s for s in self.strategies if s.name not in self._skipped or self._skipped[s.name].due]
+        return (
+            k,
+            w,
+            [
+                s
+                for s in self.strategies
+                if s.name not in self._skipped or self._skipped[s.name].due
+            ],
+        )
 
     def propose(self, k: int, w: int) -> list[Draft]:
         """The k most valuable drafts that each add a node to the tree."""
@@ -236,8 +276,9 @@ class RequestDrafts:
                 continue
             skipped = self._skipped.get(strategy.name)
             if skipped is None:
-                skipped = self._skipped[strategy.name] = _Skipped() if costly else _Skipped(
-                    grace=CHEAP_GRACE, last=CHEAP_PROBE_LAST)
+                skipped = self._skipped[strategy.name] = (
+                    _Skipped() if costly else _Skipped(grace=CHEAP_GRACE, last=CHEAP_PROBE_LAST)
+                )
             skipped.round_passed()
             if costly:
                 self.mixer.probe_waits[strategy.name] = skipped.wait
@@ -305,7 +346,9 @@ class RequestDrafts:
             if strategy.name in self.mixer.batched:
                 self.mixer.batched[strategy.name].release(self.history)
 
-    def restrict(self, legal_lengths: Callable[[Sequence[Sequence[int]]], list[int]], strategy: Strategy) -> None:
+    def restrict(
+        self, legal_lengths: Callable[[Sequence[Sequence[int]]], list[int]], strategy: Strategy
+    ) -> None:
         """Hold the request's drafts to what its output may take (`legal_lengths`: how many of
         each draft's tokens, a grammar's rule) and draft with `strategy` too (what the rule
         forces)."""
@@ -320,8 +363,11 @@ class RequestDrafts:
         kept = []
         for draft, legal in zip(drafts, self.legal_lengths([d.token_ids for d in drafts])):
             if legal:
-                kept.append(draft if legal == len(draft.token_ids)
-                            else Draft(draft.token_ids[:legal], draft.strategy, draft.rank, draft.order))
+                kept.append(
+                    draft
+                    if legal == len(draft.token_ids)
+                    else Draft(draft.token_ids[:legal], draft.strategy, draft.rank, draft.order)
+                )
         return kept
 
     def _lengthen(self, drafts: list[Draft], w: int) -> list[Draft]:
@@ -329,7 +375,9 @@ class RequestDrafts:
         if not self.extend_short_drafts or tables is None:
             return drafts
         return [
-            Draft(tables.chain(d.token_ids, w), d.strategy, d.rank, d.order) if d.strategy == CONTEXT else d
+            Draft(tables.chain(d.token_ids, w), d.strategy, d.rank, d.order)
+            if d.strategy == CONTEXT
+            else d
             for d in drafts
         ]
 
@@ -371,6 +419,8 @@ def select(scored: Sequence[ScoredDraft], k: int, w: int) -> list[Draft]:
             break
         tokens = candidate.draft.token_ids[:w]
         if tokens not in nodes:
-            chosen.append(Draft(tokens, candidate.draft.strategy, candidate.draft.rank, candidate.draft.order))
+            chosen.append(
+                Draft(tokens, candidate.draft.strategy, candidate.draft.rank, candidate.draft.order)
+            )
             nodes.update(tokens[:depth] for depth in range(1, len(tokens) + 1))
     return chosen

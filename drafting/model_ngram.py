@@ -78,7 +78,10 @@ class ModelBigram:
         tables = self.slot.tables
         if tables is None or k <= 0 or w <= 0:
             return []
-        return [Draft((t,), self.name, rank) for rank, t in enumerate(tables.successors(history.last_token, k))]
+        return [
+            Draft((t,), self.name, rank)
+            for rank, t in enumerate(tables.successors(history.last_token, k))
+        ]
 
 
 @dataclass(frozen=True)
@@ -92,5 +95,7 @@ class ExtendedBigram:
         tables = self.slot.tables
         if tables is None or k <= 0 or w <= 0:
             return []
-        return [Draft(tables.chain((t,), w), self.name, rank)
-                for rank, t in enumerate(tables.successors(history.last_token, k))]
+        return [
+            Draft(tables.chain((t,), w), self.name, rank)
+            for rank, t in enumerate(tables.successors(history.last_token, k))
+        ]

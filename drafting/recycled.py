@@ -54,12 +54,16 @@ class SuccessorTable:
     several nodes of one pass keeps the last.
     """
 
-    def __init__(self, top_k: int = SUCCESSORS, fallback: TableSlot | None = None, pair_bits: int = 0) -> None:
+    def __init__(
+        self, top_k: int = SUCCESSORS, fallback: TableSlot | None = None, pair_bits: int = 0
+    ) -> None:
         self.top_k = top_k
         self.fallback = fallback
         self.successors = np.full((0, top_k), -1, dtype=np.int32)  # [rows, K]; -1: never observed
         self.pair_bits = pair_bits
-        self.pair_keys = np.full(1 << pair_bits if pair_bits else 0, -1, dtype=np.int64)  # (previous << 32) | token
+        self.pair_keys = np.full(
+            1 << pair_bits if pair_bits else 0, -1, dtype=np.int64
+        )  # (previous << 32) | token
         self.pair_successors = np.full((len(self.pair_keys), top_k), -1, dtype=np.int32)
         self.passes = 0  # passes observed
 
@@ -75,9 +79,18 @@ class SuccessorTable:
         # rows for the tokens observed (a row's entries may be larger ids); a list's max, as
         # numpy's reduction measured slower just after the pass
         self._grow(max(tokens.tolist()) + 1)
-        parents = passed.parent_tokens if self.pair_bits and passed.parent_tokens is not None else None
-        _refresh(self.successors, tokens, passed.top_ids[:, : self.top_k], parents, self.pair_keys,
-                 self.pair_successors, self.pair_bits)
+        parents = (
+            passed.parent_tokens if self.pair_bits and passed.parent_tokens is not None else None
+        )
+        _refresh(
+            self.successors,
+            tokens,
+            passed.top_ids[:, : self.top_k],
+            parents,
+            self.pair_keys,
+            self.pair_successors,
+            self.pair_bits,
+        )
 
     def row(self, token: int) -> list[int]:
         """The candidates after `token`, best first (empty if neither table knows it): the
@@ -97,8 +110,12 @@ class SuccessorTable:
             return []
         return [t for t in self.pair_successors[bucket].tolist() if t >= 0]
 
-    def walk(self, starts: Sequence[tuple[int, int]], paths: np.ndarray,
-             depths: Sequence[int] | None = None) -> list[tuple[int, ...]]:
+    def walk(
+        self,
+        starts: Sequence[tuple[int, int]],
+        paths: np.ndarray,
+        depths: Sequence[int] | None = None,
+    ) -> list[tuple[int, ...]]:
         """For each row of ranks (≥ 0) in `paths` (its first `depths[i]` ranks; all where not
         given), the tokens after its start (previous token, token; one start for every path, or
         one a path; -1: no previous token) taking the successor of each rank in turn, each from
@@ -109,8 +126,17 @@ class SuccessorTable:
         ends = np.array(starts, dtype=np.int64).reshape(-1, 2)
         taken = np.array([paths.shape[1]] if depths is None else depths, dtype=np.int64)
         out = np.empty(paths.shape, dtype=np.int64)
-        lengths = _walk(self.successors, self.pair_keys, self.pair_successors, self.pair_bits, self._fallback(),
-                        ends, paths, taken, out)
+        lengths = _walk(
+            self.successors,
+            self.pair_keys,
+            self.pair_successors,
+            self.pair_bits,
+            self._fallback(),
+            ends,
+            paths,
+            taken,
+            out,
+        )
         return [tuple(path[:n]) for path, n in zip(out.tolist(), lengths.tolist())]
 
     def _fallback(self) -> np.ndarray:
@@ -139,7 +165,9 @@ _bucket_compiled = njit(cache=True, inline="always")(pair_bucket)
 
 
 @njit(cache=True, nogil=True)
-def _refresh(successors, tokens, top, parents, pair_keys, pair_successors, bits):  # pragma: no cover - compiled
+def _refresh(
+    successors, tokens, top, parents, pair_keys, pair_successors, bits
+):  # pragma: no cover - compiled
     """One pass's refresh of the arrays, in one compiled call: each node's top candidates
     become its token's row and, where `parents` is given, the row of (its parent's token, its
     token), which takes the pair's bucket over (the rest of a shorter row set to -1). One call
@@ -160,7 +188,9 @@ def _refresh(successors, tokens, top, parents, pair_keys, pair_successors, bits)
 
 
 @njit(cache=True, nogil=True)
-def _walk(successors, pair_keys, pair_successors, bits, fallback, starts, paths, depths, out):  # pragma: no cover - compiled
+def _walk(
+    successors, pair_keys, pair_successors, bits, fallback, starts, paths, depths, out
+):  # pragma: no cover - compiled
     """`SuccessorTable.walk` on the arrays (`starts` and `depths`: one for all paths, or one a
     path): out[i, :lengths[i]] are path i's tokens."""
     count = paths.shape[0]
@@ -205,7 +235,9 @@ def compile_table_kernels() -> None:
 
 
 @lru_cache(maxsize=64)
-def rank_paths(k: int, w: int, prior: tuple[float, ...] = RANK_PRIOR) -> tuple[tuple[int, ...], ...]:
+def rank_paths(
+    k: int, w: int, prior: tuple[float, ...] = RANK_PRIOR
+) -> tuple[tuple[int, ...], ...]:
     """The static tree template: k rank paths of w ranks, chosen greedily, each adding the
     most expected accepted nodes (a node's chance: the product of `prior` along its path).
 
@@ -219,8 +251,10 @@ def rank_paths(k: int, w: int, prior: tuple[float, ...] = RANK_PRIOR) -> tuple[t
     while len(paths) < k:
         branches = (
             prefix + (rank,) + (0,) * (w - len(prefix) - 1)
-            for prefix in [(), *sorted(nodes)] if len(prefix) < w
-            for rank in range(len(prior)) if prefix + (rank,) not in nodes
+            for prefix in [(), *sorted(nodes)]
+            if len(prefix) < w
+            for rank in range(len(prior))
+            if prefix + (rank,) not in nodes
         )
         best = max(branches, key=lambda path: _gain(path, nodes, prior), default=None)
         if best is None:

@@ -46,14 +46,20 @@ class SuffixIndex:
         self.orders = tuple(sorted(orders, reverse=True))
         self.written = 0  # positions ever written; the window is [written - capacity, written)
         self.tokens = np.full(capacity, SEPARATOR, dtype=np.int32)  # [capacity] ring
-        self._mask = (1 << max(capacity // 2, 1).bit_length()) - 1  # buckets: a power of two ≥ capacity/2
+        self._mask = (
+            1 << max(capacity // 2, 1).bit_length()
+        ) - 1  # buckets: a power of two ≥ capacity/2
         self._heads = {n: np.full(self._mask + 1, -1, dtype=np.int64) for n in self.orders}
-        self._prev = {n: np.full(capacity, -1, dtype=np.int64) for n in self.orders}  # by position % capacity
+        self._prev = {
+            n: np.full(capacity, -1, dtype=np.int64) for n in self.orders
+        }  # by position % capacity
 
     @property
     def nbytes(self) -> int:
         """Bytes of every array the index holds (constant: fixed at construction)."""
-        return self.tokens.nbytes + sum(a.nbytes for a in (*self._heads.values(), *self._prev.values()))
+        return self.tokens.nbytes + sum(
+            a.nbytes for a in (*self._heads.values(), *self._prev.values())
+        )
 
     def append(self, tokens: Sequence[int], context: Sequence[int] = ()) -> None:
         """Write a chunk: a separator, then `context` (the tokens before `tokens`, so that
@@ -65,7 +71,9 @@ class SuffixIndex:
             self._write(token)
             self._register(self.written - 1, start)
 
-    def continuations(self, ngram: tuple[int, ...], w: int, most_recent: int) -> list[tuple[int, ...]]:
+    def continuations(
+        self, ngram: tuple[int, ...], w: int, most_recent: int
+    ) -> list[tuple[int, ...]]:
         """What followed the `most_recent` newest occurrences of `ngram` (those with anything
         after them), oldest first."""
         n = len(ngram)
@@ -74,7 +82,9 @@ class SuffixIndex:
             return found
         end = int(self._heads[n][hash(ngram) & self._mask])
         while end >= self._oldest + n - 1 and len(found) < most_recent:
-            if self._read(end - n + 1, end + 1) == ngram and (continuation := self._continuation(end + 1, w)):
+            if self._read(end - n + 1, end + 1) == ngram and (
+                continuation := self._continuation(end + 1, w)
+            ):
                 found.append(continuation)
             end = int(self._prev[n][end % self.capacity])
         return found[::-1]
@@ -142,6 +152,7 @@ class Suffix:
         tokens = history.token_ids
         by_n = (
             (n, self.index.continuations(tuple(tokens[-n:]), w, self.most_recent))
-            for n in self.index.orders if n <= len(tokens)
+            for n in self.index.orders
+            if n <= len(tokens)
         )
         return [Draft(c, self.name, rank, n) for rank, (n, c) in enumerate(first_distinct(by_n, k))]

@@ -40,12 +40,25 @@ TABLE_BATCH = 128  # vocabulary tokens per warm-up increment (short, so requests
 def drafters_for(loaded: LoadedModel, config: EngineConfig) -> list[ModelDrafter]:
     """The model-running draft strategies `config` enables (`service/model_drafts/draft_model.py`),
     a draft model loaded as `config` says the target was."""
-    return load_drafters(loaded, config.self_draft_layers, config.draft_model, config.cache_dir, config.device,
-                         config.dtype, config.quantization, config.draft_staged)
+    return load_drafters(
+        loaded,
+        config.self_draft_layers,
+        config.draft_model,
+        config.cache_dir,
+        config.device,
+        config.dtype,
+        config.quantization,
+        config.draft_staged,
+    )
 
 
-def build_engine(loaded: LoadedModel, tables: TableSlot, config: EngineConfig = EngineConfig(),
-                 drafters: Sequence[Strategy] = (), runner: ModelRunner | None = None) -> Engine:
+def build_engine(
+    loaded: LoadedModel,
+    tables: TableSlot,
+    config: EngineConfig = EngineConfig(),
+    drafters: Sequence[Strategy] = (),
+    runner: ModelRunner | None = None,
+) -> Engine:
     """The engine for `loaded`, drafting with every strategy over `tables` and `drafters`
     (`drafters_for`: loaded once, they may serve several engines), its passes run by `runner`
     (default: one over `loaded.model` on its device)."""
@@ -58,20 +71,25 @@ def build_engine(loaded: LoadedModel, tables: TableSlot, config: EngineConfig = 
         eos_token_ids=eos_token_ids,
         max_context=model_config.max_position_embeddings,
         scheduler_config=config.scheduler,
-        grammars=grammar_compiler(loaded.tokenizer, runner.vocab_size, tuple(sorted(eos_token_ids))),
+        grammars=grammar_compiler(
+            loaded.tokenizer, runner.vocab_size, tuple(sorted(eos_token_ids))
+        ),
         device_round=config.device_round,
     )
 
 
 @functools.lru_cache(maxsize=4)
-def grammar_compiler(tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarCompiler:
+def grammar_compiler(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> GrammarCompiler:
     """One grammar compiler per tokenizer, shared by its engines (reading a large vocabulary
     takes a while; the compiled grammars are cached inside)."""
     return GrammarCompiler.for_tokenizer(tokenizer, vocab_size, eos_token_ids)
 
 
-def build_engine_with_tables(loaded: LoadedModel, config: EngineConfig = EngineConfig(),
-                             drafters: Sequence[Strategy] = ()) -> Engine:
+def build_engine_with_tables(
+    loaded: LoadedModel, config: EngineConfig = EngineConfig(), drafters: Sequence[Strategy] = ()
+) -> Engine:
     """An engine whose model tables (and cost profile, if `config.cost_profile`) are ready
     before it returns."""
     prefix = assistant_prefix_ids(loaded.tokenizer)
@@ -82,14 +100,19 @@ def build_engine_with_tables(loaded: LoadedModel, config: EngineConfig = EngineC
     return engine
 
 
-def model_tables_steps(loaded: LoadedModel, config: EngineConfig) -> Generator[None, None, ModelTables]:
+def model_tables_steps(
+    loaded: LoadedModel, config: EngineConfig
+) -> Generator[None, None, ModelTables]:
     """The model tables from the cache, or computed (and saved) in increments."""
     prefix = assistant_prefix_ids(loaded.tokenizer)
-    return load_or_compute_tables_steps(loaded.model, config.cache_dir, prefix, TABLE_BATCH, show_progress=False)
+    return load_or_compute_tables_steps(
+        loaded.model, config.cache_dir, prefix, TABLE_BATCH, show_progress=False
+    )
 
 
-def warm_up(engine: Engine, keeper: ProfileKeeper | None,
-            tables: Generator[None, None, ModelTables] | None) -> Generator[bool | None, None, None]:
+def warm_up(
+    engine: Engine, keeper: ProfileKeeper | None, tables: Generator[None, None, ModelTables] | None
+) -> Generator[bool | None, None, None]:
     """The warm-up as increments, for as long as the server runs (yields False while there is
     nothing to do). First the successor tables' compiled refresh and walk, which every round of
     a request drafting from them runs. Then the cost profile's `keeper` (a first valid profile,
@@ -132,7 +155,9 @@ class WarmUpState:
 
     cost_profile: bool  # a valid one measured or loaded: auto mode speculates
     model_tables: bool  # computed or loaded: the table strategies draft
-    profile: ProfileState | None = None  # the keeper's account (None: the server measures no profile)
+    profile: ProfileState | None = (
+        None  # the keeper's account (None: the server measures no profile)
+    )
 
 
 @dataclass
@@ -149,30 +174,50 @@ class Runtime:
     pod: PodRanks | None = None  # the tensor-parallel ranks this process started
 
     @classmethod
-    def start(cls, loaded: LoadedModel, config: EngineConfig,
-              on_step: Callable[[StepStats], None] | None = None) -> Runtime:
+    def start(
+        cls,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> Runtime:
         """Serve at once; the worker measures (or loads) the cost profile and the model
         tables while idle. Until then auto mode decodes plainly and the table strategies
         propose nothing. The model drafts `config` enables load first (a draft model that
         cannot draft for `loaded` raises here)."""
         engine = build_engine(loaded, TableSlot(), config, drafters_for(loaded, config))
-        return cls._serving(loaded, engine, config, model_tables_steps(loaded, config) if config.model_tables else None,
-                            on_step)
+        return cls._serving(
+            loaded,
+            engine,
+            config,
+            model_tables_steps(loaded, config) if config.model_tables else None,
+            on_step,
+        )
 
     @classmethod
-    def start_parallel(cls, shard: RankShard, config: EngineConfig, on_lost: Callable[[BaseException], None],
-                       on_step: Callable[[StepStats], None] | None = None, pod: PodRanks | None = None) -> Runtime:
+    def start_parallel(
+        cls,
+        shard: RankShard,
+        config: EngineConfig,
+        on_lost: Callable[[BaseException], None],
+        on_step: Callable[[StepStats], None] | None = None,
+        pod: PodRanks | None = None,
+    ) -> Runtime:
         """`start` as rank 0 of tensor-parallel ranks (`service/parallel/`): the engine's passes
         run on every rank; `on_lost` is told if a rank is lost; `pod`: the ranks this process
         started, waited for at `close`. No model drafts, no device round; the model tables are
         those the cache holds for the whole model, or computed over the ranks and saved there."""
         if config.self_draft_layers or config.draft_model:
-            raise NotShardable("the model-running draft strategies do not run under tensor parallelism")
+            raise NotShardable(
+                "the model-running draft strategies do not run under tensor parallelism"
+            )
         if config.device_round:
             raise NotShardable("the device round does not run under tensor parallelism")
         config = replace(config, device_round=False)
-        runner = ParallelRunner(shard.loaded.model, Control(shard.control_group, on_lost, shard.timeout),
-                                shard.place.world)
+        runner = ParallelRunner(
+            shard.loaded.model,
+            Control(shard.control_group, on_lost, shard.timeout),
+            shard.place.world,
+        )
         engine = build_engine(shard.loaded, TableSlot(shard.tables), config, runner=runner)
         tables = None
         if config.model_tables and shard.tables is None:
@@ -181,13 +226,24 @@ class Runtime:
         return cls._serving(shard.loaded, engine, config, tables, on_step, pod)
 
     @classmethod
-    def _serving(cls, loaded: LoadedModel, engine: Engine, config: EngineConfig,
-                 tables: Generator[None, None, ModelTables] | None, on_step: Callable[[StepStats], None] | None,
-                 pod: PodRanks | None = None) -> Runtime:
+    def _serving(
+        cls,
+        loaded: LoadedModel,
+        engine: Engine,
+        config: EngineConfig,
+        tables: Generator[None, None, ModelTables] | None,
+        on_step: Callable[[StepStats], None] | None,
+        pod: PodRanks | None = None,
+    ) -> Runtime:
         """`engine` behind its worker, which warms up (the cost profile's keeper, `tables`) while idle."""
         keeper = profile_keeper(engine, config)
-        async_engine = AsyncEngine(engine, config.max_waiting, config.request_timeout,
-                                   warm_up(engine, keeper, tables), on_step)
+        async_engine = AsyncEngine(
+            engine,
+            config.max_waiting,
+            config.request_timeout,
+            warm_up(engine, keeper, tables),
+            on_step,
+        )
         return cls(loaded, engine, async_engine, keeper, pod)
 
     @property
@@ -214,9 +270,11 @@ class Runtime:
 
     @property
     def warm_up_state(self) -> WarmUpState:
-        return WarmUpState(cost_profile=self.engine.profile is not None,
-                           model_tables=self.engine.mixer.tables.tables is not None,
-                           profile=None if self.keeper is None else self.keeper.state)
+        return WarmUpState(
+            cost_profile=self.engine.profile is not None,
+            model_tables=self.engine.mixer.tables.tables is not None,
+            profile=None if self.keeper is None else self.keeper.state,
+        )
 
     def check_fits(self, num_prompt_tokens: int, params: GenerationParams) -> None:
         """`Engine.check_fits`: raises `ContextTooLong` or `DoesNotFit` (thread-safe)."""

@@ -8,10 +8,10 @@ import pytest
 from transformers import LlamaForCausalLM
 
 from drafting import ContextNgram, TableSlot, default_mixer
-from service.model_drafts.draft_model import ModelDrafter
 from service.engine.engine import Engine
 from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
+from service.model_drafts.draft_model import ModelDrafter
 from service.model_drafts.self_draft import first_layers
 from tests.helpers.models import make_tiny_model
 
@@ -37,15 +37,24 @@ def tiny_drafters(tiny_model: LlamaForCausalLM) -> list[ModelDrafter]:
     and another random (1-layer) model with the same vocabulary as a separate draft model
     (rows of its own); each also staged."""
     shallow, other = first_layers(tiny_model, 1), make_tiny_model(seed=1, num_layers=1)
-    return [ModelDrafter(shallow, "self_draft", shares_target_cache=True), ModelDrafter(other, "draft_model"),
-            ModelDrafter(shallow, "self_draft_staged", lookahead=ContextNgram(), shares_target_cache=True),
-            ModelDrafter(other, "draft_model_staged", lookahead=ContextNgram())]
+    return [
+        ModelDrafter(shallow, "self_draft", shares_target_cache=True),
+        ModelDrafter(other, "draft_model"),
+        ModelDrafter(
+            shallow, "self_draft_staged", lookahead=ContextNgram(), shares_target_cache=True
+        ),
+        ModelDrafter(other, "draft_model_staged", lookahead=ContextNgram()),
+    ]
 
 
 @pytest.fixture
-def tiny_engine(tiny_runner: ModelRunner, tiny_tables: TableSlot, tiny_drafters: list[ModelDrafter]) -> Engine:
+def tiny_engine(
+    tiny_runner: ModelRunner, tiny_tables: TableSlot, tiny_drafters: list[ModelDrafter]
+) -> Engine:
     # EOS is not a stop here, so runs go the full length and compare more tokens.
-    return Engine(tiny_runner, default_mixer(tiny_tables, tiny_drafters), eos_token_ids=[], max_context=512)
+    return Engine(
+        tiny_runner, default_mixer(tiny_tables, tiny_drafters), eos_token_ids=[], max_context=512
+    )
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +81,9 @@ def tiny_served(embedded):
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--full", action="store_true", help="tests/stress at full size (as NGRAMMYS_STRESS_FULL=1)")
+    parser.addoption(
+        "--full", action="store_true", help="tests/stress at full size (as NGRAMMYS_STRESS_FULL=1)"
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:

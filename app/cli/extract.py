@@ -19,5 +19,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    structured.run_command(args.model, engine_config(args), args.documents, args.max_new_tokens, args.k, args.w)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    structured.run_command(
+        args.model, engine_config(args), args.documents, args.max_new_tokens, args.k, args.w
+    )

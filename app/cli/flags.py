@@ -15,24 +15,43 @@ from service.model.loader import DEFAULT_CACHE_DIR
 
 
 def model_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded)")
+    parser.add_argument(
+        "--model", default=None, help="model directory or .gguf (default: embedded)"
+    )
     parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None,
-                        help=Settings.model_fields["dtype"].description)
-    parser.add_argument("--quantization", choices=("auto", *QUANTIZATIONS), default=Settings.model_fields["quantization"].default,
-                        help=Settings.model_fields["quantization"].description)
+    parser.add_argument("--dtype", default=None, help=Settings.model_fields["dtype"].description)
+    parser.add_argument(
+        "--quantization",
+        choices=("auto", *QUANTIZATIONS),
+        default=Settings.model_fields["quantization"].default,
+        help=Settings.model_fields["quantization"].description,
+    )
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
-    parser.add_argument("--enforce-eager", action="store_true", help=Settings.model_fields["enforce_eager"].description)
-    parser.add_argument("--device-round", choices=tuple(DEVICE_ROUND_SWITCH), default="auto",
-                        help=Settings.model_fields["device_round"].description)
+    parser.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help=Settings.model_fields["enforce_eager"].description,
+    )
+    parser.add_argument(
+        "--device-round",
+        choices=tuple(DEVICE_ROUND_SWITCH),
+        default="auto",
+        help=Settings.model_fields["device_round"].description,
+    )
 
 
 def engine_config(args: argparse.Namespace, **fields: Any) -> EngineConfig:
     """The engine settings of a measurement command, from the flags `model_flags` adds and
     `fields` (what the command decides itself); the queue's fields are the server's alone."""
-    return EngineConfig(cache_dir=args.cache_dir, enforce_eager=args.enforce_eager, device=args.device,
-                        dtype=args.dtype, quantization=args.quantization,
-                        device_round=DEVICE_ROUND_SWITCH[args.device_round], **fields)
+    return EngineConfig(
+        cache_dir=args.cache_dir,
+        enforce_eager=args.enforce_eager,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device_round=DEVICE_ROUND_SWITCH[args.device_round],
+        **fields,
+    )
 
 
 def dataset(text: str) -> Path:

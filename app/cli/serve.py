@@ -17,14 +17,22 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         shown_default = "" if info.default is None else f"; default: {info.default}"
         text = f"{info.description} [env NGRAMMYS_{name.upper()}{shown_default}]"
         if info.annotation is bool:
-            parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
+            parser.add_argument(
+                flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text
+            )
         else:
             parser.add_argument(flag, dest=name, default=None, metavar=name.upper(), help=text)
 
 
 def serve_settings(args: argparse.Namespace) -> Settings:
     """The server's settings: the flags given, else the `NGRAMMYS_*` variables, else the defaults."""
-    return Settings(**{name: getattr(args, name) for name in Settings.model_fields if getattr(args, name) is not None})
+    return Settings(
+        **{
+            name: getattr(args, name)
+            for name in Settings.model_fields
+            if getattr(args, name) is not None
+        }
+    )
 
 
 def run(args: argparse.Namespace) -> None:
@@ -41,9 +49,16 @@ def run(args: argparse.Namespace) -> None:
         app = create_app(settings, on_load_failure=stop)
     except (ValueError, OSError) as error:  # bad settings, an unreadable key file
         sys.exit(f"ngrammys serve: {error}")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=5)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        timeout_graceful_shutdown=5,
+    )
     server = DrainingServer(config, app, settings.drain_timeout)
     server.run()
     if app.state.load_error:

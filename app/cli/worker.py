@@ -18,5 +18,7 @@ def run(args: argparse.Namespace) -> None:
         settings = serve_settings(args)
     except ValueError as error:
         sys.exit(f"ngrammys worker: {error}")
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     run_worker(settings)

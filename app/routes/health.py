@@ -23,9 +23,13 @@ class Health(BaseModel):
     requests_running: int | None = None
     requests_waiting: int | None = None
     cost_profile: bool | None = None  # a valid one measured or loaded: auto mode speculates
-    cost_profile_state: ProfileState | None = None  # validity, staleness and measurements (if the server measures one)
+    cost_profile_state: ProfileState | None = (
+        None  # validity, staleness and measurements (if the server measures one)
+    )
     model_tables: bool | None = None  # computed or loaded: the table strategies draft
-    kernels_fallback: str | None = None  # only when the CPU kernels failed to load: why (their torch fallback runs)
+    kernels_fallback: str | None = (
+        None  # only when the CPU kernels failed to load: why (their torch fallback runs)
+    )
     error: str | None = None
 
 
@@ -49,9 +53,13 @@ async def health(request: Request) -> JSONResponse:
     if state.runtime is None:
         return JSONResponse({"status": "ok"})
     engine, warm = state.runtime.async_engine, state.runtime.warm_up_state
-    body = {"status": "ok" if engine.alive else "engine stopped",
-            "requests_running": engine.num_running, "requests_waiting": engine.num_waiting,
-            "cost_profile": warm.cost_profile, "model_tables": warm.model_tables}
+    body = {
+        "status": "ok" if engine.alive else "engine stopped",
+        "requests_running": engine.num_running,
+        "requests_waiting": engine.num_waiting,
+        "cost_profile": warm.cost_profile,
+        "model_tables": warm.model_tables,
+    }
     if warm.profile is not None:
         body["cost_profile_state"] = asdict(warm.profile)
     if state.runtime.kernels_fallback is not None:

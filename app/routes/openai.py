@@ -22,16 +22,16 @@ from app.limits import check_generation_limits, check_prompt_length
 from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
 from app.schemas import (
-    JsonObjectFormat,
-    JsonSchemaFormat,
-    ResponseFormat,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     GenerationRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
     ModelList,
+    ResponseFormat,
     SpeculationOptions,
     error_responses,
     event_stream_schema,
@@ -40,15 +40,21 @@ from app.settings import Settings
 from app.sse import GenerationStream
 from app.tools import ToolUse, chat_prompt, tool_use
 from service.engine.async_engine import QueueFull, RequestHandle, RequestTimeout, ShuttingDown
-from service.engine.params import MIN_TEMPERATURE, GenerationParams, SamplingParams, SpeculationParams
 from service.engine.detokenizer import TextStream
 from service.engine.engine import ContextTooLong
+from service.engine.params import (
+    MIN_TEMPERATURE,
+    GenerationParams,
+    SamplingParams,
+    SpeculationParams,
+)
 from service.engine.scheduler import DoesNotFit
 from service.grammar import GrammarError, GrammarSpec
 from service.runtime import Runtime
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(client_identity)],
-                   responses=error_responses(401))
+router = APIRouter(
+    prefix="/v1", dependencies=[Depends(client_identity)], responses=error_responses(401)
+)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks for its client
 CLIENT_CLOSED_REQUEST = 499
@@ -56,22 +62,39 @@ GENERATION_ERRORS = error_responses(400, 404, 413, 429, 500, 503, 504)
 
 
 def _generation_responses(model: type, chunk: type) -> dict[int | str, dict[str, Any]]:
-    ok = {"model": model, "description": "The completion; with `stream: true`, server-sent events of chunks",
-          "content": {"text/event-stream": {"schema": event_stream_schema(chunk)}}}
+    ok = {
+        "model": model,
+        "description": "The completion; with `stream: true`, server-sent events of chunks",
+        "content": {"text/event-stream": {"schema": event_stream_schema(chunk)}},
+    }
     return {200: ok, **GENERATION_ERRORS}
 
 
 @router.get("/models", response_model=ModelList)
 async def models(request: Request) -> dict[str, object]:
     name = request.app.state.model_name
-    cards = [] if name is None else [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "ngrammys"}]
+    cards = (
+        []
+        if name is None
+        else [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "ngrammys"}]
+    )
     return {"object": "list", "data": cards}
 
 
-@router.post("/completions", response_model=None,
-             responses=_generation_responses(CompletionResponse, CompletionResponse))
-async def completions(body: CompletionRequest, request: Request, client: ClientDep, runtime: RuntimeDep,
-                      settings: SettingsDep, metrics: MetricsDep, limit: ConcurrencyDep) -> Response:
+@router.post(
+    "/completions",
+    response_model=None,
+    responses=_generation_responses(CompletionResponse, CompletionResponse),
+)
+async def completions(
+    body: CompletionRequest,
+    request: Request,
+    client: ClientDep,
+    runtime: RuntimeDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    limit: ConcurrencyDep,
+) -> Response:
     _check_model(request, body)
     max_tokens = body.max_tokens or min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_tokens_cap)
     check_generation_limits(body, settings, max_tokens, "max_tokens")
@@ -80,23 +103,52 @@ async def completions(body: CompletionRequest, request: Request, client: ClientD
     else:
         prompt_ids = _checked_ids(body.prompt, runtime.vocab_size)
     serving = _Serving(runtime, settings, metrics, limit, client)
-    return await _respond("text_completion", body, request, serving, prompt_ids, max_tokens, "prompt",
-                          body.num_logprobs)
+    return await _respond(
+        "text_completion",
+        body,
+        request,
+        serving,
+        prompt_ids,
+        max_tokens,
+        "prompt",
+        body.num_logprobs,
+    )
 
 
-@router.post("/chat/completions", response_model=None,
-             responses=_generation_responses(ChatCompletionResponse, ChatCompletionChunk))
-async def chat_completions(body: ChatCompletionRequest, request: Request, client: ClientDep, runtime: RuntimeDep,
-                           settings: SettingsDep, metrics: MetricsDep, limit: ConcurrencyDep) -> Response:
+@router.post(
+    "/chat/completions",
+    response_model=None,
+    responses=_generation_responses(ChatCompletionResponse, ChatCompletionChunk),
+)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    request: Request,
+    client: ClientDep,
+    runtime: RuntimeDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    limit: ConcurrencyDep,
+) -> Response:
     _check_model(request, body)
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens or settings.max_tokens
     check_generation_limits(body, settings, max_tokens, asked)
     tools = tool_use(body)
-    prompt_ids, tools = await _tokenize(request, "messages", chat_prompt, runtime.tokenizer, body.messages, tools)
+    prompt_ids, tools = await _tokenize(
+        request, "messages", chat_prompt, runtime.tokenizer, body.messages, tools
+    )
     serving = _Serving(runtime, settings, metrics, limit, client)
-    return await _respond("chat.completion", body, request, serving, prompt_ids, max_tokens, "messages",
-                          body.num_logprobs, tools)
+    return await _respond(
+        "chat.completion",
+        body,
+        request,
+        serving,
+        prompt_ids,
+        max_tokens,
+        "messages",
+        body.num_logprobs,
+        tools,
+    )
 
 
 @dataclass(frozen=True)
@@ -113,8 +165,12 @@ class _Serving:
 def _check_model(request: Request, body: GenerationRequest) -> None:
     name = request.app.state.model_name
     if body.model is not None and body.model != name:
-        raise ApiError(404, f"The model `{body.model}` does not exist; this server serves `{name}`",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model `{body.model}` does not exist; this server serves `{name}`",
+            param="model",
+            code="model_not_found",
+        )
 
 
 T = TypeVar("T")
@@ -143,8 +199,13 @@ def _checked_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list
     return ids
 
 
-def _params(body: GenerationRequest, serving: _Serving, max_tokens: int, logprobs: int | None,
-            tools: ToolUse) -> GenerationParams:
+def _params(
+    body: GenerationRequest,
+    serving: _Serving,
+    max_tokens: int,
+    logprobs: int | None,
+    tools: ToolUse,
+) -> GenerationParams:
     settings = serving.settings
     options = body.speculation or SpeculationOptions()
     k = settings.spec_k if options.k is None else options.k
@@ -153,10 +214,14 @@ def _params(body: GenerationRequest, serving: _Serving, max_tokens: int, logprob
         speculation = SpeculationParams(k, w, options.mode or settings.spec_mode)
     except ValueError as error:
         raise ApiError(400, str(error), param="speculation") from error
-    return GenerationParams(max_new_tokens=max_tokens, speculation=speculation,
-                            strategy=options.strategy or settings.spec_strategy,
-                            sampling=_sampling(body, settings, serving.runtime.vocab_size), logprobs=logprobs,
-                            grammar=tools.grammar() or _grammar(body.response_format))
+    return GenerationParams(
+        max_new_tokens=max_tokens,
+        speculation=speculation,
+        strategy=options.strategy or settings.spec_strategy,
+        sampling=_sampling(body, settings, serving.runtime.vocab_size),
+        logprobs=logprobs,
+        grammar=tools.grammar() or _grammar(body.response_format),
+    )
 
 
 def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
@@ -164,8 +229,11 @@ def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
     if isinstance(response_format, JsonObjectFormat):
         return GrammarSpec("json_object")
     if isinstance(response_format, JsonSchemaFormat):
-        return GrammarSpec("json_schema", json.dumps(response_format.json_schema.json_schema),
-                           field="response_format.json_schema.schema")
+        return GrammarSpec(
+            "json_schema",
+            json.dumps(response_format.json_schema.json_schema),
+            field="response_format.json_schema.schema",
+        )
     return None
 
 
@@ -175,9 +243,16 @@ def _sampling(body: GenerationRequest, settings: Settings, vocab_size: int) -> S
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0  # that close to 0 the distribution is the argmax (see MIN_TEMPERATURE)
     return SamplingParams(
-        temperature, body.top_p or 1.0, max(body.top_k or 0, 0), body.seed, min_p=body.min_p or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0, presence_penalty=body.presence_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0, logit_bias=_logit_bias(body.logit_bias or {}, vocab_size))
+        temperature,
+        body.top_p or 1.0,
+        max(body.top_k or 0, 0),
+        body.seed,
+        min_p=body.min_p or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        logit_bias=_logit_bias(body.logit_bias or {}, vocab_size),
+    )
 
 
 def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
@@ -188,10 +263,22 @@ def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
 
 
 async def _respond(
-    kind: Kind, body: GenerationRequest, request: Request, serving: _Serving, prompt_ids: list[int],
-    max_tokens: int, prompt_param: str, logprobs: int | None, tools: ToolUse = ToolUse(),
+    kind: Kind,
+    body: GenerationRequest,
+    request: Request,
+    serving: _Serving,
+    prompt_ids: list[int],
+    max_tokens: int,
+    prompt_param: str,
+    logprobs: int | None,
+    tools: ToolUse = ToolUse(),
 ) -> Response:
-    runtime, settings, limit, client = serving.runtime, serving.settings, serving.limit, serving.client
+    runtime, settings, limit, client = (
+        serving.runtime,
+        serving.settings,
+        serving.limit,
+        serving.client,
+    )
     if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
         raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
@@ -203,23 +290,35 @@ async def _respond(
             raise ApiError(400, str(error), param=error.field) from error
     enabled = runtime.enabled_strategies
     if params.strategy not in enabled:  # a model draft this server was not started with
-        raise ApiError(400, f"strategy {params.strategy!r} is not enabled on this server; enabled: "
-                       f"{', '.join(enabled)}", param="speculation")
+        raise ApiError(
+            400,
+            f"strategy {params.strategy!r} is not enabled on this server; enabled: "
+            f"{', '.join(enabled)}",
+            param="speculation",
+        )
     engine_requests = choice_params(params, body.n)
     try:
         for choice in engine_requests:
             runtime.check_fits(len(prompt_ids), choice)
     except ContextTooLong as error:
-        raise ApiError(400, str(error), param=prompt_param, code="context_length_exceeded") from error
+        raise ApiError(
+            400, str(error), param=prompt_param, code="context_length_exceeded"
+        ) from error
     except DoesNotFit as error:
-        raise ApiError(400, str(error), param="max_tokens", code="kv_cache_budget_exceeded") from error
+        raise ApiError(
+            400, str(error), param="max_tokens", code="kv_cache_budget_exceeded"
+        ) from error
     limit.acquire(client)  # one slot for the request, whatever its n
     try:
         handles = submit_all(runtime.async_engine, prompt_ids, engine_requests)
     except QueueFull as error:
         limit.release(client)
-        raise ApiError(429, f"the server is busy: {error}; retry shortly", "rate_limit_exceeded",
-                       headers={"Retry-After": str(settings.retry_after_seconds)}) from error
+        raise ApiError(
+            429,
+            f"the server is busy: {error}; retry shortly",
+            "rate_limit_exceeded",
+            headers={"Retry-After": str(settings.retry_after_seconds)},
+        ) from error
     except ShuttingDown as error:
         limit.release(client)
         raise ApiError(503, str(error), "service_unavailable") from error
@@ -249,26 +348,48 @@ async def _respond(
     return JSONResponse(body_json)
 
 
-def _choices(kind: Kind, body: GenerationRequest, request: Request, serving: _Serving,
-             handles: list[RequestHandle], logprobs: int | None, tools: ToolUse) -> Choices:
+def _choices(
+    kind: Kind,
+    body: GenerationRequest,
+    request: Request,
+    serving: _Serving,
+    handles: list[RequestHandle],
+    logprobs: int | None,
+    tools: ToolUse,
+) -> Choices:
     """The request's `body.n` choices, from its engine requests (one, or one per choice), each
     parsing its own answer's tool calls."""
     runtime, options = serving.runtime, body.stream_options
 
     def generation(handle: RequestHandle, **shared: Any) -> Generation:
         return Generation(
-            kind, request.app.state.model_name, runtime.async_engine, handle,
-            TextStream(runtime.tokenizer, body.stop or []), serving.metrics,
+            kind,
+            request.app.state.model_name,
+            runtime.async_engine,
+            handle,
+            TextStream(runtime.tokenizer, body.stop or []),
+            serving.metrics,
             continuous_usage=bool(options and options.continuous_usage_stats),
-            logprobs=None if logprobs is None else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
-            tool_calls=tools.output_parser(), **shared,
+            logprobs=None
+            if logprobs is None
+            else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
+            tool_calls=tools.output_parser(),
+            **shared,
         )
 
-    first = generation(handles[0])  # its id and creation time are the other choices' too: one response
-    generations = [first, *(generation(h, request_id=first.request_id, created=first.created) for h in handles[1:])]
-    return Choices(generations, copies=body.n // len(generations),
-                   include_usage=bool(options and options.include_usage),
-                   on_finish=lambda: serving.limit.release(serving.client))
+    first = generation(
+        handles[0]
+    )  # its id and creation time are the other choices' too: one response
+    generations = [
+        first,
+        *(generation(h, request_id=first.request_id, created=first.created) for h in handles[1:]),
+    ]
+    return Choices(
+        generations,
+        copies=body.n // len(generations),
+        include_usage=bool(options and options.include_usage),
+        on_finish=lambda: serving.limit.release(serving.client),
+    )
 
 
 class ClientGone(Exception):

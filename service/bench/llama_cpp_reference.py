@@ -22,23 +22,32 @@ from typing import Any
 import torch
 
 from service.bench.command import UsageError
-from service.engine.params import GenerationParams
 from service.engine.outputs import Completion
+from service.engine.params import GenerationParams
 
 LLAMA_CPP = "llama.cpp greedy"  # the method's name in bench tables
-INSTALL_HINT = "llama.cpp's reference needs `pip install 'ngrammys[llama-cpp]'` (compiles llama.cpp, minutes)"
+INSTALL_HINT = (
+    "llama.cpp's reference needs `pip install 'ngrammys[llama-cpp]'` (compiles llama.cpp, minutes)"
+)
 
 
 class LlamaCppGreedy:
     """Greedy decoding by llama.cpp of one GGUF file; `complete` is shaped like the engine's."""
 
-    def __init__(self, gguf_path: Path, eos_token_ids: Sequence[int], threads: int, context: int = 4096) -> None:
+    def __init__(
+        self, gguf_path: Path, eos_token_ids: Sequence[int], threads: int, context: int = 4096
+    ) -> None:
         try:
             from llama_cpp import Llama
         except ImportError as error:
             raise RuntimeError(INSTALL_HINT) from error
-        self.llama: Any = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads,
-                                n_threads_batch=threads, verbose=False)
+        self.llama: Any = Llama(
+            model_path=str(gguf_path),
+            n_ctx=context,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
         self.eos_token_ids = frozenset(eos_token_ids)
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> Completion:
@@ -49,8 +58,15 @@ class LlamaCppGreedy:
         self.llama.reset()
         completion = Completion(finish_reason="length")
         started = time.perf_counter()
-        for token in self.llama.generate(list(prompt_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                         repeat_penalty=1.0, reset=True):
+        for token in self.llama.generate(
+            list(prompt_ids),
+            top_k=1,
+            top_p=1.0,
+            min_p=0.0,
+            temp=0.0,
+            repeat_penalty=1.0,
+            reset=True,
+        ):
             completion.token_ids.append(int(token))  # a stop token included, as the engine does
             if token in self.eos_token_ids:
                 completion.finish_reason = "stop"
@@ -62,7 +78,9 @@ class LlamaCppGreedy:
         return completion
 
 
-def llama_cpp_references(gguf_path: Path, eos_token_ids: Sequence[int]) -> dict[str, LlamaCppGreedy]:
+def llama_cpp_references(
+    gguf_path: Path, eos_token_ids: Sequence[int]
+) -> dict[str, LlamaCppGreedy]:
     """`--llama-cpp`: llama.cpp's greedy decoding of the measured GGUF, on as many threads as
     the engine's; without the package, a `UsageError` saying how to get it."""
     try:

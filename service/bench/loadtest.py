@@ -58,11 +58,16 @@ class LoadResult:
         itl = [x for t in self.timings for x in t.itl] or [0.0]
         passes = sum(t.passes for t in self.timings) or 1
         return {
-            "concurrency": self.concurrency, "mode": self.mode, "repeat": self.repeat, "requests": self.requests,
+            "concurrency": self.concurrency,
+            "mode": self.mode,
+            "repeat": self.repeat,
+            "requests": self.requests,
             "requests_per_second": self.requests / self.seconds,
             "output_tokens_per_second": self.output_tokens / self.seconds,
-            "ttft_p50_ms": quantile(ttft, 0.5) * 1e3, "ttft_p99_ms": quantile(ttft, 0.99) * 1e3,
-            "itl_p50_ms": quantile(itl, 0.5) * 1e3, "itl_p99_ms": quantile(itl, 0.99) * 1e3,
+            "ttft_p50_ms": quantile(ttft, 0.5) * 1e3,
+            "ttft_p99_ms": quantile(ttft, 0.99) * 1e3,
+            "itl_p50_ms": quantile(itl, 0.5) * 1e3,
+            "itl_p99_ms": quantile(itl, 0.99) * 1e3,
             "tokens_per_pass": self.output_tokens / passes,
             "drafted_per_pass": sum(t.drafted for t in self.timings) / passes,
         }
@@ -73,12 +78,16 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
 
 
-async def stream_chat(client: httpx.AsyncClient, messages: list[dict[str, str]], mode: str,
-                      max_tokens: int) -> RequestTiming:
+async def stream_chat(
+    client: httpx.AsyncClient, messages: list[dict[str, str]], mode: str, max_tokens: int
+) -> RequestTiming:
     """One greedy chat request, streamed, timed token by token."""
     body = {
-        "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         "speculation": {"mode": mode},
     }
     started = time.perf_counter()
@@ -92,7 +101,7 @@ async def stream_chat(client: httpx.AsyncClient, messages: list[dict[str, str]],
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
             usage = chunk.get("usage")
@@ -109,12 +118,24 @@ async def stream_chat(client: httpx.AsyncClient, messages: list[dict[str, str]],
                 itl.extend([(now - last) / new] * new)  # type: ignore[operator]
             last, tokens = now, usage["completion_tokens"]
     end = time.perf_counter()
-    return RequestTiming((first or end) - started, itl, tokens, end - started,
-                         stats.get("num_spec_steps", 0), stats.get("num_draft_tokens", 0), "".join(text))
+    return RequestTiming(
+        (first or end) - started,
+        itl,
+        tokens,
+        end - started,
+        stats.get("num_spec_steps", 0),
+        stats.get("num_draft_tokens", 0),
+        "".join(text),
+    )
 
 
 async def run_level(
-    base_url: str, questions: list[Question], concurrency: int, mode: str, requests: int, max_tokens: int
+    base_url: str,
+    questions: list[Question],
+    concurrency: int,
+    mode: str,
+    requests: int,
+    max_tokens: int,
 ) -> LoadResult:
     """`requests` requests from `concurrency` clients, each sending its next one when done."""
     queue: asyncio.Queue[Question] = asyncio.Queue()
@@ -127,7 +148,11 @@ async def run_level(
         async def client_loop() -> None:
             while not queue.empty():
                 question = queue.get_nowait()
-                timings.append(await stream_chat(client, [{"role": "user", "content": question.text}], mode, max_tokens))
+                timings.append(
+                    await stream_chat(
+                        client, [{"role": "user", "content": question.text}], mode, max_tokens
+                    )
+                )
 
         started = time.perf_counter()
         await asyncio.gather(*(client_loop() for _ in range(concurrency)))
@@ -136,8 +161,14 @@ async def run_level(
 
 
 def run_loadtest(
-    base_url: str, questions: list[Question], levels: list[int], requests_per_client: int, max_tokens: int,
-    progress=print, modes: tuple[str, ...] = MODES, repeats: int = 1,  # type: ignore[no-untyped-def]
+    base_url: str,
+    questions: list[Question],
+    levels: list[int],
+    requests_per_client: int,
+    max_tokens: int,
+    progress=print,
+    modes: tuple[str, ...] = MODES,
+    repeats: int = 1,  # type: ignore[no-untyped-def]
 ) -> list[LoadResult]:
     """Every concurrency level, each mode back to back, `repeats` times (order alternating
     between levels and between repeats)."""
@@ -146,7 +177,9 @@ def run_loadtest(
         for repeat in range(repeats):
             for mode in modes if (index + repeat) % 2 == 0 else modes[::-1]:
                 requests = max(concurrency * requests_per_client, 4)
-                result = asyncio.run(run_level(base_url, questions, concurrency, mode, requests, max_tokens))
+                result = asyncio.run(
+                    run_level(base_url, questions, concurrency, mode, requests, max_tokens)
+                )
                 result.repeat = repeat
                 progress(_row(result.summary()))
                 results.append(result)
@@ -163,23 +196,51 @@ def wait_warm(base: str, warm_up: bool) -> None:
         time.sleep(1)
 
 
-def run_command(server: AbstractContextManager[str], warm_up: bool, dataset: Path, per_category: int,
-                levels: list[int], requests_per_client: int, max_tokens: int, modes: tuple[str, ...], repeats: int,
-                max_running_requests: int, json_path: Path | None, png: Path | None) -> None:
+def run_command(
+    server: AbstractContextManager[str],
+    warm_up: bool,
+    dataset: Path,
+    per_category: int,
+    levels: list[int],
+    requests_per_client: int,
+    max_tokens: int,
+    modes: tuple[str, ...],
+    repeats: int,
+    max_running_requests: int,
+    json_path: Path | None,
+    png: Path | None,
+) -> None:
     """`ngrammys loadtest`: the load test against the server `server` yields (warmed up first
     when `warm_up`), a row a run as it ends, then the comparison (`max_running_requests`, the
     server's batch, goes into the JSON beside the run's own figures)."""
     questions = specbench_questions(dataset, per_category)
     with server as base:
         wait_warm(base, warm_up)
-        print(f"{len(questions)} questions, {max_tokens} tokens each, greedy; server {base}\n", flush=True)
+        print(
+            f"{len(questions)} questions, {max_tokens} tokens each, greedy; server {base}\n",
+            flush=True,
+        )
         print(HEADER, flush=True)
-        results = run_loadtest(base, questions, levels, requests_per_client, max_tokens,
-                               progress=lambda row: print(row, flush=True), modes=modes, repeats=repeats)
+        results = run_loadtest(
+            base,
+            questions,
+            levels,
+            requests_per_client,
+            max_tokens,
+            progress=lambda row: print(row, flush=True),
+            modes=modes,
+            repeats=repeats,
+        )
     print(f"\n{format_comparison(results)}", flush=True)
     if json_path:
-        write_json(results, json_path, max_tokens=max_tokens, per_category=per_category,
-                   max_running_requests=max_running_requests, repeats=repeats)
+        write_json(
+            results,
+            json_path,
+            max_tokens=max_tokens,
+            per_category=per_category,
+            max_running_requests=max_running_requests,
+            repeats=repeats,
+        )
         print(f"wrote {json_path}")
     if png:
         write_plot(results, png, f"{max_tokens} tokens per request, greedy")
@@ -190,7 +251,9 @@ def _runs(results: list[LoadResult]) -> dict[tuple[int, str], list[float]]:
     """Output tokens/s of every run of each (C, mode), in run order."""
     runs: dict[tuple[int, str], list[float]] = {}
     for result in results:
-        runs.setdefault((result.concurrency, result.mode), []).append(result.output_tokens / result.seconds)
+        runs.setdefault((result.concurrency, result.mode), []).append(
+            result.output_tokens / result.seconds
+        )
     return runs
 
 
@@ -204,26 +267,37 @@ def format_comparison(results: list[LoadResult]) -> str:
     both ran, auto over off."""
     runs, means = _runs(results), mean_tokens_per_second(results)
     modes = list(dict.fromkeys(r.mode for r in results))
-    lines = [f"| C | {' | '.join(f'{m} tok/s (runs)' for m in modes)} | auto/off |",
-             f"|---|{'---|' * len(modes)}---|"]
+    lines = [
+        f"| C | {' | '.join(f'{m} tok/s (runs)' for m in modes)} | auto/off |",
+        f"|---|{'---|' * len(modes)}---|",
+    ]
     for concurrency in dict.fromkeys(r.concurrency for r in results):
-        cells = [f"{means[(concurrency, mode)]:.1f} ({', '.join(f'{x:.1f}' for x in runs[(concurrency, mode)])})"
-                 for mode in modes]
-        ratio = (f"{means[(concurrency, 'auto')] / means[(concurrency, 'off')]:.2f}x"
-                 if {(concurrency, "auto"), (concurrency, "off")} <= means.keys() else "-")
+        cells = [
+            f"{means[(concurrency, mode)]:.1f} ({', '.join(f'{x:.1f}' for x in runs[(concurrency, mode)])})"
+            for mode in modes
+        ]
+        ratio = (
+            f"{means[(concurrency, 'auto')] / means[(concurrency, 'off')]:.2f}x"
+            if {(concurrency, "auto"), (concurrency, "off")} <= means.keys()
+            else "-"
+        )
         lines.append(f"| {concurrency} | {' | '.join(cells)} | {ratio} |")
     return "\n".join(lines)
 
 
-HEADER = ("| C | mode | repeat | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-          "| tokens/pass | drafted/pass |\n|---|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| C | mode | repeat | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+    "| tokens/pass | drafted/pass |\n|---|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _row(s: dict[str, float | int | str]) -> str:
-    return (f"| {s['concurrency']} | {s['mode']} | {s['repeat']} | {s['requests']} | {s['requests_per_second']:.2f} "
-            f"| {s['output_tokens_per_second']:.1f} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
-            f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['tokens_per_pass']:.2f} "
-            f"| {s['drafted_per_pass']:.1f} |")
+    return (
+        f"| {s['concurrency']} | {s['mode']} | {s['repeat']} | {s['requests']} | {s['requests_per_second']:.2f} "
+        f"| {s['output_tokens_per_second']:.1f} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
+        f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['tokens_per_pass']:.2f} "
+        f"| {s['drafted_per_pass']:.1f} |"
+    )
 
 
 def format_table(results: list[LoadResult]) -> str:
@@ -246,11 +320,17 @@ def write_plot(results: list[LoadResult], path: Path, title: str) -> None:
         levels = list(dict.fromkeys(row["concurrency"] for row in rows))
 
         def mean(key: str) -> list[float]:
-            return [statistics.fmean(row[key] for row in rows if row["concurrency"] == c) for c in levels]  # type: ignore[misc]
+            return [
+                statistics.fmean(row[key] for row in rows if row["concurrency"] == c)
+                for c in levels
+            ]  # type: ignore[misc]
 
         left.plot(levels, mean("output_tokens_per_second"), marker="o", label=f"speculation {mode}")
         right.plot(levels, mean("itl_p99_ms"), marker="o", label=f"speculation {mode}")
-    for axes, label in ((left, "output tokens/s (mean of repeats)"), (right, "p99 inter-token latency (ms)")):
+    for axes, label in (
+        (left, "output tokens/s (mean of repeats)"),
+        (right, "p99 inter-token latency (ms)"),
+    ):
         axes.set_xscale("log", base=2)
         axes.set_xlabel("concurrent clients C")
         axes.set_ylabel(label)

@@ -38,8 +38,14 @@ from service.kernels.packed_linear import PackedLinear
 
 MIN_TIE_ULPS = 1.0
 ROUNDING_TOP = 8
-HIGHER_PRECISION = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64}
-_REFERENCES: weakref.WeakKeyDictionary[PreTrainedModel, PreTrainedModel] = weakref.WeakKeyDictionary()
+HIGHER_PRECISION = {
+    torch.bfloat16: torch.float32,
+    torch.float16: torch.float32,
+    torch.float32: torch.float64,
+}
+_REFERENCES: weakref.WeakKeyDictionary[PreTrainedModel, PreTrainedModel] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,9 @@ def first_difference(plain: Sequence[int], other: Sequence[int]) -> int | None:
     return None if len(plain) == len(other) else min(len(plain), len(other))
 
 
-def parting(model: PreTrainedModel, prompt_ids: Sequence[int], plain: Sequence[int], other: Sequence[int]) -> Parting | None:
+def parting(
+    model: PreTrainedModel, prompt_ids: Sequence[int], plain: Sequence[int], other: Sequence[int]
+) -> Parting | None:
     """Where greedy answer `other` parts from plain decoding's `plain` after `prompt_ids`, with
     the gap between the two tokens chosen there (`reference_of(model)`'s logits, in ulps of
     `model`'s dtype); None if the answers are equal or one is the other cut short (no token
@@ -111,5 +119,9 @@ def next_token_logits(model: PreTrainedModel, token_ids: Sequence[int]) -> torch
     transformers' forward on an empty cache: the engine's rows, caches and recorded passes stay
     untouched. Only the last position's logits where the model can keep just those."""
     input_ids = torch.tensor([list(token_ids)], device=model.device)
-    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    last_only = (
+        {"logits_to_keep": 1}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters
+        else {}
+    )
     return model(input_ids, **last_only).logits[0, -1]

@@ -26,9 +26,11 @@ import httpx
 
 from service.bench.loadtest import wait_warm
 
-PARAGRAPH = ("The committee met on Tuesday to review the budget. It approved the new library, postponed the "
-             "bridge repairs until spring, and asked the treasurer for a report on the water rates before the next "
-             "meeting. The treasurer said the report would be ready by the end of the month.")
+PARAGRAPH = (
+    "The committee met on Tuesday to review the budget. It approved the new library, postponed the "
+    "bridge repairs until spring, and asked the treasurer for a report on the water rates before the next "
+    "meeting. The treasurer said the report would be ready by the end of the month."
+)
 COPY = [{"role": "user", "content": f"Repeat this paragraph word for word:\n\n{PARAGRAPH}"}]
 
 
@@ -54,7 +56,12 @@ def copy_speeds(base: str, max_tokens: int, repeats: int = 2) -> Speeds:
 
 
 def _tokens_per_second(base: str, mode: str, max_tokens: int) -> float:
-    body = {"messages": COPY, "max_tokens": max_tokens, "temperature": 0.0, "speculation": {"mode": mode}}
+    body = {
+        "messages": COPY,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "speculation": {"mode": mode},
+    }
     started = time.perf_counter()
     reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600).json()
     return reply["usage"]["completion_tokens"] / (time.perf_counter() - started)
@@ -69,7 +76,9 @@ def _spin(until: float) -> None:
 def neighbours(count: int, seconds: float) -> Iterator[None]:
     """`count` processes each keeping a core busy for up to `seconds` (stopped on leaving)."""
     until = time.monotonic() + seconds
-    workers = [multiprocessing.Process(target=_spin, args=(until,), daemon=True) for _ in range(count)]
+    workers = [
+        multiprocessing.Process(target=_spin, args=(until,), daemon=True) for _ in range(count)
+    ]
     for worker in workers:
         worker.start()
     try:
@@ -91,28 +100,43 @@ def run(base: str, pid: int, count: int, seconds: float, max_tokens: int, log=pr
     for mode in ("off", "auto"):  # warm-up: a server's first requests compile and allocate
         _tokens_per_second(base, mode, max_tokens)
     before = copy_speeds(base, max_tokens)
-    log(f"before: off {before.off:.1f} tok/s, auto {before.auto:.1f} tok/s, auto/off {before.ratio:.2f}")
+    log(
+        f"before: off {before.off:.1f} tok/s, auto {before.auto:.1f} tok/s, auto/off {before.ratio:.2f}"
+    )
     with neighbours(count, 2 * seconds):
         serving_until = time.monotonic() + seconds
         served = 0
         while time.monotonic() < serving_until:
             _tokens_per_second(base, "auto", max_tokens)
             served += 1
-        log(f"served {served} auto requests beside {count} busy processes; now idle beside them for {seconds:.0f} s")
+        log(
+            f"served {served} auto requests beside {count} busy processes; now idle beside them for {seconds:.0f} s"
+        )
         cpu_idle = process_cpu_seconds(pid)
         time.sleep(max(serving_until + seconds - time.monotonic(), 0.0))
         cpu_idle = process_cpu_seconds(pid) - cpu_idle
     time.sleep(5)  # the machine quiet again
     health = httpx.get(f"{base}/health", timeout=10).json()
     after = copy_speeds(base, max_tokens)
-    log(f"after: off {after.off:.1f} tok/s, auto {after.auto:.1f} tok/s, auto/off {after.ratio:.2f}")
-    return {"server_cpu_seconds_idle_beside_neighbours": cpu_idle, "health": health,
-            "before": {"off": before.off, "auto": before.auto, "ratio": before.ratio},
-            "after": {"off": after.off, "auto": after.auto, "ratio": after.ratio}}
+    log(
+        f"after: off {after.off:.1f} tok/s, auto {after.auto:.1f} tok/s, auto/off {after.ratio:.2f}"
+    )
+    return {
+        "server_cpu_seconds_idle_beside_neighbours": cpu_idle,
+        "health": health,
+        "before": {"off": before.off, "auto": before.auto, "ratio": before.ratio},
+        "after": {"off": after.off, "auto": after.auto, "ratio": after.ratio},
+    }
 
 
-def run_command(server: AbstractContextManager[str], pid: Callable[[], int], count: int, seconds: float,
-                max_tokens: int, json_path: Path | None) -> None:
+def run_command(
+    server: AbstractContextManager[str],
+    pid: Callable[[], int],
+    count: int,
+    seconds: float,
+    max_tokens: int,
+    json_path: Path | None,
+) -> None:
     """`ngrammys neighbour`: the benchmark against the server `server` yields, once its cost
     profile and tables exist (`pid()`: its process id, known once it runs); the figures printed
     as JSON."""

@@ -34,7 +34,16 @@ from service.bench.specbench import Question, specbench_questions
 WORKLOADS = ("chat", "document")
 SYSTEM_CHARS = 4_200  # about 1,000 tokens of the embedded model's tokenizer
 DOCUMENT_CHARS = 6_300  # about 1,500
-SHORT_CATEGORIES = ("qa", "humanities", "stem", "writing", "roleplay", "math", "reasoning", "translation")
+SHORT_CATEGORIES = (
+    "qa",
+    "humanities",
+    "stem",
+    "writing",
+    "roleplay",
+    "math",
+    "reasoning",
+    "translation",
+)
 
 
 @dataclass(frozen=True)
@@ -61,15 +70,21 @@ def build(name: str, questions: list[Question], conversations: int, turns: int) 
         by_category.setdefault(question.category, []).append(question.text)
     short_texts = [text for category in SHORT_CATEGORIES for text in by_category.get(category, [])]
     if not short_texts:
-        raise ValueError(f"the questions file has none of the short questions ({', '.join(SHORT_CATEGORIES)}) "
-                         f"these workloads ask")
+        raise ValueError(
+            f"the questions file has none of the short questions ({', '.join(SHORT_CATEGORIES)}) "
+            f"these workloads ask"
+        )
     short = itertools.cycle(short_texts)
     asked = [[next(short) for _ in range(turns)] for _ in range(conversations)]
     if name == "chat":
-        system = "You are a helpful assistant. Reference notes:\n\n" + _joined(by_category, "rag", SYSTEM_CHARS)
+        system = "You are a helpful assistant. Reference notes:\n\n" + _joined(
+            by_category, "rag", SYSTEM_CHARS
+        )
         return Workload(name, system, asked, conversations, multi_turn=True)
     document = "Document:\n\n" + _joined(by_category, "summarization", DOCUMENT_CHARS)
-    return Workload(name, document, [[q] for q in itertools.chain(*asked)], DOCUMENT_CLIENTS, multi_turn=False)
+    return Workload(
+        name, document, [[q] for q in itertools.chain(*asked)], DOCUMENT_CLIENTS, multi_turn=False
+    )
 
 
 def _joined(by_category: dict[str, list[str]], category: str, chars: int) -> str:
@@ -93,16 +108,22 @@ class WorkloadResult:
         ttft = [t.ttft for t in self.timings]
         itl = [x for t in self.timings for x in t.itl] or [0.0]
         return {
-            "setting": self.setting, "requests": len(self.timings),
-            "ttft_p50_ms": quantile(ttft, 0.5) * 1e3, "ttft_p99_ms": quantile(ttft, 0.99) * 1e3,
-            "itl_p50_ms": quantile(itl, 0.5) * 1e3, "itl_p99_ms": quantile(itl, 0.99) * 1e3,
+            "setting": self.setting,
+            "requests": len(self.timings),
+            "ttft_p50_ms": quantile(ttft, 0.5) * 1e3,
+            "ttft_p99_ms": quantile(ttft, 0.99) * 1e3,
+            "itl_p50_ms": quantile(itl, 0.5) * 1e3,
+            "itl_p99_ms": quantile(itl, 0.99) * 1e3,
             "output_tokens_per_second": sum(t.tokens for t in self.timings) / self.seconds,
-            "seconds": self.seconds, "hit_rate": self.hit_rate, "same_answers": self.shared_answers,
+            "seconds": self.seconds,
+            "hit_rate": self.hit_rate,
+            "same_answers": self.shared_answers,
         }
 
 
-async def _conversation(client: httpx.AsyncClient, workload: Workload, turns: list[str], mode: str,
-                        max_tokens: int) -> list[RequestTiming]:
+async def _conversation(
+    client: httpx.AsyncClient, workload: Workload, turns: list[str], mode: str, max_tokens: int
+) -> list[RequestTiming]:
     """One conversation's turns in order, each after the answers to the turns before."""
     role = "system" if workload.multi_turn else "user"
     messages = [{"role": role, "content": workload.system}]
@@ -119,11 +140,14 @@ async def _conversation(client: httpx.AsyncClient, workload: Workload, turns: li
     return timings
 
 
-async def _run(base_url: str, workload: Workload, mode: str, max_tokens: int) -> tuple[float, list[list[RequestTiming]]]:
+async def _run(
+    base_url: str, workload: Workload, mode: str, max_tokens: int
+) -> tuple[float, list[list[RequestTiming]]]:
     pending = list(enumerate(workload.conversations))
     done: dict[int, list[RequestTiming]] = {}
-    async with httpx.AsyncClient(base_url=base_url, timeout=3600,
-                                 limits=httpx.Limits(max_connections=workload.clients + 4)) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=3600, limits=httpx.Limits(max_connections=workload.clients + 4)
+    ) as client:
 
         async def client_loop() -> None:
             while pending:
@@ -138,11 +162,15 @@ async def _run(base_url: str, workload: Workload, mode: str, max_tokens: int) ->
 def _prefix_counters(base_url: str) -> tuple[float, float] | None:
     """The server's prefix cache queries and hits so far (None: it exports none)."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    found = dict(re.findall(r"^ngrammys_prefix_cache_(queries|hits)_total (\S+)$", text, flags=re.M))
+    found = dict(
+        re.findall(r"^ngrammys_prefix_cache_(queries|hits)_total (\S+)$", text, flags=re.M)
+    )
     return (float(found["queries"]), float(found["hits"])) if len(found) == 2 else None
 
 
-def run_setting(base_url: str, workload: Workload, setting: str, mode: str, max_tokens: int) -> WorkloadResult:
+def run_setting(
+    base_url: str, workload: Workload, setting: str, mode: str, max_tokens: int
+) -> WorkloadResult:
     """The whole workload once against a server."""
     before = _prefix_counters(base_url)
     seconds, conversations = asyncio.run(_run(base_url, workload, mode, max_tokens))
@@ -154,14 +182,21 @@ def run_setting(base_url: str, workload: Workload, setting: str, mode: str, max_
     return result
 
 
-def compare(servers: Callable[[bool], AbstractContextManager[str]], workload: Workload, mode: str, max_tokens: int,
-            progress: Callable[[str], None] = print) -> list[WorkloadResult]:
+def compare(
+    servers: Callable[[bool], AbstractContextManager[str]],
+    workload: Workload,
+    mode: str,
+    max_tokens: int,
+    progress: Callable[[str], None] = print,
+) -> list[WorkloadResult]:
     """The workload with the prefix cache and without it, each on a server of its own
     (`servers(prefix_cache)` starts one and yields its URL)."""
     results = []
     for prefix_cache in (True, False):
         with servers(prefix_cache) as base:
-            result = run_setting(base, workload, "cache" if prefix_cache else "no cache", mode, max_tokens)
+            result = run_setting(
+                base, workload, "cache" if prefix_cache else "no cache", mode, max_tokens
+            )
         progress(_row(result.summary()))
         results.append(result)
     cached, uncached = results
@@ -170,32 +205,52 @@ def compare(servers: Callable[[bool], AbstractContextManager[str]], workload: Wo
     return results
 
 
-HEADER = ("| setting | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s | seconds "
-          "| prefix hit rate |\n|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| setting | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s | seconds "
+    "| prefix hit rate |\n|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def _row(s: dict[str, float | int | str | None]) -> str:
     hit = "-" if s["hit_rate"] is None else f"{s['hit_rate']:.0%}"
-    return (f"| {s['setting']} | {s['requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
-            f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['output_tokens_per_second']:.1f} "
-            f"| {s['seconds']:.1f} | {hit} |")
+    return (
+        f"| {s['setting']} | {s['requests']} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
+        f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['output_tokens_per_second']:.1f} "
+        f"| {s['seconds']:.1f} | {hit} |"
+    )
 
 
 def format_comparison(results: list[WorkloadResult]) -> str:
     """The cache/no-cache ratios of TTFT p50 and of throughput, and the answers both gave alike."""
     cached, uncached = results
-    ttft = quantile([t.ttft for t in cached.timings], 0.5) / quantile([t.ttft for t in uncached.timings], 0.5)
-    rate = (sum(t.tokens for t in cached.timings) / cached.seconds) / (sum(t.tokens for t in uncached.timings) / uncached.seconds)
-    return (f"with/without the cache: TTFT p50 {ttft:.2f}x, output tokens/s {rate:.2f}x; "
-            f"same answers: {cached.shared_answers} of {len(cached.answers)}")
+    ttft = quantile([t.ttft for t in cached.timings], 0.5) / quantile(
+        [t.ttft for t in uncached.timings], 0.5
+    )
+    rate = (sum(t.tokens for t in cached.timings) / cached.seconds) / (
+        sum(t.tokens for t in uncached.timings) / uncached.seconds
+    )
+    return (
+        f"with/without the cache: TTFT p50 {ttft:.2f}x, output tokens/s {rate:.2f}x; "
+        f"same answers: {cached.shared_answers} of {len(cached.answers)}"
+    )
 
 
-def run_command(servers: Callable[[bool], AbstractContextManager[str]], name: str, dataset: Path, conversations: int,
-                turns: int | None, mode: str, max_tokens: int, json_path: Path | None) -> None:
+def run_command(
+    servers: Callable[[bool], AbstractContextManager[str]],
+    name: str,
+    dataset: Path,
+    conversations: int,
+    turns: int | None,
+    mode: str,
+    max_tokens: int,
+    json_path: Path | None,
+) -> None:
     """`ngrammys loadtest --workload chat|document`: the workload `name` (`turns`: None for its
     default) with the prefix cache and without, on a server each (`servers(prefix_cache)` starts
     one and yields its URL; it is warmed up here), a row a setting, then the comparison."""
-    workload = build(name, specbench_questions(dataset), conversations, turns or DEFAULT_TURNS[name])
+    workload = build(
+        name, specbench_questions(dataset), conversations, turns or DEFAULT_TURNS[name]
+    )
 
     @contextmanager
     def warm(prefix_cache: bool) -> Iterator[str]:
@@ -203,12 +258,23 @@ def run_command(servers: Callable[[bool], AbstractContextManager[str]], name: st
             wait_warm(base, True)  # (the profile prices the prompt chunks in every mode)
             yield base
 
-    print(f"workload {name}: {len(workload.conversations)} conversations x "
-          f"{len(workload.conversations[0])} turns, {workload.clients} at a time, {max_tokens} tokens each, "
-          f"greedy, speculation {mode}\n\n{HEADER}", flush=True)
+    print(
+        f"workload {name}: {len(workload.conversations)} conversations x "
+        f"{len(workload.conversations[0])} turns, {workload.clients} at a time, {max_tokens} tokens each, "
+        f"greedy, speculation {mode}\n\n{HEADER}",
+        flush=True,
+    )
     results = compare(warm, workload, mode, max_tokens, progress=lambda row: print(row, flush=True))
     print(f"\n{format_comparison(results)}", flush=True)
     if json_path:
-        json_path.write_text(json.dumps({"workload": name, "max_tokens": max_tokens,
-                                         "results": [r.summary() for r in results]}, indent=2))
+        json_path.write_text(
+            json.dumps(
+                {
+                    "workload": name,
+                    "max_tokens": max_tokens,
+                    "results": [r.summary() for r in results],
+                },
+                indent=2,
+            )
+        )
         print(f"wrote {json_path}")

@@ -18,10 +18,10 @@ from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
-from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.bench.near_ties import Parting, parting
 from service.engine.engine import Engine
 from service.engine.outputs import Completion, RoundOutput
-from service.bench.near_ties import Parting, parting
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.model.prompts import chat_prompt_ids
 
 
@@ -117,7 +117,9 @@ class Question:
 
 
 # Where the questions file comes from: the bench reads it, it is not shipped here.
-SPECBENCH_SOURCE = "the Spec-Bench repository, github.com/hemingkx/Spec-Bench, file data/spec_bench/question.jsonl"
+SPECBENCH_SOURCE = (
+    "the Spec-Bench repository, github.com/hemingkx/Spec-Bench, file data/spec_bench/question.jsonl"
+)
 
 
 class DatasetError(ValueError):
@@ -134,8 +136,10 @@ def specbench_questions(
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
         reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise DatasetError(f"cannot read the Spec-Bench questions {path}: {reason}; get question.jsonl from "
-                           f"{SPECBENCH_SOURCE}") from error
+        raise DatasetError(
+            f"cannot read the Spec-Bench questions {path}: {reason}; get question.jsonl from "
+            f"{SPECBENCH_SOURCE}"
+        ) from error
     questions: list[Question] = []
     taken: dict[str, int] = {}
     for number, line in enumerate(lines, 1):
@@ -143,10 +147,16 @@ def specbench_questions(
             continue
         try:
             question = json.loads(line)
-            question_id, category, text = str(question["question_id"]), question["category"], question["turns"][0]
+            question_id, category, text = (
+                str(question["question_id"]),
+                question["category"],
+                question["turns"][0],
+            )
         except (ValueError, TypeError, KeyError, IndexError) as error:
-            raise DatasetError(f"{path}, line {number}: not a Spec-Bench question ({error!r}): expected "
-                               f"question.jsonl from {SPECBENCH_SOURCE}") from error
+            raise DatasetError(
+                f"{path}, line {number}: not a Spec-Bench question ({error!r}): expected "
+                f"question.jsonl from {SPECBENCH_SOURCE}"
+            ) from error
         if categories and category not in categories:
             continue
         if per_category is not None and taken.get(category, 0) >= per_category:
@@ -170,18 +180,28 @@ def load_specbench(
     message of the prompt. Blank lines are skipped. A missing, unreadable or malformed file
     raises `DatasetError`."""
     return [
-        BenchPrompt(q.question_id, q.category, chat_prompt_ids(tokenizer, [{"role": "user", "content": q.text}]))
+        BenchPrompt(
+            q.question_id,
+            q.category,
+            chat_prompt_ids(tokenizer, [{"role": "user", "content": q.text}]),
+        )
         for q in specbench_questions(path, per_category, categories)
     ]
 
 
 def bench_methods(
-    strategies: Sequence[str], k: int, w: int, grid: Sequence[tuple[int, int]] = (), auto: bool = False
+    strategies: Sequence[str],
+    k: int,
+    w: int,
+    grid: Sequence[tuple[int, int]] = (),
+    auto: bool = False,
 ) -> dict[str, tuple[str, SpeculationParams]]:
     """Named methods to compare with plain decoding: each strategy at (k, w); the first
     strategy at each extra grid shape; and the first strategy in auto mode (k, w as maxima)."""
     methods = {f"{s} k{k}w{w}": (s, SpeculationParams(k, w)) for s in strategies}
-    methods |= {f"{strategies[0]} k{gk}w{gw}": (strategies[0], SpeculationParams(gk, gw)) for gk, gw in grid}
+    methods |= {
+        f"{strategies[0]} k{gk}w{gw}": (strategies[0], SpeculationParams(gk, gw)) for gk, gw in grid
+    }
     if auto:
         methods[f"{strategies[0]} auto"] = (strategies[0], SpeculationParams(k, w, mode="auto"))
     return methods
@@ -192,7 +212,8 @@ def run_bench(
     prompts: Iterable[BenchPrompt],
     methods: dict[str, tuple[str, SpeculationParams]],
     max_new_tokens: int,
-    progress: Callable[[BenchPrompt, Completion, dict[str, Completion], dict[str, Parting]], None] | None = None,
+    progress: Callable[[BenchPrompt, Completion, dict[str, Completion], dict[str, Parting]], None]
+    | None = None,
     sampling: SamplingParams = SamplingParams(),
     new_engine: Callable[[], Engine] | None = None,
     references: dict[str, Decoder] | None = None,
@@ -214,19 +235,27 @@ def run_bench(
     Returns, per method, its per-category totals (the plain ones shared) and an `overall`.
     """
     params = {"plain": GenerationParams(max_new_tokens=max_new_tokens, sampling=sampling)} | {
-        name: GenerationParams(max_new_tokens=max_new_tokens, speculation=spec, strategy=strategy, sampling=sampling)
+        name: GenerationParams(
+            max_new_tokens=max_new_tokens, speculation=spec, strategy=strategy, sampling=sampling
+        )
         for name, (strategy, spec) in methods.items()
     }
     references = references or {}
     params |= {name: params["plain"] for name in references}
     order = list(params)
-    engines: dict[str, Decoder] = {name: new_engine() if new_engine and name != "plain" else engine
-                                   for name in order if name not in references}
+    engines: dict[str, Decoder] = {
+        name: new_engine() if new_engine and name != "plain" else engine
+        for name in order
+        if name not in references
+    }
     engines |= references
     results: dict[str, dict[str, CategoryResult]] = {name: {} for name in order if name != "plain"}
     for index, prompt in enumerate(prompts):
         shift = index % len(order)
-        done = {name: engines[name].complete(prompt.prompt_ids, params[name]) for name in order[shift:] + order[:shift]}
+        done = {
+            name: engines[name].complete(prompt.prompt_ids, params[name])
+            for name in order[shift:] + order[:shift]
+        }
         plain = done.pop("plain")
         partings = _partings(engine, prompt, plain, done) if sampling.greedy else {}
         for name, spec in done.items():
@@ -242,10 +271,14 @@ def run_bench(
     return {name: _overall_last(by_category) for name, by_category in results.items()}
 
 
-def _partings(engine: Engine, prompt: BenchPrompt, plain: Completion, answers: dict[str, Completion]) -> dict[str, Parting]:
+def _partings(
+    engine: Engine, prompt: BenchPrompt, plain: Completion, answers: dict[str, Completion]
+) -> dict[str, Parting]:
     """Where each greedy answer that differs from plain decoding's first parts from it."""
-    found = {name: parting(engine.runner.model, prompt.prompt_ids, plain.token_ids, answer.token_ids)
-             for name, answer in answers.items()}
+    found = {
+        name: parting(engine.runner.model, prompt.prompt_ids, plain.token_ids, answer.token_ids)
+        for name, answer in answers.items()
+    }
     return {name: parted for name, parted in found.items() if parted is not None}
 
 
@@ -257,7 +290,11 @@ def _overall_last(by_category: dict[str, CategoryResult]) -> list[CategoryResult
 def parted_beyond_near_ties(results: dict[str, list[CategoryResult]]) -> list[str]:
     """The methods with an answer that differs from plain decoding other than at a near tie:
     a lossless method has none."""
-    return [name for name, rows in results.items() if any(r.identical + r.near_ties != r.prompts for r in rows)]
+    return [
+        name
+        for name, rows in results.items()
+        if any(r.identical + r.near_ties != r.prompts for r in rows)
+    ]
 
 
 def format_summary(results: dict[str, list[CategoryResult]]) -> str:
@@ -348,12 +385,19 @@ class SpikeReport:
     rounds: int
 
 
-def spike_recovery(engine: Engine, prompt_ids: list[int], params: GenerationParams, busy_processes: int = 3,
-                   rounds: int = 50) -> SpikeReport:
+def spike_recovery(
+    engine: Engine,
+    prompt_ids: list[int],
+    params: GenerationParams,
+    busy_processes: int = 3,
+    rounds: int = 50,
+) -> SpikeReport:
     """The issue's scenario: a request in auto mode on a fresh engine; one while `busy_processes`
     spinning processes load the CPU; then the same request again, timed round by round."""
     fresh = engine.complete(prompt_ids, params)
-    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_processes)]
+    loops = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy_processes)
+    ]
     try:
         during = engine.complete(prompt_ids, params)
     finally:
@@ -363,9 +407,12 @@ def spike_recovery(engine: Engine, prompt_ids: list[int], params: GenerationPara
     after = list(engine.generate(prompt_ids, params))
     first, rest = after[:rounds], after[rounds:]
     return SpikeReport(
-        fresh=_completion_rate(fresh), during=_completion_rate(during),
-        after_first_rounds=_rate(first), after_rest=_rate(rest),
-        after_drafted_rounds=sum(1 for r in after if r.num_draft_tokens), rounds=rounds,
+        fresh=_completion_rate(fresh),
+        during=_completion_rate(during),
+        after_first_rounds=_rate(first),
+        after_rest=_rate(rest),
+        after_drafted_rounds=sum(1 for r in after if r.num_draft_tokens),
+        rounds=rounds,
     )
 
 

@@ -27,7 +27,9 @@ PROMPT_LENGTHS = (256, 1024, 2000)
 DECODE_PROMPT = 64
 DECODE_TOKENS = 128
 
-Complete = Callable[[Sequence[int], GenerationParams], Completion]  # the engine's `complete`, or a reference's
+Complete = Callable[
+    [Sequence[int], GenerationParams], Completion
+]  # the engine's `complete`, or a reference's
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,19 @@ def _fastest(complete: Complete, prompt: Sequence[int], tokens: int, repeats: in
     return best
 
 
-def measure(method: str, complete: Complete, stream: Sequence[int], lengths: Sequence[int] = PROMPT_LENGTHS,
-            repeats: int = 3) -> Speed:
+def measure(
+    method: str,
+    complete: Complete,
+    stream: Sequence[int],
+    lengths: Sequence[int] = PROMPT_LENGTHS,
+    repeats: int = 3,
+) -> Speed:
     """`complete`'s speed on prompts cut from `stream` (at least max(lengths) tokens)."""
     prompt = {n: n / _fastest(complete, stream[:n], 1, repeats) for n in lengths}
     short = stream[:DECODE_PROMPT]
-    decode_seconds = _fastest(complete, short, DECODE_TOKENS + 1, repeats) - _fastest(complete, short, 1, repeats)
+    decode_seconds = _fastest(complete, short, DECODE_TOKENS + 1, repeats) - _fastest(
+        complete, short, 1, repeats
+    )
     return Speed(method, prompt, DECODE_TOKENS / decode_seconds)
 
 
@@ -72,18 +81,34 @@ def format_speeds(speeds: Sequence[Speed]) -> str:
     """A markdown table: prompt tokens/s per length and decode tokens/s, each method's ratio to the first's."""
     lengths = list(speeds[0].prompt)
     first = speeds[0]
-    lines = ["| method | " + " | ".join(f"prompt {n} tok/s" for n in lengths) + " | decode tok/s |",
-             "|---|" + "---|" * (len(lengths) + 1)]
+    lines = [
+        "| method | " + " | ".join(f"prompt {n} tok/s" for n in lengths) + " | decode tok/s |",
+        "|---|" + "---|" * (len(lengths) + 1),
+    ]
     for speed in speeds:
-        cells = [f"{speed.prompt[n]:.0f}" + ("" if speed is first else f" ({speed.prompt[n] / first.prompt[n]:.2f}×)")
-                 for n in lengths]
-        cells.append(f"{speed.decode:.1f}" + ("" if speed is first else f" ({speed.decode / first.decode:.2f}×)"))
+        cells = [
+            f"{speed.prompt[n]:.0f}"
+            + ("" if speed is first else f" ({speed.prompt[n] / first.prompt[n]:.2f}×)")
+            for n in lengths
+        ]
+        cells.append(
+            f"{speed.decode:.1f}"
+            + ("" if speed is first else f" ({speed.decode / first.decode:.2f}×)")
+        )
         lines.append(f"| {speed.method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def run_command(model: str | None, config: EngineConfig, dataset: Path, lengths: list[int], repeats: int,
-                llama_cpp: Path | None, transformers: bool, json_path: Path | None) -> None:
+def run_command(
+    model: str | None,
+    config: EngineConfig,
+    dataset: Path,
+    lengths: list[int],
+    repeats: int,
+    llama_cpp: Path | None,
+    transformers: bool,
+    json_path: Path | None,
+) -> None:
     """`ngrammys speed`: the engine's prompt processing and decoding tokens/s, and the references'
     (`llama_cpp`: the GGUF llama.cpp decodes; `transformers`: the library's own float32 forward
     of the same model, unpacked), a row a method as it is measured, then the table."""
@@ -95,13 +120,21 @@ def run_command(model: str | None, config: EngineConfig, dataset: Path, lengths:
     from service.runtime import build_engine
 
     loaded = load(model, config)
-    quantization = resolve_quantization(config.quantization, model is None or str(model).endswith(".gguf"),
-                                        resolve_device(config.device), config.dtype)
+    quantization = resolve_quantization(
+        config.quantization,
+        model is None or str(model).endswith(".gguf"),
+        resolve_device(config.device),
+        config.dtype,
+    )
     prompts = [p.prompt_ids for p in load_specbench(dataset, loaded.tokenizer)]
     stream = token_stream(prompts, max([*lengths, DECODE_PROMPT]))
     # no prefix cache: each length runs several times, and a repeat would find its prompt cached
-    engine = build_engine(loaded, TableSlot(), replace(config, scheduler=SchedulerConfig(prefix_cache=False)))
-    engine.eos_token_ids = frozenset()  # every method decodes its whole budget: no stop token ends a run
+    engine = build_engine(
+        loaded, TableSlot(), replace(config, scheduler=SchedulerConfig(prefix_cache=False))
+    )
+    engine.eos_token_ids = (
+        frozenset()
+    )  # every method decodes its whole budget: no stop token ends a run
     methods: dict[str, Complete] = {f"ngrammys ({quantization})": engine.complete}
     if transformers:  # the library's own float32 forward of the same model, unpacked
         floats = load_model(model, config.device, "float32", config.cache_dir, "none")
@@ -109,9 +142,15 @@ def run_command(model: str | None, config: EngineConfig, dataset: Path, lengths:
     if llama_cpp:
         from service.bench.llama_cpp_reference import llama_cpp_references
 
-        methods |= {name: reference.complete for name, reference in llama_cpp_references(llama_cpp, ()).items()}
-    print(f"{loaded.name} on {loaded.model.device}: prompts of {', '.join(map(str, lengths))} tokens cut from "
-          f"Spec-Bench's questions, fastest of {repeats} runs each", flush=True)
+        methods |= {
+            name: reference.complete
+            for name, reference in llama_cpp_references(llama_cpp, ()).items()
+        }
+    print(
+        f"{loaded.name} on {loaded.model.device}: prompts of {', '.join(map(str, lengths))} tokens cut from "
+        f"Spec-Bench's questions, fastest of {repeats} runs each",
+        flush=True,
+    )
     speeds = []
     for name, complete in methods.items():
         speeds.append(measure(name, complete, stream, lengths, repeats))

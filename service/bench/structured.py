@@ -37,12 +37,66 @@ SCHEMA = {
     },
     "required": ["name", "age", "city", "occupation", "email", "skills", "employed"],
 }
-FIRST = ["Ada", "Liam", "Mei", "Omar", "Sofia", "Kenji", "Amara", "Lucas", "Priya", "Noah", "Elena", "Tariq"]
-LAST = ["Lovelace", "Okafor", "Chen", "Haddad", "Rossi", "Tanaka", "Mensah", "Silva", "Patel", "Berg"]
-CITIES = ["Lisbon", "Nairobi", "Osaka", "Toronto", "Lyon", "Austin", "Krakow", "Pune", "Bergen", "Quito"]
-JOBS = ["nurse", "civil engineer", "baker", "data analyst", "teacher", "pilot", "librarian", "electrician"]
-SKILLS = ["Python", "welding", "public speaking", "Spanish", "first aid", "accounting", "carpentry", "SQL",
-          "photography", "negotiation"]
+FIRST = [
+    "Ada",
+    "Liam",
+    "Mei",
+    "Omar",
+    "Sofia",
+    "Kenji",
+    "Amara",
+    "Lucas",
+    "Priya",
+    "Noah",
+    "Elena",
+    "Tariq",
+]
+LAST = [
+    "Lovelace",
+    "Okafor",
+    "Chen",
+    "Haddad",
+    "Rossi",
+    "Tanaka",
+    "Mensah",
+    "Silva",
+    "Patel",
+    "Berg",
+]
+CITIES = [
+    "Lisbon",
+    "Nairobi",
+    "Osaka",
+    "Toronto",
+    "Lyon",
+    "Austin",
+    "Krakow",
+    "Pune",
+    "Bergen",
+    "Quito",
+]
+JOBS = [
+    "nurse",
+    "civil engineer",
+    "baker",
+    "data analyst",
+    "teacher",
+    "pilot",
+    "librarian",
+    "electrician",
+]
+SKILLS = [
+    "Python",
+    "welding",
+    "public speaking",
+    "Spanish",
+    "first aid",
+    "accounting",
+    "carpentry",
+    "SQL",
+    "photography",
+    "negotiation",
+]
 
 
 def documents(count: int = 30, seed: int = 0) -> list[str]:
@@ -58,15 +112,28 @@ def documents(count: int = 30, seed: int = 0) -> list[str]:
             f"{'Works' if employed else 'Until last year worked'} as a {rng.choice(JOBS)}"
             f"{'' if employed else ' and is looking for a new position'}. "
             f"Good at {', '.join(skills[:-1]) + ' and ' + skills[-1] if len(skills) > 1 else skills[0]}. "
-            f"Reach them at {first.lower()}.{last.lower()}@example.org.")
+            f"Reach them at {first.lower()}.{last.lower()}@example.org."
+        )
     return out
 
 
 def prompts(tokenizer: PreTrainedTokenizerBase, docs: Sequence[str]) -> list[list[int]]:
     """The extraction request for each document, in the model's chat template."""
     fields = ", ".join(SCHEMA["properties"])
-    return [chat_prompt_ids(tokenizer, [{"role": "user", "content": (
-        f"Extract {fields} from this profile as a JSON object.\n\nProfile: {doc}")}]) for doc in docs]
+    return [
+        chat_prompt_ids(
+            tokenizer,
+            [
+                {
+                    "role": "user",
+                    "content": (
+                        f"Extract {fields} from this profile as a JSON object.\n\nProfile: {doc}"
+                    ),
+                }
+            ],
+        )
+        for doc in docs
+    ]
 
 
 @dataclass
@@ -94,14 +161,18 @@ class StructuredResult:
         return sum(c.grammar_seconds for c in self.completions) / forward if forward else 0.0
 
 
-def run(groups: Sequence[Sequence[WorkloadMethod]], prompt_ids: Sequence[list[int]],
-        decode: callable) -> dict[str, StructuredResult]:  # type: ignore[valid-type]
+def run(
+    groups: Sequence[Sequence[WorkloadMethod]], prompt_ids: Sequence[list[int]], decode: callable
+) -> dict[str, StructuredResult]:  # type: ignore[valid-type]
     """Every document through every method, methods in turn (rotating which goes first)."""
     methods = [m for group in groups for m in group]
     results = {m.name: StructuredResult() for m in methods}
     for index, prompt in enumerate(prompt_ids):
         shift = index % len(methods)
-        done = {m.name: m.engine.complete(prompt, m.params) for m in [*methods[shift:], *methods[:shift]]}
+        done = {
+            m.name: m.engine.complete(prompt, m.params)
+            for m in [*methods[shift:], *methods[:shift]]
+        }
         for group in groups:
             reference = done[group[0].name].token_ids
             for method in group:
@@ -122,20 +193,30 @@ def _matches(text: str) -> bool:
 
 def format_results(results: dict[str, StructuredResult], plain: dict[str, str]) -> str:
     """One row per method; `plain` names each method's reference (its group's plain decoding)."""
-    header = ("| method | tokens | passes | tokens/pass | tok/s | vs its plain | valid JSON | identical | grammar time "
-              "/ pass time |\n|---|---|---|---|---|---|---|---|---|")
+    header = (
+        "| method | tokens | passes | tokens/pass | tok/s | vs its plain | valid JSON | identical | grammar time "
+        "/ pass time |\n|---|---|---|---|---|---|---|---|---|"
+    )
     rows = []
     for name, r in results.items():
         reference = results[plain[name]]
         speedup = (r.tokens / r.seconds) / (reference.tokens / reference.seconds)
-        rows.append(f"| {name} | {r.tokens} | {r.passes} | {r.tokens / r.passes:.2f} | {r.tokens / r.seconds:.1f} "
-                    f"| {speedup:.2f}x | {r.valid}/{len(r.completions)} | {r.identical}/{len(r.completions)} "
-                    f"| {r.grammar_share:.1%} |")
+        rows.append(
+            f"| {name} | {r.tokens} | {r.passes} | {r.tokens / r.passes:.2f} | {r.tokens / r.seconds:.1f} "
+            f"| {speedup:.2f}x | {r.valid}/{len(r.completions)} | {r.identical}/{len(r.completions)} "
+            f"| {r.grammar_share:.1%} |"
+        )
     return "\n".join([header, *rows])
 
 
-def run_command(model: str | None, config: EngineConfig, document_count: int, max_new_tokens: int, k: int,
-                w: int) -> None:
+def run_command(
+    model: str | None,
+    config: EngineConfig,
+    document_count: int,
+    max_new_tokens: int,
+    k: int,
+    w: int,
+) -> None:
     """`ngrammys extract`: the workload with the grammar and without, plain vs speculative
     (auto, and fixed at k drafts of depth w), every method on an engine of its own; the table."""
     from service.engine.params import GenerationParams, SpeculationParams
@@ -148,16 +229,29 @@ def run_command(model: str | None, config: EngineConfig, document_count: int, ma
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA))
 
     def method(name: str, speculation: SpeculationParams, constrained: bool) -> WorkloadMethod:
-        params = GenerationParams(max_new_tokens, speculation=speculation, grammar=grammar if constrained else None)
+        params = GenerationParams(
+            max_new_tokens, speculation=speculation, grammar=grammar if constrained else None
+        )
         return WorkloadMethod(name, build_engine_with_tables(loaded, config), params)
 
-    shapes = {"plain": SpeculationParams(0, 0, "off"), "auto": SpeculationParams(k, w, "auto"),
-              f"k{k}w{w}": SpeculationParams(k, w, "fixed")}
-    groups = [[method(f"{name}, {label}", shape, constrained) for name, shape in shapes.items()]
-              for label, constrained in (("schema", True), ("free", False))]
+    shapes = {
+        "plain": SpeculationParams(0, 0, "off"),
+        "auto": SpeculationParams(k, w, "auto"),
+        f"k{k}w{w}": SpeculationParams(k, w, "fixed"),
+    }
+    groups = [
+        [method(f"{name}, {label}", shape, constrained) for name, shape in shapes.items()]
+        for label, constrained in (("schema", True), ("free", False))
+    ]
     docs = documents(document_count)
-    print(f"{loaded.name}: {len(docs)} documents -> one JSON schema, {max_new_tokens} tokens at most, greedy; "
-          "each method on an engine of its own", flush=True)
-    results = run(groups, prompts(loaded.tokenizer, docs),
-                  lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
+    print(
+        f"{loaded.name}: {len(docs)} documents -> one JSON schema, {max_new_tokens} tokens at most, greedy; "
+        "each method on an engine of its own",
+        flush=True,
+    )
+    results = run(
+        groups,
+        prompts(loaded.tokenizer, docs),
+        lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True),
+    )
     print(format_results(results, {m.name: group[0].name for group in groups for m in group}))

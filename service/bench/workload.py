@@ -18,10 +18,16 @@ from transformers import PreTrainedTokenizerBase
 
 from drafting import MIXED
 from service.bench.command import load
-from service.bench.specbench import BenchPrompt, MethodTotals, Question, shares_text, specbench_questions
+from service.bench.specbench import (
+    BenchPrompt,
+    MethodTotals,
+    Question,
+    shares_text,
+    specbench_questions,
+)
 from service.engine.config import EngineConfig
-from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.engine import Engine
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.model.prompts import chat_prompt_ids
 
 
@@ -40,14 +46,23 @@ class WorkloadResult:
 
 
 def task_prompts(
-    questions: Sequence[Question], template: str, tokenizer: PreTrainedTokenizerBase, max_chars: int = 1500
+    questions: Sequence[Question],
+    template: str,
+    tokenizer: PreTrainedTokenizerBase,
+    max_chars: int = 1500,
 ) -> list[BenchPrompt]:
     """The task `template` (with a `{text}` field) applied to each question's text — without
     its own short instruction ("Summarize: …") — cut to `max_chars` so prompts stay short
     enough to prefill quickly on a CPU."""
     return [
-        BenchPrompt(q.question_id, q.category, chat_prompt_ids(
-            tokenizer, [{"role": "user", "content": template.format(text=_body(q.text)[:max_chars])}]))
+        BenchPrompt(
+            q.question_id,
+            q.category,
+            chat_prompt_ids(
+                tokenizer,
+                [{"role": "user", "content": template.format(text=_body(q.text)[:max_chars])}],
+            ),
+        )
         for q in questions
     ]
 
@@ -57,12 +72,17 @@ def _body(text: str) -> str:
     return body if separator and len(head) <= 40 else text
 
 
-def run_workload(methods: Sequence[WorkloadMethod], prompts: Sequence[BenchPrompt]) -> dict[str, WorkloadResult]:
+def run_workload(
+    methods: Sequence[WorkloadMethod], prompts: Sequence[BenchPrompt]
+) -> dict[str, WorkloadResult]:
     """Decode the prompts in order with every method (rotating which goes first)."""
     results = {m.name: WorkloadResult() for m in methods}
     for index, prompt in enumerate(prompts):
         shift = index % len(methods)
-        done = {m.name: m.engine.complete(prompt.prompt_ids, m.params) for m in [*methods[shift:], *methods[:shift]]}
+        done = {
+            m.name: m.engine.complete(prompt.prompt_ids, m.params)
+            for m in [*methods[shift:], *methods[:shift]]
+        }
         reference = done[methods[0].name].token_ids
         for name, completion in done.items():
             results[name].totals.add(completion)
@@ -74,20 +94,35 @@ def run_workload(methods: Sequence[WorkloadMethod], prompts: Sequence[BenchPromp
 def format_workload(results: dict[str, WorkloadResult]) -> str:
     """One row per method: tokens per pass and tokens/s against the first (reference) method."""
     reference = next(iter(results.values())).totals.tokens_per_second
-    header = ("| method | tokens | passes | tokens/pass | tok/s | vs first | accepted by strategy | draft time "
-              "| identical |\n|---|---|---|---|---|---|---|---|---|")
+    header = (
+        "| method | tokens | passes | tokens/pass | tok/s | vs first | accepted by strategy | draft time "
+        "| identical |\n|---|---|---|---|---|---|---|---|---|"
+    )
     rows = [
         f"| {name} | {t.tokens} | {t.passes} | {t.tokens_per_pass:.2f} | {t.tokens_per_second:.1f} "
         f"| {t.tokens_per_second / reference:.2f}x | {shares_text(t.strategy_shares())} | {t.draft_share:.1%} "
         f"| {r.identical}/{r.prompts} |"
-        for name, r in results.items() for t in [r.totals]
+        for name, r in results.items()
+        for t in [r.totals]
     ]
     return "\n".join([header, *rows])
 
 
-def run_command(model: str | None, config: EngineConfig, dataset: Path, per_category: int | None,
-                categories: list[str] | None, task: str, repeat: int, strategies: list[str], k: int, w: int,
-                suffix_cache_tokens: int, max_new_tokens: int, sampling: SamplingParams) -> None:
+def run_command(
+    model: str | None,
+    config: EngineConfig,
+    dataset: Path,
+    per_category: int | None,
+    categories: list[str] | None,
+    task: str,
+    repeat: int,
+    strategies: list[str],
+    k: int,
+    w: int,
+    suffix_cache_tokens: int,
+    max_new_tokens: int,
+    sampling: SamplingParams,
+) -> None:
     """`ngrammys bench --task`: the task over each question's text, the series `repeat` times,
     requests in order; each strategy with and without the suffix index (each on its own
     engine), against plain decoding; the table."""
@@ -95,11 +130,18 @@ def run_command(model: str | None, config: EngineConfig, dataset: Path, per_cate
 
     loaded = load(model, config)
     config = replace(config, cost_profile=False)
-    prompts = task_prompts(specbench_questions(dataset, per_category, categories), task, loaded.tokenizer) * repeat
+    prompts = (
+        task_prompts(specbench_questions(dataset, per_category, categories), task, loaded.tokenizer)
+        * repeat
+    )
 
     def method(name: str, strategy: str, draft_count: int, cache_tokens: int) -> WorkloadMethod:
-        params = GenerationParams(max_new_tokens, speculation=SpeculationParams(draft_count, w), strategy=strategy,
-                                  sampling=sampling)
+        params = GenerationParams(
+            max_new_tokens,
+            speculation=SpeculationParams(draft_count, w),
+            strategy=strategy,
+            sampling=sampling,
+        )
         engine = build_engine_with_tables(loaded, replace(config, suffix_cache_tokens=cache_tokens))
         return WorkloadMethod(name, engine, params)
 
@@ -108,6 +150,9 @@ def run_command(model: str | None, config: EngineConfig, dataset: Path, per_cate
         methods.append(method(f"{strategy} k{k}w{w}", strategy, k, suffix_cache_tokens))
         if strategy != "suffix":
             methods.append(method(f"{strategy} k{k}w{w} no suffix", strategy, k, 0))
-    print(f"{loaded.name}: {len(prompts)} requests of one task, in order; methods: "
-          f"{', '.join(m.name for m in methods)}; max_new_tokens={max_new_tokens}", flush=True)
+    print(
+        f"{loaded.name}: {len(prompts)} requests of one task, in order; methods: "
+        f"{', '.join(m.name for m in methods)}; max_new_tokens={max_new_tokens}",
+        flush=True,
+    )
     print(format_workload(run_workload(methods, prompts)))

@@ -35,12 +35,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 LEVEL_DECAY = 0.8  # horizon ≈ 5 passes: load changes show at once
-LEVEL_PRIOR_ROUNDS = 4.0  # the load level is trusted like its prior (1) until about this many passes
+LEVEL_PRIOR_ROUNDS = (
+    4.0  # the load level is trusted like its prior (1) until about this many passes
+)
 SHAPE_DECAY = 0.9  # horizon ≈ 10 passes, applied to every size on every pass
 SHAPE_PRIOR_ROUNDS = 0.25  # a fresh pass-time measurement outweighs the profile's word at once
 PROBE_EVERY = 16  # plain rounds with drafts on offer before a request probes speculation
 PROBE_MAX_EVERY = 128  # ... after probes that kept finding plain the better choice
-QUIET_ROUNDS = 4  # after this many plain rounds in a row, a request is drafted every this-many rounds,
+QUIET_ROUNDS = (
+    4  # after this many plain rounds in a row, a request is drafted every this-many rounds,
+)
 QUIET_MAX_EVERY = 16  # ... then every 8 from 8 plain rounds on, every 16 from 16 on
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # upper bounds of pass-size buckets
 ROW_BUCKETS = (1, 4, 16, 64)  # upper bounds of row-count buckets (the profile's rows: 1, 4, 16)
@@ -87,7 +91,9 @@ def size_bucket(tokens: int) -> int:
     return min(bisect.bisect_left(SIZE_BUCKETS, tokens), len(SIZE_BUCKETS) - 1)
 
 
-SIZE_BUCKET_OF = tuple(size_bucket(tokens) for tokens in range(SIZE_BUCKETS[-1] + 1))  # larger: the last
+SIZE_BUCKET_OF = tuple(
+    size_bucket(tokens) for tokens in range(SIZE_BUCKETS[-1] + 1)
+)  # larger: the last
 
 
 def shape_bucket(tokens: int, rows: int) -> int:
@@ -125,7 +131,10 @@ class ShapeRatios:
     measurable share of every step, in every mode."""
 
     def __init__(self) -> None:
-        self._ratios = [Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS) for _ in range(len(ROW_BUCKETS) * len(SIZE_BUCKETS))]
+        self._ratios = [
+            Ratio(SHAPE_DECAY, SHAPE_PRIOR_ROUNDS)
+            for _ in range(len(ROW_BUCKETS) * len(SIZE_BUCKETS))
+        ]
         self._faded_at = [0] * len(self._ratios)  # the pass count each ratio is faded up to
         self.passes = 0
 
@@ -153,7 +162,9 @@ class Calibration:
     level: Ratio = field(default_factory=lambda: _level_ratio())
     shapes: ShapeRatios = field(default_factory=ShapeRatios)
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
-    host: HostCost = field(default_factory=HostCost)  # what a speculating row costs outside the pass
+    host: HostCost = field(
+        default_factory=HostCost
+    )  # what a speculating row costs outside the pass
     # rows -> the size buckets' factors (`size_factor`), until the next pass changes them (the controller asks per node)
     _factors: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
 
@@ -191,12 +202,16 @@ class Calibration:
         both ways."""
         return self.shapes[shape_bucket(tokens, rows)].rounds < SHAPE_DECAY**PROBE_EVERY
 
-    def observe_pass(self, tokens: int, profiled_seconds: float, seconds: float, rows: int = 1) -> None:
+    def observe_pass(
+        self, tokens: int, profiled_seconds: float, seconds: float, rows: int = 1
+    ) -> None:
         """One pass of `tokens` tokens over `rows` rows that the profile priced at
         `profiled_seconds`."""
         self.level.observe(profiled_seconds, seconds)
         self._factors.clear()
-        self.shapes.observe(shape_bucket(tokens, rows), profiled_seconds * self.level.factor(), seconds)
+        self.shapes.observe(
+            shape_bucket(tokens, rows), profiled_seconds * self.level.factor(), seconds
+        )
 
     def drifted(self) -> bool:
         """The observed relative costs of pass sizes disagree with the profile's, steadily."""
@@ -251,8 +266,14 @@ class RequestCalibration:
         return self._drafts_after(0 if speculates else self.plain_rounds + 1)
 
     def _drafts_after(self, plain_rounds: int) -> bool:
-        every = min(1 << (plain_rounds.bit_length() - 1), QUIET_MAX_EVERY) if plain_rounds >= QUIET_ROUNDS else 1
-        return plain_rounds % every == 0 or (self._due_after(plain_rounds) and self.shared.may_probe)
+        every = (
+            min(1 << (plain_rounds.bit_length() - 1), QUIET_MAX_EVERY)
+            if plain_rounds >= QUIET_ROUNDS
+            else 1
+        )
+        return plain_rounds % every == 0 or (
+            self._due_after(plain_rounds) and self.shared.may_probe
+        )
 
     @property
     def due_for_probe(self) -> bool:

@@ -62,8 +62,11 @@ class CostProfile:
         extrapolated past the largest measured)."""
         lower, upper, a = _interpolate(self.context_lengths, context_length)
         below, above, weight = _interpolate(self.rows, rows, extrapolate=True)
-        parts = tuple((w, self.tree_sizes[index], self.seconds[index][lower], self.seconds[index][upper])
-                      for w, index in ((1 - weight, below), (weight, above)) if w != 0.0)  # a measured count: one
+        parts = tuple(
+            (w, self.tree_sizes[index], self.seconds[index][lower], self.seconds[index][upper])
+            for w, index in ((1 - weight, below), (weight, above))
+            if w != 0.0
+        )  # a measured count: one
         wide = self.wide_row_cost(context_length, rows) if self.wide_row_seconds else 0.0
         return PassCost(parts, a, wide)
 
@@ -85,11 +88,15 @@ class CostProfile:
     def load(cls, path: Path) -> CostProfile:
         data = json.loads(path.read_text())
         if data.get("version") != PROFILE_VERSION:
-            raise ValueError(f"{path} is a profile of another format (version {data.get('version')})")
+            raise ValueError(
+                f"{path} is a profile of another format (version {data.get('version')})"
+            )
         return cls(**data)
 
 
-def _interpolate(grid: Sequence[float], x: float, extrapolate: bool = False) -> tuple[int, int, float]:
+def _interpolate(
+    grid: Sequence[float], x: float, extrapolate: bool = False
+) -> tuple[int, int, float]:
     """(lower index, upper index, weight of upper) for linear interpolation on `grid`."""
     if len(grid) == 1:
         return 0, 0, 0.0
@@ -138,7 +145,9 @@ class PassCost:
         would take rows whose own calls cost more than they bring (docs/benchmarks.md, "Wide
         rows and the sure-draft bound")."""
         equal_rows = self.equal_rows(shape.tokens)
-        return equal_rows + shape.wide_rows * self.wide_row_seconds if shape.wide_rows else equal_rows
+        return (
+            equal_rows + shape.wide_rows * self.wide_row_seconds if shape.wide_rows else equal_rows
+        )
 
     def tokens_within(self, seconds: float, base: PassShape, most: int) -> int:
         """The most tokens (`base.tokens` .. `most`) a pass of `base`'s wide rows can hold and

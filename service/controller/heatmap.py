@@ -12,12 +12,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 from service.controller.cost_profile import CostProfile  # noqa: E402
 
 
-def slowdown_grid(profile: CostProfile, context_length: int, k_max: int, w_max: int) -> list[list[float]]:
+def slowdown_grid(
+    profile: CostProfile, context_length: int, k_max: int, w_max: int
+) -> list[list[float]]:
     """[w][k] slowdown of a pass over 1 + k·w tokens (the tree with no shared prefix)."""
-    return [[profile.slowdown(1 + k * w, context_length) for k in range(1, k_max + 1)] for w in range(1, w_max + 1)]
+    return [
+        [profile.slowdown(1 + k * w, context_length) for k in range(1, k_max + 1)]
+        for w in range(1, w_max + 1)
+    ]
 
 
-def write_heatmap(profile: CostProfile, context_length: int, path: Path, k_max: int = 16, w_max: int = 8) -> None:
+def write_heatmap(
+    profile: CostProfile, context_length: int, path: Path, k_max: int = 16, w_max: int = 8
+) -> None:
     grid = slowdown_grid(profile, context_length, k_max, w_max)
     figure, axes = plt.subplots(figsize=(1 + 0.55 * k_max, 1 + 0.5 * w_max))
     image = axes.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
@@ -28,7 +35,9 @@ def write_heatmap(profile: CostProfile, context_length: int, path: Path, k_max: 
     axes.set_yticks(range(w_max), [str(w) for w in range(1, w_max + 1)])
     axes.set_xlabel("k (speculations)")
     axes.set_ylabel("w (tokens per speculation)")
-    axes.set_title(f"pass slowdown vs 1 token, L={context_length}\n{profile.device}, {profile.dtype}")
+    axes.set_title(
+        f"pass slowdown vs 1 token, L={context_length}\n{profile.device}, {profile.dtype}"
+    )
     figure.colorbar(image, ax=axes, label="× cost of one token")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,10 +16,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-WINDOW_SECONDS = 1.0  # other work is judged over at least this long (one sample of /proc/stat per window)
+WINDOW_SECONDS = (
+    1.0  # other work is judged over at least this long (one sample of /proc/stat per window)
+)
 SLACK_CORES = 0.3  # other work using less than this much of the cores the passes need is quiet
 STAT = Path("/proc/stat")
-IDLE_FIELDS = (3, 4)  # idle, iowait; every other field of a `cpuN` line is time the core was not ours to use
+IDLE_FIELDS = (
+    3,
+    4,
+)  # idle, iowait; every other field of a `cpuN` line is time the core was not ours to use
 
 
 def read_busy_seconds(cores: set[int], stat: Path = STAT) -> float | None:
@@ -34,23 +39,33 @@ def read_busy_seconds(cores: set[int], stat: Path = STAT) -> float | None:
         name, _, rest = line.partition(" ")
         if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores):
             continue
-        fields = [int(v) for v in rest.split()[:8]]  # guest time is counted within user time already
+        fields = [
+            int(v) for v in rest.split()[:8]
+        ]  # guest time is counted within user time already
         busy_ticks += sum(fields) - sum(fields[i] for i in IDLE_FIELDS)
     return busy_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def own_cores() -> set[int]:
     """The cores this process may run on (a container's cpuset, a `taskset`)."""
-    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    return (
+        set(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else set(range(os.cpu_count() or 1))
+    )
 
 
 class MachineLoad:
     """How many cores other work kept busy over the last window: `quiet(threads)` when at
     least `threads` of this process's cores were free of it."""
 
-    def __init__(self, busy_seconds: Callable[[], float | None] | None = None,
-                 own_cpu: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic,
-                 cores: int | None = None) -> None:
+    def __init__(
+        self,
+        busy_seconds: Callable[[], float | None] | None = None,
+        own_cpu: Callable[[], float] = time.process_time,
+        clock: Callable[[], float] = time.monotonic,
+        cores: int | None = None,
+    ) -> None:
         allowed = own_cores()
         self.cores = len(allowed) if cores is None else cores
         self._busy_seconds = busy_seconds or (lambda: read_busy_seconds(allowed))

@@ -113,7 +113,9 @@ def plan_trees(
     more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows)
     node_seconds = max((cost(more_tokens) - cost(fixed)) / spread, 1e-9)  # mean marginal of a token
     one_more = PassShape(fixed.tokens + 1, fixed.wide_rows)
-    row_seconds = max(cost(one_more.grown(1)) - cost(one_more), 0.0)  # a row's first node: its own call
+    row_seconds = max(
+        cost(one_more.grown(1)) - cost(one_more), 0.0
+    )  # a row's first node: its own call
 
     def seconds(node: _Node) -> float:
         widens = node.depth == 1 and rows[node.row].width == 1
@@ -121,7 +123,8 @@ def plan_trees(
         return node_seconds + node.draft_seconds + first_level + (row_seconds if widens else 0.0)
 
     ranked = sorted(  # most expected tokens per second of pass and drafting first
-        candidates, key=lambda n: (-n.probability / seconds(n), n.depth))
+        candidates, key=lambda n: (-n.probability / seconds(n), n.depth)
+    )
     base_expected = fixed_expected + len(rows)
     widths = [row.width for row in rows]
 
@@ -129,8 +132,15 @@ def plan_trees(
         return cost(shape) - prefill_seconds
 
     # lazily: the search stops a few dozen nodes past the best plan, of a thousand at 16 rows
-    best_count, _, taken = _best_counts(islice(_parents_first(ranked), budget), decode_cost, fixed, widths,
-                                        base_expected, min_gain, row_host_seconds)
+    best_count, _, taken = _best_counts(
+        islice(_parents_first(ranked), budget),
+        decode_cost,
+        fixed,
+        widths,
+        base_expected,
+        min_gain,
+        row_host_seconds,
+    )
     chosen = taken[:best_count]
     probing = next((i for i, row in enumerate(rows) if row.probe), None)
     probed = best_count == 0 and probing is not None
@@ -139,19 +149,28 @@ def plan_trees(
         # together come due together, and all of them probing at once makes one pass carry
         # many nodes at a multiple of a plain pass's time. The others stay due for the next passes.
         own = [n for n in islice(_parents_first(ranked), budget) if n.row == probing]
-        _, count, _ = _best_counts(own, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds)
+        _, count, _ = _best_counts(
+            own, decode_cost, fixed, widths, base_expected, min_gain, row_host_seconds
+        )
         chosen = own[:count]
     trees = [_row_tree([n for n in chosen if n.row == i]) for i in range(len(rows))]
     total = fixed_expected + sum(t.expected_tokens for t in trees)
     shape = list(_grown_shapes(fixed, widths, chosen))[-1][1] if chosen else fixed
-    host_seconds = sum(n.draft_seconds for n in chosen) + row_host_seconds * len({n.row for n in chosen})
-    return TreePlan(trees, shape.tokens, total, cost(shape) + host_seconds,
-                    probed and bool(chosen))
+    host_seconds = sum(n.draft_seconds for n in chosen) + row_host_seconds * len(
+        {n.row for n in chosen}
+    )
+    return TreePlan(trees, shape.tokens, total, cost(shape) + host_seconds, probed and bool(chosen))
 
 
 def best_draft_pays(
-    cost: Callable[[PassShape], float], fixed: PassShape, expected: float, row_width: int, depth: int,
-    prefill_seconds: float = 0.0, row_host_seconds: float = 0.0, acceptance: Acceptance = SURE,
+    cost: Callable[[PassShape], float],
+    fixed: PassShape,
+    expected: float,
+    row_width: int,
+    depth: int,
+    prefill_seconds: float = 0.0,
+    row_host_seconds: float = 0.0,
+    acceptance: Acceptance = SURE,
 ) -> bool:
     """Whether a draft of up to `depth` tokens accepted as `acceptance` says (the best
     estimate of any draft yet; by default one sure to be accepted), in a row that brings
@@ -173,7 +192,9 @@ def best_draft_pays(
     return False
 
 
-def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Iterable[_Node]) -> Iterator[tuple[_Node, PassShape]]:
+def _grown_shapes(
+    fixed: PassShape, widths: Sequence[int], nodes: Iterable[_Node]
+) -> Iterator[tuple[_Node, PassShape]]:
     """Each of `nodes` and the pass's shape once it is added, in order, to rows of `widths`
     tokens (lazily: the search draws nodes only as far as it looks)."""
     grown = list(widths)
@@ -185,8 +206,13 @@ def _grown_shapes(fixed: PassShape, widths: Sequence[int], nodes: Iterable[_Node
 
 
 def _best_counts(
-    nodes: Iterable[_Node], cost: Callable[[PassShape], float], fixed: PassShape, widths: Sequence[int],
-    expected: float, min_gain: float, row_host_seconds: float = 0.0,
+    nodes: Iterable[_Node],
+    cost: Callable[[PassShape], float],
+    fixed: PassShape,
+    widths: Sequence[int],
+    expected: float,
+    min_gain: float,
+    row_host_seconds: float = 0.0,
 ) -> tuple[int, int, list[_Node]]:
     """How many of `nodes`, taken in order, maximize expected tokens per second of pass and
     drafting: the best count (0 unless it beats the plain pass by `min_gain`), the best
@@ -230,7 +256,9 @@ def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
     draft's (`RequestDrafts.observe`)."""
     best: dict[tuple[int, ...], _Node] = {}
     drafts = 0
-    for candidate in sorted(row.candidates, key=lambda s: s.acceptance.expected_tokens(row.w_max), reverse=True):
+    for candidate in sorted(
+        row.candidates, key=lambda s: s.acceptance.expected_tokens(row.w_max), reverse=True
+    ):
         if drafts == row.k_max:
             break
         tokens = candidate.draft.token_ids[: row.w_max]
@@ -238,12 +266,21 @@ def _row_nodes(index: int, row: RowCandidates) -> list[_Node]:
             continue  # adds no node
         drafts += 1
         draft, (probability, continuation) = candidate.draft, candidate.acceptance
-        for depth in range(1, len(tokens) + 1):  # P(node accepted) = P(parent accepted)·c, from p at the root
+        for depth in range(
+            1, len(tokens) + 1
+        ):  # P(node accepted) = P(parent accepted)·c, from p at the root
             prefix = tokens[:depth]
             held = best.get(prefix)
             if held is None:
-                best[prefix] = _Node(probability, depth, index, prefix,
-                                     draft.strategy, draft.rank, candidate.seconds_per_token)
+                best[prefix] = _Node(
+                    probability,
+                    depth,
+                    index,
+                    prefix,
+                    draft.strategy,
+                    draft.rank,
+                    candidate.seconds_per_token,
+                )
             else:
                 probability = held.probability
             probability *= continuation
@@ -276,5 +313,9 @@ def _row_tree(nodes: list[_Node]) -> RowTree:
     parents = {n.prefix[:-1] for n in nodes}
     leaves = [n for n in nodes if n.prefix not in parents]
     drafts = [Draft(n.prefix, n.strategy, n.rank) for n in leaves]
-    return RowTree(drafts, len(drafts), max((n.depth for n in nodes), default=0),
-                   1.0 + sum(n.probability for n in nodes))
+    return RowTree(
+        drafts,
+        len(drafts),
+        max((n.depth for n in nodes), default=0),
+        1.0 + sum(n.probability for n in nodes),
+    )

@@ -36,13 +36,21 @@ from typing import TypeVar
 from service.controller.calibration import DRIFT_LIMIT, Calibration
 from service.controller.cost_profile import CostProfile
 from service.controller.machine_load import MachineLoad
-from service.controller.profiler import load_saved, measure_steps, pass_threads, probe_steps, profile_path
+from service.controller.profiler import (
+    load_saved,
+    measure_steps,
+    pass_threads,
+    probe_steps,
+    profile_path,
+)
 from service.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-BACKOFF_FIRST = 60.0  # seconds between profiling activities, doubled after each that changed nothing
+BACKOFF_FIRST = (
+    60.0  # seconds between profiling activities, doubled after each that changed nothing
+)
 BACKOFF_MAX = 3600.0
 CPU_SHARE = 0.1  # of this process's cores' time in any hour, spent profiling while a valid profile is in use
 HOUR = 3600.0
@@ -58,10 +66,14 @@ class ProfileState:
 
     valid: bool  # a valid profile is in use (auto mode speculates)
     valid_since: float | None  # Unix time the profile in use was measured
-    stale: bool  # its relative costs no longer hold on a quiet machine: it is due to be measured again
+    stale: (
+        bool  # its relative costs no longer hold on a quiet machine: it is due to be measured again
+    )
     remeasuring: bool
     failed_attempts: int  # attempts in a row that failed validation or were abandoned
-    remeasures: dict[str, int]  # attempts by outcome: adopted, failed (validation), abandoned (machine busy, budget)
+    remeasures: dict[
+        str, int
+    ]  # attempts by outcome: adopted, failed (validation), abandoned (machine busy, budget)
     next_attempt_in_s: float  # seconds until profiling may start again (back-off)
     cpu_seconds_last_hour: float  # spent profiling
 
@@ -92,10 +104,19 @@ class ProfileKeeper:
     `steps()` is endless: the async engine runs one increment per idle tick; it yields False
     when there is nothing to do."""
 
-    def __init__(self, measure: Measure, probe: Probe, save: Callable[[CostProfile], None],
-                 adopt: Callable[[CostProfile], None], calibration: Calibration, quiet: Callable[[], bool],
-                 cpu_cap: float, clock: Callable[[], float] = time.monotonic,
-                 cpu_clock: Callable[[], float] = time.process_time, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        measure: Measure,
+        probe: Probe,
+        save: Callable[[CostProfile], None],
+        adopt: Callable[[CostProfile], None],
+        calibration: Calibration,
+        quiet: Callable[[], bool],
+        cpu_cap: float,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.process_time,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._measure, self._probe, self._save, self._adopt = measure, probe, save, adopt
         self.calibration = calibration
         self._quiet = quiet
@@ -110,17 +131,31 @@ class ProfileKeeper:
         self._budget = _Budget()
         self._costs = {"measure": 0.0, "probe": 0.0}  # CPU seconds of the last whole one of each
         self._next_at = clock()
-        self._unchanged = 0  # profiling activities in a row that changed nothing: the back-off's exponent
+        self._unchanged = (
+            0  # profiling activities in a row that changed nothing: the back-off's exponent
+        )
 
     @classmethod
-    def for_runner(cls, runner: ModelRunner, cache_dir: Path, calibration: Calibration,
-                   adopt: Callable[[CostProfile], None], machine: MachineLoad | None = None) -> ProfileKeeper:
+    def for_runner(
+        cls,
+        runner: ModelRunner,
+        cache_dir: Path,
+        calibration: Calibration,
+        adopt: Callable[[CostProfile], None],
+        machine: MachineLoad | None = None,
+    ) -> ProfileKeeper:
         """A keeper measuring `runner`'s passes, saving to (and starting from) `cache_dir`."""
         machine = machine or MachineLoad()
         threads = pass_threads(runner)
-        keeper = cls(lambda: measure_steps(runner), lambda profile: probe_steps(runner, profile),
-                     lambda profile: profile.save(profile_path(cache_dir, runner)), adopt, calibration,
-                     lambda: machine.quiet(threads), cpu_cap=CPU_SHARE * HOUR * machine.cores)
+        keeper = cls(
+            lambda: measure_steps(runner),
+            lambda profile: probe_steps(runner, profile),
+            lambda profile: profile.save(profile_path(cache_dir, runner)),
+            adopt,
+            calibration,
+            lambda: machine.quiet(threads),
+            cpu_cap=CPU_SHARE * HOUR * machine.cores,
+        )
         saved = load_saved(runner, cache_dir)
         if saved is not None:
             keeper.start_from(saved, profile_path(cache_dir, runner).stat().st_mtime)
@@ -136,9 +171,15 @@ class ProfileKeeper:
     def state(self) -> ProfileState:
         now = self._clock()
         return ProfileState(
-            valid=self.profile is not None, valid_since=self.valid_since, stale=self.stale,
-            remeasuring=self.remeasuring, failed_attempts=self.failed_attempts, remeasures=dict(self.remeasures),
-            next_attempt_in_s=max(self._next_at - now, 0.0), cpu_seconds_last_hour=self._budget.last_hour(now))
+            valid=self.profile is not None,
+            valid_since=self.valid_since,
+            stale=self.stale,
+            remeasuring=self.remeasuring,
+            failed_attempts=self.failed_attempts,
+            remeasures=dict(self.remeasures),
+            next_attempt_in_s=max(self._next_at - now, 0.0),
+            cpu_seconds_last_hour=self._budget.last_hour(now),
+        )
 
     def steps(self) -> Generator[bool, None, None]:
         while True:
@@ -162,11 +203,18 @@ class ProfileKeeper:
             self.remeasuring = False
         if result is None:
             outcome = "abandoned"
-            log.warning("cost profile measurement abandoned: the machine got busy or the hour's profiling budget "
-                        "ran out; %s", self._keeping())
+            log.warning(
+                "cost profile measurement abandoned: the machine got busy or the hour's profiling budget "
+                "ran out; %s",
+                self._keeping(),
+            )
         elif result[1]:
             outcome = "failed"
-            log.warning("cost profile measurement failed validation: %s; %s", "; ".join(result[1]), self._keeping())
+            log.warning(
+                "cost profile measurement failed validation: %s; %s",
+                "; ".join(result[1]),
+                self._keeping(),
+            )
         else:
             outcome = "adopted"
             self._save(result[0])
@@ -183,13 +231,19 @@ class ProfileKeeper:
         assert self.profile is not None
         disagreement = yield from self._run("probe", self._probe(self.profile))
         if disagreement is not None and disagreement > DRIFT_LIMIT:
-            log.warning("relative pass costs are off the cost profile's by x%.2f on a quiet machine: "
-                        "measuring it again", disagreement)
+            log.warning(
+                "relative pass costs are off the cost profile's by x%.2f on a quiet machine: "
+                "measuring it again",
+                disagreement,
+            )
             self.stale = True
             return
         if disagreement is not None:
-            log.info("relative pass costs agree with the cost profile on a quiet machine (x%.2f): the drift "
-                     "was other work's", disagreement)
+            log.info(
+                "relative pass costs agree with the cost profile on a quiet machine (x%.2f): the drift "
+                "was other work's",
+                disagreement,
+            )
             self.calibration.reset_costs()
         self._back_off(changed=False)
 

@@ -40,20 +40,29 @@ from pathlib import Path
 
 import torch
 
+from service.controller.cost_profile import CostProfile
+from service.controller.machine_load import MachineLoad
 from service.model.kv_cache import TreeKVCache
 from service.model.runner import ModelRunner, RowInput
 from service.model.tables import model_fingerprint, run_to_end
-from service.controller.cost_profile import CostProfile
-from service.controller.machine_load import MachineLoad
 from service.model.tree import chain_tree
 
 log = logging.getLogger(__name__)
 
 # The code whose speed a profile measures: a saved profile of other code is not reused.
 # Paths under service/.
-PASS_CODE = ("model/runner.py", "model/static_pass.py", "model/decoder_pass.py", "model/attention.py",
-             "model/kv_cache.py", "kernels/packed_linear.py", "kernels/packed_kernels.py", "kernels/layer_kernels.py",
-             "kernels/int8_kernel.py", "kernels/attention_kernel.py")
+PASS_CODE = (
+    "model/runner.py",
+    "model/static_pass.py",
+    "model/decoder_pass.py",
+    "model/attention.py",
+    "model/kv_cache.py",
+    "kernels/packed_linear.py",
+    "kernels/packed_kernels.py",
+    "kernels/layer_kernels.py",
+    "kernels/int8_kernel.py",
+    "kernels/attention_kernel.py",
+)
 ROWS = (1, 4, 16)
 # A GPU serves more rows a pass (a pass there is host-bound, so rows are nearly free), and its
 # cost past 16 rows extrapolated from 4 and 16 misprices them: 64 rows are measured too.
@@ -90,7 +99,9 @@ def pass_sizes(rows: int, device: torch.device) -> list[int]:
 
 
 def measure_steps(
-    runner: ModelRunner, rows: Sequence[int] | None = None, context_lengths: Sequence[int] = CONTEXT_LENGTHS,
+    runner: ModelRunner,
+    rows: Sequence[int] | None = None,
+    context_lengths: Sequence[int] = CONTEXT_LENGTHS,
     repeats: int = REPEATS,
 ) -> Generator[None, None, tuple[CostProfile, list[str]]]:
     """Yield after every increment (one repeat of one (rows, L) sweep); return the profile and
@@ -102,9 +113,18 @@ def measure_steps(
     wide_samples: dict[tuple[int, int], list[float]] = {}
     for count, length in itertools.product(rows, context_lengths):
         cache = _filled_cache(runner, count, length)
-        passes = [_chains(runner, count, size // count, generator) for size in pass_sizes(count, runner.device)]
-        wide = [] if count == 1 else [_chains(runner, 1, WIDE_ROW_TOKENS, generator)
-                                      + _chains(runner, count - 1, 1, generator)]
+        passes = [
+            _chains(runner, count, size // count, generator)
+            for size in pass_sizes(count, runner.device)
+        ]
+        wide = (
+            []
+            if count == 1
+            else [
+                _chains(runner, 1, WIDE_ROW_TOKENS, generator)
+                + _chains(runner, count - 1, 1, generator)
+            ]
+        )
         for trees in passes + wide:  # warm-up
             _timed_pass(runner, cache, trees)
         cells = samples.setdefault((count, length), [[] for _ in passes])
@@ -115,22 +135,42 @@ def measure_steps(
                 extra = _timed_pass(runner, cache, trees) - _timed_pass(runner, cache, passes[0])
                 wide_samples.setdefault((count, length), []).append(extra)
             yield
-        costs = " ".join(f"n{n}={own_cost(c) * 1e3:.0f}ms" for n, c in zip(pass_sizes(count, runner.device), cells))
+        costs = " ".join(
+            f"n{n}={own_cost(c) * 1e3:.0f}ms"
+            for n, c in zip(pass_sizes(count, runner.device), cells)
+        )
         log.info("profiled rows=%d L=%d: %s", count, length, costs)
     profile = CostProfile(
-        rows=list(rows), context_lengths=list(context_lengths), tree_sizes=[pass_sizes(r, runner.device) for r in rows],
-        seconds=[[[own_cost(c) for c in samples[(r, length)]] for length in context_lengths] for r in rows],
-        device=device_name(runner.device), model=model_fingerprint(runner.model), dtype=str(runner.dtype),
+        rows=list(rows),
+        context_lengths=list(context_lengths),
+        tree_sizes=[pass_sizes(r, runner.device) for r in rows],
+        seconds=[
+            [[own_cost(c) for c in samples[(r, length)]] for length in context_lengths]
+            for r in rows
+        ],
+        device=device_name(runner.device),
+        model=model_fingerprint(runner.model),
+        dtype=str(runner.dtype),
     )
     problems = validate(profile, samples)
     equal_rows = _monotone(profile)
-    wide_row_seconds = [[_wide_row_cost(equal_rows, r, length, wide_samples.get((r, length)))
-                         for length in context_lengths] for r in rows]
-    log.info("a wide row's own cost, ms [rows][L]: %s", [[round(s * 1e3, 1) for s in t] for t in wide_row_seconds])
+    wide_row_seconds = [
+        [
+            _wide_row_cost(equal_rows, r, length, wide_samples.get((r, length)))
+            for length in context_lengths
+        ]
+        for r in rows
+    ]
+    log.info(
+        "a wide row's own cost, ms [rows][L]: %s",
+        [[round(s * 1e3, 1) for s in t] for t in wide_row_seconds],
+    )
     return dataclasses.replace(equal_rows, wide_row_seconds=wide_row_seconds), problems
 
 
-def _wide_row_cost(equal_rows: CostProfile, rows: int, length: int, extras: list[float] | None) -> float:
+def _wide_row_cost(
+    equal_rows: CostProfile, rows: int, length: int, extras: list[float] | None
+) -> float:
     """What the pass with one wide row measured over the plain pass, less what the equal-rows
     curve charges its extra tokens."""
     if not extras:
@@ -140,8 +180,9 @@ def _wide_row_cost(equal_rows: CostProfile, rows: int, length: int, extras: list
     return max(statistics.median(extras) - curve, 0.0)
 
 
-def probe_steps(runner: ModelRunner, profile: CostProfile,
-                repeats: int = PROBE_REPEATS) -> Generator[None, None, float]:
+def probe_steps(
+    runner: ModelRunner, profile: CostProfile, repeats: int = PROBE_REPEATS
+) -> Generator[None, None, float]:
     """How far this machine's relative pass costs now are from `profile`'s: of a few shapes
     timed again (the smallest and largest pass of one row and of the most rows, at the shortest
     context), the largest ratio between two shapes' measured-over-profiled factors (1: the
@@ -153,7 +194,10 @@ def probe_steps(runner: ModelRunner, profile: CostProfile,
     for index in sorted({0, len(profile.rows) - 1}):
         rows, sizes = profile.rows[index], profile.tree_sizes[index]
         cache = _filled_cache(runner, rows, length)
-        shapes += [(rows, n, cache, _chains(runner, rows, n // rows, generator)) for n in sorted({sizes[0], sizes[-1]})]
+        shapes += [
+            (rows, n, cache, _chains(runner, rows, n // rows, generator))
+            for n in sorted({sizes[0], sizes[-1]})
+        ]
     for _, _, cache, trees in shapes:  # warm-up
         _timed_pass(runner, cache, trees)
     timings: list[list[float]] = [[] for _ in shapes]
@@ -161,12 +205,16 @@ def probe_steps(runner: ModelRunner, profile: CostProfile,
         for times, (_, _, cache, trees) in zip(timings, shapes):
             times.append(_timed_pass(runner, cache, trees))
         yield
-    factors = [own_cost(times) / profile.cost(n, length, rows) for times, (rows, n, _, _) in zip(timings, shapes)]
+    factors = [
+        own_cost(times) / profile.cost(n, length, rows)
+        for times, (rows, n, _, _) in zip(timings, shapes)
+    ]
     return max(factors) / min(factors)
 
 
-def measure_profile(runner: ModelRunner, machine: MachineLoad | None = None,
-                    **grid: Sequence[int]) -> tuple[CostProfile, list[str]]:
+def measure_profile(
+    runner: ModelRunner, machine: MachineLoad | None = None, **grid: Sequence[int]
+) -> tuple[CostProfile, list[str]]:
     """`measure_steps` run to the end at once; with `machine`, one more problem where other
     work kept the cores the passes run on busy in some second of it. Such a profile can pass
     validation and still be wrong in the ratios the controller trades on: one found in a cache
@@ -194,7 +242,9 @@ def pass_threads(runner: ModelRunner) -> int:
     return torch.get_num_threads() if runner.device.type == "cpu" else 1
 
 
-def validate(profile: CostProfile, samples: dict[tuple[int, int], list[list[float]]] | None = None) -> list[str]:
+def validate(
+    profile: CostProfile, samples: dict[tuple[int, int], list[list[float]]] | None = None
+) -> list[str]:
     """What makes `profile` untrustworthy (nothing if it is fine)."""
     problems = []
     for r, table in zip(profile.rows, profile.seconds):
@@ -204,12 +254,16 @@ def validate(profile: CostProfile, samples: dict[tuple[int, int], list[list[floa
         for index in range(len(table[0])):
             column = [row[index] for row in table]
             if column[-1] < column[0] * (1 - NOISE):
-                problems.append(f"rows={r} n={profile.tree_sizes[profile.rows.index(r)][index]}: "
-                                f"longer context measured cheaper: {_ms(column)}")
+                problems.append(
+                    f"rows={r} n={profile.tree_sizes[profile.rows.index(r)][index]}: "
+                    f"longer context measured cheaper: {_ms(column)}"
+                )
     for (r, length), cells in (samples or {}).items():
         gap = statistics.median(_fastest_gap(c) for c in cells)
         if gap > NOISE:
-            problems.append(f"rows={r} L={length}: the fastest repeats disagree (median gap {gap:.0%})")
+            problems.append(
+                f"rows={r} L={length}: the fastest repeats disagree (median gap {gap:.0%})"
+            )
     return problems
 
 
@@ -244,8 +298,10 @@ def _filled_cache(runner: ModelRunner, rows: int, length: int) -> TreeKVCache:
 
 
 def _chains(runner: ModelRunner, rows: int, m: int, generator: torch.Generator) -> list[RowInput]:
-    return [RowInput(chain_tree(torch.randint(runner.vocab_size, (m,), generator=generator).tolist()))
-            for _ in range(rows)]
+    return [
+        RowInput(chain_tree(torch.randint(runner.vocab_size, (m,), generator=generator).tolist()))
+        for _ in range(rows)
+    ]
 
 
 def _timed_pass(runner: ModelRunner, cache: TreeKVCache, rows: list[RowInput]) -> float:
@@ -270,8 +326,12 @@ def pass_code_version() -> str:
 def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
     fingerprint = model_fingerprint(runner.model)
     # the same packed weights compute otherwise with 8-bit activations (--quantization gguf-int8)
-    int8 = "-int8" if getattr(runner.model.get_output_embeddings(), "int8_activations", False) else ""
-    static = "-static" if runner.static is not None else ""  # fixed-shape passes (CUDA graphs) cost otherwise
+    int8 = (
+        "-int8" if getattr(runner.model.get_output_embeddings(), "int8_activations", False) else ""
+    )
+    static = (
+        "-static" if runner.static is not None else ""
+    )  # fixed-shape passes (CUDA graphs) cost otherwise
     ranks = f"-tp{runner.tensor_parallel_size}" if runner.tensor_parallel_size > 1 else ""
     name = f"{device_name(runner.device)}-{fingerprint}{int8}{static}{ranks}-{runner.dtype}-code{pass_code_version()}"
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
@@ -289,13 +349,20 @@ def load_saved(runner: ModelRunner, cache_dir: Path) -> CostProfile | None:
         log.warning("ignoring the saved cost profile: %s", error)
         return None
     if problems := validate(profile):
-        log.warning("ignoring the saved cost profile %s: %s; it will be measured again", path, "; ".join(problems))
+        log.warning(
+            "ignoring the saved cost profile %s: %s; it will be measured again",
+            path,
+            "; ".join(problems),
+        )
         return None
     return profile
 
 
 def load_or_measure(
-    runner: ModelRunner, cache_dir: Path, remeasure: bool = False, machine: MachineLoad | None = None,
+    runner: ModelRunner,
+    cache_dir: Path,
+    remeasure: bool = False,
+    machine: MachineLoad | None = None,
     **grid: Sequence[int],
 ) -> CostProfile:
     """The saved profile for this device/model/dtype, measuring (and saving) it if absent: for
@@ -315,6 +382,8 @@ def load_or_measure(
             profile.save(path)
             return profile
         log.warning("cost profile attempt %d cannot be trusted: %s", attempt, "; ".join(problems))
-    log.warning("using the last cost profile for this command only (not saved); "
-                "remedy: `ngrammys profile --remeasure` on an idle machine")
+    log.warning(
+        "using the last cost profile for this command only (not saved); "
+        "remedy: `ngrammys profile --remeasure` on an idle machine"
+    )
     return profile

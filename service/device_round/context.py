@@ -16,7 +16,9 @@ MAX_N = 4
 WINDOW = 512  # recent tokens a row is matched in: bounds the work at any context length
 
 
-def context_drafts(recent: torch.Tensor, w: int, max_n: int = MAX_N) -> tuple[torch.Tensor, torch.Tensor]:
+def context_drafts(
+    recent: torch.Tensor, w: int, max_n: int = MAX_N
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`recent` [R, L] int64 (the rows' last L tokens, -1 before a row's first): the drafts
     [R, w] and which of their tokens exist [R, w] (a prefix of each row).
 
@@ -26,12 +28,18 @@ def context_drafts(recent: torch.Tensor, w: int, max_n: int = MAX_N) -> tuple[to
     rows, length = recent.shape
     device = recent.device
     if length < 2:  # nothing before the last token
-        return torch.zeros(rows, w, dtype=torch.long, device=device), torch.zeros(rows, w, dtype=torch.bool, device=device)
+        return torch.zeros(rows, w, dtype=torch.long, device=device), torch.zeros(
+            rows, w, dtype=torch.bool, device=device
+        )
     padded = torch.nn.functional.pad(recent, (max_n - 1, 0), value=-1)  # [R, L + max_n - 1]
-    windows = padded.unfold(1, max_n, 1)[:, :-1]  # [R, L - 1, max_n]: the tokens ending at each earlier position
+    windows = padded.unfold(1, max_n, 1)[
+        :, :-1
+    ]  # [R, L - 1, max_n]: the tokens ending at each earlier position
     suffix = padded[:, -max_n:]  # [R, max_n]
     equal = (windows == suffix[:, None, :]) & (windows >= 0)
-    matched = equal.flip(-1).cumprod(-1).sum(-1)  # [R, L - 1]: tokens matched, backwards from each end
+    matched = (
+        equal.flip(-1).cumprod(-1).sum(-1)
+    )  # [R, L - 1]: tokens matched, backwards from each end
     ends = torch.arange(length - 1, device=device)
     best = (matched * length + ends).amax(-1)  # the longest match, then the latest end
     longest, end = best // length, best % length

@@ -9,8 +9,9 @@ from service.device_round.tables import DeviceTable
 from service.device_round.template import TreeTemplate
 
 
-def draft_trees(recent: torch.Tensor, template: TreeTemplate,
-                table: DeviceTable | None) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_trees(
+    recent: torch.Tensor, template: TreeTemplate, table: DeviceTable | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' tokens and filled nodes [R, N] from their `recent` tokens [R, L] (-1 before a
     row's first; the last one is the root): the context chain (`context_drafts`), then the
     table's trie, each node the rank-th successor of its parent's token (keyed by its
@@ -28,10 +29,16 @@ def draft_trees(recent: torch.Tensor, template: TreeTemplate,
         return tokens, valid
     table.sync_fallback()
     single = table.single_rows()
-    before = torch.cat([recent[:, -2:-1], tokens], dim=1)  # column i + 1: node i's token; column 0: the root's previous
+    before = torch.cat(
+        [recent[:, -2:-1], tokens], dim=1
+    )  # column i + 1: node i's token; column 0: the root's previous
     for level in shape.table_levels:
-        following = table.step(before[:, level.grandparent_columns], tokens[:, level.parents],
-                               level.ranks.expand(rows, -1), single)
+        following = table.step(
+            before[:, level.grandparent_columns],
+            tokens[:, level.parents],
+            level.ranks.expand(rows, -1),
+            single,
+        )
         filled = valid[:, level.parents] & (following >= 0)
         tokens[:, level.nodes] = torch.where(filled, following, 0)
         valid[:, level.nodes] = filled

@@ -33,7 +33,9 @@ MENU = ((0, 1), (1, 1), (0, 2), (1, 2), (0, 4), (2, 3), (4, 4), (0, 8), (8, 6), 
 CONTEXT_PRIOR = 0.5  # a context node's rate before any round measured it
 PRIOR_WEIGHT = 2.0  # the prior counts as this many rounds
 DECAY = 0.995  # a round's weight after the next one
-PROBE_EVERY = 16  # after this many steps of the root alone, one step drafts the smallest tree (to measure)
+PROBE_EVERY = (
+    16  # after this many steps of the root alone, one step drafts the smallest tree (to measure)
+)
 
 
 class NodeAcceptance:
@@ -63,7 +65,9 @@ class NodeAcceptance:
     def expected_tokens(self, template: TreeTemplate) -> float:
         """Tokens a row's round is expected to commit with `template`."""
         ids = self._ids(template)
-        rates = (self.accepted[ids] + PRIOR_WEIGHT * np.asarray(self.priors)[ids]) / (self.trials[ids] + PRIOR_WEIGHT)
+        rates = (self.accepted[ids] + PRIOR_WEIGHT * np.asarray(self.priors)[ids]) / (
+            self.trials[ids] + PRIOR_WEIGHT
+        )
         rates[0] = 1.0  # the root: the bonus token, always committed
         # a node is reached with the product of its path's rates: a sum of logs over the ancestor matrix
         return float(np.exp(_ancestors(template) @ np.log(np.maximum(rates, 1e-12))).sum())
@@ -74,7 +78,10 @@ class NodeAcceptance:
             if key not in self.keys:
                 self.keys[key] = len(self.priors)
                 self.priors.append(_prior(key))
-                self.trials, self.accepted = np.append(self.trials, 0.0), np.append(self.accepted, 0.0)
+                self.trials, self.accepted = (
+                    np.append(self.trials, 0.0),
+                    np.append(self.accepted, 0.0),
+                )
         return np.array([self.keys[key] for key in keys])
 
 
@@ -122,17 +129,31 @@ def menu(k_max: int, w_max: int, chain: bool, table: bool) -> list[TreeTemplate]
     return sorted(templates, key=lambda t: t.num_nodes)
 
 
-def row_rate(template: TreeTemplate, acceptance: NodeAcceptance, profile: CostProfile, rows: int,
-             context: float) -> float:
+def row_rate(
+    template: TreeTemplate,
+    acceptance: NodeAcceptance,
+    profile: CostProfile,
+    rows: int,
+    context: float,
+) -> float:
     """A row's expected tokens per second in a step of `rows` rows drafting into `template`."""
     wide = rows if template.num_nodes > 1 else 0
-    return acceptance.expected_tokens(template) / profile.cost(rows * template.num_nodes, context, rows, wide)
+    return acceptance.expected_tokens(template) / profile.cost(
+        rows * template.num_nodes, context, rows, wide
+    )
 
 
-def choose(templates: list[TreeTemplate], acceptance: NodeAcceptance, profile: CostProfile, rows: int,
-           context: float) -> TreeTemplate:
+def choose(
+    templates: list[TreeTemplate],
+    acceptance: NodeAcceptance,
+    profile: CostProfile,
+    rows: int,
+    context: float,
+) -> TreeTemplate:
     """The template whose step commits the most tokens per second of its pass."""
-    return max(templates, key=lambda template: row_rate(template, acceptance, profile, rows, context))
+    return max(
+        templates, key=lambda template: row_rate(template, acceptance, profile, rows, context)
+    )
 
 
 class TemplateChooser:
@@ -142,8 +163,9 @@ class TemplateChooser:
         self.acceptance = NodeAcceptance()
         self.plain_steps = 0
 
-    def __call__(self, templates: list[TreeTemplate], profile: CostProfile, rows: int,
-                 context: float) -> tuple[TreeTemplate, float]:
+    def __call__(
+        self, templates: list[TreeTemplate], profile: CostProfile, rows: int, context: float
+    ) -> tuple[TreeTemplate, float]:
         """The step's template, and a row's tokens per second expected of it (the forecast)."""
         chosen = choose(templates, self.acceptance, profile, rows, context)
         if chosen.num_nodes > 1 or len(templates) == 1:

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from drafting import MIXED, Mixer, SuccessorTable, TokenHistory
+from service.controller.cost_profile import CostProfile
 from service.device_round.accept import accept_greedy
 from service.device_round.context import WINDOW
-from service.controller.cost_profile import CostProfile
 from service.device_round.drafts import draft_trees
 from service.device_round.menu import TemplateChooser, menu
 from service.device_round.tables import DeviceTable
@@ -73,8 +73,12 @@ class TemplateChoice:
 class DeviceRoundOutput:
     """A device step's rounds, as the host reads them after its one copy."""
 
-    tokens: np.ndarray  # int64 [R, W + 1]: row r's accepted drafts then its bonus token in [: counts[r] + 1]
-    paths: np.ndarray  # int64 [R, W + 1]: the accepted path's template node at each depth (root at 0)
+    tokens: (
+        np.ndarray
+    )  # int64 [R, W + 1]: row r's accepted drafts then its bonus token in [: counts[r] + 1]
+    paths: (
+        np.ndarray
+    )  # int64 [R, W + 1]: the accepted path's template node at each depth (root at 0)
     counts: np.ndarray  # int64 [R]: accepted drafts
     drafted: np.ndarray  # bool [R, N]: the template nodes each row filled (the root included)
     wait_seconds: float  # the host waiting for the device in the step's one copy back
@@ -93,7 +97,9 @@ class RecentWindows:
 
     def __init__(self, width: int) -> None:
         self.width = width
-        self._windows: weakref.WeakKeyDictionary[TokenHistory, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
+        self._windows: weakref.WeakKeyDictionary[TokenHistory, tuple[np.ndarray, int]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def of(self, history: TokenHistory) -> np.ndarray:
         """The history's last `width` tokens, -1 before its first."""
@@ -148,8 +154,16 @@ class DeviceRound:
             return TemplateChoice(TreeTemplate.of(0, 0, 0), table)
         return TemplateChoice(TreeTemplate.of(k if table else 0, w, w if chain else 0), table)
 
-    def auto_template(self, k: int, w: int, strategy: str, profile: CostProfile, context: float,
-                  rows: int, budget: int) -> TemplateChoice | None:
+    def auto_template(
+        self,
+        k: int,
+        w: int,
+        strategy: str,
+        profile: CostProfile,
+        context: float,
+        rows: int,
+        budget: int,
+    ) -> TemplateChoice | None:
         """The template of a step whose rows are all in auto mode with at most (k, w) drafts of
         `strategy`: of the menu's templates whose drafted nodes fit the pass's `budget` for all
         rows, the one that buys the most tokens per second (`menu.choose`), the root alone
@@ -158,7 +172,9 @@ class DeviceRound:
         if drafts is None:
             return None
         chain, table = drafts
-        templates = [t for t in menu(k, w, chain, table is not None) if rows * (t.num_nodes - 1) <= budget]
+        templates = [
+            t for t in menu(k, w, chain, table is not None) if rows * (t.num_nodes - 1) <= budget
+        ]
         template, forecast = self.chooser(templates, profile, rows, context)
         return TemplateChoice(template, table, forecast)
 
@@ -170,8 +186,13 @@ class DeviceRound:
         return None if not chain and table is None else (chain, table)
 
     @torch.inference_mode()
-    def run(self, cache: TreeKVCache, histories: Sequence[TokenHistory], choice: TemplateChoice,
-            choose: Chooser | None = None) -> DeviceRoundOutput:
+    def run(
+        self,
+        cache: TreeKVCache,
+        histories: Sequence[TokenHistory],
+        choice: TemplateChoice,
+        choose: Chooser | None = None,
+    ) -> DeviceRoundOutput:
         """The step over rows [0, R) of `cache`, row r's committed tokens `histories[r]` (its
         KV row holding all but the newest). The model's choice after each node is its argmax,
         or what `choose` makes of the logits [R * N, vocab] (sampled rows: a sample of each
@@ -180,7 +201,9 @@ class DeviceRound:
         template, device = choice.template, self.device
         shape = template.tensors(device)
         rows = len(histories)
-        if not self._newest_on_device:  # host rounds refreshed the host tables since the last device round
+        if (
+            not self._newest_on_device
+        ):  # host rounds refreshed the host tables since the last device round
             for device_table in self.tables.values():
                 device_table.push()
             self._newest_on_device = True
@@ -189,8 +212,11 @@ class DeviceRound:
         table = None if choice.table is None else self.tables[choice.table]
         tokens, valid = draft_trees(recent, template, table)  # [R, N] each
         logits = self.runner.forward_flat(
-            cache, [RowInput(template.shape_tree)] * rows, tokens.flatten())  # [R * N, vocab]
-        choices = (logits.argmax(-1) if choose is None else choose(logits)).view(rows, template.num_nodes)
+            cache, [RowInput(template.shape_tree)] * rows, tokens.flatten()
+        )  # [R * N, vocab]
+        choices = (logits.argmax(-1) if choose is None else choose(logits)).view(
+            rows, template.num_nodes
+        )
         accepted = accept_greedy(tokens, valid, choices, shape, template.max_depth)
         cache.keep_paths(starts, accepted.path, accepted.counts)
         if table is not None:
@@ -198,19 +224,27 @@ class DeviceRound:
             parents = tokens[:, shape.parents].clone()
             parents[:, 0] = recent[:, -2]
             table.refresh(tokens.flatten(), parents.flatten(), top, valid.flatten())
-        packed = torch.cat([accepted.tokens, accepted.path, accepted.counts[:, None], valid.long()], dim=1)
+        packed = torch.cat(
+            [accepted.tokens, accepted.path, accepted.counts[:, None], valid.long()], dim=1
+        )
         began = time.perf_counter()
         host = self._to_host(packed)
         depth = template.max_depth + 1
-        result = DeviceRoundOutput(tokens=host[:, :depth], paths=host[:, depth : 2 * depth], counts=host[:, 2 * depth],
-                            drafted=host[:, 2 * depth + 1 :].astype(bool), wait_seconds=time.perf_counter() - began)
+        result = DeviceRoundOutput(
+            tokens=host[:, :depth],
+            paths=host[:, depth : 2 * depth],
+            counts=host[:, 2 * depth],
+            drafted=host[:, 2 * depth + 1 :].astype(bool),
+            wait_seconds=time.perf_counter() - began,
+        )
         for row, count in enumerate(result.counts.tolist()):
             cache.advance(row, 1 + count)
         self.chooser.acceptance.observe(template, result.paths, result.counts)
         return result
 
-    def _upload(self, histories: Sequence[TokenHistory], starts: Sequence[int],
-                choice: TemplateChoice) -> tuple[torch.Tensor, torch.Tensor]:
+    def _upload(
+        self, histories: Sequence[TokenHistory], starts: Sequence[int], choice: TemplateChoice
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's recent tokens [R, L] (-1 before its first) and KV start [R], in one
         host → device copy that the device does not wait for."""
         width = WINDOW if choice.template.chain else 2

@@ -34,12 +34,18 @@ class DeviceTable:
         self.fallback_slot = host.fallback
         self.vocab_size = vocab_size
         self.device = device
-        self.successors = torch.full((vocab_size + 1, host.top_k), -1, dtype=torch.long, device=device)
+        self.successors = torch.full(
+            (vocab_size + 1, host.top_k), -1, dtype=torch.long, device=device
+        )
         buckets = len(host.pair_keys)
         self.pair_keys = torch.full((buckets + 1,), -1, dtype=torch.long, device=device)
-        self.pair_successors = torch.full((buckets + 1, host.top_k), -1, dtype=torch.long, device=device)
+        self.pair_successors = torch.full(
+            (buckets + 1, host.top_k), -1, dtype=torch.long, device=device
+        )
         self.push()
-        self.fallback = torch.full((vocab_size, 1), -1, dtype=torch.long, device=device)  # none until the slot fills
+        self.fallback = torch.full(
+            (vocab_size, 1), -1, dtype=torch.long, device=device
+        )  # none until the slot fills
         self._fallback_from: object = None
 
     def push(self) -> None:
@@ -64,7 +70,9 @@ class DeviceTable:
         tables = self.fallback_slot.tables if isinstance(self.fallback_slot, TableSlot) else None
         if tables is not None and tables is not self._fallback_from:
             bigram = torch.from_numpy(tables.bigram[: self.vocab_size].astype("int64"))
-            self.fallback = torch.full((self.vocab_size, bigram.shape[1]), -1, dtype=torch.long, device=self.device)
+            self.fallback = torch.full(
+                (self.vocab_size, bigram.shape[1]), -1, dtype=torch.long, device=self.device
+            )
             self.fallback[: len(bigram)] = bigram.to(self.device)
             self._fallback_from = tables
 
@@ -76,9 +84,13 @@ class DeviceTable:
         the two). Made once a step, so a level of the walk reads one row, not both and a choice."""
         width = max(self.top_k, self.fallback.shape[1])
         observed = self.successors[:-1, :1] >= 0
-        return torch.where(observed, _widened(self.successors[:-1], width), _widened(self.fallback, width))
+        return torch.where(
+            observed, _widened(self.successors[:-1], width), _widened(self.fallback, width)
+        )
 
-    def step(self, previous: torch.Tensor, token: torch.Tensor, rank: torch.Tensor, single: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, previous: torch.Tensor, token: torch.Tensor, rank: torch.Tensor, single: torch.Tensor
+    ) -> torch.Tensor:
         """The `rank`-th successor after (`previous`, `token`), elementwise (same shapes; a
         negative previous: none known; `single`: this step's `single_rows`); -1 where the
         rows hold none. Inputs must be valid token ids (the caller masks invalid nodes)."""
@@ -88,25 +100,33 @@ class DeviceTable:
             return following
         bucket = pair_bucket(previous.clamp(min=0), token, self.pair_bits)
         paired = (previous >= 0) & (self.pair_keys[bucket] == (previous << 32 | token))
-        from_pair = torch.where(rank < self.top_k, self.pair_successors[bucket, rank.clamp(max=self.top_k - 1)], -1)
+        from_pair = torch.where(
+            rank < self.top_k, self.pair_successors[bucket, rank.clamp(max=self.top_k - 1)], -1
+        )
         return torch.where(paired, from_pair, following)
 
     # -- learning ----------------------------------------------------------------------------
 
-    def refresh(self, tokens: torch.Tensor, parents: torch.Tensor, top_ids: torch.Tensor, keep: torch.Tensor) -> None:
+    def refresh(
+        self, tokens: torch.Tensor, parents: torch.Tensor, top_ids: torch.Tensor, keep: torch.Tensor
+    ) -> None:
         """A pass's refresh: node i (of the flat [M] `tokens`, where `keep`) writes its
         [M, K'] `top_ids` into its token's row and, where `parents[i]` ≥ 0, into the
         (parent token, token) bucket (the rest of the bucket's row set to -1), the later
         node winning a row or bucket several write."""
         width = min(top_ids.shape[1], self.top_k)
         top = top_ids[:, :width]
-        rows = torch.where(last_writers(tokens, keep, self.vocab_size + 1), tokens, self.vocab_size)  # the rest: scratch
+        rows = torch.where(
+            last_writers(tokens, keep, self.vocab_size + 1), tokens, self.vocab_size
+        )  # the rest: scratch
         self.successors[rows, :width] = top
         if not self.pair_bits:
             return
         buckets = pair_bucket(parents.clamp(min=0), tokens, self.pair_bits)
         scratch = len(self.pair_keys) - 1
-        buckets = torch.where(last_writers(buckets, keep & (parents >= 0), scratch + 1), buckets, scratch)
+        buckets = torch.where(
+            last_writers(buckets, keep & (parents >= 0), scratch + 1), buckets, scratch
+        )
         self.pair_keys[buckets] = parents << 32 | tokens
         row = torch.full((len(tokens), self.top_k), -1, dtype=torch.long, device=tokens.device)
         row[:, :width] = top

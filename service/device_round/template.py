@@ -25,7 +25,9 @@ class TreeTemplate:
 
     parents: tuple[int, ...]  # [N]; the root's is -1
     depths: tuple[int, ...]  # [N]
-    ranks: tuple[int, ...]  # [N]: a table node's rank among its parent's successors; -1 for the root and chain nodes
+    ranks: tuple[
+        int, ...
+    ]  # [N]: a table node's rank among its parent's successors; -1 for the root and chain nodes
     chain: int  # context nodes, 1..chain
     k: int
     w: int
@@ -48,8 +50,13 @@ class TreeTemplate:
         """The template as a `TokenTree` whose tokens are placeholders: what the pass's layout
         needs (parents, depths), the tokens coming from the device."""
         n = self.num_nodes
-        return TokenTree(token_ids=[0] * n, parents=list(self.parents), depths=list(self.depths),
-                         strategies=[None] * n, children=[{} for _ in range(n)])
+        return TokenTree(
+            token_ids=[0] * n,
+            parents=list(self.parents),
+            depths=list(self.depths),
+            strategies=[None] * n,
+            children=[{} for _ in range(n)],
+        )
 
     def tensors(self, device: torch.device) -> TemplateTensors:
         """The template's index tensors on `device` (made once per device)."""
@@ -94,11 +101,23 @@ class TemplateTensors:
             nodes = [i for i in range(n) if template.ranks[i] >= 0 and template.depths[i] == depth]
             if nodes:
                 parents = [template.parents[i] for i in nodes]
-                levels.append(TableLevel(*(torch.tensor(values, dtype=torch.long, device=device) for values in (
-                    nodes, parents, [0 if p == 0 else template.parents[p] + 1 for p in parents],
-                    [template.ranks[i] for i in nodes]))))
+                levels.append(
+                    TableLevel(
+                        *(
+                            torch.tensor(values, dtype=torch.long, device=device)
+                            for values in (
+                                nodes,
+                                parents,
+                                [0 if p == 0 else template.parents[p] + 1 for p in parents],
+                                [template.ranks[i] for i in nodes],
+                            )
+                        )
+                    )
+                )
         return cls(
-            parents=torch.tensor([max(p, 0) for p in template.parents], dtype=torch.long, device=device),
+            parents=torch.tensor(
+                [max(p, 0) for p in template.parents], dtype=torch.long, device=device
+            ),
             depths=torch.tensor(template.depths, dtype=torch.long, device=device),
             ancestors=ancestors.to(device),
             table_levels=tuple(levels),
@@ -113,8 +132,10 @@ def _template(k: int, w: int, chain: int) -> TreeTemplate:
         depths.append(depth)
         ranks.append(-1)
     # the rank-path trie, breadth first: every prefix of every path a node
-    prefixes = sorted({path[:d] for path in rank_paths(k, w) for d in range(1, len(path) + 1)},
-                      key=lambda p: (len(p), _first_seen(p, rank_paths(k, w))))
+    prefixes = sorted(
+        {path[:d] for path in rank_paths(k, w) for d in range(1, len(path) + 1)},
+        key=lambda p: (len(p), _first_seen(p, rank_paths(k, w))),
+    )
     index = {(): 0}
     for prefix in prefixes:
         index[prefix] = len(parents)

@@ -23,9 +23,9 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from service.engine.params import GenerationParams
 from service.engine.engine import Engine
 from service.engine.outputs import RoundOutput, StepStats
+from service.engine.params import GenerationParams
 from service.engine.request import Request, Status
 
 log = logging.getLogger(__name__)
@@ -72,8 +72,12 @@ class AsyncEngine:
     """The engine behind a bounded queue and a worker thread."""
 
     def __init__(
-        self, engine: Engine, max_waiting: int = 64, request_timeout: float | None = None,
-        warm_up: Iterator[bool | None] | None = None, on_step: Callable[[StepStats], None] | None = None,
+        self,
+        engine: Engine,
+        max_waiting: int = 64,
+        request_timeout: float | None = None,
+        warm_up: Iterator[bool | None] | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
@@ -113,7 +117,9 @@ class AsyncEngine:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting")
             self._pending += 1
         deadline = time.monotonic() + self.request_timeout if self.request_timeout else None
-        handle = RequestHandle(f"req-{next(self._ids)}", prompt_ids, params, deadline, asyncio.get_running_loop())
+        handle = RequestHandle(
+            f"req-{next(self._ids)}", prompt_ids, params, deadline, asyncio.get_running_loop()
+        )
         self._inbox.put(handle)
         return handle
 
@@ -166,7 +172,9 @@ class AsyncEngine:
             with self._lock:
                 self._pending -= 1
             try:
-                handle.request = self.engine.add_request(handle.prompt_ids, handle.params, handle.request_id)
+                handle.request = self.engine.add_request(
+                    handle.prompt_ids, handle.params, handle.request_id
+                )
                 self._live[handle.request_id] = handle
             except Exception as error:  # refused by the engine: this request ends
                 handle.deliver(error)
@@ -177,7 +185,9 @@ class AsyncEngine:
         for handle in list(self._live.values()):
             timed_out = handle.deadline is not None and now > handle.deadline
             if timed_out:
-                handle.deliver(RequestTimeout(f"the request timed out after {self.request_timeout:g} s"))
+                handle.deliver(
+                    RequestTimeout(f"the request timed out after {self.request_timeout:g} s")
+                )
             if timed_out or handle.aborted.is_set():
                 assert handle.request is not None
                 self.engine.abort(handle.request)
@@ -201,7 +211,10 @@ class AsyncEngine:
             if handle is None:
                 continue
             delivered.append((handle, output))
-            if request.status is Status.FINISHED and self._live.pop(handle.request_id, None) is not None:
+            if (
+                request.status is Status.FINISHED
+                and self._live.pop(handle.request_id, None) is not None
+            ):
                 delivered.append((handle, None))
         _deliver_together(delivered)
         if stats is not None and self.on_step is not None:

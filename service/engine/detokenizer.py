@@ -56,7 +56,9 @@ class TextStream:
 
     def _decode_new(self, final: bool = False) -> str:
         decode = self.tokenizer.decode
-        before = decode(self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
+        before = decode(
+            self._ids[self._prefix_offset : self._read_offset], skip_special_tokens=True
+        )
         after = decode(self._ids[self._prefix_offset :], skip_special_tokens=True)
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""  # nothing new, or a character still incomplete
@@ -69,7 +71,9 @@ class TextStream:
             cut = min(hits)[0]
             return self._emit(self._pending[:cut], "", stopped=True)
         keep = 0 if final else _longest_stop_prefix_suffix(self._pending, self.stop, self._failures)
-        return self._emit(self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :])
+        return self._emit(
+            self._pending[: len(self._pending) - keep], self._pending[len(self._pending) - keep :]
+        )
 
     def _emit(self, text: str, held: str, stopped: bool = False) -> TextDelta:
         self._pending = held
@@ -91,7 +95,9 @@ def _failure_function(pattern: str) -> list[int]:
     return failure
 
 
-def _longest_stop_prefix_suffix(text: str, stops: Sequence[str], failures: Sequence[list[int]] | None = None) -> int:
+def _longest_stop_prefix_suffix(
+    text: str, stops: Sequence[str], failures: Sequence[list[int]] | None = None
+) -> int:
     """Length of the longest end of `text` that begins some stop string (shorter than it).
 
     Runs the KMP automaton of each stop string over the last len(stop) - 1 characters of

@@ -27,8 +27,13 @@ from service.model.runner import ModelRunner
 class DeviceStep:
     """Runs a step on the device round when it can take it, else on `host`."""
 
-    def __init__(self, device_round: DeviceRound, host: HostStep, runner: ModelRunner,
-                 policy: SpeculationPolicy) -> None:
+    def __init__(
+        self,
+        device_round: DeviceRound,
+        host: HostStep,
+        runner: ModelRunner,
+        policy: SpeculationPolicy,
+    ) -> None:
         self.device_round = device_round
         self.host = host
         self.runner = runner
@@ -45,8 +50,12 @@ class DeviceStep:
         rows = [self._shaped(row, template, choice.forecast) for row in rows]
         timer.mark_drafted(self.runner.capture_seconds)
         try:
-            step = self.device_round.run(self.host.cache, [row.request.drafts.history for row in rows], choice,
-                                         device_chooser([row.request for row in rows], template, self.runner.device))
+            step = self.device_round.run(
+                self.host.cache,
+                [row.request.drafts.history for row in rows],
+                choice,
+                device_chooser([row.request for row in rows], template, self.runner.device),
+            )
         except Exception as error:
             raise PassFailed(str(error)) from error
         timer.mark_passed(self.runner.capture_seconds)
@@ -57,9 +66,18 @@ class DeviceStep:
         for index, row in enumerate(rows):
             committed = step.token_ids(index)
             row.request.drafts.observe(committed)
-            drafted = {name: count for name, count in (("context", chain_drafted[index]), (table, table_drafted[index]))
-                       if count}
-            accepted = ["context" if node <= template.chain else table for node in step.accepted_nodes(index)]
+            drafted = {
+                name: count
+                for name, count in (
+                    ("context", chain_drafted[index]),
+                    (table, table_drafted[index]),
+                )
+                if count
+            }
+            accepted = [
+                "context" if node <= template.chain else table
+                for node in step.accepted_nodes(index)
+            ]
             rounds.append(take_round(row, committed, accepted, drafted, sum(drafted.values())))
         timer.mark_verified()
         return StepRounds(rows, rounds, wait_seconds=step.wait_seconds, syncs=1)
@@ -70,7 +88,9 @@ class DeviceStep:
         spec = row.request.speculation
         if self.policy.is_auto(row.request):
             return row.with_tree(template.shape_tree, template.k, template.w, forecast)
-        return row.with_tree(template.shape_tree, *((spec.k, spec.w) if spec.mode == "fixed" else (0, 0)))
+        return row.with_tree(
+            template.shape_tree, *((spec.k, spec.w) if spec.mode == "fixed" else (0, 0))
+        )
 
     def _choice(self, rows: Sequence[StepRow], budget: int) -> TemplateChoice | None:
         """The device round's template when it can take this step: every row decoding, with
@@ -82,11 +102,18 @@ class DeviceStep:
         modes, strategies, ks, ws = set(), set(), [], []
         for row in rows:
             request = row.request
-            if (row.chunk or request.prefill_remaining or request.constraint is not None
-                    or request.logits_adjuster is not None or request.params.logprobs is not None):
+            if (
+                row.chunk
+                or request.prefill_remaining
+                or request.constraint is not None
+                or request.logits_adjuster is not None
+                or request.params.logprobs is not None
+            ):
                 return None
             spec = request.speculation
-            modes.add("auto" if policy.is_auto(request) else "fixed" if spec.mode == "fixed" else "plain")
+            modes.add(
+                "auto" if policy.is_auto(request) else "fixed" if spec.mode == "fixed" else "plain"
+            )
             strategies.add(request.params.strategy)
             ks.append(spec.k)
             ws.append(policy.max_depth(request, spec.w))
@@ -98,14 +125,21 @@ class DeviceStep:
         elif mode == "auto":
             assert policy.profile is not None  # auto mode's rows have one
             context = sum(row.request.context_length for row in rows) / len(rows)
-            choice = self.device_round.auto_template(min(ks), min(ws), strategy, policy.profile, context, len(rows),
-                                                     budget)
+            choice = self.device_round.auto_template(
+                min(ks), min(ws), strategy, policy.profile, context, len(rows), budget
+            )
         else:
             return None
-        return choice if choice is not None and len(rows) * (choice.template.num_nodes - 1) <= budget else None
+        return (
+            choice
+            if choice is not None and len(rows) * (choice.template.num_nodes - 1) <= budget
+            else None
+        )
 
 
-def device_chooser(requests: Sequence[Request], template: TreeTemplate, device: torch.device) -> Chooser | None:
+def device_chooser(
+    requests: Sequence[Request], template: TreeTemplate, device: torch.device
+) -> Chooser | None:
     """The model's choice after each node of a device step whose rows are `requests`, each
     drafting into `template`: the argmax, and for the sampled rows F⁻¹_p(u) with each node's
     position's uniform, the rows of equal sampling settings in one call. Their rows and
@@ -115,23 +149,43 @@ def device_chooser(requests: Sequence[Request], template: TreeTemplate, device: 
     for index, request in enumerate(requests):
         sampling = request.params.sampling
         if not sampling.greedy:
-            groups.setdefault((sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p), []).append(index)
+            groups.setdefault(
+                (sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p), []
+            ).append(index)
     if not groups:
         return None
     nodes = template.num_nodes
 
     def upload(values: torch.Tensor) -> torch.Tensor:
-        return (values.pin_memory() if device.type == "cuda" else values).to(device, non_blocking=True)
+        return (values.pin_memory() if device.type == "cuda" else values).to(
+            device, non_blocking=True
+        )
 
-    sampled = [(requests[members[0]].params.sampling, upload(torch.tensor(members)),
-                upload(torch.cat([requests[i].uniforms.at([requests[i].context_length + d for d in template.depths])  # type: ignore[union-attr]
-                                  for i in members])))
-               for members in groups.values()]
+    sampled = [
+        (
+            requests[members[0]].params.sampling,
+            upload(torch.tensor(members)),
+            upload(
+                torch.cat(
+                    [
+                        requests[i].uniforms.at(
+                            [requests[i].context_length + d for d in template.depths]
+                        )  # type: ignore[union-attr]
+                        for i in members
+                    ]
+                )
+            ),
+        )
+        for members in groups.values()
+    ]
 
     def choose(logits: torch.Tensor) -> torch.Tensor:
         choices = logits.argmax(-1).view(len(requests), nodes)
         by_row = logits.view(len(requests), nodes, -1)
         for params, rows, uniforms in sampled:
-            choices[rows] = sampled_tokens(by_row[rows].flatten(0, 1), params, uniforms).view(len(rows), nodes)
+            choices[rows] = sampled_tokens(by_row[rows].flatten(0, 1), params, uniforms).view(
+                len(rows), nodes
+            )
         return choices.flatten()
+
     return choose

@@ -47,28 +47,45 @@ class Engine:
     how much each row speculates is the `SpeculationPolicy`'s call."""
 
     def __init__(
-        self, runner: ModelRunner, mixer: Mixer, eos_token_ids: Sequence[int], max_context: int,
-        scheduler_config: SchedulerConfig = SchedulerConfig(), grammars: GrammarCompiler | None = None,
+        self,
+        runner: ModelRunner,
+        mixer: Mixer,
+        eos_token_ids: Sequence[int],
+        max_context: int,
+        scheduler_config: SchedulerConfig = SchedulerConfig(),
+        grammars: GrammarCompiler | None = None,
         device_round: bool | None = None,
     ) -> None:
         """`device_round`: run the steps it can take on the model's device
         (`service/device_round/`); None: where that device is a GPU."""
         self.runner = runner
-        self.grammars = grammars  # compiles structured output's grammars (None: the engine has no tokenizer)
+        self.grammars = (
+            grammars  # compiles structured output's grammars (None: the engine has no tokenizer)
+        )
         self.mixer = mixer
         self.policy = SpeculationPolicy(max_context)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.cache = runner.new_cache()
         # the draft models' rows count against the KV budget too (an upper bound: all of them per request)
-        self.scheduler = Scheduler(scheduler_config.for_device(runner.device.type), self.cache,
-                                   runner.kv_bytes_per_token + mixer.kv_bytes_per_token)
+        self.scheduler = Scheduler(
+            scheduler_config.for_device(runner.device.type),
+            self.cache,
+            runner.kv_bytes_per_token + mixer.kv_bytes_per_token,
+        )
         self._ids = itertools.count()
         host = HostStep(runner, self.cache, mixer, self.policy, self.scheduler)
         on_gpu = runner.device.type == "cuda"
-        self.device_round = DeviceRound(runner, mixer) if (on_gpu if device_round is None else device_round) else None
-        self._path: HostStep | DeviceStep = host if self.device_round is None else DeviceStep(
-            self.device_round, host, runner, self.policy)  # where every step runs
+        self.device_round = (
+            DeviceRound(runner, mixer)
+            if (on_gpu if device_round is None else device_round)
+            else None
+        )
+        self._path: HostStep | DeviceStep = (
+            host
+            if self.device_round is None
+            else DeviceStep(self.device_round, host, runner, self.policy)
+        )  # where every step runs
 
     @property
     def profile(self) -> CostProfile | None:
@@ -85,7 +102,9 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: Sequence[int], params: GenerationParams, request_id: str | None = None) -> Request:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: GenerationParams, request_id: str | None = None
+    ) -> Request:
         """Queue a request (raises `ContextTooLong` or `DoesNotFit` if it can never run,
         `GrammarError` for a grammar it cannot follow, and `ValueError` for a logit_bias token
         outside the vocabulary)."""
@@ -101,12 +120,17 @@ class Engine:
             calibration=self.calibration.for_request(),
             uniforms=None if params.sampling.greedy else PositionUniforms(params.sampling.seed),
             stop_ids=self.eos_token_ids | params.stop_token_ids,
-            logits_adjuster=LogitsAdjuster.for_request(params.sampling, prompt_ids, self.runner.vocab_size,
-                                                       self.runner.device),
+            logits_adjuster=LogitsAdjuster.for_request(
+                params.sampling, prompt_ids, self.runner.vocab_size, self.runner.device
+            ),
             constraint=constraint,
         )
-        if constraint is not None:  # drafts are cut where they leave the grammar; its forced text is one
-            request.drafts.restrict(constraint.legal_lengths, ForcedText(constraint, self.grammars.encode))  # type: ignore[union-attr]
+        if (
+            constraint is not None
+        ):  # drafts are cut where they leave the grammar; its forced text is one
+            request.drafts.restrict(
+                constraint.legal_lengths, ForcedText(constraint, self.grammars.encode)
+            )  # type: ignore[union-attr]
         self.scheduler.add(request)
         return request
 
@@ -115,7 +139,9 @@ class Engine:
         if params.grammar is None:
             return None
         if self.grammars is None:
-            raise GrammarError("structured output needs the model's tokenizer", params.grammar.field)
+            raise GrammarError(
+                "structured output needs the model's tokenizer", params.grammar.field
+            )
         return Constraint(self.grammars.compile(params.grammar), sorted(self.eos_token_ids))
 
     def check_fits(self, num_prompt_tokens: int, params: GenerationParams) -> None:
@@ -165,7 +191,11 @@ class Engine:
         rows = []
         for request in self.scheduler.running:
             chunk = schedule.prefill_tokens.get(request, 0)
-            rows.append(StepRow(request, request.prompt_ids[request.num_cached : request.num_cached + chunk]))
+            rows.append(
+                StepRow(
+                    request, request.prompt_ids[request.num_cached : request.num_cached + chunk]
+                )
+            )
         return rows, schedule.tree_budget
 
     def _outputs(self, done: StepRounds, timer: StepTimer) -> StepOutput:
@@ -176,20 +206,35 @@ class Engine:
         for row, out in zip(rows, done.rounds):
             if isinstance(out, RoundOutput):
                 out.draft_seconds, out.forward_seconds, out.batch_size = (
-                    timer.draft_seconds, timer.forward_seconds, len(rows))
+                    timer.draft_seconds,
+                    timer.forward_seconds,
+                    len(rows),
+                )
             if out is not None:
                 results.append((row.request, out))
         stats = StepStats(
-            batch_size=len(rows), tokens=sum(row.width for row in rows),
+            batch_size=len(rows),
+            tokens=sum(row.width for row in rows),
             prefill_tokens=sum(len(row.chunk) for row in rows),
-            committed_tokens=sum(len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)),
-            seconds=timer.seconds, draft_seconds=timer.draft_seconds,
-            capture_seconds=timer.capture_seconds, pass_seconds=timer.pass_seconds,
-            wait_seconds=done.wait_seconds, syncs=done.syncs,
+            committed_tokens=sum(
+                len(out.token_ids) for _, out in results if isinstance(out, RoundOutput)
+            ),
+            seconds=timer.seconds,
+            draft_seconds=timer.draft_seconds,
+            capture_seconds=timer.capture_seconds,
+            pass_seconds=timer.pass_seconds,
+            wait_seconds=done.wait_seconds,
+            syncs=done.syncs,
         )
-        if not stats.capture_seconds:  # recording a new shape's graph is a one-off, not the shape's price
-            context = sum(r.context_length for r in self.scheduler.running) / max(len(self.scheduler.running), 1)
-            self.policy.observe_pass([row.width for row in rows], context, timer.verified - timer.drafted)
+        if (
+            not stats.capture_seconds
+        ):  # recording a new shape's graph is a one-off, not the shape's price
+            context = sum(r.context_length for r in self.scheduler.running) / max(
+                len(self.scheduler.running), 1
+            )
+            self.policy.observe_pass(
+                [row.width for row in rows], context, timer.verified - timer.drafted
+            )
         for request, out in results:
             if isinstance(out, Exception) or out.finish_reason is not None:
                 self._release(request)
@@ -218,7 +263,9 @@ class Engine:
 
     # -- offline use (benchmarks, tests): the caller owns the engine ------------------------
 
-    def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[RoundOutput]:
+    def generate(
+        self, prompt_ids: Sequence[int], params: GenerationParams
+    ) -> Iterator[RoundOutput]:
         """Yield one request's rounds until a stop token or `max_new_tokens` (stepping the
         whole engine: for callers that own it, like the benchmark)."""
         request = self.add_request(prompt_ids, params)
@@ -239,7 +286,9 @@ class Engine:
         """Run `generate` to the end and gather the result."""
         return self.complete_many([(prompt_ids, params)])[0]
 
-    def complete_many(self, requests: Sequence[tuple[Sequence[int], GenerationParams]]) -> list[Completion]:
+    def complete_many(
+        self, requests: Sequence[tuple[Sequence[int], GenerationParams]]
+    ) -> list[Completion]:
         """Run several requests together in one batch to the end; one `Completion` each."""
         started = time.perf_counter()
         added = [self.add_request(prompt, params) for prompt, params in requests]

@@ -32,8 +32,14 @@ T = TypeVar("T")
 class HostStep:
     """Runs a step with drafting, verification and the KV commit on the host."""
 
-    def __init__(self, runner: ModelRunner, cache: TreeKVCache, mixer: Mixer, policy: SpeculationPolicy,
-                 scheduler: Scheduler) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: TreeKVCache,
+        mixer: Mixer,
+        policy: SpeculationPolicy,
+        scheduler: Scheduler,
+    ) -> None:
         self.runner = runner
         self.cache = cache
         self.mixer = mixer
@@ -60,8 +66,16 @@ class HostStep:
         for strategy in self.mixer.batched.values():  # a self-draft drafts in this engine's KV rows
             if isinstance(strategy, ModelDrafter):
                 strategy.bind_target(self.cache, self._kv_row_of)
-        self.mixer.prepare([(row.request.drafts, row.request.speculation.k,
-                             policy.max_depth(row.request, row.request.speculation.w)) for row in speculating])
+        self.mixer.prepare(
+            [
+                (
+                    row.request.drafts,
+                    row.request.speculation.k,
+                    policy.max_depth(row.request, row.request.speculation.w),
+                )
+                for row in speculating
+            ]
+        )
         return policy.trees(rows, speculating, budget, pricing)
 
     def _kv_row_of(self, history: TokenHistory) -> int:
@@ -70,16 +84,21 @@ class HostStep:
         assert kv_row is not None
         return kv_row
 
-    def _verify(self, rows: list[StepRow], logits: list[torch.Tensor],
-                timer: StepTimer) -> list[RoundOutput | Exception | None]:
+    def _verify(
+        self, rows: list[StepRow], logits: list[torch.Tensor], timer: StepTimer
+    ) -> list[RoundOutput | Exception | None]:
         """Verify every row against the pass, let its drafts learn, and commit the KV entries
         the rows keep, all rows together. A row's round, its error, or None for a prefill chunk."""
         with timer.learning():
             top_ids = self._top_ids(rows, logits)
         adjusted = [_adjusted(row, row_logits) for row, row_logits in zip(rows, logits)]
         commits: dict[int, list[int]] = {}  # KV row -> pass entries kept
-        rounds = [self._verify_row(row, *row_outputs, commits, timer)
-                  for row, *row_outputs in zip(rows, logits, adjusted, top_ids, self._greedy_choices(rows, adjusted))]
+        rounds = [
+            self._verify_row(row, *row_outputs, commits, timer)
+            for row, *row_outputs in zip(
+                rows, logits, adjusted, top_ids, self._greedy_choices(rows, adjusted)
+            )
+        ]
         self.cache.commit_rows(commits)
         for row in rows:
             if row.chunk:  # a prompt's blocks serve the requests that share them from now on
@@ -87,9 +106,16 @@ class HostStep:
         timer.mark_verified()
         return rounds
 
-    def _verify_row(self, row: StepRow, logits: torch.Tensor, adjusted: torch.Tensor, top_ids: np.ndarray | None,
-                    greedy: list[int] | None, commits: dict[int, list[int]],
-                    timer: StepTimer) -> RoundOutput | Exception | None:
+    def _verify_row(
+        self,
+        row: StepRow,
+        logits: torch.Tensor,
+        adjusted: torch.Tensor,
+        top_ids: np.ndarray | None,
+        greedy: list[int] | None,
+        commits: dict[int, list[int]],
+        timer: StepTimer,
+    ) -> RoundOutput | Exception | None:
         """A row's prompt chunk joins its cache row; a decoding row's tree is verified (on its
         `adjusted` logits), the pass entries its KV row keeps go into `commits`, and its drafts
         learn the outcome."""
@@ -100,20 +126,35 @@ class HostStep:
             commits[request.kv_row] = list(range(len(row.chunk)))
             return None
         try:
-            verdict = verify(tree, adjusted, request.params.sampling, request.uniforms,
-                             first_position=request.context_length, greedy=greedy,
-                             constraint=request.constraint, stop_ids=request.stop_ids)
+            verdict = verify(
+                tree,
+                adjusted,
+                request.params.sampling,
+                request.uniforms,
+                first_position=request.context_length,
+                greedy=greedy,
+                constraint=request.constraint,
+                stop_ids=request.stop_ids,
+            )
             offset = len(row.chunk)
-            commits[request.kv_row] = [*range(offset), offset, *(offset + node for node in verdict.accepted_nodes)]
+            commits[request.kv_row] = [
+                *range(offset),
+                offset,
+                *(offset + node for node in verdict.accepted_nodes),
+            ]
             if row.forecast is not None:
                 request.calibration.observe_round(tree.num_nodes > 1)
             with timer.learning():
                 _learn(row, verdict, top_ids)
             return take_round(
-                row, verdict.token_ids, [tree.strategies[i] or "" for i in verdict.accepted_nodes],
+                row,
+                verdict.token_ids,
+                [tree.strategies[i] or "" for i in verdict.accepted_nodes],
                 dict(Counter(s for s in tree.strategies[1:] if s)) if tree.num_nodes > 1 else {},
-                tree.num_nodes - 1, _logprobs(row, verdict, logits),
-                0.0 if request.constraint is None else request.constraint.take_seconds())
+                tree.num_nodes - 1,
+                _logprobs(row, verdict, logits),
+                0.0 if request.constraint is None else request.constraint.take_seconds(),
+            )
         except Exception as error:  # this request fails; the others in the pass go on
             log.exception("request %s failed", request.request_id)
             request.finish_reason = "error"
@@ -130,19 +171,34 @@ class HostStep:
         top_k = self.mixer.distribution_top_k
         if top_k == 0:
             return [None] * len(rows)
-        wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.drafts.learns_from_passes
-                  and self.policy.drafts_next_round(row)]
-        return _scattered(len(rows), wanted, top_token_ids_of_rows([logits[i] for i in wanted], top_k))
+        wanted = [
+            i
+            for i, row in enumerate(rows)
+            if row.tree is not None
+            and row.request.drafts.learns_from_passes
+            and self.policy.drafts_next_round(row)
+        ]
+        return _scattered(
+            len(rows), wanted, top_token_ids_of_rows([logits[i] for i in wanted], top_k)
+        )
 
     @staticmethod
     def _greedy_choices(rows: list[StepRow], logits: list[torch.Tensor]) -> list[list[int] | None]:
         """Each greedy unconstrained decoding row's argmax token at each of its tree's nodes (of
         the `_adjusted` logits), every row's taken together (off the CPU one device call for the
         pass, not one a row)."""
-        wanted = [i for i, row in enumerate(rows) if row.tree is not None and row.request.params.sampling.greedy
-                  and row.request.constraint is None]
-        return _scattered(len(rows), wanted,
-                          greedy_choices_of_rows([logits[i][: rows[i].tree.num_nodes] for i in wanted]))  # type: ignore[union-attr]
+        wanted = [
+            i
+            for i, row in enumerate(rows)
+            if row.tree is not None
+            and row.request.params.sampling.greedy
+            and row.request.constraint is None
+        ]
+        return _scattered(
+            len(rows),
+            wanted,
+            greedy_choices_of_rows([logits[i][: rows[i].tree.num_nodes] for i in wanted]),
+        )  # type: ignore[union-attr]
 
 
 def _adjusted(row: StepRow, logits: torch.Tensor) -> torch.Tensor:
@@ -155,12 +211,16 @@ def _adjusted(row: StepRow, logits: torch.Tensor) -> torch.Tensor:
     return adjuster(logits, row.tree, row.request.token_ids)
 
 
-def _logprobs(row: StepRow, verdict: Verdict, logits: torch.Tensor) -> Callable[[list[int]], list[TokenLogprob]] | None:
+def _logprobs(
+    row: StepRow, verdict: Verdict, logits: torch.Tensor
+) -> Callable[[list[int]], list[TokenLogprob]] | None:
     """The logprobs of the tokens a round takes, when its request asked for them."""
     asked = row.request.params.logprobs
     if asked is None:
         return None
-    return lambda token_ids: token_logprobs(logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked)
+    return lambda token_ids: token_logprobs(
+        logits, verdict.choosing_nodes[: len(token_ids)], token_ids, asked
+    )
 
 
 def _scattered(size: int, at: list[int], values: Sequence[T]) -> list[T | None]:
@@ -177,17 +237,23 @@ def _learn(row: StepRow, verdict: Verdict, top_ids: np.ndarray | None) -> None:
     drafts, tree = row.request.drafts, row.tree
     assert tree is not None
     history = drafts.history
-    root_parent = history.token_ids[-2] if len(history) > 1 else -1  # before this round's tokens join
+    root_parent = (
+        history.token_ids[-2] if len(history) > 1 else -1
+    )  # before this round's tokens join
     drafts.observe(verdict.token_ids)
     if top_ids is not None:
         stop_node = verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
         drafts.observe_distributions(_pass_distributions(tree, top_ids, stop_node, root_parent))
 
 
-def _pass_distributions(tree: TokenTree, top_ids: np.ndarray, stop_node: int, root_parent: int) -> PassDistributions:
+def _pass_distributions(
+    tree: TokenTree, top_ids: np.ndarray, stop_node: int, root_parent: int
+) -> PassDistributions:
     """What a row's pass showed, each node with the token before it (its parent's; the root's
     from the context, -1 where it has none)."""
     tokens = np.asarray(tree.token_ids)
-    parent_tokens = tokens[tree.parents]  # the root's parent index, -1, reads the last node: replaced
+    parent_tokens = tokens[
+        tree.parents
+    ]  # the root's parent index, -1, reads the last node: replaced
     parent_tokens[0] = root_parent
     return PassDistributions(tokens, top_ids, stop_node, parent_tokens)

@@ -35,39 +35,63 @@ class LogitsAdjuster:
     """One request's logit_bias and penalties, with the counts of its generated tokens, kept
     up to date from its committed tokens before each round."""
 
-    def __init__(self, sampling: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> None:
         if any(token >= vocab_size for token in sampling.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab_size})")
         self.sampling = sampling
         self.num_prompt_tokens = len(prompt_ids)
         self.bias = _dense(sampling.logit_bias, vocab_size, device)  # [vocab] or None
-        self.prompt_seen = None if sampling.repetition_penalty == 1 else (
-            token_counts(prompt_ids, vocab_size, device) > 0)  # [vocab] bool
+        self.prompt_seen = (
+            None
+            if sampling.repetition_penalty == 1
+            else (token_counts(prompt_ids, vocab_size, device) > 0)
+        )  # [vocab] bool
         self.output_counts = torch.zeros(vocab_size, device=device)  # [vocab]
         self._counted = 0  # output tokens in `output_counts`
 
     @classmethod
-    def for_request(cls, sampling: SamplingParams, prompt_ids: Sequence[int], vocab_size: int,
-                    device: torch.device) -> LogitsAdjuster | None:
+    def for_request(
+        cls,
+        sampling: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> LogitsAdjuster | None:
         """An adjuster, or None for a request that asks for no adjustment (the common case)."""
         return cls(sampling, prompt_ids, vocab_size, device) if sampling.adjusts_logits else None
 
-    def __call__(self, logits: torch.Tensor, tree: TokenTree, token_ids: Sequence[int]) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, tree: TokenTree, token_ids: Sequence[int]
+    ) -> torch.Tensor:
         """The [num_nodes, vocab] logits of `tree`'s nodes (a new tensor), each adjusted from
         its own path; `token_ids` are the request's committed tokens, prompt then output."""
         new = token_ids[self.num_prompt_tokens + self._counted :]
         if new:
-            self.output_counts += token_counts(new, len(self.output_counts), self.output_counts.device)
+            self.output_counts += token_counts(
+                new, len(self.output_counts), self.output_counts.device
+            )
             self._counted += len(new)
         counts = self.output_counts[None]  # [1, vocab]: a plain round's one node
         if tree.num_nodes > 1:
             counts = counts + path_counts(tree, len(self.output_counts), self.output_counts.device)
-        return adjusted_logits(logits[: tree.num_nodes], counts, self.prompt_seen, self.bias, self.sampling)
+        return adjusted_logits(
+            logits[: tree.num_nodes], counts, self.prompt_seen, self.bias, self.sampling
+        )
 
 
-def adjusted_logits(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: torch.Tensor | None,
-                    bias: torch.Tensor | None, sampling: SamplingParams) -> torch.Tensor:
+def adjusted_logits(
+    logits: torch.Tensor,
+    counts: torch.Tensor,
+    prompt_seen: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    sampling: SamplingParams,
+) -> torch.Tensor:
     """logits [n, vocab] after logit_bias ([vocab]), the repetition penalty (over tokens in the
     prompt, `prompt_seen` [vocab], or the output) and the frequency and presence penalties
     (over the output's `counts` [n, vocab]). Out of place: the caller's logits stay raw."""
@@ -87,7 +111,9 @@ def path_counts(tree: TokenTree, vocab_size: int, device: torch.device) -> torch
     """[num_nodes, vocab]: how often each token occurs on the path from the root (excluded)
     down to each node (included): one scatter of the (node, ancestor) pairs, at most
     num_nodes × depth of them."""
-    ancestors = tree.ancestor_mask()  # [num_nodes, num_nodes]: column j on row i if j is i or above it
+    ancestors = (
+        tree.ancestor_mask()
+    )  # [num_nodes, num_nodes]: column j on row i if j is i or above it
     ancestors[:, 0] = False  # the root is a committed token, counted already
     nodes, on_path = np.nonzero(ancestors)
     tokens = np.asarray(tree.token_ids)[on_path]
@@ -107,5 +133,7 @@ def _dense(bias: Mapping[int, float], vocab_size: int, device: torch.device) -> 
     if not bias:
         return None
     dense = torch.zeros(vocab_size, device=device)
-    dense[torch.tensor(list(bias), device=device)] = torch.tensor(list(bias.values()), device=device)
+    dense[torch.tensor(list(bias), device=device)] = torch.tensor(
+        list(bias.values()), device=device
+    )
     return dense

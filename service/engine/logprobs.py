@@ -24,17 +24,23 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
-def token_logprobs(logits: torch.Tensor, nodes: Sequence[int], token_ids: Sequence[int], top: int) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor, nodes: Sequence[int], token_ids: Sequence[int], top: int
+) -> list[TokenLogprob]:
     """The logprob of `token_ids[i]` under the logits of tree node `nodes[i]`, with its top-`top`.
 
     logits: [num_nodes, vocab]; `nodes` are the root then the accepted nodes, whose choices
     are the round's committed tokens in order.
     """
     logprobs = torch.log_softmax(logits[list(nodes)].float(), dim=-1)  # [len(nodes), vocab]
-    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logprobs.device)[:, None])[:, 0].tolist()
+    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logprobs.device)[:, None])[
+        :, 0
+    ].tolist()
     best = logprobs.topk(top, dim=-1) if top > 0 else None
     out = []
     for i, token in enumerate(token_ids):
-        alternatives = [] if best is None else list(zip(best.indices[i].tolist(), best.values[i].tolist()))
+        alternatives = (
+            [] if best is None else list(zip(best.indices[i].tolist(), best.values[i].tolist()))
+        )
         out.append(TokenLogprob(token, chosen[i], alternatives))
     return out

@@ -30,7 +30,9 @@ class RoundOutput:
     predicted_tokens_per_second: float | None = None  # the controller's forecast (auto mode)
     batch_size: int = 1  # requests in the pass
     logprobs: list[TokenLogprob] | None = None  # one per token in `token_ids`, when asked for
-    grammar_seconds: float = 0.0  # of the step, this request's structured output (masks, drafts cut, ...)
+    grammar_seconds: float = (
+        0.0  # of the step, this request's structured output (masks, drafts cut, ...)
+    )
 
     @property
     def realized_tokens_per_second(self) -> float:
@@ -46,8 +48,12 @@ class StepStats:
     prefill_tokens: int
     committed_tokens: int  # tokens all requests committed
     seconds: float
-    draft_seconds: float  # of `seconds`: planning, drafting and learning (what plain decoding does not do)
-    capture_seconds: float = 0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes (once per shape)
+    draft_seconds: (
+        float  # of `seconds`: planning, drafting and learning (what plain decoding does not do)
+    )
+    capture_seconds: float = (
+        0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes (once per shape)
+    )
     # of `seconds`: the forward call (on a GPU it returns once the device has run the pass: the
     # logits are gathered by an index from the host, a copy that waits); the rest, `seconds -
     # draft_seconds - pass_seconds`, is verification and the KV commit
@@ -87,7 +93,9 @@ class Completion:
         self.forward_seconds += round_output.forward_seconds
         self.grammar_seconds += round_output.grammar_seconds
         if round_output.predicted_tokens_per_second:
-            self.predicted_seconds += len(round_output.token_ids) / round_output.predicted_tokens_per_second
+            self.predicted_seconds += (
+                len(round_output.token_ids) / round_output.predicted_tokens_per_second
+            )
 
     @property
     def tokens_per_pass(self) -> float:

@@ -9,7 +9,6 @@ from typing import Literal
 
 from service.grammar import GrammarSpec
 
-
 SpeculationMode = Literal["off", "fixed", "auto"]
 
 
@@ -65,15 +64,21 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = no top-k cut
     seed: int | None = None
-    min_p: float = 0.0  # keep tokens with p >= min_p × the largest p (after temperature); 0 = no cut
+    min_p: float = (
+        0.0  # keep tokens with p >= min_p × the largest p (after temperature); 0 = no cut
+    )
     frequency_penalty: float = 0.0  # subtracted once per occurrence of the token in the output
     presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
-    repetition_penalty: float = 1.0  # divides (multiplies, if negative) logits of prompt and output tokens
+    repetition_penalty: float = (
+        1.0  # divides (multiplies, if negative) logits of prompt and output tokens
+    )
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
-            raise ValueError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {self.temperature}")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -88,14 +93,20 @@ class SamplingParams:
         """logit_bias and the penalties within OpenAI's ranges (repetition_penalty within float32's)."""
         for name in ("frequency_penalty", "presence_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+                raise ValueError(
+                    f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}"
+                )
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
-                             f"got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                f"got {self.repetition_penalty}"
+            )
         for token, bias in self.logit_bias.items():
             if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias: token ids must be >= 0 and biases in "
-                                 f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {token}: {bias}")
+                raise ValueError(
+                    f"logit_bias: token ids must be >= 0 and biases in "
+                    f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {token}: {bias}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -104,8 +115,12 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether logit_bias or a penalty asks for anything: requests without them skip that work."""
-        return (bool(self.logit_bias) or self.frequency_penalty != 0 or self.presence_penalty != 0
-                or self.repetition_penalty != 1)
+        return (
+            bool(self.logit_bias)
+            or self.frequency_penalty != 0
+            or self.presence_penalty != 0
+            or self.repetition_penalty != 1
+        )
 
 
 @dataclass(frozen=True)
@@ -117,7 +132,9 @@ class GenerationParams:
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     strategy: str = "mixed"  # a draft strategy name, or "mixed" for all of them
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    logprobs: int | None = None  # None: none; n: each token's logprob and its n likeliest alternatives
+    logprobs: int | None = (
+        None  # None: none; n: each token's logprob and its n likeliest alternatives
+    )
     grammar: GrammarSpec | None = None  # structured output: what the output must match
 
     def __post_init__(self) -> None:

@@ -13,7 +13,14 @@ from collections.abc import Callable, Collection, Sequence
 
 from service.controller.calibration import Calibration
 from service.controller.cost_profile import CostProfile, PassCost, PassShape
-from service.controller.planner import PLAIN, RowCandidates, RowTree, TreePlan, best_draft_pays, plan_trees
+from service.controller.planner import (
+    PLAIN,
+    RowCandidates,
+    RowTree,
+    TreePlan,
+    best_draft_pays,
+    plan_trees,
+)
 from service.engine.request import Request
 from service.engine.step_row import StepRow
 from service.model.tree import build_tree
@@ -34,7 +41,9 @@ class SpeculationPolicy:
         self.max_context = max_context
         self.profile: CostProfile | None = None  # set once measured; auto mode needs it
         self.calibration = Calibration()  # how far auto mode's forecasts fall from what happens
-        self._last_cost: tuple[float, int, CostProfile, PassCost] | None = None  # `pass_cost`'s last answer
+        self._last_cost: tuple[float, int, CostProfile, PassCost] | None = (
+            None  # `pass_cost`'s last answer
+        )
 
     # -- who drafts -----------------------------------------------------------------------
 
@@ -85,17 +94,38 @@ class SpeculationPolicy:
         cost, fixed, prefill_seconds = pricing
         depth = max(self.max_depth(row.request, row.request.speculation.w) for row in drafting)
         best = drafting[0].request.drafts.mixer.best_acceptance(depth)  # one mixer per engine
-        if budget > 0 and best_draft_pays(cost, fixed, len(decoding), max(row.width + 1 for row in drafting), depth,
-                                          prefill_seconds, self.calibration.host.row_seconds, best):
+        if budget > 0 and best_draft_pays(
+            cost,
+            fixed,
+            len(decoding),
+            max(row.width + 1 for row in drafting),
+            depth,
+            prefill_seconds,
+            self.calibration.host.row_seconds,
+            best,
+        ):
             return speculating, pricing
-        prober = next((row for row in drafting if row.request.calibration.due_for_probe and self.calibration.may_probe),
-                      None)
-        return [row for row in speculating if not self.is_auto(row.request) or row is prober], pricing
+        prober = next(
+            (
+                row
+                for row in drafting
+                if row.request.calibration.due_for_probe and self.calibration.may_probe
+            ),
+            None,
+        )
+        return [
+            row for row in speculating if not self.is_auto(row.request) or row is prober
+        ], pricing
 
     # -- the trees ------------------------------------------------------------------------
 
-    def trees(self, rows: Sequence[StepRow], speculating: Collection[StepRow], budget: int,
-              pricing: Pricing | None) -> list[StepRow]:
+    def trees(
+        self,
+        rows: Sequence[StepRow],
+        speculating: Collection[StepRow],
+        budget: int,
+        pricing: Pricing | None,
+    ) -> list[StepRow]:
         """The step's rows, each decoding one with its tree: a fixed-mode row's drafts while the
         pass has room for them (else its root alone), the auto rows' as the controller plans
         them jointly (`plan`), a plain row's root. `speculating` and `pricing`: `gate`'s."""
@@ -113,26 +143,48 @@ class SpeculationPolicy:
         if not auto:
             return decided
         # fixed-mode trees that grew the pass make the gate's pricing stale
-        plan = self.plan(auto, decided, budget, set(speculating), pricing if all(
-            row.tree is None or row.tree.num_nodes == 1 for row in decided) else None)
+        plan = self.plan(
+            auto,
+            decided,
+            budget,
+            set(speculating),
+            pricing
+            if all(row.tree is None or row.tree.num_nodes == 1 for row in decided)
+            else None,
+        )
         chosen = {id(row): choice for row, choice in zip(auto, plan.trees)}
-        return [self._auto_tree(row, chosen[id(row)], plan) if id(row) in chosen else row for row in decided]
+        return [
+            self._auto_tree(row, chosen[id(row)], plan) if id(row) in chosen else row
+            for row in decided
+        ]
 
     def _fixed_tree(self, row: StepRow, drafts: bool, budget: int) -> StepRow:
         request, spec = row.request, row.request.speculation
         proposed = request.drafts.propose(spec.k, self.max_depth(request, spec.w)) if drafts else []
-        tree = build_tree(request.drafts.history.last_token, proposed, max_nodes=1 + min(spec.k * spec.w, budget))
+        tree = build_tree(
+            request.drafts.history.last_token, proposed, max_nodes=1 + min(spec.k * spec.w, budget)
+        )
         return row.with_tree(tree, *((spec.k, spec.w) if spec.mode == "fixed" else (0, 0)))
 
     def _auto_tree(self, row: StepRow, choice: RowTree, plan: TreePlan) -> StepRow:
         """An auto row with the tree the plan chose for it (its drafts told what was taken)."""
         row.request.drafts.chosen(choice.drafts)
         forecast = choice.expected_tokens / (plan.seconds * self.calibration.level.factor())
-        return row.with_tree(build_tree(row.request.drafts.history.last_token, choice.drafts), choice.k, choice.w,
-                             forecast)
+        return row.with_tree(
+            build_tree(row.request.drafts.history.last_token, choice.drafts),
+            choice.k,
+            choice.w,
+            forecast,
+        )
 
-    def plan(self, auto: Sequence[StepRow], rows: Sequence[StepRow], budget: int, drafted: Collection[StepRow],
-             pricing: Pricing | None) -> TreePlan:
+    def plan(
+        self,
+        auto: Sequence[StepRow],
+        rows: Sequence[StepRow],
+        budget: int,
+        drafted: Collection[StepRow],
+        pricing: Pricing | None,
+    ) -> TreePlan:
         """The controller's trees for the auto rows; rows not in `drafted` are priced as plain
         rows. `pricing`: the pass's, when taken already this step and still right."""
         shapes = self.calibration
@@ -145,21 +197,37 @@ class SpeculationPolicy:
         for row in auto:
             request, spec = row.request, row.request.speculation
             w = self.max_depth(request, spec.w)
-            candidates.append(RowCandidates(
-                request.drafts.candidates(spec.k, w) if row in drafted else [], spec.k, w,
-                probe=request.calibration.due_for_probe and may_probe,
-                width=row.width + 1,
-            ))
+            candidates.append(
+                RowCandidates(
+                    request.drafts.candidates(spec.k, w) if row in drafted else [],
+                    spec.k,
+                    w,
+                    probe=request.calibration.due_for_probe and may_probe,
+                    width=row.width + 1,
+                )
+            )
         shapes.host.observe(time.perf_counter() - began, sum(1 for row in auto if row in drafted))
         if shapes.plain_is_stale(fixed.tokens, len(rows)) and shapes.level.rounds > 0:
             budget = 0  # a plain probe: keeps the relative cost of speculating measured
-        plan = plan_trees(candidates, cost, fixed, fixed_expected, budget, prefill_seconds=prefill_seconds,
-                          row_host_seconds=shapes.host.row_seconds)
+        plan = plan_trees(
+            candidates,
+            cost,
+            fixed,
+            fixed_expected,
+            budget,
+            prefill_seconds=prefill_seconds,
+            row_host_seconds=shapes.host.row_seconds,
+        )
         shapes.count_pass(plan.probed)
         return plan
 
-    def _plain(self, auto: Sequence[StepRow], cost: Callable[[PassShape], float], fixed: PassShape,
-               fixed_expected: int) -> TreePlan:
+    def _plain(
+        self,
+        auto: Sequence[StepRow],
+        cost: Callable[[PassShape], float],
+        fixed: PassShape,
+        fixed_expected: int,
+    ) -> TreePlan:
         """The plan of a step where no auto row drafted (a quiet step): every auto row its root
         alone, priced as the plain pass, as `plan_trees` would choose, without the search's
         host work around it (the rows' candidates, the probe and host clocks), which right
@@ -176,14 +244,20 @@ class SpeculationPolicy:
         context = sum(r.request.context_length for r in rows) / len(rows)
 
         def pricing(num_rows: int) -> Callable[[PassShape], float]:
-            seconds, factor = self.pass_cost(context, num_rows).seconds, shapes.size_factor(num_rows)
+            seconds, factor = (
+                self.pass_cost(context, num_rows).seconds,
+                shapes.size_factor(num_rows),
+            )
             return lambda shape: seconds(shape) * factor(shape.tokens)
 
         cost = pricing(len(rows))
         prefill_seconds = 0.0
         if any(row.chunk for row in rows):  # what the pass would cost without its prompt chunks
-            decode_widths = [row.width - len(row.chunk) + (row in roots)
-                             for row in rows if row.tree is not None or row in roots]
+            decode_widths = [
+                row.width - len(row.chunk) + (row in roots)
+                for row in rows
+                if row.tree is not None or row in roots
+            ]
             decode_only = pricing(len(decode_widths))(pass_shape(decode_widths))
             prefill_seconds = max(cost(fixed) - decode_only, 0.0)
         return cost, fixed, prefill_seconds

@@ -37,7 +37,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, vocab]
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)  # keeps the top one
+        sorted_probs = sorted_probs.masked_fill(
+            mass_before >= params.top_p, 0.0
+        )  # keeps the top one
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
@@ -50,7 +52,9 @@ def _min_p_cut(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
     return scaled.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
 
 
-def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> list[int]:
+def choose_tokens(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
+) -> list[int]:
     """The token chosen after each node: argmax when greedy, else F⁻¹_p(u) per node.
 
     logits: [n, vocab]; uniforms: [n], the u of the position each node's choice would fill.
@@ -61,7 +65,9 @@ def choose_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.
     return sampled_tokens(logits, params, uniforms).tolist()
 
 
-def sampled_tokens(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor) -> torch.Tensor:
+def sampled_tokens(
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor
+) -> torch.Tensor:
     """F⁻¹_p(u) per node ([n, vocab] logits, [n] uniforms → [n] ids), on the logits' device:
     what `choose_tokens` returns when sampling, left there (a device round reads it there)."""
     cdf = target_probs(logits, params).cumsum(dim=-1)  # [n, vocab]
@@ -92,25 +98,34 @@ def top_token_ids(logits: torch.Tensor, k: int) -> np.ndarray:
     return torch.topk(logits, k, dim=-1).indices.cpu().numpy()
 
 
-def greedy_choices_of_rows(logits: list[torch.Tensor], together: bool | None = None) -> list[list[int]]:
+def greedy_choices_of_rows(
+    logits: list[torch.Tensor], together: bool | None = None
+) -> list[list[int]]:
     """`greedy_choices` of each row's logits. `together` (default: off the CPU) takes all rows
     in one call: a call per row would wait for the device and copy back once per running
     request; on the CPU a call per row reads the rows where they are."""
     return _each_row(logits, greedy_choices, together)
 
 
-def top_token_ids_of_rows(logits: list[torch.Tensor], k: int, together: bool | None = None) -> list[np.ndarray]:
+def top_token_ids_of_rows(
+    logits: list[torch.Tensor], k: int, together: bool | None = None
+) -> list[np.ndarray]:
     """`top_token_ids` of each row's logits (k at most its vocabulary), `together` as in
     `greedy_choices_of_rows`."""
     return _each_row(logits, lambda rows: top_token_ids(rows, min(k, rows.shape[-1])), together)
 
 
-def _each_row(logits: list[torch.Tensor], take: Callable[[torch.Tensor], Any], together: bool | None) -> list[Any]:
+def _each_row(
+    logits: list[torch.Tensor], take: Callable[[torch.Tensor], Any], together: bool | None
+) -> list[Any]:
     """`take` of each row's logits, or of all rows at once and split back into rows."""
     if not logits or not (logits[0].device.type != "cpu" if together is None else together):
         return [take(row) for row in logits]
     flat = take(torch.cat(logits))
-    return [flat[end - len(row) : end] for row, end in zip(logits, itertools.accumulate(map(len, logits)))]
+    return [
+        flat[end - len(row) : end]
+        for row, end in zip(logits, itertools.accumulate(map(len, logits)))
+    ]
 
 
 class PositionUniforms:
@@ -128,6 +143,8 @@ class PositionUniforms:
         """[len(positions)] uniforms; a position always gets the same one."""
         needed = max(positions, default=-1) + 1
         if needed > len(self._drawn):
-            extra = torch.rand(max(needed - len(self._drawn), 64), generator=self.generator, dtype=torch.float64)
+            extra = torch.rand(
+                max(needed - len(self._drawn), 64), generator=self.generator, dtype=torch.float64
+            )
             self._drawn = torch.cat([self._drawn.double(), extra])
         return self._drawn[positions]

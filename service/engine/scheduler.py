@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 from drafting import common_prefix
 from service.controller.cost_profile import CostProfile, PassShape
+from service.engine.request import Request, Status
 from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
 from service.model.prefix_cache import BLOCK_TOKENS, PrefixCache
-from service.engine.request import Request, Status
 
 
 @dataclass(frozen=True)
@@ -61,16 +61,25 @@ class SchedulerConfig:
     max_running_requests: int | None = None  # None: by device (`for_device`)
     max_tokens_per_pass: int = 512  # prefill chunks + decode tokens + tree nodes in one pass
     kv_cache_bytes: int | None = None  # budget of the KV buffers; None = unbounded
-    max_prefill_tokens_while_decoding: int | None = None  # a fixed cap; None: priced by `prefill_pass_ms`
+    max_prefill_tokens_while_decoding: int | None = (
+        None  # a fixed cap; None: priced by `prefill_pass_ms`
+    )
     # while others decode, a pass that carries prompt chunks is sized to cost about this much
     prefill_pass_ms: float = 100.0
     prefix_cache: bool = True  # keep computed KV blocks for later requests with the same prefix
-    unpriced_prefill_tokens: int | None = None  # the cap until a cost profile prices one: `for_device`
+    unpriced_prefill_tokens: int | None = (
+        None  # the cap until a cost profile prices one: `for_device`
+    )
 
     def __post_init__(self) -> None:
-        if (self.max_running_requests is not None and self.max_running_requests < 1) or self.max_tokens_per_pass < 1:
+        if (
+            self.max_running_requests is not None and self.max_running_requests < 1
+        ) or self.max_tokens_per_pass < 1:
             raise ValueError("max_running_requests and max_tokens_per_pass must be >= 1")
-        if self.max_prefill_tokens_while_decoding is not None and self.max_prefill_tokens_while_decoding < 1:
+        if (
+            self.max_prefill_tokens_while_decoding is not None
+            and self.max_prefill_tokens_while_decoding < 1
+        ):
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
         if self.prefill_pass_ms <= 0:
             raise ValueError("prefill_pass_ms must be > 0")
@@ -79,9 +88,13 @@ class SchedulerConfig:
         """This config with the batch size and the unpriced prefill cap resolved for a device
         ("cpu", "cuda", ...)."""
         cpu = device_type == "cpu"
-        running = self.max_running_requests or (CPU_MAX_RUNNING_REQUESTS if cpu else GPU_MAX_RUNNING_REQUESTS)
+        running = self.max_running_requests or (
+            CPU_MAX_RUNNING_REQUESTS if cpu else GPU_MAX_RUNNING_REQUESTS
+        )
         unpriced = CPU_PREFILL_TOKENS_WHILE_DECODING if cpu else self.max_tokens_per_pass
-        return dataclasses.replace(self, max_running_requests=running, unpriced_prefill_tokens=unpriced)
+        return dataclasses.replace(
+            self, max_running_requests=running, unpriced_prefill_tokens=unpriced
+        )
 
 
 CPU_PREFILL_TOKENS_WHILE_DECODING = 64  # until a cost profile is in use
@@ -120,9 +133,13 @@ def kv_capacity_bound(max_tokens: int) -> int:
 class Scheduler:
     """Owns the waiting queue and the running batch; `running[i]` holds KV row i."""
 
-    def __init__(self, config: SchedulerConfig, cache: TreeKVCache, kv_bytes_per_token: int) -> None:
+    def __init__(
+        self, config: SchedulerConfig, cache: TreeKVCache, kv_bytes_per_token: int
+    ) -> None:
         if config.max_running_requests is None or config.unpriced_prefill_tokens is None:
-            raise ValueError("the scheduler takes a config resolved for its device (SchedulerConfig.for_device)")
+            raise ValueError(
+                "the scheduler takes a config resolved for its device (SchedulerConfig.for_device)"
+            )
         self.config = config
         self.max_running: int = config.max_running_requests
         self.unpriced_prefill_tokens: int = config.unpriced_prefill_tokens
@@ -144,7 +161,10 @@ class Scheduler:
         if not requests:
             return 0
         held = self.cache.held_rows
-        capacity = max(kv_capacity_bound(max(r.max_kv_tokens for r in requests)), self.cache.capacity if held else 0)
+        capacity = max(
+            kv_capacity_bound(max(r.max_kv_tokens for r in requests)),
+            self.cache.capacity if held else 0,
+        )
         return max(self.cache.buffer_rows(len(requests)), held) * capacity * self.kv_bytes_per_token
 
     def _row_bytes(self, kv_tokens: int) -> int:
@@ -184,7 +204,9 @@ class Scheduler:
             if self.prefix is not None:
                 if budget is not None:
                     self.prefix.evict_until(budget - bound)
-                candidate.num_cached = self.prefix.load(self.cache, candidate.kv_row, candidate.prompt_ids)
+                candidate.num_cached = self.prefix.load(
+                    self.cache, candidate.kv_row, candidate.prompt_ids
+                )
             self.running.append(candidate)
             admitted.append(candidate)
         return admitted
@@ -207,7 +229,10 @@ class Scheduler:
         cached = self.prefix.peek(prompt)
         for request in self.running:
             if request.prefill_remaining > 0:
-                ahead = common_prefix(prompt, request.prompt_ids[: request.num_prompt_tokens - 1]) - cached
+                ahead = (
+                    common_prefix(prompt, request.prompt_ids[: request.num_prompt_tokens - 1])
+                    - cached
+                )
                 if ahead >= BLOCK_TOKENS and 2 * ahead >= len(prompt) - cached:
                     return True
         return False
@@ -245,7 +270,9 @@ class Scheduler:
         if decoding and prefilling:
             cap = self.prefill_cap(decoding, len(prefilling))
             burst = len(prefilling) > decoding
-            prefill_left = min(left, max(cap, left * len(prefilling) // len(self.running)) if burst else cap)
+            prefill_left = min(
+                left, max(cap, left * len(prefilling) // len(self.running)) if burst else cap
+            )
         prefill: dict[Request, int] = {}
         for request in prefilling:
             chunk = max(1, min(request.prefill_remaining, prefill_left))
@@ -267,8 +294,11 @@ class Scheduler:
             return self.unpriced_prefill_tokens
         context = sum(r.context_length for r in self.running) / len(self.running)
         cost = self.profile.at(context, len(self.running))
-        fits = cost.tokens_within(config.prefill_pass_ms / 1e3, PassShape(decoding + prefilling, prefilling),
-                                  config.max_tokens_per_pass)
+        fits = cost.tokens_within(
+            config.prefill_pass_ms / 1e3,
+            PassShape(decoding + prefilling, prefilling),
+            config.max_tokens_per_pass,
+        )
         return max(fits - decoding, LEAST_PRICED_PREFILL_TOKENS)
 
     def finish(self, request: Request) -> None:

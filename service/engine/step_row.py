@@ -71,10 +71,15 @@ class PassFailed(Exception):
     """The step's pass failed: every request in it ends (the engine goes on)."""
 
 
-def take_round(row: StepRow, committed: list[int], accepted_strategies: list[str],
-               drafted_by_strategy: dict[str, int], num_draft_tokens: int,
-               logprobs: Callable[[list[int]], list[TokenLogprob]] | None = None,
-               grammar_seconds: float = 0.0) -> RoundOutput:
+def take_round(
+    row: StepRow,
+    committed: list[int],
+    accepted_strategies: list[str],
+    drafted_by_strategy: dict[str, int],
+    num_draft_tokens: int,
+    logprobs: Callable[[list[int]], list[TokenLogprob]] | None = None,
+    grammar_seconds: float = 0.0,
+) -> RoundOutput:
     """The round `row`'s request takes of the `committed` tokens (cut after a stop token or at
     its budget, `truncate`), counted on the request; the only place a `RoundOutput` is made
     (the step's times are stamped on once every row is verified). `logprobs`: a function of
@@ -90,12 +95,19 @@ def take_round(row: StepRow, committed: list[int], accepted_strategies: list[str
         num_accepted_tokens=len(accepted_strategies),
         accepted_strategies=accepted_strategies,
         drafted_by_strategy=drafted_by_strategy,
-        draft_seconds=0.0, forward_seconds=0.0, finish_reason=finish_reason,
-        grammar_seconds=grammar_seconds, k=row.k, w=row.w, predicted_tokens_per_second=row.forecast,
+        draft_seconds=0.0,
+        forward_seconds=0.0,
+        finish_reason=finish_reason,
+        grammar_seconds=grammar_seconds,
+        k=row.k,
+        w=row.w,
+        predicted_tokens_per_second=row.forecast,
     )
 
 
-def truncate(token_ids: list[int], stops: frozenset[int], budget: int) -> tuple[list[int], str | None]:
+def truncate(
+    token_ids: list[int], stops: frozenset[int], budget: int
+) -> tuple[list[int], str | None]:
     """Cut a round's tokens after the first stop token, or at the remaining token budget."""
     for i, token in enumerate(token_ids[:budget]):
         if token in stops:

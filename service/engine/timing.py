@@ -15,8 +15,16 @@ from types import TracebackType
 class StepTimer:
     """The marks of one step; read once the step is verified."""
 
-    __slots__ = ("started", "drafted", "passed", "verified", "learn_seconds", "_capture_before", "_capture_after",
-                 "_learn_began")
+    __slots__ = (
+        "started",
+        "drafted",
+        "passed",
+        "verified",
+        "learn_seconds",
+        "_capture_before",
+        "_capture_after",
+        "_learn_began",
+    )
 
     def __init__(self) -> None:
         self.started = self.drafted = self.passed = self.verified = time.perf_counter()
@@ -44,7 +52,12 @@ class StepTimer:
     def __enter__(self) -> None:
         self._learn_began = time.perf_counter()
 
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
         self.learn_seconds += time.perf_counter() - self._learn_began
 
     @property

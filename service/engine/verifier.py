@@ -66,7 +66,9 @@ def verify(
     A `constraint` (structured output) makes the choices one node at a time (`_walk_constrained`).
     """
     if constraint is not None:
-        return _walk_constrained(tree, logits, sampling, uniforms, first_position, constraint, stop_ids)
+        return _walk_constrained(
+            tree, logits, sampling, uniforms, first_position, constraint, stop_ids
+        )
     if greedy is not None and sampling.greedy:
         choices = greedy[: tree.num_nodes]
     else:
@@ -84,9 +86,15 @@ def verify(
     )
 
 
-def _walk_constrained(tree: TokenTree, logits: torch.Tensor, sampling: SamplingParams,
-                      uniforms: PositionUniforms | None, first_position: int, constraint: Constraint,
-                      stop_ids: frozenset[int]) -> Verdict:
+def _walk_constrained(
+    tree: TokenTree,
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    uniforms: PositionUniforms | None,
+    first_position: int,
+    constraint: Constraint,
+    stop_ids: frozenset[int],
+) -> Verdict:
     """The walk under a grammar: each node's choice is the model's over the tokens the grammar
     allows after that node's path, so only the nodes the walk reaches need their mask, and the
     constraint advances by exactly the committed tokens. Plain decoding is the one-node case,
@@ -94,17 +102,28 @@ def _walk_constrained(tree: TokenTree, logits: torch.Tensor, sampling: SamplingP
     stop token (the grammar has nothing after it)."""
     node, path = 0, []
     while True:
-        choice = _constrained_choice(logits[node], sampling, uniforms, first_position + len(path), constraint)
+        choice = _constrained_choice(
+            logits[node], sampling, uniforms, first_position + len(path), constraint
+        )
         child = tree.children[node].get(choice)
         if child is None or choice in stop_ids:
             break
         path.append(child)
         node = child
-    return Verdict(accepted_nodes=path, accepted_token_ids=[tree.token_ids[i] for i in path], bonus_token_id=choice)
+    return Verdict(
+        accepted_nodes=path,
+        accepted_token_ids=[tree.token_ids[i] for i in path],
+        bonus_token_id=choice,
+    )
 
 
-def _constrained_choice(logits: torch.Tensor, sampling: SamplingParams, uniforms: PositionUniforms | None,
-                        position: int, constraint: Constraint) -> int:
+def _constrained_choice(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    uniforms: PositionUniforms | None,
+    position: int,
+    constraint: Constraint,
+) -> int:
     """The model's choice at one node ([vocab] logits) among the tokens the grammar allows,
     accepted by the constraint. Greedy tries the unmasked argmax first: when the grammar allows
     it, it is the masked argmax too, and the mask is never computed."""

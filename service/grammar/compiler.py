@@ -27,10 +27,21 @@ import xgrammar
 GrammarKind = Literal["json_object", "json_schema", "structural_tag", "regex"]
 
 # keywords xgrammar accepts but does not enforce (checked: an instance breaking them passes)
-UNENFORCED_KEYWORDS = frozenset({
-    "not", "if", "then", "else", "uniqueItems", "dependentSchemas", "unevaluatedProperties",
-    "unevaluatedItems", "minContains", "maxContains", "$dynamicRef",
-})
+UNENFORCED_KEYWORDS = frozenset(
+    {
+        "not",
+        "if",
+        "then",
+        "else",
+        "uniqueItems",
+        "dependentSchemas",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "minContains",
+        "maxContains",
+        "$dynamicRef",
+    }
+)
 # keywords whose value maps names to subschemas, and those whose value is one subschema or a list
 _NAMED_SUBSCHEMAS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA = ("items", "additionalProperties", "propertyNames", "contains", "additionalItems")
@@ -63,12 +74,18 @@ class GrammarCompiler:
     """Compiles `GrammarSpec`s for one tokenizer (thread-safe; xgrammar caches what it compiled,
     so a schema seen before costs a lookup)."""
 
-    def __init__(self, info: xgrammar.TokenizerInfo, encode: Callable[[str], Sequence[int]]) -> None:
-        self.encode = encode  # text -> token ids, as the tokenizer spells it (the forced-text drafts)
+    def __init__(
+        self, info: xgrammar.TokenizerInfo, encode: Callable[[str], Sequence[int]]
+    ) -> None:
+        self.encode = (
+            encode  # text -> token ids, as the tokenizer spells it (the forced-text drafts)
+        )
         self._compiler = xgrammar.GrammarCompiler(info)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]) -> GrammarCompiler:
+    def for_tokenizer(
+        cls, tokenizer: Any, vocab_size: int, stop_ids: Sequence[int]
+    ) -> GrammarCompiler:
         """For a Hugging Face tokenizer; `vocab_size` is the model's (logit rows may be wider
         than the tokenizer), `stop_ids` the tokens that may end a matched output. The engine
         encodes with a copy of its own, behind a lock: a fast tokenizer used from two threads at
@@ -80,7 +97,9 @@ class GrammarCompiler:
             with lock:
                 return tuple(own.encode(text, add_special_tokens=False))
 
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids))
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_ids)
+        )
         return cls(info, encode)
 
     @classmethod
@@ -92,10 +111,17 @@ class GrammarCompiler:
         def encode(text: str) -> tuple[int, ...]:
             ids, at = [], 0
             while at < len(text):
-                size = next((n for n in range(min(longest, len(text) - at), 0, -1) if text[at:at + n] in pieces), 0)
+                size = next(
+                    (
+                        n
+                        for n in range(min(longest, len(text) - at), 0, -1)
+                        if text[at : at + n] in pieces
+                    ),
+                    0,
+                )
                 if not size:
                     break
-                ids.append(pieces.index(text[at:at + size]))
+                ids.append(pieces.index(text[at : at + size]))
                 at += size
             return tuple(ids)
 
@@ -105,11 +131,14 @@ class GrammarCompiler:
         """The compiled grammar, or `GrammarError` naming `spec.field`."""
         try:
             if spec.kind == "json_object":
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                          strict_mode=False)
+                return self._compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, strict_mode=False
+                )
             if spec.kind == "json_schema":
                 check_schema(spec.source, spec.field)
-                return self._compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+                return self._compiler.compile_json_schema(
+                    spec.source, any_whitespace=False, strict_mode=True
+                )
             if spec.kind == "structural_tag":
                 return self._compiler.compile_structural_tag(spec.source)
             if spec.kind == "regex":

@@ -46,8 +46,14 @@ from service.kernels.native import compile_ir
 LOG2E = 1.4426950408889634
 LN2_HIGH, LN2_LOW = 0.693359375, -2.12194440e-4  # ln 2 in two parts
 LOWEST_EXPONENT = -87.0  # exp(-87) is about float32's smallest normal number
-EXP_POLYNOMIAL = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-                  5.0000001201e-1)  # Cephes expf on [-ln2/2, ln2/2], highest degree first
+EXP_POLYNOMIAL = (
+    1.9875691500e-4,
+    1.3981999507e-3,
+    8.3334519073e-3,
+    4.1665795894e-2,
+    1.6666665459e-1,
+    5.0000001201e-1,
+)  # Cephes expf on [-ln2/2, ln2/2], highest degree first
 VALUE_ACCUMULATORS = 16  # vector registers the value sums may hold (heads x head_dim / lanes)
 
 
@@ -71,16 +77,27 @@ class VectorIR:
         self.vector = ir.VectorType(self.f32, self.lanes)
         self.module = ir.Module(name=module_name)
         v = self.vector
-        self.fma = ir.Function(self.module, ir.FunctionType(v, [v, v, v]), name=f"llvm.fma.v{self.lanes}f32")
-        self.floor = ir.Function(self.module, ir.FunctionType(v, [v]), name=f"llvm.floor.v{self.lanes}f32")
-        self.maxnum = ir.Function(self.module, ir.FunctionType(v, [v, v]), name=f"llvm.maxnum.v{self.lanes}f32")
-        self.reduce_max = ir.Function(self.module, ir.FunctionType(self.f32, [v]),
-                                      name=f"llvm.vector.reduce.fmax.v{self.lanes}f32")
+        self.fma = ir.Function(
+            self.module, ir.FunctionType(v, [v, v, v]), name=f"llvm.fma.v{self.lanes}f32"
+        )
+        self.floor = ir.Function(
+            self.module, ir.FunctionType(v, [v]), name=f"llvm.floor.v{self.lanes}f32"
+        )
+        self.maxnum = ir.Function(
+            self.module, ir.FunctionType(v, [v, v]), name=f"llvm.maxnum.v{self.lanes}f32"
+        )
+        self.reduce_max = ir.Function(
+            self.module,
+            ir.FunctionType(self.f32, [v]),
+            name=f"llvm.vector.reduce.fmax.v{self.lanes}f32",
+        )
 
     def begin(self, name: str, arguments: list[Any]) -> None:
         """Start the function `name(arguments...)` returning nothing; `self.b` builds its body."""
         ir = self.ir
-        self.function = ir.Function(self.module, ir.FunctionType(ir.VoidType(), arguments), name=name)
+        self.function = ir.Function(
+            self.module, ir.FunctionType(ir.VoidType(), arguments), name=name
+        )
         self.b = ir.IRBuilder(self.function.append_basic_block("entry"))
 
     # -- small helpers -------------------------------------------------------------------
@@ -92,8 +109,11 @@ class VectorIR:
         ir, b = self.ir, self.b
         vector = ir.VectorType(scalar.type, self.lanes)
         lanes = b.insert_element(ir.Constant(vector, None), scalar, ir.Constant(self.i32, 0))
-        return b.shuffle_vector(lanes, ir.Constant(vector, None),
-                                ir.Constant(ir.VectorType(self.i32, self.lanes), [0] * self.lanes))
+        return b.shuffle_vector(
+            lanes,
+            ir.Constant(vector, None),
+            ir.Constant(ir.VectorType(self.i32, self.lanes), [0] * self.lanes),
+        )
 
     def filled(self, value: float) -> Any:
         return self.ir.Constant(self.vector, [value] * self.lanes)
@@ -108,15 +128,20 @@ class VectorIR:
 
     def shuffle(self, a: Any, b_: Any, indices: list[int]) -> Any:
         ir = self.ir
-        return self.b.shuffle_vector(a, b_, ir.Constant(ir.VectorType(self.i32, len(indices)), indices))
+        return self.b.shuffle_vector(
+            a, b_, ir.Constant(ir.VectorType(self.i32, len(indices)), indices)
+        )
 
-    def loop(self, count: Any, name: str, initial: list[Any],
-             body: Callable[[Any, list[Any]], list[Any]]) -> list[Any]:
+    def loop(
+        self, count: Any, name: str, initial: list[Any], body: Callable[[Any, list[Any]], list[Any]]
+    ) -> list[Any]:
         """for i in range(count), carrying `initial` values through `body(i, values)`; the
         values after the loop."""
         b, function = self.b, self.function
         before = b.block
-        head, inside, done = (function.append_basic_block(f"{name}_{part}") for part in ("head", "body", "done"))
+        head, inside, done = (
+            function.append_basic_block(f"{name}_{part}") for part in ("head", "body", "done")
+        )
         b.branch(head)
         b.position_at_end(head)
         index = b.phi(self.i64, name)
@@ -148,8 +173,10 @@ class VectorIR:
             p = b.call(self.fma, [p, r, self.filled(coefficient)])
         e = b.fadd(b.fadd(b.fmul(b.fmul(p, r), r), r), self.filled(1.0))
         ints = ir.VectorType(self.i32, self.lanes)
-        power = b.shl(b.add(b.fptosi(k, ints), ir.Constant(ints, [127] * self.lanes)),
-                      ir.Constant(ints, [23] * self.lanes))
+        power = b.shl(
+            b.add(b.fptosi(k, ints), ir.Constant(ints, [127] * self.lanes)),
+            ir.Constant(ints, [23] * self.lanes),
+        )
         return b.fmul(e, b.bitcast(power, self.vector))
 
     def maxnum_call(self, a: Any, b_: Any) -> Any:
@@ -169,15 +196,22 @@ class _Emitter(VectorIR):
         self.group, self.head_dim, self.chunks = group, head_dim, head_dim // self.lanes
         self.entry = ir.HalfType() if half else ir.FloatType()  # the cache's keys and values
         f32p, i64p, entries = self.f32.as_pointer(), self.i64.as_pointer(), self.entry.as_pointer()
-        self.begin("attend", [f32p, entries, entries, self.i64, i64p, self.i64, ir.DoubleType(), f32p, f32p, i64p])
+        self.begin(
+            "attend",
+            [f32p, entries, entries, self.i64, i64p, self.i64, ir.DoubleType(), f32p, f32p, i64p],
+        )
 
     def load_entries(self, pointer: Any, offset: Any) -> Any:
         """`lanes` keys' or values' entries from the cache, as float32."""
         b = self.b
         if isinstance(self.entry, self.ir.FloatType):
             return self.load_vector(pointer, offset)
-        entries = b.load(b.bitcast(b.gep(pointer, [offset]), self.ir.VectorType(self.entry, self.lanes).as_pointer()),
-                         align=2)
+        entries = b.load(
+            b.bitcast(
+                b.gep(pointer, [offset]), self.ir.VectorType(self.entry, self.lanes).as_pointer()
+            ),
+            align=2,
+        )
         return b.fpext(entries, self.vector)
 
     # -- the arithmetic --------------------------------------------------------------------
@@ -191,7 +225,10 @@ class _Emitter(VectorIR):
         b = self.b
         if len(columns) == 1:
             base = b.mul(columns[0], self.const(self.head_dim))
-            key = [self.load_entries(keys, b.add(base, self.const(c * self.lanes))) for c in range(self.chunks)]
+            key = [
+                self.load_entries(keys, b.add(base, self.const(c * self.lanes)))
+                for c in range(self.chunks)
+            ]
             sums = []
             for query in queries:
                 total = b.fmul(query[0], key[0])
@@ -200,23 +237,30 @@ class _Emitter(VectorIR):
                 sums.append(total)
             return sums
         half = len(columns) // 2
-        lows, highs = self.lane_sums(queries, keys, columns[:half]), self.lane_sums(queries, keys, columns[half:])
+        lows, highs = (
+            self.lane_sums(queries, keys, columns[:half]),
+            self.lane_sums(queries, keys, columns[half:]),
+        )
         width = self.lanes // half  # lanes each key's partial sums span in a low or high vector
         firsts, seconds = [], []
         for source in (0, self.lanes):  # low's lanes, then high's, in the shuffle's numbering
             for span in range(0, self.lanes, width):
                 firsts += range(source + span, source + span + width // 2)
                 seconds += range(source + span + width // 2, source + span + width)
-        return [b.fadd(self.shuffle(low, high, firsts), self.shuffle(low, high, seconds))
-                for low, high in zip(lows, highs)]
+        return [
+            b.fadd(self.shuffle(low, high, firsts), self.shuffle(low, high, seconds))
+            for low, high in zip(lows, highs)
+        ]
 
     def horizontal_sum(self, vector: Any) -> Any:
         """The sum of a vector's lanes by the tree `lane_sums` uses."""
         b, width = self.b, self.lanes
         while width > 1:
             width //= 2
-            vector = b.fadd(self.shuffle(vector, vector, list(range(width))),
-                            self.shuffle(vector, vector, list(range(width, 2 * width))))
+            vector = b.fadd(
+                self.shuffle(vector, vector, list(range(width))),
+                self.shuffle(vector, vector, list(range(width, 2 * width))),
+            )
         return b.extract_element(vector, self.ir.Constant(self.i32, 0))
 
     # -- the kernel ------------------------------------------------------------------------
@@ -248,22 +292,41 @@ class _Emitter(VectorIR):
         self.loop(b.sub(padded, n), "tail", [], tail)
         lane_index = ir.Constant(ir.VectorType(self.i64, lanes), list(range(lanes)))
 
-        queries = [[self.load_vector(q, self.const(h * self.head_dim + c * lanes)) for c in range(self.chunks)]
-                   for h in range(self.group)]
+        queries = [
+            [
+                self.load_vector(q, self.const(h * self.head_dim + c * lanes))
+                for c in range(self.chunks)
+            ]
+            for h in range(self.group)
+        ]
 
-        def score_block(block: Any, _: list[Any]) -> list[Any]:  # every head, while the keys are in L1
+        def score_block(
+            block: Any, _: list[Any]
+        ) -> list[Any]:  # every head, while the keys are in L1
             first = b.mul(block, self.const(lanes))
-            columns = [b.load(b.gep(positions, [b.add(first, self.const(i))])) for i in range(lanes)]
+            columns = [
+                b.load(b.gep(positions, [b.add(first, self.const(i))])) for i in range(lanes)
+            ]
             for h, sums in enumerate(self.lane_sums(queries, keys, columns)):
-                self.store_vector(b.fmul(sums, scale), scores, b.add(b.mul(self.const(h), padded), first))
+                self.store_vector(
+                    b.fmul(sums, scale), scores, b.add(b.mul(self.const(h), padded), first)
+                )
             return []
 
         self.loop(blocks, "scores", [], score_block)
 
         def head(h: Any, _: list[Any]) -> list[Any]:
             row = b.gep(scores, [b.mul(h, padded)])
-            (highest,) = self.loop(blocks, "max", [self.filled(float("-inf"))], lambda block, carried: [
-                self.maxnum_call(carried[0], self.load_vector(row, b.mul(block, self.const(lanes))))])
+            (highest,) = self.loop(
+                blocks,
+                "max",
+                [self.filled(float("-inf"))],
+                lambda block, carried: [
+                    self.maxnum_call(
+                        carried[0], self.load_vector(row, b.mul(block, self.const(lanes)))
+                    )
+                ],
+            )
             highest = self.splat(b.call(self.reduce_max, [highest]))
 
             def exponentials(block: Any, carried: list[Any]) -> list[Any]:
@@ -281,31 +344,59 @@ class _Emitter(VectorIR):
         self.loop(self.const(self.group), "heads", [], head)
         per_call = max(1, VALUE_ACCUMULATORS // self.chunks)
         for first_head in range(0, self.group, per_call):
-            self.weighted_values(list(range(first_head, min(self.group, first_head + per_call))),
-                                 values, n, padded, scores, positions, totals, out)
+            self.weighted_values(
+                list(range(first_head, min(self.group, first_head + per_call))),
+                values,
+                n,
+                padded,
+                scores,
+                positions,
+                totals,
+                out,
+            )
         b.ret_void()
         return str(self.module)
 
-    def weighted_values(self, heads: list[int], values: Any, n: Any, padded: Any, scores: Any, positions: Any,
-                        totals: Any, out: Any) -> None:
+    def weighted_values(
+        self,
+        heads: list[int],
+        values: Any,
+        n: Any,
+        padded: Any,
+        scores: Any,
+        positions: Any,
+        totals: Any,
+        out: Any,
+    ) -> None:
         """out[h] = Σ_j p_j v_j / total_h for `heads`, the value rows read once for them all."""
         b, lanes = self.b, self.lanes
 
         def column(j: Any, carried: list[Any]) -> list[Any]:
             base = b.mul(b.load(b.gep(positions, [j])), self.const(self.head_dim))
-            value = [self.load_entries(values, b.add(base, self.const(c * lanes))) for c in range(self.chunks)]
+            value = [
+                self.load_entries(values, b.add(base, self.const(c * lanes)))
+                for c in range(self.chunks)
+            ]
             updated = []
             for i, h in enumerate(heads):
                 p = self.splat(b.load(b.gep(scores, [b.add(b.mul(self.const(h), padded), j)])))
-                updated += [b.call(self.fma, [p, value[c], carried[i * self.chunks + c]]) for c in range(self.chunks)]
+                updated += [
+                    b.call(self.fma, [p, value[c], carried[i * self.chunks + c]])
+                    for c in range(self.chunks)
+                ]
             return updated
 
-        sums = self.loop(n, f"values{heads[0]}", [self.filled(0.0)] * (len(heads) * self.chunks), column)
+        sums = self.loop(
+            n, f"values{heads[0]}", [self.filled(0.0)] * (len(heads) * self.chunks), column
+        )
         for i, h in enumerate(heads):
             total = self.splat(b.load(b.gep(totals, [self.const(h)])))
             for c in range(self.chunks):
-                self.store_vector(b.fdiv(sums[i * self.chunks + c], total), out,
-                                  self.const(h * self.head_dim + c * lanes))
+                self.store_vector(
+                    b.fdiv(sums[i * self.chunks + c], total),
+                    out,
+                    self.const(h * self.head_dim + c * lanes),
+                )
 
 
 @functools.cache
@@ -319,25 +410,48 @@ def token_attention(head_dim: int, group: int, half: bool = False) -> Any:
     columns[column_offsets[i]:column_offsets[i + 1]] (its tree path, ascending). Writes out[tokens[i]] [heads, head_dim]. One task per (token, KV head) over
     numba's threads."""
     pointer = ctypes.c_int64
-    attend = compile_ir(_Emitter(head_dim, group, half).build(), "attend",
-                        [pointer, pointer, pointer, ctypes.c_int64, pointer, ctypes.c_int64, ctypes.c_double,
-                         pointer, pointer, pointer])
+    attend = compile_ir(
+        _Emitter(head_dim, group, half).build(),
+        "attend",
+        [
+            pointer,
+            pointer,
+            pointer,
+            ctypes.c_int64,
+            pointer,
+            ctypes.c_int64,
+            ctypes.c_double,
+            pointer,
+            pointer,
+            pointer,
+        ],
+    )
     lanes = lanes_for(head_dim)
 
     @njit(parallel=True, nogil=True)
-    def attention(queries, keys, values, tokens, rows, starts, columns, column_offsets, scale,
-                  out):  # pragma: no cover - compiled
+    def attention(
+        queries, keys, values, tokens, rows, starts, columns, column_offsets, scale, out
+    ):  # pragma: no cover - compiled
         kv_heads = keys.shape[1]
         for task in prange(tokens.shape[0] * kv_heads):
             i, kv_head = task // kv_heads, task % kv_heads
             token, row, start = tokens[i], rows[i], starts[i]
-            path = columns[column_offsets[i]:column_offsets[i + 1]]
+            path = columns[column_offsets[i] : column_offsets[i + 1]]
             padded = (start + path.shape[0] + lanes - 1) // lanes * lanes
             scores = np.empty(group * padded, np.float32)
             positions = np.empty(padded, np.int64)
-            attend(queries[token, kv_head * group:].ctypes.data, keys[row, kv_head].ctypes.data,
-                   values[row, kv_head].ctypes.data, start, path.ctypes.data, path.shape[0], np.float64(scale),
-                   out[token, kv_head * group:].ctypes.data, scores.ctypes.data, positions.ctypes.data)
+            attend(
+                queries[token, kv_head * group :].ctypes.data,
+                keys[row, kv_head].ctypes.data,
+                values[row, kv_head].ctypes.data,
+                start,
+                path.ctypes.data,
+                path.shape[0],
+                np.float64(scale),
+                out[token, kv_head * group :].ctypes.data,
+                scores.ctypes.data,
+                positions.ctypes.data,
+            )
 
     return attention
 
@@ -348,5 +462,15 @@ def warm_up(head_dim: int, group: int, half: bool) -> None:
     index = np.zeros(1, np.int64)
     queries = np.zeros((1, group, head_dim), np.float32)
     cache = np.zeros((1, 1, 1, head_dim), np.uint16 if half else np.float32)
-    token_attention(head_dim, group, half)(queries, cache, cache, index, index, index, index, np.array([0, 1]),
-                                     np.float32(1.0), np.empty_like(queries))
+    token_attention(head_dim, group, half)(
+        queries,
+        cache,
+        cache,
+        index,
+        index,
+        index,
+        index,
+        np.array([0, 1]),
+        np.float32(1.0),
+        np.empty_like(queries),
+    )

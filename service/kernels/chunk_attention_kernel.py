@@ -56,15 +56,21 @@ class _ChunkEmitter(VectorIR):
     def __init__(self, head_dim: int, group: int) -> None:
         super().__init__(LANES, "ngrammys_chunk_attention")
         if not chunk_kernel_fits(head_dim):
-            raise ValueError(f"the chunk attention kernel needs a head size divisible by {LANES}, not {head_dim}")
+            raise ValueError(
+                f"the chunk attention kernel needs a head size divisible by {LANES}, not {head_dim}"
+            )
         self.head_dim, self.group = head_dim, group
         f32p = self.f32.as_pointer()
-        self.begin("chunk", [f32p, f32p, f32p, self.i64, self.i64, self.ir.DoubleType(), f32p, f32p])
+        self.begin(
+            "chunk", [f32p, f32p, f32p, self.i64, self.i64, self.ir.DoubleType(), f32p, f32p]
+        )
 
     def entry(self, pointer: Any, j: Any, dim: int) -> Any:
         """Column j's entry `dim` of keys or values, in every lane."""
         b = self.b
-        return self.splat(b.load(b.gep(pointer, [b.add(b.mul(j, self.const(self.head_dim)), self.const(dim))])))
+        return self.splat(
+            b.load(b.gep(pointer, [b.add(b.mul(j, self.const(self.head_dim)), self.const(dim))]))
+        )
 
     def score_at(self, columns: Any, h: int, j: Any) -> Any:
         """Offset of head h's column j in the scores ([group, columns, LANES])."""
@@ -93,26 +99,54 @@ class _ChunkEmitter(VectorIR):
                 columns.append(b.select(b.icmp_signed("<", column, n), column, last))
 
             def dim(d: Any, sums: list[Any]) -> list[Any]:
-                q = [self.load_vector(qt, b.mul(b.add(b.mul(self.const(h), self.const(self.head_dim)), d),
-                                                 self.const(LANES))) for h in range(group)]
-                keys_d = [self.splat(b.load(b.gep(keys, [b.add(b.mul(column, self.const(self.head_dim)), d)])))
-                          for column in columns]
-                return [b.call(self.fma, [q[h], key, sums[c * group + h]])
-                        for c, key in enumerate(keys_d) for h in range(group)]
+                q = [
+                    self.load_vector(
+                        qt,
+                        b.mul(
+                            b.add(b.mul(self.const(h), self.const(self.head_dim)), d),
+                            self.const(LANES),
+                        ),
+                    )
+                    for h in range(group)
+                ]
+                keys_d = [
+                    self.splat(
+                        b.load(b.gep(keys, [b.add(b.mul(column, self.const(self.head_dim)), d)]))
+                    )
+                    for column in columns
+                ]
+                return [
+                    b.call(self.fma, [q[h], key, sums[c * group + h]])
+                    for c, key in enumerate(keys_d)
+                    for h in range(group)
+                ]
 
-            sums = self.loop(self.const(self.head_dim), "dims", [self.filled(0.0)] * (COLUMNS * group), dim)
+            sums = self.loop(
+                self.const(self.head_dim), "dims", [self.filled(0.0)] * (COLUMNS * group), dim
+            )
             for c in range(COLUMNS):
                 for h in range(group):
-                    self.store_vector(b.fmul(sums[c * group + h], scale), scores,
-                                      self.score_at(padded, h, b.add(first_column, self.const(c))))
+                    self.store_vector(
+                        b.fmul(sums[c * group + h], scale),
+                        scores,
+                        self.score_at(padded, h, b.add(first_column, self.const(c))),
+                    )
             return []
 
         self.loop(blocks, "scores", [], score_block)
 
         def highest(j: Any, carried: list[Any]) -> list[Any]:
-            return [self.maxnum_call(top, b.select(seen(j), self.load_vector(scores, self.score_at(padded, h, j)),
-                                                   self.filled(float("-inf"))))
-                    for h, top in enumerate(carried)]
+            return [
+                self.maxnum_call(
+                    top,
+                    b.select(
+                        seen(j),
+                        self.load_vector(scores, self.score_at(padded, h, j)),
+                        self.filled(float("-inf")),
+                    ),
+                )
+                for h, top in enumerate(carried)
+            ]
 
         tops = self.loop(n, "max", [self.filled(float("-inf"))] * group, highest)
 
@@ -120,30 +154,49 @@ class _ChunkEmitter(VectorIR):
             sums = []
             for h, total in enumerate(carried):
                 at = self.score_at(padded, h, j)
-                p = b.select(seen(j), self.exp(b.fsub(self.load_vector(scores, at), tops[h])), self.filled(0.0))
+                p = b.select(
+                    seen(j),
+                    self.exp(b.fsub(self.load_vector(scores, at), tops[h])),
+                    self.filled(0.0),
+                )
                 self.store_vector(p, scores, at)
                 sums.append(b.fadd(total, p))
             return sums
 
         totals = self.loop(n, "exp", [self.filled(0.0)] * group, exponentials)
 
-        for heads in (range(h, min(group, h + HEADS)) for h in range(0, group, HEADS)):  # out = Σ p_j v_j / sum
+        for heads in (
+            range(h, min(group, h + HEADS)) for h in range(0, group, HEADS)
+        ):  # out = Σ p_j v_j / sum
             for sweep in range(sweeps):  # DIMS dims of HEADS heads a sweep over the columns
                 dims = range(sweep * DIMS, (sweep + 1) * DIMS)
 
-                def weighted(j: Any, carried: list[Any], dims: range = dims, heads: range = heads) -> list[Any]:
+                def weighted(
+                    j: Any, carried: list[Any], dims: range = dims, heads: range = heads
+                ) -> list[Any]:
                     entries = [self.entry(values, j, d) for d in dims]
                     updated = []
                     for i, h in enumerate(heads):
                         p = self.load_vector(scores, self.score_at(padded, h, j))
-                        updated += [b.call(self.fma, [p, entry, carried[i * DIMS + k]]) for k, entry in enumerate(entries)]
+                        updated += [
+                            b.call(self.fma, [p, entry, carried[i * DIMS + k]])
+                            for k, entry in enumerate(entries)
+                        ]
                     return updated
 
-                sums = self.loop(n, f"values{heads[0]}_{sweep}", [self.filled(0.0)] * (len(heads) * DIMS), weighted)
+                sums = self.loop(
+                    n,
+                    f"values{heads[0]}_{sweep}",
+                    [self.filled(0.0)] * (len(heads) * DIMS),
+                    weighted,
+                )
                 for i, h in enumerate(heads):
                     for k, d in enumerate(dims):
-                        self.store_vector(b.fdiv(sums[i * DIMS + k], totals[h]), out,
-                                          self.const((h * self.head_dim + d) * LANES))
+                        self.store_vector(
+                            b.fdiv(sums[i * DIMS + k], totals[h]),
+                            out,
+                            self.const((h * self.head_dim + d) * LANES),
+                        )
         b.ret_void()
         return str(self.module)
 
@@ -177,12 +230,26 @@ def chunk_attention(head_dim: int, group: int, half: bool = False) -> Any:
     float16 as uint16 bits); writes out[token] [heads, head_dim]. One task per (block, KV head)
     over numba's threads."""
     pointer = ctypes.c_int64
-    kernel = compile_ir(_ChunkEmitter(head_dim, group).build(), "chunk",
-                        [pointer, pointer, pointer, ctypes.c_int64, ctypes.c_int64, ctypes.c_double, pointer, pointer])
+    kernel = compile_ir(
+        _ChunkEmitter(head_dim, group).build(),
+        "chunk",
+        [
+            pointer,
+            pointer,
+            pointer,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_double,
+            pointer,
+            pointer,
+        ],
+    )
     widen = compile_ir(_widen_ir(), "widen", [pointer, pointer, ctypes.c_int64])
 
     @njit(parallel=True, nogil=True)
-    def attention(queries, keys, values, rows, tokens, firsts, counts, scale, out):  # pragma: no cover - compiled
+    def attention(
+        queries, keys, values, rows, tokens, firsts, counts, scale, out
+    ):  # pragma: no cover - compiled
         kv_heads = keys.shape[1]
         tasks = rows.shape[0] * kv_heads
         parts = min(tasks, numba.get_num_threads())
@@ -195,7 +262,9 @@ def chunk_attention(head_dim: int, group: int, half: bool = False) -> Any:
             widened = np.empty((2, padded if half else 0, head_dim), np.float32)
             scores = np.empty(group * padded * LANES, np.float32)
             attended = np.empty((group, head_dim, LANES), np.float32)
-            for task in range(part, tasks, parts):  # interleaved: the blocks' costs grow along the prompt
+            for task in range(
+                part, tasks, parts
+            ):  # interleaved: the blocks' costs grow along the prompt
                 block, kv_head = task // kv_heads, task % kv_heads
                 row, token, count = rows[block], tokens[block], counts[block]
                 n = firsts[block] + count
@@ -206,9 +275,16 @@ def chunk_attention(head_dim: int, group: int, half: bool = False) -> Any:
                 if half:
                     widen(keys[row, kv_head].ctypes.data, widened[0].ctypes.data, n * head_dim)
                     widen(values[row, kv_head].ctypes.data, widened[1].ctypes.data, n * head_dim)
-                kernel(qt.ctypes.data, widened[0].ctypes.data if half else keys[row, kv_head].ctypes.data,
-                       widened[1].ctypes.data if half else values[row, kv_head].ctypes.data, firsts[block], count,
-                       np.float64(scale), attended.ctypes.data, scores.ctypes.data)
+                kernel(
+                    qt.ctypes.data,
+                    widened[0].ctypes.data if half else keys[row, kv_head].ctypes.data,
+                    widened[1].ctypes.data if half else values[row, kv_head].ctypes.data,
+                    firsts[block],
+                    count,
+                    np.float64(scale),
+                    attended.ctypes.data,
+                    scores.ctypes.data,
+                )
                 for i in range(count):
                     for h in range(group):
                         out[token + i, kv_head * group + h] = attended[h, :, i]
@@ -221,5 +297,14 @@ def warm_up(head_dim: int, group: int, half: bool) -> None:
     index = np.zeros(1, np.int64)
     queries = np.zeros((1, group, head_dim), np.float32)
     cache = np.zeros((1, 1, 1, head_dim), np.uint16 if half else np.float32)
-    chunk_attention(head_dim, group, half)(queries, cache, cache, index, index, index, np.ones(1, np.int64),
-                                           np.float32(1.0), np.empty_like(queries))
+    chunk_attention(head_dim, group, half)(
+        queries,
+        cache,
+        cache,
+        index,
+        index,
+        index,
+        np.ones(1, np.int64),
+        np.float32(1.0),
+        np.empty_like(queries),
+    )

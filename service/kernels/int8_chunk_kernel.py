@@ -32,7 +32,9 @@ from numba import njit, prange
 from service.kernels.int8_kernel import BLOCK, COLUMNS, TILE_BYTES, _ir, split_tiles
 from service.kernels.native import compile_ir
 
-GROUP = 8  # rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill the registers
+GROUP = (
+    8  # rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill the registers
+)
 SCALES_AT = GROUP * BLOCK  # a record: GROUP rows x 32 int8, GROUP float32 dx, GROUP float32 dx·Σxq
 SUMS_AT = SCALES_AT + 4 * GROUP
 RECORD_BYTES = SUMS_AT + 4 * GROUP
@@ -55,11 +57,20 @@ def _quantize_ir() -> str:
     fabs = ir.Function(module, ir.FunctionType(floats, [floats]), name="llvm.fabs.v16f32")
     floor = ir.Function(module, ir.FunctionType(floats, [floats]), name="llvm.floor.v16f32")
     umax = ir.Function(module, ir.FunctionType(ints, [ints, ints]), name="llvm.umax.v16i32")
-    minnum = ir.Function(module, ir.FunctionType(floats, [floats, floats]), name="llvm.minnum.v16f32")
-    reduce_max = ir.Function(module, ir.FunctionType(i32, [ints]), name="llvm.vector.reduce.umax.v16i32")
-    reduce_add = ir.Function(module, ir.FunctionType(i32, [ints]), name="llvm.vector.reduce.add.v16i32")
-    function = ir.Function(module, ir.FunctionType(ir.VoidType(), [f32.as_pointer(), i8.as_pointer(), i64, i64]),
-                           name="quantize")
+    minnum = ir.Function(
+        module, ir.FunctionType(floats, [floats, floats]), name="llvm.minnum.v16f32"
+    )
+    reduce_max = ir.Function(
+        module, ir.FunctionType(i32, [ints]), name="llvm.vector.reduce.umax.v16i32"
+    )
+    reduce_add = ir.Function(
+        module, ir.FunctionType(i32, [ints]), name="llvm.vector.reduce.add.v16i32"
+    )
+    function = ir.Function(
+        module,
+        ir.FunctionType(ir.VoidType(), [f32.as_pointer(), i8.as_pointer(), i64, i64]),
+        name="quantize",
+    )
     x, records, row, blocks = function.args
     entry, body, done = (function.append_basic_block(name) for name in ("entry", "body", "done"))
     ir.IRBuilder(entry).branch(body)
@@ -71,8 +82,16 @@ def _quantize_ir() -> str:
         lanes = b.insert_element(ir.Constant(floats, None), scalar, ir.Constant(i32, 0))
         return b.shuffle_vector(lanes, ir.Constant(floats, None), ir.Constant(ints, [0] * 16))
 
-    values = [b.load(b.bitcast(b.gep(x, [b.add(b.mul(block, ir.Constant(i64, BLOCK)), ir.Constant(i64, 16 * h))]),
-                               floats.as_pointer()), align=4) for h in (0, 1)]
+    values = [
+        b.load(
+            b.bitcast(
+                b.gep(x, [b.add(b.mul(block, ir.Constant(i64, BLOCK)), ir.Constant(i64, 16 * h))]),
+                floats.as_pointer(),
+            ),
+            align=4,
+        )
+        for h in (0, 1)
+    ]
     # max |x| on the bits: non-negative floats order as their bits do (a float reduction
     # compiles to a scalar chain, for the NaN rules)
     magnitudes = [b.bitcast(b.call(fabs, [value]), ints) for value in values]
@@ -85,16 +104,30 @@ def _quantize_ir() -> str:
     total = ir.Constant(ints, [0] * 16)
     for h, value in enumerate(values):
         v = b.fmul(value, splat(inverse))
-        q = b.call(minnum, [b.call(floor, [b.fadd(b.call(fabs, [v]), ir.Constant(floats, [0.5] * 16))]),
-                            ir.Constant(floats, [127.0] * 16)])
+        q = b.call(
+            minnum,
+            [
+                b.call(floor, [b.fadd(b.call(fabs, [v]), ir.Constant(floats, [0.5] * 16))]),
+                ir.Constant(floats, [127.0] * 16),
+            ],
+        )
         magnitude = b.fptosi(q, ints)
-        signed = b.select(b.fcmp_ordered("<", v, ir.Constant(floats, [0.0] * 16)), b.neg(magnitude), magnitude)
+        signed = b.select(
+            b.fcmp_ordered("<", v, ir.Constant(floats, [0.0] * 16)), b.neg(magnitude), magnitude
+        )
         total = b.add(total, signed)
-        b.store(b.trunc(signed, bytes16), b.bitcast(b.gep(here, [ir.Constant(i64, 16 * h)]), bytes16.as_pointer()),
-                align=1)
+        b.store(
+            b.trunc(signed, bytes16),
+            b.bitcast(b.gep(here, [ir.Constant(i64, 16 * h)]), bytes16.as_pointer()),
+            align=1,
+        )
     dx_sum = b.fmul(scale, b.sitofp(b.call(reduce_add, [total]), f32))
     for at, value in ((SCALES_AT, scale), (SUMS_AT, dx_sum)):
-        b.store(value, b.gep(b.bitcast(b.gep(record, [ir.Constant(i64, at)]), f32.as_pointer()), [row]), align=4)
+        b.store(
+            value,
+            b.gep(b.bitcast(b.gep(record, [ir.Constant(i64, at)]), f32.as_pointer()), [row]),
+            align=4,
+        )
     block_next = b.add(block, ir.Constant(i64, 1))
     block.add_incoming(block_next, body)
     b.cbranch(b.icmp_unsigned("<", block_next, blocks), body, done)
@@ -110,8 +143,13 @@ def records(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tupl
     first, _, _, blocks = arrays
     i64, f32p = ir.IntType(64), ir.FloatType().as_pointer()
     group = b.udiv(row, ir.Constant(i64, GROUP))
-    record = b.gep(first, [b.mul(b.add(b.mul(group, blocks), block), ir.Constant(i64, RECORD_BYTES))])
-    scales, sums = (b.bitcast(b.gep(record, [ir.Constant(i64, at + 4 * r)]), f32p) for at in (SCALES_AT, SUMS_AT))
+    record = b.gep(
+        first, [b.mul(b.add(b.mul(group, blocks), block), ir.Constant(i64, RECORD_BYTES))]
+    )
+    scales, sums = (
+        b.bitcast(b.gep(record, [ir.Constant(i64, at + 4 * r)]), f32p)
+        for at in (SCALES_AT, SUMS_AT)
+    )
     return b.gep(record, [ir.Constant(i64, BLOCK * r)]), scales, sums
 
 
@@ -133,7 +171,9 @@ def chunk_matmul() -> Any:
         laid[groups - 1] = 0  # padding rows: zero inputs and scales
         for r in prange(rows):
             quantize(x[r:].ctypes.data, laid[r // GROUP].ctypes.data, r % GROUP, blocks)
-        split_tiles(tiles_kernel, packed, d, m, laid.ctypes.data, 0, 0, out, groups * GROUP, blocks, chunks)
+        split_tiles(
+            tiles_kernel, packed, d, m, laid.ctypes.data, 0, 0, out, groups * GROUP, blocks, chunks
+        )
 
     return matmul
 
@@ -142,5 +182,11 @@ def warm_up() -> None:
     """Build and compile the kernel now, not in the first long prompt's pass (like
     `int8_kernel.warm_up`)."""
     scales = np.zeros((1, 1, COLUMNS), np.float32)
-    chunk_matmul()(np.zeros((1, BLOCK), np.float32), np.zeros((1, 1, TILE_BYTES), np.uint8), scales, scales,
-                   np.empty((GROUP, COLUMNS), np.float32), 0)
+    chunk_matmul()(
+        np.zeros((1, BLOCK), np.float32),
+        np.zeros((1, 1, TILE_BYTES), np.uint8),
+        scales,
+        scales,
+        np.empty((GROUP, COLUMNS), np.float32),
+        0,
+    )

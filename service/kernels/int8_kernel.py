@@ -63,12 +63,16 @@ class Int8Tiles:
     kind: str
     packed: np.ndarray  # [U, B, 256 (Q4_1) or 512 (Q8_0)] uint8: tile u, block b (module docstring)
     d: np.ndarray  # [U, B, 16] float32 scales of the tile's columns
-    m: np.ndarray  # [U, B, 16] Q4_1: float32 mins; Q8_0: int32 -128·Σ w (activations enter as xq + 128)
+    m: (
+        np.ndarray
+    )  # [U, B, 16] Q4_1: float32 mins; Q8_0: int32 -128·Σ w (activations enter as xq + 128)
     out_features: int
     in_features: int
 
 
-def int8_tiles(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray, out_features: int) -> Int8Tiles:
+def int8_tiles(
+    kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray, out_features: int
+) -> Int8Tiles:
     """Re-lay `PackedTiles`' arrays into the kernel's tiles: Q4_1 qs [T, B, 16, 32] (byte j of
     a block: low nibble weight j, high nibble weight j+16), Q8_0 qs [T, B, 32, 32] int8; d, m
     [T, B, 32]."""
@@ -80,14 +84,25 @@ def int8_tiles(kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray, out_feat
 
     if kind == "Q8_0":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, COLUMNS, blocks, 8, 4)  # [U, c, B, g, i]
-        packed = np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 2 * TILE_BYTES)).view(np.uint8)
+        packed = np.ascontiguousarray(
+            q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 2 * TILE_BYTES)
+        ).view(np.uint8)
         bias = -128 * qs.astype(np.int32).sum(axis=2)  # [T, B, width]
-        return Int8Tiles(kind, packed, columns(d, np.float32), columns(bias, np.int32), out_features, blocks * BLOCK)
+        return Int8Tiles(
+            kind,
+            packed,
+            columns(d, np.float32),
+            columns(bias, np.int32),
+            out_features,
+            blocks * BLOCK,
+        )
     q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [T, B, 32 inputs, width columns]
     q = q.transpose(0, 3, 1, 2).reshape(-1, COLUMNS, blocks, 2, 4, 4)  # [U, c, B, half, g, i]
     packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [U, c, B, g, i]
     packed = np.ascontiguousarray(packed.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, TILE_BYTES))
-    return Int8Tiles(kind, packed, columns(d, np.float32), columns(m, np.float32), out_features, blocks * BLOCK)
+    return Int8Tiles(
+        kind, packed, columns(d, np.float32), columns(m, np.float32), out_features, blocks * BLOCK
+    )
 
 
 @njit(cache=True, nogil=True)
@@ -126,7 +141,11 @@ def row_major(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tu
     i64 = ir.IntType(64)
     this_row = b.add(row, ir.Constant(i64, r))
     row_block = b.add(b.mul(this_row, blocks), block)
-    return b.gep(xq, [b.mul(row_block, ir.Constant(i64, BLOCK))]), b.gep(dx, [row_block]), b.gep(xs, [row_block])
+    return (
+        b.gep(xq, [b.mul(row_block, ir.Constant(i64, BLOCK))]),
+        b.gep(dx, [row_block]),
+        b.gep(xs, [row_block]),
+    )
 
 
 def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses = row_major) -> str:
@@ -143,10 +162,25 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
     i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
     bytes64, ints, floats = ir.VectorType(i8, 64), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
     module = ir.Module(name="ngrammys_int8")
-    dot = ir.Function(module, ir.FunctionType(ints, [ints, bytes64, bytes64]), name="llvm.x86.avx512.vpdpbusd.512")
-    fma = ir.Function(module, ir.FunctionType(floats, [floats, floats, floats]), name="llvm.fma.v16f32")
-    args = [i8.as_pointer(), f32.as_pointer(), i8.as_pointer(), i8.as_pointer(), f32.as_pointer(),
-            f32.as_pointer(), f32.as_pointer(), i64, i64, i64, i64]
+    dot = ir.Function(
+        module, ir.FunctionType(ints, [ints, bytes64, bytes64]), name="llvm.x86.avx512.vpdpbusd.512"
+    )
+    fma = ir.Function(
+        module, ir.FunctionType(floats, [floats, floats, floats]), name="llvm.fma.v16f32"
+    )
+    args = [
+        i8.as_pointer(),
+        f32.as_pointer(),
+        i8.as_pointer(),
+        i8.as_pointer(),
+        f32.as_pointer(),
+        f32.as_pointer(),
+        f32.as_pointer(),
+        i64,
+        i64,
+        i64,
+        i64,
+    ]
     function = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name="tiles")
     packed0, d0, m0, xq, dx, xs, out0, rows, blocks, out_stride, count = function.args
     const = lambda value: ir.Constant(i64, value)  # noqa: E731
@@ -159,14 +193,19 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
     tile.add_incoming(const(0), start)
     packed = b.gep(packed0, [b.mul(tile, b.mul(blocks, const(block_bytes)))])
     d = b.gep(d0, [b.mul(tile, b.mul(blocks, const(COLUMNS)))])
-    m = b.gep(b.bitcast(m0, (f32 if kind == "Q4_1" else i32).as_pointer()), [b.mul(tile, b.mul(blocks, const(COLUMNS)))])
+    m = b.gep(
+        b.bitcast(m0, (f32 if kind == "Q4_1" else i32).as_pointer()),
+        [b.mul(tile, b.mul(blocks, const(COLUMNS)))],
+    )
     out = b.gep(out0, [b.mul(tile, const(COLUMNS))])
 
     def rows_loop(entry: Any, first_row: Any, group: int) -> tuple[Any, Any]:
         """Rows `group` at a time from `first_row` while a whole group fits; returns the exit
         block and the first row left."""
-        head, body, stored, leave = (function.append_basic_block(f"{name}{group}")
-                                     for name in ("rows", "block", "stored", "left"))
+        head, body, stored, leave = (
+            function.append_basic_block(f"{name}{group}")
+            for name in ("rows", "block", "stored", "left")
+        )
         b = ir.IRBuilder(entry)
         b.branch(head)
         b = ir.IRBuilder(head)
@@ -181,20 +220,35 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
         for total in totals:
             total.add_incoming(ir.Constant(floats, [0.0] * COLUMNS), head)
         weights = b.gep(packed, [b.mul(block, const(block_bytes))])
-        scales = b.load(b.bitcast(b.gep(d, [b.mul(block, const(COLUMNS))]), floats.as_pointer()), align=4)
-        column_terms = b.load(b.bitcast(b.gep(m, [b.mul(block, const(COLUMNS))]),
-                                        (floats if kind == "Q4_1" else ints).as_pointer()), align=4)
+        scales = b.load(
+            b.bitcast(b.gep(d, [b.mul(block, const(COLUMNS))]), floats.as_pointer()), align=4
+        )
+        column_terms = b.load(
+            b.bitcast(
+                b.gep(m, [b.mul(block, const(COLUMNS))]),
+                (floats if kind == "Q4_1" else ints).as_pointer(),
+            ),
+            align=4,
+        )
 
         def splat(pointer: Any) -> Any:
-            lanes = b.insert_element(ir.Constant(floats, None), b.load(pointer), ir.Constant(i32, 0))
-            return b.shuffle_vector(lanes, ir.Constant(floats, None), ir.Constant(ints, [0] * COLUMNS))
+            lanes = b.insert_element(
+                ir.Constant(floats, None), b.load(pointer), ir.Constant(i32, 0)
+            )
+            return b.shuffle_vector(
+                lanes, ir.Constant(floats, None), ir.Constant(ints, [0] * COLUMNS)
+            )
 
-        vectors = [b.load(b.bitcast(b.gep(weights, [const(64 * g)]), bytes64.as_pointer()), align=1)
-                   for g in range(block_bytes // 64)]
+        vectors = [
+            b.load(b.bitcast(b.gep(weights, [const(64 * g)]), bytes64.as_pointer()), align=1)
+            for g in range(block_bytes // 64)
+        ]
         if kind == "Q4_1":  # (weights, input offset) pairs: low nibbles 4g.., high ones 16+4g..
             nibble, four = ir.Constant(bytes64, [15] * 64), ir.Constant(bytes64, [4] * 64)
             operands = [(b.and_(v, nibble), 4 * g) for g, v in enumerate(vectors)]
-            operands += [(b.and_(b.lshr(v, four), nibble), BLOCK // 2 + 4 * g) for g, v in enumerate(vectors)]
+            operands += [
+                (b.and_(b.lshr(v, four), nibble), BLOCK // 2 + 4 * g) for g, v in enumerate(vectors)
+            ]
         else:
             operands = [(v, 4 * g) for g, v in enumerate(vectors)]
         news = []
@@ -204,9 +258,15 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
             for weight, offset in operands:  # xq[offset : offset + 4] in every 32-bit lane
                 word = b.load(b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1)
                 lanes = b.insert_element(ir.Constant(ints, None), word, ir.Constant(i32, 0))
-                four_inputs = b.bitcast(b.shuffle_vector(lanes, ir.Constant(ints, None),
-                                                         ir.Constant(ints, [0] * COLUMNS)), bytes64)
-                pair = [weight, four_inputs] if kind == "Q4_1" else [four_inputs, weight]  # unsigned first
+                four_inputs = b.bitcast(
+                    b.shuffle_vector(
+                        lanes, ir.Constant(ints, None), ir.Constant(ints, [0] * COLUMNS)
+                    ),
+                    bytes64,
+                )
+                pair = (
+                    [weight, four_inputs] if kind == "Q4_1" else [four_inputs, weight]
+                )  # unsigned first
                 sums = b.call(dot, [sums, *pair])
             new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
             if kind == "Q4_1":
@@ -220,7 +280,13 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
 
         b = ir.IRBuilder(stored)
         for r, new in enumerate(news):
-            b.store(new, b.bitcast(b.gep(out, [b.mul(b.add(row, const(r)), out_stride)]), floats.as_pointer()), align=4)
+            b.store(
+                new,
+                b.bitcast(
+                    b.gep(out, [b.mul(b.add(row, const(r)), out_stride)]), floats.as_pointer()
+                ),
+                align=4,
+            )
         row_next = b.add(row, const(group))
         row.add_incoming(row_next, stored)
         b.branch(head)
@@ -246,7 +312,9 @@ def int8_matmul(kind: str = "Q4_1") -> Any:
     first; the tiles split into `chunks` parts over numba's threads (0 or 1: the calling
     thread)."""
     if not int8_supported():
-        raise RuntimeError(f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}")
+        raise RuntimeError(
+            f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}"
+        )
     tiles_kernel = compile_ir(_ir(kind), "tiles", [ctypes.c_int64] * 11)
     offset = 0 if kind == "Q4_1" else 128  # Q8_0: the activations are the unsigned operand
 
@@ -263,14 +331,27 @@ def int8_matmul(kind: str = "Q4_1") -> Any:
             for r in range(rows):
                 for k in range(width):
                     shifted[r, k] = np.uint8(xq[r, k] + offset)
-        split_tiles(tiles_kernel, packed, d, m, xq.ctypes.data, dx.ctypes.data, xs.ctypes.data, out, rows, blocks,
-                    chunks)
+        split_tiles(
+            tiles_kernel,
+            packed,
+            d,
+            m,
+            xq.ctypes.data,
+            dx.ctypes.data,
+            xs.ctypes.data,
+            out,
+            rows,
+            blocks,
+            chunks,
+        )
 
     return matmul
 
 
 @njit(parallel=True, nogil=True)
-def split_tiles(tiles_kernel, packed, d, m, inputs, dx, xs, out, rows, blocks, chunks):  # pragma: no cover - compiled
+def split_tiles(
+    tiles_kernel, packed, d, m, inputs, dx, xs, out, rows, blocks, chunks
+):  # pragma: no cover - compiled
     """`tiles_kernel` (`_ir`'s) over the tiles of (packed, d, m) in `chunks` parts of
     consecutive tiles over numba's threads (0 or 1: the calling thread); inputs, dx, xs: the
     activations' pointers it takes, rows of them."""
@@ -281,8 +362,19 @@ def split_tiles(tiles_kernel, packed, d, m, inputs, dx, xs, out, rows, blocks, c
         first = part * per_part
         last = min(tiles, first + per_part)
         if first < last:
-            tiles_kernel(packed[first:].ctypes.data, d[first:].ctypes.data, m[first:].ctypes.data, inputs, dx, xs,
-                         out[:, first * COLUMNS:].ctypes.data, rows, blocks, out.shape[1], last - first)
+            tiles_kernel(
+                packed[first:].ctypes.data,
+                d[first:].ctypes.data,
+                m[first:].ctypes.data,
+                inputs,
+                dx,
+                xs,
+                out[:, first * COLUMNS :].ctypes.data,
+                rows,
+                blocks,
+                out.shape[1],
+                last - first,
+            )
 
 
 def warm_up() -> None:
@@ -290,7 +382,16 @@ def warm_up() -> None:
     that calls into this process's own machine code), not in the first request's pass, which
     would otherwise wait seconds for them."""
     x = np.zeros((1, BLOCK), np.float32)
-    for kind, block_bytes, extra in (("Q4_1", TILE_BYTES, np.float32), ("Q8_0", 2 * TILE_BYTES, np.int32)):
+    for kind, block_bytes, extra in (
+        ("Q4_1", TILE_BYTES, np.float32),
+        ("Q8_0", 2 * TILE_BYTES, np.int32),
+    ):
         scales = np.zeros((1, 1, COLUMNS), np.float32)
-        int8_matmul(kind)(x, np.zeros((1, 1, block_bytes), np.uint8), scales, np.zeros((1, 1, COLUMNS), extra),
-                          np.empty((1, COLUMNS), np.float32), 0)
+        int8_matmul(kind)(
+            x,
+            np.zeros((1, 1, block_bytes), np.uint8),
+            scales,
+            np.zeros((1, 1, COLUMNS), extra),
+            np.empty((1, COLUMNS), np.float32),
+            0,
+        )

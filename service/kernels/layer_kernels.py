@@ -40,7 +40,9 @@ def rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def rotate_and_store(qkv, cos, sin, heads, keys, values, rows, positions, queries):  # pragma: no cover - compiled
+def rotate_and_store(
+    qkv, cos, sin, heads, keys, values, rows, positions, queries
+):  # pragma: no cover - compiled
     """Rotary embedding of a pass's queries and keys, and the cache write of its keys and values.
 
     qkv [T, heads + 2 * kv_heads, head_dim]: the fused projection's output (queries, keys,
@@ -65,11 +67,13 @@ def rotate_and_store(qkv, cos, sin, heads, keys, values, rows, positions, querie
                 else:
                     entries[t, 0, h - heads, i] = rotated_low
                     entries[t, 0, h - heads, i + half] = rotated_high
-        entries[t, 1] = qkv[t, heads + kv_heads:]
+        entries[t, 1] = qkv[t, heads + kv_heads :]
     _store_entries(entries, keys, values, rows, positions)
 
 
-def _store_entries(entries, keys, values, rows, positions):  # pragma: no cover - compiled through the overload
+def _store_entries(
+    entries, keys, values, rows, positions
+):  # pragma: no cover - compiled through the overload
     """keys/values[rows[t], :, positions[t]] = entries[t, 0]/entries[t, 1], in the cache's type."""
 
 
@@ -82,6 +86,7 @@ def _store_entries_of(entries, keys, values, rows, positions):  # pragma: no cov
         for t in range(entries.shape[0]):
             keys[rows[t], :, positions[t]] = cached[t, 0]
             values[rows[t], :, positions[t]] = cached[t, 1]
+
     return store
 
 
@@ -101,10 +106,14 @@ def half_bits(x):  # pragma: no cover - compiled
     out = np.empty(flat.shape, np.uint16)
     for i in range(flat.shape[0]):
         magnitude = bits[i] & np.uint32(0x7FFFFFFF)
-        normal = ((magnitude + np.uint32(0xFFF) + ((magnitude >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)) \
-            - np.uint32(0x1C000)
+        normal = (
+            (magnitude + np.uint32(0xFFF) + ((magnitude >> np.uint32(13)) & np.uint32(1)))
+            >> np.uint32(13)
+        ) - np.uint32(0x1C000)
         h = plus_half[i] - np.uint32(0x3F000000) if magnitude < np.uint32(0x38800000) else normal
-        h = np.uint32(0x7C00) if magnitude >= np.uint32(0x47800000) else h  # 2^16 and above, infinity
+        h = (
+            np.uint32(0x7C00) if magnitude >= np.uint32(0x47800000) else h
+        )  # 2^16 and above, infinity
         h = np.uint32(0x7E00) if magnitude > np.uint32(0x7F800000) else h  # NaN
         out[i] = np.uint16(((bits[i] >> np.uint32(16)) & np.uint32(0x8000)) | h)
     return out.reshape(x.shape)
@@ -117,5 +126,14 @@ def warm_up() -> None:
     cache = np.zeros((1, 1, 2, 4), np.float32)
     index = np.zeros(1, np.int64)
     for cache in (cache, np.zeros(cache.shape, np.uint16)):  # float32, float16 bits
-        rotate_and_store(np.zeros((1, 3, 4), np.float32), x, x, 1, cache, cache.copy(), index, index,
-                         np.empty((1, 1, 4), np.float32))
+        rotate_and_store(
+            np.zeros((1, 3, 4), np.float32),
+            x,
+            x,
+            1,
+            cache,
+            cache.copy(),
+            index,
+            index,
+            np.empty((1, 1, 4), np.float32),
+        )

@@ -18,8 +18,9 @@ def compile_ir(module_text: str, name: str, argtypes: list[Any]) -> Any:
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     target = llvm.Target.from_triple(llvm.get_process_triple())
-    machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                           features=llvm.get_host_cpu_features().flatten(), opt=3)
+    machine = target.create_target_machine(
+        cpu=llvm.get_host_cpu_name(), features=llvm.get_host_cpu_features().flatten(), opt=3
+    )
     module = llvm.parse_assembly(module_text)
     module.verify()
     engine = llvm.create_mcjit_compiler(module, machine)

@@ -234,7 +234,13 @@ def tiles_kernel(kind: str) -> str:
     }[kind]
     params = "x, qs, d, m, out" if kind == "q4_1" else "x, qs, d, out"
 
-    def fused(rows: int, source: str = "x", first: str = "r", target: str = "out", column: str = "t * TILE") -> str:
+    def fused(
+        rows: int,
+        source: str = "x",
+        first: str = "r",
+        target: str = "out",
+        column: str = "t * TILE",
+    ) -> str:
         return f"_rows{rows}_fused{suffix}({weights}, {source}, {first}, {target}, {column})"
 
     return f"""
@@ -300,7 +306,9 @@ def dequantize_tile_kernel(tile: int = TILE) -> str:
     """One tile's Q4_1 blocks into w[K, tile] as float32 weights (w = d*q + m), spelled out per
     column: the loop form did not vectorize and cost as much as several rows of the product."""
     lines = [
-        "", "", '@njit(fastmath=CONTRACT, cache=True, inline="always")',
+        "",
+        "",
+        '@njit(fastmath=CONTRACT, cache=True, inline="always")',
         "def _dequantize_tile(qs, d, m, w, o0):  # pragma: no cover - compiled",
         '    """One tile\'s blocks into w[K, o0:o0+TILE] as float32 weights (w = d*q + m)."""',
         "    for b in range(qs.shape[0]):",
@@ -309,8 +317,12 @@ def dequantize_tile_kernel(tile: int = TILE) -> str:
     lines += [f"        m{g} = m[b, {g}]" for g in range(tile)]
     lines.append("        for j in range(16):")
     lines += [f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)]
-    lines += [f"            w[b * 32 + j, o0 + {g}] = {_q4_1_weight(g, '& 15')}" for g in range(tile)]
-    lines += [f"            w[b * 32 + 16 + j, o0 + {g}] = {_q4_1_weight(g, '>> 4')}" for g in range(tile)]
+    lines += [
+        f"            w[b * 32 + j, o0 + {g}] = {_q4_1_weight(g, '& 15')}" for g in range(tile)
+    ]
+    lines += [
+        f"            w[b * 32 + 16 + j, o0 + {g}] = {_q4_1_weight(g, '>> 4')}" for g in range(tile)
+    ]
     return "\n".join(lines)
 
 
@@ -323,7 +335,9 @@ def fused_row_kernel(tile: int = TILE, rows: int = 1) -> str:
     """`rows` rows of x against one tile, dequantizing in registers (no buffer): small passes.
     Same weights (d*q + m, rounded once) and the same summation order as `_rows1`."""
     return _fused_kernel(
-        f"_rows{rows}_fused(qs, d, m, x, r, out, o0)", tile, rows,
+        f"_rows{rows}_fused(qs, d, m, x, r, out, o0)",
+        tile,
+        rows,
         per_block=[f"        m{g} = m[b, {g}]" for g in range(tile)],
         per_byte=[f"            q{g} = np.int32(qs[b, j, {g}])" for g in range(tile)],
         low=[f"            w{g} = {_q4_1_weight(g, '& 15')}" for g in range(tile)],
@@ -334,18 +348,33 @@ def fused_row_kernel(tile: int = TILE, rows: int = 1) -> str:
 def fused_row_kernel_q8(tile: int = TILE, rows: int = 1) -> str:
     """`fused_row_kernel` for Q8_0 blocks (w = d*q, exact in float32), same summation order."""
     return _fused_kernel(
-        f"_rows{rows}_fused_q8(qs, d, x, r, out, o0)", tile, rows, per_block=[], per_byte=[],
+        f"_rows{rows}_fused_q8(qs, d, x, r, out, o0)",
+        tile,
+        rows,
+        per_block=[],
+        per_byte=[],
         low=[f"            w{g} = d{g} * np.float32(qs[b, j, {g}])" for g in range(tile)],
         high=[f"            w{g} = d{g} * np.float32(qs[b, j + 16, {g}])" for g in range(tile)],
     )
 
 
 def _fused_kernel(
-    signature: str, tile: int, rows: int, per_block: list[str], per_byte: list[str], low: list[str], high: list[str]
+    signature: str,
+    tile: int,
+    rows: int,
+    per_block: list[str],
+    per_byte: list[str],
+    low: list[str],
+    high: list[str],
 ) -> str:
     """The in-register kernel around a block type's dequantization lines: `low` and `high` set
     w0..w{tile-1} to weights j and j+16 of block b."""
-    lines = ["", "", "@njit(fastmath=CONTRACT, cache=True)", f"def {signature}:  # pragma: no cover - compiled"]
+    lines = [
+        "",
+        "",
+        "@njit(fastmath=CONTRACT, cache=True)",
+        f"def {signature}:  # pragma: no cover - compiled",
+    ]
     lines += _zero_accumulators(rows, tile)
     lines.append("    for b in range(qs.shape[0]):")
     lines += [f"        d{g} = d[b, {g}]" for g in range(tile)]
@@ -374,10 +403,13 @@ def _zero_accumulators(rows: int, tile: int) -> list[str]:
 def source(tile: int = TILE) -> str:
     return (
         HEADER.format(tile=tile)
-        + dequantize_tile_kernel(tile) + rows_kernel(1, tile) + rows_kernel(2, tile)
+        + dequantize_tile_kernel(tile)
+        + rows_kernel(1, tile)
+        + rows_kernel(2, tile)
         + "".join(fused_row_kernel(tile, rows) for rows in (1, 2, 4))
         + "".join(fused_row_kernel_q8(tile, rows) for rows in (1, 2, 4))
-        + tiles_kernel("q4_1") + tiles_kernel("q8_0")
+        + tiles_kernel("q4_1")
+        + tiles_kernel("q8_0")
         + FOOTER
     )
 

@@ -42,7 +42,13 @@ from torch import nn
 
 from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul
 from service.kernels.int8_chunk_kernel import warm_up as warm_up_chunks
-from service.kernels.int8_kernel import COLUMNS, REQUIRED_FEATURES, int8_matmul, int8_supported, int8_tiles
+from service.kernels.int8_kernel import (
+    COLUMNS,
+    REQUIRED_FEATURES,
+    int8_matmul,
+    int8_supported,
+    int8_tiles,
+)
 from service.kernels.int8_kernel import warm_up as warm_up_int8
 from service.kernels.packed_kernels_gen import TILE
 
@@ -50,7 +56,10 @@ log = logging.getLogger(__name__)
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
 PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
+BLOCK_BYTES = {
+    "Q4_1": 20,
+    "Q8_0": 34,
+}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
 # Passes above this many rows may dequantize the layer and call F.linear (prefill-sized passes,
 # where a BLAS GEMM can be faster than the register-tiled kernel), if the CPU says so at load
 # (`tune_kernel_max_rows`: the kernel is timed against that path at these sizes; on some CPUs
@@ -108,24 +117,34 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
         import numba
 
         numba.config.SLP_VECTORIZE = 1
-        if os.environ.get("NUMBA_CACHE_DIR"):  # numba may have been imported (and configured) before
+        if os.environ.get(
+            "NUMBA_CACHE_DIR"
+        ):  # numba may have been imported (and configured) before
             numba.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
-        from service.kernels import layer_kernels
-        from service.kernels import packed_kernels
+        from service.kernels import layer_kernels, packed_kernels
     except Exception as error:  # noqa: BLE001 - any import failure means: use the fallback
         _kernels_error = f"{type(error).__name__}: {error}"
-        log.error("the numba kernels failed to load (%s): the packed linears run on their torch fallback, "
-                  "several times slower; /health reports it", _kernels_error)
+        log.error(
+            "the numba kernels failed to load (%s): the packed linears run on their torch fallback, "
+            "several times slower; /health reports it",
+            _kernels_error,
+        )
         return None
     started = time.perf_counter()
     _warm_up(packed_kernels)
     layer_kernels.warm_up()
     layer = numba.threading_layer()
-    log.info("numba packed-linear kernels ready in %.1f s (threading layer %s, %d threads)",
-             time.perf_counter() - started, layer, numba.get_num_threads())
+    log.info(
+        "numba packed-linear kernels ready in %.1f s (threading layer %s, %d threads)",
+        time.perf_counter() - started,
+        layer,
+        numba.get_num_threads(),
+    )
     if layer == "workqueue":
-        log.warning("numba runs the packed kernels on its workqueue threading layer, on which passes "
-                    "took 1.3-2.7x as long as on OpenMP: install the system's libgomp (Debian: libgomp1)")
+        log.warning(
+            "numba runs the packed kernels on its workqueue threading layer, on which passes "
+            "took 1.3-2.7x as long as on OpenMP: install the system's libgomp (Debian: libgomp1)"
+        )
     _kernels, _layer_kernels = packed_kernels, layer_kernels
     return _kernels
 
@@ -190,14 +209,18 @@ class PackedTiles:
     """GGUF blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
 
     kind: str  # "Q4_1" or "Q8_0"
-    qs: np.ndarray  # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8
+    qs: (
+        np.ndarray
+    )  # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8
     d: np.ndarray  # [T, K/32, TILE] float32 scales
     m: np.ndarray  # [T, K/32, TILE] float32 mins (Q4_1; empty for Q8_0)
     out_features: int
     in_features: int
 
 
-def tiles_from_blocks(raw: np.ndarray, out_features: int, in_features: int, kind: str = "Q4_1") -> PackedTiles:
+def tiles_from_blocks(
+    raw: np.ndarray, out_features: int, in_features: int, kind: str = "Q4_1"
+) -> PackedTiles:
     """`raw`: the GGUF bytes of a weight, [out_features, in_features/32 * block bytes] uint8
     (row-major blocks, as `gguf.GGUFReader` gives them). Rows are padded to a whole tile with
     zero blocks (zero weights)."""
@@ -211,7 +234,9 @@ def tiles_from_blocks(raw: np.ndarray, out_features: int, in_features: int, kind
     padded = np.zeros((tiles * TILE, blocks, size), np.uint8)
     padded[:out_features] = raw
 
-    def half(offset: int) -> np.ndarray:  # float16 at byte `offset` of each block, widened (exactly)
+    def half(
+        offset: int,
+    ) -> np.ndarray:  # float16 at byte `offset` of each block, widened (exactly)
         return padded[:, :, offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
 
     def tiled(a: np.ndarray) -> np.ndarray:  # [rows, blocks, ...] -> [T, blocks, ..., TILE]
@@ -219,9 +244,18 @@ def tiles_from_blocks(raw: np.ndarray, out_features: int, in_features: int, kind
         return np.ascontiguousarray(np.moveaxis(a, 1, -1))
 
     if kind == "Q4_1":
-        return PackedTiles(kind, tiled(padded[:, :, 4:]), tiled(half(0)), tiled(half(2)), out_features, in_features)
+        return PackedTiles(
+            kind, tiled(padded[:, :, 4:]), tiled(half(0)), tiled(half(2)), out_features, in_features
+        )
     empty = np.zeros((0, 0, 0), np.float32)
-    return PackedTiles(kind, tiled(padded[:, :, 2:].view(np.int8)), tiled(half(0)), empty, out_features, in_features)
+    return PackedTiles(
+        kind,
+        tiled(padded[:, :, 2:].view(np.int8)),
+        tiled(half(0)),
+        empty,
+        out_features,
+        in_features,
+    )
 
 
 def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
@@ -240,14 +274,22 @@ def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
 class PackedLinear(nn.Module):
     """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept packed."""
 
-    def __init__(self, tiles: PackedTiles, kernels: Any = None, fused_max_rows: int = 2,
-                 int8_activations: bool = False, kernel_max_rows: int = KERNEL_MAX_ROWS) -> None:
+    def __init__(
+        self,
+        tiles: PackedTiles,
+        kernels: Any = None,
+        fused_max_rows: int = 2,
+        int8_activations: bool = False,
+        kernel_max_rows: int = KERNEL_MAX_ROWS,
+    ) -> None:
         super().__init__()
         self.kind = tiles.kind
         self.in_features = tiles.in_features
         self.out_features = tiles.out_features
         self.kernels = kernels
-        self.fused_max_rows = fused_max_rows  # Q4_1 passes up to this many rows dequantize in registers
+        self.fused_max_rows = (
+            fused_max_rows  # Q4_1 passes up to this many rows dequantize in registers
+        )
         self.kernel_max_rows = kernel_max_rows  # larger passes dequantize the layer for F.linear
         # 8-bit activations on VNNI (service/kernels/int8_kernel.py), for passes of every size
         self.int8_activations = int8_activations
@@ -258,15 +300,24 @@ class PackedLinear(nn.Module):
         for name in ("qs", "d", "m"):
             self.register_buffer(name, torch.from_numpy(getattr(tiles, name)), persistent=True)
         self._tiles = tiles  # numpy views of the buffers, for the kernels' calls
-        self._int8 = (int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features)
-                      if self.int8_activations else None)
+        self._int8 = (
+            int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features)
+            if self.int8_activations
+            else None
+        )
         if self._int8 is not None:  # what every call needs, looked up once
             self._int8_kernel = int8_matmul(tiles.kind)
             self._chunk_kernel = chunk_matmul() if tiles.kind == "Q4_1" else None
             self._int8_columns = self._int8.packed.shape[0] * COLUMNS
 
     def extra_repr(self) -> str:
-        path = "int8 activations, VNNI" if self._int8 is not None else "numba" if self.kernels is not None else "torch fallback"
+        path = (
+            "int8 activations, VNNI"
+            if self._int8 is not None
+            else "numba"
+            if self.kernels is not None
+            else "torch fallback"
+        )
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} ({path})"
 
     def tiles(self) -> PackedTiles:
@@ -304,9 +355,12 @@ class PackedLinear(nn.Module):
         threads = threads if threads > 1 else 0
         if self.kind == "Q4_1":
             (self.kernels.q4_1_matmul if threads else self.kernels.q4_1_matmul_serial)(
-                xs, t.qs, t.d, t.m, out, threads, self.fused_max_rows)
+                xs, t.qs, t.d, t.m, out, threads, self.fused_max_rows
+            )
         else:
-            (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(xs, t.qs, t.d, out, threads)
+            (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(
+                xs, t.qs, t.d, out, threads
+            )
         return self._shaped(out, x)
 
     def _int8_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -322,7 +376,9 @@ class PackedLinear(nn.Module):
         xs = rows.numpy()
         threads = _threads() if xs.shape[0] * t.packed.size >= PARALLEL_MIN_BYTES else 0
         threads = threads if threads > 1 else 0
-        if self._chunk_kernel is not None and xs.shape[0] >= CHUNK_MIN_ROWS:  # the same bits, faster
+        if (
+            self._chunk_kernel is not None and xs.shape[0] >= CHUNK_MIN_ROWS
+        ):  # the same bits, faster
             padded = np.empty((-(-xs.shape[0] // GROUP) * GROUP, self._int8_columns), np.float32)
             self._chunk_kernel(xs, t.packed, t.d, t.m, padded, threads)
             return self._shaped(padded[: xs.shape[0]], x)
@@ -347,18 +403,27 @@ def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
     tiles (no copy stays behind). None when the modules differ in kind or input width, or a
     module's rows do not fill whole tiles."""
     tiles = [module.tiles() for module in modules]
-    if len({(t.kind, t.in_features) for t in tiles}) != 1 or any(t.out_features % TILE for t in tiles):
+    if len({(t.kind, t.in_features) for t in tiles}) != 1 or any(
+        t.out_features % TILE for t in tiles
+    ):
         return None
     qs, d, m = (np.concatenate([getattr(t, name) for t in tiles]) for name in ("qs", "d", "m"))
     start = 0
     for module, t in zip(modules, tiles):
         stop = start + t.out_features // TILE
-        module._set_tiles(PackedTiles(t.kind, qs[start:stop], d[start:stop], m[start:stop],
-                                      t.out_features, t.in_features))
+        module._set_tiles(
+            PackedTiles(
+                t.kind, qs[start:stop], d[start:stop], m[start:stop], t.out_features, t.in_features
+            )
+        )
         start = stop
-    fused = PackedTiles(tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features)
+    fused = PackedTiles(
+        tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features
+    )
     first = modules[0]
-    return PackedLinear(fused, first.kernels, first.fused_max_rows, first.int8_activations, first.kernel_max_rows)
+    return PackedLinear(
+        fused, first.kernels, first.fused_max_rows, first.int8_activations, first.kernel_max_rows
+    )
 
 
 def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
@@ -372,8 +437,14 @@ def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
     rng = np.random.default_rng(0)
     best = 2
     for rows in FUSED_ROW_CANDIDATES:
-        inputs = [(rng.standard_normal((rows, t.in_features), np.float32),
-                   np.empty((rows, t.qs.shape[0] * TILE), np.float32), t) for t in layers]
+        inputs = [
+            (
+                rng.standard_normal((rows, t.in_features), np.float32),
+                np.empty((rows, t.qs.shape[0] * TILE), np.float32),
+                t,
+            )
+            for t in layers
+        ]
 
         def seconds(fused_max_rows: int) -> float:
             started = time.perf_counter()
@@ -385,8 +456,12 @@ def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
         for _ in range(TUNING_REPEATS):
             fused.append(seconds(rows))
             buffered.append(seconds(2))
-        log.debug("Q4_1 kernel at %d rows: in registers %.2f ms, buffer %.2f ms", rows, min(fused) * 1e3,
-                  min(buffered) * 1e3)
+        log.debug(
+            "Q4_1 kernel at %d rows: in registers %.2f ms, buffer %.2f ms",
+            rows,
+            min(fused) * 1e3,
+            min(buffered) * 1e3,
+        )
         if min(fused) >= min(buffered):
             break
         best = rows
@@ -400,7 +475,9 @@ def tune_kernel_max_rows(layers: Sequence[PackedTiles], kernels: Any, fused_max_
     `LARGE_PASS_TUNING_REPEATS` rounds, the two paths alternating within a round. The paths
     round differently (float32 sums in another order), so the choice decides which bits a large
     pass gets; within the kernel's range every row's result is the same whatever the pass."""
-    kernel = [PackedLinear(t, kernels, fused_max_rows, kernel_max_rows=UNBOUNDED_ROWS) for t in layers]
+    kernel = [
+        PackedLinear(t, kernels, fused_max_rows, kernel_max_rows=UNBOUNDED_ROWS) for t in layers
+    ]
     gemm = [PackedLinear(t, kernels, fused_max_rows, kernel_max_rows=0) for t in layers]
     generator = torch.Generator().manual_seed(0)
     best = KERNEL_MAX_ROWS
@@ -417,16 +494,21 @@ def tune_kernel_max_rows(layers: Sequence[PackedTiles], kernels: Any, fused_max_
         for _ in range(LARGE_PASS_TUNING_REPEATS):
             in_kernel.append(seconds(kernel))
             in_gemm.append(seconds(gemm))
-        log.debug("packed linears at %d rows: kernel %.1f ms, dequantized + F.linear %.1f ms", rows,
-                  min(in_kernel) * 1e3, min(in_gemm) * 1e3)
+        log.debug(
+            "packed linears at %d rows: kernel %.1f ms, dequantized + F.linear %.1f ms",
+            rows,
+            min(in_kernel) * 1e3,
+            min(in_gemm) * 1e3,
+        )
         if min(in_kernel) >= min(in_gemm):
             return best
         best = rows
     return UNBOUNDED_ROWS
 
 
-def kernel_max_rows_for(layers: Sequence[PackedTiles], kernels: Any, fused_max_rows: int,
-                        cache_dir: Path | None) -> int:
+def kernel_max_rows_for(
+    layers: Sequence[PackedTiles], kernels: Any, fused_max_rows: int, cache_dir: Path | None
+) -> int:
     """`tune_kernel_max_rows`, measured once per kind of CPU (LLVM's name for it) and thread
     count and kept in `cache_dir`: the limit decides which bits a large pass gets, so a timing
     that came out otherwise on a busy start would change a server's answers at near ties."""
@@ -468,7 +550,10 @@ def read_packed_linears(model: nn.Module, gguf_path: Path) -> tuple[dict[str, Pa
             continue
         name = f"model.layers.{int(parts[1])}.{LLAMA_LINEARS[parts[2]]}"
         linear = model.get_submodule(name)
-        if tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1 or getattr(linear, "bias", None) is not None:
+        if (
+            tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1
+            or getattr(linear, "bias", None) is not None
+        ):
             kept += 1
             continue
         out_features, in_features = linear.weight.shape
@@ -478,14 +563,17 @@ def read_packed_linears(model: nn.Module, gguf_path: Path) -> tuple[dict[str, Pa
         elif parts[2] == "attn_k":
             raw = raw[unpermute_rows(out_features, config.num_key_value_heads)]
         tiles[name] = tiles_from_blocks(raw, out_features, in_features, "Q4_1")
-    head = by_name.get("output.weight") or (by_name.get("token_embd.weight") if config.tie_word_embeddings else None)
+    head = by_name.get("output.weight") or (
+        by_name.get("token_embd.weight") if config.tie_word_embeddings else None
+    )
     lm_head = getattr(model, "lm_head", None)
     if head is not None and isinstance(lm_head, nn.Linear) and lm_head.bias is None:
         kind = gguf.GGMLQuantizationType(head.tensor_type).name
         if kind in BLOCK_BYTES:
             out_features, in_features = lm_head.weight.shape
-            tiles["lm_head"] = tiles_from_blocks(np.asarray(head.data).reshape(out_features, -1),
-                                                 out_features, in_features, kind)
+            tiles["lm_head"] = tiles_from_blocks(
+                np.asarray(head.data).reshape(out_features, -1), out_features, in_features, kind
+            )
         else:
             kept += 1
     return tiles, kept
@@ -494,9 +582,16 @@ def read_packed_linears(model: nn.Module, gguf_path: Path) -> tuple[dict[str, Pa
 def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
     arrays: dict[str, np.ndarray] = {}
     for name, t in tiles.items():
-        arrays |= {f"{name}:qs": t.qs, f"{name}:d": t.d, f"{name}:m": t.m,
-                   f"{name}:shape": np.array([t.out_features, t.in_features]), f"{name}:kind": np.array(t.kind)}
-    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")  # per process: starts may race
+        arrays |= {
+            f"{name}:qs": t.qs,
+            f"{name}:d": t.d,
+            f"{name}:m": t.m,
+            f"{name}:shape": np.array([t.out_features, t.in_features]),
+            f"{name}:kind": np.array(t.kind),
+        }
+    staging = path.with_name(
+        f"{path.stem}.{os.getpid()}.partial.npz"
+    )  # per process: starts may race
     try:
         np.savez(staging, **arrays)
         staging.rename(path)
@@ -508,13 +603,26 @@ def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
 def _load_tiles(path: Path) -> dict[str, PackedTiles]:
     with np.load(path) as arrays:
         names = [key[: -len(":shape")] for key in arrays.files if key.endswith(":shape")]
-        return {name: PackedTiles(str(arrays[f"{name}:kind"]), arrays[f"{name}:qs"], arrays[f"{name}:d"],
-                                  arrays[f"{name}:m"], *(int(v) for v in arrays[f"{name}:shape"]))
-                for name in names}
+        return {
+            name: PackedTiles(
+                str(arrays[f"{name}:kind"]),
+                arrays[f"{name}:qs"],
+                arrays[f"{name}:d"],
+                arrays[f"{name}:m"],
+                *(int(v) for v in arrays[f"{name}:shape"]),
+            )
+            for name in names
+        }
 
 
-def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None = None,
-                      tiles_file: Path | None = None, use_kernels: bool = True, int8_activations: bool = False) -> int:
+def pack_gguf_linears(
+    model: nn.Module,
+    gguf_path: Path,
+    cache_dir: Path | None = None,
+    tiles_file: Path | None = None,
+    use_kernels: bool = True,
+    int8_activations: bool = False,
+) -> int:
     """Replace every Llama linear whose GGUF tensor is Q4_1, and the LM head when its tensor is
     Q4_1 or Q8_0, by a `PackedLinear`; returns how many. Other linears are left as loaded;
     so are the embeddings (a tied LM head gets its own packed copy of the blocks).
@@ -527,10 +635,14 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
     """
     config = model.config
     if getattr(config, "model_type", None) not in ("llama", "mistral"):
-        raise ValueError(f"--quantization gguf supports Llama-family models, not {config.model_type!r}")
+        raise ValueError(
+            f"--quantization gguf supports Llama-family models, not {config.model_type!r}"
+        )
     if int8_activations and not int8_supported():
-        raise ValueError(f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}; "
-                         "use --quantization gguf")
+        raise ValueError(
+            f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}; "
+            "use --quantization gguf"
+        )
     if int8_activations:
         warm_up_int8()
         warm_up_chunks()
@@ -546,7 +658,9 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
     fused_max_rows, kernel_max_rows = 2, KERNEL_MAX_ROWS
     if kernels is not None:
         first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
-        tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]
+        tuned = [
+            t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)
+        ]
         fused_max_rows = tune_fused_max_rows(tuned, kernels)
         if not int8_activations:  # (8-bit activations run their own kernels at every size)
             kernel_max_rows = kernel_max_rows_for(tuned, kernels, fused_max_rows, cache_dir)
@@ -554,18 +668,31 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, cache_dir: Path | None 
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         packed = PackedLinear(t, kernels, fused_max_rows, int8_activations, kernel_max_rows)
-        if not from_file and not torch.equal(packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()):
-            raise ValueError(f"{name}: packed blocks differ from the loaded weight "
-                             f"(is {gguf_path.name} the file this model was converted from?)")
+        if not from_file and not torch.equal(
+            packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()
+        ):
+            raise ValueError(
+                f"{name}: packed blocks differ from the loaded weight "
+                f"(is {gguf_path.name} the file this model was converted from?)"
+            )
         setattr(parent, attr, packed)
     if tiles_file is not None and not from_file:
         _save_tiles(tiles, tiles_file)
     kinds = Counter(t.kind for t in tiles.values())
-    large_passes = "every pass" if kernel_max_rows == UNBOUNDED_ROWS else f"passes of up to {kernel_max_rows} rows"
-    log.info("packed %s linears (%s)%s", " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
-             "8-bit activations (VNNI)" if int8_activations else
-             f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows, "
-             f"the kernels for {large_passes}"
-             if kernels is not None else "torch fallback: numba not installed",
-             f"; kept {kept} of other types" if kept >= 0 else "")
+    large_passes = (
+        "every pass"
+        if kernel_max_rows == UNBOUNDED_ROWS
+        else f"passes of up to {kernel_max_rows} rows"
+    )
+    log.info(
+        "packed %s linears (%s)%s",
+        " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+        "8-bit activations (VNNI)"
+        if int8_activations
+        else f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows, "
+        f"the kernels for {large_passes}"
+        if kernels is not None
+        else "torch fallback: numba not installed",
+        f"; kept {kept} of other types" if kept >= 0 else "",
+    )
     return len(tiles)

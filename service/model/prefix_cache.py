@@ -39,7 +39,9 @@ from service.model.kv_cache import TreeKVCache
 
 BLOCK_TOKENS = 16  # vLLM's default block size: a hit loses at most 15 tokens to the block edge
 
-BlockKey = tuple[int, tuple[int, ...]]  # (parent block's id, or -1 at the start; the block's tokens)
+BlockKey = tuple[
+    int, tuple[int, ...]
+]  # (parent block's id, or -1 at the start; the block's tokens)
 
 
 @dataclass(eq=False)
@@ -116,7 +118,10 @@ class PrefixCache:
         parent, chain = None, []
         end = min(len(token_ids), cache.lengths[row])
         for start in range(0, end - BLOCK_TOKENS + 1, BLOCK_TOKENS):
-            key = (-1 if parent is None else parent.id, tuple(token_ids[start : start + BLOCK_TOKENS]))
+            key = (
+                -1 if parent is None else parent.id,
+                tuple(token_ids[start : start + BLOCK_TOKENS]),
+            )
             block = self._blocks.get(key)
             if block is None:
                 if not self._make_room(BLOCK_TOKENS * cache.entry_nbytes, keep=parent):

@@ -9,19 +9,29 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 # a function the probe of a template offers it (any would do: a template shows tools or not)
-PROBE_TOOL = {"type": "function", "function": {
-    "name": "probe", "description": "a probe", "parameters": {"type": "object", "properties": {}}}}
+PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "probe",
+        "description": "a probe",
+        "parameters": {"type": "object", "properties": {}},
+    },
+}
 
 
 def chat_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered by the chat template, ready for the assistant's turn;
     `tools` (OpenAI's function list) go to the template, which may show them or not."""
     encoded = tokenizer.apply_chat_template(
-        list(messages), tools=None if tools is None else list(tools), add_generation_prompt=True,
-        tokenize=True, return_dict=True,
+        list(messages),
+        tools=None if tools is None else list(tools),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
     )
     return list(encoded["input_ids"])
 
@@ -37,12 +47,15 @@ def _renders_tools(tokenizer: PreTrainedTokenizerBase, template: str) -> bool:
     """(Once per tokenizer and template: the template is part of the key, as it may be replaced.)"""
     messages = [{"role": "user", "content": "x"}]
     plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    offered = tokenizer.apply_chat_template(messages, tools=[PROBE_TOOL], add_generation_prompt=True,
-                                            tokenize=False)
+    offered = tokenizer.apply_chat_template(
+        messages, tools=[PROBE_TOOL], add_generation_prompt=True, tokenize=False
+    )
     return plain != offered
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[int] | None) -> list[int]:
+def stop_token_ids(
+    tokenizer: PreTrainedTokenizerBase, eos_token_id: int | list[int] | None
+) -> list[int]:
     """The tokens that end a turn: the model config's EOS id(s) and the tokenizer's."""
     ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
     ids = [*ids, tokenizer.eos_token_id]
@@ -57,7 +70,9 @@ def assistant_prefix_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """
     if tokenizer.chat_template:
         messages = [{"role": "user", "content": "x"}]
-        plain = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+        plain = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
         opened = chat_prompt_ids(tokenizer, messages)
         if opened[: len(plain)] == list(plain) and len(opened) > len(plain):
             return opened[len(plain) :]

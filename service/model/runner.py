@@ -24,11 +24,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import PreTrainedModel
 
-from service.model.attention import build_layout, prompt_prefix, use_ragged_attention
 from service.kernels.attention_kernel import warm_up as warm_up_attention
 from service.kernels.chunk_attention_kernel import chunk_kernel_fits
 from service.kernels.chunk_attention_kernel import warm_up as warm_up_chunk_attention
-from service.model.decoder_pass import attention_kernel_width, kv_cache_dtype, lean_hidden, supports_lean_pass
+from service.model.attention import build_layout, prompt_prefix, use_ragged_attention
+from service.model.decoder_pass import (
+    attention_kernel_width,
+    kv_cache_dtype,
+    lean_hidden,
+    supports_lean_pass,
+)
 from service.model.kv_cache import TreeKVCache
 from service.model.static_pass import FixedShape, StaticPasses
 from service.model.tree import TokenTree
@@ -46,12 +51,16 @@ class RowInput:
 
     tree: TokenTree
     logits_from: int = 0  # nodes [logits_from, num_nodes) get logits; num_nodes for none
-    cached: int = 0  # nodes [0, cached) were written by an earlier pass, uncommitted (kept as they are)
+    cached: int = (
+        0  # nodes [0, cached) were written by an earlier pass, uncommitted (kept as they are)
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.cached <= self.logits_from <= self.tree.num_nodes:
-            raise ValueError(f"need 0 <= cached ({self.cached}) <= logits_from ({self.logits_from}) "
-                             f"<= nodes ({self.tree.num_nodes})")
+            raise ValueError(
+                f"need 0 <= cached ({self.cached}) <= logits_from ({self.logits_from}) "
+                f"<= nodes ({self.tree.num_nodes})"
+            )
 
 
 class ModelRunner:
@@ -69,21 +78,33 @@ class ModelRunner:
         self.lean = supports_lean_pass(self.model)
         on_gpu = model.device.type == "cuda"
         wanted = on_gpu if static_passes is None else static_passes
-        self.static = StaticPasses.for_model(self.model, capture=on_gpu) if wanted and self.lean else None
+        self.static = (
+            StaticPasses.for_model(self.model, capture=on_gpu) if wanted and self.lean else None
+        )
         self.device = model.device
         self.dtype = model.dtype
         self.vocab_size: int = model.config.vocab_size
         config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         self.kv_dtype = kv_cache_dtype(self.model)
         # keys + values of one token over all layers
         self.kv_bytes_per_token = (
-            2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * self.kv_dtype.itemsize
+            2
+            * config.num_hidden_layers
+            * config.num_key_value_heads
+            * head_dim
+            * self.kv_dtype.itemsize
         )
         self.query_groups: int = config.num_attention_heads // config.num_key_value_heads
         # on the packed CPU path, prompt tokens attend through the chunk kernel (their own bits)
-        self.chunk_kernel = bool(self.lean and attention_kernel_width(self.model) and chunk_kernel_fits(head_dim))
-        if self.lean and attention_kernel_width(self.model):  # compile them now, not in the first request's pass
+        self.chunk_kernel = bool(
+            self.lean and attention_kernel_width(self.model) and chunk_kernel_fits(head_dim)
+        )
+        if self.lean and attention_kernel_width(
+            self.model
+        ):  # compile them now, not in the first request's pass
             warm_up_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
             if self.chunk_kernel:
                 warm_up_chunk_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
@@ -94,8 +115,12 @@ class ModelRunner:
         return 0.0 if self.static is None else self.static.capture_seconds
 
     def new_cache(self, rows: int = 0) -> TreeKVCache:
-        return TreeKVCache(num_layers=self.model.config.num_hidden_layers, rows=rows, dtype=self.kv_dtype,
-                           spare=None if self.static is None else self.static.spare)
+        return TreeKVCache(
+            num_layers=self.model.config.num_hidden_layers,
+            rows=rows,
+            dtype=self.kv_dtype,
+            spare=None if self.static is None else self.static.spare,
+        )
 
     def forward(self, cache: TreeKVCache, rows: Sequence[RowInput]) -> list[torch.Tensor]:
         """Append row r's tree (its nodes past `cached`) to cache row r, for every row, and
@@ -108,8 +133,9 @@ class ModelRunner:
         return list(logits.split([row.tree.num_nodes - row.logits_from for row in rows]))
 
     @torch.inference_mode()
-    def forward_flat(self, cache: TreeKVCache, rows: Sequence[RowInput],
-                     token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_flat(
+        self, cache: TreeKVCache, rows: Sequence[RowInput], token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`forward`'s logits as one tensor [nodes asked for, vocab], rows in order.
         `token_ids` [flat tokens] on the model's device, when the tokens were drafted there
         (`service/device_round/`): the trees then give only the pass's shape, and the host
@@ -117,10 +143,13 @@ class ModelRunner:
         if len(rows) != cache.num_rows:
             raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
         with sdpa_kernel(ATTENTION_BACKENDS):
-            hidden, offsets = (self._static_hidden(cache, rows, token_ids)
-                               or self._eager_hidden(cache, rows, token_ids))
+            hidden, offsets = self._static_hidden(cache, rows, token_ids) or self._eager_hidden(
+                cache, rows, token_ids
+            )
         head = self.model.get_output_embeddings()
-        if all(row.logits_from == 0 and row.cached == 0 for row in rows):  # every node (a device round): no gather
+        if all(
+            row.logits_from == 0 and row.cached == 0 for row in rows
+        ):  # every node (a device round): no gather
             return head(hidden[: sum(row.tree.num_nodes for row in rows)])
         wanted = [
             offset + node - row.cached
@@ -131,32 +160,61 @@ class ModelRunner:
             return hidden.new_empty(0, self.vocab_size)
         return head(hidden[wanted])  # [num_wanted, vocab]
 
-    def _static_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput],
-                       token_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[int]] | None:
+    def _static_hidden(
+        self, cache: TreeKVCache, rows: Sequence[RowInput], token_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[int]] | None:
         """The pass at a fixed shape, with each row's first flat token; None where it has none."""
         if self.static is None or any(row.cached for row in rows):
             return None
         sizes = [row.tree.num_nodes for row in rows]
         shape = FixedShape.of(sizes)
-        hidden = None if shape is None else self.static.hidden(cache, [row.tree for row in rows], shape, token_ids)
-        return None if hidden is None else (hidden, list(itertools.accumulate(sizes[:-1], initial=0)))
+        hidden = (
+            None
+            if shape is None
+            else self.static.hidden(cache, [row.tree for row in rows], shape, token_ids)
+        )
+        return (
+            None if hidden is None else (hidden, list(itertools.accumulate(sizes[:-1], initial=0)))
+        )
 
-    def _eager_hidden(self, cache: TreeKVCache, rows: Sequence[RowInput],
-                      token_ids: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+    def _eager_hidden(
+        self, cache: TreeKVCache, rows: Sequence[RowInput], token_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[int]]:
         """The pass as it comes (every row's new nodes, nothing padded), with each row's first
         flat token."""
         trees = [row.tree for row in rows]
-        prompts = [prompt_prefix(row.tree, row.logits_from) for row in rows] if self.chunk_kernel else None
-        layout = build_layout(trees, cache.lengths, self.device, [row.cached for row in rows], self.dtype,
-                              attention_kernel_width(self.model), self.query_groups, prompts)
+        prompts = (
+            [prompt_prefix(row.tree, row.logits_from) for row in rows]
+            if self.chunk_kernel
+            else None
+        )
+        layout = build_layout(
+            trees,
+            cache.lengths,
+            self.device,
+            [row.cached for row in rows],
+            self.dtype,
+            attention_kernel_width(self.model),
+            self.query_groups,
+            prompts,
+        )
         cache.begin_pass(layout)
-        input_ids = (token_ids[None] if token_ids is not None else  # [1, T]
-                     torch.tensor([[t for row in rows for t in row.tree.token_ids[row.cached:]]], device=self.device))
+        input_ids = (
+            token_ids[None]
+            if token_ids is not None
+            # [1, T]
+            else torch.tensor(
+                [[t for row in rows for t in row.tree.token_ids[row.cached :]]], device=self.device
+            )
+        )
         if self.lean:
             hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
         else:
             hidden = self.model.base_model(
-                input_ids=input_ids, position_ids=layout.position_ids, past_key_values=cache,
-                use_cache=True, pass_layout=layout,
+                input_ids=input_ids,
+                position_ids=layout.position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                pass_layout=layout,
             ).last_hidden_state[0]  # [T, hidden]
         return hidden, layout.offsets

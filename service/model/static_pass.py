@@ -25,6 +25,7 @@ begun in an earlier pass) run eagerly (`service/model/runner.py`).
 Where there is nothing to capture (a CPU), the same fixed-shape pass runs eagerly: the tests
 hold it to the eager path's logits there.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -96,13 +97,19 @@ class StaticPasses:
     def __init__(self, model: PreTrainedModel, capture: bool) -> None:
         self.model = model
         self.capture = capture
-        self.query_groups: int = model.config.num_attention_heads // model.config.num_key_value_heads
+        self.query_groups: int = (
+            model.config.num_attention_heads // model.config.num_key_value_heads
+        )
         # (cache buffers, shape) -> pass, least recently used first
         self._passes: OrderedDict[tuple[tuple[int, ...], FixedShape], _StaticPass] = OrderedDict()
         self._buffers: tuple[int, ...] = ()  # the buffers of the last pass's cache
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self.capture_seconds = 0.0  # spent recording graphs so far: one-off costs, not a pass's price
-        self.spare = SpareBuffers()  # the buffers the graphs were recorded with, while no cache holds them
+        self.capture_seconds = (
+            0.0  # spent recording graphs so far: one-off costs, not a pass's price
+        )
+        self.spare = (
+            SpareBuffers()
+        )  # the buffers the graphs were recorded with, while no cache holds them
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, capture: bool) -> StaticPasses:
@@ -119,8 +126,13 @@ class StaticPasses:
         """The shapes run on the last pass's cache buffers, least recently used first."""
         return [shape for buffers, shape in self._passes if buffers == self._buffers]
 
-    def hidden(self, cache: TreeKVCache, trees: Sequence[TokenTree], shape: FixedShape,
-               token_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    def hidden(
+        self,
+        cache: TreeKVCache,
+        trees: Sequence[TokenTree],
+        shape: FixedShape,
+        token_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """The final-norm hidden states [shape.tokens, hidden] of the pass that appends row r's
         whole tree to cache row r (flat, rows in order, then padding); None if the cache has no
         buffers yet (its first pass sizes them) or they hold fewer than the shape's rows.
@@ -135,21 +147,28 @@ class StaticPasses:
         static = self._passes.get(key)
         fresh = static is None
         if static is None:
-            static = self._passes[key] = _StaticPass(torch.zeros(sum(shape.parts), dtype=torch.long,
-                                                                 device=self.model.device))
+            static = self._passes[key] = _StaticPass(
+                torch.zeros(sum(shape.parts), dtype=torch.long, device=self.model.device)
+            )
         self._passes.move_to_end(key)
         inputs = torch.from_numpy(_inputs(trees, starts, shape))
-        on_gpu = static.inputs.device.type == "cuda"  # from pinned memory the copy is queued, the host not made to wait
+        on_gpu = (
+            static.inputs.device.type == "cuda"
+        )  # from pinned memory the copy is queued, the host not made to wait
         static.inputs.copy_(inputs.pin_memory() if on_gpu else inputs, non_blocking=on_gpu)
         if token_ids is not None:
             ids = static.inputs[: shape.tokens]
             ids[: len(token_ids)] = token_ids
-            ids[len(token_ids) :] = token_ids[0]  # padding: copies of the first row's root, as `_inputs` writes them
+            ids[len(token_ids) :] = token_ids[
+                0
+            ]  # padding: copies of the first row's root, as `_inputs` writes them
         if fresh and self.capture:
             began = time.perf_counter()
             self._record(cache, static, shape)
             self.capture_seconds += time.perf_counter() - began
-        while len(self._passes) > MAX_GRAPHS:  # after recording: a memory pool dies with its last graph
+        while (
+            len(self._passes) > MAX_GRAPHS
+        ):  # after recording: a memory pool dies with its last graph
             self._passes.popitem(last=False)
         if not self.capture:
             return self._run(cache, static.inputs, shape)
@@ -171,15 +190,38 @@ class StaticPasses:
 
     def _run(self, cache: TreeKVCache, inputs: torch.Tensor, shape: FixedShape) -> torch.Tensor:
         rows, slots, tokens = shape.rows, shape.slots, shape.tokens
-        ids, positions, write_rows, write_positions, token_slots, starts, sizes, query_index, parents = (
-            inputs.split(shape.parts))
+        (
+            ids,
+            positions,
+            write_rows,
+            write_positions,
+            token_slots,
+            starts,
+            sizes,
+            query_index,
+            parents,
+        ) = inputs.split(shape.parts)
         layout = PassLayout(
-            ends=[cache.capacity] * rows, widths=[slots] * rows, write_rows=write_rows, write_positions=write_positions,
-            position_ids=positions[None], pass_end=cache.capacity, row_masks={},
-            batched_mask=_tree_mask(starts, _ancestors(sizes, parents.view(rows, slots)), cache.capacity,
-                                    self.model.dtype, self.query_groups),
-            query_index=query_index.view(rows, slots), batched_tokens=torch.arange(tokens, device=inputs.device),
-            batched_slots=token_slots, separate_rows=[], one_token_rows=slots == 1, query_groups=self.query_groups,
+            ends=[cache.capacity] * rows,
+            widths=[slots] * rows,
+            write_rows=write_rows,
+            write_positions=write_positions,
+            position_ids=positions[None],
+            pass_end=cache.capacity,
+            row_masks={},
+            batched_mask=_tree_mask(
+                starts,
+                _ancestors(sizes, parents.view(rows, slots)),
+                cache.capacity,
+                self.model.dtype,
+                self.query_groups,
+            ),
+            query_index=query_index.view(rows, slots),
+            batched_tokens=torch.arange(tokens, device=inputs.device),
+            batched_slots=token_slots,
+            separate_rows=[],
+            one_token_rows=slots == 1,
+            query_groups=self.query_groups,
         )
         cache.begin_pass(layout)
         return lean_hidden(self.model, ids[None], layout, cache)
@@ -192,15 +234,29 @@ def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape
     sizes, start = np.ones(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
     sizes[:running], start[:running] = [tree.num_nodes for tree in trees], starts
     total = int(sizes[:running].sum())
-    offsets = np.concatenate([np.cumsum(sizes[:running]) - sizes[:running], np.zeros(rows - running, dtype=np.int64)])
+    offsets = np.concatenate(
+        [np.cumsum(sizes[:running]) - sizes[:running], np.zeros(rows - running, dtype=np.int64)]
+    )
     out = np.empty(sum(shape.parts), dtype=np.int64)
-    ids, positions, write_rows, write_positions, token_slots, row_starts, row_sizes, query_index, parents = (
-        np.split(out, np.cumsum(shape.parts)[:-1]))
+    (
+        ids,
+        positions,
+        write_rows,
+        write_positions,
+        token_slots,
+        row_starts,
+        row_sizes,
+        query_index,
+        parents,
+    ) = np.split(out, np.cumsum(shape.parts)[:-1])
     row_of = np.repeat(np.arange(running), sizes[:running])
     in_row = np.arange(total) - offsets[row_of]
-    ids[:total] = np.fromiter(itertools.chain.from_iterable(tree.token_ids for tree in trees), np.int64, total)
+    ids[:total] = np.fromiter(
+        itertools.chain.from_iterable(tree.token_ids for tree in trees), np.int64, total
+    )
     positions[:total] = start[row_of] + np.fromiter(
-        itertools.chain.from_iterable(tree.depths for tree in trees), np.int64, total)
+        itertools.chain.from_iterable(tree.depths for tree in trees), np.int64, total
+    )
     write_rows[:total] = row_of
     write_positions[:total] = start[row_of] + in_row
     token_slots[:total] = row_of * slots + in_row
@@ -208,7 +264,9 @@ def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape
         part[total:] = part[0]  # padding: copies of the first row's root (answered as the root is)
     if slots == 1:  # but one-token rows' token r is row r's query: a padding row's token is its own
         write_rows[total:] = token_slots[total:] = np.arange(total, rows)
-        write_positions[total:] = 0  # (an unused buffer row: what it holds past a row's length is never read)
+        write_positions[total:] = (
+            0  # (an unused buffer row: what it holds past a row's length is never read)
+        )
     row_starts[:], row_sizes[:] = start, sizes
     slot = np.arange(slots)
     query_index[:] = (offsets[:, None] + np.where(slot < sizes[:, None], slot, 0)).ravel()
@@ -230,18 +288,31 @@ def _ancestors(sizes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     for _ in range((slots - 1).bit_length()):
         reach = (reach @ reach).clamp_(max=1.0)
     slot = torch.arange(slots, device=parents.device)
-    seen = (slot < sizes[:, None]) | (slot == 0)  # [R, D]: a row's nodes (and its root for the slots past them)
+    seen = (slot < sizes[:, None]) | (
+        slot == 0
+    )  # [R, D]: a row's nodes (and its root for the slots past them)
     return (reach > 0) & seen[:, None, :]
 
 
-def _tree_mask(starts: torch.Tensor, ancestors: torch.Tensor, columns: int, dtype: torch.dtype,
-               query_groups: int) -> torch.Tensor:
+def _tree_mask(
+    starts: torch.Tensor,
+    ancestors: torch.Tensor,
+    columns: int,
+    dtype: torch.dtype,
+    query_groups: int,
+) -> torch.Tensor:
     """The additive mask [R, 1, query_groups * D, columns] of a fixed-shape pass: slot i of row
     r sees the row's committed columns [0, starts[r]) and, from starts[r] on, the slots j with
     ancestors[r, i, j] (`ancestors`: [R, D, D] bool). Built on the device, inside the graph."""
     rows, slots, _ = ancestors.shape
-    offset = torch.arange(columns, device=starts.device)[None] - starts[:, None]  # [R, columns]: column - start
+    offset = (
+        torch.arange(columns, device=starts.device)[None] - starts[:, None]
+    )  # [R, columns]: column - start
     in_tree = ancestors.gather(2, offset.clamp(0, slots - 1)[:, None].expand(rows, slots, columns))
-    seen = (offset < 0)[:, None] | (in_tree & ((offset >= 0) & (offset < slots))[:, None])  # [R, D, columns]
-    additive = torch.zeros(seen.shape, dtype=dtype, device=starts.device).masked_fill_(~seen, float("-inf"))
+    seen = (offset < 0)[:, None] | (
+        in_tree & ((offset >= 0) & (offset < slots))[:, None]
+    )  # [R, D, columns]
+    additive = torch.zeros(seen.shape, dtype=dtype, device=starts.device).masked_fill_(
+        ~seen, float("-inf")
+    )
     return additive[:, None].repeat(1, 1, query_groups, 1)

@@ -48,14 +48,20 @@ def model_fingerprint(model: PreTrainedModel) -> str:
 
 
 def compute_tables(
-    model: PreTrainedModel, prefix_ids: Sequence[int] = (), batch_size: int = 512, show_progress: bool = True
+    model: PreTrainedModel,
+    prefix_ids: Sequence[int] = (),
+    batch_size: int = 512,
+    show_progress: bool = True,
 ) -> ModelTables:
     """Run every token after `prefix_ids` through `model`; keep top-K next tokens and the mean."""
     return run_to_end(compute_tables_steps(model, prefix_ids, batch_size, show_progress))
 
 
 def compute_tables_steps(
-    model: PreTrainedModel, prefix_ids: Sequence[int] = (), batch_size: int = 512, show_progress: bool = True
+    model: PreTrainedModel,
+    prefix_ids: Sequence[int] = (),
+    batch_size: int = 512,
+    show_progress: bool = True,
 ) -> Generator[None, None, ModelTables]:
     """`compute_tables` one batch per increment (the engine runs them between steps)."""
     vocab = model.config.vocab_size
@@ -66,9 +72,13 @@ def compute_tables_steps(
     batches = range(0, vocab, batch_size)
     for start in tqdm(batches, desc="bigram table", unit="batch", disable=not show_progress):
         with torch.inference_mode():
-            ids = torch.arange(start, min(start + batch_size, vocab), device=model.device)[:, None]  # [B, 1]
+            ids = torch.arange(start, min(start + batch_size, vocab), device=model.device)[
+                :, None
+            ]  # [B, 1]
             logits = _next_token_logits(model, ids, prefix, len(prefix_ids))  # [B, vocab]
-            bigram[start : start + len(ids)] = logits.topk(BIGRAM_TOP_K, dim=-1).indices.cpu().numpy()
+            bigram[start : start + len(ids)] = (
+                logits.topk(BIGRAM_TOP_K, dim=-1).indices.cpu().numpy()
+            )
             mean_probs += logits.softmax(dim=-1).sum(dim=0, dtype=torch.float64)
         yield
     unigram = mean_probs.topk(min(UNIGRAM_SIZE, vocab)).indices.cpu().numpy().astype(np.uint32)
@@ -84,36 +94,56 @@ def run_to_end(steps: Generator[object, None, T]) -> T:
             return done.value  # type: ignore[no-any-return]
 
 
-def _prefix_cache(model: PreTrainedModel, prefix_ids: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _prefix_cache(
+    model: PreTrainedModel, prefix_ids: Sequence[int]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values) [1, kv_heads, len(prefix), head_dim] of the prefix."""
     if not prefix_ids:
         return []
-    cache = model(torch.tensor([list(prefix_ids)], device=model.device), use_cache=True).past_key_values
+    cache = model(
+        torch.tensor([list(prefix_ids)], device=model.device), use_cache=True
+    ).past_key_values
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 def _next_token_logits(
-    model: PreTrainedModel, ids: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]], position: int
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    prefix: list[tuple[torch.Tensor, torch.Tensor]],
+    position: int,
 ) -> torch.Tensor:
     """Logits [B, vocab] after prefix + each id of `ids` [B, 1]."""
     cache = DynamicCache()
     for layer, (keys, values) in enumerate(prefix):
         cache.update(keys.expand(len(ids), -1, -1, -1), values.expand(len(ids), -1, -1, -1), layer)
     positions = torch.full_like(ids, position)
-    output = model(ids, position_ids=positions, past_key_values=cache if prefix else None, use_cache=bool(prefix))
+    output = model(
+        ids,
+        position_ids=positions,
+        past_key_values=cache if prefix else None,
+        use_cache=bool(prefix),
+    )
     return output.logits[:, -1].float()
 
 
 def load_or_compute_tables(
-    model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[int] = (), show_progress: bool = True
+    model: PreTrainedModel,
+    cache_dir: Path,
+    prefix_ids: Sequence[int] = (),
+    show_progress: bool = True,
 ) -> ModelTables:
     """Tables from `cache_dir/tables/<fingerprint>.npz`, computing and saving them if absent."""
     with _computing:
-        return run_to_end(load_or_compute_tables_steps(model, cache_dir, prefix_ids, show_progress=show_progress))
+        return run_to_end(
+            load_or_compute_tables_steps(model, cache_dir, prefix_ids, show_progress=show_progress)
+        )
 
 
 def load_or_compute_tables_steps(
-    model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[int] = (), batch_size: int = 512,
+    model: PreTrainedModel,
+    cache_dir: Path,
+    prefix_ids: Sequence[int] = (),
+    batch_size: int = 512,
     show_progress: bool = True,
 ) -> Generator[None, None, ModelTables]:
     """`load_or_compute_tables` in increments of one batch."""

@@ -105,7 +105,9 @@ def prepend_chain(chain_ids: Sequence[int], tree: TokenTree) -> TokenTree:
         parents=chain.parents + [p + c if p >= 0 else c - 1 for p in tree.parents],
         depths=chain.depths + [d + c for d in tree.depths],
         strategies=chain.strategies + tree.strategies,
-        children=chain.children[:-1] + [{tree.token_ids[0]: c}] + [{t: n + c for t, n in kids.items()} for kids in tree.children],
+        children=chain.children[:-1]
+        + [{tree.token_ids[0]: c}]
+        + [{t: n + c for t, n in kids.items()} for kids in tree.children],
     )
 
 

@@ -25,13 +25,13 @@ import torch
 from transformers import PreTrainedModel
 
 from drafting import ContextNgram, Draft, TokenHistory, common_prefix
-from service.model_drafts.draft_checks import check_draft
-from service.model_drafts.draft_rows import DraftRow, DraftRows, RowOf, TargetRows, tree_of
 from service.model.kv_cache import TreeKVCache
 from service.model.loader import LoadedModel, load_model
 from service.model.runner import ModelRunner, RowInput
-from service.model_drafts.self_draft import default_layers, first_layers
 from service.model.tree import TokenTree, chain_tree
+from service.model_drafts.draft_checks import check_draft
+from service.model_drafts.draft_rows import DraftRow, DraftRows, RowOf, TargetRows, tree_of
+from service.model_drafts.self_draft import default_layers, first_layers
 
 COST_SMOOTHING = 0.2  # weight of the newest round in the running seconds-per-token estimate
 Ask = tuple[TokenHistory, int, int]  # a request's history, k drafts, w tokens each
@@ -44,16 +44,26 @@ class ModelDrafter:
     target's own KV rows (`TargetRows`), which the engine binds each step; otherwise in rows
     of its own cache (`DraftRows`)."""
 
-    def __init__(self, model: PreTrainedModel, name: str, vocab_size: int | None = None,
-                 lookahead: ContextNgram | None = None, shares_target_cache: bool = False) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        name: str,
+        vocab_size: int | None = None,
+        lookahead: ContextNgram | None = None,
+        shares_target_cache: bool = False,
+    ) -> None:
         runner = ModelRunner(model)
-        self.rows: DraftRows | TargetRows = TargetRows(runner) if shares_target_cache else DraftRows(runner)
+        self.rows: DraftRows | TargetRows = (
+            TargetRows(runner) if shares_target_cache else DraftRows(runner)
+        )
         self.name = name
         self.lookahead = lookahead  # staged: context n-gram guesses the draft's own chain
         # proposals stay inside the target's vocabulary (a draft's may be padded larger)
         self.vocab_size = min(vocab_size or model.config.vocab_size, model.config.vocab_size)
         self.seconds_per_token = 0.0  # measured; 0 until the first round
-        self._prepared: dict[int, tuple[TokenHistory, int, list[Draft]]] = {}  # id(history) -> drafts
+        self._prepared: dict[
+            int, tuple[TokenHistory, int, list[Draft]]
+        ] = {}  # id(history) -> drafts
 
     @property
     def model(self) -> PreTrainedModel:
@@ -85,7 +95,9 @@ class ModelDrafter:
         """Draft for every ask at once: one pass feeds each request's new tokens, then one pass
         per depth grows every request's branches (a staged chain, as far as its guesses go)."""
         started = time.perf_counter()
-        jobs = [_Job(h, k, w, self.rows.row(h), self.lookahead) for h, k, w in asks if k > 0 and w > 0]
+        jobs = [
+            _Job(h, k, w, self.rows.row(h), self.lookahead) for h, k, w in asks if k > 0 and w > 0
+        ]
         if not jobs:
             return
         for job in jobs:
@@ -101,7 +113,10 @@ class ModelDrafter:
             branches = job.branches()
             drafted += sum(map(len, branches))
             self._prepared[id(job.history)] = (
-                job.history, len(job.history), [Draft(tuple(b), self.name, rank) for rank, b in enumerate(branches)])
+                job.history,
+                len(job.history),
+                [Draft(tuple(b), self.name, rank) for rank, b in enumerate(branches)],
+            )
         self._observe_cost(time.perf_counter() - started, drafted)
 
     def release(self, history: TokenHistory) -> None:
@@ -138,7 +153,9 @@ class _Job:
     lookahead: ContextNgram | None
     fed: list[int] = field(default_factory=list)  # what the row lacks of the history
     firsts: list[int] = field(default_factory=list)  # the draft's top-k after the newest token
-    levels: list[list[int]] = field(default_factory=list)  # levels[d][b]: branch b's token at depth d + 1
+    levels: list[list[int]] = field(
+        default_factory=list
+    )  # levels[d][b]: branch b's token at depth d + 1
     chain: list[int] = field(default_factory=list)  # staged: the draft's greedy chain
     guess: list[int] = field(default_factory=list)  # staged: this pass's guess after the chain
 
@@ -151,10 +168,14 @@ class _Job:
             if len(self.levels) >= self.w:
                 return None
             tree = self._tree(len(self.levels))
-            return RowInput(tree, tree.num_nodes - len(self.firsts), tree.num_nodes - len(self.firsts))
+            return RowInput(
+                tree, tree.num_nodes - len(self.firsts), tree.num_nodes - len(self.firsts)
+            )
         if len(self.chain) >= self.w:
             return None
-        guesses = self.lookahead.continuations(self.history, 1, self.w - len(self.chain), tail=self.chain)
+        guesses = self.lookahead.continuations(
+            self.history, 1, self.w - len(self.chain), tail=self.chain
+        )
         self.guess = list(guesses[0]) if guesses else []
         tokens = [*self.fed, *self.chain, *self.guess]
         cached = f + len(self.chain) - 1  # all but the chain's newest token have entries
@@ -190,39 +211,68 @@ class _Job:
         """The fed chain, then the branches' first `depth` levels breadth-first."""
         f, width = len(self.fed), len(self.firsts)
         tokens = [*self.fed, *(t for level in self.levels[:depth] for t in level)]
-        parents = [*range(-1, f - 1), *(f - 1 if i < width else f + i - width for i in range(len(tokens) - f))]
+        parents = [
+            *range(-1, f - 1),
+            *(f - 1 if i < width else f + i - width for i in range(len(tokens) - f)),
+        ]
         return tree_of(tokens, parents)
 
 
-def model_drafters(target: LoadedModel, self_draft_layers: Sequence[int | None] = (),
-                   draft: LoadedModel | None = None, staged: bool = False) -> list[ModelDrafter]:
+def model_drafters(
+    target: LoadedModel,
+    self_draft_layers: Sequence[int | None] = (),
+    draft: LoadedModel | None = None,
+    staged: bool = False,
+) -> list[ModelDrafter]:
     """Self-drafts of `target` at the given depths, and `draft` as a draft model (raises
     `IncompatibleDraft` if it cannot draft for `target`); with `staged`, each also as a staged
     twin `<name>_staged` (its chain guessed ahead by the context n-gram).
 
     One self-draft is named `self_draft`; several (to compare depths) `self_draft_<m>`; a depth
     of None is the measured default (`self_draft.default_layers`)."""
-    depths = [m or default_layers(target.model) for m in self_draft_layers]  # None: the measured default
+    depths = [
+        m or default_layers(target.model) for m in self_draft_layers
+    ]  # None: the measured default
     # (model, name, whether it drafts in the target's own KV rows: a self-draft does)
-    models = [(first_layers(target.model, m), "self_draft" if len(depths) == 1 else f"self_draft_{m}", True)
-              for m in depths]
+    models = [
+        (
+            first_layers(target.model, m),
+            "self_draft" if len(depths) == 1 else f"self_draft_{m}",
+            True,
+        )
+        for m in depths
+    ]
     if draft is not None:
         check_draft(target.model, draft.model, target.tokenizer, draft.tokenizer)
         models.append((draft.model, "draft_model", False))
     vocab_size = target.model.config.vocab_size
-    drafters = [ModelDrafter(model, name, vocab_size, shares_target_cache=shared) for model, name, shared in models]
+    drafters = [
+        ModelDrafter(model, name, vocab_size, shares_target_cache=shared)
+        for model, name, shared in models
+    ]
     if staged:
-        drafters += [ModelDrafter(model, f"{name}_staged", vocab_size, ContextNgram(), shared)
-                     for model, name, shared in models]
+        drafters += [
+            ModelDrafter(model, f"{name}_staged", vocab_size, ContextNgram(), shared)
+            for model, name, shared in models
+        ]
     return drafters
 
 
-def load_drafters(target: LoadedModel, self_draft_layers: Sequence[int | None], draft_model: str | None,
-                  cache_dir: Path, device: str | None = None, dtype: str | None = None,
-                  quantization: str = "auto", staged: bool = False) -> list[ModelDrafter]:
+def load_drafters(
+    target: LoadedModel,
+    self_draft_layers: Sequence[int | None],
+    draft_model: str | None,
+    cache_dir: Path,
+    device: str | None = None,
+    dtype: str | None = None,
+    quantization: str = "auto",
+    staged: bool = False,
+) -> list[ModelDrafter]:
     """`model_drafters`, loading the draft model (a directory or .gguf) like the target."""
     draft = None
     if draft_model:
-        packed = quantization if draft_model.endswith(".gguf") else "none"  # packing is for GGUF files only
+        packed = (
+            quantization if draft_model.endswith(".gguf") else "none"
+        )  # packing is for GGUF files only
         draft = load_model(draft_model, device, dtype, cache_dir, packed)
     return model_drafters(target, self_draft_layers, draft, staged)

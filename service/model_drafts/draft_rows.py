@@ -110,7 +110,9 @@ class TargetRows:
     @property
     def cache(self) -> TreeKVCache:
         if self._cache is None:
-            raise RuntimeError("a self-draft sharing the target's cache drafts inside an engine step only")
+            raise RuntimeError(
+                "a self-draft sharing the target's cache drafts inside an engine step only"
+            )
         return self._cache
 
     def row(self, history: TokenHistory) -> DraftRow:

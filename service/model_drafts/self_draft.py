@@ -29,7 +29,9 @@ def first_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A causal LM running only `model`'s first `num_layers` decoder layers (weights shared)."""
     total = model.config.num_hidden_layers
     if not 1 <= num_layers < total:
-        raise ValueError(f"self-draft layers must be in [1, {total - 1}] for this {total}-layer model, got {num_layers}")
+        raise ValueError(
+            f"self-draft layers must be in [1, {total - 1}] for this {total}-layer model, got {num_layers}"
+        )
     config = copy.copy(model.config)
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None) is not None:

@@ -31,16 +31,30 @@ class RankLost(RuntimeError):
     """A collective failed: a rank died, hangs, or cannot be reached."""
 
 
-def join_ranks(place: RankPlace, device: torch.device,
-               timeout: timedelta) -> tuple[dist.Store, dist.ProcessGroup, dist.ProcessGroup]:
+def join_ranks(
+    place: RankPlace, device: torch.device, timeout: timedelta
+) -> tuple[dist.Store, dist.ProcessGroup, dist.ProcessGroup]:
     """Meet the other ranks; returns the store they met at (its waits are the meeting's), and
     the data and control groups, whose collectives give up after `timeout`."""
-    store = dist.TCPStore(place.master_addr, place.master_port, place.world, is_master=place.rank == 0,
-                          timeout=MEET_TIMEOUT)
+    store = dist.TCPStore(
+        place.master_addr,
+        place.master_port,
+        place.world,
+        is_master=place.rank == 0,
+        timeout=MEET_TIMEOUT,
+    )
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=place.rank, world_size=place.world, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
-    control = dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=place.rank,
+        world_size=place.world,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+    )
+    control = (
+        dist.new_group(backend="gloo", timeout=timeout) if backend != "gloo" else dist.group.WORLD
+    )
     return store, dist.group.WORLD, control
 
 
@@ -49,8 +63,9 @@ class Control:
     turn, pings while idle (`timeout`: the group's). `on_lost` is called (once) with the
     failure if a rank is lost."""
 
-    def __init__(self, group: dist.ProcessGroup, on_lost: Callable[[BaseException], None],
-                 timeout: timedelta) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, on_lost: Callable[[BaseException], None], timeout: timedelta
+    ) -> None:
         self.group, self.on_lost = group, on_lost
         self._ping_seconds = min(5.0, timeout.total_seconds() / PINGS_PER_TIMEOUT)
         self._turn = threading.RLock()  # a message and the pass it starts, whole

@@ -52,13 +52,22 @@ def rank_device(device: str | None, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if resolved.type == "cuda" else resolved
 
 
-def load_shard(place: RankPlace, source: str | None, device: str | None, dtype: str | None,
-               cache_dir: os.PathLike[str], quantization: str, timeout: timedelta) -> RankShard:
+def load_shard(
+    place: RankPlace,
+    source: str | None,
+    device: str | None,
+    dtype: str | None,
+    cache_dir: os.PathLike[str],
+    quantization: str,
+    timeout: timedelta,
+) -> RankShard:
     """Meet the other ranks (each collective then bound by `timeout`), then, in turn with the
     other ranks of this pod (`in_turn`), load the model whole on the host and keep this rank's
     shard on its device. Raises `NotShardable` for what tensor parallelism cannot split."""
     if quantization in PACKED:
-        raise NotShardable(f"--quantization {quantization} cannot be split over ranks: use --quantization none")
+        raise NotShardable(
+            f"--quantization {quantization} cannot be split over ranks: use --quantization none"
+        )
     target = rank_device(device, place.local_rank)
     if target.type == "cuda":
         torch.cuda.set_device(target)
@@ -67,7 +76,12 @@ def load_shard(place: RankPlace, source: str | None, device: str | None, dtype: 
     dtype_name = str(resolve_dtype(dtype, target)).removeprefix("torch.")
     started = time.perf_counter()
     store, data_group, control_group = join_ranks(place, target, timeout)
-    log.info("rank %d of %d met the others in %.1f s", place.rank, place.world, time.perf_counter() - started)
+    log.info(
+        "rank %d of %d met the others in %.1f s",
+        place.rank,
+        place.world,
+        time.perf_counter() - started,
+    )
     with in_turn(store, place):
         loaded = load_model(source, "cpu", dtype_name, cache_dir, "none")
         check_shardable(loaded.model, place.world)

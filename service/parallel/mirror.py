@@ -24,8 +24,14 @@ Op = tuple[Any, ...]  # (cache id, method name, *arguments)
 class MirroredCache(TreeKVCache):
     """A `TreeKVCache` whose every change is handed to `log` as an `Op`."""
 
-    def __init__(self, cache_id: int, log: Callable[[Op], None], num_layers: int, rows: int = 0,
-                 dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        cache_id: int,
+        log: Callable[[Op], None],
+        num_layers: int,
+        rows: int = 0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(num_layers=num_layers, rows=rows, dtype=dtype)
         self.cache_id, self._log = cache_id, log
         self._block_ids: dict[int, int] = {}  # id() of a block's keys -> its block id
@@ -40,7 +46,9 @@ class MirroredCache(TreeKVCache):
         return super().remove_row(row)
 
     def commit_rows(self, kept_by_row: Mapping[int, Sequence[int]]) -> None:
-        self._log((self.cache_id, "commit_rows", {row: list(kept) for row, kept in kept_by_row.items()}))
+        self._log(
+            (self.cache_id, "commit_rows", {row: list(kept) for row, kept in kept_by_row.items()})
+        )
         super().commit_rows(kept_by_row)
 
     def advance(self, row: int, entries: int) -> None:
@@ -60,7 +68,14 @@ class MirroredCache(TreeKVCache):
         return keys, values
 
     def append_entries(self, row: int, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        self._log((self.cache_id, "append_entries", row, [self._block_ids[id(keys)] for keys, _ in blocks]))
+        self._log(
+            (
+                self.cache_id,
+                "append_entries",
+                row,
+                [self._block_ids[id(keys)] for keys, _ in blocks],
+            )
+        )
         super().append_entries(row, blocks)
 
     def _forget(self, keys_id: int, block: int) -> None:
@@ -83,13 +98,17 @@ class Replica:
                 self.caches[cache_id] = self.new_cache(*args)
             elif name == "drop_cache":
                 self.caches.pop(cache_id)
-                self.blocks = {key: block for key, block in self.blocks.items() if key[0] != cache_id}
+                self.blocks = {
+                    key: block for key, block in self.blocks.items() if key[0] != cache_id
+                }
             elif name == "entries":
                 row, start, end, block = args
                 self.blocks[cache_id, block] = self.caches[cache_id].entries(row, start, end)
             elif name == "append_entries":
                 row, blocks = args
-                self.caches[cache_id].append_entries(row, [self.blocks[cache_id, block] for block in blocks])
+                self.caches[cache_id].append_entries(
+                    row, [self.blocks[cache_id, block] for block in blocks]
+                )
             elif name == "drop_block":
                 self.blocks.pop((cache_id, args[0]), None)
             else:

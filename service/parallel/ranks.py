@@ -38,14 +38,28 @@ class RankPlace:
         pod = int(env.get("LWS_WORKER_INDEX", "0"))
         local = int(env.get("LOCAL_RANK", "0"))
         rank = int(env["RANK"]) if "RANK" in env else pod * per_pod + local
-        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else (free_port() if rank == 0 else 0)
-        return cls(rank, local, per_pod, pods * per_pod, env.get("MASTER_ADDR", "127.0.0.1"), port,
-                   starts_pod="RANK" not in env)
+        port = (
+            int(env["MASTER_PORT"]) if "MASTER_PORT" in env else (free_port() if rank == 0 else 0)
+        )
+        return cls(
+            rank,
+            local,
+            per_pod,
+            pods * per_pod,
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            port,
+            starts_pod="RANK" not in env,
+        )
 
     def env(self) -> dict[str, str]:
         """The environment that puts a process at this place."""
-        return {"RANK": str(self.rank), "LOCAL_RANK": str(self.local_rank), "WORLD_SIZE": str(self.world),
-                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+        return {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+        }
 
 
 def free_port() -> int:
@@ -59,12 +73,21 @@ class PodRanks:
     interpreter) at their places, and watched: `on_exit(why)` is called (on a thread) if one
     exits before `stop`."""
 
-    def __init__(self, place: RankPlace, worker_argv: Sequence[str], on_exit: Callable[[str], None],
-                 interval: float = 0.5) -> None:
+    def __init__(
+        self,
+        place: RankPlace,
+        worker_argv: Sequence[str],
+        on_exit: Callable[[str], None],
+        interval: float = 0.5,
+    ) -> None:
         self.processes: list[subprocess.Popen[bytes]] = []
         for local in range(1, place.per_pod):
             sibling = replace(place, rank=place.rank + local, local_rank=local, starts_pod=False)
-            self.processes.append(subprocess.Popen([sys.executable, *worker_argv], env={**os.environ, **sibling.env()}))
+            self.processes.append(
+                subprocess.Popen(
+                    [sys.executable, *worker_argv], env={**os.environ, **sibling.env()}
+                )
+            )
         self._stopping = threading.Event()
         self._on_exit, self._interval = on_exit, interval
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()

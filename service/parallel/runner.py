@@ -42,19 +42,25 @@ class ParallelRunner(ModelRunner):
     def new_cache(self, rows: int = 0) -> TreeKVCache:
         cache_id = next(self._cache_ids)
         self.control.log((cache_id, "new_cache", rows))
-        cache = MirroredCache(cache_id, self.control.log, self.model.config.num_hidden_layers, rows, self.kv_dtype)
+        cache = MirroredCache(
+            cache_id, self.control.log, self.model.config.num_hidden_layers, rows, self.kv_dtype
+        )
         weakref.finalize(cache, self.control.log, (cache_id, "drop_cache"))
         return cache
 
-    def forward_flat(self, cache: TreeKVCache, rows: Sequence[RowInput],
-                     token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_flat(
+        self, cache: TreeKVCache, rows: Sequence[RowInput], token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if token_ids is not None or not isinstance(cache, MirroredCache):
-            raise NotImplementedError("a tensor-parallel pass takes host tokens and a cache of its runner")
+            raise NotImplementedError(
+                "a tensor-parallel pass takes host tokens and a cache of its runner"
+            )
         with self.control.turn("forward", cache.cache_id, list(rows)):
             return super().forward_flat(cache, rows)
 
-    def table_steps(self, prefix_ids: Sequence[int], path: Path,
-                    batch_size: int) -> Generator[None, None, ModelTables]:
+    def table_steps(
+        self, prefix_ids: Sequence[int], path: Path, batch_size: int
+    ) -> Generator[None, None, ModelTables]:
         """The model tables computed over the ranks, one batch a step in turn with the passes
         (`compute_tables_steps` runs the model's own forward, which every rank must run with
         it), then saved at `path` (the whole model's)."""
@@ -87,7 +93,9 @@ def serve_rank(runner: ModelRunner, control_group: dist.ProcessGroup) -> None:
             runner.forward_flat(replica.caches[cache_id], rows)
         elif message[0] == "tables":
             _, prefix_ids, batch_size = message
-            tables = tables or compute_tables_steps(runner.model, prefix_ids, batch_size, show_progress=False)
+            tables = tables or compute_tables_steps(
+                runner.model, prefix_ids, batch_size, show_progress=False
+            )
             try:
                 next(tables)
             except StopIteration:

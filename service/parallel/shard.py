@@ -33,7 +33,9 @@ class RowParallelLinear(nn.Module):
     """A linear layer cut by input columns: each rank's partial product, summed over `group`;
     the bias (if any) added once, after the sum."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -49,7 +51,9 @@ class VocabParallelHead(nn.Module):
     """The LM head cut by vocabulary rows (padded to equal parts): each rank's logits, gathered
     over `group` into the whole [..., vocab] on every rank."""
 
-    def __init__(self, weight: torch.Tensor, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, rank: int, world: int, group: dist.ProcessGroup | None
+    ) -> None:
         super().__init__()
         self.vocab_size = weight.shape[0]
         part = -(-self.vocab_size // world)
@@ -70,17 +74,25 @@ def check_shardable(model: PreTrainedModel, world: int) -> None:
     """Raise `NotShardable`, saying why, unless `model` splits evenly over `world` ranks."""
     config = model.config
     if getattr(config, "model_type", None) not in LEAN_MODEL_TYPES:
-        raise NotShardable(f"tensor parallelism supports {', '.join(LEAN_MODEL_TYPES)} models, "
-                           f"not {getattr(config, 'model_type', None)!r}")
+        raise NotShardable(
+            f"tensor parallelism supports {', '.join(LEAN_MODEL_TYPES)} models, "
+            f"not {getattr(config, 'model_type', None)!r}"
+        )
     if any(isinstance(module, PackedLinear) for module in model.modules()):
-        raise NotShardable("packed GGUF linears cannot be split over ranks: use --quantization none")
+        raise NotShardable(
+            "packed GGUF linears cannot be split over ranks: use --quantization none"
+        )
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         if getattr(config, name) % world:
-            raise NotShardable(f"{name} ({getattr(config, name)}) does not divide over {world} ranks")
+            raise NotShardable(
+                f"{name} ({getattr(config, name)}) does not divide over {world} ranks"
+            )
 
 
 @torch.no_grad()
-def shard_model(model: PreTrainedModel, rank: int, world: int, group: dist.ProcessGroup | None = None) -> None:
+def shard_model(
+    model: PreTrainedModel, rank: int, world: int, group: dist.ProcessGroup | None = None
+) -> None:
     """Keep rank `rank`'s shard of `model` (of `world`), in place; `group`: the ranks the
     partial sums and logits are exchanged with (None: the default group)."""
     check_shardable(model, world)
@@ -90,12 +102,20 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: dist.Proce
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, _rows(getattr(attn, name), rank, world))
         attn.o_proj = _columns(attn.o_proj, rank, world, group)
-        mlp.gate_proj, mlp.up_proj = _rows(mlp.gate_proj, rank, world), _rows(mlp.up_proj, rank, world)
+        mlp.gate_proj, mlp.up_proj = (
+            _rows(mlp.gate_proj, rank, world),
+            _rows(mlp.up_proj, rank, world),
+        )
         mlp.down_proj = _columns(mlp.down_proj, rank, world, group)
-        for attribute in ("num_heads", "num_key_value_heads"):  # older transformers keep counts here
+        for attribute in (
+            "num_heads",
+            "num_key_value_heads",
+        ):  # older transformers keep counts here
             if hasattr(attn, attribute):
                 setattr(attn, attribute, getattr(attn, attribute) // world)
-    model.lm_head = VocabParallelHead(model.get_output_embeddings().weight.detach(), rank, world, group)
+    model.lm_head = VocabParallelHead(
+        model.get_output_embeddings().weight.detach(), rank, world, group
+    )
     config.tie_word_embeddings = False  # the head is a slice of its own now
     config.num_attention_heads //= world
     config.num_key_value_heads //= world
@@ -105,16 +125,25 @@ def shard_model(model: PreTrainedModel, rank: int, world: int, group: dist.Proce
 def _rows(linear: nn.Linear, rank: int, world: int) -> nn.Linear:
     """This rank's output rows of `linear` (whole heads, since heads divide over the ranks)."""
     part = linear.out_features // world
-    kept = nn.Linear(linear.in_features, part, bias=linear.bias is not None, device=linear.weight.device,
-                     dtype=linear.weight.dtype)
+    kept = nn.Linear(
+        linear.in_features,
+        part,
+        bias=linear.bias is not None,
+        device=linear.weight.device,
+        dtype=linear.weight.dtype,
+    )
     kept.weight.copy_(linear.weight[rank * part : (rank + 1) * part])
     if linear.bias is not None:
         kept.bias.copy_(linear.bias[rank * part : (rank + 1) * part])
     return kept.requires_grad_(False)
 
 
-def _columns(linear: nn.Linear, rank: int, world: int, group: dist.ProcessGroup | None) -> RowParallelLinear:
+def _columns(
+    linear: nn.Linear, rank: int, world: int, group: dist.ProcessGroup | None
+) -> RowParallelLinear:
     """This rank's input columns of `linear`, its output summed over the ranks."""
     part = linear.in_features // world
     weight = linear.weight[:, rank * part : (rank + 1) * part].clone()
-    return RowParallelLinear(weight, None if linear.bias is None else linear.bias.detach().clone(), group)
+    return RowParallelLinear(
+        weight, None if linear.bias is None else linear.bias.detach().clone(), group
+    )

@@ -30,31 +30,55 @@ def test_boolean_settings_are_switches(monkeypatch: pytest.MonkeyPatch) -> None:
         build_parser().parse_args(["serve", "--self-draft", "true"])
 
 
-def test_environment_still_sets_a_switch_and_a_flag_overrides_it(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_environment_still_sets_a_switch_and_a_flag_overrides_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("NGRAMMYS_SELF_DRAFT", "true")
     assert served().self_draft is True
     assert served("--no-self-draft").self_draft is False
 
 
 def test_engine_config_maps_the_settings() -> None:
-    config = Settings(kv_cache_memory_mb=2, max_running_requests=3, max_waiting=5, request_timeout=7.0,
-                      model_tables=False, self_draft=True, self_draft_layers=2, draft_staged=True,
-                      suffix_cache_tokens=0, enforce_eager=True, quantization="none").engine_config()
-    assert config.scheduler.kv_cache_bytes == 2 * 2**20 and config.scheduler.max_running_requests == 3
+    config = Settings(
+        kv_cache_memory_mb=2,
+        max_running_requests=3,
+        max_waiting=5,
+        request_timeout=7.0,
+        model_tables=False,
+        self_draft=True,
+        self_draft_layers=2,
+        draft_staged=True,
+        suffix_cache_tokens=0,
+        enforce_eager=True,
+        quantization="none",
+    ).engine_config()
+    assert (
+        config.scheduler.kv_cache_bytes == 2 * 2**20 and config.scheduler.max_running_requests == 3
+    )
     assert (config.max_waiting, config.request_timeout) == (5, 7.0)
     assert (config.model_tables, config.cost_profile) == (False, True)
     assert (config.self_draft_layers, config.draft_staged, config.draft_model) == ((2,), True, None)
-    assert (config.suffix_cache_tokens, config.enforce_eager, config.static_passes) == (0, True, False)
+    assert (config.suffix_cache_tokens, config.enforce_eager, config.static_passes) == (
+        0,
+        True,
+        False,
+    )
     assert config.quantization == "none"
     assert Settings(self_draft=False, self_draft_layers=2).engine_config().self_draft_layers == ()
-    assert Settings(self_draft=True).engine_config().self_draft_layers == (None,)  # the measured default depth
+    assert Settings(self_draft=True).engine_config().self_draft_layers == (
+        None,
+    )  # the measured default depth
     assert Settings(kv_cache_memory_mb=None).engine_config().scheduler.kv_cache_bytes is None
 
 
 def test_runtime_accessors_are_what_the_routes_read(tiny_served) -> None:
-    runtime = Runtime.start(tiny_served, EngineConfig(model_tables=False, cost_profile=False, self_draft_layers=(1,)))
+    runtime = Runtime.start(
+        tiny_served, EngineConfig(model_tables=False, cost_profile=False, self_draft_layers=(1,))
+    )
     try:
-        assert "self_draft" in runtime.enabled_strategies and "context" in runtime.enabled_strategies
+        assert (
+            "self_draft" in runtime.enabled_strategies and "context" in runtime.enabled_strategies
+        )
         assert runtime.vocab_size == tiny_served.model.config.vocab_size
         assert runtime.tokenizer is tiny_served.tokenizer
         assert runtime.warm_up_state == WarmUpState(cost_profile=False, model_tables=False)
@@ -62,21 +86,35 @@ def test_runtime_accessors_are_what_the_routes_read(tiny_served) -> None:
         runtime.close()
 
 
-def test_a_server_starts_from_its_saved_valid_profile_and_reports_its_state(tiny_served, tmp_path) -> None:
+def test_a_server_starts_from_its_saved_valid_profile_and_reports_its_state(
+    tiny_served, tmp_path
+) -> None:
     """The saved profile is in use at once, before any warm-up increment runs."""
     path = profile_path(tmp_path, ModelRunner(tiny_served.model))
     CPU_LIKE.save(path)
-    runtime = Runtime.start(tiny_served, EngineConfig(model_tables=False, cost_profile=True, cache_dir=tmp_path))
+    runtime = Runtime.start(
+        tiny_served, EngineConfig(model_tables=False, cost_profile=True, cache_dir=tmp_path)
+    )
     try:
         state = runtime.warm_up_state
         assert state.cost_profile and runtime.engine.profile == CPU_LIKE
-        assert state.profile is not None and state.profile.valid and state.profile.valid_since == path.stat().st_mtime
-        assert not state.profile.stale and state.profile.remeasures == {"adopted": 0, "failed": 0, "abandoned": 0}
+        assert (
+            state.profile is not None
+            and state.profile.valid
+            and state.profile.valid_since == path.stat().st_mtime
+        )
+        assert not state.profile.stale and state.profile.remeasures == {
+            "adopted": 0,
+            "failed": 0,
+            "abandoned": 0,
+        }
     finally:
         runtime.close()
 
 
-@pytest.mark.parametrize("flags", [(), ("--self-draft", "--draft-staged")], ids=["plain", "self-draft staged"])
+@pytest.mark.parametrize(
+    "flags", [(), ("--self-draft", "--draft-staged")], ids=["plain", "self-draft staged"]
+)
 def test_the_published_strategies_are_the_ones_the_runtime_enables(tiny_served, flags) -> None:
     settings = served("--no-model-tables", "--no-cost-profile", *flags)
     runtime = Runtime.start(tiny_served, settings.engine_config())

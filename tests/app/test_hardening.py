@@ -19,22 +19,40 @@ import openai
 import pytest
 
 from app.auth import ApiKeys
+from app.background import free_port, serving
+from app.main import create_app
 from app.openapi import decimals_below
 from app.schemas import MAX_N
-from app.main import create_app
 from app.settings import Settings
 from service.model.loader import LoadedModel
-from app.background import free_port, serving
 from tests.helpers.http import (
-    COPY_LONG, QUIET, Asgi24, accepted_draft_tokens, assert_engine_idle, assert_openai_error, post, slowed, speculating,
-    wait_ready, wait_until,
+    COPY_LONG,
+    QUIET,
+    Asgi24,
+    accepted_draft_tokens,
+    assert_engine_idle,
+    assert_openai_error,
+    post,
+    slowed,
+    speculating,
+    wait_ready,
+    wait_until,
 )
 from tests.helpers.models import make_tiny_model
 
 ROOT = Path(__file__).parents[2]
 MESSAGES = [{"role": "user", "content": "Say hi."}]
-LIMITS = {"max_body_bytes": 4096, "max_prompt_tokens": 64, "max_tokens_cap": 32, "max_tokens": 8,
-          "max_stop_sequences": 2, "max_stop_length": 16, "spec_mode": "fixed", "spec_k": 4, "spec_w": 3}
+LIMITS = {
+    "max_body_bytes": 4096,
+    "max_prompt_tokens": 64,
+    "max_tokens_cap": 32,
+    "max_tokens": 8,
+    "max_stop_sequences": 2,
+    "max_stop_length": 16,
+    "spec_mode": "fixed",
+    "spec_k": 4,
+    "spec_w": 3,
+}
 ROUTES = {"chat/completions": {"messages": MESSAGES}, "completions": {"prompt": "Say hi."}}
 
 
@@ -79,7 +97,12 @@ def test_seed_outside_a_signed_64_bit_integer_is_400(server: str, route: str, se
 
 
 def test_largest_seed_is_accepted(server: str) -> None:
-    assert post(server, "completions", {"prompt": "hi", "seed": 2**63 - 1, "temperature": 1}).status_code == 200
+    assert (
+        post(
+            server, "completions", {"prompt": "hi", "seed": 2**63 - 1, "temperature": 1}
+        ).status_code
+        == 200
+    )
 
 
 @pytest.mark.parametrize(
@@ -87,13 +110,26 @@ def test_largest_seed_is_accepted(server: str) -> None:
     [
         ("completions", r'{"prompt": "a\ud800b"}', "prompt"),
         ("completions", r'{"prompt": ["\udfff"]}', "prompt.0"),
-        ("chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages.0.content"),
-        ("chat/completions", r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
-         "messages.0.content.0.text"),
-        ("chat/completions", r'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]}', "stop.0"),
+        (
+            "chat/completions",
+            r'{"messages": [{"role": "user", "content": "\ud800"}]}',
+            "messages.0.content",
+        ),
+        (
+            "chat/completions",
+            r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+            "messages.0.content.0.text",
+        ),
+        (
+            "chat/completions",
+            r'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\ud800"]}',
+            "stop.0",
+        ),
     ],
 )
-def test_lone_surrogate_is_400_in_openai_shape_and_counted(server: str, route: str, raw: str, param: str) -> None:
+def test_lone_surrogate_is_400_in_openai_shape_and_counted(
+    server: str, route: str, raw: str, param: str
+) -> None:
     """A lone surrogate used to make the tokenizer raise outside any handler: a plain-text 500."""
     before = invalid_count(server)
     error = assert_openai_error(post(server, route, raw=raw), 400, param)
@@ -123,55 +159,91 @@ def test_token_ids_are_checked_against_the_models_vocabulary(embedded) -> None:
     """The bound is the model's embedding (config.vocab_size), not len(tokenizer): here the
     model's vocabulary is padded past the tokenizer's, as many checkpoints' are."""
     vocab = len(embedded.tokenizer) + 64
-    padded = LoadedModel(make_tiny_model(vocab_size=vocab), embedded.tokenizer, "padded", 0.0, False)
+    padded = LoadedModel(
+        make_tiny_model(vocab_size=vocab), embedded.tokenizer, "padded", 0.0, False
+    )
     with serving(create_app(Settings(**QUIET), loader=lambda _: padded)) as base:
         wait_ready(base)
-        assert post(base, "completions", {"prompt": [5, vocab - 1], "max_tokens": 2}).status_code == 200
-        error = assert_openai_error(post(base, "completions", {"prompt": [5, vocab]}), 400, "prompt")
+        assert (
+            post(base, "completions", {"prompt": [5, vocab - 1], "max_tokens": 2}).status_code
+            == 200
+        )
+        error = assert_openai_error(
+            post(base, "completions", {"prompt": [5, vocab]}), 400, "prompt"
+        )
         assert str(vocab) in error["message"]
 
 
 UNSUPPORTED = [  # (`tools` and `tool_choice` are chat's, refused on completions: tests/app/test_tools.py)
-    ("echo", True), ("suffix", "end"), ("functions", [{"name": "f"}]),
+    ("echo", True),
+    ("suffix", "end"),
+    ("functions", [{"name": "f"}]),
     ("best_of", 3),  # ignored, it would have answered with one sample, not the likeliest of three
 ]
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("field,value", UNSUPPORTED)
-def test_unsupported_fields_are_400_naming_the_field_on_both_routes(server: str, route: str, field: str, value) -> None:
+def test_unsupported_fields_are_400_naming_the_field_on_both_routes(
+    server: str, route: str, field: str, value
+) -> None:
     """Chat used to accept and silently ignore tools and response_format."""
     error = assert_openai_error(post(server, route, {**ROUTES[route], field: value}), 400, field)
     assert "not supported" in error["message"]
 
 
 BAD_CONTROLS = [
-    ("frequency_penalty", 2.5), ("frequency_penalty", -2.01), ("presence_penalty", -3), ("presence_penalty", "1"),
-    ("repetition_penalty", 0), ("repetition_penalty", -1.2), ("repetition_penalty", 1e31),
-    ("min_p", 1.5), ("min_p", -0.1),
-    ("logit_bias", {"abc": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"05": 1}), ("logit_bias", {"5": 100.5}),
-    ("logit_bias", {"5": "x"}), ("logit_bias", {"5": True}), ("logit_bias", [5]), ("logit_bias", {"1" * 11: 1}),
+    ("frequency_penalty", 2.5),
+    ("frequency_penalty", -2.01),
+    ("presence_penalty", -3),
+    ("presence_penalty", "1"),
+    ("repetition_penalty", 0),
+    ("repetition_penalty", -1.2),
+    ("repetition_penalty", 1e31),
+    ("min_p", 1.5),
+    ("min_p", -0.1),
+    ("logit_bias", {"abc": 1}),
+    ("logit_bias", {"-1": 1}),
+    ("logit_bias", {"05": 1}),
+    ("logit_bias", {"5": 100.5}),
+    ("logit_bias", {"5": "x"}),
+    ("logit_bias", {"5": True}),
+    ("logit_bias", [5]),
+    ("logit_bias", {"1" * 11: 1}),
 ]
 
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("field,value", BAD_CONTROLS)
-def test_sampling_controls_out_of_range_are_400_naming_the_field(server: str, route: str, field: str, value) -> None:
+def test_sampling_controls_out_of_range_are_400_naming_the_field(
+    server: str, route: str, field: str, value
+) -> None:
     assert_openai_error(post(server, route, {**ROUTES[route], field: value}), 400, field)
 
 
 def test_a_logit_bias_outside_the_models_vocabulary_is_400(server: str, tiny_served) -> None:
     vocab = tiny_served.model.config.vocab_size
     body = {"prompt": "hi", "max_tokens": 2}
-    assert post(server, "completions", {**body, "logit_bias": {str(vocab - 1): 5}}).status_code == 200
-    error = assert_openai_error(post(server, "completions", {**body, "logit_bias": {str(vocab): 5}}), 400, "logit_bias")
+    assert (
+        post(server, "completions", {**body, "logit_bias": {str(vocab - 1): 5}}).status_code == 200
+    )
+    error = assert_openai_error(
+        post(server, "completions", {**body, "logit_bias": {str(vocab): 5}}), 400, "logit_bias"
+    )
     assert str(vocab) in error["message"]
 
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_sampling_controls_at_their_bounds_are_accepted(server: str, route: str) -> None:
-    body = {**ROUTES[route], "max_tokens": 4, "frequency_penalty": -2, "presence_penalty": 2.0, "min_p": 1,
-            "repetition_penalty": 1e-3, "logit_bias": {"0": -100, "5": 100}}
+    body = {
+        **ROUTES[route],
+        "max_tokens": 4,
+        "frequency_penalty": -2,
+        "presence_penalty": 2.0,
+        "min_p": 1,
+        "repetition_penalty": 1e-3,
+        "logit_bias": {"0": -100, "5": 100},
+    }
     assert post(server, route, body).status_code == 200
 
 
@@ -184,9 +256,21 @@ def test_a_full_logit_bias_forces_its_token(server: str, route: str, tiny_served
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_unsupported_fields_at_their_defaults_are_accepted(server: str, route: str) -> None:
-    defaults = {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
-                "response_format": {"type": "text"}, "frequency_penalty": 0, "presence_penalty": 0.0,
-                "logit_bias": {}, "echo": False, "suffix": None, "best_of": 1, "n": 1, "metadata": {"unknown": "ignored"}}
+    defaults = {
+        "logprobs": False,
+        "top_logprobs": 0,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logit_bias": {},
+        "echo": False,
+        "suffix": None,
+        "best_of": 1,
+        "n": 1,
+        "metadata": {"unknown": "ignored"},
+    }
     assert post(server, route, {**ROUTES[route], **defaults, "max_tokens": 2}).status_code == 200
 
 
@@ -200,7 +284,11 @@ def test_tokenization_runs_off_the_event_loop(server: str, tiny_served, monkeypa
 
     monkeypatch.setattr(tokenizer, "encode", slow_encode)
     replies: list[httpx.Response] = []
-    worker = threading.Thread(target=lambda: replies.append(post(server, "completions", {"prompt": "hi", "max_tokens": 2})))
+    worker = threading.Thread(
+        target=lambda: replies.append(
+            post(server, "completions", {"prompt": "hi", "max_tokens": 2})
+        )
+    )
     worker.start()
     time.sleep(0.3)  # the request is tokenizing now
     started = time.monotonic()
@@ -226,19 +314,40 @@ def test_body_over_the_limit_is_413_in_openai_shape(server: str, chunked: bool) 
 @pytest.mark.parametrize(
     "route,extra,param,code",
     [
-        ("completions", {"prompt": "word " * 100}, "prompt", "context_length_exceeded"),  # > 64 prompt tokens
+        (
+            "completions",
+            {"prompt": "word " * 100},
+            "prompt",
+            "context_length_exceeded",
+        ),  # > 64 prompt tokens
         ("completions", {"prompt": [7] * 65}, "prompt", "context_length_exceeded"),
-        ("chat/completions", {"messages": [{"role": "user", "content": "word " * 100}]}, "messages",
-         "context_length_exceeded"),
-        ("completions", {"max_tokens": 33}, "max_tokens", None),  # above max_tokens_cap: refused, not clamped
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "word " * 100}]},
+            "messages",
+            "context_length_exceeded",
+        ),
+        (
+            "completions",
+            {"max_tokens": 33},
+            "max_tokens",
+            None,
+        ),  # above max_tokens_cap: refused, not clamped
         ("chat/completions", {"max_completion_tokens": 33}, "max_completion_tokens", None),
         ("chat/completions", {"stop": ["a", "b", "c"]}, "stop", None),  # more than 2 stop strings
         ("completions", {"stop": "x" * 17}, "stop", None),  # longer than 16 characters
-        ("chat/completions", {"speculation": {"k": 5}}, "speculation.k", None),  # above the server's spec_k
+        (
+            "chat/completions",
+            {"speculation": {"k": 5}},
+            "speculation.k",
+            None,
+        ),  # above the server's spec_k
         ("completions", {"speculation": {"mode": "auto", "w": 4}}, "speculation.w", None),
     ],
 )
-def test_requests_beyond_the_limits_are_400(server: str, route: str, extra, param: str, code) -> None:
+def test_requests_beyond_the_limits_are_400(
+    server: str, route: str, extra, param: str, code
+) -> None:
     assert_openai_error(post(server, route, {**ROUTES[route], **extra}), 400, param, code)
 
 
@@ -256,23 +365,43 @@ def test_requests_at_the_limits_are_served(server: str, route: str, extra) -> No
 
 def test_concurrent_requests_per_api_key_beyond_the_limit_get_429(embedded) -> None:
     """The embedded model, whose copy of a text accepts drafts: the limit holds while a request speculates."""
-    settings = Settings(api_keys="key-a,key-b", max_concurrent_per_key=1, retry_after_seconds=2, **QUIET)
+    settings = Settings(
+        api_keys="key-a,key-b", max_concurrent_per_key=1, retry_after_seconds=2, **QUIET
+    )
     app = create_app(settings, loader=lambda _: embedded)
     a, b = ({"Authorization": f"Bearer {key}"} for key in ("key-a", "key-b"))
     long = {"messages": COPY_LONG, "max_tokens": 200, "stream": True}
     with serving(app) as base, slowed(app, 0.05):
         wait_ready(base)
         speculating(app)
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, headers=a, timeout=60) as running:
-            lines = running.iter_lines()  # kept: a dropped iterator closes the stream (the slot is freed then)
+        with httpx.stream(
+            "POST", f"{base}/v1/chat/completions", json=long, headers=a, timeout=60
+        ) as running:
+            lines = (
+                running.iter_lines()
+            )  # kept: a dropped iterator closes the stream (the slot is freed then)
             next(lines)
-            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)  # refused while one speculates
-            refused = post(base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=a)
+            wait_until(
+                lambda: accepted_draft_tokens(base) > 0, timeout=30
+            )  # refused while one speculates
+            refused = post(
+                base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=a
+            )
             assert_openai_error(refused, 429, None, "concurrency_limit_exceeded")
             assert refused.headers["retry-after"] == "2"
-            assert post(base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=b).status_code == 200
+            assert (
+                post(
+                    base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=b
+                ).status_code
+                == 200
+            )
             assert [line for line in lines if line][-1] == "data: [DONE]"
-        assert post(base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=a).status_code == 200
+        assert (
+            post(
+                base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=a
+            ).status_code
+            == 200
+        )
         assert_engine_idle(app)
 
 
@@ -289,19 +418,26 @@ def keyed(tiny_served, tmp_path_factory):
         yield base
 
 
-@pytest.mark.parametrize("header", [None, "Bearer wrong-key", "Basic ZW52LWtleS0xOg==", "Bearer", "env-key-1"])
+@pytest.mark.parametrize(
+    "header", [None, "Bearer wrong-key", "Basic ZW52LWtleS0xOg==", "Bearer", "env-key-1"]
+)
 def test_missing_or_wrong_api_key_is_401_in_openai_shape(keyed: str, header: str | None) -> None:
     headers = {} if header is None else {"Authorization": header}
     response = post(keyed, "chat/completions", {"messages": MESSAGES}, headers=headers)
     error = assert_openai_error(response, 401, None, "invalid_api_key")
-    assert error["type"] == "invalid_request_error" and response.headers["www-authenticate"] == "Bearer"
+    assert (
+        error["type"] == "invalid_request_error"
+        and response.headers["www-authenticate"] == "Bearer"
+    )
     assert httpx.get(f"{keyed}/v1/models", headers=headers).status_code == 401
 
 
 @pytest.mark.parametrize("key", ["env-key-1", "env-key-2", "file-key"])
 def test_keys_from_the_setting_and_the_file_are_accepted(keyed: str, key: str) -> None:
     client = openai.OpenAI(base_url=f"{keyed}/v1", api_key=key)
-    reply = client.chat.completions.create(model="tiny-random-llama", messages=MESSAGES, max_tokens=2)
+    reply = client.chat.completions.create(
+        model="tiny-random-llama", messages=MESSAGES, max_tokens=2
+    )
     assert reply.choices[0].finish_reason in ("stop", "length")
 
 
@@ -315,7 +451,9 @@ def test_metrics_can_require_a_key(tiny_served) -> None:
     settings = Settings(api_keys="k", metrics_auth=True, **QUIET)
     with serving(create_app(settings, loader=lambda _: tiny_served)) as base:
         assert_openai_error(httpx.get(f"{base}/metrics"), 401, None, "invalid_api_key")
-        assert httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert (
+            httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+        )
         assert httpx.get(f"{base}/health").status_code == 200
 
 
@@ -332,8 +470,20 @@ def test_keys_are_kept_only_as_digests() -> None:
 
 def test_serve_exits_nonzero_when_the_model_fails_to_load() -> None:
     """`--model /nonexistent` used to leave a process answering 503 forever."""
-    command = [sys.executable, "-m", "app.cli", "serve", "--model", "/nonexistent", "--host", "127.0.0.1",
-               "--port", str(free_port()), "--no-model-tables", "--no-cost-profile"]
+    command = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "serve",
+        "--model",
+        "/nonexistent",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(free_port()),
+        "--no-model-tables",
+        "--no-cost-profile",
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert done.returncode != 0
     assert "no model at /nonexistent" in done.stderr
@@ -341,6 +491,7 @@ def test_serve_exits_nonzero_when_the_model_fails_to_load() -> None:
 
 def test_a_runtime_that_fails_to_start_fails_ready_and_health(tiny_served, monkeypatch) -> None:
     """A failure building the engine after the model loaded used to leave /ready at "loading"."""
+
     def broken_start(*args, **kwargs):
         raise RuntimeError("out of device memory")
 
@@ -373,14 +524,21 @@ def test_openapi_documents_what_the_server_answers(server: str) -> None:
     assert "ChatCompletionChunk" in schema["components"]["schemas"]
     # this server asks for no key: the schema says so
     assert "securitySchemes" not in schema["components"]
-    assert not any("security" in op for operations in schema["paths"].values() for op in operations.values())
+    assert not any(
+        "security" in op for operations in schema["paths"].values() for op in operations.values()
+    )
 
 
 def test_openapi_asks_for_a_key_where_the_server_does(keyed: str) -> None:
     schema = httpx.get(f"{keyed}/openapi.json").json()
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert all("security" in schema["paths"][route]["post"] for route in ("/v1/completions", "/v1/chat/completions"))
-    assert not any("security" in op for path in ("/health", "/ready") for op in schema["paths"][path].values())
+    assert all(
+        "security" in schema["paths"][route]["post"]
+        for route in ("/v1/completions", "/v1/chat/completions")
+    )
+    assert not any(
+        "security" in op for path in ("/health", "/ready") for op in schema["paths"][path].values()
+    )
 
 
 def test_openapi_states_the_limits_the_server_enforces(server: str, tiny_served) -> None:
@@ -389,14 +547,22 @@ def test_openapi_states_the_limits_the_server_enforces(server: str, tiny_served)
     components = httpx.get(f"{server}/openapi.json").json()["components"]["schemas"]
     chat, completion = components["ChatCompletionRequest"], components["CompletionRequest"]
     integer = lambda field: next(b for b in field["anyOf"] if b.get("type") == "integer")  # noqa: E731
-    assert integer(chat["properties"]["max_tokens"]) == {"type": "integer", "minimum": 1,
-                                                         "maximum": settings.max_tokens_cap}
+    assert integer(chat["properties"]["max_tokens"]) == {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": settings.max_tokens_cap,
+    }
     assert integer(chat["properties"]["seed"])["maximum"] == 2**63 - 1  # exactly, not as a float
-    assert (completion["properties"]["n"]["minimum"], completion["properties"]["n"]["maximum"]) == (1, MAX_N)
+    assert (completion["properties"]["n"]["minimum"], completion["properties"]["n"]["maximum"]) == (
+        1,
+        MAX_N,
+    )
     options = components["SpeculationOptions"]
     assert integer(options["properties"]["k"])["maximum"] == settings.spec_k
     strategies = next(b for b in options["properties"]["strategy"]["anyOf"] if "enum" in b)["enum"]
-    assert "context" in strategies and "self_draft" not in strategies  # not started with model drafts
+    assert (
+        "context" in strategies and "self_draft" not in strategies
+    )  # not started with model drafts
     assert {"if", "then"} <= set(chat)  # top_logprobs needs logprobs: true
     prompt = completion["properties"]["prompt"]["anyOf"]
     assert all(b.get("minLength") == 1 or b.get("minItems") == 1 for b in prompt)
@@ -405,12 +571,18 @@ def test_openapi_states_the_limits_the_server_enforces(server: str, tiny_served)
     assert ids["minimum"] == 0 and ids["maximum"] == vocab - 1  # the model loaded
     number = lambda field: next(b for b in field["anyOf"] if b.get("type") == "number")  # noqa: E731
     for request in (chat, completion):
-        bias = next(b for b in request["properties"]["logit_bias"]["anyOf"] if b.get("type") == "object")
+        bias = next(
+            b for b in request["properties"]["logit_bias"]["anyOf"] if b.get("type") == "object"
+        )
         keys = re.compile(bias["propertyNames"]["pattern"])
-        assert keys.search(str(vocab - 1)) and not any(keys.search(k) for k in (str(vocab), "07", "-1", "1.0", ""))
+        assert keys.search(str(vocab - 1)) and not any(
+            keys.search(k) for k in (str(vocab), "07", "-1", "1.0", "")
+        )
         assert bias["additionalProperties"] == {"type": "number", "minimum": -100, "maximum": 100}
-        assert (number(request["properties"]["presence_penalty"])["minimum"],
-                number(request["properties"]["frequency_penalty"])["maximum"]) == (-2, 2)
+        assert (
+            number(request["properties"]["presence_penalty"])["minimum"],
+            number(request["properties"]["frequency_penalty"])["maximum"],
+        ) == (-2, 2)
         repetition = number(request["properties"]["repetition_penalty"])
         assert (repetition["minimum"], repetition["maximum"]) == (1e-30, 1e30)
         min_p = number(request["properties"]["min_p"])
@@ -425,7 +597,9 @@ def test_the_token_id_pattern_matches_exactly_the_ids_below_the_vocabulary(bound
 
 
 @pytest.mark.parametrize("asgi_2_4", [False, True], ids=["uvicorn", "asgi-2.4"])
-def test_a_stream_whose_client_left_before_its_body_began_is_aborted(tiny_served, monkeypatch, asgi_2_4: bool) -> None:
+def test_a_stream_whose_client_left_before_its_body_began_is_aborted(
+    tiny_served, monkeypatch, asgi_2_4: bool
+) -> None:
     """Under ASGI 2.4 the response's first send fails once the client is gone, before the SSE
     body generator was ever entered, so the generator's cleanup never ran: the request went on
     decoding for nobody until its deadline, holding its KV row and its client's concurrency
@@ -446,7 +620,10 @@ def test_a_stream_whose_client_left_before_its_body_began_is_aborted(tiny_served
             httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.05))
         # the route returns after 0.5 s, and a pass after that the request is gone (it would
         # otherwise run its 400 tokens, some 80 s at 0.2 s a pass)
-        wait_until(lambda: "ngrammys_client_disconnects_total 1.0" in httpx.get(f"{base}/metrics").text, timeout=5)
+        wait_until(
+            lambda: "ngrammys_client_disconnects_total 1.0" in httpx.get(f"{base}/metrics").text,
+            timeout=5,
+        )
         wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=5)
         assert httpx.get(f"{base}/health").json()["requests_waiting"] == 0
         # and its concurrency slot is free again (one per client here)
@@ -457,4 +634,7 @@ def test_a_stream_whose_client_left_before_its_body_began_is_aborted(tiny_served
 def test_a_model_draft_the_server_was_not_started_with_is_a_400(server, route) -> None:
     body = {**ROUTES[route], "max_tokens": 4, "speculation": {"strategy": "self_draft"}}
     error = assert_openai_error(post(server, route, body), 400, param="speculation")
-    assert "'self_draft' is not enabled on this server; enabled: context, extended_bigram" in error["message"]
+    assert (
+        "'self_draft' is not enabled on this server; enabled: context, extended_bigram"
+        in error["message"]
+    )

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from app.background import serving
 from app.main import create_app
 from app.settings import Settings
 from drafting import TableSlot
@@ -18,23 +19,34 @@ from service.engine.params import GenerationParams, SamplingParams
 from service.kernels import packed_linear
 from service.model.prompts import chat_prompt_ids
 from service.runtime import build_engine
-from app.background import serving
 from tests.helpers.http import (
-    COPY_LONG, MESSAGES, QUIET, accepted_draft_tokens, assert_engine_idle, slowed, speculating, sse_events, wait_ready,
+    COPY_LONG,
+    MESSAGES,
+    QUIET,
+    accepted_draft_tokens,
+    assert_engine_idle,
+    slowed,
+    speculating,
+    sse_events,
+    wait_ready,
     wait_until,
 )
 
 EMOJI = [{"role": "user", "content": "Repeat exactly: 🙂🙂🙂 café naïve 日本"}]
-PARAGRAPH = ("The committee met on Tuesday to review the budget. It approved the new library, "
-             "postponed the bridge repairs until spring, and asked the treasurer for a report on "
-             "the water rates before the next meeting.")
+PARAGRAPH = (
+    "The committee met on Tuesday to review the budget. It approved the new library, "
+    "postponed the bridge repairs until spring, and asked the treasurer for a report on "
+    "the water rates before the next meeting."
+)
 COPY = [{"role": "user", "content": f"Repeat this paragraph word for word:\n\n{PARAGRAPH}"}]
 
 
 @pytest.fixture(scope="module")
 def server(embedded):
     # max_tokens_cap above the context, so a request too long for the model meets that check
-    settings = Settings(spec_mode="fixed", spec_k=8, spec_w=6, max_tokens=24, max_tokens_cap=10_000, **QUIET)
+    settings = Settings(
+        spec_mode="fixed", spec_k=8, spec_w=6, max_tokens=24, max_tokens_cap=10_000, **QUIET
+    )
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
         yield base
@@ -53,7 +65,9 @@ def plain_decoding(loaded):
     def decode(messages=None, prompt=None, max_tokens=24, sampling=SamplingParams()):
         tokenizer = loaded.tokenizer
         ids = chat_prompt_ids(tokenizer, messages) if messages else tokenizer.encode(prompt)
-        completion = engine.complete(ids, GenerationParams(max_new_tokens=max_tokens, sampling=sampling))
+        completion = engine.complete(
+            ids, GenerationParams(max_new_tokens=max_tokens, sampling=sampling)
+        )
         return tokenizer.decode(completion.token_ids, skip_special_tokens=True), completion, ids
 
     return decode
@@ -64,31 +78,47 @@ def plain_decoding(loaded):
 
 def test_chat_non_streaming_equals_engine_output(server: str, embedded, direct) -> None:
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
-    reply = client.chat.completions.create(model=embedded.name, messages=MESSAGES, max_tokens=24,
-                                           extra_body={"speculation": {"k": 4, "w": 4}})
+    reply = client.chat.completions.create(
+        model=embedded.name,
+        messages=MESSAGES,
+        max_tokens=24,
+        extra_body={"speculation": {"k": 4, "w": 4}},
+    )
     text, completion, ids = direct(MESSAGES)
     assert reply.choices[0].message.content == text
     assert reply.choices[0].finish_reason == completion.finish_reason
-    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), len(completion.token_ids))
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (
+        len(ids),
+        len(completion.token_ids),
+    )
     stats = reply.choices[0].model_extra["speculative_decoding_stats"]
     assert stats["num_spec_steps"] >= 1 and stats["k"] == 4 and stats["w"] == 4
     assert sum(stats["acceptance_histogram"]) == stats["num_spec_steps"]
-    assert stats["mean_acceptance_length"] == pytest.approx(len(completion.token_ids) / stats["num_spec_steps"])
+    assert stats["mean_acceptance_length"] == pytest.approx(
+        len(completion.token_ids) / stats["num_spec_steps"]
+    )
 
 
 def test_chat_streaming_equals_engine_output(server: str, direct) -> None:
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
-    chunks = list(client.chat.completions.create(
-        messages=MESSAGES, model="SmolLM2-135M-Instruct", max_tokens=24, stream=True,
-        stream_options={"include_usage": True},
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            messages=MESSAGES,
+            model="SmolLM2-135M-Instruct",
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text, completion, ids = direct(MESSAGES)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason == completion.finish_reason
     assert "speculative_decoding_stats" in finals[0].choices[0].model_extra
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(completion.token_ids)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
+        completion.token_ids
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -97,10 +127,14 @@ def test_completions_route_equals_engine_output(server: str, direct, stream: boo
     prompt = "The three primary colors are"
     text, completion, _ = direct(prompt=prompt, max_tokens=20)
     if stream:
-        pieces = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=20, stream=True)
+        pieces = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=20, stream=True
+        )
         assert "".join(p.choices[0].text for p in pieces) == text
     else:
-        reply = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=20)
+        reply = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=20
+        )
         assert reply.choices[0].text == text and reply.object == "text_completion"
         assert reply.usage.completion_tokens == len(completion.token_ids)
 
@@ -123,7 +157,10 @@ def test_sse_framing_one_event_per_round_and_done_last(server: str) -> None:
     content = [c for c in chunks if c["choices"][0]["delta"].get("content")]
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     # plain decoding: one round per token, so (bar held-back characters) one event per token
-    assert len(content) >= 0.8 * chunks[-1]["choices"][0]["speculative_decoding_stats"]["num_spec_steps"]
+    assert (
+        len(content)
+        >= 0.8 * chunks[-1]["choices"][0]["speculative_decoding_stats"]["num_spec_steps"]
+    )
 
 
 def test_multibyte_characters_are_never_split(server: str, direct) -> None:
@@ -133,22 +170,33 @@ def test_multibyte_characters_are_never_split(server: str, direct) -> None:
     pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
     text, _, _ = direct(EMOJI)
     assert "🙂" in text and "".join(pieces) == text
-    assert all("\ufffd" not in p for p in pieces[:-2])  # only a cut at max_tokens may end unfinished
+    assert all(
+        "\ufffd" not in p for p in pieces[:-2]
+    )  # only a cut at max_tokens may end unfinished
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_strings_cut_the_text_across_rounds(server: str, direct, stream: bool) -> None:
     text, _, _ = direct(MESSAGES, max_tokens=40)
     stop = text[len(text) // 2 : len(text) // 2 + 4]  # a 4-character stop inside the output
-    body = {"messages": MESSAGES, "max_tokens": 40, "stop": [stop, "never appears"], "stream": stream,
-            "speculation": {"mode": "fixed", "k": 6, "w": 5}}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 40,
+        "stop": [stop, "never appears"],
+        "stream": stream,
+        "speculation": {"mode": "fixed", "k": 6, "w": 5},
+    }
     if stream:
-        with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
+        with httpx.stream(
+            "POST", f"{server}/v1/chat/completions", json=body, timeout=60
+        ) as response:
             chunks = [json.loads(e) for e in sse_events(response)[:-1]]
         got = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
         finish = chunks[-1]["choices"][0]["finish_reason"]
     else:
-        choice = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+        choice = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()[
+            "choices"
+        ][0]
         got, finish = choice["message"]["content"], choice["finish_reason"]
     assert got == text[: text.index(stop)] and finish == "stop"
 
@@ -162,11 +210,13 @@ def test_disconnect_mid_stream_frees_the_engine(embedded) -> None:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             next(line for line in lines if '"content"' in line and '""' not in line)
-            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)  # it left in the middle of speculating
+            wait_until(
+                lambda: accepted_draft_tokens(base) > 0, timeout=30
+            )  # it left in the middle of speculating
             assert httpx.get(f"{base}/health").json()["requests_running"] == 1
         # the client is gone: the worker notices within a round, long before 400 tokens
         wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=3)
-        assert 'ngrammys_client_disconnects_total 1.0' in httpx.get(f"{base}/metrics").text
+        assert "ngrammys_client_disconnects_total 1.0" in httpx.get(f"{base}/metrics").text
         assert_engine_idle(app)
 
 
@@ -179,25 +229,57 @@ def test_disconnect_mid_stream_frees_the_engine(embedded) -> None:
         ("chat/completions", {"messages": MESSAGES, "model": "gpt-9"}, 404, "model"),
         ("chat/completions", {"messages": []}, 400, "messages"),
         ("chat/completions", {"messages": MESSAGES, "max_tokens": 0}, 400, "max_tokens"),
-        ("chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            400,
+            "messages.0.role",
+        ),
         ("chat/completions", {"messages": MESSAGES, "n": 0}, 400, "n"),
-        ("chat/completions", {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]},
+            400,
+            "stop",
+        ),
         ("chat/completions", {"messages": MESSAGES, "temperature": 3}, 400, "temperature"),
         ("chat/completions", {"messages": MESSAGES, "top_p": 0}, 400, "top_p"),
         ("chat/completions", {"messages": MESSAGES, "max_tokens": 9000}, 400, "messages"),
-        ("chat/completions", {"messages": MESSAGES, "speculation": {"strategy": "trigram"}}, 400, "speculation.strategy"),
-        ("chat/completions", {"messages": MESSAGES, "speculation": {"mode": "fixed", "k": 2, "w": 0}}, 400, "speculation"),
-        ("chat/completions", {"messages": MESSAGES, "speculation": {"mode": "turbo"}}, 400, "speculation.mode"),
-        ("chat/completions", {"messages": MESSAGES, "speculation": {"k": -1}}, 400, "speculation.k"),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "speculation": {"strategy": "trigram"}},
+            400,
+            "speculation.strategy",
+        ),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "speculation": {"mode": "fixed", "k": 2, "w": 0}},
+            400,
+            "speculation",
+        ),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "speculation": {"mode": "turbo"}},
+            400,
+            "speculation.mode",
+        ),
+        (
+            "chat/completions",
+            {"messages": MESSAGES, "speculation": {"k": -1}},
+            400,
+            "speculation.k",
+        ),
         ("completions", {"prompt": ""}, 400, "prompt"),
         ("completions", {"prompt": ["a", "b"]}, 400, "prompt"),
-        ("completions", {"prompt": [5, 10 ** 9]}, 400, "prompt"),
+        ("completions", {"prompt": [5, 10**9]}, 400, "prompt"),
         ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
         ("completions", {"prompt": "hi", "max_tokens": 9000}, 400, "prompt"),
         ("completions", {}, 400, "prompt"),
     ],
 )
-def test_bad_requests_get_openai_errors(server: str, route: str, body, status: int, param: str) -> None:
+def test_bad_requests_get_openai_errors(
+    server: str, route: str, body, status: int, param: str
+) -> None:
     response = httpx.post(f"{server}/v1/{route}", json=body, timeout=60)
     assert response.status_code == status
     error = response.json()["error"]
@@ -207,12 +289,21 @@ def test_bad_requests_get_openai_errors(server: str, route: str, body, status: i
 
 def test_context_error_gives_both_numbers(server: str) -> None:
     response = httpx.post(f"{server}/v1/completions", json={"prompt": "hi", "max_tokens": 9000})
-    assert "8192" in response.json()["error"]["message"] and "9000" in response.json()["error"]["message"]
+    assert (
+        "8192" in response.json()["error"]["message"]
+        and "9000" in response.json()["error"]["message"]
+    )
 
 
 def test_unknown_fields_are_ignored(server: str) -> None:
     # (fields OpenAI defines but this server does not implement are refused: test_hardening.py)
-    body = {"messages": MESSAGES, "max_tokens": 4, "store": False, "metadata": {"a": "b"}, "frequency_penalty": 0}
+    body = {
+        "messages": MESSAGES,
+        "max_tokens": 4,
+        "store": False,
+        "metadata": {"a": "b"},
+        "frequency_penalty": 0,
+    }
     assert httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).status_code == 200
 
 
@@ -226,8 +317,12 @@ def test_queue_full_gets_429_with_retry_after(embedded) -> None:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as running:
             lines = running.iter_lines()  # kept: a dropped iterator closes the stream, aborting it
             next(lines)
-            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)  # refused while one speculates
-            with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as waiting:
+            wait_until(
+                lambda: accepted_draft_tokens(base) > 0, timeout=30
+            )  # refused while one speculates
+            with httpx.stream(
+                "POST", f"{base}/v1/chat/completions", json=long, timeout=60
+            ) as waiting:
                 wait_until(lambda: httpx.get(f"{base}/health").json()["requests_waiting"] == 1)
                 refused = httpx.post(f"{base}/v1/chat/completions", json=long, timeout=60)
                 assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
@@ -246,7 +341,12 @@ def test_timeout_and_engine_failures_fail_only_their_request(embedded) -> None:
         body = {"messages": MESSAGES, "max_tokens": 300}
         with slowed(app, 2.5), ThreadPoolExecutor(2) as pool:  # every pass outlives the deadline
             # one runs past its deadline, the other waits past it in the queue
-            both = list(pool.map(lambda _: httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60), range(2)))
+            both = list(
+                pool.map(
+                    lambda _: httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60),
+                    range(2),
+                )
+            )
         for slow in both:
             assert slow.status_code == 504 and slow.json()["error"]["code"] == "timeout"
             assert "2 s" in slow.json()["error"]["message"]
@@ -264,15 +364,21 @@ def test_timeout_and_engine_failures_fail_only_their_request(embedded) -> None:
         original = engine.runner.forward
 
         engine.runner.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
-        broken = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60)
+        broken = httpx.post(
+            f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60
+        )
         assert broken.status_code == 500 and "device lost" in broken.json()["error"]["message"]
         body = {"messages": MESSAGES, "max_tokens": 4, "stream": True}
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
             events = sse_events(response)
-        assert "device lost" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+        assert (
+            "device lost" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+        )
 
         engine.runner.forward = original
-        ok = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60)
+        ok = httpx.post(
+            f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60
+        )
         assert ok.status_code == 200
 
 
@@ -295,9 +401,13 @@ def test_ready_waits_for_the_model_and_health_does_not(embedded) -> None:
         wait_ready(base)
 
 
-def test_health_names_a_kernel_fallback_only_when_there_is_one(server: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_health_names_a_kernel_fallback_only_when_there_is_one(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert "kernels_fallback" not in httpx.get(f"{server}/health").json()
-    monkeypatch.setattr(packed_linear, "_kernels_error", "ImportError: numba's kernels did not import")
+    monkeypatch.setattr(
+        packed_linear, "_kernels_error", "ImportError: numba's kernels did not import"
+    )
     health = httpx.get(f"{server}/health")
     assert health.status_code == 200  # slower, not broken: the server serves on the fallback
     assert health.json()["kernels_fallback"] == "ImportError: numba's kernels did not import"
@@ -315,11 +425,19 @@ def test_failed_load_fails_ready_and_health() -> None:
         assert httpx.get(f"{base}/health").status_code == 503
 
 
-@pytest.mark.parametrize("speculation", [
-    {"mode": "fixed", "k": 6, "w": 3, "strategy": "context"},
-    {"mode": "fixed", "k": 3, "w": 2, "strategy": "extended_bigram"},
-    {"mode": "auto", "k": 8, "w": 6, "strategy": "mixed"},  # no cost profile here: the plain fallback
-])
+@pytest.mark.parametrize(
+    "speculation",
+    [
+        {"mode": "fixed", "k": 6, "w": 3, "strategy": "context"},
+        {"mode": "fixed", "k": 3, "w": 2, "strategy": "extended_bigram"},
+        {
+            "mode": "auto",
+            "k": 8,
+            "w": 6,
+            "strategy": "mixed",
+        },  # no cost profile here: the plain fallback
+    ],
+)
 def test_greedy_text_is_the_same_whatever_the_speculation(server: str, direct, speculation) -> None:
     body = {"messages": MESSAGES, "max_tokens": 24, "speculation": speculation}
     reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()
@@ -331,8 +449,13 @@ def auto_server(embedded):
     """A server in auto mode with a real cost profile: the one this machine's profiler
     measured into the cache directory (as the embedded weights are converted there once),
     measured now by the server's own warm-up if there is none yet."""
-    settings = Settings(spec_mode="auto", max_tokens=64, model_tables=False, cost_profile=True,
-                        default_temperature=0.0)
+    settings = Settings(
+        spec_mode="auto",
+        max_tokens=64,
+        model_tables=False,
+        cost_profile=True,
+        default_temperature=0.0,
+    )
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
         # a measurement takes 2-3 minutes on the 2-core dev VM; the keeper waits for a quiet
@@ -358,9 +481,18 @@ def test_auto_speculates_on_a_copy_task_and_keeps_the_greedy_text(auto_server: s
 
 def test_sampling_with_a_seed_is_reproducible_and_speculation_keeps_it(server: str) -> None:
     def ask(seed: int, speculation: dict) -> str:
-        body = {"messages": MESSAGES, "max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "top_k": 50,
-                "seed": seed, "speculation": speculation}
-        return httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]["content"]
+        body = {
+            "messages": MESSAGES,
+            "max_tokens": 24,
+            "temperature": 0.9,
+            "top_p": 0.95,
+            "top_k": 50,
+            "seed": seed,
+            "speculation": speculation,
+        }
+        return httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()["choices"][
+            0
+        ]["message"]["content"]
 
     plain = ask(7, {"mode": "off"})
     assert ask(7, {"mode": "off"}) == plain
@@ -368,28 +500,51 @@ def test_sampling_with_a_seed_is_reproducible_and_speculation_keeps_it(server: s
     assert {ask(seed, {"mode": "off"}) for seed in (1, 2, 3)} != {plain}
 
 
-def test_penalties_bias_and_min_p_keep_the_plain_text_whatever_the_speculation(server: str, embedded, direct) -> None:
+def test_penalties_bias_and_min_p_keep_the_plain_text_whatever_the_speculation(
+    server: str, embedded, direct
+) -> None:
     """Through the openai client: greedy text with every logit control equals the engine's plain
     decoding with the same controls (and differs from it without them); a seeded sample with
     them is the same sample with speculation as without."""
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused")
     banned = embedded.tokenizer.encode(" 2")[0]
-    controls = {"frequency_penalty": 0.6, "presence_penalty": 0.4, "logit_bias": {str(banned): -100}}
+    controls = {
+        "frequency_penalty": 0.6,
+        "presence_penalty": 0.4,
+        "logit_bias": {str(banned): -100},
+    }
     extra = {"repetition_penalty": 1.3, "min_p": 0.05}
 
     def ask(speculation: dict, **sampling) -> str:
-        reply = client.chat.completions.create(model=embedded.name, messages=MESSAGES, max_tokens=24, **controls,
-                                               **sampling, extra_body={**extra, "speculation": speculation})
-        accepted.append(reply.choices[0].model_extra["speculative_decoding_stats"]["num_accepted_draft_tokens"])
+        reply = client.chat.completions.create(
+            model=embedded.name,
+            messages=MESSAGES,
+            max_tokens=24,
+            **controls,
+            **sampling,
+            extra_body={**extra, "speculation": speculation},
+        )
+        accepted.append(
+            reply.choices[0].model_extra["speculative_decoding_stats"]["num_accepted_draft_tokens"]
+        )
         return reply.choices[0].message.content
 
     accepted: list[int] = []
 
-    adjusted = SamplingParams(frequency_penalty=0.6, presence_penalty=0.4, repetition_penalty=1.3, min_p=0.05,
-                              logit_bias={banned: -100.0})
+    adjusted = SamplingParams(
+        frequency_penalty=0.6,
+        presence_penalty=0.4,
+        repetition_penalty=1.3,
+        min_p=0.05,
+        logit_bias={banned: -100.0},
+    )
     text = direct(MESSAGES, sampling=adjusted)[0]
     assert text != direct(MESSAGES)[0]
-    for speculation in ({"mode": "off"}, {"mode": "fixed", "k": 8, "w": 6}, {"mode": "auto", "k": 8, "w": 6}):
+    for speculation in (
+        {"mode": "off"},
+        {"mode": "fixed", "k": 8, "w": 6},
+        {"mode": "auto", "k": 8, "w": 6},
+    ):
         assert ask(speculation, temperature=0) == text, speculation
     sample = ask({"mode": "off"}, temperature=0.9, seed=7)
     assert ask({"mode": "fixed", "k": 6, "w": 4}, temperature=0.9, seed=7) == sample
@@ -419,24 +574,37 @@ def packed_server(packed):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("speculation", [
-    {"mode": "off"},
-    {"mode": "fixed", "k": 6, "w": 4, "strategy": "context"},
-    {"mode": "auto", "k": 8, "w": 6},
-], ids=["off", "fixed", "auto"])
-def test_the_packed_cpu_path_answers_the_same_text_whatever_the_speculation(packed, packed_server, speculation,
-                                                                            stream: bool) -> None:
+@pytest.mark.parametrize(
+    "speculation",
+    [
+        {"mode": "off"},
+        {"mode": "fixed", "k": 6, "w": 4, "strategy": "context"},
+        {"mode": "auto", "k": 8, "w": 6},
+    ],
+    ids=["off", "fixed", "auto"],
+)
+def test_the_packed_cpu_path_answers_the_same_text_whatever_the_speculation(
+    packed, packed_server, speculation, stream: bool
+) -> None:
     decode = plain_decoding(packed)
     for messages in (MESSAGES, COPY):
         want = decode(messages, max_tokens=48)[0]
-        body = {"messages": messages, "max_tokens": 48, "stream": stream, "speculation": speculation}
+        body = {
+            "messages": messages,
+            "max_tokens": 48,
+            "stream": stream,
+            "speculation": speculation,
+        }
         if stream:
-            with httpx.stream("POST", f"{packed_server}/v1/chat/completions", json=body, timeout=120) as response:
+            with httpx.stream(
+                "POST", f"{packed_server}/v1/chat/completions", json=body, timeout=120
+            ) as response:
                 chunks = [json.loads(e) for e in sse_events(response)[:-1]]
             got = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
         else:
             got = httpx.post(f"{packed_server}/v1/chat/completions", json=body, timeout=120).json()[
-                "choices"][0]["message"]["content"]
+                "choices"
+            ][0]["message"]["content"]
         assert got == want, (messages, speculation)
     if speculation["mode"] != "off":  # the copy prompt's drafts were accepted: trees were verified
         assert accepted_draft_tokens(packed_server) > 0
@@ -445,10 +613,17 @@ def test_the_packed_cpu_path_answers_the_same_text_whatever_the_speculation(pack
 @pytest.mark.slow
 def test_a_seeded_sample_on_the_packed_path_is_the_same_with_speculation(packed_server) -> None:
     def ask(speculation: dict) -> str:
-        body = {"messages": COPY, "max_tokens": 40, "temperature": 0.8, "top_p": 0.95, "seed": 11,
-                "speculation": speculation}
+        body = {
+            "messages": COPY,
+            "max_tokens": 40,
+            "temperature": 0.8,
+            "top_p": 0.95,
+            "seed": 11,
+            "speculation": speculation,
+        }
         return httpx.post(f"{packed_server}/v1/chat/completions", json=body, timeout=120).json()[
-            "choices"][0]["message"]["content"]
+            "choices"
+        ][0]["message"]["content"]
 
     plain = ask({"mode": "off"})
     assert ask({"mode": "fixed", "k": 6, "w": 4}) == plain and ask({"mode": "auto"}) == plain

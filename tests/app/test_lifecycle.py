@@ -19,7 +19,14 @@ from app.background import free_port, serving
 from app.main import create_app
 from app.settings import Settings
 from tests.helpers.http import (
-    COPY_LONG, MESSAGES, QUIET, accepted_draft_tokens, assert_engine_idle, slowed, speculating, wait_ready,
+    COPY_LONG,
+    MESSAGES,
+    QUIET,
+    accepted_draft_tokens,
+    assert_engine_idle,
+    slowed,
+    speculating,
+    wait_ready,
     wait_until,
 )
 
@@ -43,7 +50,9 @@ def test_the_model_loads_on_a_thread_that_ends_once_the_engine_runs(embedded) ->
         (thread,) = loaders
         assert thread is not threading.main_thread()
         wait_until(lambda: not thread.is_alive(), timeout=10)
-        response = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60)
+        response = httpx.post(
+            f"{base}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60
+        )
         assert response.status_code == 200
         assert response.json()["usage"]["completion_tokens"] == 4
 
@@ -54,13 +63,21 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(embedded) -> 
         wait_ready(base)
         speculating(app)
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{base}/v1/chat/completions", json={"messages": COPY_LONG, "max_tokens": 400}, timeout=3)
+            httpx.post(
+                f"{base}/v1/chat/completions",
+                json={"messages": COPY_LONG, "max_tokens": 400},
+                timeout=3,
+            )
         # gone within a poll and a pass, long before 400 tokens (at least 0.2 s each)
         wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=30)
         metrics = httpx.get(f"{base}/metrics").text
         assert 'ngrammys_requests_total{status="aborted"} 1.0' in metrics
-        generated = float(re.search(r"^ngrammys_generation_tokens_total (\S+)$", metrics, re.M).group(1))
-        assert 0 < accepted_draft_tokens(base) and generated < 200  # it left while the request speculated
+        generated = float(
+            re.search(r"^ngrammys_generation_tokens_total (\S+)$", metrics, re.M).group(1)
+        )
+        assert (
+            0 < accepted_draft_tokens(base) and generated < 200
+        )  # it left while the request speculated
         assert_engine_idle(app)
 
 
@@ -69,13 +86,35 @@ def test_sigterm_lets_running_requests_finish_and_ends_the_rest_with_an_error() 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-         "--no-model-tables", "--no-cost-profile", "--default-temperature", "0",
-         # every round drafts (no cost profile needed): the drain meets requests mid-speculation
-         "--spec-mode", "fixed", "--spec-k", "4", "--spec-w", "4",
-         # draining does not depend on the weights' path; the packed one would first compile its
-         # kernels on a fresh machine (~60 s idle, past 120 s on a busy CI machine)
-         "--quantization", "none", "--drain-timeout", "8", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-model-tables",
+            "--no-cost-profile",
+            "--default-temperature",
+            "0",
+            # every round drafts (no cost profile needed): the drain meets requests mid-speculation
+            "--spec-mode",
+            "fixed",
+            "--spec-k",
+            "4",
+            "--spec-w",
+            "4",
+            # draining does not depend on the weights' path; the packed one would first compile its
+            # kernels on a fresh machine (~60 s idle, past 120 s on a busy CI machine)
+            "--quantization",
+            "none",
+            "--drain-timeout",
+            "8",
+            "--log-level",
+            "warning",
+        ],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -83,10 +122,14 @@ def test_sigterm_lets_running_requests_finish_and_ends_the_rest_with_an_error() 
         short = {"messages": MESSAGES, "max_tokens": 4}
         endless = {"messages": ENDLESS, "max_tokens": 4000}
         with ThreadPoolExecutor(4) as pool:
-            finished = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=short, timeout=60)
+            finished = pool.submit(
+                httpx.post, f"{base}/v1/chat/completions", json=short, timeout=60
+            )
             cut = pool.submit(httpx.post, f"{base}/v1/chat/completions", json=endless, timeout=60)
             stream = pool.submit(_stream_events, base, endless)
-            wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] >= 2, timeout=30)
+            wait_until(
+                lambda: httpx.get(f"{base}/health").json()["requests_running"] >= 2, timeout=30
+            )
             wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=60)
             server.send_signal(signal.SIGTERM)
             wait_until(lambda: httpx.get(f"{base}/ready").status_code == 503, timeout=5)
@@ -94,9 +137,14 @@ def test_sigterm_lets_running_requests_finish_and_ends_the_rest_with_an_error() 
             assert refused.status_code == 503
             assert finished.result().status_code == 200  # accepted before: answered in full
             assert finished.result().json()["usage"]["completion_tokens"] == 4
-            assert cut.result().status_code == 503 and cut.result().json()["error"]["code"] == "shutting_down"
+            assert (
+                cut.result().status_code == 503
+                and cut.result().json()["error"]["code"] == "shutting_down"
+            )
             events = stream.result()
-            assert "shut down" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+            assert (
+                "shut down" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"
+            )
         assert server.wait(timeout=30) == 0
     finally:
         if server.poll() is None:
@@ -111,5 +159,9 @@ def _ready(base: str) -> bool:
 
 
 def _stream_events(base: str, body: dict) -> list[str]:
-    with httpx.stream("POST", f"{base}/v1/chat/completions", json=body | {"stream": True}, timeout=60) as response:
-        return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json=body | {"stream": True}, timeout=60
+    ) as response:
+        return [
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+        ]

@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.background import free_port, serving
 from app.main import create_app
 from app.settings import Settings
-from app.background import free_port, serving
 from tests.helpers.http import LONG, MESSAGES, QUIET, wait_ready, wait_until
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "ngrammys.json"
@@ -55,7 +55,9 @@ EXPECTED = {  # name -> type, as issue-level contract
 def exported_types(text: str) -> dict[str, str]:
     """Metric family -> type (a counter's family is named without `_total`)."""
     types = re.findall(r"^# TYPE (\S+) (\S+)$", text, flags=re.M)
-    return {name.removesuffix("_total") if kind == "counter" else name: kind for name, kind in types}
+    return {
+        name.removesuffix("_total") if kind == "counter" else name: kind for name, kind in types
+    }
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,9 @@ def server(embedded):
 def traffic(base: str) -> None:
     """A streamed and a plain request, one refused, and one the client abandons."""
     repetitive = [{"role": "user", "content": "Repeat five times: the cat sat on the mat."}]
-    httpx.post(f"{base}/v1/chat/completions", json={"messages": repetitive, "max_tokens": 32}, timeout=60)
+    httpx.post(
+        f"{base}/v1/chat/completions", json={"messages": repetitive, "max_tokens": 32}, timeout=60
+    )
     body = {"messages": MESSAGES, "max_tokens": 16, "stream": True}
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
         response.read()
@@ -84,15 +88,22 @@ def test_every_metric_is_exported_with_its_type_and_promtool_agrees(server: str)
     traffic(server)
     text = httpx.get(f"{server}/metrics").text
     assert exported_types(text) == EXPECTED  # all of them, and nothing else (no `_created` noise)
-    assert 'ngrammys_requests_total{status="ok"}' in text and 'ngrammys_requests_total{status="invalid"}' in text
+    assert (
+        'ngrammys_requests_total{status="ok"}' in text
+        and 'ngrammys_requests_total{status="invalid"}' in text
+    )
     assert "ngrammys_client_disconnects_total 1.0" in text
     assert shutil.which("promtool"), "promtool missing: `make test` installs Debian's prometheus"
-    check = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True)
+    check = subprocess.run(
+        ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_a_real_prometheus_scrapes_and_sees_the_counters_move(server: str, tmp_path: Path) -> None:
-    assert shutil.which("prometheus"), "prometheus missing: `make test` installs Debian's prometheus"
+    assert shutil.which("prometheus"), (
+        "prometheus missing: `make test` installs Debian's prometheus"
+    )
     target = server.removeprefix("http://")
     config = tmp_path / "prometheus.yml"
     config.write_text(
@@ -101,9 +112,14 @@ def test_a_real_prometheus_scrapes_and_sees_the_counters_move(server: str, tmp_p
     )
     port = free_port()
     process = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     api = f"http://127.0.0.1:{port}/api/v1/query"
 
@@ -156,7 +172,11 @@ def _up(api: str) -> bool:
 def test_every_metric_in_the_dashboard_is_exported(server: str) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    used = {re.sub(r"_(bucket|sum|count|total)$", "", name) for e in exprs for name in re.findall(r"ngrammys_\w+", e)}
+    used = {
+        re.sub(r"_(bucket|sum|count|total)$", "", name)
+        for e in exprs
+        for name in re.findall(r"ngrammys_\w+", e)
+    }
     exported = set(exported_types(httpx.get(f"{server}/metrics").text))
     assert used and used <= exported, used - exported
     assert set(EXPECTED) <= used  # and the dashboard shows every metric

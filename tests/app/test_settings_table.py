@@ -12,7 +12,8 @@ README = Path(__file__).resolve().parents[2] / "README.md"
 
 def test_readme_settings_table_is_generated_from_settings() -> None:
     assert block(README.read_text(encoding="utf-8")) == settings_table(), (
-        f"README.md's settings table is out of date: run `{COMMAND}`")
+        f"README.md's settings table is out of date: run `{COMMAND}`"
+    )
 
 
 def test_every_setting_has_a_row() -> None:

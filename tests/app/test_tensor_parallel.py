@@ -39,7 +39,11 @@ PROMPTS = [
     "Write a list of fruits: apple, banana, cherry, apple, banana, cherry, apple,",
 ]
 LOGIT_SCALE = 16.0
-SPECULATION = {"off": {"mode": "off"}, "fixed": {"mode": "fixed", "k": 4, "w": 4}, "auto": {"mode": "auto"}}
+SPECULATION = {
+    "off": {"mode": "off"},
+    "fixed": {"mode": "fixed", "k": 4, "w": 4},
+    "auto": {"mode": "auto"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +63,38 @@ def tiny_dir(embedded, tmp_path_factory) -> Path:
     return directory
 
 
-def _start(model: Path, cache: Path, ranks: int, *flags: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+def _start(
+    model: Path, cache: Path, ranks: int, *flags: str
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
     log = cache / f"server-{ranks}-{port}.log"
     server = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", str(port), "--model", str(model),
-         "--dtype", "float32", "--tensor-parallel-size", str(ranks), "--cache-dir", str(cache),
-         "--max-tokens-per-pass", "16", "--no-model-tables", "--no-cost-profile", *flags],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--model",
+            str(model),
+            "--dtype",
+            "float32",
+            "--tensor-parallel-size",
+            str(ranks),
+            "--cache-dir",
+            str(cache),
+            "--max-tokens-per-pass",
+            "16",
+            "--no-model-tables",
+            "--no-cost-profile",
+            *flags,
+        ],
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     return server, f"http://127.0.0.1:{port}", log
 
@@ -82,7 +110,9 @@ def _ready(base: str, server: subprocess.Popen[bytes]) -> bool:
 @pytest.fixture(scope="module")
 def servers(tiny_dir: Path, tmp_path_factory) -> Iterator[dict[int, str]]:
     """One server on one rank, one on two ranks, each with a cache directory of its own."""
-    started = {ranks: _start(tiny_dir, tmp_path_factory.mktemp(f"cache{ranks}"), ranks) for ranks in (1, 2)}
+    started = {
+        ranks: _start(tiny_dir, tmp_path_factory.mktemp(f"cache{ranks}"), ranks) for ranks in (1, 2)
+    }
     try:
         for server, base, _ in started.values():
             wait_until(lambda: _ready(base, server), timeout=180)
@@ -94,7 +124,9 @@ def servers(tiny_dir: Path, tmp_path_factory) -> Iterator[dict[int, str]]:
 
 
 def _complete(base: str, prompt: str, **body) -> dict:
-    response = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 24, **body}, timeout=120)
+    response = httpx.post(
+        f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 24, **body}, timeout=120
+    )
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]
 
@@ -112,7 +144,9 @@ def test_two_ranks_decode_greedy_as_one_does(servers: dict[int, str], mode: str)
     alone, split = _batch(servers[1], **body), _batch(servers[2], **body)
     for one, two in zip(alone, split):
         assert two["text"] == one["text"]
-        assert two["logprobs"]["token_logprobs"] == pytest.approx(one["logprobs"]["token_logprobs"], abs=1e-4)
+        assert two["logprobs"]["token_logprobs"] == pytest.approx(
+            one["logprobs"]["token_logprobs"], abs=1e-4
+        )
 
 
 @pytest.mark.slow
@@ -126,7 +160,10 @@ def test_two_ranks_draw_the_seeded_samples_one_does(servers: dict[int, str], mod
     reach a boundary (at 0.8 one run in a dozen parted)."""
     body = {"temperature": 0.5, "top_p": 0.95, "seed": 7, "speculation": SPECULATION[mode]}
     for prompt in PROMPTS:
-        assert _complete(servers[2], prompt, **body)["text"] == _complete(servers[1], prompt, **body)["text"]
+        assert (
+            _complete(servers[2], prompt, **body)["text"]
+            == _complete(servers[1], prompt, **body)["text"]
+        )
 
 
 @pytest.mark.slow
@@ -141,14 +178,19 @@ def test_a_killed_rank_ends_the_server_within_the_bound(tiny_dir: Path, tmp_path
             assert next(events).startswith("data: ")  # the request is being decoded
             killed = time.monotonic()
             worker.send_signal(signal.SIGKILL)
-            with pytest.raises(httpx.HTTPError):  # the stream ends with the server: it does not hang
+            with pytest.raises(
+                httpx.HTTPError
+            ):  # the stream ends with the server: it does not hang
                 list(events)
         assert server.wait(timeout=30) == 70
         assert time.monotonic() - killed < 30  # the watch notices within a second or so
         text = log.read_text()
         # whichever notices first: the watch over the pod's processes, or the next pass's collective
-        lost = re.search(r"tensor parallelism: (rank process \d+ exited with code -9|a collective with the other "
-                         r"ranks failed).*the model copy is lost, exiting", text)
+        lost = re.search(
+            r"tensor parallelism: (rank process \d+ exited with code -9|a collective with the other "
+            r"ranks failed).*the model copy is lost, exiting",
+            text,
+        )
         assert lost, text[-2000:]
     finally:
         if server.poll() is None:
@@ -156,8 +198,9 @@ def test_a_killed_rank_ends_the_server_within_the_bound(tiny_dir: Path, tmp_path
 
 
 @pytest.mark.slow
-def test_a_rank_that_hangs_while_the_server_is_idle_ends_it_within_the_timeout(tiny_dir: Path,
-                                                                               tmp_path: Path) -> None:
+def test_a_rank_that_hangs_while_the_server_is_idle_ends_it_within_the_timeout(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
     """The process is alive, so only the idle pings (an all-reduce each) can find it."""
     server, base, log = _start(tiny_dir, tmp_path, 2, "--tensor-parallel-timeout", "4")
     try:
@@ -168,7 +211,9 @@ def test_a_rank_that_hangs_while_the_server_is_idle_ends_it_within_the_timeout(t
         assert server.wait(timeout=60) == 70
         assert time.monotonic() - stopped < 4 + 1 + 10  # the timeout, a ping interval, and slack
         assert "a collective with the other ranks failed" in log.read_text()
-        wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, timeout=10)
+        wait_until(
+            lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, timeout=10
+        )
     finally:
         if server.poll() is None:
             server.kill()
@@ -182,9 +227,13 @@ def test_sigterm_drains_and_stops_every_rank(tiny_dir: Path, tmp_path: Path) -> 
         worker = psutil.Process(server.pid).children()[0]
         with ThreadPoolExecutor(1) as pool:
             answer = pool.submit(_complete, base, "a b c a b c", max_tokens=400)
-            wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 1, timeout=30)
+            wait_until(
+                lambda: httpx.get(f"{base}/health").json()["requests_running"] == 1, timeout=30
+            )
             server.send_signal(signal.SIGTERM)
-            worker.send_signal(signal.SIGTERM)  # as an orchestrator signals every pod: the rank waits for rank 0
+            worker.send_signal(
+                signal.SIGTERM
+            )  # as an orchestrator signals every pod: the rank waits for rank 0
             assert answer.result()["text"]  # accepted before: answered in full
         assert server.wait(timeout=60) == 0
         worker.wait(timeout=10)  # gone (rank 0 waited for it: the code is rank 0's to read)
@@ -195,13 +244,17 @@ def test_sigterm_drains_and_stops_every_rank(tiny_dir: Path, tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, says", [
-    (("--quantization", "gguf"), "cannot be split over ranks"),
-    (("--device-round", "on"), "the device round does not run under tensor parallelism"),
-    (("--self-draft",), "model-running draft strategies"),
-])
-def test_what_cannot_be_split_is_refused_by_name(tiny_dir: Path, tmp_path: Path, flags: tuple[str, ...],
-                                                 says: str) -> None:
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (("--quantization", "gguf"), "cannot be split over ranks"),
+        (("--device-round", "on"), "the device round does not run under tensor parallelism"),
+        (("--self-draft",), "model-running draft strategies"),
+    ],
+)
+def test_what_cannot_be_split_is_refused_by_name(
+    tiny_dir: Path, tmp_path: Path, flags: tuple[str, ...], says: str
+) -> None:
     server, _, log = _start(tiny_dir, tmp_path, 2, *flags)
     try:
         assert server.wait(timeout=180) != 0
@@ -238,4 +291,6 @@ def test_the_ranks_compute_the_model_tables_one_rank_would(tiny_dir: Path, tmp_p
     assert split is not None  # where a one-rank server with the same model and dtype finds them
     alone = compute_tables(loaded.model, prefix, show_progress=False)
     assert np.array_equal(split.unigram, alone.unigram)
-    assert (split.bigram == alone.bigram).mean() > 0.999  # logits differ in the last bits: near ties may swap
+    assert (
+        split.bigram == alone.bigram
+    ).mean() > 0.999  # logits differ in the last bits: near ties may swap

@@ -23,8 +23,8 @@ from tests.helpers.deploy import (
     CRD_VALIDATOR,
     DEPLOY,
     GPU_EXAMPLE,
-    ROOT,
     OLDEST_KUBERNETES,
+    ROOT,
     WRITABLE_CACHE,
     by_kind,
     helm_sdk,
@@ -38,9 +38,15 @@ from tests.helpers.deploy import (
 KEDA_ON = {"autoscaling": {"enabled": True, "maxReplicas": 6, "keda": {"enabled": True}}}
 KEDA_OFF = {"autoscaling": {"enabled": True, "maxReplicas": 6, "keda": {"enabled": False}}}
 EVERYTHING = {  # every optional part on at once
-    "ingress": {"enabled": True, "className": "nginx", "tls": [{"secretName": "tls", "hosts": ["ngrammys.example.com"]}],
-                "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"}},
-    "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}},
+    "ingress": {
+        "enabled": True,
+        "className": "nginx",
+        "tls": [{"secretName": "tls", "hosts": ["ngrammys.example.com"]}],
+        "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"},
+    },
+    "metrics": {
+        "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}}
+    },
     "apiKey": {"existingSecret": "ngrammys-api-keys"},
     "model": {"source": "pvc", "path": "qwen", "pvc": {"claimName": "models", "subPath": "hf"}},
     "cache": {"persistence": {"enabled": True, "accessModes": ["ReadWriteMany"]}},
@@ -70,15 +76,30 @@ CASES = {
     "keda-on": KEDA_ON,
     "keda-off-cpu-hpa": KEDA_OFF,
     "everything": EVERYTHING,
-    "init-container-model": {"model": {"source": "initContainer", "path": "model.gguf",
-                                       "initContainer": {"image": "registry.example.com/models/smol:1"}}},
+    "init-container-model": {
+        "model": {
+            "source": "initContainer",
+            "path": "model.gguf",
+            "initContainer": {"image": "registry.example.com/models/smol:1"},
+        }
+    },
     "tensor-parallel-example": on_gpu("tensor-parallel.yaml"),  # 4 GPUs, KEDA
     "multi-node-example": on_gpu("multi-node.yaml"),  # LeaderWorkerSet of 2 x 8 GPUs, KEDA
-    "lws-cpu-hpa": {"gpu": {"enabled": True}, "tensorParallelSize": 2, "leaderWorkerSet": {"enabled": True, "size": 3},
-                    "apiKey": {"existingSecret": "ngrammys-api-keys"}, "inferencePool": {"enabled": True}, **KEDA_OFF},
+    "lws-cpu-hpa": {
+        "gpu": {"enabled": True},
+        "tensorParallelSize": 2,
+        "leaderWorkerSet": {"enabled": True, "size": 3},
+        "apiKey": {"existingSecret": "ngrammys-api-keys"},
+        "inferencePool": {"enabled": True},
+        **KEDA_OFF,
+    },
     "inference-gateway-example": on_gpu("inference-gateway.yaml"),
 }
-CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "HTTPRoute"}  # validated against their CRDs' schemas
+CUSTOM_KINDS = {
+    "ScaledObject",
+    "ServiceMonitor",
+    "HTTPRoute",
+}  # validated against their CRDs' schemas
 # No npm or PyPI package carries these CRDs' schemas: their pod templates are validated against the
 # Kubernetes schemas, the rest checked by hand (_check_unpublished).
 UNPUBLISHED_KINDS = {"LeaderWorkerSet", "InferencePool"}
@@ -119,40 +140,65 @@ def _pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """A LeaderWorkerSet's leader and worker pod templates as core PodTemplates, which the
     Kubernetes schemas validate (the LWS CRD embeds the same PodTemplateSpec)."""
     templates = doc["spec"]["leaderWorkerTemplate"]
-    return [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"{doc['metadata']['name']}-{role}"},
-             "template": templates[f"{role}Template"]} for role in ("leader", "worker")]
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": f"{doc['metadata']['name']}-{role}"},
+            "template": templates[f"{role}Template"],
+        }
+        for role in ("leader", "worker")
+    ]
 
 
 def _core(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     core = [doc for doc in docs if doc["kind"] not in CUSTOM_KINDS | UNPUBLISHED_KINDS]
-    return core + [t for doc in docs if doc["kind"] == "LeaderWorkerSet" for t in _pod_templates(doc)]
+    return core + [
+        t for doc in docs if doc["kind"] == "LeaderWorkerSet" for t in _pod_templates(doc)
+    ]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_manifests_validate_against_the_kubernetes_schemas(rendered: dict, case: str) -> None:
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`"
+    )
     docs = _core(rendered[case])
     kinds = {doc["kind"] for doc in docs}
-    assert {"Service", "ConfigMap", "ServiceAccount"} <= kinds and ("Deployment" in kinds) != ("PodTemplate" in kinds)
+    assert {"Service", "ConfigMap", "ServiceAccount"} <= kinds and ("Deployment" in kinds) != (
+        "PodTemplate" in kinds
+    )
     for version in (OLDEST_KUBERNETES, kv.latest_version()):
         for doc in docs:
             kv.validate(doc, version, strict=True)  # raises on any unknown field or wrong type
 
 
 def test_the_gateway_manifests_validate_against_the_kubernetes_schemas(gateway: list) -> None:
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`"
+    )
     docs = _core(gateway)
     assert {doc["kind"] for doc in docs} == {
-        "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service"}
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "ConfigMap",
+        "Deployment",
+        "Service",
+    }
     for version in (OLDEST_KUBERNETES, kv.latest_version()):
         for doc in docs:
             kv.validate(doc, version, strict=True)
 
 
 def test_the_pod_template_check_can_fail(rendered: dict) -> None:
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`"
+    )
     group = copy.deepcopy(_group(rendered["multi-node-example"]))
-    group["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["comand"] = ["ngrammys"]  # a typo
+    group["spec"]["leaderWorkerTemplate"]["workerTemplate"]["spec"]["containers"][0]["comand"] = [
+        "ngrammys"
+    ]  # a typo
     leader, worker = _pod_templates(group)
     kv.validate(leader, OLDEST_KUBERNETES, strict=True)
     with pytest.raises(kv.ValidationError):
@@ -160,9 +206,13 @@ def test_the_pod_template_check_can_fail(rendered: dict) -> None:
 
 
 def test_the_kubernetes_schema_check_can_fail(rendered: dict) -> None:
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`")
+    kv = pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`"
+    )
     deployment = copy.deepcopy(_deployment(rendered["default"]))
-    deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["periodSecond"] = 10  # a typo
+    deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["periodSecond"] = (
+        10  # a typo
+    )
     with pytest.raises(kv.ValidationError):
         kv.validate(deployment, OLDEST_KUBERNETES, strict=True)
 
@@ -170,22 +220,42 @@ def test_the_kubernetes_schema_check_can_fail(rendered: dict) -> None:
 def test_custom_resources_validate_against_their_crd_schemas(rendered: dict, gateway: list) -> None:
     node = tool("node", "Node.js: apt-get install nodejs")
     if not (CRD_VALIDATOR / "node_modules").is_dir():
-        pytest.skip("the CRD schemas are not installed (`make deploy-tools` runs npm ci in tests/deploy/crd); "
-                    "ScaledObject, ServiceMonitor and HTTPRoute were not validated")
-    resources = [doc for docs in [*rendered.values(), gateway] for doc in docs if doc["kind"] in CUSTOM_KINDS]
+        pytest.skip(
+            "the CRD schemas are not installed (`make deploy-tools` runs npm ci in tests/deploy/crd); "
+            "ScaledObject, ServiceMonitor and HTTPRoute were not validated"
+        )
+    resources = [
+        doc for docs in [*rendered.values(), gateway] for doc in docs if doc["kind"] in CUSTOM_KINDS
+    ]
     assert {doc["kind"] for doc in resources} == CUSTOM_KINDS
     broken = copy.deepcopy(next(doc for doc in resources if doc["kind"] == "ScaledObject"))
     broken["spec"]["minReplicaCount"] = "one"
-    run = subprocess.run([node, "validate.mjs"], cwd=CRD_VALIDATOR, input=json.dumps(resources + [broken]),
-                         capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [node, "validate.mjs"],
+        cwd=CRD_VALIDATOR,
+        input=json.dumps(resources + [broken]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     results = [json.loads(line) for line in run.stdout.splitlines()]
     assert len(results) == len(resources) + 1, run.stderr
     assert [r for r in results[:-1] if r["error"]] == []
     assert "minReplicaCount" in results[-1]["error"]  # the validator does reject
 
 
-@pytest.mark.parametrize("case", ["default", "gpu-example", "everything", "tensor-parallel-example",
-                                  "multi-node-example", "lws-cpu-hpa", "inference-gateway-example"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "default",
+        "gpu-example",
+        "everything",
+        "tensor-parallel-example",
+        "multi-node-example",
+        "lws-cpu-hpa",
+        "inference-gateway-example",
+    ],
+)
 def test_helm_lint_strict_finds_nothing(case: str) -> None:
     helm = helm_sdk()
     report = helm.lint(CHART, CASES[case], strict=True, kube_version="v1.30.0")
@@ -197,19 +267,29 @@ def test_default_pod_is_locked_down_and_probed(rendered: dict) -> None:
     docs = rendered["default"]
     pod = _deployment(docs)["spec"]["template"]["spec"]
     container = _container(docs)
-    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert (
+        pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    )
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert container["startupProbe"]["httpGet"]["path"] == "/ready"
     startup = container["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # a slow CPU model load fits
+    assert (
+        startup["periodSeconds"] * startup["failureThreshold"] >= 600
+    )  # a slow CPU model load fits
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     values = helm_sdk().Chart.load(CHART).values
     server = values["server"]
-    assert pod["terminationGracePeriodSeconds"] == server["preStopSleepSeconds"] + server["drainTimeoutSeconds"] + 10
-    assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(server["preStopSleepSeconds"])]
+    assert (
+        pod["terminationGracePeriodSeconds"]
+        == server["preStopSleepSeconds"] + server["drainTimeoutSeconds"] + 10
+    )
+    assert container["lifecycle"]["preStop"]["exec"]["command"] == [
+        "sleep",
+        str(server["preStopSleepSeconds"]),
+    ]
     assert "nvidia.com/gpu" not in json.dumps(container["resources"])
     assert "cpu" not in container["resources"]["limits"]  # requested, never throttled
 
@@ -235,19 +315,28 @@ def test_settings_become_ngrammys_variables_and_a_change_rolls_the_pods() -> Non
     assert config["NGRAMMYS_SPEC_K"] == "4" and config["NGRAMMYS_COST_PROFILE"] == "false"
     assert config["NGRAMMYS_SPEC_MODE"] == "auto"  # defaults kept beside the override
     annotation = "checksum/config"
-    assert (_deployment(base)["spec"]["template"]["metadata"]["annotations"][annotation]
-            != _deployment(changed)["spec"]["template"]["metadata"]["annotations"][annotation])
+    assert (
+        _deployment(base)["spec"]["template"]["metadata"]["annotations"][annotation]
+        != _deployment(changed)["spec"]["template"]["metadata"]["annotations"][annotation]
+    )
 
 
 def test_scrape_annotations_and_service_monitor(rendered: dict) -> None:
     annotations = _deployment(rendered["default"])["spec"]["template"]["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
-    assert annotations["prometheus.io/port"] == str(_container(rendered["default"])["ports"][0]["containerPort"])
+    assert (
+        annotations["prometheus.io/scrape"] == "true"
+        and annotations["prometheus.io/path"] == "/metrics"
+    )
+    assert annotations["prometheus.io/port"] == str(
+        _container(rendered["default"])["ports"][0]["containerPort"]
+    )
     assert "ServiceMonitor" not in by_kind(rendered["default"])
     (monitor,) = by_kind(rendered["everything"])["ServiceMonitor"]
     (service,) = by_kind(rendered["everything"])["Service"]
     assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
 
 
@@ -259,9 +348,16 @@ def test_keda_scales_on_queue_depth_and_the_cpu_hpa_is_the_fallback(rendered: di
     prometheus, cpu = scaled["spec"]["triggers"]
     assert prometheus["type"] == "prometheus" and prometheus["metricType"] == "AverageValue"
     query = prometheus["metadata"]["query"]
-    assert "ngrammys_num_requests_waiting" in query and 'namespace="llm"' in query and "demo-ngrammys-" in query
+    assert (
+        "ngrammys_num_requests_waiting" in query
+        and 'namespace="llm"' in query
+        and "demo-ngrammys-" in query
+    )
     assert cpu["type"] == "cpu"
-    assert scaled["spec"]["scaleTargetRef"]["name"] == _deployment(rendered["keda-on"])["metadata"]["name"]
+    assert (
+        scaled["spec"]["scaleTargetRef"]["name"]
+        == _deployment(rendered["keda-on"])["metadata"]["name"]
+    )
     assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 6)
 
     cpu_only = by_kind(rendered["keda-off-cpu-hpa"])
@@ -277,16 +373,36 @@ def test_keda_scales_on_queue_depth_and_the_cpu_hpa_is_the_fallback(rendered: di
 
 def test_the_keda_query_is_valid_promql(rendered: dict, tmp_path) -> None:
     promtool = tool("promtool", "Debian's prometheus package: `make test-tools`")
-    queries = [t["metadata"]["query"] for case in ("keda-on", "multi-node-example")
-               for doc in by_kind(rendered[case])["ScaledObject"]
-               for t in doc["spec"]["triggers"] if t["type"] == "prometheus"]
+    queries = [
+        t["metadata"]["query"]
+        for case in ("keda-on", "multi-node-example")
+        for doc in by_kind(rendered[case])["ScaledObject"]
+        for t in doc["spec"]["triggers"]
+        if t["type"] == "prometheus"
+    ]
     assert len(queries) == 2
-    rules = {"groups": [{"name": "keda", "rules": [{"record": f"keda:query{i}", "expr": q} for i, q in enumerate(queries)]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "keda",
+                "rules": [{"record": f"keda:query{i}", "expr": q} for i, q in enumerate(queries)],
+            }
+        ]
+    }
     (tmp_path / "rules.yml").write_text(json.dumps(rules))
-    (tmp_path / "bad.yml").write_text(json.dumps({"groups": [{"name": "b", "rules": [{"record": "b", "expr": "sum("}]}]}))
-    check = subprocess.run([promtool, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True)
+    (tmp_path / "bad.yml").write_text(
+        json.dumps({"groups": [{"name": "b", "rules": [{"record": "b", "expr": "sum("}]}]})
+    )
+    check = subprocess.run(
+        [promtool, "check", "rules", str(tmp_path / "rules.yml")], capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
-    assert subprocess.run([promtool, "check", "rules", str(tmp_path / "bad.yml")], capture_output=True).returncode != 0
+    assert (
+        subprocess.run(
+            [promtool, "check", "rules", str(tmp_path / "bad.yml")], capture_output=True
+        ).returncode
+        != 0
+    )
 
 
 def test_gpu_example_requests_a_gpu_on_gpu_nodes(rendered: dict) -> None:
@@ -343,11 +459,17 @@ def test_tensor_parallel_pods_get_one_gpu_per_rank_and_shared_memory(rendered: d
 
     default = rendered["default"]
     assert _config(default)["NGRAMMYS_TENSOR_PARALLEL_SIZE"] == "1"
-    assert all(v["name"] != "shm" for v in _deployment(default)["spec"]["template"]["spec"]["volumes"])
+    assert all(
+        v["name"] != "shm" for v in _deployment(default)["spec"]["template"]["spec"]["volumes"]
+    )
     assert "Tensor parallelism" not in notes()
-    assert _container(rendered["gpu-example"])["resources"]["limits"]["nvidia.com/gpu"] == "1"  # gpu.count
+    assert (
+        _container(rendered["gpu-example"])["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    )  # gpu.count
 
-    cpu_only = render({"tensorParallelSize": 2})  # passed through; no GPU is requested without gpu.enabled
+    cpu_only = render(
+        {"tensorParallelSize": 2}
+    )  # passed through; no GPU is requested without gpu.enabled
     assert _config(cpu_only)["NGRAMMYS_TENSOR_PARALLEL_SIZE"] == "2"
     assert "nvidia.com/gpu" not in json.dumps(_container(cpu_only)["resources"])
     assert any(m["mountPath"] == "/dev/shm" for m in _container(cpu_only)["volumeMounts"])
@@ -379,7 +501,9 @@ def test_a_leader_worker_set_replaces_the_deployment(rendered: dict) -> None:
     (lead,), (work,) = leader["spec"]["containers"], worker["spec"]["containers"]
 
     # The leader is the server: probes, its port, the scrape annotations.
-    assert lead["readinessProbe"]["httpGet"]["path"] == "/ready" and "command" not in lead  # the image's CMD
+    assert (
+        lead["readinessProbe"]["httpGet"]["path"] == "/ready" and "command" not in lead
+    )  # the image's CMD
     assert {p["name"] for p in lead["ports"]} == {"http", "rendezvous"}
     assert leader["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     # The workers run the other ranks: their command, no HTTP.
@@ -389,7 +513,9 @@ def test_a_leader_worker_set_replaces_the_deployment(rendered: dict) -> None:
     for container in (lead, work):
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["MASTER_ADDR"] == "$(LWS_LEADER_ADDRESS)" and env["MASTER_PORT"] == "29500"
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"  # tensorParallelSize per pod
+        assert (
+            container["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        )  # tensorParallelSize per pod
         assert {"name": "shm", "mountPath": "/dev/shm"} in container["volumeMounts"]
         assert container["envFrom"] == [{"configMapRef": {"name": "demo-ngrammys"}}]
     assert _config(docs)["NGRAMMYS_TENSOR_PARALLEL_SIZE"] == "8"
@@ -399,26 +525,40 @@ def test_a_leader_worker_set_replaces_the_deployment(rendered: dict) -> None:
     assert selector <= leader["metadata"]["labels"].items()
     assert not selector <= worker["metadata"]["labels"].items()
     assert "leaderworkerset" in notes(CASES["multi-node-example"])
-    assert "one model copy over 16 ranks (8 per pod, 2 pods a group)" in notes(CASES["multi-node-example"])
+    assert "one model copy over 16 ranks (8 per pod, 2 pods a group)" in notes(
+        CASES["multi-node-example"]
+    )
 
 
 def test_autoscaling_scales_whole_groups(rendered: dict) -> None:
     multi = rendered["multi-node-example"]
     group = _group(multi)
-    target = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet", "name": group["metadata"]["name"]}
+    target = {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "name": group["metadata"]["name"],
+    }
     (scaled,) = by_kind(multi)["ScaledObject"]
     assert scaled["spec"]["scaleTargetRef"] == target
-    query = next(t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus")["metadata"]["query"]
-    assert re.fullmatch(_pod_regex(query), LEADER_POD) and not re.fullmatch(_pod_regex(query), WORKER_POD)
+    query = next(t for t in scaled["spec"]["triggers"] if t["type"] == "prometheus")["metadata"][
+        "query"
+    ]
+    assert re.fullmatch(_pod_regex(query), LEADER_POD) and not re.fullmatch(
+        _pod_regex(query), WORKER_POD
+    )
 
     (hpa,) = by_kind(rendered["lws-cpu-hpa"])["HorizontalPodAutoscaler"]
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "LeaderWorkerSet"
     assert "replicas" not in _group(rendered["lws-cpu-hpa"])["spec"]
-    fixed = render({"gpu": {"enabled": True}, "leaderWorkerSet": {"enabled": True}, "replicaCount": 3})
+    fixed = render(
+        {"gpu": {"enabled": True}, "leaderWorkerSet": {"enabled": True}, "replicaCount": 3}
+    )
     assert _group(fixed)["spec"]["replicas"] == 3  # groups, without autoscaling
 
     (keda,) = by_kind(rendered["keda-on"])["ScaledObject"]
-    deployment_query = next(t for t in keda["spec"]["triggers"] if t["type"] == "prometheus")["metadata"]["query"]
+    deployment_query = next(t for t in keda["spec"]["triggers"] if t["type"] == "prometheus")[
+        "metadata"
+    ]["query"]
     assert re.fullmatch(_pod_regex(deployment_query), DEPLOYMENT_POD)
 
 
@@ -438,66 +578,138 @@ def _check_unpublished(doc: dict[str, Any]) -> list[str]:
         return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
     meta, spec = doc.get("metadata", {}), doc.get("spec")
-    need(isinstance(meta.get("name"), str) and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", meta["name"]) is not None,
-         "metadata.name")
+    need(
+        isinstance(meta.get("name"), str)
+        and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", meta["name"]) is not None,
+        "metadata.name",
+    )
     need(isinstance(spec, dict), "spec")
     spec = spec if isinstance(spec, dict) else {}
     if doc.get("kind") == "LeaderWorkerSet":
         need(doc.get("apiVersion") == "leaderworkerset.x-k8s.io/v1", "apiVersion")
-        known = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy", "networkConfig"}
+        known = {
+            "replicas",
+            "leaderWorkerTemplate",
+            "rolloutStrategy",
+            "startupPolicy",
+            "networkConfig",
+        }
         need(set(spec) <= known, f"unknown spec fields {set(spec) - known}")
         need("replicas" not in spec or integer(spec["replicas"], 0, 1_000_000), "spec.replicas")
-        need(spec.get("startupPolicy", "LeaderCreated") in {"LeaderCreated", "LeaderReady"}, "spec.startupPolicy")
+        need(
+            spec.get("startupPolicy", "LeaderCreated") in {"LeaderCreated", "LeaderReady"},
+            "spec.startupPolicy",
+        )
         rollout = spec.get("rolloutStrategy", {"type": "RollingUpdate"})
         need(rollout.get("type") == "RollingUpdate", "spec.rolloutStrategy.type")
         rolling = rollout.get("rollingUpdateConfiguration", {})
-        need(set(rolling) <= {"partition", "maxUnavailable", "maxSurge"},
-             "spec.rolloutStrategy.rollingUpdateConfiguration")
-        need(all(isinstance(rolling[k], (int, str)) for k in set(rolling) & {"maxUnavailable", "maxSurge"}),
-             "rollingUpdateConfiguration int-or-string")
+        need(
+            set(rolling) <= {"partition", "maxUnavailable", "maxSurge"},
+            "spec.rolloutStrategy.rollingUpdateConfiguration",
+        )
+        need(
+            all(
+                isinstance(rolling[k], (int, str))
+                for k in set(rolling) & {"maxUnavailable", "maxSurge"}
+            ),
+            "rollingUpdateConfiguration int-or-string",
+        )
         template = spec.get("leaderWorkerTemplate")
         need(isinstance(template, dict), "spec.leaderWorkerTemplate")
         template = template if isinstance(template, dict) else {}
-        known = {"leaderTemplate", "workerTemplate", "size", "restartPolicy", "subGroupPolicy", "volumeClaimTemplates",
-                 "persistentVolumeClaimRetentionPolicy"}
+        known = {
+            "leaderTemplate",
+            "workerTemplate",
+            "size",
+            "restartPolicy",
+            "subGroupPolicy",
+            "volumeClaimTemplates",
+            "persistentVolumeClaimRetentionPolicy",
+        }
         need(set(template) <= known, f"unknown leaderWorkerTemplate fields {set(template) - known}")
-        need(isinstance(template.get("workerTemplate"), dict), "leaderWorkerTemplate.workerTemplate (required)")
-        need("leaderTemplate" not in template or isinstance(template["leaderTemplate"], dict), "leaderTemplate")
+        need(
+            isinstance(template.get("workerTemplate"), dict),
+            "leaderWorkerTemplate.workerTemplate (required)",
+        )
+        need(
+            "leaderTemplate" not in template or isinstance(template["leaderTemplate"], dict),
+            "leaderTemplate",
+        )
         need(integer(template.get("size", 1), 1), "leaderWorkerTemplate.size")
-        need(template.get("restartPolicy", "RecreateGroupOnPodRestart") in
-             {"RecreateGroupOnPodRestart", "None", "Default", "RecreateGroupAfterStart"}, "restartPolicy")
+        need(
+            template.get("restartPolicy", "RecreateGroupOnPodRestart")
+            in {"RecreateGroupOnPodRestart", "None", "Default", "RecreateGroupAfterStart"},
+            "restartPolicy",
+        )
     elif doc.get("kind") == "InferencePool":
         need(doc.get("apiVersion") == "inference.networking.k8s.io/v1", "apiVersion")
         known = {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}
-        need(set(spec) <= known and {"selector", "targetPorts", "endpointPickerRef"} <= set(spec),
-             f"spec fields {sorted(spec)}")
+        need(
+            set(spec) <= known and {"selector", "targetPorts", "endpointPickerRef"} <= set(spec),
+            f"spec fields {sorted(spec)}",
+        )
         labels = spec.get("selector", {}).get("matchLabels")
-        need(isinstance(labels, dict) and 1 <= len(labels) <= 64 and set(spec["selector"]) == {"matchLabels"}
-             and all(isinstance(v, str) and re.fullmatch(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", v)
-                     and len(v) <= 63 for v in labels.values()), "spec.selector.matchLabels")
+        need(
+            isinstance(labels, dict)
+            and 1 <= len(labels) <= 64
+            and set(spec["selector"]) == {"matchLabels"}
+            and all(
+                isinstance(v, str)
+                and re.fullmatch(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?", v)
+                and len(v) <= 63
+                for v in labels.values()
+            ),
+            "spec.selector.matchLabels",
+        )
         ports = spec.get("targetPorts")
-        need(isinstance(ports, list) and 1 <= len(ports) <= 8
-             and all(isinstance(p, dict) and set(p) == {"number"} and integer(p["number"], 1, 65535) for p in ports)
-             and len({p["number"] for p in ports}) == len(ports), "spec.targetPorts")
+        need(
+            isinstance(ports, list)
+            and 1 <= len(ports) <= 8
+            and all(
+                isinstance(p, dict) and set(p) == {"number"} and integer(p["number"], 1, 65535)
+                for p in ports
+            )
+            and len({p["number"] for p in ports}) == len(ports),
+            "spec.targetPorts",
+        )
         need(spec.get("appProtocol", "http") in {"http", "kubernetes.io/h2c"}, "spec.appProtocol")
         epp = spec.get("endpointPickerRef", {})
-        need(set(epp) <= {"group", "kind", "name", "port", "failureMode"}, "endpointPickerRef fields")
-        need(isinstance(epp.get("name"), str) and 1 <= len(epp["name"]) <= 253, "endpointPickerRef.name")
+        need(
+            set(epp) <= {"group", "kind", "name", "port", "failureMode"}, "endpointPickerRef fields"
+        )
+        need(
+            isinstance(epp.get("name"), str) and 1 <= len(epp["name"]) <= 253,
+            "endpointPickerRef.name",
+        )
         port = epp.get("port")
-        need(epp.get("kind", "Service") != "Service" or (
-            isinstance(port, dict) and set(port) == {"number"} and integer(port["number"], 1, 65535)),
-            "endpointPickerRef.port (required for a Service)")
-        need(epp.get("failureMode", "FailClose") in {"FailOpen", "FailClose"}, "endpointPickerRef.failureMode")
+        need(
+            epp.get("kind", "Service") != "Service"
+            or (
+                isinstance(port, dict)
+                and set(port) == {"number"}
+                and integer(port["number"], 1, 65535)
+            ),
+            "endpointPickerRef.port (required for a Service)",
+        )
+        need(
+            epp.get("failureMode", "FailClose") in {"FailOpen", "FailClose"},
+            "endpointPickerRef.failureMode",
+        )
     else:
         errors.append(f"not a LeaderWorkerSet or InferencePool: {doc.get('kind')}")
     return errors
 
 
-def test_the_leader_worker_set_and_the_inference_pool_have_their_apis_fields(rendered: dict) -> None:
-    resources = [doc for docs in rendered.values() for doc in docs if doc["kind"] in UNPUBLISHED_KINDS]
+def test_the_leader_worker_set_and_the_inference_pool_have_their_apis_fields(
+    rendered: dict,
+) -> None:
+    resources = [
+        doc for docs in rendered.values() for doc in docs if doc["kind"] in UNPUBLISHED_KINDS
+    ]
     assert {doc["kind"] for doc in resources} == UNPUBLISHED_KINDS
     assert {doc["metadata"]["name"]: _check_unpublished(doc) for doc in resources} == {
-        doc["metadata"]["name"]: [] for doc in resources}
+        doc["metadata"]["name"]: [] for doc in resources
+    }
     group = copy.deepcopy(_group(rendered["multi-node-example"]))
     group["spec"]["leaderWorkerTemplate"]["size"] = "2"
     group["spec"]["startupPolicy"] = "WhenReady"
@@ -506,7 +718,10 @@ def test_the_leader_worker_set_and_the_inference_pool_have_their_apis_fields(ren
     del pool["spec"]["endpointPickerRef"]["port"]
     pool["spec"]["targetPorts"] = [{"number": 8000}, {"number": 8000}]
     assert _check_unpublished(group) == ["spec.startupPolicy", "leaderWorkerTemplate.size"]
-    assert _check_unpublished(pool) == ["spec.targetPorts", "endpointPickerRef.port (required for a Service)"]
+    assert _check_unpublished(pool) == [
+        "spec.targetPorts",
+        "endpointPickerRef.port (required for a Service)",
+    ]
 
 
 def _metric_names() -> set[str]:
@@ -515,7 +730,9 @@ def _metric_names() -> set[str]:
 
 
 def test_the_inference_pool_its_endpoint_picker_and_route_fit_together(gateway: list) -> None:
-    docs = render(CASES["inference-gateway-example"], name="ngrammys")  # the release name the example assumes
+    docs = render(
+        CASES["inference-gateway-example"], name="ngrammys"
+    )  # the release name the example assumes
     (pool,) = by_kind(docs)["InferencePool"]
     (deployment,) = by_kind(docs)["Deployment"]
     pod = deployment["spec"]["template"]
@@ -534,30 +751,51 @@ def test_the_inference_pool_its_endpoint_picker_and_route_fit_together(gateway: 
     assert ref["name"] == epp_service["metadata"]["name"] and ref["failureMode"] == "FailOpen"
     port = next(p for p in epp_service["spec"]["ports"] if p["port"] == ref["port"]["number"])
     (epp_container,) = epp["spec"]["template"]["spec"]["containers"]
-    assert port["targetPort"] in {p["name"] for p in epp_container["ports"] if p["containerPort"] == 9002}
-    assert epp_service["spec"]["selector"].items() <= epp["spec"]["template"]["metadata"]["labels"].items()
+    assert port["targetPort"] in {
+        p["name"] for p in epp_container["ports"] if p["containerPort"] == 9002
+    }
+    assert (
+        epp_service["spec"]["selector"].items()
+        <= epp["spec"]["template"]["metadata"]["labels"].items()
+    )
     # The EPP watches that pool; the route sends to it.
     args = epp_container["args"]
     assert f"--pool-name={pool['metadata']['name']}" in args
     assert route["spec"]["rules"][0]["backendRefs"] == [
-        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool["metadata"]["name"]}]
+        {
+            "group": "inference.networking.k8s.io",
+            "kind": "InferencePool",
+            "name": pool["metadata"]["name"],
+        }
+    ]
     # Metric names come from the EPP's configuration: its old flags make v1.4+ refuse to start.
     assert not [a for a in args if "metric" in a and a != "--metrics-endpoint-auth=false"]
     config = yaml.safe_load(next(iter(config_map["data"].values())))
     assert config["kind"] == "EndpointPickerConfig"
     mounted = epp_container["volumeMounts"][0]["mountPath"]
     assert f"--config-file={mounted}/{next(iter(config_map['data']))}" in args
-    extractor = next(p for p in config["plugins"] if p["type"] == "core-metrics-extractor")["parameters"]
+    extractor = next(p for p in config["plugins"] if p["type"] == "core-metrics-extractor")[
+        "parameters"
+    ]
     (engine,) = extractor["engineConfigs"]
     # ... for the engine the pods are labelled as, which is also the default.
-    assert engine["name"] == extractor["defaultEngine"] == pod["metadata"]["labels"][
-        "inference.networking.k8s.io/engine-type"]
+    assert (
+        engine["name"]
+        == extractor["defaultEngine"]
+        == pod["metadata"]["labels"]["inference.networking.k8s.io/engine-type"]
+    )
     assert engine["queuedRequestsSpec"] == "ngrammys_num_requests_waiting"
     assert engine["runningRequestsSpec"] == "ngrammys_num_requests_running"
     assert engine["kvUsageSpec"] == "ngrammys_kv_cache_usage_perc"
-    assert {engine[k] for k in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec")} <= _metric_names()
+    assert {
+        engine[k] for k in ("queuedRequestsSpec", "runningRequestsSpec", "kvUsageSpec")
+    } <= _metric_names()
     scorers = {p["pluginRef"] for p in config["schedulingProfiles"][0]["plugins"]}
-    assert {"queue-scorer", "kv-cache-utilization-scorer"} <= scorers <= {p["type"] for p in config["plugins"]}
+    assert (
+        {"queue-scorer", "kv-cache-utilization-scorer"}
+        <= scorers
+        <= {p["type"] for p in config["plugins"]}
+    )
     # The RBAC lets it read the pool and the pods.
     (role,) = manifests["Role"]
     (binding,) = manifests["RoleBinding"]
@@ -577,7 +815,9 @@ def test_with_a_group_the_pool_selects_the_leaders(rendered: dict) -> None:
     assert pool["spec"]["endpointPickerRef"]["name"] == "demo-ngrammys-epp"  # the default name
     # API keys: the leader serves, the workers have no HTTP and no key.
     leader, worker = template["leaderTemplate"]["spec"], template["workerTemplate"]["spec"]
-    assert any("secret" in v for v in leader["volumes"]) and not any("secret" in v for v in worker["volumes"])
+    assert any("secret" in v for v in leader["volumes"]) and not any(
+        "secret" in v for v in worker["volumes"]
+    )
 
 
 BAD_VALUES = {
@@ -594,11 +834,18 @@ BAD_VALUES = {
     "pvc model without a claim": {"model": {"source": "pvc"}},
     "init-container model without an image": {"model": {"source": "initContainer"}},
     "unknown model source": {"model": {"source": "s3"}},
-    "model path escaping /models": {"model": {"source": "pvc", "path": "../etc", "pvc": {"claimName": "m"}}},
+    "model path escaping /models": {
+        "model": {"source": "pvc", "path": "../etc", "pvc": {"claimName": "m"}}
+    },
     "zero GPUs": {"gpu": {"enabled": True, "count": 0}},
     "cache not absolute": {"cache": {"mountPath": "cache"}},
     "service port": {"service": {"port": 70000}},
-    "ingress path": {"ingress": {"enabled": True, "hosts": [{"host": "a", "paths": [{"path": "x", "pathType": "Prefix"}]}]}},
+    "ingress path": {
+        "ingress": {
+            "enabled": True,
+            "hosts": [{"host": "a", "paths": [{"path": "x", "pathType": "Prefix"}]}],
+        }
+    },
     "keda threshold zero": {"autoscaling": {"keda": {"threshold": "0"}}},
     "keda server address": {"autoscaling": {"keda": {"serverAddress": "prometheus:9090"}}},
     "cpu target over 100": {"autoscaling": {"cpu": {"targetUtilizationPercentage": 150}}},
@@ -609,7 +856,9 @@ BAD_VALUES = {
     "a group of one pod": {"leaderWorkerSet": {"enabled": True, "size": 1}},
     "group startup policy": {"leaderWorkerSet": {"startupPolicy": "Eventually"}},
     "shared memory size": {"sharedMemory": {"sizeLimit": "lots"}},
-    "endpoint picker failure mode": {"inferencePool": {"enabled": True, "endpointPicker": {"failureMode": "Retry"}}},
+    "endpoint picker failure mode": {
+        "inferencePool": {"enabled": True, "endpointPicker": {"failureMode": "Retry"}}
+    },
 }
 
 
@@ -628,10 +877,15 @@ def test_values_schema_rejects_bad_values(bad: dict[str, Any]) -> None:
 def test_the_schemas_choices_are_the_servers() -> None:
     """A setting the server takes from a fixed list is checked against that same list: the
     chart's list of draft strategies had fallen behind the server's by eight."""
-    settings = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"]["properties"]
+    settings = json.loads((CHART / "values.schema.json").read_text())["properties"]["settings"][
+        "properties"
+    ]
     listed = {name: spec["enum"] for name, spec in settings.items() if "enum" in spec}
-    literal = {name: list(get_args(field.annotation)) for name, field in Settings.model_fields.items()
-               if get_origin(field.annotation) is Literal}
+    literal = {
+        name: list(get_args(field.annotation))
+        for name, field in Settings.model_fields.items()
+        if get_origin(field.annotation) is Literal
+    }
     assert literal and set(literal) <= set(listed)
     assert {name: listed[name] for name in literal} == literal
 
@@ -647,13 +901,19 @@ def test_values_schema_accepts_the_shipped_values(case: str) -> None:
         jsonschema.Draft7Validator(schema).validate(chart.merge_values(CASES[case]))
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "maxReplicas"),
-    ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}}, "requests.cpu"),
-    ({"cache": {"mountPath": "/opt/ngrammys/cache/"}}, "hide the baked cache"),
-    ({"gpu": {"enabled": True, "count": 2}, "tensorParallelSize": 4}, "disagree"),
-    ({"leaderWorkerSet": {"enabled": True}}, "needs gpu.enabled"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}, "maxReplicas"),
+        (
+            {"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}},
+            "requests.cpu",
+        ),
+        ({"cache": {"mountPath": "/opt/ngrammys/cache/"}}, "hide the baked cache"),
+        ({"gpu": {"enabled": True, "count": 2}, "tensorParallelSize": 4}, "disagree"),
+        ({"leaderWorkerSet": {"enabled": True}}, "needs gpu.enabled"),
+    ],
+)
 def test_checks_the_schema_cannot_express(values: dict[str, Any], message: str) -> None:
     helm = helm_sdk()
     with pytest.raises(helm.HelmError, match=message):

@@ -15,8 +15,12 @@ COMPOSE = DEPLOY / "compose.yaml"
 
 def _check_compose(path: Path) -> subprocess.CompletedProcess[str]:
     checker = tool("check-jsonschema", "pip install check-jsonschema: `make deploy-tools`")
-    return subprocess.run([checker, "--builtin-schema", "vendor.compose-spec", str(path)],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [checker, "--builtin-schema", "vendor.compose-spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_compose_file_validates_against_the_compose_spec(tmp_path: Path) -> None:
@@ -57,19 +61,28 @@ def test_grafana_provisions_the_dashboard_that_exists_and_the_compose_prometheus
     datasource_dir = _host_path(mounts, "/etc/grafana/provisioning/datasources")
     dashboards_dir = _host_path(mounts, "/etc/grafana/provisioning/dashboards")
     assert datasource_dir and dashboards_dir
-    (source,) = [s for f in sorted(datasource_dir.glob("*.y*ml")) for s in load_yaml(f)["datasources"]]
+    (source,) = [
+        s for f in sorted(datasource_dir.glob("*.y*ml")) for s in load_yaml(f)["datasources"]
+    ]
     assert source["type"] == "prometheus" and source["isDefault"] is True
     host, port = re.fullmatch(r"http://([^:/]+):(\d+)/?", source["url"]).groups()
     assert host in compose["services"]  # the compose Prometheus, by service name
     command = compose["services"][host].get("command", [])
-    assert port == "9090" and not [a for a in command if "--web.listen-address" in a]  # its default port
+    assert port == "9090" and not [
+        a for a in command if "--web.listen-address" in a
+    ]  # its default port
 
-    providers = [p for f in sorted(dashboards_dir.glob("*.y*ml")) for p in load_yaml(f)["providers"]]
+    providers = [
+        p for f in sorted(dashboards_dir.glob("*.y*ml")) for p in load_yaml(f)["providers"]
+    ]
     dashboards = []
     for provider in providers:
         folder = provider["options"]["path"]
-        files = [(target, host) for target, host in mounts.items()
-                 if PurePosixPath(folder) in target.parents and target.suffix == ".json"]
+        files = [
+            (target, host)
+            for target, host in mounts.items()
+            if PurePosixPath(folder) in target.parents and target.suffix == ".json"
+        ]
         dashboards += [host for _, host in files]
         whole = _host_path(mounts, folder)
         if whole and whole.is_dir():
@@ -87,7 +100,12 @@ def test_compose_prometheus_scrapes_the_compose_server() -> None:
     prometheus = compose["services"]["prometheus"]
     config_path = _host_path(_mounts(prometheus), "/etc/prometheus/prometheus.yml")
     assert config_path and config_path == (DEPLOY / "prometheus" / "prometheus.yml").resolve()
-    targets = [t for job in load_yaml(config_path)["scrape_configs"] for s in job["static_configs"] for t in s["targets"]]
+    targets = [
+        t
+        for job in load_yaml(config_path)["scrape_configs"]
+        for s in job["static_configs"]
+        for t in s["targets"]
+    ]
     server = compose["services"]["ngrammys"]
     published = {p.split(":")[-1] for p in server["ports"]}
     assert [t for t in targets if t.split(":")[0] == "ngrammys" and t.split(":")[1] in published]
@@ -96,7 +114,9 @@ def test_compose_prometheus_scrapes_the_compose_server() -> None:
 def test_prometheus_configs_pass_promtool(tmp_path: Path) -> None:
     promtool = tool("promtool", "Debian's prometheus package: `make test-tools`")
     compose_config = DEPLOY / "prometheus" / "prometheus.yml"
-    run = subprocess.run([promtool, "check", "config", str(compose_config)], capture_output=True, text=True)
+    run = subprocess.run(
+        [promtool, "check", "config", str(compose_config)], capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     # Debian's Prometheus is built without Kubernetes service discovery: check the pod job's
     # relabelling with a static target in place of kubernetes_sd_configs.
@@ -105,7 +125,15 @@ def test_prometheus_configs_pass_promtool(tmp_path: Path) -> None:
         assert job.pop("kubernetes_sd_configs") == [{"role": "pod"}]
         job["static_configs"] = [{"targets": ["ngrammys:8000"]}]
     (tmp_path / "kubernetes.yml").write_text(json.dumps(kubernetes))
-    run = subprocess.run([promtool, "check", "config", str(tmp_path / "kubernetes.yml")], capture_output=True, text=True)
+    run = subprocess.run(
+        [promtool, "check", "config", str(tmp_path / "kubernetes.yml")],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
-    labels = {rule.get("target_label") for job in kubernetes["scrape_configs"] for rule in job["relabel_configs"]}
+    labels = {
+        rule.get("target_label")
+        for job in kubernetes["scrape_configs"]
+        for rule in job["relabel_configs"]
+    }
     assert {"namespace", "pod"} <= labels  # what the chart's KEDA query selects on

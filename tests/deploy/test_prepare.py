@@ -20,8 +20,12 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
         calls.append(("load", model, device, dtype, cache_dir, quantization))
         converted = (cache_dir / "models").exists()
         (cache_dir / "models").mkdir(parents=True, exist_ok=True)
-        return SimpleNamespace(model=SimpleNamespace(dtype="torch.float32"), tokenizer=None, name="M",
-                               from_cache=converted)
+        return SimpleNamespace(
+            model=SimpleNamespace(dtype="torch.float32"),
+            tokenizer=None,
+            name="M",
+            from_cache=converted,
+        )
 
     def load_or_compute_tables(model, cache_dir, prefix, show_progress=True):
         calls.append(("tables", cache_dir, prefix))
@@ -34,8 +38,9 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
     return calls
 
 
-def test_prepare_reads_the_settings_serve_reads(fakes: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_prepare_reads_the_settings_serve_reads(
+    fakes: list, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("NGRAMMYS_CACHE_DIR", str(tmp_path / "env-cache"))
     monkeypatch.setenv("NGRAMMYS_DTYPE", "bfloat16")
     monkeypatch.setenv("NGRAMMYS_QUANTIZATION", "none")
@@ -44,12 +49,23 @@ def test_prepare_reads_the_settings_serve_reads(fakes: list, tmp_path: Path, mon
     assert fakes[1] == ("tables", tmp_path / "env-cache", [7, 8])  # the prefix serve's warm-up uses
     assert "weights converted, tables computed" in capsys.readouterr().out
 
-    cli.main(["prepare", "--cache-dir", str(tmp_path / "flag-cache"), "--dtype", "float32", "--quantization", "gguf"])
+    cli.main(
+        [
+            "prepare",
+            "--cache-dir",
+            str(tmp_path / "flag-cache"),
+            "--dtype",
+            "float32",
+            "--quantization",
+            "gguf",
+        ]
+    )
     assert fakes[2] == ("load", None, None, "float32", tmp_path / "flag-cache", "gguf")  # flags win
 
 
-def test_prepare_says_when_everything_was_cached(fakes: list, tmp_path: Path,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_prepare_says_when_everything_was_cached(
+    fakes: list, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     cli.main(["prepare", "--cache-dir", str(tmp_path)])
     cli.main(["prepare", "--cache-dir", str(tmp_path)])
     assert capsys.readouterr().out.splitlines()[-1].endswith("weights cached, tables cached")

@@ -50,7 +50,40 @@ def test_drafts_carry_strategy_rank_and_match_length() -> None:
 
 def test_index_grows_with_the_history() -> None:
     """Extending token by token gives the same proposals as indexing the whole context."""
-    context = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5]
+    context = [
+        3,
+        1,
+        4,
+        1,
+        5,
+        9,
+        2,
+        6,
+        5,
+        3,
+        5,
+        8,
+        9,
+        7,
+        9,
+        3,
+        2,
+        3,
+        8,
+        4,
+        6,
+        2,
+        6,
+        4,
+        3,
+        3,
+        8,
+        3,
+        2,
+        7,
+        9,
+        5,
+    ]
     incremental = TokenHistory(context[:1])
     for end in range(2, len(context) + 1):
         incremental.extend(context[end - 1 : end])
@@ -63,7 +96,9 @@ def test_index_grows_with_the_history() -> None:
 
 def test_only_the_most_recent_occurrences_are_examined() -> None:
     history = TokenHistory([7, 1] * 5 + [7, 2] + [7])  # 7 was followed by 1 five times, then 2
-    assert ContextNgram(max_n=1, most_recent=1).propose(history, 2, 1) == [Draft((2,), "context", 0, 1)]
+    assert ContextNgram(max_n=1, most_recent=1).propose(history, 2, 1) == [
+        Draft((2,), "context", 0, 1)
+    ]
     assert [d.token_ids for d in ContextNgram(max_n=1).propose(history, 2, 1)] == [(1,), (2,)]
 
 
@@ -84,11 +119,47 @@ def test_a_tail_continues_the_lookup_past_the_history() -> None:
 def test_an_index_caught_up_after_many_tokens_equals_one_kept_up_token_by_token() -> None:
     """The index catches up at the first lookup after new tokens: looked up only now and then
     (a quiet auto request), it answers as one looked up after every token."""
-    context = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9, 5] * 2
+    context = [
+        3,
+        1,
+        4,
+        1,
+        5,
+        9,
+        2,
+        6,
+        5,
+        3,
+        5,
+        8,
+        9,
+        7,
+        9,
+        3,
+        2,
+        3,
+        8,
+        4,
+        6,
+        2,
+        6,
+        4,
+        3,
+        3,
+        8,
+        3,
+        2,
+        7,
+        9,
+        5,
+    ] * 2
     every, sometimes = TokenHistory(context[:3]), TokenHistory(context[:3])
     for end in range(4, len(context) + 1):
         every.extend(context[end - 1 : end])
         sometimes.extend(context[end - 1 : end])
         every.continuation_starts(1, 100)
         if end % 7 == 0 or end == len(context):
-            assert all(sometimes.continuation_starts(n, 100) == every.continuation_starts(n, 100) for n in range(1, 5))
+            assert all(
+                sometimes.continuation_starts(n, 100) == every.continuation_starts(n, 100)
+                for n in range(1, 5)
+            )

@@ -10,7 +10,11 @@ from drafting import Draft, LogitHints, PassDistributions, SuccessorTable, Token
 def table() -> SuccessorTable:
     successors = SuccessorTable(top_k=2)
     # after 5: 6; after 6: 7; after 7: 5; after 8: 9; after 9: 8
-    successors.observe(PassDistributions(np.array([5, 6, 7, 8, 9]), np.array([[6, 0], [7, 0], [5, 0], [9, 0], [8, 0]]), 0))
+    successors.observe(
+        PassDistributions(
+            np.array([5, 6, 7, 8, 9]), np.array([[6, 0], [7, 0], [5, 0], [9, 0], [8, 0]]), 0
+        )
+    )
     return successors
 
 
@@ -19,7 +23,10 @@ def test_runner_ups_start_branches_continued_by_the_successor_table() -> None:
     history.hints = (3, 5, 8)  # the pass chose 3 (the newest token); 5 and 8 were next likeliest
     drafts = LogitHints(table()).propose(history, 4, 3)
     assert drafts == [Draft((5, 6, 7), "logit", 0), Draft((8, 9, 8), "logit", 1)]
-    assert LogitHints(table()).propose(history, 4, 1) == [Draft((5,), "logit", 0), Draft((8,), "logit", 1)]  # guesses alone
+    assert LogitHints(table()).propose(history, 4, 1) == [
+        Draft((5,), "logit", 0),
+        Draft((8,), "logit", 1),
+    ]  # guesses alone
 
 
 def test_the_context_continues_a_guess_it_has_seen_after_the_same_tokens() -> None:
@@ -42,9 +49,15 @@ def test_no_hints_before_a_pass_and_none_after_the_history_moves_on() -> None:
 
 def test_a_guess_is_continued_from_the_row_of_the_newest_token_and_the_guess() -> None:
     paired = SuccessorTable(top_k=2, pair_bits=8)
-    paired.observe(PassDistributions(np.array([5, 6, 7, 8, 9]), np.array([[6, 0], [7, 0], [5, 0], [9, 0], [8, 0]]), 0))
+    paired.observe(
+        PassDistributions(
+            np.array([5, 6, 7, 8, 9]), np.array([[6, 0], [7, 0], [5, 0], [9, 0], [8, 0]]), 0
+        )
+    )
     # after 3 then 5 the model predicted 8, after 5 then 8: 4; a later pass saw 5 alone before 6
-    paired.observe(PassDistributions(np.array([5, 8]), np.array([[8, 0], [4, 0]]), 0, np.array([3, 5])))
+    paired.observe(
+        PassDistributions(np.array([5, 8]), np.array([[8, 0], [4, 0]]), 0, np.array([3, 5]))
+    )
     paired.observe(PassDistributions(np.array([5]), np.array([[6, 0]]), 0))
     history = TokenHistory([1, 2, 3])
     history.hints = (3, 5)

@@ -9,7 +9,16 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from drafting import MODEL_STRATEGY_NAMES, STRATEGY_NAMES, Draft, Mixer, ModelTables, TableSlot, TokenHistory, default_mixer
+from drafting import (
+    MODEL_STRATEGY_NAMES,
+    STRATEGY_NAMES,
+    Draft,
+    Mixer,
+    ModelTables,
+    TableSlot,
+    TokenHistory,
+    default_mixer,
+)
 from drafting.mixer import CHEAP_GRACE, UNSEEN
 
 
@@ -106,7 +115,9 @@ def test_duplicates_and_prefixes_do_not_take_slots() -> None:
 
 def test_single_strategy_requests_and_unknown_names() -> None:
     mixer = default_mixer()
-    assert mixer.names == [n for n in STRATEGY_NAMES if n not in MODEL_STRATEGY_NAMES]  # none enabled
+    assert mixer.names == [
+        n for n in STRATEGY_NAMES if n not in MODEL_STRATEGY_NAMES
+    ]  # none enabled
     assert mixer.for_request([1, 2, 1], "context").propose(2, 2) == [Draft((2, 1), "context", 0, 1)]
     with pytest.raises(ValueError, match="unknown strategy 'trigram'"):
         mixer.for_request([1], "trigram")
@@ -141,7 +152,9 @@ def test_a_costly_strategy_the_controller_passes_over_is_only_probed() -> None:
     for round_number in range(1, 31):
         before = len(costly.calls)
         scored = request_drafts.candidates(1, 2)
-        request_drafts.chosen([s.draft for s in scored if s.draft.strategy == "cheap"])  # the controller's pick
+        request_drafts.chosen(
+            [s.draft for s in scored if s.draft.strategy == "cheap"]
+        )  # the controller's pick
         request_drafts.observe([3, 4, 5])
         if len(costly.calls) > before:
             asked.append(round_number)
@@ -160,7 +173,9 @@ def test_a_new_request_waits_as_long_as_the_last_one_that_passed_a_costly_strate
         for round_number in range(1, rounds + 1):
             before = len(costly.calls)
             scored = request_drafts.candidates(1, 2)
-            request_drafts.chosen([s.draft for s in scored if (s.draft.strategy == "model") == take_costly])
+            request_drafts.chosen(
+                [s.draft for s in scored if (s.draft.strategy == "model") == take_costly]
+            )
             request_drafts.observe([3, 4, 5])
             if len(costly.calls) > before:
                 asked.append(round_number)
@@ -168,7 +183,12 @@ def test_a_new_request_waits_as_long_as_the_last_one_that_passed_a_costly_strate
 
     assert rounds_asked(mixer.for_request([0]), 30) == [1, 10, 27]  # its wait reached 32 rounds
     assert rounds_asked(mixer.for_request([0]), 40) == [33]  # not in its first round: after 32
-    assert rounds_asked(mixer.for_request([0]), 68, take_costly=True) == [65, 66, 67, 68]  # waits 64; taken
+    assert rounds_asked(mixer.for_request([0]), 68, take_costly=True) == [
+        65,
+        66,
+        67,
+        68,
+    ]  # waits 64; taken
     assert rounds_asked(mixer.for_request([0]), 2) == [1]  # taken again: a new request asks at once
 
 
@@ -188,7 +208,9 @@ class Matching(Counted):
     follows_matches: ClassVar[bool] = True
 
 
-def test_a_cheap_strategy_passed_over_round_after_round_waits_but_one_that_follows_matches_does_not() -> None:
+def test_a_cheap_strategy_passed_over_round_after_round_waits_but_one_that_follows_matches_does_not() -> (
+    None
+):
     """The table-like strategy is asked in every round while taken and for `CHEAP_GRACE`
     rounds passed over, then after 8, 16 and every 32 rounds (its own wait, not a new
     request's); the match-following one in every round, though never taken."""
@@ -212,7 +234,9 @@ def test_a_cheap_strategy_passed_over_round_after_round_waits_but_one_that_follo
     assert len(table.calls) == before + 1  # a new request asks at once
 
 
-def test_the_best_acceptance_is_that_of_the_best_first_ranked_draft_seen_over_all_requests() -> None:
+def test_the_best_acceptance_is_that_of_the_best_first_ranked_draft_seen_over_all_requests() -> (
+    None
+):
     mixer = Mixer([Fixed("a", ((1, 2, 3), (1, 9, 9))), Fixed("b", ((4, 5, 6),))])
     assert mixer.best_acceptance(3) == UNSEEN  # nothing recorded: what an untried draft starts at
     for prompt in ([0], [7]):  # two requests

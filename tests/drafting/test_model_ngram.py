@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from drafting import Draft, ExtendedBigram, ModelBigram, ModelTables, ModelUnigram, TableSlot, TokenHistory
+from drafting import (
+    Draft,
+    ExtendedBigram,
+    ModelBigram,
+    ModelTables,
+    ModelUnigram,
+    TableSlot,
+    TokenHistory,
+)
 
 # vocabulary of 5; after token x the model's top-3 next tokens are BIGRAM[x]
 BIGRAM = np.array([[1, 2, 3], [2, 0, 4], [3, 1, 0], [4, 4, 1], [0, 1, 2]], dtype=np.uint32)

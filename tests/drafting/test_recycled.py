@@ -5,16 +5,29 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from drafting import Draft, ModelTables, PassDistributions, Recycled, SuccessorTable, TableSlot, TokenHistory, rank_paths
+from drafting import (
+    Draft,
+    ModelTables,
+    PassDistributions,
+    Recycled,
+    SuccessorTable,
+    TableSlot,
+    TokenHistory,
+    rank_paths,
+)
 from drafting.recycled import GROWTH
 
 
-def follow(table: SuccessorTable, token: int, ranks: tuple[int, ...], previous: int = -1) -> tuple[int, ...]:
+def follow(
+    table: SuccessorTable, token: int, ranks: tuple[int, ...], previous: int = -1
+) -> tuple[int, ...]:
     """One path of ranks walked from `token` (after `previous`)."""
     return table.walk([(previous, token)], np.array([ranks], dtype=np.int64))[0]
 
 
-def passed(node_tokens: list[int], top_ids: list[list[int]], stop_node: int = 0) -> PassDistributions:
+def passed(
+    node_tokens: list[int], top_ids: list[list[int]], stop_node: int = 0
+) -> PassDistributions:
     return PassDistributions(np.array(node_tokens), np.array(top_ids), stop_node)
 
 
@@ -48,7 +61,10 @@ def test_unobserved_rows_fall_back_to_the_model_bigram_table() -> None:
 
 def test_rows_read_before_a_pass_are_read_anew_after_it() -> None:
     bigram = np.array([[1, 2], [2, 0], [0, 1]], dtype=np.uint32)
-    table = SuccessorTable(top_k=2, fallback=TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram)))
+    table = SuccessorTable(
+        top_k=2,
+        fallback=TableSlot(ModelTables(unigram=np.array([0], dtype=np.uint32), bigram=bigram)),
+    )
     assert table.row(2) == [0, 1]  # before any pass: the fallback's row
     table.observe(passed([2, 2], [[1, 1], [1, 0]]))  # a token at two nodes keeps the last
     assert table.row(2) == [1, 0]
@@ -85,14 +101,20 @@ def test_recycled_drafts_follow_the_template_from_the_newest_token() -> None:
     table.observe(passed([1, 2, 3, 4], [[2, 3, 4], [3, 1, 4], [4, 1, 2], [1, 2, 3]]))
     drafts = Recycled(table).propose(TokenHistory([9, 1]), 3, 2)
     # (0, 0): 1 -> 2 -> 3; (1, 0): 1 -> 3 -> 4; (2, 0): 1 -> 4 -> 1
-    assert drafts == [Draft((2, 3), "recycled", 0), Draft((3, 4), "recycled", 1), Draft((4, 1), "recycled", 2)]
+    assert drafts == [
+        Draft((2, 3), "recycled", 0),
+        Draft((3, 4), "recycled", 1),
+        Draft((4, 1), "recycled", 2),
+    ]
 
 
 def test_nothing_is_proposed_before_anything_was_observed() -> None:
     assert Recycled(SuccessorTable()).propose(TokenHistory([1, 2]), 4, 4) == []
 
 
-def with_parents(node_tokens: list[int], parent_tokens: list[int], top_ids: list[list[int]]) -> PassDistributions:
+def with_parents(
+    node_tokens: list[int], parent_tokens: list[int], top_ids: list[list[int]]
+) -> PassDistributions:
     return PassDistributions(np.array(node_tokens), np.array(top_ids), 0, np.array(parent_tokens))
 
 
@@ -100,7 +122,9 @@ def test_pair_rows_hold_what_followed_two_tokens_and_come_before_the_tokens_own_
     table = SuccessorTable(top_k=2, pair_bits=8)
     # after (0, 1): 2; after (1, 2): 3; after (5, 2): 4 — so the row of 2 alone holds 4 (the last)
     table.observe(with_parents([1, 2, 2], [0, 1, 5], [[2, 9], [3, 9], [4, 9]]))
-    assert table.pair_row(1, 2) == [3, 9] and table.pair_row(5, 2) == [4, 9] and table.row(2) == [4, 9]
+    assert (
+        table.pair_row(1, 2) == [3, 9] and table.pair_row(5, 2) == [4, 9] and table.row(2) == [4, 9]
+    )
     assert follow(table, 2, (0,), previous=1) == (3,)  # the pair knows better than the token alone
     assert follow(table, 2, (0,), previous=5) == (4,)
     assert follow(table, 2, (0,), previous=7) == (4,)  # a pair never seen: the token's own row
@@ -125,10 +149,14 @@ def test_a_narrower_pass_leaves_no_entry_of_the_pair_that_held_the_bucket() -> N
     # pairs (a, 2) for several a: one of them takes a bucket a row above had, with 2 candidates
     table.observe(with_parents([2, 2, 2], [10, 11, 12], [[20, 21], [22, 23], [24, 25]]))
     rows = [table.pair_row(previous, 2) for previous in (10, 11, 12)]
-    assert rows[-1] == [24, 25] and all(row in ([], [20 + 2 * i, 21 + 2 * i]) for i, row in enumerate(rows))
+    assert rows[-1] == [24, 25] and all(
+        row in ([], [20 + 2 * i, 21 + 2 * i]) for i, row in enumerate(rows)
+    )
     assert all(table.pair_row(*pair) in ([], row) for pair, row in held.items())
     written = {(7, 8, 9), (4, 5, 6), (20, 21, -1), (22, 23, -1), (24, 25, -1)}
-    assert {tuple(row) for row in table.pair_successors.tolist()} <= written  # never a mix of two rows
+    assert {
+        tuple(row) for row in table.pair_successors.tolist()
+    } <= written  # never a mix of two rows
 
 
 def test_a_table_without_pair_rows_ignores_the_parents() -> None:
@@ -149,9 +177,13 @@ def test_pair_rows_take_fixed_memory_and_a_bucket_holds_only_its_newest_pair() -
         table.observe(with_parents(tokens.tolist(), parents.tolist(), top.tolist()))
         newest.update(zip(zip(parents.tolist(), tokens.tolist()), top.tolist()))
         known = {pair: table.pair_row(*pair) for pair in newest}
-        assert all(row in ([], newest[pair]) for pair, row in known.items())  # its own newest row, or none
+        assert all(
+            row in ([], newest[pair]) for pair, row in known.items()
+        )  # its own newest row, or none
         assert 1 <= sum(1 for row in known.values() if row) <= 4
-        assert known[parents[-1].item(), tokens[-1].item()] == top[-1].tolist()  # the last written stays
+        assert (
+            known[parents[-1].item(), tokens[-1].item()] == top[-1].tolist()
+        )  # the last written stays
     assert table.pair_keys.nbytes + table.pair_successors.nbytes == pair_bytes == 4 * 8 + 4 * 2 * 4
 
 
@@ -161,13 +193,23 @@ def test_a_walk_steps_row_by_row_from_each_paths_start() -> None:
     at seen pairs and at others, paths cut short."""
     rng = np.random.default_rng(1)
     bigram = rng.integers(0, 12, size=(12, 3)).astype(np.uint32)
-    table = SuccessorTable(top_k=3, fallback=TableSlot(ModelTables(np.array([0], dtype=np.uint32), bigram)), pair_bits=3)
+    table = SuccessorTable(
+        top_k=3,
+        fallback=TableSlot(ModelTables(np.array([0], dtype=np.uint32), bigram)),
+        pair_bits=3,
+    )
     seen = []
     for _ in range(5):
         nodes, parents = rng.integers(0, 10, size=(2, 6))  # tokens 10 and 11: the fallback's alone
-        table.observe(with_parents(nodes.tolist(), parents.tolist(), rng.integers(0, 12, size=(6, 3)).tolist()))
+        table.observe(
+            with_parents(
+                nodes.tolist(), parents.tolist(), rng.integers(0, 12, size=(6, 3)).tolist()
+            )
+        )
         seen += zip(parents.tolist(), nodes.tolist())
-    others = np.stack([rng.integers(-1, 12, size=30), rng.integers(0, 12, size=30)], axis=1).tolist()  # -1: no previous
+    others = np.stack(
+        [rng.integers(-1, 12, size=30), rng.integers(0, 12, size=30)], axis=1
+    ).tolist()  # -1: no previous
     starts = [list(pair) for pair in seen] + others
     paths = rng.integers(0, 3, size=(len(starts), 5))
     depths = rng.integers(0, 6, size=len(starts)).tolist()
@@ -184,6 +226,10 @@ def test_a_walk_steps_row_by_row_from_each_paths_start() -> None:
         return tuple(path)
 
     walked = table.walk(starts, paths, depths)
-    assert walked == [by_hand(p, t, ranks[:d]) for (p, t), ranks, d in zip(starts, paths.tolist(), depths)]
+    assert walked == [
+        by_hand(p, t, ranks[:d]) for (p, t), ranks, d in zip(starts, paths.tolist(), depths)
+    ]
     assert any(len(path) == 5 for path in walked) and any(0 < len(path) < 5 for path in walked)
-    assert table.walk([starts[0]], paths) == [by_hand(*starts[0], ranks) for ranks in paths.tolist()]  # one start for all
+    assert table.walk([starts[0]], paths) == [
+        by_hand(*starts[0], ranks) for ranks in paths.tolist()
+    ]  # one start for all

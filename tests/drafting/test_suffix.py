@@ -49,7 +49,9 @@ def test_memory_is_fixed_and_old_tokens_are_evicted() -> None:
 def test_writers_keep_each_requests_tokens_contiguous_across_chunks() -> None:
     index = SuffixIndex(capacity=200, orders=(2,))
     first, second = SuffixWriter(index, chunk=3), SuffixWriter(index, chunk=3)
-    for a, b in zip([[1, 2], [3, 4], [5, 6]], [[11, 12], [13, 14], [15, 16]]):  # rounds of two requests interleave
+    for a, b in zip(
+        [[1, 2], [3, 4], [5, 6]], [[11, 12], [13, 14], [15, 16]]
+    ):  # rounds of two requests interleave
         first.add(a)
         second.add(b)
     first.flush()

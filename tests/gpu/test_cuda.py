@@ -12,14 +12,16 @@ import pytest
 import torch
 
 from drafting import TableSlot
+from service.engine.config import EngineConfig
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.model.loader import LoadedModel, load_model
 from service.model.prompts import chat_prompt_ids
-from service.engine.config import EngineConfig
 from service.runtime import build_engine
 from tests.helpers.embedded import QUESTIONS, compare
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (make gpu-check)"
+)
 
 NEW_TOKENS = 64
 SHAPES = [SpeculationParams(4, 4), SpeculationParams(8, 8)]
@@ -47,13 +49,20 @@ def test_the_passes_run_as_cuda_graphs(served) -> None:
 def test_greedy_speculation_equals_plain_decoding_alone_and_batched(served, shape) -> None:
     engine = build_engine(served, TableSlot())
     asked = prompts(served)
-    plain = [engine.complete(p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode="off"))).token_ids
-             for p in asked]
+    plain = [
+        engine.complete(
+            p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode="off"))
+        ).token_ids
+        for p in asked
+    ]
     params = GenerationParams(NEW_TOKENS, speculation=shape)
     alone = [engine.complete(p, params).token_ids for p in asked]
     batched = [c.token_ids for c in engine.complete_many([(p, params) for p in asked])]
-    outcomes = [compare(served.model, p, got, want)
-                for runs in (alone, batched) for p, got, want in zip(asked, runs, plain)]
+    outcomes = [
+        compare(served.model, p, got, want)
+        for runs in (alone, batched)
+        for p, got, want in zip(asked, runs, plain)
+    ]
     print(f"\nk={shape.k} w={shape.w} against plain decoding: {outcomes}")
     assert all(outcome in ("identical", "tie") for outcome in outcomes), outcomes
     assert outcomes.count("identical") >= len(outcomes) // 2
@@ -63,10 +72,21 @@ def test_a_seeded_sample_is_the_same_with_speculation(served) -> None:
     engine = build_engine(served, TableSlot())
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     asked = prompts(served)
-    plain = [engine.complete(p, GenerationParams(NEW_TOKENS, sampling=sampling,
-                                                 speculation=SpeculationParams(mode="off"))).token_ids for p in asked]
-    speculative = [engine.complete(p, GenerationParams(NEW_TOKENS, sampling=sampling,
-                                                       speculation=SpeculationParams(8, 8))).token_ids for p in asked]
+    plain = [
+        engine.complete(
+            p,
+            GenerationParams(
+                NEW_TOKENS, sampling=sampling, speculation=SpeculationParams(mode="off")
+            ),
+        ).token_ids
+        for p in asked
+    ]
+    speculative = [
+        engine.complete(
+            p, GenerationParams(NEW_TOKENS, sampling=sampling, speculation=SpeculationParams(8, 8))
+        ).token_ids
+        for p in asked
+    ]
     assert speculative == plain
 
 
@@ -84,8 +104,12 @@ def test_structured_output_on_the_gpu_is_valid_and_equals_plain(served) -> None:
     grammar = GrammarSpec("json_schema", json.dumps(structured.SCHEMA))
     for prompt in structured.prompts(served.tokenizer, structured.documents(2)):
         want = engine.complete(prompt, GenerationParams(96, grammar=grammar)).token_ids
-        jsonschema.validate(json.loads(served.tokenizer.decode(want, skip_special_tokens=True)), structured.SCHEMA)
-        got = engine.complete(prompt, GenerationParams(96, speculation=SpeculationParams(8, 8), grammar=grammar)).token_ids
+        jsonschema.validate(
+            json.loads(served.tokenizer.decode(want, skip_special_tokens=True)), structured.SCHEMA
+        )
+        got = engine.complete(
+            prompt, GenerationParams(96, speculation=SpeculationParams(8, 8), grammar=grammar)
+        ).token_ids
         assert compare(served.model, prompt, got, want) in ("identical", "tie")
 
 

@@ -6,9 +6,16 @@ import json
 from pathlib import Path
 
 QUESTIONS = [
-    {"question_id": 1, "category": "summarization",
-     "turns": ["Repeat exactly: the cat sat on the mat. the cat sat on the mat.", "x"]},
-    {"question_id": 2, "category": "summarization", "turns": ["Summarize: Alice met Bob. Bob met Carol."]},
+    {
+        "question_id": 1,
+        "category": "summarization",
+        "turns": ["Repeat exactly: the cat sat on the mat. the cat sat on the mat.", "x"],
+    },
+    {
+        "question_id": 2,
+        "category": "summarization",
+        "turns": ["Summarize: Alice met Bob. Bob met Carol."],
+    },
     {"question_id": 3, "category": "summarization", "turns": ["ignored by --per-category 2"]},
     {"question_id": 4, "category": "math", "turns": ["What is 12 times 12?"]},
 ]

@@ -27,13 +27,21 @@ CPU_LIKE = CostProfile([1], [100], [SIZES], [[[0.110, 0.165, 0.20, 0.23, 0.30, 0
 def gpu_like(rows: int, wide_row_seconds: float) -> CostProfile:
     """A nearly flat pass (0.014 s, 10 us a token) whose wide rows each add `wide_row_seconds`."""
     sizes = [rows * m for m in (1, 2, 4, 8)]
-    return CostProfile([1, rows], [100], [sizes, sizes], [[[0.014 + 1e-5 * n for n in sizes]]] * 2,
-                       wide_row_seconds=[[0.0], [wide_row_seconds]])
+    return CostProfile(
+        [1, rows],
+        [100],
+        [sizes, sizes],
+        [[[0.014 + 1e-5 * n for n in sizes]]] * 2,
+        wide_row_seconds=[[0.0], [wide_row_seconds]],
+    )
 
 
 def candidates(p: float, c: float, k: int = 8, w: int = 8, first: int = 1) -> list[ScoredDraft]:
     """k disjoint drafts (distinct first tokens) of w tokens; rank r accepted with p/(r+1)."""
     return [
-        ScoredDraft(Draft(tuple(range(first + 10 * r, first + 10 * r + w)), "s", r), Acceptance(p / (r + 1), c))
+        ScoredDraft(
+            Draft(tuple(range(first + 10 * r, first + 10 * r + w)), "s", r),
+            Acceptance(p / (r + 1), c),
+        )
         for r in range(k)
     ]

@@ -47,20 +47,25 @@ def tool(name: str, install: str) -> str:
 
 def helm_sdk() -> Any:
     return pytest.importorskip(
-        "helm_python", reason="helm-python-sdk (Helm's Go SDK) not installed: `make deploy-tools`; "
+        "helm_python",
+        reason="helm-python-sdk (Helm's Go SDK) not installed: `make deploy-tools`; "
         "the chart was not rendered",
     )
 
 
-def render(values: dict[str, Any] | None = None, name: str = "demo", namespace: str = "llm") -> list[dict[str, Any]]:
+def render(
+    values: dict[str, Any] | None = None, name: str = "demo", namespace: str = "llm"
+) -> list[dict[str, Any]]:
     """The chart rendered by Helm itself (its Go SDK), as a list of manifests."""
     helm = helm_sdk()
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render(values or {}, name=name, namespace=namespace, is_install=True)
     return [
         doc
-        for path, text in sorted(rendered.items()) if not path.endswith("NOTES.txt")
-        for doc in yaml.safe_load_all(text) if doc
+        for path, text in sorted(rendered.items())
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
     ]
 
 

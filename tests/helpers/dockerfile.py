@@ -11,8 +11,20 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KNOWN = {"ARG", "FROM", "ENV", "WORKDIR", "RUN", "COPY", "LABEL", "USER", "EXPOSE", "HEALTHCHECK",
-         "STOPSIGNAL", "CMD"}
+KNOWN = {
+    "ARG",
+    "FROM",
+    "ENV",
+    "WORKDIR",
+    "RUN",
+    "COPY",
+    "LABEL",
+    "USER",
+    "EXPOSE",
+    "HEALTHCHECK",
+    "STOPSIGNAL",
+    "CMD",
+}
 
 
 @dataclass
@@ -84,6 +96,7 @@ def parse(path: Path) -> Dockerfile:
 
 def expand(word: str, env: dict[str, str]) -> str:
     """Docker's $VAR, ${VAR}, ${VAR:-default} and ${VAR:+alternative}."""
+
     def one(match: re.Match[str]) -> str:
         name = match.group(1) or match.group(4)
         value = env.get(name, "")
@@ -92,6 +105,7 @@ def expand(word: str, env: dict[str, str]) -> str:
         if match.group(2) == ":+":
             return match.group(3) if value else ""
         return value
+
     return re.sub(r"\$\{(\w+)(?:(:[-+])([^}]*))?\}|\$(?=\w)(?:(\w+))", one, word)
 
 

@@ -14,7 +14,7 @@ QUESTIONS = [
 
 
 def compare(model, prompt: list[int], got: list[int], want: list[int]) -> str:
-    """"identical", "tie" (the first difference is a near tie), or a failure message."""
+    """ "identical", "tie" (the first difference is a near tie), or a failure message."""
     if got == want:
         return "identical"
     parted = parting(model, prompt, want, got)
@@ -22,4 +22,4 @@ def compare(model, prompt: list[int], got: list[int], want: list[int]) -> str:
         return "tie"
     at = first_difference(want, got)
     gap = "" if parted is None else f" ({parted.ulps:g} ulps apart)"
-    return f"differs at token {at}: got {got[at:at + 5]}, want {want[at:at + 5]}{gap}"
+    return f"differs at token {at}: got {got[at : at + 5]}, want {want[at : at + 5]}{gap}"

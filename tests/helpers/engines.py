@@ -34,8 +34,9 @@ def reference_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-def reference_adjusted_logits(logits: torch.Tensor, prompt: list[int], output: list[int],
-                              sampling: SamplingParams) -> torch.Tensor:
+def reference_adjusted_logits(
+    logits: torch.Tensor, prompt: list[int], output: list[int], sampling: SamplingParams
+) -> torch.Tensor:
     """One position's logits [vocab] after logit_bias and the penalties, token by token, as vLLM
     and OpenAI define them (`output`: the tokens generated before the position)."""
     out = logits.float().clone()
@@ -50,7 +51,9 @@ def reference_adjusted_logits(logits: torch.Tensor, prompt: list[int], output: l
     return out
 
 
-def reference_decode(model, prompt: list[int], num_tokens: int, sampling: SamplingParams) -> list[int]:
+def reference_decode(
+    model, prompt: list[int], num_tokens: int, sampling: SamplingParams
+) -> list[int]:
     """Plain decoding with a full recompute per token, each token's logits adjusted one token at
     a time (`reference_adjusted_logits`): no cache, tree or vectorised adjustment involved.
     Greedy takes the argmax; sampling the inverse CDF of the position's uniform, as the engine
@@ -60,9 +63,13 @@ def reference_decode(model, prompt: list[int], num_tokens: int, sampling: Sampli
     with torch.inference_mode():
         for _ in range(num_tokens):
             logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
-            adjusted = reference_adjusted_logits(logits, prompt, ids[len(prompt):], sampling)[None]  # [1, vocab]
-            ids += choose_tokens(adjusted, sampling, None if uniforms is None else uniforms.at([len(ids)]))
-    return ids[len(prompt):]
+            adjusted = reference_adjusted_logits(logits, prompt, ids[len(prompt) :], sampling)[
+                None
+            ]  # [1, vocab]
+            ids += choose_tokens(
+                adjusted, sampling, None if uniforms is None else uniforms.at([len(ids)])
+            )
+    return ids[len(prompt) :]
 
 
 class OracleDrafter:
@@ -90,7 +97,12 @@ class OracleDrafter:
 def make_engine(runner: ModelRunner, tables: TableSlot, **limits: int | bool) -> Engine:
     """An engine with the scheduler's `limits`, priced as a device where trees are nearly free (so
     auto rows speculate), with no EOS stop (every run goes its full length)."""
-    engine = Engine(runner, default_mixer(tables), eos_token_ids=[], max_context=512,
-                    scheduler_config=SchedulerConfig(**limits))
+    engine = Engine(
+        runner,
+        default_mixer(tables),
+        eos_token_ids=[],
+        max_context=512,
+        scheduler_config=SchedulerConfig(**limits),
+    )
     engine.profile = MEMORY_BOUND
     return engine

@@ -13,9 +13,38 @@ from service.engine.sampling import PositionUniforms, choose_tokens
 from service.grammar import Constraint, GrammarCompiler, GrammarSpec
 
 EOS = 1
-PIECES = ["<s>", "</s>", "{", "}", "[", "]", '"', ":", ",", " ", '{"', '": ', ', "', '"}', "true", "false", "null",
-          "-", ".", *"0123456789", *(chr(c) for c in range(ord("a"), ord("z") + 1)),
-          "name", "age", "id", "tags", '": "', '", "', '"]', '["', "10"]
+PIECES = [
+    "<s>",
+    "</s>",
+    "{",
+    "}",
+    "[",
+    "]",
+    '"',
+    ":",
+    ",",
+    " ",
+    '{"',
+    '": ',
+    ', "',
+    '"}',
+    "true",
+    "false",
+    "null",
+    "-",
+    ".",
+    *"0123456789",
+    *(chr(c) for c in range(ord("a"), ord("z") + 1)),
+    "name",
+    "age",
+    "id",
+    "tags",
+    '": "',
+    '", "',
+    '"]',
+    '["',
+    "10",
+]
 assert len(PIECES) == 64
 
 
@@ -32,8 +61,14 @@ def schema_spec(schema: dict[str, Any]) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps(schema))
 
 
-def reference_constrained(model, compiler: GrammarCompiler, spec: GrammarSpec, prompt: list[int], num_tokens: int,
-                          sampling: SamplingParams) -> list[int]:
+def reference_constrained(
+    model,
+    compiler: GrammarCompiler,
+    spec: GrammarSpec,
+    prompt: list[int],
+    num_tokens: int,
+    sampling: SamplingParams,
+) -> list[int]:
     """Plain decoding under the grammar with a full recompute per token: each token chosen from
     the masked logits (greedy: their argmax, no shortcut), up to the end-of-text token."""
     constraint = Constraint(compiler.compile(spec), [EOS])
@@ -43,9 +78,11 @@ def reference_constrained(model, compiler: GrammarCompiler, spec: GrammarSpec, p
         for _ in range(num_tokens):
             logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
             masked = constraint.masked(logits)[None]  # [1, vocab]
-            token = choose_tokens(masked, sampling, None if uniforms is None else uniforms.at([len(ids)]))[0]
+            token = choose_tokens(
+                masked, sampling, None if uniforms is None else uniforms.at([len(ids)])
+            )[0]
             assert constraint.accept(token)
             ids.append(token)
             if token == EOS:
                 break
-    return ids[len(prompt):]
+    return ids[len(prompt) :]

@@ -20,15 +20,19 @@ from tests.helpers.costs import MEMORY_BOUND
 
 MESSAGES = [{"role": "user", "content": "List the first five prime numbers."}]
 LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
-ESSAY = ("The harbour town woke early. Fishing boats left before dawn, their lamps swinging over black water, "
-         "and the bakery on the square lit its ovens at four. By seven the market stalls were up: apples from the "
-         "valley farms, cheese wrapped in cloth, knives sharpened while you waited. The ferry to the island ran "
-         "twice a day, at nine and at three, and the captain knew every passenger by name. In winter the storms "
-         "came from the west and the town closed its shutters; in summer the visitors came from the east and the "
-         "town opened everything it had. The old lighthouse had not been used for forty years, but the children "
-         "still climbed its stairs to count the ships, and the council still argued every spring about who should "
-         "pay to paint it.")
-COPY_LONG = [{"role": "user", "content": f"Repeat this text word for word:\n\n{ESSAY}"}]  # drafts from the context pay
+ESSAY = (
+    "The harbour town woke early. Fishing boats left before dawn, their lamps swinging over black water, "
+    "and the bakery on the square lit its ovens at four. By seven the market stalls were up: apples from the "
+    "valley farms, cheese wrapped in cloth, knives sharpened while you waited. The ferry to the island ran "
+    "twice a day, at nine and at three, and the captain knew every passenger by name. In winter the storms "
+    "came from the west and the town closed its shutters; in summer the visitors came from the east and the "
+    "town opened everything it had. The old lighthouse had not been used for forty years, but the children "
+    "still climbed its stairs to count the ships, and the council still argued every spring about who should "
+    "pay to paint it."
+)
+COPY_LONG = [
+    {"role": "user", "content": f"Repeat this text word for word:\n\n{ESSAY}"}
+]  # drafts from the context pay
 # greedy by default (so texts compare with the engine's), no background warm-up in tests
 QUIET = {"model_tables": False, "cost_profile": False, "default_temperature": 0.0}
 
@@ -61,14 +65,18 @@ def sse_events(response: httpx.Response) -> list[str]:
     return [e[len("data: ") :] for e in events]
 
 
-def post(base: str, route: str, body: dict | None = None, raw: bytes | str | None = None, **kwargs) -> httpx.Response:
+def post(
+    base: str, route: str, body: dict | None = None, raw: bytes | str | None = None, **kwargs
+) -> httpx.Response:
     """POST `body` (or the `raw` bytes) as JSON to /v1/`route`."""
     content = raw if raw is not None else json.dumps(body)
     headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
     return httpx.post(f"{base}/v1/{route}", content=content, headers=headers, timeout=60, **kwargs)
 
 
-def assert_openai_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:
+def assert_openai_error(
+    response: httpx.Response, status: int, param: str | None = None, code: str | None = None
+) -> dict:
     """`response` is an error of `status` in OpenAI's shape, naming `param`; its fields."""
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -98,7 +106,12 @@ def speculating(app: FastAPI) -> None:
 def accepted_draft_tokens(base: str) -> float:
     """Drafted tokens the server's engine accepted so far (its metrics)."""
     text = httpx.get(f"{base}/metrics").text
-    return sum(float(v) for v in re.findall(r"^ngrammys_spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text, re.M))
+    return sum(
+        float(v)
+        for v in re.findall(
+            r"^ngrammys_spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", text, re.M
+        )
+    )
 
 
 def assert_engine_idle(app: FastAPI) -> None:
@@ -159,7 +172,9 @@ class Asgi24:
             if message["type"] == "http.disconnect":
                 gone.set()
             elif not message.get("more_body", False):
-                watcher.append(asyncio.ensure_future(watch()))  # the body is in: only a disconnect is left
+                watcher.append(
+                    asyncio.ensure_future(watch())
+                )  # the body is in: only a disconnect is left
             return message
 
         async def checked_send(message) -> None:

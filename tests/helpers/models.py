@@ -13,8 +13,13 @@ TINY_VOCAB = 64
 TEST_DEVICE = torch.device(os.environ.get("NGRAMMYS_TEST_DEVICE", "cpu"))
 
 
-def make_tiny_model(seed: int = 0, attn_implementation: str = "sdpa", vocab_size: int = TINY_VOCAB,
-                    num_layers: int = 2, context: int = 512) -> LlamaForCausalLM:
+def make_tiny_model(
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+    vocab_size: int = TINY_VOCAB,
+    num_layers: int = 2,
+    context: int = 512,
+) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights: real attention code, milliseconds per pass."""
     torch.manual_seed(seed)
     config = LlamaConfig(

@@ -37,7 +37,11 @@ def reference(blocks: np.ndarray, x: torch.Tensor, kind=Q4_1) -> torch.Tensor:
 
 def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k permutation (convert_hf_to_gguf), the inverse of `unpermute_rows`."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def write_tiny_gguf(model, path: Path) -> None:
@@ -49,7 +53,10 @@ def write_tiny_gguf(model, path: Path) -> None:
         for kind, name in LLAMA_LINEARS.items():
             linear = layer.get_submodule(name)
             weight = linear.weight.detach().numpy()
-            heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(kind)
+            heads = {
+                "attn_q": config.num_attention_heads,
+                "attn_k": config.num_key_value_heads,
+            }.get(kind)
             stored = permute_rows(weight, heads) if heads else weight
             blocks = gguf.quants.quantize(stored, Q4_1)
             served = gguf.quants.dequantize(blocks, Q4_1)
@@ -79,8 +86,12 @@ def tiny_gguf_twins(directory: Path):
 
 def assert_speculation_equals_plain_decoding(model) -> None:
     """Speculative greedy output of `model`'s engine equals its plain decoding, for a few shapes."""
-    engine = Engine(ModelRunner(model), default_mixer(TableSlot(compute_tables(model, batch_size=16, show_progress=False))),
-                    eos_token_ids=[], max_context=512)
+    engine = Engine(
+        ModelRunner(model),
+        default_mixer(TableSlot(compute_tables(model, batch_size=16, show_progress=False))),
+        eos_token_ids=[],
+        max_context=512,
+    )
     prompt = [5, 9, 5, 9, 5, 9, 12, 30, 5, 9, 5]
     plain = engine.complete(prompt, GenerationParams(max_new_tokens=40)).token_ids
     for k, w in ((1, 1), (2, 3), (4, 4)):

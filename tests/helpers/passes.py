@@ -46,14 +46,17 @@ def path_to(tree: TokenTree, node: int) -> list[int]:
     return path[::-1]
 
 
-def assert_nodes_match(model, prompt: list[int], tree: TokenTree, logits: torch.Tensor,
-                       tolerance: float = 1e-5) -> None:
+def assert_nodes_match(
+    model, prompt: list[int], tree: TokenTree, logits: torch.Tensor, tolerance: float = 1e-5
+) -> None:
     for node in range(tree.num_nodes):
         expected = sequential_logits(model, prompt + path_to(tree, node))
         torch.testing.assert_close(logits[node], expected, atol=tolerance, rtol=tolerance)
 
 
-def assert_nodes_within_rounding(model, prompt: list[int], tree: TokenTree, logits: torch.Tensor) -> None:
+def assert_nodes_within_rounding(
+    model, prompt: list[int], tree: TokenTree, logits: torch.Tensor
+) -> None:
     """`assert_nodes_match` for a model whose dtype rounds (bf16): each node's logits within
     twice the served dtype's own deviation from the truth (a higher-precision pass from the same
     weights) of decoding that node's path token by token — the rule of service/bench/near_ties.py
@@ -64,4 +67,6 @@ def assert_nodes_within_rounding(model, prompt: list[int], tree: TokenTree, logi
         truth = next_token_logits(reference, path).double()
         rounding = (sequential_logits(model, path).double() - truth).abs().max()
         error = (logits[node].double() - truth).abs().max()
-        assert error <= 2 * rounding, f"node {node}: {float(error):.4g} off the truth, rounding {float(rounding):.4g}"
+        assert error <= 2 * rounding, (
+            f"node {node}: {float(error):.4g} off the truth, rounding {float(rounding):.4g}"
+        )

@@ -13,7 +13,9 @@ def tiny_packed(tmp_path_factory):
     """The tiny Llama with Q4_1 weights, as float32 and with its linears packed."""
     plain, packed, path = tiny_gguf_twins(tmp_path_factory.mktemp("gguf"))
     tiles_file = path.with_suffix(".npz")
-    assert pack_gguf_linears(packed, path, tiles_file=tiles_file) == 15  # 2 layers x 7, and the LM head
+    assert (
+        pack_gguf_linears(packed, path, tiles_file=tiles_file) == 15
+    )  # 2 layers x 7, and the LM head
     return plain, packed, path, tiles_file
 
 

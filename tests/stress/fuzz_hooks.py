@@ -16,17 +16,29 @@ from typing import Any
 import schemathesis
 from schemathesis.generation import GenerationMode
 
-GRAMMAR_SCHEMA = {"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"]}
+GRAMMAR_SCHEMA = {
+    "type": "object",
+    "properties": {"value": {"type": "integer"}},
+    "required": ["value"],
+}
 
 
 @schemathesis.hook
 def map_case(context: Any, case: Any) -> Any:
     meta = getattr(case, "meta", None)
-    if meta is None or meta.generation.mode != GenerationMode.POSITIVE or not isinstance(case.body, dict):
+    if (
+        meta is None
+        or meta.generation.mode != GenerationMode.POSITIVE
+        or not isinstance(case.body, dict)
+    ):
         return case
     body = case.body
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []
-    functions = [tool["function"] for tool in tools if isinstance(tool, dict) and isinstance(tool.get("function"), dict)]
+    functions = [
+        tool["function"]
+        for tool in tools
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+    ]
     seen: set[str] = set()
     for index, function in enumerate(functions):
         if isinstance(function.get("name"), str) and function["name"] in seen:

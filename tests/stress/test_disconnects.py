@@ -36,15 +36,21 @@ PROMPTS = [f"Tell me about the number {n}." for n in range(6)]
 RSS_GROWTH_LIMIT = 16 * 2**20
 
 
-async def stream(client: httpx.AsyncClient, prompt: str, drop_after: int | None) -> tuple[str, list[str]]:
+async def stream(
+    client: httpx.AsyncClient, prompt: str, drop_after: int | None
+) -> tuple[str, list[str]]:
     """('done', events) or ('dropped', events read before leaving)."""
-    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+    }
     events: list[str] = []
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
                 if drop_after is not None and len(events) >= drop_after:
                     return "dropped", events  # leaving the block closes the connection
     return "done", events
@@ -63,7 +69,9 @@ async def storm(base: str, expected: dict[str, str], seed: int) -> list[float]:
         drop = rng.randint(1, 6) if rng.random() < DROP_SHARE else None
         jobs.put_nowait((PROMPTS[index % len(PROMPTS)], drop))
     latencies: list[float] = []
-    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=CLIENTS + 4)) as client:
+    async with httpx.AsyncClient(
+        base_url=base, timeout=120, limits=httpx.Limits(max_connections=CLIENTS + 4)
+    ) as client:
 
         async def worker() -> None:
             while not jobs.empty():
@@ -81,8 +89,12 @@ async def storm(base: str, expected: dict[str, str], seed: int) -> list[float]:
 
 
 def test_a_disconnect_storm_loses_nothing_and_leaks_nothing(tiny_served, caplog) -> None:
-    settings = Settings(max_running_requests=CLIENTS, max_waiting=CLIENTS * 2, default_temperature=0.0,
-                        **{k: v for k, v in QUIET.items() if k != "default_temperature"})
+    settings = Settings(
+        max_running_requests=CLIENTS,
+        max_waiting=CLIENTS * 2,
+        default_temperature=0.0,
+        **{k: v for k, v in QUIET.items() if k != "default_temperature"},
+    )
     app = create_app(settings, loader=lambda _: tiny_served)
     process = psutil.Process()
     with serving(app) as base, caplog.at_level(logging.ERROR):
@@ -100,16 +112,22 @@ def test_a_disconnect_storm_loses_nothing_and_leaks_nothing(tiny_served, caplog)
             seconds = time.perf_counter() - started
             wait_until(lambda: _is_idle(httpx.get(f"{base}/health").json()), timeout=30)
             engine = app.state.runtime.engine
-            assert engine.cache.nbytes == 0 and not engine.scheduler.running and not engine.scheduler.waiting
+            assert (
+                engine.cache.nbytes == 0
+                and not engine.scheduler.running
+                and not engine.scheduler.waiting
+            )
             rss.append(process.memory_info().rss)
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
     latencies.sort()
     completed = len(latencies)
-    print(f"\ndisconnect storm (the second): {REQUESTS} requests, {CLIENTS} clients, {REQUESTS - completed} dropped, "
-          f"{completed} complete in {seconds:.1f} s; latency p50 {latencies[completed // 2]:.2f} s, "
-          f"p99 {latencies[min(int(completed * 0.99), completed - 1)]:.2f} s; "
-          f"RSS {' → '.join(f'{r / 2**20:.0f}' for r in rss)} MiB over two storms; KV after: {engine.cache.nbytes} bytes")
+    print(
+        f"\ndisconnect storm (the second): {REQUESTS} requests, {CLIENTS} clients, {REQUESTS - completed} dropped, "
+        f"{completed} complete in {seconds:.1f} s; latency p50 {latencies[completed // 2]:.2f} s, "
+        f"p99 {latencies[min(int(completed * 0.99), completed - 1)]:.2f} s; "
+        f"RSS {' → '.join(f'{r / 2**20:.0f}' for r in rss)} MiB over two storms; KV after: {engine.cache.nbytes} bytes"
+    )
     assert REQUESTS * 0.6 < completed < REQUESTS
     assert rss[2] - rss[1] < RSS_GROWTH_LIMIT, "the second storm left memory behind"
 

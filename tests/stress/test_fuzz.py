@@ -38,7 +38,9 @@ FULL = os.environ.get("NGRAMMYS_STRESS_FULL") == "1"
 SEED = int(os.environ.get("NGRAMMYS_FUZZ_SEED") or random.randrange(2**32))
 FAILURES = Path(".fuzz-failures")
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = 1000 if FULL else 60  # per operation in the fuzzing phase, beside the coverage phase's ~450 requests
+EXAMPLES = (
+    1000 if FULL else 60
+)  # per operation in the fuzzing phase, beside the coverage phase's ~450 requests
 # max_tokens is capped low so thousands of generations take seconds.
 FUZZ_SETTINGS = Settings(max_tokens=8, max_tokens_cap=16, api_keys=KEY, request_timeout=30, **QUIET)
 
@@ -56,17 +58,46 @@ def test_the_published_schema_holds_for_generated_requests(long_context_served, 
     reports = tmp_path / "reports"
     with serving(create_app(FUZZ_SETTINGS, loader=lambda _: long_context_served)) as base:
         wait_ready(base)
-        command = [str(Path(sys.executable).parent / "schemathesis"), "run", f"{base}/openapi.json",
-                   "--checks", "all", "--seed", str(SEED), "--max-examples", str(EXAMPLES),
-                   "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "60",
-                   "--continue-on-failure", "--output-sanitize", "false", "--report", "pytest", "--report-dir", str(reports)]
-        hooks = {"SCHEMATHESIS_HOOKS": "tests.stress.fuzz_hooks", "PYTHONPATH": str(ROOT)}  # the rules no schema states
-        run = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=tmp_path,  # its caches there
-                             env={**os.environ, **hooks})
+        command = [
+            str(Path(sys.executable).parent / "schemathesis"),
+            "run",
+            f"{base}/openapi.json",
+            "--checks",
+            "all",
+            "--seed",
+            str(SEED),
+            "--max-examples",
+            str(EXAMPLES),
+            "--header",
+            f"Authorization: Bearer {KEY}",
+            "--request-timeout",
+            "60",
+            "--continue-on-failure",
+            "--output-sanitize",
+            "false",
+            "--report",
+            "pytest",
+            "--report-dir",
+            str(reports),
+        ]
+        hooks = {
+            "SCHEMATHESIS_HOOKS": "tests.stress.fuzz_hooks",
+            "PYTHONPATH": str(ROOT),
+        }  # the rules no schema states
+        run = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+            cwd=tmp_path,  # its caches there
+            env={**os.environ, **hooks},
+        )
         health = httpx.get(f"{base}/health").json()
     output = run.stdout + run.stderr
-    summary = output[output.rfind("SUMMARY"):] if "SUMMARY" in output else output[-3000:]
-    print(f"\nschemathesis, seed {SEED} (NGRAMMYS_FUZZ_SEED={SEED} replays it); server afterwards: {health}\n{summary}")
+    summary = output[output.rfind("SUMMARY") :] if "SUMMARY" in output else output[-3000:]
+    print(
+        f"\nschemathesis, seed {SEED} (NGRAMMYS_FUZZ_SEED={SEED} replays it); server afterwards: {health}\n{summary}"
+    )
     if run.returncode != 0:
         FAILURES.mkdir(exist_ok=True)
         for report in reports.glob("*.py"):

@@ -14,9 +14,29 @@ from tests.helpers.bench import write_dataset
 @pytest.mark.slow
 def test_bench_prints_table_and_writes_json(tmp_path, capsys, embedded) -> None:
     dataset, out = write_dataset(tmp_path), tmp_path / "bench.json"
-    main(["bench", "--dataset", dataset, "--per-category", "2", "--k", "4", "--w", "3",
-          "--max-new-tokens", "12", "--strategy", "context", "mixed", "--grid", "1x2", "--auto",
-          "--json", str(out)])
+    main(
+        [
+            "bench",
+            "--dataset",
+            dataset,
+            "--per-category",
+            "2",
+            "--k",
+            "4",
+            "--w",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--strategy",
+            "context",
+            "mixed",
+            "--grid",
+            "1x2",
+            "--auto",
+            "--json",
+            str(out),
+        ]
+    )
 
     printed = capsys.readouterr().out
     methods = ["context k4w3", "mixed k4w3", "context k1w2", "context auto"]
@@ -40,7 +60,9 @@ def check_report(strategy: str, categories: list[dict]) -> None:
     assert overall["plain"]["passes"] == overall["plain"]["tokens"]  # plain: one token per pass
     assert overall["speculative_tokens_per_pass"] >= 1.0
     shares = overall["accepted_share_by_strategy"]
-    assert set(shares) <= ({"context"} if strategy == "context" else set(STRATEGY_NAMES) - {"mixed", *STANDALONE_NAMES})
+    assert set(shares) <= (
+        {"context"} if strategy == "context" else set(STRATEGY_NAMES) - {"mixed", *STANDALONE_NAMES}
+    )
     if shares:
         assert sum(shares.values()) == pytest.approx(1.0)
     assert 0 <= overall["speculative_draft_share"] < 1
@@ -49,21 +71,55 @@ def check_report(strategy: str, categories: list[dict]) -> None:
 @pytest.mark.slow
 def test_bench_samples_alike_so_speculation_still_matches_plain(tmp_path, capsys, embedded) -> None:
     dataset, out = write_dataset(tmp_path), tmp_path / "bench.json"
-    main(["bench", "--dataset", dataset, "--category", "math", "--k", "4", "--w", "3",
-          "--max-new-tokens", "12", "--temperature", "0.7", "--top-p", "0.9", "--seed", "5",
-          "--json", str(out)])
+    main(
+        [
+            "bench",
+            "--dataset",
+            dataset,
+            "--category",
+            "math",
+            "--k",
+            "4",
+            "--w",
+            "3",
+            "--max-new-tokens",
+            "12",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "5",
+            "--json",
+            str(out),
+        ]
+    )
 
     report = json.loads(out.read_text())
-    assert report["run"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 5, "min_p": 0.0,
-                                         "frequency_penalty": 0.0, "presence_penalty": 0.0,
-                                         "repetition_penalty": 1.0, "logit_bias": {}}
+    assert report["run"]["sampling"] == {
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "seed": 5,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "repetition_penalty": 1.0,
+        "logit_bias": {},
+    }
     by_category = {c["category"]: c for c in report["methods"]["mixed k4w3"]}
     assert set(by_category) == {"math", "overall"}
     assert by_category["overall"]["identical"] == by_category["overall"]["prompts"] == 1
-    assert by_category["overall"]["plain"]["tokens"] == by_category["overall"]["speculative"]["tokens"] > 0
+    assert (
+        by_category["overall"]["plain"]["tokens"]
+        == by_category["overall"]["speculative"]["tokens"]
+        > 0
+    )
 
 
-def test_a_reference_decoder_runs_with_plain_parameters_and_its_agreement_is_counted(tiny_engine) -> None:
+def test_a_reference_decoder_runs_with_plain_parameters_and_its_agreement_is_counted(
+    tiny_engine,
+) -> None:
     """`references` (e.g. llama.cpp's greedy decoding) answer the same prompts with the plain
     parameters; their rows count agreement with plain decoding instead of requiring it."""
     from drafting import default_mixer
@@ -72,10 +128,17 @@ def test_a_reference_decoder_runs_with_plain_parameters_and_its_agreement_is_cou
     from service.model.runner import ModelRunner
     from tests.helpers.models import make_tiny_model
 
-    other = Engine(ModelRunner(make_tiny_model(seed=9)), default_mixer(None), eos_token_ids=[], max_context=512)
+    other = Engine(
+        ModelRunner(make_tiny_model(seed=9)), default_mixer(None), eos_token_ids=[], max_context=512
+    )
     prompts = [BenchPrompt(str(i), "math", [5, 9, 13, i + 2] * 3) for i in range(3)]
-    results = run_bench(tiny_engine, prompts, bench_methods(["context"], 2, 2), 10,
-                        references={"other model": other, "same model": tiny_engine})
+    results = run_bench(
+        tiny_engine,
+        prompts,
+        bench_methods(["context"], 2, 2),
+        10,
+        references={"other model": other, "same model": tiny_engine},
+    )
     assert list(results) == ["context k2w2", "other model", "same model"]
     same, different = (results[name][-1] for name in ("same model", "other model"))
     assert same.identical == same.prompts == 3  # the plain run again
@@ -90,9 +153,9 @@ def test_transformers_generate_answers_like_plain_decoding_and_counts_its_passes
     the engine serves, agree with plain decoding; greedy takes a pass a token, prompt lookup
     fewer once the answer repeats itself (a random model's greedy answers soon loop)."""
     from drafting import default_mixer
+    from service.bench.hf_generate_reference import HF_GENERATE, HF_PROMPT_LOOKUP, hf_references
     from service.bench.specbench import BenchPrompt, run_bench
     from service.engine.engine import Engine
-    from service.bench.hf_generate_reference import HF_GENERATE, HF_PROMPT_LOOKUP, hf_references
     from service.model.runner import ModelRunner
     from tests.helpers.models import make_tiny_model
 

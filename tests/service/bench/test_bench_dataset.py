@@ -22,7 +22,9 @@ QUESTIONS = [
 class TurnTokenizer:
     """Stands in for a tokenizer: a user turn's ids are its characters' code points."""
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], **_: object) -> dict[str, list[int]]:
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], **_: object
+    ) -> dict[str, list[int]]:
         return {"input_ids": [ord(c) for m in messages for c in m["content"]]}
 
 
@@ -54,14 +56,19 @@ def test_a_missing_file_is_an_error_naming_it_and_its_source(tmp_path: Path) -> 
 
 
 def test_a_line_not_in_the_format_is_an_error_naming_the_line(tmp_path: Path) -> None:
-    path = write(tmp_path, [json.dumps(QUESTIONS[0]), json.dumps({"question_id": 2, "turns": ["no category"]})])
+    path = write(
+        tmp_path,
+        [json.dumps(QUESTIONS[0]), json.dumps({"question_id": 2, "turns": ["no category"]})],
+    )
 
     with pytest.raises(DatasetError, match="line 2"):
         specbench_questions(path)
 
 
 @pytest.mark.parametrize("command", ["bench", "steps", "loadtest"])
-def test_the_commands_stop_with_the_message_not_a_traceback(command: str, tmp_path: Path, capsys) -> None:
+def test_the_commands_stop_with_the_message_not_a_traceback(
+    command: str, tmp_path: Path, capsys
+) -> None:
     missing = tmp_path / "question.jsonl"
 
     with pytest.raises(SystemExit) as exited:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from service.engine.params import GenerationParams, SamplingParams
 from service.bench.llama_cpp_reference import INSTALL_HINT, LlamaCppGreedy
+from service.engine.params import GenerationParams, SamplingParams
 from service.model.loader import embedded_gguf_path
 
 
@@ -25,11 +25,17 @@ def test_greedy_decoding_of_the_embedded_gguf_is_repeatable_and_keeps_the_budget
     from service.model.prompts import chat_prompt_ids
 
     reference = LlamaCppGreedy(embedded_gguf_path(), embedded.tokenizer.all_special_ids, threads=2)
-    prompt = chat_prompt_ids(embedded.tokenizer, [{"role": "user", "content": "Count from one to twenty."}])
+    prompt = chat_prompt_ids(
+        embedded.tokenizer, [{"role": "user", "content": "Count from one to twenty."}]
+    )
     first = reference.complete(prompt, GenerationParams(max_new_tokens=24))
-    again = reference.complete(prompt, GenerationParams(max_new_tokens=24))  # no state kept between calls
+    again = reference.complete(
+        prompt, GenerationParams(max_new_tokens=24)
+    )  # no state kept between calls
     assert first.token_ids == again.token_ids and len(first.token_ids) == 24
     assert first.finish_reason == "length" and first.seconds > 0
     assert embedded.tokenizer.decode(first.token_ids).strip()  # text, not stray ids
     with pytest.raises(ValueError, match="greedily"):
-        reference.complete(prompt, GenerationParams(max_new_tokens=4, sampling=SamplingParams(temperature=0.7)))
+        reference.complete(
+            prompt, GenerationParams(max_new_tokens=4, sampling=SamplingParams(temperature=0.7))
+        )

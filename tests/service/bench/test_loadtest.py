@@ -15,24 +15,35 @@ from service.bench.specbench import Question
 from tests.helpers.bench import write_dataset
 from tests.helpers.http import wait_ready
 
-QUESTIONS = [Question("1", "writing", "Write one sentence about the sea."),
-             Question("2", "coding", "Write a Python function that adds two numbers.")]
+QUESTIONS = [
+    Question("1", "writing", "Write one sentence about the sea."),
+    Question("2", "coding", "Write a Python function that adds two numbers."),
+]
 
 
 def test_loadtest_counts_every_token_and_reports_both_modes(embedded, tmp_path) -> None:
     settings = Settings(model_tables=False, cost_profile=False, max_running_requests=4)
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
-        results = loadtest.run_loadtest(base, QUESTIONS, [1, 3], requests_per_client=2, max_tokens=8,
-                                        progress=lambda row: None)
-    assert [(r.concurrency, r.mode) for r in results] == [(1, "off"), (1, "auto"), (3, "auto"), (3, "off")]
+        results = loadtest.run_loadtest(
+            base, QUESTIONS, [1, 3], requests_per_client=2, max_tokens=8, progress=lambda row: None
+        )
+    assert [(r.concurrency, r.mode) for r in results] == [
+        (1, "off"),
+        (1, "auto"),
+        (3, "auto"),
+        (3, "off"),
+    ]
     for result in results:
         assert len(result.timings) == result.requests == max(result.concurrency * 2, 4)
         for timing in result.timings:
             assert 1 <= timing.tokens <= 8 and len(timing.itl) == timing.tokens - 1
             assert 0 < timing.ttft <= timing.seconds
         summary = result.summary()
-        assert summary["output_tokens_per_second"] > 0 and summary["itl_p99_ms"] >= summary["itl_p50_ms"]
+        assert (
+            summary["output_tokens_per_second"] > 0
+            and summary["itl_p99_ms"] >= summary["itl_p50_ms"]
+        )
     assert loadtest.format_table(results).count("\n") == len(results) + 1
     loadtest.write_plot(results, tmp_path / "plot.png", "test")
     assert (tmp_path / "plot.png").stat().st_size > 1000
@@ -42,14 +53,32 @@ def test_repeats_alternate_the_modes_and_the_comparison_averages_them(embedded) 
     settings = Settings(model_tables=False, cost_profile=False, max_running_requests=4)
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
-        results = loadtest.run_loadtest(base, QUESTIONS[:1], [1, 2], requests_per_client=2, max_tokens=4,
-                                        progress=lambda row: None, repeats=2)
+        results = loadtest.run_loadtest(
+            base,
+            QUESTIONS[:1],
+            [1, 2],
+            requests_per_client=2,
+            max_tokens=4,
+            progress=lambda row: None,
+            repeats=2,
+        )
     assert [(r.concurrency, r.mode, r.repeat) for r in results] == [
-        (1, "off", 0), (1, "auto", 0), (1, "auto", 1), (1, "off", 1),
-        (2, "auto", 0), (2, "off", 0), (2, "off", 1), (2, "auto", 1)]
+        (1, "off", 0),
+        (1, "auto", 0),
+        (1, "auto", 1),
+        (1, "off", 1),
+        (2, "auto", 0),
+        (2, "off", 0),
+        (2, "off", 1),
+        (2, "auto", 1),
+    ]
     means = loadtest.mean_tokens_per_second(results)
     for (concurrency, mode), mean in means.items():
-        runs = [r.output_tokens / r.seconds for r in results if (r.concurrency, r.mode) == (concurrency, mode)]
+        runs = [
+            r.output_tokens / r.seconds
+            for r in results
+            if (r.concurrency, r.mode) == (concurrency, mode)
+        ]
         assert len(runs) == 2 and mean == pytest.approx(sum(runs) / 2)
     table = loadtest.format_comparison(results).splitlines()
     assert len(table) == 4 and table[2].startswith("| 1 | ")
@@ -62,13 +91,38 @@ def test_the_loadtest_command_runs_its_own_server_process(tiny_served, tmp_path)
     tiny_served.model.save_pretrained(model_dir)
     tiny_served.tokenizer.save_pretrained(model_dir)
     dataset = tmp_path / "questions.jsonl"
-    dataset.write_text("\n".join(
-        json.dumps({"question_id": q.question_id, "category": q.category, "turns": [q.text]}) for q in QUESTIONS))
+    dataset.write_text(
+        "\n".join(
+            json.dumps({"question_id": q.question_id, "category": q.category, "turns": [q.text]})
+            for q in QUESTIONS
+        )
+    )
     report = tmp_path / "load.json"
-    main(["loadtest", "--dataset", str(dataset), "--concurrency", "1", "2", "--max-tokens", "4",
-          "--model", str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--json", str(report)])
+    main(
+        [
+            "loadtest",
+            "--dataset",
+            str(dataset),
+            "--concurrency",
+            "1",
+            "2",
+            "--max-tokens",
+            "4",
+            "--model",
+            str(model_dir),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--json",
+            str(report),
+        ]
+    )
     levels = json.loads(report.read_text())["levels"]
-    assert [(level["concurrency"], level["mode"]) for level in levels] == [(1, "off"), (1, "auto"), (2, "auto"), (2, "off")]
+    assert [(level["concurrency"], level["mode"]) for level in levels] == [
+        (1, "off"),
+        (1, "auto"),
+        (2, "auto"),
+        (2, "off"),
+    ]
     assert all(level["requests"] == 4 and level["tokens_per_pass"] >= 1 for level in levels)
     assert all(level["drafted_per_pass"] == 0 for level in levels if level["mode"] == "off")
 
@@ -79,7 +133,9 @@ def test_the_loadtest_server_keeps_no_suffix_index_unless_asked(tmp_path) -> Non
     dataset = write_dataset(tmp_path)  # `--dataset` is read as it is parsed
 
     def flags(*extra: str) -> list[str]:
-        return loadtest_server_flags(build_parser().parse_args(["loadtest", "--dataset", dataset, *extra]))
+        return loadtest_server_flags(
+            build_parser().parse_args(["loadtest", "--dataset", dataset, *extra])
+        )
 
     default = flags()
     assert default[default.index("--suffix-cache-tokens") + 1] == "0"
@@ -87,36 +143,77 @@ def test_the_loadtest_server_keeps_no_suffix_index_unless_asked(tmp_path) -> Non
     assert asked[asked.index("--suffix-cache-tokens") + 1] == "100000"
     # nor a prefix cache: the mode that runs later would find the earlier one's prompts cached
     assert "--no-prefix-cache" in default
-    assert "--no-prefix-cache" not in loadtest_server_flags(build_parser().parse_args(
-        ["loadtest", "--dataset", dataset, "--workload", "chat"]), prefix_cache=True)
+    assert "--no-prefix-cache" not in loadtest_server_flags(
+        build_parser().parse_args(["loadtest", "--dataset", dataset, "--workload", "chat"]),
+        prefix_cache=True,
+    )
 
 
-def test_the_prefix_workloads_run_with_the_cache_and_without_on_servers_of_their_own(tiny_served, tmp_path) -> None:
+def test_the_prefix_workloads_run_with_the_cache_and_without_on_servers_of_their_own(
+    tiny_served, tmp_path
+) -> None:
     """`ngrammys loadtest --workload chat`: a server with the prefix cache and one without,
     the same conversations (later turns re-send the earlier answers), the cache's hit rate."""
     model_dir = tmp_path / "model"
     tiny_served.model.save_pretrained(model_dir)
     tiny_served.tokenizer.save_pretrained(model_dir)
     dataset = tmp_path / "questions.jsonl"
-    rows = [("rag", "Passage about rivers and the sea. " * 40), ("summarization", "An article on tides. " * 60),
-            ("qa", "Why is the sea salty?"), ("qa", "What makes waves?"), ("stem", "What is a tide?")]
-    dataset.write_text("\n".join(json.dumps({"question_id": str(i), "category": c, "turns": [t]})
-                                 for i, (c, t) in enumerate(rows)))
+    rows = [
+        ("rag", "Passage about rivers and the sea. " * 40),
+        ("summarization", "An article on tides. " * 60),
+        ("qa", "Why is the sea salty?"),
+        ("qa", "What makes waves?"),
+        ("stem", "What is a tide?"),
+    ]
+    dataset.write_text(
+        "\n".join(
+            json.dumps({"question_id": str(i), "category": c, "turns": [t]})
+            for i, (c, t) in enumerate(rows)
+        )
+    )
     report = tmp_path / "prefix.json"
-    main(["loadtest", "--dataset", str(dataset), "--workload", "chat", "--conversations", "2", "--turns", "3",
-          "--max-tokens", "4", "--modes", "off", "--model", str(model_dir), "--cache-dir", str(tmp_path / "cache"), "--json", str(report)])
+    main(
+        [
+            "loadtest",
+            "--dataset",
+            str(dataset),
+            "--workload",
+            "chat",
+            "--conversations",
+            "2",
+            "--turns",
+            "3",
+            "--max-tokens",
+            "4",
+            "--modes",
+            "off",
+            "--model",
+            str(model_dir),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--json",
+            str(report),
+        ]
+    )
     cached, uncached = json.loads(report.read_text())["results"]
     assert (cached["setting"], uncached["setting"]) == ("cache", "no cache")
     assert cached["requests"] == uncached["requests"] == 6
-    assert cached["hit_rate"] > 0.5 and uncached["hit_rate"] is None  # a server without the cache exports none
+    assert (
+        cached["hit_rate"] > 0.5 and uncached["hit_rate"] is None
+    )  # a server without the cache exports none
     assert 0 <= cached["same_answers"] == uncached["same_answers"] <= 6
 
 
 def test_the_chat_workload_resends_the_conversation_and_the_document_one_the_document() -> None:
-    questions = [Question("1", "rag", "notes " * 2000), Question("2", "summarization", "article " * 2000),
-                 *(Question(str(i), "qa", f"question {i}?") for i in range(3, 6))]
+    questions = [
+        Question("1", "rag", "notes " * 2000),
+        Question("2", "summarization", "article " * 2000),
+        *(Question(str(i), "qa", f"question {i}?") for i in range(3, 6)),
+    ]
     chat = prefix_workloads.build("chat", questions, conversations=2, turns=3)
-    assert len(chat.conversations) == chat.clients == 2 and all(len(c) == 3 for c in chat.conversations)
+    assert len(chat.conversations) == chat.clients == 2 and all(
+        len(c) == 3 for c in chat.conversations
+    )
     assert chat.multi_turn and len(chat.system) <= prefix_workloads.SYSTEM_CHARS + 100
     document = prefix_workloads.build("document", questions, conversations=2, turns=3)
     assert [len(c) for c in document.conversations] == [1] * 6 and not document.multi_turn

@@ -10,12 +10,19 @@ import pytest
 import torch
 
 from drafting import default_mixer
+from service.bench.near_ties import (
+    MIN_TIE_ULPS,
+    first_difference,
+    next_token_logits,
+    parting,
+    reference_of,
+    ulp,
+)
 from service.bench.specbench import BenchPrompt, parted_beyond_near_ties, run_bench
-from service.engine.params import GenerationParams, SamplingParams
 from service.engine.engine import Engine
 from service.engine.outputs import Completion
+from service.engine.params import GenerationParams, SamplingParams
 from service.model.runner import ModelRunner
-from service.bench.near_ties import MIN_TIE_ULPS, first_difference, next_token_logits, parting, reference_of, ulp
 from tests.helpers.models import TINY_VOCAB, make_tiny_model
 
 
@@ -33,14 +40,18 @@ def test_an_ulp_is_the_spacing_of_the_dtype_at_that_magnitude(magnitude: float) 
     value = float(torch.tensor(magnitude, dtype=torch.bfloat16))
     step = ulp(value, torch.bfloat16)  # bf16 keeps 8 significant bits
     assert float(torch.tensor(value + step, dtype=torch.bfloat16)) == value + step
-    assert float(torch.tensor(value + 0.75 * step, dtype=torch.bfloat16)) == value + step  # nothing between
+    assert (
+        float(torch.tensor(value + 0.75 * step, dtype=torch.bfloat16)) == value + step
+    )  # nothing between
 
 
 def test_the_reference_is_the_same_weights_at_a_higher_precision_made_once() -> None:
     model = make_tiny_model(seed=2).to(torch.bfloat16)
     reference = reference_of(model)
     assert reference.dtype == torch.float32 and reference_of(model) is reference
-    torch.testing.assert_close(reference.lm_head.weight, model.lm_head.weight.float(), atol=0, rtol=0)
+    torch.testing.assert_close(
+        reference.lm_head.weight, model.lm_head.weight.float(), atol=0, rtol=0
+    )
     assert reference_of(make_tiny_model(seed=2)).dtype == torch.float64
 
 
@@ -56,7 +67,9 @@ def twin_tokens(model, prompt: list[int]) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_a_parting_is_a_tie_only_where_the_truth_has_the_two_tokens_within_the_dtypes_rounding(dtype) -> None:
+def test_a_parting_is_a_tie_only_where_the_truth_has_the_two_tokens_within_the_dtypes_rounding(
+    dtype,
+) -> None:
     """Judged on logits computed at a higher precision: two tokens with the same LM head row are
     tied in truth whatever the served dtype rounded; a token the model ranks last is not, and
     the rounding bound is the served dtype's (wider in bf16, never under `MIN_TIE_ULPS` ulps)."""
@@ -67,7 +80,9 @@ def test_a_parting_is_a_tie_only_where_the_truth_has_the_two_tokens_within_the_d
     assert tie is not None and tie.index == 0 and tie.gap == 0.0 and tie.near_tie
     wrong = parting(model, prompt, [chosen], [last])
     assert wrong is not None and not wrong.near_tie and wrong.gap > wrong.bound
-    magnitude = float(next_token_logits(reference_of(model), prompt).double()[[chosen, last]].abs().max())
+    magnitude = float(
+        next_token_logits(reference_of(model), prompt).double()[[chosen, last]].abs().max()
+    )
     assert wrong.bound >= MIN_TIE_ULPS * ulp(magnitude, dtype)
     if dtype == torch.float32:  # float32 against float64: rounding of a millionth of a logit
         assert wrong.bound < 1e-5
@@ -97,7 +112,9 @@ def test_the_next_token_logits_whether_or_not_the_model_can_keep_the_last_only()
     assert logits.shape == (TINY_VOCAB,)
     torch.testing.assert_close(next_token_logits(WithoutLogitsToKeep(model), ids), logits)
     with torch.no_grad():
-        torch.testing.assert_close(model(torch.tensor([ids], device=model.device)).logits[0, -1], logits)
+        torch.testing.assert_close(
+            model(torch.tensor([ids], device=model.device)).logits[0, -1], logits
+        )
 
 
 class FirstTokenSwapped:
@@ -132,8 +149,17 @@ def test_the_bench_tells_an_answer_parted_at_a_tie_from_one_parted_otherwise() -
     engine, chosen, tie, prompts = tied_engine_and_tokens()
     other = next(t for t in range(TINY_VOCAB) if t not in (chosen, tie))
     seen = {}
-    results = run_bench(engine, prompts, {}, 8, progress=lambda _prompt, _plain, _done, partings: seen.update(partings),
-                        references={"tie": FirstTokenSwapped(engine, tie), "defect": FirstTokenSwapped(engine, other)})
+    results = run_bench(
+        engine,
+        prompts,
+        {},
+        8,
+        progress=lambda _prompt, _plain, _done, partings: seen.update(partings),
+        references={
+            "tie": FirstTokenSwapped(engine, tie),
+            "defect": FirstTokenSwapped(engine, other),
+        },
+    )
     tied, defect = results["tie"][-1], results["defect"][-1]
     assert (tied.identical, tied.near_ties) == (0, 1)
     assert (defect.identical, defect.near_ties) == (0, 0)
@@ -146,7 +172,13 @@ def test_sampled_answers_that_differ_are_not_called_near_ties() -> None:
     """With sampling a changed token may lie anywhere in the distribution: no gap of two logits
     says rounding chose it, so every difference counts."""
     engine, _, tie, prompts = tied_engine_and_tokens()
-    results = run_bench(engine, prompts, {}, 8, sampling=SamplingParams(temperature=0.8, seed=1),
-                        references={"tie": FirstTokenSwapped(engine, tie)})
+    results = run_bench(
+        engine,
+        prompts,
+        {},
+        8,
+        sampling=SamplingParams(temperature=0.8, seed=1),
+        references={"tie": FirstTokenSwapped(engine, tie)},
+    )
     assert results["tie"][-1].near_ties == 0
     assert parted_beyond_near_ties(results) == ["tie"]

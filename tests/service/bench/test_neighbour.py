@@ -28,9 +28,12 @@ def test_the_benchmark_reports_both_phases_and_the_servers_cpu_time(tiny_served)
     settings = Settings(model_tables=False, cost_profile=False, default_temperature=0.0)
     with serving(create_app(settings, loader=lambda _: tiny_served)) as base:
         wait_ready(base)
-        figures = neighbour.run(base, os.getpid(), count=1, seconds=1.0, max_tokens=8, log=lambda line: None)
+        figures = neighbour.run(
+            base, os.getpid(), count=1, seconds=1.0, max_tokens=8, log=lambda line: None
+        )
     for phase in ("before", "after"):
         assert figures[phase]["off"] > 0 and figures[phase]["ratio"] == pytest.approx(
-            figures[phase]["auto"] / figures[phase]["off"])
+            figures[phase]["auto"] / figures[phase]["off"]
+        )
     assert figures["server_cpu_seconds_idle_beside_neighbours"] >= 0
     assert figures["health"]["status"] == "ok" and "cost_profile_state" not in figures["health"]

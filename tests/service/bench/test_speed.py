@@ -28,7 +28,11 @@ def test_rates_come_from_the_fastest_run_and_decoding_excludes_the_first_token()
     def complete(prompt, params) -> Completion:
         key = (len(prompt), params.max_new_tokens)
         seen[key] = seen.get(key, 0) + 1
-        clock["now"] += 0.001 * len(prompt) + 0.010 * (params.max_new_tokens - 1) + (0.005 if seen[key] == 1 else 0)
+        clock["now"] += (
+            0.001 * len(prompt)
+            + 0.010 * (params.max_new_tokens - 1)
+            + (0.005 if seen[key] == 1 else 0)
+        )
         return Completion(token_ids=[0] * params.max_new_tokens)
 
     timed = pytest.MonkeyPatch()
@@ -45,8 +49,13 @@ def test_rates_come_from_the_fastest_run_and_decoding_excludes_the_first_token()
 
 def test_a_method_that_stops_early_is_refused() -> None:
     with pytest.raises(RuntimeError, match="asked for 129 tokens, got 3"):
-        speed.measure("short", lambda prompt, params: Completion(token_ids=[0] * min(3, params.max_new_tokens)),
-                      list(range(100)), lengths=(10,), repeats=1)
+        speed.measure(
+            "short",
+            lambda prompt, params: Completion(token_ids=[0] * min(3, params.max_new_tokens)),
+            list(range(100)),
+            lengths=(10,),
+            repeats=1,
+        )
 
 
 def test_transformers_without_stop_tokens_decodes_exactly_the_budget() -> None:
@@ -63,10 +72,27 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys, monkeypa
 
     built = []
     build_engine = service.runtime.build_engine
-    monkeypatch.setattr(service.runtime, "build_engine", lambda *a, **k: built.append(build_engine(*a, **k)) or built[-1])
+    monkeypatch.setattr(
+        service.runtime,
+        "build_engine",
+        lambda *a, **k: built.append(build_engine(*a, **k)) or built[-1],
+    )
     out = tmp_path / "speed.json"
-    main(["speed", "--dataset", write_dataset(tmp_path), "--lengths", "16", "64", "--repeats", "1", "--transformers",
-          "--json", str(out)])
+    main(
+        [
+            "speed",
+            "--dataset",
+            write_dataset(tmp_path),
+            "--lengths",
+            "16",
+            "64",
+            "--repeats",
+            "1",
+            "--transformers",
+            "--json",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "| method | prompt 16 tok/s | prompt 64 tok/s | decode tok/s |" in printed
     rows = json.loads(out.read_text())

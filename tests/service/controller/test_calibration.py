@@ -11,8 +11,16 @@ from collections.abc import Callable
 import pytest
 
 from service.controller.calibration import (
-    HOST_WINDOW, PROBE_EVERY, PROBE_MAX_EVERY, QUIET_MAX_EVERY, QUIET_ROUNDS, SHAPE_DECAY, SHAPE_PRIOR_ROUNDS,
-    Calibration, Ratio, shape_bucket,
+    HOST_WINDOW,
+    PROBE_EVERY,
+    PROBE_MAX_EVERY,
+    QUIET_MAX_EVERY,
+    QUIET_ROUNDS,
+    SHAPE_DECAY,
+    SHAPE_PRIOR_ROUNDS,
+    Calibration,
+    Ratio,
+    shape_bucket,
 )
 from service.controller.cost_profile import CostProfile, PassShape
 from service.controller.planner import RowCandidates, plan_trees
@@ -31,10 +39,19 @@ def simulate(profile: CostProfile, true_cost: TrueCost, rounds: int) -> list[int
     chosen = []
     for t in range(rounds):
         row = RowCandidates(DRAFTS, 2, 4, probe=request.due_for_probe)
-        budget = 0 if shared.plain_is_stale(1) and shared.level.rounds > 0 else 8  # as the engine does
-        plan = plan_trees([row], lambda s: profile.cost(s.tokens, 100) * shared.shape_factor(s.tokens), PassShape(1),
-                          0.0, budget)
-        request.observe_round(speculated=plan.tokens > 1)  # acceptance as forecast: the pass-cost side alone
+        budget = (
+            0 if shared.plain_is_stale(1) and shared.level.rounds > 0 else 8
+        )  # as the engine does
+        plan = plan_trees(
+            [row],
+            lambda s: profile.cost(s.tokens, 100) * shared.shape_factor(s.tokens),
+            PassShape(1),
+            0.0,
+            budget,
+        )
+        request.observe_round(
+            speculated=plan.tokens > 1
+        )  # acceptance as forecast: the pass-cost side alone
         shared.observe_pass(plan.tokens, profile.cost(plan.tokens, 100), true_cost(plan.tokens, t))
         chosen.append(plan.tokens)
     return chosen
@@ -56,7 +73,9 @@ def test_a_uniform_load_spike_changes_no_decision() -> None:
     assert sizes.count(1) <= 120 // PROBE_EVERY
 
 
-def test_a_spike_that_hits_speculation_hardest_is_recovered_from_within_a_bounded_number_of_rounds() -> None:
+def test_a_spike_that_hits_speculation_hardest_is_recovered_from_within_a_bounded_number_of_rounds() -> (
+    None
+):
     """During the spike trees cost 4× their price and plain passes 1×: auto stops speculating.
     After it ends, the unused sizes' factors decay back and probes re-measure them."""
     end = 60
@@ -79,8 +98,12 @@ def test_a_slow_drift_keeps_the_right_choice() -> None:
 def test_a_profile_measured_under_load_is_corrected_by_probes() -> None:
     """The profile says trees cost 3× a plain pass (measured while something else ran); truly
     they cost what CPU_LIKE says. Auto starts plain, probes, and learns the truth."""
-    pessimistic = CostProfile([1], [100], [CPU_LIKE.tree_sizes[0]],
-                              [[[s * (1 if i == 0 else 3) for i, s in enumerate(CPU_LIKE.seconds[0][0])]]])
+    pessimistic = CostProfile(
+        [1],
+        [100],
+        [CPU_LIKE.tree_sizes[0]],
+        [[[s * (1 if i == 0 else 3) for i, s in enumerate(CPU_LIKE.seconds[0][0])]]],
+    )
     sizes = simulate(pessimistic, lambda n, t: true_profile(n), 200)
     assert sizes[0] == 1  # believed the profile at first
     switched = next(t for t in range(200) if sum(s > 1 for s in sizes[t : t + 20]) >= 18)
@@ -128,7 +151,8 @@ def test_shape_ratios_faded_lazily_equal_every_ratio_faded_on_every_pass() -> No
             assert shared.shape_factor(3) == pytest.approx(eager[shape_bucket(3, 1)].factor())
     for lazy, ratio in zip(shared.shapes, eager, strict=True):
         assert [lazy.predicted, lazy.realized, lazy.rounds] == pytest.approx(
-            [ratio.predicted, ratio.realized, ratio.rounds])
+            [ratio.predicted, ratio.realized, ratio.rounds]
+        )
     assert not shared.plain_is_stale(1) and shared.plain_is_stale(16, 16)  # seen lately; never seen
 
 
@@ -144,7 +168,14 @@ def test_probes_that_find_plain_better_back_off_and_a_chosen_round_resets_them()
             plain += 1
         waits.append(plain)
         request.observe_round(speculated=True)  # the probe
-    assert waits == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, PROBE_MAX_EVERY, PROBE_MAX_EVERY]
+    assert waits == [
+        PROBE_EVERY,
+        2 * PROBE_EVERY,
+        4 * PROBE_EVERY,
+        8 * PROBE_EVERY,
+        PROBE_MAX_EVERY,
+        PROBE_MAX_EVERY,
+    ]
     for _ in range(5):
         request.observe_round(speculated=False)
     request.observe_round(speculated=True)  # chosen by the forecast, not due
@@ -160,7 +191,9 @@ def test_a_request_kept_plain_is_drafted_only_every_few_rounds_until_it_speculat
     after = QUIET_ROUNDS + 1
     assert drafted[:after] == [True] * after  # at first every round, then one in 4, one in 8
     assert [r for r in range(after, PROBE_EVERY) if drafted[r]] == [8]
-    assert request.due_for_probe and drafted[PROBE_EVERY] and drafted[PROBE_EVERY + 1]  # a probe is drafted
+    assert (
+        request.due_for_probe and drafted[PROBE_EVERY] and drafted[PROBE_EVERY + 1]
+    )  # a probe is drafted
     request.observe_round(speculated=True)
     assert request.drafts_this_round and request.plain_rounds == 0  # speculating: every round again
 
@@ -176,7 +209,11 @@ def test_quiet_rounds_thin_out_to_one_in_quiet_max_every() -> None:
         drafted.append(request.drafts_this_round)
         foretold.append(request.drafts_next_round(speculates=False))
         request.observe_round(speculated=False)
-    assert [r for r in range(QUIET_ROUNDS, 80) if drafted[r]] == [4, 8, *range(16, 80, QUIET_MAX_EVERY)]
+    assert [r for r in range(QUIET_ROUNDS, 80) if drafted[r]] == [
+        4,
+        8,
+        *range(16, 80, QUIET_MAX_EVERY),
+    ]
     assert foretold[:-1] == drafted[1:]
     assert request.drafts_next_round(speculates=True)  # a round that speculates: every round again
 
@@ -221,7 +258,9 @@ def test_a_shape_factor_learned_at_one_batch_size_does_not_price_another() -> No
     for _ in range(20):
         shared.observe_pass(4, 0.1, 0.1, rows=4)
         shared.observe_pass(8, 0.1, 0.1, rows=4)
-    assert shared.shape_factor(4, rows=4) == pytest.approx(1.0, abs=0.01)  # as profiled, once observed
+    assert shared.shape_factor(4, rows=4) == pytest.approx(
+        1.0, abs=0.01
+    )  # as profiled, once observed
     assert shared.shape_factor(8, rows=4) == pytest.approx(1.0, abs=0.01)
 
 
@@ -234,13 +273,22 @@ def test_a_shape_factor_holds_for_the_sizes_of_its_bucket_only() -> None:
         shared.observe_pass(3, 0.1, 0.2)
         shared.observe_pass(600, 0.1, 0.05)
     dear, cheap = shared.shape_factor(3), shared.shape_factor(600)
-    assert dear == shared.shape_factor(4) > 1.0 > cheap == shared.shape_factor(257) == shared.shape_factor(5000)
+    assert (
+        dear
+        == shared.shape_factor(4)
+        > 1.0
+        > cheap
+        == shared.shape_factor(257)
+        == shared.shape_factor(5000)
+    )
     assert dear / cheap > 2.0
     assert shared.shape_factor(2) == shared.shape_factor(5) == shared.shape_factor(256) == 1.0
     assert shared.shape_factor(4, rows=2) == 1.0  # another row bucket
 
 
-def test_host_cost_is_the_median_per_drafted_row_so_a_one_off_pause_does_not_price_drafts_out() -> None:
+def test_host_cost_is_the_median_per_drafted_row_so_a_one_off_pause_does_not_price_drafts_out() -> (
+    None
+):
     host = Calibration().host
     assert host.row_seconds == 0.0  # nothing seen: the pass alone prices a node
     host.observe(0.004, rows=1)  # a request's first drafting

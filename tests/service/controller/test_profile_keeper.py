@@ -34,7 +34,9 @@ class World:
         self.busy = False
         self.measures: list[float] = []  # when each measurement started
         self.probes: list[float] = []
-        self.spent: list[tuple[float, float]] = []  # (when, CPU seconds) of every profiling increment
+        self.spent: list[
+            tuple[float, float]
+        ] = []  # (when, CPU seconds) of every profiling increment
 
     def work(self, cpu_seconds: float) -> None:
         self.cpu += cpu_seconds
@@ -46,16 +48,30 @@ class Keeper:
     """A keeper over `World` whose measurements give `problems` in turn (then the last one
     forever) and whose probes report `disagreement`."""
 
-    def __init__(self, world: World, problems: list[list[str]], disagreement: float = 1.0,
-                 start: CostProfile | None = OLD) -> None:
+    def __init__(
+        self,
+        world: World,
+        problems: list[list[str]],
+        disagreement: float = 1.0,
+        start: CostProfile | None = OLD,
+    ) -> None:
         self.world, self.problems, self.disagreement = world, iter(problems), disagreement
         self.last_problems: list[str] = []
         self.calibration = Calibration()
         self.adopted: list[CostProfile] = []
         self.saved: list[CostProfile] = []
-        self.keeper = ProfileKeeper(self._measure, self._probe, self.saved.append, self.adopted.append,
-                                    self.calibration, lambda: not world.busy, CAP, clock=lambda: world.now,
-                                    cpu_clock=lambda: world.cpu, wall_clock=lambda: 1e9 + world.now)
+        self.keeper = ProfileKeeper(
+            self._measure,
+            self._probe,
+            self.saved.append,
+            self.adopted.append,
+            self.calibration,
+            lambda: not world.busy,
+            CAP,
+            clock=lambda: world.now,
+            cpu_clock=lambda: world.cpu,
+            wall_clock=lambda: 1e9 + world.now,
+        )
         if start is not None:
             self.keeper.start_from(start, measured_at=1e9)
         self.steps = self.keeper.steps()
@@ -98,9 +114,13 @@ def decision(profile: CostProfile, calibration: Calibration) -> int:
     return plan_trees([row], price, PassShape(1), 0.0, 8).tokens
 
 
-def test_a_neighbours_spike_while_idle_starts_nothing_and_decisions_return_to_the_pre_spike_ones() -> None:
+def test_a_neighbours_spike_while_idle_starts_nothing_and_decisions_return_to_the_pre_spike_ones() -> (
+    None
+):
     world = World()
-    scripted = Keeper(world, [[]], disagreement=1.2)  # the profile's relative costs still hold when quiet
+    scripted = Keeper(
+        world, [[]], disagreement=1.2
+    )  # the profile's relative costs still hold when quiet
     before = decision(OLD, scripted.calibration)
     drift(scripted.calibration)
     world.busy = True
@@ -109,14 +129,18 @@ def test_a_neighbours_spike_while_idle_starts_nothing_and_decisions_return_to_th
     assert scripted.keeper.state.valid and not scripted.keeper.state.stale
     world.busy = False
     scripted.run(60)
-    assert len(world.probes) == 1 and world.measures == []  # a probe on the quiet machine; no measurement
+    assert (
+        len(world.probes) == 1 and world.measures == []
+    )  # a probe on the quiet machine; no measurement
     assert not scripted.calibration.drifted()  # the drift was the neighbour's: forgotten
     assert scripted.adopted == [OLD] and decision(OLD, scripted.calibration) == before
     scripted.run(3 * HOUR)
     assert world.measures == []
 
 
-def test_when_every_measurement_fails_the_previous_valid_profile_stays_and_attempts_back_off() -> None:
+def test_when_every_measurement_fails_the_previous_valid_profile_stays_and_attempts_back_off() -> (
+    None
+):
     world = World()
     scripted = Keeper(world, [["rows=1 L=32: the fastest repeats disagree"]], disagreement=3.0)
     drift(scripted.calibration)
@@ -142,10 +166,17 @@ def test_a_persistent_change_of_relative_costs_is_measured_again_once_quiet_and_
     world.busy = False
     scripted.run(600)
     assert len(world.probes) == 1 and len(world.measures) == 1
-    assert scripted.adopted == [OLD, NEW] and scripted.saved == [NEW] and scripted.keeper.profile is NEW
+    assert (
+        scripted.adopted == [OLD, NEW]
+        and scripted.saved == [NEW]
+        and scripted.keeper.profile is NEW
+    )
     state = scripted.keeper.state
     assert state.valid and not state.stale and state.failed_attempts == 0
-    assert state.remeasures["adopted"] == 1 and state.valid_since == 1e9 + world.measures[0] + MEASURE_CPU / 2
+    assert (
+        state.remeasures["adopted"] == 1
+        and state.valid_since == 1e9 + world.measures[0] + MEASURE_CPU / 2
+    )
     assert not scripted.calibration.drifted()  # the new profile starts from clean factors
 
 
@@ -157,20 +188,33 @@ def test_a_measurement_the_machine_interrupts_is_abandoned_and_retried_once_quie
     assert next(scripted.steps) is False  # its next increment is not run
     assert len(world.spent) == 1
     state = scripted.keeper.state
-    assert state.remeasures["abandoned"] == 1 and not state.valid and state.next_attempt_in_s == BACKOFF_FIRST
+    assert (
+        state.remeasures["abandoned"] == 1
+        and not state.valid
+        and state.next_attempt_in_s == BACKOFF_FIRST
+    )
     assert scripted.adopted == []  # auto mode decodes plainly meanwhile
     world.busy = False
     scripted.run(BACKOFF_FIRST + 300)
     assert scripted.adopted == [NEW] and scripted.keeper.state.valid
 
 
-@pytest.mark.parametrize("problems", [[], ["a bigger pass measured cheaper"]], ids=["valid", "failing"])
-def test_profiling_cpu_time_per_hour_stays_under_its_cap_under_a_pathological_drift_signal(problems) -> None:
+@pytest.mark.parametrize(
+    "problems", [[], ["a bigger pass measured cheaper"]], ids=["valid", "failing"]
+)
+def test_profiling_cpu_time_per_hour_stays_under_its_cap_under_a_pathological_drift_signal(
+    problems,
+) -> None:
     world = World()
     scripted = Keeper(world, [problems], disagreement=10.0)
     scripted.calibration.drifted = lambda: True  # every idle tick says the profile is off
     scripted.run(8 * HOUR)
-    worst = max(sum(cpu for when, cpu in world.spent if start <= when < start + HOUR) for start, _ in world.spent)
-    print(f"measurements {len(world.measures)}, probes {len(world.probes)}, worst hour {worst:.0f} CPU s of {CAP:.0f}")
+    worst = max(
+        sum(cpu for when, cpu in world.spent if start <= when < start + HOUR)
+        for start, _ in world.spent
+    )
+    print(
+        f"measurements {len(world.measures)}, probes {len(world.probes)}, worst hour {worst:.0f} CPU s of {CAP:.0f}"
+    )
     assert worst <= CAP
     assert len(world.measures) >= 2  # the cap limits profiling; it does not stop it

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
+from drafting import Draft
 from service.device_round.accept import accept_greedy
 from service.device_round.template import TreeTemplate
 from service.engine.params import SamplingParams
 from service.engine.verifier import verify
 from service.model.tree import build_tree
-from drafting import Draft
 
 VOCAB = 6  # few tokens: drafts often hold the model's choice
 
@@ -32,8 +32,12 @@ def test_acceptance_equals_the_host_walk(k: int, w: int, chain: int) -> None:
     # node holding the same path see the same logits)
     choice_of: dict[tuple[int, ...], int] = {}
     paths = [_template_paths(template, tokens[row].tolist()) for row in range(rows)]
-    choices = torch.tensor([[choice_of.setdefault(path, int(rng.integers(0, VOCAB))) for path in row_paths]
-                            for row_paths in paths])
+    choices = torch.tensor(
+        [
+            [choice_of.setdefault(path, int(rng.integers(0, VOCAB))) for path in row_paths]
+            for row_paths in paths
+        ]
+    )
     accepted = accept_greedy(tokens, valid, choices, shape, template.max_depth)
     for row in range(rows):
         filled = [paths[row][node][1:] for node in range(1, n) if valid[row, node]]
@@ -45,7 +49,8 @@ def test_acceptance_equals_the_host_walk(k: int, w: int, chain: int) -> None:
         count = int(accepted.counts[row])
         assert accepted.tokens[row, : count + 1].tolist() == verdict.token_ids
         assert [paths[row][node] for node in accepted.path[row, 1 : count + 1].tolist()] == [
-            (int(tokens[row, 0]),) + _path(tree, node) for node in verdict.accepted_nodes]
+            (int(tokens[row, 0]),) + _path(tree, node) for node in verdict.accepted_nodes
+        ]
 
 
 def _template_paths(template: TreeTemplate, tokens: list[int]) -> list[tuple[int, ...]]:
@@ -72,4 +77,9 @@ def test_path_lists_the_accepted_nodes_by_depth() -> None:
     accepted = accept_greedy(tokens, torch.ones_like(tokens, dtype=torch.bool), choices, shape, 3)
     assert accepted.counts.tolist() == [2, 3]
     assert accepted.path.tolist() == [[0, 1, 2, 0], [0, 1, 2, 3]]
-    assert accepted.tokens[0, :3].tolist() == [4, 5, 1] and accepted.tokens[1].tolist() == [4, 5, 6, 7]
+    assert accepted.tokens[0, :3].tolist() == [4, 5, 1] and accepted.tokens[1].tolist() == [
+        4,
+        5,
+        6,
+        7,
+    ]

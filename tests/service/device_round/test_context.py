@@ -33,7 +33,10 @@ def _rows(histories: list[list[int]], window: int) -> torch.Tensor:
 def test_drafts_equal_the_reference(seed: int) -> None:
     rng = np.random.default_rng(seed)
     window, w = 24, 5
-    histories = [rng.integers(0, int(rng.integers(2, 8)), int(rng.integers(1, 40))).tolist() for _ in range(16)]
+    histories = [
+        rng.integers(0, int(rng.integers(2, 8)), int(rng.integers(1, 40))).tolist()
+        for _ in range(16)
+    ]
     drafts, valid = context_drafts(_rows(histories, window), w)
     for row, history in enumerate(histories):
         expected = reference(history, window, w)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.device_round.menu import PROBE_EVERY, NodeAcceptance, TemplateChooser, choose, menu, node_keys
+from service.device_round.menu import (
+    PROBE_EVERY,
+    NodeAcceptance,
+    TemplateChooser,
+    choose,
+    menu,
+    node_keys,
+)
 from service.device_round.template import TreeTemplate
 from tests.helpers.costs import COMPUTE_BOUND, MEMORY_BOUND
 
@@ -23,7 +30,9 @@ def test_node_keys_mean_the_same_node_in_every_template() -> None:
     assert node_keys(small)[:3] == (("root",), ("context", 1), ("context", 2))
 
 
-def _rounds(acceptance: NodeAcceptance, template: TreeTemplate, accepted_paths: list[list[int]]) -> None:
+def _rounds(
+    acceptance: NodeAcceptance, template: TreeTemplate, accepted_paths: list[list[int]]
+) -> None:
     paths = np.zeros((len(accepted_paths), template.max_depth + 1), dtype=np.int64)
     for row, path in enumerate(accepted_paths):
         paths[row, 1 : len(path) + 1] = path
@@ -53,7 +62,9 @@ def test_the_choice_follows_acceptance_and_the_price_of_a_wider_pass() -> None:
         _rounds(hits, template, [[1, 2, 3, 4, 5, 6]] * 4)  # the context chain accepted to its end
         _rounds(misses, template, [[]] * 4)  # nothing accepted
     assert choose(templates, hits, MEMORY_BOUND, rows=4, context=200).chain == 6
-    assert choose(templates, hits, COMPUTE_BOUND, rows=4, context=200).chain == 6  # sure tokens pay even there
+    assert (
+        choose(templates, hits, COMPUTE_BOUND, rows=4, context=200).chain == 6
+    )  # sure tokens pay even there
     assert choose(templates, misses, COMPUTE_BOUND, rows=4, context=200).num_nodes == 1
 
 
@@ -64,5 +75,7 @@ def test_after_many_plain_steps_one_step_drafts_the_smallest_tree() -> None:
     for _ in range(200):
         _rounds(chooser.acceptance, template, [[]] * 4)
     templates = menu(8, 6, chain=True, table=True)
-    chosen = [chooser(templates, COMPUTE_BOUND, 4, 200)[0].num_nodes for _ in range(3 * (PROBE_EVERY + 1))]
+    chosen = [
+        chooser(templates, COMPUTE_BOUND, 4, 200)[0].num_nodes for _ in range(3 * (PROBE_EVERY + 1))
+    ]
     assert chosen.count(templates[1].num_nodes) == 3 and chosen.count(1) == 3 * PROBE_EVERY

@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from drafting import ModelTables, PassDistributions, Recycled, SuccessorTable, TableSlot, TokenHistory
+from drafting import (
+    ModelTables,
+    PassDistributions,
+    Recycled,
+    SuccessorTable,
+    TableSlot,
+    TokenHistory,
+)
 from service.device_round.drafts import draft_trees
 from service.device_round.tables import DeviceTable, last_writers
 from service.device_round.template import TreeTemplate
@@ -26,8 +33,12 @@ def _random_pass(rng: np.random.Generator, nodes: int, k: int) -> PassDistributi
 
 def _refresh_both(host: SuccessorTable, device: DeviceTable, passed: PassDistributions) -> None:
     host.observe(passed)
-    device.refresh(torch.from_numpy(passed.node_tokens), torch.from_numpy(passed.parent_tokens),
-                   torch.from_numpy(passed.top_ids), torch.ones(len(passed.node_tokens), dtype=torch.bool))
+    device.refresh(
+        torch.from_numpy(passed.node_tokens),
+        torch.from_numpy(passed.parent_tokens),
+        torch.from_numpy(passed.top_ids),
+        torch.ones(len(passed.node_tokens), dtype=torch.bool),
+    )
 
 
 @pytest.mark.parametrize("pair_bits", [0, 3, 16])
@@ -48,8 +59,16 @@ def test_refresh_on_device_equals_the_host_refresh(pair_bits: int) -> None:
 def test_nodes_not_kept_do_not_write() -> None:
     host = SuccessorTable(top_k=2)
     device = DeviceTable(host, VOCAB, torch.device("cpu"))
-    device.refresh(torch.tensor([3, 3]), torch.tensor([-1, -1]), torch.tensor([[5, 6], [7, 8]]), torch.tensor([True, False]))
-    assert device.successors[3].tolist() == [5, 6]  # the later node was not kept: the earlier one's row stays
+    device.refresh(
+        torch.tensor([3, 3]),
+        torch.tensor([-1, -1]),
+        torch.tensor([[5, 6], [7, 8]]),
+        torch.tensor([True, False]),
+    )
+    assert device.successors[3].tolist() == [
+        5,
+        6,
+    ]  # the later node was not kept: the earlier one's row stays
 
 
 def _paths(tree) -> set[tuple[int, ...]]:

@@ -21,29 +21,42 @@ CONTROLS = {
     "repetition": {"repetition_penalty": 1.4},
     "repetition<1": {"repetition_penalty": 0.7},
     "bias": {"logit_bias": {7: 3.0, 20: -5.0, 43: 1.0}},
-    "all": {"logit_bias": {60: -2.0}, "repetition_penalty": 1.2, "frequency_penalty": -0.5, "presence_penalty": 0.9},
+    "all": {
+        "logit_bias": {60: -2.0},
+        "repetition_penalty": 1.2,
+        "frequency_penalty": -0.5,
+        "presence_penalty": 0.9,
+    },
 }
 
 
 @pytest.mark.parametrize("control", CONTROLS)
 @pytest.mark.parametrize("prompt", PROMPTS[:2], ids=["mixed", "repetitive"])
-def test_greedy_speculation_with_adjustments_equals_plain_decoding(tiny_model, tiny_engine: Engine, control,
-                                                                   prompt) -> None:
+def test_greedy_speculation_with_adjustments_equals_plain_decoding(
+    tiny_model, tiny_engine: Engine, control, prompt
+) -> None:
     tiny_engine.profile = MEMORY_BOUND  # auto rows speculate
     sampling = SamplingParams(**CONTROLS[control])
     expected = reference_decode(tiny_model, prompt, NEW_TOKENS, sampling)
     assert expected != reference_greedy(tiny_model, prompt, NEW_TOKENS)  # the control matters here
-    assert tiny_engine.complete(prompt, GenerationParams(NEW_TOKENS, sampling=sampling)).token_ids == expected
+    assert (
+        tiny_engine.complete(prompt, GenerationParams(NEW_TOKENS, sampling=sampling)).token_ids
+        == expected
+    )
     accepted = 0
     for shape in SHAPES:
-        spec = tiny_engine.complete(prompt, GenerationParams(NEW_TOKENS, speculation=shape, sampling=sampling))
+        spec = tiny_engine.complete(
+            prompt, GenerationParams(NEW_TOKENS, speculation=shape, sampling=sampling)
+        )
         assert spec.token_ids == expected, shape
         accepted += spec.num_accepted_tokens
     assert accepted > 0  # speculation really took part
 
 
 @pytest.mark.parametrize("control", [*CONTROLS, "min_p"])
-def test_seeded_sampling_with_adjustments_equals_plain_sampling(tiny_model, tiny_engine: Engine, control) -> None:
+def test_seeded_sampling_with_adjustments_equals_plain_sampling(
+    tiny_model, tiny_engine: Engine, control
+) -> None:
     tiny_engine.profile = MEMORY_BOUND
     controls = {"min_p": 0.15} if control == "min_p" else CONTROLS[control]
     accepted = 0
@@ -52,7 +65,9 @@ def test_seeded_sampling_with_adjustments_equals_plain_sampling(tiny_model, tiny
         plain = tiny_engine.complete(PROMPTS[1], GenerationParams(30, sampling=sampling))
         assert plain.token_ids == reference_decode(tiny_model, PROMPTS[1], 30, sampling), seed
         for shape in SHAPES:
-            spec = tiny_engine.complete(PROMPTS[1], GenerationParams(30, speculation=shape, sampling=sampling))
+            spec = tiny_engine.complete(
+                PROMPTS[1], GenerationParams(30, speculation=shape, sampling=sampling)
+            )
             assert spec.token_ids == plain.token_ids, (seed, shape)
             accepted += spec.num_accepted_tokens
     assert accepted > 0
@@ -64,15 +79,24 @@ def complete(engine: Engine, sampling: SamplingParams, prompt: list[int] = PROMP
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_large_bias_forces_its_token_and_a_negative_one_bans_tokens(tiny_engine: Engine, temperature) -> None:
-    assert complete(tiny_engine, SamplingParams(temperature, seed=1, logit_bias={42: 100.0})) == [42] * NEW_TOKENS
+def test_a_large_bias_forces_its_token_and_a_negative_one_bans_tokens(
+    tiny_engine: Engine, temperature
+) -> None:
+    assert (
+        complete(tiny_engine, SamplingParams(temperature, seed=1, logit_bias={42: 100.0}))
+        == [42] * NEW_TOKENS
+    )
     usual = set(complete(tiny_engine, SamplingParams(temperature, seed=1)))
-    banned = complete(tiny_engine, SamplingParams(temperature, seed=1, logit_bias={t: -100.0 for t in usual}))
+    banned = complete(
+        tiny_engine, SamplingParams(temperature, seed=1, logit_bias={t: -100.0 for t in usual})
+    )
     assert not usual & set(banned)
 
 
 def test_a_large_presence_penalty_avoids_repeats(tiny_engine: Engine) -> None:
-    assert max(Counter(complete(tiny_engine, SamplingParams())).values()) > 1  # the model alone repeats
+    assert (
+        max(Counter(complete(tiny_engine, SamplingParams())).values()) > 1
+    )  # the model alone repeats
     output = complete(tiny_engine, SamplingParams(presence_penalty=2.0))
     assert len(set(output)) == len(output) == NEW_TOKENS
 
@@ -86,5 +110,8 @@ def test_a_frequency_penalty_spreads_the_output(tiny_engine: Engine) -> None:
 
 def test_min_p_of_one_samples_the_argmax(tiny_engine: Engine) -> None:
     greedy = complete(tiny_engine, SamplingParams())
-    assert all(complete(tiny_engine, SamplingParams(1.5, seed=seed, min_p=1.0)) == greedy for seed in range(3))
+    assert all(
+        complete(tiny_engine, SamplingParams(1.5, seed=seed, min_p=1.0)) == greedy
+        for seed in range(3)
+    )
     assert complete(tiny_engine, SamplingParams(1.5, seed=0)) != greedy

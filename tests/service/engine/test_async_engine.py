@@ -12,7 +12,13 @@ from contextlib import contextmanager
 
 import pytest
 
-from service.engine.async_engine import AsyncEngine, QueueFull, RequestHandle, RequestTimeout, ShuttingDown
+from service.engine.async_engine import (
+    AsyncEngine,
+    QueueFull,
+    RequestHandle,
+    RequestTimeout,
+    ShuttingDown,
+)
 from service.engine.engine import ContextTooLong, Engine
 from service.engine.outputs import RoundOutput
 from service.engine.params import GenerationParams, SpeculationParams
@@ -42,8 +48,11 @@ def serving(engine: Engine, **options) -> Iterator[AsyncEngine]:
         server.shutdown()
 
 
-async def collect(server: AsyncEngine, handle: RequestHandle, timeout: float = 20) -> list[RoundOutput]:
+async def collect(
+    server: AsyncEngine, handle: RequestHandle, timeout: float = 20
+) -> list[RoundOutput]:
     """The request's rounds to the end of its stream (a hang fails the test, not the run)."""
+
     async def read() -> list[RoundOutput]:
         return [round_output async for round_output in server.stream(handle)]
 
@@ -71,8 +80,10 @@ def tokens(rounds: list[RoundOutput]) -> list[int]:
 
 
 def test_rounds_stream_to_the_end_of_each_request(tiny_model, tiny_runner, tiny_tables) -> None:
-    asked = [(PROMPTS[0], GenerationParams(20)),
-             (PROMPTS[1], GenerationParams(12, speculation=SpeculationParams(4, 4)))]  # rounds of several tokens
+    asked = [
+        (PROMPTS[0], GenerationParams(20)),
+        (PROMPTS[1], GenerationParams(12, speculation=SpeculationParams(4, 4))),
+    ]  # rounds of several tokens
 
     async def scenario() -> list[list[RoundOutput]]:
         with serving(make_engine(tiny_runner, tiny_tables)) as server:
@@ -89,19 +100,25 @@ def test_rounds_stream_to_the_end_of_each_request(tiny_model, tiny_runner, tiny_
 def test_a_request_the_engine_refuses_ends_with_the_engines_error(tiny_runner, tiny_tables) -> None:
     async def scenario() -> None:
         with serving(make_engine(tiny_runner, tiny_tables)) as server:
-            handle = server.submit(list(range(2, 60)) * 8, GenerationParams(100))  # 564 tokens: over 512
+            handle = server.submit(
+                list(range(2, 60)) * 8, GenerationParams(100)
+            )  # 564 tokens: over 512
             with pytest.raises(ContextTooLong):
                 await collect(server, handle)
 
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("leave", [
-    False,  # the server aborts it (a stop string reached, a client gone)
-    True,  # the consumer stops reading: closing the stream aborts it
-])
+@pytest.mark.parametrize(
+    "leave",
+    [
+        False,  # the server aborts it (a stop string reached, a client gone)
+        True,  # the consumer stops reading: closing the stream aborts it
+    ],
+)
 def test_aborting_a_running_request_ends_its_stream_and_frees_its_row(
-        tiny_model, tiny_runner, tiny_tables, slow_passes, leave: bool) -> None:
+    tiny_model, tiny_runner, tiny_tables, slow_passes, leave: bool
+) -> None:
     async def scenario() -> tuple[list[RoundOutput], RequestHandle]:
         with serving(make_engine(tiny_runner, tiny_tables)) as server:
             handle = server.submit(PROMPTS[0], LONG)
@@ -122,7 +139,9 @@ def test_aborting_a_running_request_ends_its_stream_and_frees_its_row(
     assert tokens(rounds) == reference_greedy(tiny_model, PROMPTS[0], len(tokens(rounds)))
 
 
-def test_aborting_a_waiting_request_ends_it_without_a_round(tiny_runner, tiny_tables, slow_passes) -> None:
+def test_aborting_a_waiting_request_ends_it_without_a_round(
+    tiny_runner, tiny_tables, slow_passes
+) -> None:
     async def scenario() -> None:
         with serving(make_engine(tiny_runner, tiny_tables, max_running_requests=1)) as server:
             running, waiting = await one_running_one_waiting(server)
@@ -136,7 +155,9 @@ def test_aborting_a_waiting_request_ends_it_without_a_round(tiny_runner, tiny_ta
     asyncio.run(scenario())
 
 
-def test_a_full_queue_refuses_a_request_until_a_slot_frees(tiny_runner, tiny_tables, slow_passes) -> None:
+def test_a_full_queue_refuses_a_request_until_a_slot_frees(
+    tiny_runner, tiny_tables, slow_passes
+) -> None:
     async def scenario() -> None:
         engine = make_engine(tiny_runner, tiny_tables, max_running_requests=1)
         with serving(engine, max_waiting=1) as server:
@@ -147,12 +168,17 @@ def test_a_full_queue_refuses_a_request_until_a_slot_frees(tiny_runner, tiny_tab
                 server.submit(PROMPTS[2], GenerationParams(8))
             server.abort(running)
             assert len(tokens(await collect(server, queued))) == 8  # it ran once the row was free
-            assert len(tokens(await collect(server, server.submit(PROMPTS[2], GenerationParams(4))))) == 4
+            assert (
+                len(tokens(await collect(server, server.submit(PROMPTS[2], GenerationParams(4)))))
+                == 4
+            )
 
     asyncio.run(scenario())
 
 
-def test_a_request_past_its_deadline_ends_with_a_timeout(tiny_runner, tiny_tables, slow_passes) -> None:
+def test_a_request_past_its_deadline_ends_with_a_timeout(
+    tiny_runner, tiny_tables, slow_passes
+) -> None:
     async def scenario() -> RequestHandle:
         with serving(make_engine(tiny_runner, tiny_tables), request_timeout=0.2) as server:
             handle = server.submit(PROMPTS[0], LONG)
@@ -167,7 +193,9 @@ def test_a_request_past_its_deadline_ends_with_a_timeout(tiny_runner, tiny_table
     assert handle.request is not None and handle.request.finish_reason == "abort"
 
 
-def test_draining_lets_requests_finish_within_the_timeout(tiny_runner, tiny_tables, slow_passes) -> None:
+def test_draining_lets_requests_finish_within_the_timeout(
+    tiny_runner, tiny_tables, slow_passes
+) -> None:
     async def scenario() -> list[RoundOutput]:
         with serving(make_engine(tiny_runner, tiny_tables)) as server:
             handle = server.submit(PROMPTS[1], GenerationParams(8))
@@ -178,7 +206,9 @@ def test_draining_lets_requests_finish_within_the_timeout(tiny_runner, tiny_tabl
     assert len(tokens(asyncio.run(scenario()))) == 8
 
 
-def test_draining_past_its_timeout_ends_running_and_waiting_requests(tiny_runner, tiny_tables, slow_passes) -> None:
+def test_draining_past_its_timeout_ends_running_and_waiting_requests(
+    tiny_runner, tiny_tables, slow_passes
+) -> None:
     async def scenario() -> None:
         with serving(make_engine(tiny_runner, tiny_tables, max_running_requests=1)) as server:
             running, waiting = await one_running_one_waiting(server)
@@ -195,7 +225,9 @@ def test_draining_past_its_timeout_ends_running_and_waiting_requests(tiny_runner
     asyncio.run(scenario())
 
 
-def test_a_failing_step_fails_its_requests_and_the_worker_serves_on(tiny_runner, tiny_tables, monkeypatch) -> None:
+def test_a_failing_step_fails_its_requests_and_the_worker_serves_on(
+    tiny_runner, tiny_tables, monkeypatch
+) -> None:
     async def scenario() -> None:
         engine = make_engine(tiny_runner, tiny_tables)
         with serving(engine) as server:
@@ -210,6 +242,9 @@ def test_a_failing_step_fails_its_requests_and_the_worker_serves_on(tiny_runner,
                 await collect(server, server.submit(PROMPTS[0], GenerationParams(8)))
             monkeypatch.setattr(engine, "step", step)
             assert server.alive
-            assert len(tokens(await collect(server, server.submit(PROMPTS[0], GenerationParams(8))))) == 8
+            assert (
+                len(tokens(await collect(server, server.submit(PROMPTS[0], GenerationParams(8)))))
+                == 8
+            )
 
     asyncio.run(scenario())

@@ -9,7 +9,11 @@ from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.request import Status
 from service.engine.scheduler import (
-    CPU_MAX_RUNNING_REQUESTS, CPU_PREFILL_TOKENS_WHILE_DECODING, GPU_MAX_RUNNING_REQUESTS, DoesNotFit, Scheduler,
+    CPU_MAX_RUNNING_REQUESTS,
+    CPU_PREFILL_TOKENS_WHILE_DECODING,
+    GPU_MAX_RUNNING_REQUESTS,
+    DoesNotFit,
+    Scheduler,
     SchedulerConfig,
 )
 from tests.helpers.batch import LENGTHS, MODES, PROMPTS
@@ -17,7 +21,9 @@ from tests.helpers.costs import gpu_like, linear_profile
 from tests.helpers.engines import make_engine, reference_greedy
 
 
-def test_greedy_outputs_in_a_batch_equal_each_request_alone(tiny_model, tiny_runner, tiny_tables) -> None:
+def test_greedy_outputs_in_a_batch_equal_each_request_alone(
+    tiny_model, tiny_runner, tiny_tables
+) -> None:
     engine = make_engine(tiny_runner, tiny_tables)
     requests = [(p, GenerationParams(n, speculation=s)) for p, n, s in zip(PROMPTS, LENGTHS, MODES)]
     completions = engine.complete_many(requests)
@@ -29,8 +35,13 @@ def test_greedy_outputs_in_a_batch_equal_each_request_alone(tiny_model, tiny_run
 
 def test_seeded_samples_in_a_batch_equal_each_request_alone(tiny_runner, tiny_tables) -> None:
     engine = make_engine(tiny_runner, tiny_tables)
-    sampling = [SamplingParams(temperature=t, top_p=0.9, seed=s) for t, s in [(1.0, 1), (0.7, 2), (1.3, 3)]]
-    requests = [(p, GenerationParams(16, speculation=m, sampling=s)) for p, m, s in zip(PROMPTS, MODES[1:], sampling)]
+    sampling = [
+        SamplingParams(temperature=t, top_p=0.9, seed=s) for t, s in [(1.0, 1), (0.7, 2), (1.3, 3)]
+    ]
+    requests = [
+        (p, GenerationParams(16, speculation=m, sampling=s))
+        for p, m, s in zip(PROMPTS, MODES[1:], sampling)
+    ]
     together = engine.complete_many(requests)
     for request, completion in zip(requests, together):
         alone = engine.complete(*request)
@@ -53,10 +64,14 @@ def test_requests_join_and_leave_mid_stream(tiny_model, tiny_runner, tiny_tables
     assert first.output_ids == reference_greedy(tiny_model, PROMPTS[0], 30)
     assert second.output_ids == reference_greedy(tiny_model, PROMPTS[3], 20)
     assert leaver.finish_reason == "abort" and 0 < len(leaver.output_ids) < 30
-    assert leaver.output_ids == reference_greedy(tiny_model, PROMPTS[1], 30)[: len(leaver.output_ids)]
+    assert (
+        leaver.output_ids == reference_greedy(tiny_model, PROMPTS[1], 30)[: len(leaver.output_ids)]
+    )
 
 
-def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(tiny_model, tiny_runner, tiny_tables) -> None:
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(
+    tiny_model, tiny_runner, tiny_tables
+) -> None:
     engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=12)
     streaming = engine.add_request(PROMPTS[0], GenerationParams(30))
     engine.step()  # prefill and first token
@@ -76,8 +91,13 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_keep_decoding(tiny_mo
 
 
 def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, tiny_tables) -> None:
-    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=24, max_prefill_tokens_while_decoding=5,
-                         prefix_cache=False)  # the joining prompt starts as the first: it would be cached
+    engine = make_engine(
+        tiny_runner,
+        tiny_tables,
+        max_tokens_per_pass=24,
+        max_prefill_tokens_while_decoding=5,
+        prefix_cache=False,
+    )  # the joining prompt starts as the first: it would be cached
     prompt = list(range(2, 60))
     first = engine.add_request(prompt[:20], GenerationParams(40))
     _, stats = engine.step()
@@ -100,8 +120,9 @@ def test_prompt_chunks_are_capped_while_others_decode(tiny_model, tiny_runner, t
         assert request.output_ids == reference_greedy(tiny_model, request.prompt_ids, 40)
 
 
-def test_prompt_chunks_beside_decoding_streams_are_priced_by_the_engines_profile(tiny_model, tiny_runner,
-                                                                                tiny_tables) -> None:
+def test_prompt_chunks_beside_decoding_streams_are_priced_by_the_engines_profile(
+    tiny_model, tiny_runner, tiny_tables
+) -> None:
     """The profile the engine is given prices the chunks: 10 ms + 1 ms a token keeps a pass of
     2 streams within 30.5 ms at 20 tokens, 18 of them the joining prompt's."""
     engine = make_engine(tiny_runner, tiny_tables, prefill_pass_ms=30.5, prefix_cache=False)
@@ -125,8 +146,13 @@ def test_prompt_chunks_beside_decoding_streams_are_priced_by_the_engines_profile
 
 
 def test_a_burst_of_prompts_gets_its_share_of_the_pass(tiny_runner, tiny_tables) -> None:
-    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5,
-                         prefix_cache=False)  # (with it, the three same prompts would be prefilled once)
+    engine = make_engine(
+        tiny_runner,
+        tiny_tables,
+        max_tokens_per_pass=41,
+        max_prefill_tokens_while_decoding=5,
+        prefix_cache=False,
+    )  # (with it, the three same prompts would be prefilled once)
     engine.add_request(PROMPTS[0], GenerationParams(40))
     engine.step()
     for _ in range(3):
@@ -137,11 +163,18 @@ def test_a_burst_of_prompts_gets_its_share_of_the_pass(tiny_runner, tiny_tables)
     assert stats is not None and stats.prefill_tokens == 30 + 1 + 1
 
 
-def test_a_few_prompts_joining_many_decoding_streams_keep_to_the_cap(tiny_model, tiny_runner, tiny_tables) -> None:
+def test_a_few_prompts_joining_many_decoding_streams_keep_to_the_cap(
+    tiny_model, tiny_runner, tiny_tables
+) -> None:
     """Not a burst (fewer requests wait for a first token than decode): the prompts take the
     cap, not their share of the pass, so the decoding streams' next tokens are not held up."""
-    engine = make_engine(tiny_runner, tiny_tables, max_tokens_per_pass=41, max_prefill_tokens_while_decoding=5,
-                         prefix_cache=False)  # (with it, the two same prompts would be prefilled once)
+    engine = make_engine(
+        tiny_runner,
+        tiny_tables,
+        max_tokens_per_pass=41,
+        max_prefill_tokens_while_decoding=5,
+        prefix_cache=False,
+    )  # (with it, the two same prompts would be prefilled once)
     decoding = [engine.add_request(p, GenerationParams(40)) for p in PROMPTS[:3]]
     while any(r.prefill_remaining for r in decoding):
         engine.step()
@@ -161,7 +194,11 @@ def test_the_batch_size_and_the_prefill_cap_default_by_device() -> None:
     assert config.for_device("cpu").max_running_requests == CPU_MAX_RUNNING_REQUESTS
     assert config.for_device("cuda").max_running_requests == GPU_MAX_RUNNING_REQUESTS
     chosen = SchedulerConfig(max_running_requests=5, max_prefill_tokens_while_decoding=7)
-    assert chosen.for_device("cpu").max_running_requests == chosen.for_device("cuda").max_running_requests == 5
+    assert (
+        chosen.for_device("cpu").max_running_requests
+        == chosen.for_device("cuda").max_running_requests
+        == 5
+    )
 
 
 def test_a_scheduler_takes_only_a_config_resolved_for_its_device(tiny_runner) -> None:
@@ -169,7 +206,9 @@ def test_a_scheduler_takes_only_a_config_resolved_for_its_device(tiny_runner) ->
         Scheduler(SchedulerConfig(), tiny_runner.new_cache(), 1)
 
 
-def test_the_kv_budget_is_never_exceeded_and_admission_is_first_come_first_served(tiny_runner, tiny_tables) -> None:
+def test_the_kv_budget_is_never_exceeded_and_admission_is_first_come_first_served(
+    tiny_runner, tiny_tables
+) -> None:
     per_request = make_engine(tiny_runner, tiny_tables).scheduler.memory_bound
     probe = make_engine(tiny_runner, tiny_tables)
     one = probe.add_request(PROMPTS[0], GenerationParams(16))
@@ -181,7 +220,9 @@ def test_the_kv_budget_is_never_exceeded_and_admission_is_first_come_first_serve
         engine.step()
         peak_rows = max(peak_rows, engine.cache.num_rows)
         assert engine.cache.nbytes <= budget
-        started_order += [r for r in requests if r.started_at is not None and r not in started_order]
+        started_order += [
+            r for r in requests if r.started_at is not None and r not in started_order
+        ]
     assert peak_rows == 2
     assert started_order == requests  # FCFS
     assert all(r.status is Status.FINISHED and len(r.output_ids) == 16 for r in requests)
@@ -241,7 +282,8 @@ def drafted_once_prompts_are_in(tiny_model, engine: Engine) -> bool:
 
 @pytest.mark.parametrize("wide_row_seconds, drafted", [(1.0, False), (0.0, True)])
 def test_auto_rows_are_not_drafted_where_not_even_a_sure_draft_would_pay(
-        tiny_model, tiny_runner, tiny_tables, wide_row_seconds: float, drafted: bool) -> None:
+    tiny_model, tiny_runner, tiny_tables, wide_row_seconds: float, drafted: bool
+) -> None:
     """A batch where one more wide row costs a second (70 passes): once the prompts are in (a
     row whose last chunk is in the pass is wide already, so its first tree is nearly free), no
     draft could pay, so no auto row is drafted (the host work saved)."""
@@ -250,9 +292,12 @@ def test_auto_rows_are_not_drafted_where_not_even_a_sure_draft_would_pay(
     assert drafted_once_prompts_are_in(tiny_model, engine) == drafted
 
 
-@pytest.mark.parametrize("best, drafted", [(Acceptance(1.0, 1.0), True), (Acceptance(0.2, 0.2), False)])
+@pytest.mark.parametrize(
+    "best, drafted", [(Acceptance(1.0, 1.0), True), (Acceptance(0.2, 0.2), False)]
+)
 def test_auto_rows_are_not_drafted_where_not_even_the_best_draft_known_would_pay(
-        tiny_model, tiny_runner, tiny_tables, best: Acceptance, drafted: bool) -> None:
+    tiny_model, tiny_runner, tiny_tables, best: Acceptance, drafted: bool
+) -> None:
     """Each token costs as much again as the pass's first (four rows: 0.05 s, a sure draft of
     five tokens 0.10 s for 9 tokens, which pays): where the best draft the mixer knows is
     accepted a fifth of the time, its tokens cost more than they bring, and no row drafts."""

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from drafting import Mixer, TableSlot, default_mixer
-from service.engine.params import GenerationParams, SpeculationParams
+from service.controller.profiler import measure_profile
 from service.engine.engine import Engine
+from service.engine.params import GenerationParams, SpeculationParams
 from service.model.kv_cache import INITIAL_CAPACITY
 from service.model.runner import ModelRunner
-from service.controller.profiler import measure_profile
 from tests.helpers.engines import OracleDrafter, reference_greedy
 from tests.helpers.models import make_tiny_model
 
@@ -33,16 +33,22 @@ class PositionGuard:
 
     def _check(self, module, args, kwargs) -> None:
         highest = int(kwargs["position_ids"].max())
-        assert highest < self.limit, f"position {highest} passed to a model of {self.limit} positions"
+        assert highest < self.limit, (
+            f"position {highest} passed to a model of {self.limit} positions"
+        )
         self.highest = max(self.highest, highest)
 
 
-def guarded_engine(max_positions: int, tables: TableSlot | None = None) -> tuple[Engine, PositionGuard, torch.nn.Module]:
+def guarded_engine(
+    max_positions: int, tables: TableSlot | None = None
+) -> tuple[Engine, PositionGuard, torch.nn.Module]:
     """An engine over its own tiny model (the hook stays on it), of `max_positions` positions."""
     model = make_tiny_model()
     model.config.max_position_embeddings = max_positions
     guard = PositionGuard(model)
-    engine = Engine(ModelRunner(model), default_mixer(tables), eos_token_ids=[], max_context=max_positions)
+    engine = Engine(
+        ModelRunner(model), default_mixer(tables), eos_token_ids=[], max_context=max_positions
+    )
     return engine, guard, model
 
 
@@ -61,8 +67,12 @@ def test_trees_never_reach_past_the_last_position(mode: str) -> None:
     # are: its costs as measured (on a twin without the guard: the profiler's passes run past
     # position 64). A flat profile of made-up seconds left the pass-cost calibration pricing
     # tree sizes it had not seen yet at the prompt pass's ratio, and trees stopped.
-    engine.profile, _ = measure_profile(ModelRunner(make_tiny_model()), rows=(1,), context_lengths=(32, 64), repeats=3)
-    params = GenerationParams(new_tokens, speculation=SpeculationParams(4, 8, mode), strategy="oracle")
+    engine.profile, _ = measure_profile(
+        ModelRunner(make_tiny_model()), rows=(1,), context_lengths=(32, 64), repeats=3
+    )
+    params = GenerationParams(
+        new_tokens, speculation=SpeculationParams(4, 8, mode), strategy="oracle"
+    )
     guard.highest = -1  # the engine's passes only, not the reference decode's
     completion = engine.complete(prompt, params)
     assert completion.token_ids == truth
@@ -81,8 +91,15 @@ def test_outputs_cross_the_kv_growth_point_and_reach_the_context_end(tiny_tables
         [11, 12],
     ]
     lengths = [48, 40, max_context - 440, 30]
-    shapes = [SpeculationParams(4, 6), SpeculationParams(0, 0, "off"), SpeculationParams(6, 8), SpeculationParams(2, 3)]
-    requests = [(p, GenerationParams(n, speculation=s)) for p, n, s in zip(prompts, lengths, shapes)]
+    shapes = [
+        SpeculationParams(4, 6),
+        SpeculationParams(0, 0, "off"),
+        SpeculationParams(6, 8),
+        SpeculationParams(2, 3),
+    ]
+    requests = [
+        (p, GenerationParams(n, speculation=s)) for p, n, s in zip(prompts, lengths, shapes)
+    ]
     completions = engine.complete_many(requests)
     assert guard.highest == max_context - 2  # the engine's passes (before the reference decodes)
     for (prompt, params), completion in zip(requests, completions):

@@ -22,8 +22,8 @@ import torch
 from drafting import TableSlot
 from service.engine.config import EngineConfig
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
-from service.model_drafts.draft_model import model_drafters
 from service.model.prompts import chat_prompt_ids
+from service.model_drafts.draft_model import model_drafters
 from service.runtime import build_engine, build_engine_with_tables
 from tests.helpers.costs import MEMORY_BOUND
 from tests.helpers.embedded import QUESTIONS, compare
@@ -35,10 +35,14 @@ TABLE_STRATEGIES = ["unigram", "bigram", "extended_bigram", "mixed"]
 def reference_generate(model, prompt: list[int], eos: list[int]) -> list[int]:
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=eos, pad_token_id=eos[0],
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.slow
@@ -51,10 +55,14 @@ def test_speculation_matches_transformers_generate(embedded) -> None:
         prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
         want = reference_generate(model, prompt, sorted(engine.eos_token_ids))
         for shape in shapes:
-            params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=shape, strategy="context")
+            params = GenerationParams(
+                max_new_tokens=NEW_TOKENS, speculation=shape, strategy="context"
+            )
             got = engine.complete(prompt, params).token_ids
             outcome = compare(model, prompt, got, want)
-            assert outcome in ("identical", "tie"), f"{question!r} k={shape.k} w={shape.w}: {outcome}"
+            assert outcome in ("identical", "tie"), (
+                f"{question!r} k={shape.k} w={shape.w}: {outcome}"
+            )
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(f"\nagainst transformers' generate: {outcomes}")  # ties should be rare
     assert outcomes.get("identical", 0) >= 0.9 * len(QUESTIONS) * len(shapes)
@@ -79,12 +87,25 @@ def test_a_batch_of_requests_matches_generate_request_by_request(embedded) -> No
     is still the reference's (ties counted as above)."""
     engine = build_engine(embedded, TableSlot())
     model, tokenizer = embedded.model, embedded.tokenizer
-    modes = [SpeculationParams(0, 0, "off"), SpeculationParams(4, 4), SpeculationParams(8, 6), SpeculationParams(1, 3)]
+    modes = [
+        SpeculationParams(0, 0, "off"),
+        SpeculationParams(4, 4),
+        SpeculationParams(8, 6),
+        SpeculationParams(1, 3),
+    ]
     prompts = [chat_prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
-    requests = [(p, GenerationParams(NEW_TOKENS, speculation=m, strategy="context")) for p, m in zip(prompts, modes)]
+    requests = [
+        (p, GenerationParams(NEW_TOKENS, speculation=m, strategy="context"))
+        for p, m in zip(prompts, modes)
+    ]
     outcomes: dict[str, int] = {}
     for prompt, completion in zip(prompts, engine.complete_many(requests)):
-        outcome = compare(model, prompt, completion.token_ids, reference_generate(model, prompt, sorted(engine.eos_token_ids)))
+        outcome = compare(
+            model,
+            prompt,
+            completion.token_ids,
+            reference_generate(model, prompt, sorted(engine.eos_token_ids)),
+        )
         assert outcome in ("identical", "tie"), outcome
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(f"\nbatched, against transformers' generate: {outcomes}")
@@ -103,7 +124,9 @@ def test_table_strategies_match_transformers_generate(embedded) -> None:
         prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
         want = reference_generate(model, prompt, sorted(engine.eos_token_ids))
         for strategy in TABLE_STRATEGIES:
-            params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy=strategy)
+            params = GenerationParams(
+                NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy=strategy
+            )
             completion = engine.complete(prompt, params)
             outcome = compare(model, prompt, completion.token_ids, want)
             assert outcome in ("identical", "tie"), f"{question!r} {strategy}: {outcome}"
@@ -128,11 +151,17 @@ def test_self_draft_matches_transformers_generate(embedded) -> None:
         prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
         want = reference_generate(model, prompt, sorted(engine.eos_token_ids))
         for strategy in ["self_draft", "self_draft_staged", "context+self_draft"]:
-            params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy=strategy)
+            params = GenerationParams(
+                NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy=strategy
+            )
             completion = engine.complete(prompt, params)
             outcome = compare(model, prompt, completion.token_ids, want)
             assert outcome in ("identical", "tie"), f"{question!r} {strategy}: {outcome}"
-            accepted += sum(n for name, n in completion.accepted_by_strategy.items() if name.startswith("self_draft"))
+            accepted += sum(
+                n
+                for name, n in completion.accepted_by_strategy.items()
+                if name.startswith("self_draft")
+            )
     assert accepted > 0
 
 
@@ -156,19 +185,28 @@ def test_bf16_speculation_matches_plain_decoding_of_the_same_path(embedded_bf16)
     outcomes: dict[str, int] = {}
     for shape in [SpeculationParams(4, 4), SpeculationParams(8, 6)]:
         for prompt, want in zip(prompts, plain):
-            got = engine.complete(prompt, GenerationParams(NEW_TOKENS, speculation=shape, strategy="context")).token_ids
+            got = engine.complete(
+                prompt, GenerationParams(NEW_TOKENS, speculation=shape, strategy="context")
+            ).token_ids
             outcome = compare(model, prompt, got, want)
             assert outcome in ("identical", "tie"), f"k={shape.k} w={shape.w}: {outcome}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    modes = [SpeculationParams(0, 0, "off"), SpeculationParams(4, 4), SpeculationParams(8, 6), SpeculationParams(1, 3)]
-    batch = [(p, GenerationParams(NEW_TOKENS, speculation=m, strategy="context")) for p, m in zip(prompts, modes)]
+    modes = [
+        SpeculationParams(0, 0, "off"),
+        SpeculationParams(4, 4),
+        SpeculationParams(8, 6),
+        SpeculationParams(1, 3),
+    ]
+    batch = [
+        (p, GenerationParams(NEW_TOKENS, speculation=m, strategy="context"))
+        for p, m in zip(prompts, modes)
+    ]
     for prompt, want, completion in zip(prompts, plain, engine.complete_many(batch)):
         outcome = compare(model, prompt, completion.token_ids, want)
         assert outcome in ("identical", "tie"), f"batched: {outcome}"
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(f"\nbf16, against bf16 plain decoding: {outcomes}")
     assert outcomes.get("identical", 0) >= 0.75 * sum(outcomes.values())
-
 
 
 @pytest.mark.slow
@@ -186,10 +224,16 @@ def test_structured_output_with_speculation_matches_plain(embedded) -> None:
     grammar = GrammarSpec("json_schema", json.dumps(structured.SCHEMA))
     outcomes: dict[str, int] = {}
     for prompt in structured.prompts(embedded.tokenizer, structured.documents(3)):
-        want = engine.complete(prompt, GenerationParams(max_new_tokens=96, grammar=grammar)).token_ids
-        jsonschema.validate(json.loads(embedded.tokenizer.decode(want, skip_special_tokens=True)), structured.SCHEMA)
+        want = engine.complete(
+            prompt, GenerationParams(max_new_tokens=96, grammar=grammar)
+        ).token_ids
+        jsonschema.validate(
+            json.loads(embedded.tokenizer.decode(want, skip_special_tokens=True)), structured.SCHEMA
+        )
         for shape in [SpeculationParams(4, 4), SpeculationParams(8, 8)]:
-            got = engine.complete(prompt, GenerationParams(max_new_tokens=96, speculation=shape, grammar=grammar)).token_ids
+            got = engine.complete(
+                prompt, GenerationParams(max_new_tokens=96, speculation=shape, grammar=grammar)
+            ).token_ids
             outcome = compare(embedded.model, prompt, got, want)
             assert outcome in ("identical", "tie"), f"k={shape.k} w={shape.w}: {outcome}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
@@ -207,15 +251,33 @@ def test_device_round_matches_generate_and_samples_as_the_host_path(embedded) ->
     engine.profile = MEMORY_BOUND
     outcomes: dict[str, int] = {}
     for spec in (SpeculationParams(8, 6), SpeculationParams(8, 6, "auto")):
-        completions = engine.complete_many([(p, GenerationParams(NEW_TOKENS, speculation=spec)) for p in prompts])
+        completions = engine.complete_many(
+            [(p, GenerationParams(NEW_TOKENS, speculation=spec)) for p in prompts]
+        )
         for prompt, completion in zip(prompts, completions):
-            outcome = compare(model, prompt, completion.token_ids, reference_generate(model, prompt, sorted(engine.eos_token_ids)))
+            outcome = compare(
+                model,
+                prompt,
+                completion.token_ids,
+                reference_generate(model, prompt, sorted(engine.eos_token_ids)),
+            )
             assert outcome in ("identical", "tie"), f"{spec}: {outcome}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
         assert sum(c.num_accepted_tokens for c in completions) > 0
     print(f"\ndevice round against transformers' generate: {outcomes}")
     assert engine.device_round.copies > NEW_TOKENS // 2
-    seeded = [(p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), sampling=SamplingParams(0.7, seed=i)))
-              for i, p in enumerate(prompts)]
+    seeded = [
+        (
+            p,
+            GenerationParams(
+                NEW_TOKENS,
+                speculation=SpeculationParams(4, 4),
+                sampling=SamplingParams(0.7, seed=i),
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
     host = build_engine(embedded, TableSlot(), EngineConfig(device_round=False))
-    assert [c.token_ids for c in engine.complete_many(seeded)] == [c.token_ids for c in host.complete_many(seeded)]
+    assert [c.token_ids for c in engine.complete_many(seeded)] == [
+        c.token_ids for c in host.complete_many(seeded)
+    ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from drafting import STANDALONE_NAMES, STRATEGY_NAMES, Mixer
-from service.engine.params import GenerationParams, SpeculationParams
 from service.engine.engine import ContextTooLong, Engine
+from service.engine.params import GenerationParams, SpeculationParams
 from service.model.runner import ModelRunner
 from tests.helpers.costs import COMPUTE_BOUND, MEMORY_BOUND
 from tests.helpers.engines import NEW_TOKENS, PROMPTS, OracleDrafter, reference_greedy
@@ -29,7 +29,9 @@ def test_every_strategy_is_lossless(tiny_model, tiny_engine: Engine, prompt, str
     params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy=strategy)
     completion = tiny_engine.complete(prompt, params)
     assert completion.token_ids == expected
-    allowed = set(STRATEGY_NAMES) - {"mixed", *STANDALONE_NAMES} if strategy == "mixed" else {strategy}
+    allowed = (
+        set(STRATEGY_NAMES) - {"mixed", *STANDALONE_NAMES} if strategy == "mixed" else {strategy}
+    )
     assert set(completion.accepted_by_strategy) <= allowed
 
 
@@ -59,7 +61,9 @@ def test_stops_at_stop_token_and_counts_it(tiny_model, tiny_engine: Engine) -> N
     stop = expected[10]
     first = expected.index(stop)
     params = GenerationParams(
-        max_new_tokens=NEW_TOKENS, stop_token_ids=frozenset({stop}), speculation=SpeculationParams(4, 3)
+        max_new_tokens=NEW_TOKENS,
+        stop_token_ids=frozenset({stop}),
+        speculation=SpeculationParams(4, 3),
     )
     completion = tiny_engine.complete(PROMPTS[0], params)
     assert completion.token_ids == expected[: first + 1]
@@ -80,7 +84,9 @@ def test_context_too_long_is_refused(tiny_engine: Engine) -> None:
         tiny_engine.complete(list(range(2, 60)) * 8, GenerationParams(max_new_tokens=100))
 
 
-@pytest.mark.parametrize("profile", [MEMORY_BOUND, COMPUTE_BOUND], ids=["memory-bound", "compute-bound"])
+@pytest.mark.parametrize(
+    "profile", [MEMORY_BOUND, COMPUTE_BOUND], ids=["memory-bound", "compute-bound"]
+)
 @pytest.mark.parametrize("prompt", PROMPTS[:2], ids=["mixed", "repetitive"])
 def test_auto_mode_is_lossless_and_stays_within_its_maxima(
     tiny_model, tiny_engine: Engine, prompt, profile
@@ -93,7 +99,9 @@ def test_auto_mode_is_lossless_and_stays_within_its_maxima(
     assert all(r.k <= 6 and r.w <= 5 and r.predicted_tokens_per_second for r in rounds)
 
 
-def test_auto_mode_speculates_big_where_passes_are_free_and_not_where_they_cost(tiny_engine: Engine) -> None:
+def test_auto_mode_speculates_big_where_passes_are_free_and_not_where_they_cost(
+    tiny_engine: Engine,
+) -> None:
     params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(6, 5, mode="auto"))
     tiny_engine.profile = MEMORY_BOUND
     wide = list(tiny_engine.generate(PROMPTS[1], params))
@@ -103,7 +111,9 @@ def test_auto_mode_speculates_big_where_passes_are_free_and_not_where_they_cost(
     assert sum(r.num_draft_tokens for r in wide) > sum(r.num_draft_tokens for r in narrow)
 
 
-def test_auto_mode_drafts_a_request_it_keeps_plain_only_now_and_then(tiny_model, tiny_engine: Engine) -> None:
+def test_auto_mode_drafts_a_request_it_keeps_plain_only_now_and_then(
+    tiny_model, tiny_engine: Engine
+) -> None:
     """Where drafts never pay, drafting for every round is pure overhead: a request kept plain
     is drafted only now and then, and the pass's distributions go to the drafting layer only
     before those rounds, yet every round still gets a forecast."""
@@ -139,7 +149,10 @@ def test_a_fixed_mode_request_hands_every_pass_to_the_drafting_layer(tiny_engine
 def test_auto_mode_without_a_profile_decodes_plainly(tiny_engine: Engine) -> None:
     params = GenerationParams(8, speculation=SpeculationParams(2, 3, mode="auto"))
     rounds = list(tiny_engine.generate(PROMPTS[1], params))
-    assert all((r.k, r.w, r.num_draft_tokens, r.predicted_tokens_per_second) == (0, 0, 0, None) for r in rounds)
+    assert all(
+        (r.k, r.w, r.num_draft_tokens, r.predicted_tokens_per_second) == (0, 0, 0, None)
+        for r in rounds
+    )
 
 
 def test_off_mode_is_plain_decoding(tiny_engine: Engine) -> None:

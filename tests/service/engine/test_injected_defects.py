@@ -26,9 +26,17 @@ from service.model.runner import ModelRunner, RowInput
 from service.model.tree import build_tree
 from tests.helpers.embedded import compare
 from tests.helpers.models import make_tiny_model
-from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, assert_nodes_within_rounding, prefilled
+from tests.helpers.passes import (
+    DRAFTS,
+    PROMPT,
+    assert_nodes_match,
+    assert_nodes_within_rounding,
+    prefilled,
+)
 
-TREE_NODES = 17  # k=4 w=4 trees and the root: the defects touch rows of 2..17 tokens, never a prompt
+TREE_NODES = (
+    17  # k=4 w=4 trees and the root: the defects touch rows of 2..17 tokens, never a prompt
+)
 PROMPTS = [[5, 9, 13, 2, 6] * 5, [7, 7, 3, 1, 8, 4] * 4, [11, 12, 13, 14, 15, 16, 17, 18] * 3]
 NEW_TOKENS = 40
 Defect = Callable[[PassLayout], None]
@@ -36,8 +44,11 @@ Defect = Callable[[PassLayout], None]
 
 def _tree_rows(layout: PassLayout) -> list[tuple[int, int, int]]:
     """(row, first flat token, width) of the rows that carry a draft tree."""
-    return [(row, offset, width) for row, (offset, width) in enumerate(zip(layout.offsets, layout.widths))
-            if 2 <= width <= TREE_NODES]
+    return [
+        (row, offset, width)
+        for row, (offset, width) in enumerate(zip(layout.offsets, layout.widths))
+        if 2 <= width <= TREE_NODES
+    ]
 
 
 def position_off_by_one(layout: PassLayout) -> None:
@@ -103,7 +114,10 @@ def peaked(model, factor: float = 4.0):
     return model
 
 
-CHECKS = {"float32": (torch.float32, assert_nodes_match), "bf16": (torch.bfloat16, assert_nodes_within_rounding)}
+CHECKS = {
+    "float32": (torch.float32, assert_nodes_match),
+    "bf16": (torch.bfloat16, assert_nodes_within_rounding),
+}
 
 
 @pytest.mark.parametrize("dtype", CHECKS)
@@ -124,21 +138,31 @@ def judged(model, prompts: list[list[int]]) -> tuple[list[str], int]:
     """Each prompt's speculative answer (all in one batch, k=4 w=4 context drafts) judged
     against its plain answer by the near-tie rule; and the draft tokens accepted."""
     engine = Engine(ModelRunner(model), default_mixer(None), eos_token_ids=[], max_context=512)
-    plain = [engine.complete(p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode="off"))).token_ids
-             for p in prompts]
+    plain = [
+        engine.complete(
+            p, GenerationParams(NEW_TOKENS, speculation=SpeculationParams(mode="off"))
+        ).token_ids
+        for p in prompts
+    ]
     params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4), strategy="context")
     completions = engine.complete_many([(p, params) for p in prompts])
     accepted = sum(sum(c.accepted_by_strategy.values()) for c in completions)
-    return [compare(model, p, c.token_ids, want) for p, c, want in zip(prompts, completions, plain)], accepted
+    return [
+        compare(model, p, c.token_ids, want) for p, c, want in zip(prompts, completions, plain)
+    ], accepted
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-def test_greedy_answers_part_beyond_a_tie_only_with_a_defect(dtype: torch.dtype, monkeypatch) -> None:
+def test_greedy_answers_part_beyond_a_tie_only_with_a_defect(
+    dtype: torch.dtype, monkeypatch
+) -> None:
     model = make_tiny_model(seed=5).to(dtype)
     clean, accepted = judged(model, PROMPTS)
     assert all(outcome in ("identical", "tie") for outcome in clean), clean
     assert accepted >= 20  # trees were verified: the defect below had passes to corrupt
     injected(monkeypatch, kv_from_the_wrong_row)
     faulty, _ = judged(model, PROMPTS)
-    print(f"\n{dtype}: clean {clean}, {accepted} draft tokens accepted; a KV entry in the wrong row: {faulty}")
+    print(
+        f"\n{dtype}: clean {clean}, {accepted} draft tokens accepted; a KV entry in the wrong row: {faulty}"
+    )
     assert any(outcome.startswith("differs") for outcome in faulty), faulty

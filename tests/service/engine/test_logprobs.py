@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.engine import Engine
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 
 REPETITIVE = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]  # context lookup has matches, so drafts get accepted
 NEW_TOKENS = 30
@@ -22,20 +22,30 @@ def reference_logprobs(model, prompt: list[int], output: list[int]) -> list[floa
     return [float(logprobs[p, token]) for p, token in zip(positions, output)]
 
 
-def run(engine: Engine, spec: SpeculationParams, sampling: SamplingParams = SamplingParams(), **kwargs):
-    params = GenerationParams(NEW_TOKENS, speculation=spec, strategy="context", sampling=sampling,
-                              logprobs=TOP, **kwargs)
+def run(
+    engine: Engine, spec: SpeculationParams, sampling: SamplingParams = SamplingParams(), **kwargs
+):
+    params = GenerationParams(
+        NEW_TOKENS, speculation=spec, strategy="context", sampling=sampling, logprobs=TOP, **kwargs
+    )
     return engine.complete(REPETITIVE, params)
 
 
-@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.8, top_k=10, seed=3)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(), SamplingParams(temperature=0.8, top_k=10, seed=3)],
+    ids=["greedy", "sampled"],
+)
 def test_logprobs_agree_with_and_without_speculation_and_with_a_plain_forward(
-    tiny_model, tiny_engine: Engine, sampling: SamplingParams,
+    tiny_model,
+    tiny_engine: Engine,
+    sampling: SamplingParams,
 ) -> None:
     plain = run(tiny_engine, SpeculationParams(0, 0, "off"), sampling)
     speculative = run(tiny_engine, SpeculationParams(4, 4), sampling)
-    assert speculative.num_accepted_tokens > 0  # drafts were accepted: their nodes' logits were used
+    assert (
+        speculative.num_accepted_tokens > 0
+    )  # drafts were accepted: their nodes' logits were used
     assert speculative.token_ids == plain.token_ids
     assert [lp.token_id for lp in speculative.logprobs] == speculative.token_ids
     expected = reference_logprobs(tiny_model, REPETITIVE, plain.token_ids)
@@ -47,14 +57,19 @@ def test_logprobs_agree_with_and_without_speculation_and_with_a_plain_forward(
         assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-4)
 
 
-def test_top_logprobs_are_sorted_of_the_asked_length_and_lead_with_the_greedy_token(tiny_engine: Engine) -> None:
+def test_top_logprobs_are_sorted_of_the_asked_length_and_lead_with_the_greedy_token(
+    tiny_engine: Engine,
+) -> None:
     completion = run(tiny_engine, SpeculationParams(4, 4))
     assert len(completion.logprobs) == NEW_TOKENS
     for lp in completion.logprobs:
         values = [v for _, v in lp.top]
         assert len(lp.top) == TOP and len({t for t, _ in lp.top}) == TOP
         assert values == sorted(values, reverse=True)
-        assert lp.top[0] == (lp.token_id, pytest.approx(lp.logprob))  # greedy: the chosen is the likeliest
+        assert lp.top[0] == (
+            lp.token_id,
+            pytest.approx(lp.logprob),
+        )  # greedy: the chosen is the likeliest
 
 
 def test_sampled_tokens_get_their_own_logprob_not_the_top_ones(tiny_engine: Engine) -> None:

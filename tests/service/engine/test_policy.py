@@ -11,7 +11,8 @@ from tests.helpers.engines import make_engine, reference_greedy
 
 
 def test_a_step_where_no_auto_row_drafted_is_planned_as_the_planner_plans_rows_without_drafts(
-        tiny_model, tiny_runner, tiny_tables) -> None:
+    tiny_model, tiny_runner, tiny_tables
+) -> None:
     """Four auto requests the gate keeps from drafting (each token costs as much again as the
     pass's first, the best draft known is accepted a fifth of the time): every step after the
     first is quiet, and its plan (trees, tokens, forecast seconds) is `plan_trees`' for rows
@@ -28,11 +29,21 @@ def test_a_step_where_no_auto_row_drafted_is_planned_as_the_planner_plans_rows_w
         if any(row in speculating for row in auto):
             return decided
         cost, fixed, prefill_seconds = pricing or policy.pricing(rows, set(auto))
-        expected = plan_trees([RowCandidates([], row.request.speculation.k, row.request.speculation.w)
-                               for row in auto], cost, fixed, sum(1 for r in rows if r.tree is not None), budget,
-                              prefill_seconds=prefill_seconds)
+        expected = plan_trees(
+            [
+                RowCandidates([], row.request.speculation.k, row.request.speculation.w)
+                for row in auto
+            ],
+            cost,
+            fixed,
+            sum(1 for r in rows if r.tree is not None),
+            budget,
+            prefill_seconds=prefill_seconds,
+        )
         assert taken[-1] == expected
-        assert all(row.tree is not None and row.tree.num_nodes == 1 for row in decided if row.decoding)
+        assert all(
+            row.tree is not None and row.tree.num_nodes == 1 for row in decided if row.decoding
+        )
         quiet_steps.append(len(auto))
         return decided
 

@@ -50,17 +50,32 @@ def test_a_prompt_finds_the_whole_blocks_it_starts_with_and_gets_their_entries()
     assert cache.lengths[row] == 2 * BLOCK_TOKENS
     for mine, theirs in zip(cache.entries(row, 0, 32), cache.entries(source, 0, 32)):
         assert torch.equal(mine, theirs)
-    assert (prefix.stats.queried_tokens, prefix.stats.hit_tokens) == (len(SHARED) + 1, 2 * BLOCK_TOKENS)
+    assert (prefix.stats.queried_tokens, prefix.stats.hit_tokens) == (
+        len(SHARED) + 1,
+        2 * BLOCK_TOKENS,
+    )
 
 
-@pytest.mark.parametrize("prompt, hit", [
-    (SHARED[:BLOCK_TOKENS + 1], BLOCK_TOKENS),  # ends one token past a block: the block, the last token to compute
-    (SHARED[:BLOCK_TOKENS], 0),  # ends on a block's edge: its last token must be computed, so the block is not whole
-    (SHARED[:BLOCK_TOKENS + 7], BLOCK_TOKENS),  # ends inside the second block
-    (SHARED, 2 * BLOCK_TOKENS),  # the very prompt that was cached
-    (SHARED[:5] + [1] + SHARED[6:], 0),  # differs inside the first block
-    ([1] * BLOCK_TOKENS + SHARED[BLOCK_TOKENS:], 0),  # the second block's tokens after another first block
-])
+@pytest.mark.parametrize(
+    "prompt, hit",
+    [
+        (
+            SHARED[: BLOCK_TOKENS + 1],
+            BLOCK_TOKENS,
+        ),  # ends one token past a block: the block, the last token to compute
+        (
+            SHARED[:BLOCK_TOKENS],
+            0,
+        ),  # ends on a block's edge: its last token must be computed, so the block is not whole
+        (SHARED[: BLOCK_TOKENS + 7], BLOCK_TOKENS),  # ends inside the second block
+        (SHARED, 2 * BLOCK_TOKENS),  # the very prompt that was cached
+        (SHARED[:5] + [1] + SHARED[6:], 0),  # differs inside the first block
+        (
+            [1] * BLOCK_TOKENS + SHARED[BLOCK_TOKENS:],
+            0,
+        ),  # the second block's tokens after another first block
+    ],
+)
 def test_only_the_same_tokens_at_the_same_positions_hit(prompt: list[int], hit: int) -> None:
     cache, prefix = TreeKVCache(LAYERS, rows=0), PrefixCache(unbounded)
     prefix.store(cache, computed_row(cache, len(SHARED)), SHARED)
@@ -69,7 +84,9 @@ def test_only_the_same_tokens_at_the_same_positions_hit(prompt: list[int], hit: 
 
 def test_blocks_are_stored_only_as_far_as_the_row_is_committed() -> None:
     cache, prefix = TreeKVCache(LAYERS, rows=0), PrefixCache(unbounded)
-    prefix.store(cache, computed_row(cache, BLOCK_TOKENS + 3), SHARED)  # a prompt in the middle of its prefill
+    prefix.store(
+        cache, computed_row(cache, BLOCK_TOKENS + 3), SHARED
+    )  # a prompt in the middle of its prefill
     assert prefix.num_blocks == 1
 
 
@@ -78,14 +95,18 @@ def test_eviction_keeps_to_the_room_and_drops_the_least_recently_used_end_first(
     cache, prefix = TreeKVCache(LAYERS, rows=0), PrefixCache(lambda: room[0])
     first = list(range(100, 100 + 4 * BLOCK_TOKENS))
     prefix.store(cache, computed_row(cache, len(first)), first)
-    assert prefix.num_blocks == 3 and prefix.nbytes <= room[0]  # no room for the fourth: its chain is kept
+    assert (
+        prefix.num_blocks == 3 and prefix.nbytes <= room[0]
+    )  # no room for the fourth: its chain is kept
     second = list(range(500, 500 + BLOCK_TOKENS))
     prefix.store(cache, computed_row(cache, len(second), seed=1), second)
     assert prefix.nbytes <= room[0] and prefix.peek(second) == BLOCK_TOKENS
     assert prefix.peek(first) == 2 * BLOCK_TOKENS  # the first chain lost its end, not its start
     room[0] = BLOCK_BYTES
     prefix.evict_until(room[0])
-    assert prefix.num_blocks == 1 and prefix.peek(second) == BLOCK_TOKENS  # the most recently used stays
+    assert (
+        prefix.num_blocks == 1 and prefix.peek(second) == BLOCK_TOKENS
+    )  # the most recently used stays
     assert prefix.stats.evicted_blocks == 3
 
 
@@ -93,7 +114,9 @@ def test_evicting_a_block_drops_the_blocks_after_it_and_frees_their_memory() -> 
     cache, prefix = TreeKVCache(LAYERS, rows=0), PrefixCache(unbounded)
     prefix.store(cache, computed_row(cache, len(SHARED)), SHARED)
     alive = [weakref.ref(block.keys) for block in prefix.match(SHARED)]
-    prefix.match(SHARED[:BLOCK_TOKENS])  # the first block is now the most recent: the second goes first
+    prefix.match(
+        SHARED[:BLOCK_TOKENS]
+    )  # the first block is now the most recent: the second goes first
     prefix.evict_until(BLOCK_BYTES)
     assert prefix.peek(SHARED) == BLOCK_TOKENS
     prefix.clear()
@@ -107,20 +130,25 @@ SYSTEM = [(7 * i) % 60 + 2 for i in range(40)]  # a shared "system prompt" of tw
 PROMPTS = [
     SYSTEM + [5, 9, 13],
     SYSTEM + [21, 4, 4, 8, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42],
-    SYSTEM[:BLOCK_TOKENS + 1],  # ends one token past a block
+    SYSTEM[: BLOCK_TOKENS + 1],  # ends one token past a block
     SYSTEM + [5, 9, 13],  # the very same prompt again
     SYSTEM[:33] + [50, 51],  # ends inside a block, after two shared blocks
 ]
 LOGPROB_TOLERANCE = 1e-5
-SPECULATION = {"off": SpeculationParams(0, 0), "fixed": SpeculationParams(4, 4), "auto": SpeculationParams(4, 4, "auto")}
+SPECULATION = {
+    "off": SpeculationParams(0, 0),
+    "fixed": SpeculationParams(4, 4),
+    "auto": SpeculationParams(4, 4, "auto"),
+}
 
 
 def engine_with(tiny_runner, tiny_tables, prefix_cache: bool, **limits: int) -> Engine:
     return make_engine(tiny_runner, tiny_tables, prefix_cache=prefix_cache, **limits)
 
 
-def run_in_waves(engine: Engine, params: GenerationParams,
-                 budget: int | None = None) -> list[tuple[list[int], list[float]]]:
+def run_in_waves(
+    engine: Engine, params: GenerationParams, budget: int | None = None
+) -> list[tuple[list[int], list[float]]]:
     """Every prompt, in two waves: the first two together (sharing the system prompt while it
     is prefilled), then the rest together (finding it cached); each request's tokens and their
     logprobs (which any change of a KV entry would move). Checks the KV budget each step."""
@@ -142,7 +170,9 @@ def run_in_waves(engine: Engine, params: GenerationParams,
     return outputs
 
 
-def assert_same(outputs: list[tuple[list[int], list[float]]], expected: list[tuple[list[int], list[float]]]) -> None:
+def assert_same(
+    outputs: list[tuple[list[int], list[float]]], expected: list[tuple[list[int], list[float]]]
+) -> None:
     """The same tokens, and logprobs equal but for float rounding: a prompt prefilled in other
     chunks, or a cached block's entries where a pass computed them, may round its last bits
     differently on this (torch) path; a wrong entry moves them by far more."""
@@ -153,19 +183,28 @@ def assert_same(outputs: list[tuple[list[int], list[float]]], expected: list[tup
 
 @pytest.mark.parametrize("mode", list(SPECULATION))
 @pytest.mark.parametrize("seed", [None, 11])
-def test_output_is_the_same_with_and_without_the_cache(tiny_runner, tiny_tables, mode: str, seed: int | None) -> None:
+def test_output_is_the_same_with_and_without_the_cache(
+    tiny_runner, tiny_tables, mode: str, seed: int | None
+) -> None:
     sampling = SamplingParams() if seed is None else SamplingParams(temperature=0.9, seed=seed)
     params = GenerationParams(24, speculation=SPECULATION[mode], sampling=sampling)
     cached = engine_with(tiny_runner, tiny_tables, True)
-    assert_same(run_in_waves(cached, params), run_in_waves(engine_with(tiny_runner, tiny_tables, False), params))
+    assert_same(
+        run_in_waves(cached, params),
+        run_in_waves(engine_with(tiny_runner, tiny_tables, False), params),
+    )
     stats = cached.scheduler.prefix.stats
     # the second wave found the system prompt: all but its last part-block, in 3 of its 3 prompts
     assert stats.hit_tokens >= 2 * BLOCK_TOKENS * 2 + BLOCK_TOKENS
 
 
-def test_greedy_output_with_the_cache_is_plain_decoding(tiny_model, tiny_runner, tiny_tables) -> None:
+def test_greedy_output_with_the_cache_is_plain_decoding(
+    tiny_model, tiny_runner, tiny_tables
+) -> None:
     outputs = run_in_waves(engine_with(tiny_runner, tiny_tables, True), GenerationParams(24))
-    assert [tokens for tokens, _ in outputs] == [reference_greedy(tiny_model, prompt, 24) for prompt in PROMPTS]
+    assert [tokens for tokens, _ in outputs] == [
+        reference_greedy(tiny_model, prompt, 24) for prompt in PROMPTS
+    ]
 
 
 def test_a_prompt_being_prefilled_is_computed_once(tiny_runner, tiny_tables) -> None:
@@ -189,19 +228,32 @@ def test_blocks_are_evicted_within_the_budget_mid_burst(tiny_runner, tiny_tables
     params = GenerationParams(300)  # rows of up to 343 entries: capacity 512
     cached = engine_with(tiny_runner, tiny_tables, True, kv_cache_bytes=budget)
     with_cache = run_in_waves(cached, params, budget)
-    assert_same(with_cache, run_in_waves(engine_with(tiny_runner, tiny_tables, False, kv_cache_bytes=budget), params))
-    assert cached.scheduler.prefix.stats.evicted_blocks > 0 and cached.scheduler.prefix.stats.hit_tokens > 0
+    assert_same(
+        with_cache,
+        run_in_waves(engine_with(tiny_runner, tiny_tables, False, kv_cache_bytes=budget), params),
+    )
+    assert (
+        cached.scheduler.prefix.stats.evicted_blocks > 0
+        and cached.scheduler.prefix.stats.hit_tokens > 0
+    )
     assert cached.cache.nbytes == 0  # every row left: the rows' buffers are gone
 
 
-def test_the_suffix_strategy_still_drafts_a_repeated_prompts_earlier_output(tiny_runner, tiny_tables) -> None:
+def test_the_suffix_strategy_still_drafts_a_repeated_prompts_earlier_output(
+    tiny_runner, tiny_tables
+) -> None:
     """A prompt sent again is read from the cache, but its drafts see the whole prompt as
     before: the suffix index proposes the first answer, as without the cache."""
     params = GenerationParams(32, speculation=SpeculationParams(1, 8), strategy="suffix")
     accepted = {}
     for prefix_cache in (True, False):
-        engine = Engine(tiny_runner, default_mixer(tiny_tables), eos_token_ids=[], max_context=512,
-                        scheduler_config=SchedulerConfig(prefix_cache=prefix_cache))
+        engine = Engine(
+            tiny_runner,
+            default_mixer(tiny_tables),
+            eos_token_ids=[],
+            max_context=512,
+            scheduler_config=SchedulerConfig(prefix_cache=prefix_cache),
+        )
         engine.profile = MEMORY_BOUND
         first = engine.complete(PROMPTS[0], params)
         again = engine.complete(PROMPTS[0], params)
@@ -211,7 +263,9 @@ def test_the_suffix_strategy_still_drafts_a_repeated_prompts_earlier_output(tiny
 
 
 @pytest.mark.parametrize("path", ["gguf", "gguf-int8"])
-def test_a_second_turn_reads_the_first_turns_prompt_and_answer_on_the_packed_path(path, request) -> None:
+def test_a_second_turn_reads_the_first_turns_prompt_and_answer_on_the_packed_path(
+    path, request
+) -> None:
     """A second turn that starts with the first turn's prompt and answer reads both from the
     cache and decodes the same. On `gguf-int8` (float16 KV) every token's entries have the
     same bits in any chunk and any pass, a prompt's or a decoded token's: logprobs are
@@ -226,14 +280,24 @@ def test_a_second_turn_reads_the_first_turns_prompt_and_answer_on_the_packed_pat
     params = GenerationParams(40, speculation=SpeculationParams(4, 4, "auto"), logprobs=0)
     turns = {}
     for prefix_cache in (True, False):
-        engine = Engine(runner, default_mixer(), eos_token_ids=[], max_context=512,
-                        scheduler_config=SchedulerConfig(prefix_cache=prefix_cache))
+        engine = Engine(
+            runner,
+            default_mixer(),
+            eos_token_ids=[],
+            max_context=512,
+            scheduler_config=SchedulerConfig(prefix_cache=prefix_cache),
+        )
         engine.profile = MEMORY_BOUND
         first = engine.complete(PROMPTS[1], params)
         second = engine.complete(PROMPTS[1] + first.token_ids + [7, 8, 9], params)
-        turns[prefix_cache] = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for c in (first, second)]
+        turns[prefix_cache] = [
+            (c.token_ids, [lp.logprob for lp in c.logprobs]) for c in (first, second)
+        ]
         if prefix_cache:  # the second turn read the first's prompt and answer
-            assert engine.scheduler.prefix.stats.hit_tokens == (len(PROMPTS[1]) + 40 + 2) // BLOCK_TOKENS * BLOCK_TOKENS
+            assert (
+                engine.scheduler.prefix.stats.hit_tokens
+                == (len(PROMPTS[1]) + 40 + 2) // BLOCK_TOKENS * BLOCK_TOKENS
+            )
     if path == "gguf-int8":
         assert turns[True] == turns[False]
     assert_same(turns[True], turns[False])

@@ -8,7 +8,6 @@ import torch
 from scipy.stats import chisquare
 
 from service.engine.params import SamplingParams
-from service.kernels.packed_linear import kernels_error, load_kernels, loaded_kernels
 from service.engine.sampling import (
     PositionUniforms,
     choose_tokens,
@@ -18,6 +17,7 @@ from service.engine.sampling import (
     top_token_ids,
     top_token_ids_of_rows,
 )
+from service.kernels.packed_linear import kernels_error, load_kernels, loaded_kernels
 from tests.helpers.kernels import NUMBA_INSTALLED
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # [1, 5]
@@ -55,7 +55,13 @@ def test_min_p_keeps_tokens_within_a_share_of_the_likeliest() -> None:
     probs = target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.3))  # p >= 0.17 stays
     torch.testing.assert_close(probs[0, :2], full[:2] / full[:2].sum())
     assert probs[0, 2:].sum() == 0
-    assert target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=1.0))[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    assert target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=1.0))[0].tolist() == [
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    ]
 
 
 def test_min_p_cuts_after_temperature_and_before_top_p() -> None:
@@ -64,7 +70,9 @@ def test_min_p_cuts_after_temperature_and_before_top_p() -> None:
     assert (target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.4)) > 0).sum() == 1
     # min-p 0.2 keeps 3 tokens, renormalized ≈ [0.63, 0.23, 0.14], of which top-p 0.85 keeps 2;
     # top-p first would keep 3 (0.56 + 0.21 < 0.85), and min-p after it all 3
-    assert (target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.2, top_p=0.85)) > 0).sum() == 2
+    assert (
+        target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.2, top_p=0.85)) > 0
+    ).sum() == 2
 
 
 def test_greedy_is_argmax_without_randomness() -> None:
@@ -83,7 +91,9 @@ def test_greedy_choices_break_ties_and_nans_as_torch_does(dtype) -> None:
     assert greedy_choices(logits)[1:4] == [7, 5, 0]
 
 
-@pytest.mark.parametrize("vocab", [49152, 50257, 1000, 70, 5])  # whole 64-logit blocks, a tail, fewer than k blocks
+@pytest.mark.parametrize(
+    "vocab", [49152, 50257, 1000, 70, 5]
+)  # whole 64-logit blocks, a tail, fewer than k blocks
 def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
     """The CPU fast path's kernel (once loaded) and torch's fallback rank alike: distinct
     logits, a row whose best logits crowd one block, one holding -inf; NaN ranks last in the
@@ -104,9 +114,17 @@ def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
     np.testing.assert_array_equal(ids[finite], expected)
     without_nan = logits[3].nan_to_num(nan=float("-inf"))
     np.testing.assert_array_equal(ids[3], torch.topk(without_nan, k).indices.numpy())
-    assert sorted(ids[4].tolist()) == sorted(set(ids[4].tolist())) and 0 <= ids[4].min() and ids[4].max() < vocab
-    np.testing.assert_array_equal(top_token_ids(logits[[0, 5]].double(), k), expected[[0, 3]])  # torch's path
-    np.testing.assert_array_equal(top_token_ids(logits[2:5], k), ids[2:5])  # three rows: one thread, six: split
+    assert (
+        sorted(ids[4].tolist()) == sorted(set(ids[4].tolist()))
+        and 0 <= ids[4].min()
+        and ids[4].max() < vocab
+    )
+    np.testing.assert_array_equal(
+        top_token_ids(logits[[0, 5]].double(), k), expected[[0, 3]]
+    )  # torch's path
+    np.testing.assert_array_equal(
+        top_token_ids(logits[2:5], k), ids[2:5]
+    )  # three rows: one thread, six: split
 
 
 def test_top_token_ids_rank_infinities_first_and_ties_by_index() -> None:
@@ -121,7 +139,11 @@ def test_top_token_ids_rank_infinities_first_and_ties_by_index() -> None:
     logits[1] = float("-inf")
     logits[1, 999] = -1e30
     logits[2, 640:] = -0.5  # ties beyond the first block: the earliest of them
-    assert top_token_ids(logits, 4).tolist() == [[700, 5, 300, 900], [999, 0, 1, 2], [640, 641, 642, 643]]
+    assert top_token_ids(logits, 4).tolist() == [
+        [700, 5, 300, 900],
+        [999, 0, 1, 2],
+        [640, 641, 642, 643],
+    ]
 
 
 def test_rows_taken_together_get_what_each_row_gets_alone() -> None:
@@ -132,14 +154,24 @@ def test_rows_taken_together_get_what_each_row_gets_alone() -> None:
     flat = torch.randn(sum(sizes), 300, generator=generator)
     flat[4, 10] = flat[4, 20] = flat[4].max() + 1  # a tie: the first maximum, both ways
     rows = list(flat.split(sizes))
-    apart, together = greedy_choices_of_rows(rows, together=False), greedy_choices_of_rows(rows, together=True)
+    apart, together = (
+        greedy_choices_of_rows(rows, together=False),
+        greedy_choices_of_rows(rows, together=True),
+    )
     assert together == apart == [greedy_choices(row) for row in rows] and together[2][0] == 10
     assert [len(choices) for choices in together] == sizes
-    top_apart, top_together = top_token_ids_of_rows(rows, 5, together=False), top_token_ids_of_rows(rows, 5, together=True)
+    top_apart, top_together = (
+        top_token_ids_of_rows(rows, 5, together=False),
+        top_token_ids_of_rows(rows, 5, together=True),
+    )
     assert [t.shape for t in top_together] == [(size, 5) for size in sizes]
     for a, b, row in zip(top_apart, top_together, rows):
         np.testing.assert_array_equal(a[:, 0], b[:, 0])  # the largest: no ties among random floats
-        assert set(a.flatten()) == set(b.flatten()) == set(torch.topk(row, 5).indices.flatten().tolist())
+        assert (
+            set(a.flatten())
+            == set(b.flatten())
+            == set(torch.topk(row, 5).indices.flatten().tolist())
+        )
     assert greedy_choices_of_rows([]) == [] and top_token_ids_of_rows([], 5) == []
 
 
@@ -162,16 +194,33 @@ def test_uniforms_are_fixed_per_position_and_seed() -> None:
     assert PositionUniforms(8).at([0]).tolist() != a.at([0]).tolist()
 
 
-@pytest.mark.parametrize("bad", [
-    {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5}, {"top_k": -2},
-    {"temperature": 1e-45},  # logits / 1e-45 overflow to inf, softmax to NaN: refused, not sampled
-    {"temperature": float("nan")}, {"temperature": float("inf")},
-    {"seed": -1}, {"seed": 2**64},  # outside torch.Generator's range
-    {"min_p": -0.1}, {"min_p": 1.1}, {"frequency_penalty": 2.1}, {"presence_penalty": -2.5},
-    {"presence_penalty": float("nan")}, {"repetition_penalty": 0}, {"repetition_penalty": float("inf")},
-    {"repetition_penalty": 1e-31}, {"repetition_penalty": 1e31},  # logits times or over it overflow float32
-    {"logit_bias": {-1: 1.0}}, {"logit_bias": {5: 100.5}},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -2},
+        {
+            "temperature": 1e-45
+        },  # logits / 1e-45 overflow to inf, softmax to NaN: refused, not sampled
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"seed": -1},
+        {"seed": 2**64},  # outside torch.Generator's range
+        {"min_p": -0.1},
+        {"min_p": 1.1},
+        {"frequency_penalty": 2.1},
+        {"presence_penalty": -2.5},
+        {"presence_penalty": float("nan")},
+        {"repetition_penalty": 0},
+        {"repetition_penalty": float("inf")},
+        {"repetition_penalty": 1e-31},
+        {"repetition_penalty": 1e31},  # logits times or over it overflow float32
+        {"logit_bias": {-1: 1.0}},
+        {"logit_bias": {5: 100.5}},
+    ],
+)
 def test_invalid_parameters_are_refused(bad) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**bad)

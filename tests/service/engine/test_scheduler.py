@@ -9,11 +9,15 @@ import torch
 
 from drafting import default_mixer
 from service.controller.calibration import Calibration
+from service.controller.cost_profile import CostProfile
 from service.engine.params import GenerationParams
 from service.engine.request import Request, Status
-from service.controller.cost_profile import CostProfile
 from service.engine.scheduler import (
-    CPU_PREFILL_TOKENS_WHILE_DECODING, LEAST_PRICED_PREFILL_TOKENS, DoesNotFit, Scheduler, SchedulerConfig,
+    CPU_PREFILL_TOKENS_WHILE_DECODING,
+    LEAST_PRICED_PREFILL_TOKENS,
+    DoesNotFit,
+    Scheduler,
+    SchedulerConfig,
     kv_capacity_bound,
 )
 from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
@@ -26,19 +30,39 @@ BYTES_PER_TOKEN = 1
 
 def make_request(prompt_tokens: int = 8, new_tokens: int = 8, name: str = "r") -> Request:
     prompt = list(range(2, 2 + prompt_tokens))
-    return Request(name, prompt, GenerationParams(new_tokens), MIXER.for_request(prompt), Calibration().for_request(),
-                   None, frozenset())
+    return Request(
+        name,
+        prompt,
+        GenerationParams(new_tokens),
+        MIXER.for_request(prompt),
+        Calibration().for_request(),
+        None,
+        frozenset(),
+    )
 
 
-def make_scheduler(max_running: int = 4, tokens_per_pass: int = 512, kv_bytes: int | None = None,
-                   prefill_cap: int | None = 512, cache: TreeKVCache | None = None, prefix_cache: bool = False,
-                   pass_ms: float = 100.0) -> Scheduler:
+def make_scheduler(
+    max_running: int = 4,
+    tokens_per_pass: int = 512,
+    kv_bytes: int | None = None,
+    prefill_cap: int | None = 512,
+    cache: TreeKVCache | None = None,
+    prefix_cache: bool = False,
+    pass_ms: float = 100.0,
+) -> Scheduler:
     """A scheduler whose requests (prompts that all start alike) are admitted as if new:
     without a prefix cache, unless asked for (its own tests, test_prefix_cache.py)."""
-    config = SchedulerConfig(max_running_requests=max_running, max_tokens_per_pass=tokens_per_pass,
-                             kv_cache_bytes=kv_bytes, max_prefill_tokens_while_decoding=prefill_cap,
-                             prefill_pass_ms=pass_ms, prefix_cache=prefix_cache)
-    return Scheduler(config.for_device("cpu"), cache or TreeKVCache(num_layers=1, rows=0), BYTES_PER_TOKEN)
+    config = SchedulerConfig(
+        max_running_requests=max_running,
+        max_tokens_per_pass=tokens_per_pass,
+        kv_cache_bytes=kv_bytes,
+        max_prefill_tokens_while_decoding=prefill_cap,
+        prefill_pass_ms=pass_ms,
+        prefix_cache=prefix_cache,
+    )
+    return Scheduler(
+        config.for_device("cpu"), cache or TreeKVCache(num_layers=1, rows=0), BYTES_PER_TOKEN
+    )
 
 
 def decoding(request: Request) -> Request:
@@ -47,13 +71,18 @@ def decoding(request: Request) -> Request:
     return request
 
 
-@pytest.mark.parametrize("kv_tokens, capacity", [
-    (1, INITIAL_CAPACITY),  # the smallest row still gets the initial capacity
-    (INITIAL_CAPACITY, INITIAL_CAPACITY),  # exactly full: no growth
-    (INITIAL_CAPACITY + 1, 2 * INITIAL_CAPACITY),  # one more: the capacity doubles
-    (1000, 1024),  # powers of two from the initial capacity on
-])
-def test_the_capacity_bound_is_the_caches_power_of_two_growth(kv_tokens: int, capacity: int) -> None:
+@pytest.mark.parametrize(
+    "kv_tokens, capacity",
+    [
+        (1, INITIAL_CAPACITY),  # the smallest row still gets the initial capacity
+        (INITIAL_CAPACITY, INITIAL_CAPACITY),  # exactly full: no growth
+        (INITIAL_CAPACITY + 1, 2 * INITIAL_CAPACITY),  # one more: the capacity doubles
+        (1000, 1024),  # powers of two from the initial capacity on
+    ],
+)
+def test_the_capacity_bound_is_the_caches_power_of_two_growth(
+    kv_tokens: int, capacity: int
+) -> None:
     assert kv_capacity_bound(kv_tokens) == capacity
 
 
@@ -72,14 +101,18 @@ def test_admission_is_first_come_first_served_up_to_the_running_cap() -> None:
     assert scheduler.admit() == [requests[2]] and scheduler.running == [requests[1], requests[2]]
 
 
-@pytest.mark.parametrize("kv_tokens, budget, fits", [
-    (256, 256, True),  # a row of exactly the budget
-    (257, 511, False),  # the row would grow to 512 columns
-    (257, 512, True),
-    (10**6, None, True),  # no budget: anything fits
-])
-def test_check_fits_refuses_a_request_that_alone_exceeds_the_budget(kv_tokens: int, budget: int | None,
-                                                                     fits: bool) -> None:
+@pytest.mark.parametrize(
+    "kv_tokens, budget, fits",
+    [
+        (256, 256, True),  # a row of exactly the budget
+        (257, 511, False),  # the row would grow to 512 columns
+        (257, 512, True),
+        (10**6, None, True),  # no budget: anything fits
+    ],
+)
+def test_check_fits_refuses_a_request_that_alone_exceeds_the_budget(
+    kv_tokens: int, budget: int | None, fits: bool
+) -> None:
     scheduler = make_scheduler(kv_bytes=budget)
     if fits:
         scheduler.check_fits(kv_tokens)
@@ -99,7 +132,11 @@ def test_the_kv_budget_holds_every_running_row_at_the_longest_rows_capacity() ->
     """The rows share one capacity, so a long request makes every row count at its length: with
     two short requests running (2 × 256 bytes), a long one (512 columns) needs 3 × 512."""
     scheduler = make_scheduler(kv_bytes=3 * 512 - 1)
-    short, other, long = make_request(name="short"), make_request(name="other"), make_request(300, 100, "long")
+    short, other, long = (
+        make_request(name="short"),
+        make_request(name="other"),
+        make_request(300, 100, "long"),
+    )
     for request in (short, other, long):
         scheduler.add(request)
     assert scheduler.memory_bound([short, other]) == 2 * 256
@@ -107,7 +144,9 @@ def test_the_kv_budget_holds_every_running_row_at_the_longest_rows_capacity() ->
     assert scheduler.admit() == [short, other]  # the long one does not fit beside them
     tail = make_request(name="tail")
     scheduler.add(tail)
-    assert scheduler.admit() == []  # FCFS: the short request behind the long one does not overtake it
+    assert (
+        scheduler.admit() == []
+    )  # FCFS: the short request behind the long one does not overtake it
     scheduler.finish(other)
     assert scheduler.admit() == [long]  # 2 × 512 fits
     assert scheduler.memory_bound(scheduler.running) <= 3 * 512 - 1
@@ -140,22 +179,31 @@ def test_aborted_waiting_requests_are_dropped_and_never_get_a_row() -> None:
     assert first.kv_row is None and not scheduler.waiting
 
 
-@pytest.mark.parametrize("decoding_rows, prompts, per_pass, cap, chunks, tree_budget", [
-    # nothing decodes: the oldest prompt takes the whole pass; the next still brings a token
-    (0, [100, 30], 64, 5, [64, 1], 0),
-    # one stream decodes: the prompt gets the cap
-    (1, [100], 64, 5, [5], 58),
-    # two streams, two prompts (no burst): the prompts share the cap, oldest first
-    (2, [3, 100], 64, 5, [3, 2], 57),
-    # a burst (3 prompts, 1 stream): prompts take their share of the pass, 3/4 of 40
-    (1, [100, 100, 100], 41, 5, [30, 1, 1], 8),
-    # a few prompts behind many streams: the cap, not their share
-    (3, [100, 100], 41, 5, [5, 1], 32),
-    # a prompt shorter than its share takes only what it needs
-    (1, [4], 64, 32, [4], 59),
-])
-def test_prompt_chunks_share_the_pass_with_decoding_rows(decoding_rows: int, prompts: list[int], per_pass: int,
-                                                        cap: int, chunks: list[int], tree_budget: int) -> None:
+@pytest.mark.parametrize(
+    "decoding_rows, prompts, per_pass, cap, chunks, tree_budget",
+    [
+        # nothing decodes: the oldest prompt takes the whole pass; the next still brings a token
+        (0, [100, 30], 64, 5, [64, 1], 0),
+        # one stream decodes: the prompt gets the cap
+        (1, [100], 64, 5, [5], 58),
+        # two streams, two prompts (no burst): the prompts share the cap, oldest first
+        (2, [3, 100], 64, 5, [3, 2], 57),
+        # a burst (3 prompts, 1 stream): prompts take their share of the pass, 3/4 of 40
+        (1, [100, 100, 100], 41, 5, [30, 1, 1], 8),
+        # a few prompts behind many streams: the cap, not their share
+        (3, [100, 100], 41, 5, [5, 1], 32),
+        # a prompt shorter than its share takes only what it needs
+        (1, [4], 64, 32, [4], 59),
+    ],
+)
+def test_prompt_chunks_share_the_pass_with_decoding_rows(
+    decoding_rows: int,
+    prompts: list[int],
+    per_pass: int,
+    cap: int,
+    chunks: list[int],
+    tree_budget: int,
+) -> None:
     scheduler = make_scheduler(max_running=8, tokens_per_pass=per_pass, prefill_cap=cap)
     streams = [make_request(name=f"stream{i}") for i in range(decoding_rows)]
     waiting = [make_request(prompt_tokens=n + 1, name=f"prompt{i}") for i, n in enumerate(prompts)]
@@ -186,32 +234,42 @@ def _one_prompt_beside(streams: int, scheduler: Scheduler) -> Request:
     return prompt
 
 
-@pytest.mark.parametrize("pass_ms, profile, streams, chunk", [
-    # 10 ms + 1 ms a token (a CPU): a pass of 4 streams and the prompt's tokens stays within
-    # 50.5 ms up to 40 tokens in all, 36 of them the prompt's; 100.5 ms allows 90, 86 the prompt's
-    (50.5, CPU, 4, 36),
-    (100.5, CPU, 4, 86),
-    (100.5, CPU, 1, 89),
-    # the decoding rows alone cost over the budget: the prompt still gets its least chunk
-    (50.5, linear_profile(0.060, 0.001), 4, LEAST_PRICED_PREFILL_TOKENS),
-    # a pass costs next to nothing more per token (a GPU below its knee): the whole pass
-    (100.0, GPU, 4, 512 - 4),
-])
-def test_the_prefill_cap_is_priced_by_the_cost_profile(pass_ms: float, profile: CostProfile, streams: int,
-                                                       chunk: int) -> None:
+@pytest.mark.parametrize(
+    "pass_ms, profile, streams, chunk",
+    [
+        # 10 ms + 1 ms a token (a CPU): a pass of 4 streams and the prompt's tokens stays within
+        # 50.5 ms up to 40 tokens in all, 36 of them the prompt's; 100.5 ms allows 90, 86 the prompt's
+        (50.5, CPU, 4, 36),
+        (100.5, CPU, 4, 86),
+        (100.5, CPU, 1, 89),
+        # the decoding rows alone cost over the budget: the prompt still gets its least chunk
+        (50.5, linear_profile(0.060, 0.001), 4, LEAST_PRICED_PREFILL_TOKENS),
+        # a pass costs next to nothing more per token (a GPU below its knee): the whole pass
+        (100.0, GPU, 4, 512 - 4),
+    ],
+)
+def test_the_prefill_cap_is_priced_by_the_cost_profile(
+    pass_ms: float, profile: CostProfile, streams: int, chunk: int
+) -> None:
     scheduler = make_scheduler(max_running=8, prefill_cap=None, pass_ms=pass_ms)
     scheduler.profile = profile
     prompt = _one_prompt_beside(streams, scheduler)
     assert scheduler.schedule().prefill_tokens[prompt] == chunk
-    if chunk != LEAST_PRICED_PREFILL_TOKENS and profile is not GPU:  # the most tokens within the budget
+    if (
+        chunk != LEAST_PRICED_PREFILL_TOKENS and profile is not GPU
+    ):  # the most tokens within the budget
         assert profile.cost(streams + chunk, 100, streams + 1, 1) <= pass_ms / 1e3
         assert profile.cost(streams + chunk + 1, 100, streams + 1, 1) > pass_ms / 1e3
 
 
-def test_a_fixed_prefill_cap_wins_over_the_price_and_the_device_default_holds_until_a_profile() -> None:
+def test_a_fixed_prefill_cap_wins_over_the_price_and_the_device_default_holds_until_a_profile() -> (
+    None
+):
     priced = make_scheduler(max_running=8, prefill_cap=None)
     prompt = _one_prompt_beside(2, priced)
-    assert priced.schedule().prefill_tokens[prompt] == CPU_PREFILL_TOKENS_WHILE_DECODING  # no profile yet
+    assert (
+        priced.schedule().prefill_tokens[prompt] == CPU_PREFILL_TOKENS_WHILE_DECODING
+    )  # no profile yet
     priced.profile = GPU
     assert priced.schedule().prefill_tokens[prompt] == 512 - 2
     fixed = make_scheduler(max_running=8, prefill_cap=7)
@@ -228,7 +286,10 @@ def test_finishing_frees_the_row_and_moves_the_last_row_into_it() -> None:
     scheduler.admit()
     scheduler.finish(a)
     assert (a.status, a.kv_row) == (Status.FINISHED, None)
-    assert scheduler.running == [c, b] and (c.kv_row, b.kv_row) == (0, 1)  # `running[i]` holds row i
+    assert scheduler.running == [c, b] and (c.kv_row, b.kv_row) == (
+        0,
+        1,
+    )  # `running[i]` holds row i
     assert scheduler.cache.num_rows == 2
     scheduler.finish(b)  # the last row: nothing moves
     assert scheduler.running == [c] and c.kv_row == 0 and scheduler.cache.num_rows == 1
@@ -238,11 +299,14 @@ def test_finishing_frees_the_row_and_moves_the_last_row_into_it() -> None:
     assert waiting.status is Status.FINISHED and scheduler.cache.num_rows == 1
 
 
-@pytest.mark.parametrize("limits", [
-    {"max_running_requests": 0},  # no request could ever run
-    {"max_tokens_per_pass": 0},  # no pass could carry a token
-    {"max_prefill_tokens_while_decoding": 0},  # a prompt would never load beside a stream
-])
+@pytest.mark.parametrize(
+    "limits",
+    [
+        {"max_running_requests": 0},  # no request could ever run
+        {"max_tokens_per_pass": 0},  # no pass could carry a token
+        {"max_prefill_tokens_while_decoding": 0},  # a prompt would never load beside a stream
+    ],
+)
 def test_limits_below_one_are_refused(limits: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="must be >= 1"):
         SchedulerConfig(**limits)

@@ -22,11 +22,11 @@ import torch
 from scipy.stats import chisquare
 
 from drafting import Draft
-from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.engine import Engine
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.sampling import PositionUniforms, target_probs
-from service.model.tree import TokenTree, build_tree
 from service.engine.verifier import Verdict, verify
+from service.model.tree import TokenTree, build_tree
 from tests.helpers.costs import MEMORY_BOUND
 
 VOCAB, LENGTH, DRAWS, START = 6, 3, 10000, 0
@@ -37,7 +37,9 @@ TABLE = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(3)) * 
 def tree_after(token: int, k: int, w: int, deep: bool = False) -> tuple[TokenTree, torch.Tensor]:
     """The round's tree after `token`, and its nodes' logits (a bigram model: by node token)."""
     tree = build_tree(token, drafts_after(token, k, w, deep) if k else [])
-    assert not deep or k < 2 or len(tree.children[0]) == 1 < len(tree.children[1])  # branches at depth 1
+    assert (
+        not deep or k < 2 or len(tree.children[0]) == 1 < len(tree.children[1])
+    )  # branches at depth 1
     return tree, TABLE[tree.token_ids]  # [num_nodes, vocab]
 
 
@@ -72,8 +74,9 @@ def wrong_verify(tree, logits, sampling, uniforms, first_position) -> Verdict:
         return Verdict(path, [tree.token_ids[i] for i in path], bonus)
 
 
-def sample_sequence(seed: int, sampling: SamplingParams, k: int, w: int, rule=verify,
-                    deep: bool = False) -> tuple[int, ...]:
+def sample_sequence(
+    seed: int, sampling: SamplingParams, k: int, w: int, rule=verify, deep: bool = False
+) -> tuple[int, ...]:
     uniforms, tokens = PositionUniforms(seed), [START]
     while len(tokens) <= LENGTH:
         tree, logits = tree_after(tokens[-1], k, w, deep)
@@ -81,21 +84,30 @@ def sample_sequence(seed: int, sampling: SamplingParams, k: int, w: int, rule=ve
     return tuple(tokens[1 : LENGTH + 1])
 
 
-def chi_square_pvalue(sampling: SamplingParams, k: int, w: int, rule=verify, deep: bool = False) -> float:
+def chi_square_pvalue(
+    sampling: SamplingParams, k: int, w: int, rule=verify, deep: bool = False
+) -> float:
     probs = target_probs(TABLE, sampling)  # [token, next]
     cells = list(itertools.product(range(VOCAB), repeat=LENGTH))
     index = {cell: i for i, cell in enumerate(cells)}
-    expected = torch.tensor([
-        float(probs[START, a] * probs[a, b] * probs[b, c]) for a, b, c in cells
-    ]) * DRAWS
+    expected = (
+        torch.tensor([float(probs[START, a] * probs[a, b] * probs[b, c]) for a, b, c in cells])
+        * DRAWS
+    )
     observed = torch.zeros(len(cells))
     for seed in range(DRAWS):
         observed[index[sample_sequence(seed, sampling, k, w, rule, deep)]] += 1
     possible = expected > 0
     assert observed[~possible].sum() == 0  # nothing outside the top-k/top-p support
     rare = possible & (expected < 5)  # pooled into one cell, so the chi-square approximation holds
-    obs = [*observed[possible & ~rare].tolist(), *([observed[rare].sum().item()] if rare.any() else [])]
-    exp = [*expected[possible & ~rare].tolist(), *([expected[rare].sum().item()] if rare.any() else [])]
+    obs = [
+        *observed[possible & ~rare].tolist(),
+        *([observed[rare].sum().item()] if rare.any() else []),
+    ]
+    exp = [
+        *expected[possible & ~rare].tolist(),
+        *([expected[rare].sum().item()] if rare.any() else []),
+    ]
     obs, exp = torch.tensor(obs), torch.tensor(exp)
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
@@ -122,14 +134,19 @@ def test_sequences_follow_the_target_distribution(sampling: SamplingParams, k: i
         (SamplingParams(temperature=1.3, top_k=4), 4, 2),
     ],
 )
-def test_trees_branching_below_the_root_keep_the_target_distribution(sampling: SamplingParams, k: int, w: int) -> None:
+def test_trees_branching_below_the_root_keep_the_target_distribution(
+    sampling: SamplingParams, k: int, w: int
+) -> None:
     assert chi_square_pvalue(sampling, k, w, deep=True) > 0.01
 
 
 @pytest.mark.parametrize("deep", [False, True], ids=["branching at the root", "branching below it"])
 def test_the_argmax_rule_is_caught(deep: bool) -> None:
     """Same statistic, known-wrong rule: the distribution visibly shifts."""
-    assert chi_square_pvalue(SamplingParams(temperature=1.0), 3, 2, rule=wrong_verify, deep=deep) < 0.01
+    assert (
+        chi_square_pvalue(SamplingParams(temperature=1.0), 3, 2, rule=wrong_verify, deep=deep)
+        < 0.01
+    )
 
 
 @pytest.mark.parametrize(
@@ -159,7 +176,9 @@ def test_speculative_sampling_equals_plain_sampling_seed_for_seed(
 
 def test_same_seed_same_output_and_seeds_differ(tiny_engine: Engine) -> None:
     def run(seed: int | None) -> list[int]:
-        params = GenerationParams(30, speculation=SpeculationParams(4, 3), sampling=SamplingParams(1.0, seed=seed))
+        params = GenerationParams(
+            30, speculation=SpeculationParams(4, 3), sampling=SamplingParams(1.0, seed=seed)
+        )
         return tiny_engine.complete([5, 9, 13], params).token_ids
 
     assert run(42) == run(42)

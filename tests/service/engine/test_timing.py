@@ -8,8 +8,12 @@ from service.engine import timing
 from service.engine.timing import StepTimer
 
 
-def test_learning_after_the_pass_moves_from_forward_to_drafting(monkeypatch: pytest.MonkeyPatch) -> None:
-    clock = iter([10.0, 10.5, 11.5, 11.7, 11.9, 12.0])  # start, drafted, passed, learn in/out, verified
+def test_learning_after_the_pass_moves_from_forward_to_drafting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = iter(
+        [10.0, 10.5, 11.5, 11.7, 11.9, 12.0]
+    )  # start, drafted, passed, learn in/out, verified
     monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
     timer = StepTimer()
     timer.mark_drafted(capture_seconds=3.0)
@@ -19,8 +23,12 @@ def test_learning_after_the_pass_moves_from_forward_to_drafting(monkeypatch: pyt
     timer.mark_verified()
     assert timer.seconds == pytest.approx(2.0)
     assert timer.pass_seconds == pytest.approx(1.0)
-    assert timer.draft_seconds == pytest.approx(0.5 + 0.2)  # before the pass, and the learning after it
-    assert timer.forward_seconds == pytest.approx(1.5 - 0.2)  # the pass and verification, less the learning
+    assert timer.draft_seconds == pytest.approx(
+        0.5 + 0.2
+    )  # before the pass, and the learning after it
+    assert timer.forward_seconds == pytest.approx(
+        1.5 - 0.2
+    )  # the pass and verification, less the learning
     assert timer.capture_seconds == 0.0
 
 

@@ -16,7 +16,9 @@ from service.model.tree import TokenTree, build_tree
 VOCAB = 16
 ROOT = 7
 # node paths below the root: 3-4-5 and 3-4-6 share two nodes; 8 and 3-9 branch off
-TREE = build_tree(ROOT, [Draft((3, 4, 5), "a"), Draft((3, 4, 6), "a"), Draft((8,), "b"), Draft((3, 9), "b")])
+TREE = build_tree(
+    ROOT, [Draft((3, 4, 5), "a"), Draft((3, 4, 6), "a"), Draft((8,), "b"), Draft((3, 9), "b")]
+)
 GREEDY = SamplingParams()
 
 
@@ -27,7 +29,9 @@ def node_at(tree: TokenTree, path: tuple[int, ...]) -> int:
     return node
 
 
-def logits_choosing(tree: TokenTree, choices: dict[tuple[int, ...], int], default: int = 0) -> torch.Tensor:
+def logits_choosing(
+    tree: TokenTree, choices: dict[tuple[int, ...], int], default: int = 0
+) -> torch.Tensor:
     """[nodes, VOCAB] logits whose argmax after the node at each path is `choices[path]`."""
     logits = torch.zeros(tree.num_nodes, VOCAB)
     logits[:, default] = 1.0
@@ -36,26 +40,32 @@ def logits_choosing(tree: TokenTree, choices: dict[tuple[int, ...], int], defaul
     return logits
 
 
-@pytest.mark.parametrize("choices, accepted, bonus", [
-    # the model agrees with 3-4-5 all the way: every node kept, the bonus chosen after the last
-    ({(): 3, (3,): 4, (3, 4): 5, (3, 4, 5): 11}, [3, 4, 5], 11),
-    # a mismatch at the root: nothing accepted, the root's choice is the round's one token
-    ({(): 12}, [], 12),
-    # among the root's children (3 and 8) the model picks 8
-    ({(): 8, (8,): 1}, [8], 1),
-    # below 3 the model takes the sibling 9, not 4
-    ({(): 3, (3,): 9, (3, 9): 2}, [3, 9], 2),
-    # below 3-4 it takes 6, the second of the two leaves
-    ({(): 3, (3,): 4, (3, 4): 6, (3, 4, 6): 13}, [3, 4, 6], 13),
-    # a drafted token the model does not choose stops the walk inside the tree
-    ({(): 3, (3,): 4, (3, 4): 14}, [3, 4], 14),
-])
-def test_greedy_walk_keeps_the_argmax_path(choices: dict[tuple[int, ...], int], accepted: list[int],
-                                           bonus: int) -> None:
+@pytest.mark.parametrize(
+    "choices, accepted, bonus",
+    [
+        # the model agrees with 3-4-5 all the way: every node kept, the bonus chosen after the last
+        ({(): 3, (3,): 4, (3, 4): 5, (3, 4, 5): 11}, [3, 4, 5], 11),
+        # a mismatch at the root: nothing accepted, the root's choice is the round's one token
+        ({(): 12}, [], 12),
+        # among the root's children (3 and 8) the model picks 8
+        ({(): 8, (8,): 1}, [8], 1),
+        # below 3 the model takes the sibling 9, not 4
+        ({(): 3, (3,): 9, (3, 9): 2}, [3, 9], 2),
+        # below 3-4 it takes 6, the second of the two leaves
+        ({(): 3, (3,): 4, (3, 4): 6, (3, 4, 6): 13}, [3, 4, 6], 13),
+        # a drafted token the model does not choose stops the walk inside the tree
+        ({(): 3, (3,): 4, (3, 4): 14}, [3, 4], 14),
+    ],
+)
+def test_greedy_walk_keeps_the_argmax_path(
+    choices: dict[tuple[int, ...], int], accepted: list[int], bonus: int
+) -> None:
     verdict = verify(TREE, logits_choosing(TREE, choices), GREEDY, None, first_position=5)
     assert verdict.accepted_token_ids == accepted and verdict.bonus_token_id == bonus
     assert verdict.token_ids == [*accepted, bonus]
-    assert verdict.accepted_nodes == [node_at(TREE, tuple(accepted[:i + 1])) for i in range(len(accepted))]
+    assert verdict.accepted_nodes == [
+        node_at(TREE, tuple(accepted[: i + 1])) for i in range(len(accepted))
+    ]
     assert verdict.choosing_nodes == [0, *verdict.accepted_nodes]
 
 
@@ -66,25 +76,33 @@ def test_greedy_choices_given_replace_the_logits_and_only_when_greedy() -> None:
     given = [0] * TREE.num_nodes
     given[0], given[node_at(TREE, (8,))] = 8, 1
     assert verify(TREE, logits, GREEDY, None, 0, greedy=given).token_ids == [8, 1]
-    sampled = verify(TREE, logits * 100, SamplingParams(temperature=1.0), PositionUniforms(0), 0, greedy=given)
+    sampled = verify(
+        TREE, logits * 100, SamplingParams(temperature=1.0), PositionUniforms(0), 0, greedy=given
+    )
     assert sampled.token_ids == [12]  # the logits' near-certain choice, not the one given
 
 
 def test_the_greedy_walk_reads_only_the_trees_rows() -> None:
     """Logits may carry rows past the tree (a padded pass): they are never read."""
-    logits = torch.cat([logits_choosing(TREE, {(): 8, (8,): 1}), torch.full((3, VOCAB), float("nan"))])
+    logits = torch.cat(
+        [logits_choosing(TREE, {(): 8, (8,): 1}), torch.full((3, VOCAB), float("nan"))]
+    )
     assert verify(TREE, logits, GREEDY, None, 0).token_ids == [8, 1]
 
 
 # Target distributions of the sampling tests: the root's, and the one after the drafted node 1.
 P_ROOT = torch.tensor([0.05, 0.30, 0.15, 0.50])
 P_AFTER_1 = torch.tensor([0.40, 0.10, 0.20, 0.30])
-SMALL_TREE = build_tree(0, [Draft((1, 2), "a"), Draft((3,), "a")])  # root 0; children 1 (then 2) and 3
+SMALL_TREE = build_tree(
+    0, [Draft((1, 2), "a"), Draft((3,), "a")]
+)  # root 0; children 1 (then 2) and 3
 SAMPLE = SamplingParams(temperature=1.0, seed=0)
 
 
 def small_tree_logits() -> torch.Tensor:
-    logits = torch.full((SMALL_TREE.num_nodes, 4), -1.0).log_softmax(-1)  # uniform after the other nodes
+    logits = torch.full((SMALL_TREE.num_nodes, 4), -1.0).log_softmax(
+        -1
+    )  # uniform after the other nodes
     logits[0] = P_ROOT.log()
     logits[node_at(SMALL_TREE, (1,))] = P_AFTER_1.log()
     return logits
@@ -136,9 +154,13 @@ def test_the_emitted_law_is_exactly_the_target_distribution() -> None:
     logits = small_tree_logits()
 
     def emitted(uniforms: dict[int, float], index: int) -> int:
-        return verify(SMALL_TREE, logits, SAMPLE, FixedUniforms(uniforms), first_position=0).token_ids[index]
+        return verify(
+            SMALL_TREE, logits, SAMPLE, FixedUniforms(uniforms), first_position=0
+        ).token_ids[index]
 
     first = torch.bincount(torch.tensor([emitted({0: u}, 0) for u in grid]), minlength=4)
     assert first.tolist() == (P_ROOT * bins).round().long().tolist()
-    after_1 = torch.bincount(torch.tensor([emitted({0: 0.2, 1: u}, 1) for u in grid]), minlength=4)  # u_0 = 0.2: a 1
+    after_1 = torch.bincount(
+        torch.tensor([emitted({0: 0.2, 1: u}, 1) for u in grid]), minlength=4
+    )  # u_0 = 0.2: a 1
     assert after_1.tolist() == (P_AFTER_1 * bins).round().long().tolist()

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from service.model.attention import kernel_array
 from service.kernels.attention_kernel import lanes_for, token_attention
+from service.model.attention import kernel_array
 
 
 def kernel_attention_of(queries, keys, values, starts, paths, rows=None, scale=0.25):
@@ -18,10 +18,20 @@ def kernel_attention_of(queries, keys, values, starts, paths, rows=None, scale=0
     columns = [c for path in paths for c in path]
     offsets = torch.tensor([0, *[len(p) for p in paths]]).cumsum(0)
     rows = torch.arange(queries.shape[0]) if rows is None else torch.tensor(rows)
-    token_attention(queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16)(
-        queries.numpy(), kernel_array(keys), kernel_array(values), torch.arange(queries.shape[0]).numpy(), rows.numpy(),
-        torch.tensor(starts).numpy(), torch.tensor(columns, dtype=torch.long).numpy(), offsets.numpy(),
-        np.float32(scale), out.numpy())
+    token_attention(
+        queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16
+    )(
+        queries.numpy(),
+        kernel_array(keys),
+        kernel_array(values),
+        torch.arange(queries.shape[0]).numpy(),
+        rows.numpy(),
+        torch.tensor(starts).numpy(),
+        torch.tensor(columns, dtype=torch.long).numpy(),
+        offsets.numpy(),
+        np.float32(scale),
+        out.numpy(),
+    )
     return out
 
 
@@ -30,9 +40,15 @@ def sdpa_of(queries, keys, values, starts, paths, rows=None, scale=0.25):
     for i, (start, path) in enumerate(zip(starts, paths)):
         row = i if rows is None else rows[i]
         seen = list(range(start)) + path
-        expected.append(F.scaled_dot_product_attention(
-            queries[i, :, None], keys[row, :, seen].float(), values[row, :, seen].float(), scale=scale,
-            enable_gqa=True)[:, 0])
+        expected.append(
+            F.scaled_dot_product_attention(
+                queries[i, :, None],
+                keys[row, :, seen].float(),
+                values[row, :, seen].float(),
+                scale=scale,
+                enable_gqa=True,
+            )[:, 0]
+        )
     return torch.stack(expected)
 
 
@@ -46,13 +62,18 @@ def test_the_attention_kernel_matches_sdpa_over_each_rows_own_columns() -> None:
     queries = torch.randn(3, heads, dim, generator=generator)
     starts, paths = [31, 5, 8], [[31], [5], [8, 10, 11]]
     out = kernel_attention_of(queries, keys, values, starts, paths)
-    torch.testing.assert_close(out, sdpa_of(queries, keys, values, starts, paths), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        out, sdpa_of(queries, keys, values, starts, paths), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (8, 4, 4), (12, 2, 1)])
-def test_every_vector_width_and_column_count_matches_sdpa(dim: int, heads: int, kv_heads: int,
-                                                          cache_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    ("dim", "heads", "kv_heads"), [(64, 9, 3), (128, 8, 2), (8, 4, 4), (12, 2, 1)]
+)
+def test_every_vector_width_and_column_count_matches_sdpa(
+    dim: int, heads: int, kv_heads: int, cache_dtype: torch.dtype
+) -> None:
     """Head sizes of 16, 8 and 4 lanes and column counts around every multiple of them (the
     last block of keys partly padding): the padding never leaks into a softmax. A float16
     cache (the 8-bit path's) is read as its values."""
@@ -63,19 +84,27 @@ def test_every_vector_width_and_column_count_matches_sdpa(dim: int, heads: int, 
     queries = torch.randn(len(lengths), heads, dim, generator=generator) * 3
     starts, paths = [n - 1 for n in lengths], [[n - 1] for n in lengths]
     out = kernel_attention_of(queries, keys, values, starts, paths)
-    torch.testing.assert_close(out, sdpa_of(queries, keys, values, starts, paths), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out, sdpa_of(queries, keys, values, starts, paths), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_a_tree_node_gets_the_bits_of_the_same_token_decoded_alone() -> None:
     """Committed columns and ancestors are one ordered sequence: the node at columns 8, 10, 11
     of a tree equals the token at column 10 after committing 8 and 10's keys at 8 and 9."""
     generator = torch.Generator().manual_seed(1)
-    keys, values = torch.randn(1, 1, 16, 8, generator=generator), torch.randn(1, 1, 16, 8, generator=generator)
+    keys, values = (
+        torch.randn(1, 1, 16, 8, generator=generator),
+        torch.randn(1, 1, 16, 8, generator=generator),
+    )
     query = torch.randn(1, 3, 8, generator=generator)
     in_tree = kernel_attention_of(query, keys, values, [8], [[8, 10, 11]])
     committed_keys, committed_values = keys.clone(), values.clone()
     for source, target in ((10, 9), (11, 10)):
-        committed_keys[0, 0, target], committed_values[0, 0, target] = keys[0, 0, source], values[0, 0, source]
+        committed_keys[0, 0, target], committed_values[0, 0, target] = (
+            keys[0, 0, source],
+            values[0, 0, source],
+        )
     alone = kernel_attention_of(query, committed_keys, committed_values, [10], [[10]])
     assert torch.equal(in_tree, alone)
 
@@ -88,16 +117,34 @@ def test_a_prompt_chunks_tokens_get_the_bits_of_any_other_chunking() -> None:
     keys = torch.randn(2, 3, length, dim, generator=generator)
     values = torch.randn(2, 3, length, dim, generator=generator)
     queries = torch.randn(length, 9, dim, generator=generator)
-    whole = kernel_attention_of(queries, keys, values, [0] * length, [list(range(p + 1)) for p in range(length)],
-                                rows=[0] * length)
+    whole = kernel_attention_of(
+        queries,
+        keys,
+        values,
+        [0] * length,
+        [list(range(p + 1)) for p in range(length)],
+        rows=[0] * length,
+    )
     for width in (7, 1):
         starts = [p - p % width for p in range(length)]
-        chunked = kernel_attention_of(queries, keys, values, starts, [list(range(s, p + 1)) for p, s in
-                                                                      enumerate(starts)], rows=[0] * length)
+        chunked = kernel_attention_of(
+            queries,
+            keys,
+            values,
+            starts,
+            [list(range(s, p + 1)) for p, s in enumerate(starts)],
+            rows=[0] * length,
+        )
         assert torch.equal(chunked, whole)
     others = torch.cat([queries[:5], torch.randn(3, 9, dim, generator=generator)])
-    beside = kernel_attention_of(others, keys, values, [0] * 5 + [10, 20, 30],
-                                 [list(range(p + 1)) for p in range(5)] + [[10], [20], [30]], rows=[0] * 5 + [1] * 3)
+    beside = kernel_attention_of(
+        others,
+        keys,
+        values,
+        [0] * 5 + [10, 20, 30],
+        [list(range(p + 1)) for p in range(5)] + [[10], [20], [30]],
+        rows=[0] * 5 + [1] * 3,
+    )
     assert torch.equal(beside[:5], whole[:5])
 
 

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from drafting.base import Draft
+from service.kernels.chunk_attention_kernel import LANES, chunk_attention, chunk_kernel_fits
 from service.model.attention import build_layout, kernel_array, prompt_prefix
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import build_tree, chain_tree, prepend_chain
-from service.kernels.chunk_attention_kernel import LANES, chunk_attention, chunk_kernel_fits
 from tests.helpers.kernels import needs_numba
 
 pytestmark = needs_numba
@@ -24,14 +24,27 @@ def chunk_attention_of(queries, keys, values, blocks, scale=0.125):
     """`blocks`: (row, first flat token, its position, count) each."""
     out = torch.full_like(queries, float("nan"))
     rows, tokens, firsts, counts = (np.array(column, dtype=np.int64) for column in zip(*blocks))
-    chunk_attention(queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16)(
-        queries.numpy(), kernel_array(keys), kernel_array(values), rows, tokens, firsts, counts, np.float32(scale),
-        out.numpy())
+    chunk_attention(
+        queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16
+    )(
+        queries.numpy(),
+        kernel_array(keys),
+        kernel_array(values),
+        rows,
+        tokens,
+        firsts,
+        counts,
+        np.float32(scale),
+        out.numpy(),
+    )
     return out
 
 
 def blocks_of(row: int, first_token: int, first_position: int, count: int, size: int = LANES):
-    return [(row, first_token + i, first_position + i, min(size, count - i)) for i in range(0, count, size)]
+    return [
+        (row, first_token + i, first_position + i, min(size, count - i))
+        for i in range(0, count, size)
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -43,22 +56,36 @@ def test_each_prompt_token_attends_causally_as_sdpa_does(dtype) -> None:
     keys = torch.randn(2, 3, capacity, dim, generator=generator).to(dtype)
     values = torch.randn(2, 3, capacity, dim, generator=generator).to(dtype)
     queries = torch.randn(50, 9, dim, generator=generator)
-    got = chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 30) + blocks_of(1, 30, 0, 20))
+    got = chunk_attention_of(
+        queries, keys, values, blocks_of(0, 0, 10, 30) + blocks_of(1, 30, 0, 20)
+    )
     for token in range(50):
         row, position = (0, 10 + token) if token < 30 else (1, token - 30)
-        want = F.scaled_dot_product_attention(queries[token, :, None], keys[row, :, : position + 1].float(),
-                                              values[row, :, : position + 1].float(), scale=0.125, enable_gqa=True)
+        want = F.scaled_dot_product_attention(
+            queries[token, :, None],
+            keys[row, :, : position + 1].float(),
+            values[row, :, : position + 1].float(),
+            scale=0.125,
+            enable_gqa=True,
+        )
         torch.testing.assert_close(got[token], want[:, 0], rtol=2e-5, atol=2e-6)
 
 
 def test_a_tokens_bits_do_not_depend_on_its_block() -> None:
     generator = torch.Generator().manual_seed(1)
-    keys, values = torch.randn(1, 2, 70, 16, generator=generator), torch.randn(1, 2, 70, 16, generator=generator)
+    keys, values = (
+        torch.randn(1, 2, 70, 16, generator=generator),
+        torch.randn(1, 2, 70, 16, generator=generator),
+    )
     queries = torch.randn(60, 4, 16, generator=generator)
     whole = chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 60))
     for size in (1, 5, 7):
-        assert torch.equal(chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 60, size)), whole)
-    later = chunk_attention_of(queries[23:], keys, values, blocks_of(0, 0, 33, 37))  # a chunk starting at 33
+        assert torch.equal(
+            chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 60, size)), whole
+        )
+    later = chunk_attention_of(
+        queries[23:], keys, values, blocks_of(0, 0, 33, 37)
+    )  # a chunk starting at 33
     assert torch.equal(later, whole[23:])
 
 
@@ -74,20 +101,40 @@ def test_the_prompt_prefix_is_the_chain_before_the_logits() -> None:
 
 def test_a_layout_gives_the_prompt_tokens_to_the_chunk_kernel_and_the_rest_to_the_others() -> None:
     """Row 0: a 20-token chunk under a tree; row 1: a decode row; row 2: a chunk alone."""
-    trees = [prepend_chain(list(range(20)), build_tree(9, [Draft((1, 2), "context"), Draft((3,), "context")])), chain_tree([4]), chain_tree(list(range(40)))]
-    layout = build_layout(trees, [0, 30, 5], torch.device("cpu"), kernel_width=1, prompts=[20, 0, 40])
+    trees = [
+        prepend_chain(
+            list(range(20)), build_tree(9, [Draft((1, 2), "context"), Draft((3,), "context")])
+        ),
+        chain_tree([4]),
+        chain_tree(list(range(40))),
+    ]
+    layout = build_layout(
+        trees, [0, 30, 5], torch.device("cpu"), kernel_width=1, prompts=[20, 0, 40]
+    )
     chunks = layout.chunk_queries
     assert chunks is not None
     assert chunks.rows.tolist() == [0, 0, 2, 2, 2] and chunks.counts.tolist() == [16, 4, 16, 16, 8]
-    assert chunks.tokens.tolist() == [0, 16, 25, 41, 57] and chunks.firsts.tolist() == [0, 16, 5, 21, 37]
-    assert layout.kernel_queries is not None and layout.kernel_queries.tokens.tolist() == [24]  # the decode row
-    assert layout.separate_rows == [0] and layout.batched_mask is None  # row 0's four tree nodes: a call
+    assert chunks.tokens.tolist() == [0, 16, 25, 41, 57] and chunks.firsts.tolist() == [
+        0,
+        16,
+        5,
+        21,
+        37,
+    ]
+    assert layout.kernel_queries is not None and layout.kernel_queries.tokens.tolist() == [
+        24
+    ]  # the decode row
+    assert (
+        layout.separate_rows == [0] and layout.batched_mask is None
+    )  # row 0's four tree nodes: a call
     assert layout.attended == ([20, 24, 65], [4, 1, 0])
     assert layout.row_masks[0].shape[-2:] == (4, 24)  # the tree's nodes over the chunk and the tree
 
 
 @pytest.mark.parametrize("path", ["gguf", "gguf-int8"])
-def test_a_prompt_gets_the_same_cache_and_logits_however_it_is_chunked(path, tiny_packed, tmp_path) -> None:
+def test_a_prompt_gets_the_same_cache_and_logits_however_it_is_chunked(
+    path, tiny_packed, tmp_path
+) -> None:
     """The same prompt in one chunk, in chunks of 7 and 16, and beside another row: equal bits."""
     from service.kernels.int8_kernel import int8_supported
     from service.kernels.packed_linear import pack_gguf_linears
@@ -113,7 +160,10 @@ def test_a_prompt_gets_the_same_cache_and_logits_however_it_is_chunked(path, tin
                 rows.append(RowInput(chain_tree([11, 12, 13][: 1 + at % 3])))
             runner.forward(cache, rows)
             cache.commit_rows({row: list(range(r.tree.num_nodes)) for row, r in enumerate(rows)})
-        logits = runner.forward(cache, [RowInput(chain_tree(prompt[-1:]))] + ([RowInput(chain_tree([14]))] if beside else []))
+        logits = runner.forward(
+            cache,
+            [RowInput(chain_tree(prompt[-1:]))] + ([RowInput(chain_tree([14]))] if beside else []),
+        )
         keys = torch.stack([layer.keys[0, :, : len(prompt)] for layer in cache.layers])
         return logits[0], keys
 

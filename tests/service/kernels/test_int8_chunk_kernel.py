@@ -17,17 +17,25 @@ pytestmark = pytest.mark.skipif(not int8_supported(), reason="the CPU lacks AVX-
 
 
 def tiles(out_features: int, in_features: int, seed: int):
-    t = tiles_from_blocks(random_blocks(out_features, in_features, seed=seed), out_features, in_features)
+    t = tiles_from_blocks(
+        random_blocks(out_features, in_features, seed=seed), out_features, in_features
+    )
     return int8_tiles("Q4_1", t.qs, t.d, t.m, out_features)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 100])
 @pytest.mark.parametrize("out_features,in_features", [(16, 32), (70, 96), (96, 576), (48, 1536)])
 @pytest.mark.parametrize("threads", [0, 2])
-def test_the_chunk_kernel_gives_the_every_size_kernels_bits(rows, out_features, in_features, threads) -> None:
+def test_the_chunk_kernel_gives_the_every_size_kernels_bits(
+    rows, out_features, in_features, threads
+) -> None:
     t = tiles(out_features, in_features, seed=rows)
-    scale = torch.rand(rows, 1, generator=torch.Generator().manual_seed(rows)) * 8  # rows of unlike ranges
-    x = (torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows + 1)) * scale).numpy()
+    scale = (
+        torch.rand(rows, 1, generator=torch.Generator().manual_seed(rows)) * 8
+    )  # rows of unlike ranges
+    x = (
+        torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows + 1)) * scale
+    ).numpy()
     x[0, :BLOCK] = 0  # an all-zero block: scale 0
     want = np.empty((rows, t.packed.shape[0] * 16), np.float32)
     int8_matmul("Q4_1")(x, t.packed, t.d, t.m, want, threads)

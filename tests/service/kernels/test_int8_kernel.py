@@ -9,12 +9,17 @@ import pytest
 import torch
 
 from drafting import TableSlot
+from service.controller.profiler import profile_path
 from service.engine.params import GenerationParams, SpeculationParams
 from service.kernels.int8_kernel import BLOCK, int8_matmul, int8_supported, int8_tiles
+from service.kernels.packed_linear import (
+    LLAMA_LINEARS,
+    PackedLinear,
+    pack_gguf_linears,
+    tiles_from_blocks,
+)
 from service.model.runner import ModelRunner, RowInput
 from service.model.tables import compute_tables
-from service.kernels.packed_linear import LLAMA_LINEARS, PackedLinear, pack_gguf_linears, tiles_from_blocks
-from service.controller.profiler import profile_path
 from service.model.tree import chain_tree
 from tests.helpers.batch import LENGTHS, MODES, PROMPTS
 from tests.helpers.embedded import QUESTIONS, compare
@@ -41,7 +46,9 @@ def quantized(x: torch.Tensor) -> torch.Tensor:
     return (q.clamp(-127, 127) * scale).reshape(x.shape)
 
 
-def run(kind, blocks: np.ndarray, out_features: int, x: torch.Tensor, chunks: int = 2) -> torch.Tensor:
+def run(
+    kind, blocks: np.ndarray, out_features: int, x: torch.Tensor, chunks: int = 2
+) -> torch.Tensor:
     tiles = tiles_from_blocks(blocks, out_features, x.shape[1], kind.name)
     t = int8_tiles(kind.name, tiles.qs, tiles.d, tiles.m, out_features)
     out = np.empty((x.shape[0], t.packed.shape[0] * 16), np.float32)
@@ -50,8 +57,12 @@ def run(kind, blocks: np.ndarray, out_features: int, x: torch.Tensor, chunks: in
 
 
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
-@pytest.mark.parametrize("out_features,in_features,rows", [(70, 96, 1), (32, 64, 3), (100, 576, 16), (48, 1536, 70)])
-def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(kind, out_features, in_features, rows) -> None:
+@pytest.mark.parametrize(
+    "out_features,in_features,rows", [(70, 96, 1), (32, 64, 3), (100, 576, 16), (48, 1536, 70)]
+)
+def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(
+    kind, out_features, in_features, rows
+) -> None:
     blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     got = run(kind, blocks, out_features, x)
@@ -76,9 +87,13 @@ def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
     for name, module in packed.named_modules():
         if name.endswith((*LLAMA_LINEARS.values(), "lm_head")):
             assert isinstance(module, PackedLinear) and "int8" in module.extra_repr()
-            assert torch.equal(module.dequantized(), plain.get_submodule(name).weight)  # the file's weights
+            assert torch.equal(
+                module.dequantized(), plain.get_submodule(name).weight
+            )  # the file's weights
             x = torch.randn(5, module.in_features)
-            torch.testing.assert_close(module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5
+            )
 
 
 def test_its_kv_cache_holds_float16_and_counts_half_the_bytes(tiny_int8) -> None:
@@ -90,8 +105,9 @@ def test_its_kv_cache_holds_float16_and_counts_half_the_bytes(tiny_int8) -> None
     assert runner.kv_bytes_per_token * 2 == floats.kv_bytes_per_token
     cache = runner.new_cache(1)
     runner.forward(cache, [RowInput(chain_tree([3, 5, 7]))])
-    assert cache.layers[0].keys.dtype == torch.float16 and cache.nbytes == cache.layers[0].keys.nbytes * 2 * len(
-        cache.layers)
+    assert cache.layers[0].keys.dtype == torch.float16 and cache.nbytes == cache.layers[
+        0
+    ].keys.nbytes * 2 * len(cache.layers)
 
 
 def test_its_cost_profile_is_not_the_float_activations_one(tiny_int8, tmp_path) -> None:
@@ -99,7 +115,9 @@ def test_its_cost_profile_is_not_the_float_activations_one(tiny_int8, tmp_path) 
     floats = make_tiny_model(seed=3)
     floats.load_state_dict(plain.state_dict())
     pack_gguf_linears(floats, path)  # the same buffers, float activations
-    assert profile_path(tmp_path, ModelRunner(packed)) != profile_path(tmp_path, ModelRunner(floats))
+    assert profile_path(tmp_path, ModelRunner(packed)) != profile_path(
+        tmp_path, ModelRunner(floats)
+    )
 
 
 def test_speculation_on_the_int8_path_equals_its_plain_decoding(tiny_int8) -> None:
@@ -110,11 +128,16 @@ def test_int8_rows_batched_with_other_requests_equal_each_request_alone(tiny_int
     """Prompt chunks of any size and trees beside other requests' rows: the int8 kernel runs
     every pass size, so each request gets what it gets alone."""
     _, packed, _ = tiny_int8
-    engine = make_engine(ModelRunner(packed), TableSlot(compute_tables(packed, batch_size=16, show_progress=False)))
+    engine = make_engine(
+        ModelRunner(packed), TableSlot(compute_tables(packed, batch_size=16, show_progress=False))
+    )
     requests = [(p, GenerationParams(n, speculation=m)) for p, n, m in zip(PROMPTS, LENGTHS, MODES)]
     together = engine.complete_many(requests)
     for (prompt, params), completion in zip(requests, together):
-        assert completion.token_ids == engine.complete(prompt, GenerationParams(params.max_new_tokens)).token_ids
+        assert (
+            completion.token_ids
+            == engine.complete(prompt, GenerationParams(params.max_new_tokens)).token_ids
+        )
 
 
 @pytest.mark.slow
@@ -130,8 +153,12 @@ def test_embedded_int8_speculation_equals_its_plain_decoding() -> None:
         prompt = chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": question}])
         plain = engine.complete(prompt, GenerationParams(max_new_tokens=48)).token_ids
         for k, w in ((1, 1), (4, 4), (8, 6)):
-            params = GenerationParams(max_new_tokens=48, speculation=SpeculationParams(k, w), strategy="context")
-            outcome = compare(loaded.model, prompt, engine.complete(prompt, params).token_ids, plain)
+            params = GenerationParams(
+                max_new_tokens=48, speculation=SpeculationParams(k, w), strategy="context"
+            )
+            outcome = compare(
+                loaded.model, prompt, engine.complete(prompt, params).token_ids, plain
+            )
             assert outcome in ("identical", "tie"), f"{question!r} k={k} w={w}: {outcome}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     print(f"\nint8 path, speculative vs plain: {outcomes}")

@@ -15,7 +15,9 @@ from tests.helpers.kernels import needs_numba
 
 @needs_numba
 def test_the_kernels_load_where_numba_is_installed() -> None:
-    assert load_kernels() is not None, f"numba is installed but its kernels failed to load: {kernels_error()}"
+    assert load_kernels() is not None, (
+        f"numba is installed but its kernels failed to load: {kernels_error()}"
+    )
     assert kernels_error() is None
 
 
@@ -28,6 +30,8 @@ def test_a_kernel_module_that_fails_to_import_is_logged_as_an_error_and_kept(
     monkeypatch.setitem(sys.modules, "service.kernels.packed_kernels", None)  # importing it raises
     with caplog.at_level(logging.ERROR, logger=packed_linear.__name__):
         assert load_kernels() is None
-    assert kernels_error() is not None and kernels_error().startswith(("ImportError", "ModuleNotFoundError"))
+    assert kernels_error() is not None and kernels_error().startswith(
+        ("ImportError", "ModuleNotFoundError")
+    )
     assert any(r.levelno == logging.ERROR and "fallback" in r.getMessage() for r in caplog.records)
     assert load_kernels() is None  # not tried again: the server reports the first failure

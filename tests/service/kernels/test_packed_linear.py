@@ -12,10 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from drafting import TableSlot
-from service.kernels import packed_kernels_gen
 from service.engine.params import GenerationParams, SpeculationParams
-from service.model.runner import ModelRunner
-from service.model.tables import compute_tables
+from service.kernels import packed_kernels_gen
 from service.kernels.packed_linear import (
     FUSED_ROW_CANDIDATES,
     KERNEL_MAX_ROWS,
@@ -33,12 +31,20 @@ from service.kernels.packed_linear import (
     tune_kernel_max_rows,
     unpermute_rows,
 )
+from service.model.runner import ModelRunner
+from service.model.tables import compute_tables
 from tests.helpers.batch import LENGTHS, MODES, PROMPTS
 from tests.helpers.embedded import QUESTIONS, compare
 from tests.helpers.engines import make_engine
-from tests.helpers.models import make_tiny_model
 from tests.helpers.kernels import needs_numba
-from tests.helpers.packed import Q4_1, Q8_0, assert_speculation_equals_plain_decoding, random_blocks, reference
+from tests.helpers.models import make_tiny_model
+from tests.helpers.packed import (
+    Q4_1,
+    Q8_0,
+    assert_speculation_equals_plain_decoding,
+    random_blocks,
+    reference,
+)
 
 kernels = load_kernels()  # None where numba is missing (those tests skip) or fails (they fail)
 
@@ -55,11 +61,18 @@ def test_dequantization_is_ggufs_bit_for_bit(kind) -> None:
 
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
-@pytest.mark.parametrize("out_features, in_features", [(64, 32), (45, 96), (200, 608), (576, 576), (33, 1536)])
+@pytest.mark.parametrize(
+    "out_features, in_features", [(64, 32), (45, 96), (200, 608), (576, 576), (33, 1536)]
+)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 8, 16, 33])
-def test_packed_linear_matches_the_torch_reference(use_numba, kind, out_features, in_features, rows) -> None:
+def test_packed_linear_matches_the_torch_reference(
+    use_numba, kind, out_features, in_features, rows
+) -> None:
     blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
-    layer = PackedLinear(tiles_from_blocks(blocks, out_features, in_features, kind.name), kernels if use_numba else None)
+    layer = PackedLinear(
+        tiles_from_blocks(blocks, out_features, in_features, kind.name),
+        kernels if use_numba else None,
+    )
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features))
     got = layer(x)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
@@ -73,7 +86,9 @@ def test_batched_leading_dims_and_large_passes() -> None:
     x = torch.randn(2, KERNEL_MAX_ROWS, 64)  # 128 rows: the dequantize + F.linear path
     got = layer(x)
     assert got.shape == (2, KERNEL_MAX_ROWS, 96)
-    torch.testing.assert_close(got.reshape(-1, 96), reference(blocks, x.reshape(-1, 64)), rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(
+        got.reshape(-1, 96), reference(blocks, x.reshape(-1, 64)), rtol=1e-5, atol=2e-5
+    )
     torch.testing.assert_close(layer(x[:, :5]), got[:, :5], rtol=1e-5, atol=2e-5)
     with pytest.raises(ValueError, match="64 features, got 128"):
         layer(torch.randn(3, 128))  # as many numbers as 6 rows: refused, not reshaped
@@ -105,12 +120,15 @@ def test_the_q4_1_dispatch_changes_no_bit_and_is_tuned_among_its_candidates() ->
     in_registers = PackedLinear(tiles, kernels, fused_max_rows=KERNEL_MAX_ROWS)
     for rows in range(1, 41):
         assert torch.equal(in_registers(x[:rows]), buffered(x[:rows]))
-    assert tune_fused_max_rows([tiles, tiles_from_blocks(random_blocks(64, 1536), 64, 1536)], kernels) in (
-        2, *FUSED_ROW_CANDIDATES)
+    assert tune_fused_max_rows(
+        [tiles, tiles_from_blocks(random_blocks(64, 1536), 64, 1536)], kernels
+    ) in (2, *FUSED_ROW_CANDIDATES)
 
 
 @needs_numba
-def test_large_passes_take_the_kernel_or_the_gemm_as_tuned_and_the_kernel_keeps_rows_independent() -> None:
+def test_large_passes_take_the_kernel_or_the_gemm_as_tuned_and_the_kernel_keeps_rows_independent() -> (
+    None
+):
     """Where the CPU measured the kernel faster at large passes, a prompt-sized pass runs it too:
     each row's result is then the same bits as that row alone; through the GEMM it is only close."""
     tiles = tiles_from_blocks(random_blocks(96, 576), 96, 576)
@@ -120,8 +138,11 @@ def test_large_passes_take_the_kernel_or_the_gemm_as_tuned_and_the_kernel_keeps_
     together = kernel(x)
     assert all(torch.equal(kernel(x[i : i + 1])[0], together[i]) for i in range(0, len(x), 7))
     torch.testing.assert_close(gemm(x), together, rtol=1e-5, atol=2e-5)
-    assert tune_kernel_max_rows([tiles], kernels, fused_max_rows=2) in (KERNEL_MAX_ROWS, *LARGE_PASS_CANDIDATES,
-                                                                       UNBOUNDED_ROWS)
+    assert tune_kernel_max_rows([tiles], kernels, fused_max_rows=2) in (
+        KERNEL_MAX_ROWS,
+        *LARGE_PASS_CANDIDATES,
+        UNBOUNDED_ROWS,
+    )
 
 
 @needs_numba
@@ -142,8 +163,14 @@ def test_fused_layers_compute_each_layers_outputs_from_the_same_memory(use_numba
     layer's outputs bit for bit (the torch fallback's float32 GEMM may order sums by shape),
     and the layers, now views of the fused tiles, still work."""
     shapes = [(96, 576), (32, 576), (64, 576)]
-    layers = [PackedLinear(tiles_from_blocks(random_blocks(o, i, seed=o, kind=kind), o, i, kind.name),
-                           kernels if use_numba else None, fused_max_rows=8) for o, i in shapes]
+    layers = [
+        PackedLinear(
+            tiles_from_blocks(random_blocks(o, i, seed=o, kind=kind), o, i, kind.name),
+            kernels if use_numba else None,
+            fused_max_rows=8,
+        )
+        for o, i in shapes
+    ]
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(0))
     alone = torch.cat([layer(x) for layer in layers], dim=-1)
     fused = fuse_packed(layers)
@@ -157,7 +184,9 @@ def test_fused_layers_compute_each_layers_outputs_from_the_same_memory(use_numba
 
 
 def test_layers_that_do_not_fill_whole_tiles_are_not_fused() -> None:
-    layers = [PackedLinear(tiles_from_blocks(random_blocks(o, 64, seed=o), o, 64)) for o in (45, 32)]
+    layers = [
+        PackedLinear(tiles_from_blocks(random_blocks(o, 64, seed=o), o, 64)) for o in (45, 32)
+    ]
     assert fuse_packed(layers) is None
 
 
@@ -226,7 +255,10 @@ def test_packed_rows_batched_with_other_requests_equal_each_request_alone(tiny_p
     requests = [(p, GenerationParams(n, speculation=m)) for p, n, m in zip(PROMPTS, LENGTHS, MODES)]
     together = engine.complete_many(requests)
     for (prompt, params), completion in zip(requests, together):
-        assert completion.token_ids == engine.complete(prompt, GenerationParams(params.max_new_tokens)).token_ids
+        assert (
+            completion.token_ids
+            == engine.complete(prompt, GenerationParams(params.max_new_tokens)).token_ids
+        )
     assert engine.cache.nbytes == 0 and engine.cache.num_rows == 0
 
 
@@ -254,7 +286,9 @@ def test_real_layers_hold_the_files_weights_and_match_float32(embedded, embedded
     assert isinstance(head, PackedLinear) and head.kind == "Q8_0"
     assert torch.equal(head.dequantized(), float32.lm_head.weight)
     assert torch.equal(packed.model.embed_tokens.weight, float32.model.embed_tokens.weight)
-    torch.testing.assert_close(head(x[:5, :576]), F.linear(x[:5, :576], float32.lm_head.weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        head(x[:5, :576]), F.linear(x[:5, :576], float32.lm_head.weight), rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.slow
@@ -271,7 +305,9 @@ def test_embedded_packed_speculation_equals_its_plain_decoding(embedded_packed) 
         prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": question}])
         plain = engine.complete(prompt, GenerationParams(max_new_tokens=48)).token_ids
         for k, w in ((1, 1), (4, 4), (8, 6)):
-            params = GenerationParams(max_new_tokens=48, speculation=SpeculationParams(k, w), strategy="context")
+            params = GenerationParams(
+                max_new_tokens=48, speculation=SpeculationParams(k, w), strategy="context"
+            )
             outcome = compare(model, prompt, engine.complete(prompt, params).token_ids, plain)
             assert outcome in ("identical", "tie"), f"{question!r} k={k} w={w}: {outcome}"
             outcomes[outcome] = outcomes.get(outcome, 0) + 1

@@ -19,17 +19,27 @@ def tiny_model(config_name: str) -> transformers.PreTrainedModel:
     """A 2-layer random model of a family (Qwen2: q/k/v biases; Qwen3: extra q/k norms)."""
     torch.manual_seed(2)
     config = getattr(transformers, config_name)(
-        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, attn_implementation="sdpa",
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
     )
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.mark.parametrize("config_name, lean", [
-    ("LlamaConfig", True),
-    ("Qwen2Config", True),  # biases on q, k, v: the fused projection carries them
-    ("Qwen3Config", False),  # norms on q and k: transformers' own layers run it
-])
+@pytest.mark.parametrize(
+    "config_name, lean",
+    [
+        ("LlamaConfig", True),
+        ("Qwen2Config", True),  # biases on q, k, v: the fused projection carries them
+        ("Qwen3Config", False),  # norms on q and k: transformers' own layers run it
+    ],
+)
 def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, lean: bool) -> None:
     model = tiny_model(config_name)
     runner = ModelRunner(model)
@@ -45,7 +55,10 @@ def test_the_lean_pass_gives_transformers_pass_bit_for_bit() -> None:
     lean, reference = ModelRunner(model), ModelRunner(model)
     reference.lean = False
     tree = build_tree(PROMPT[-1], DRAFTS)
-    got = [runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0] for runner in (lean, reference)]
+    got = [
+        runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
+        for runner in (lean, reference)
+    ]
     assert torch.equal(got[0], got[1])
 
 
@@ -58,6 +71,8 @@ def test_fused_projections_share_the_layers_memory() -> None:
         alone = torch.cat([m(x) for m in modules], dim=-1)
         qkv = fuse_projections(modules)
         assert torch.equal(qkv(x), alone)
-        assert torch.equal(torch.cat([m(x) for m in modules], dim=-1), alone)  # each still works alone
+        assert torch.equal(
+            torch.cat([m(x) for m in modules], dim=-1), alone
+        )  # each still works alone
     storages = {m.weight.untyped_storage().data_ptr() for m in modules}
     assert len(storages) == 1  # views of one fused weight: no second copy

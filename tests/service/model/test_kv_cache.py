@@ -15,7 +15,9 @@ LAYERS, HEADS, HEAD_DIM = 2, 2, 4
 CPU = torch.device("cpu")
 
 
-def write_pass(cache: TreeKVCache, widths: list[int], first_value: float = 1.0) -> list[list[float]]:
+def write_pass(
+    cache: TreeKVCache, widths: list[int], first_value: float = 1.0
+) -> list[list[float]]:
     """One pass in which row r brings `widths[r]` tokens on top of its committed entries; the
     pass's flat token i is written as the value first_value + i (keys) and its negative
     (values) in every layer. Returns each row's written values."""
@@ -23,7 +25,11 @@ def write_pass(cache: TreeKVCache, widths: list[int], first_value: float = 1.0) 
     cache.begin_pass(layout)
     total = sum(widths)
     names = first_value + torch.arange(total, dtype=torch.float32)
-    keys = names[None, None, :, None].expand(1, HEADS, total, HEAD_DIM).to(cache.dtype or torch.float32)
+    keys = (
+        names[None, None, :, None]
+        .expand(1, HEADS, total, HEAD_DIM)
+        .to(cache.dtype or torch.float32)
+    )
     for layer in cache.layers:
         layer.update(keys, -keys)
     offsets = [sum(widths[:r]) for r in range(len(widths))]
@@ -43,7 +49,11 @@ def test_rows_are_added_at_the_end_and_a_freed_row_takes_the_last_one() -> None:
     write_pass(cache, [2, 3, 1])
     cache.commit_rows({0: [0, 1], 1: [0, 1, 2], 2: [0]})
     assert cache.remove_row(0) == 2  # the last row moved into the freed slot
-    assert cache.lengths == [1, 3] and row_entries(cache, 0) == [6.0] and row_entries(cache, 1) == [3.0, 4.0, 5.0]
+    assert (
+        cache.lengths == [1, 3]
+        and row_entries(cache, 0) == [6.0]
+        and row_entries(cache, 1) == [3.0, 4.0, 5.0]
+    )
     assert cache.remove_row(1) is None  # the last row leaves: nothing moves
     assert cache.num_rows == 1 and row_entries(cache, 0) == [6.0]
 
@@ -56,7 +66,9 @@ def test_each_row_is_written_at_its_own_committed_length() -> None:
     cache.commit_rows({0: [0, 1], 1: [0, 1]})
     assert row_entries(cache, 0) == [1.0, 2.0, 3.0, *second[0]]
     assert row_entries(cache, 1) == [4.0, *second[1]]
-    assert all(row_entries(cache, r, layer=1) == row_entries(cache, r) for r in range(2))  # every layer alike
+    assert all(
+        row_entries(cache, r, layer=1) == row_entries(cache, r) for r in range(2)
+    )  # every layer alike
 
 
 def test_a_layers_update_returns_every_rows_entries_up_to_the_passs_end() -> None:
@@ -68,7 +80,12 @@ def test_a_layers_update_returns_every_rows_entries_up_to_the_passs_end() -> Non
     new = torch.full((1, HEADS, 4, HEAD_DIM), 9.0)
     keys, values = cache.layers[0].update(new, -new)
     assert keys.shape == values.shape == (2, HEADS, 4, HEAD_DIM)  # row 1 ends at 1 + 3 columns
-    assert keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0, 9.0] and keys[1, 0, :, 0].tolist() == [4.0, 9.0, 9.0, 9.0]
+    assert keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0, 9.0] and keys[1, 0, :, 0].tolist() == [
+        4.0,
+        9.0,
+        9.0,
+        9.0,
+    ]
 
 
 def test_commit_keeps_only_the_listed_entries_in_order() -> None:
@@ -93,8 +110,13 @@ def test_the_capacity_doubles_to_hold_a_pass_and_keeps_what_was_committed() -> N
     assert cache.capacity == INITIAL_CAPACITY and cache.layers[0].keys.shape[2] == INITIAL_CAPACITY
     write_pass(cache, [100], first_value=1000.0)  # 300 columns: one doubling
     cache.commit(0, range(100))
-    assert cache.capacity == 2 * INITIAL_CAPACITY and cache.layers[1].keys.shape[2] == 2 * INITIAL_CAPACITY
-    assert row_entries(cache, 0) == [float(v) for v in range(1, 201)] + [float(v) for v in range(1000, 1100)]
+    assert (
+        cache.capacity == 2 * INITIAL_CAPACITY
+        and cache.layers[1].keys.shape[2] == 2 * INITIAL_CAPACITY
+    )
+    assert row_entries(cache, 0) == [float(v) for v in range(1, 201)] + [
+        float(v) for v in range(1000, 1100)
+    ]
 
 
 def test_memory_counts_every_layers_keys_and_values_and_returns_to_zero() -> None:
@@ -123,11 +145,15 @@ def test_buffers_that_pass_on_grow_by_powers_of_two_of_rows_and_are_taken_up_aga
     identity = cache.buffer_identity()
     for row in (2, 1, 0):
         cache.remove_row(row)
-    assert cache.nbytes == 0 and spare.nbytes > 0  # the last row left: the buffers went to the spare
+    assert (
+        cache.nbytes == 0 and spare.nbytes > 0
+    )  # the last row left: the buffers went to the spare
     again = TreeKVCache(LAYERS, rows=2, spare=spare)
     assert again.buffer_identity() == identity and spare.nbytes == 0  # the same memory, taken up
     for row in (1, 0):
         again.remove_row(row)
     larger = TreeKVCache(LAYERS, rows=8, spare=spare)
-    assert larger.buffer_identity() == ()  # the spare buffers hold too few rows: not taken, and freed
+    assert (
+        larger.buffer_identity() == ()
+    )  # the spare buffers hold too few rows: not taken, and freed
     assert spare.nbytes == 0

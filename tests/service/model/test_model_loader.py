@@ -50,8 +50,14 @@ def test_missing_model_is_a_clear_error(tmp_path) -> None:
 
 
 def test_random_weights_build_the_configured_architecture(tmp_path) -> None:
-    LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-                num_key_value_heads=2).save_pretrained(tmp_path)
+    LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(tmp_path)
     for source in (tmp_path, tmp_path / "config.json"):
         model = random_model(source, device="cpu", dtype="bfloat16")
         assert (model.config.num_hidden_layers, model.config.vocab_size) == (3, 96)
@@ -97,7 +103,9 @@ def test_quantization_auto_picks_the_packed_path_only_where_it_pays(monkeypatch)
     monkeypatch.setattr(model_loader, "cpu_has_native_bf16", lambda: True)
     assert resolve_quantization("auto", True, cpu, None) == expected  # faster than bf16 there too
     assert resolve_quantization("auto", True, cpu, "bfloat16") == "none"
-    assert resolve_quantization("auto", False, cpu, None) == "none"  # a model directory: bf16 by capability
+    assert (
+        resolve_quantization("auto", False, cpu, None) == "none"
+    )  # a model directory: bf16 by capability
     with pytest.raises(ValueError, match="unknown quantization"):
         resolve_quantization("int3", True, cpu, None)
 
@@ -109,8 +117,16 @@ def test_quantization_gguf_needs_a_gguf_model(tmp_path) -> None:
 
 
 def _tiny(config_class, **fields):
-    return config_class(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **fields)
+    return config_class(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        **fields,
+    )
 
 
 def test_a_sliding_window_model_is_refused_at_load(tmp_path) -> None:
@@ -129,12 +145,18 @@ def test_a_sliding_window_model_is_refused_at_load(tmp_path) -> None:
         ("MistralConfig", {"sliding_window": 512}, False),  # a window as long as the context: none
         ("MistralConfig", {"sliding_window": None}, False),  # no window
         ("Qwen2Config", {"sliding_window": 16, "use_sliding_window": False}, False),  # switched off
-        ("Qwen2Config", {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0}, True),
+        (
+            "Qwen2Config",
+            {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0},
+            True,
+        ),
         ("Gemma2Config", {"sliding_window": 16}, True),  # every other layer is windowed
         ("LlamaConfig", {}, False),  # dense attention only
     ],
 )
-def test_only_windows_the_context_can_outgrow_are_refused(config_name: str, fields, refused: bool) -> None:
+def test_only_windows_the_context_can_outgrow_are_refused(
+    config_name: str, fields, refused: bool
+) -> None:
     import transformers
 
     config = _tiny(getattr(transformers, config_name), **fields)

@@ -32,7 +32,9 @@ def test_tables_are_cached_per_model(tmp_path, tiny_model) -> None:
     first = load_or_compute_tables(tiny_model, tmp_path, [0], show_progress=False)
     assert len(list((tmp_path / "tables").iterdir())) == 1
     again = load_or_compute_tables(tiny_model, tmp_path, [0], show_progress=False)
-    assert np.array_equal(first.bigram, again.bigram) and np.array_equal(first.unigram, again.unigram)
+    assert np.array_equal(first.bigram, again.bigram) and np.array_equal(
+        first.unigram, again.unigram
+    )
     load_or_compute_tables(tiny_model, tmp_path, [0, 5], show_progress=False)  # another prefix
     assert len(list((tmp_path / "tables").iterdir())) == 2
     other = make_tiny_model(seed=9)

@@ -44,5 +44,7 @@ def test_no_drafts_is_the_plain_decoding_tree() -> None:
 
 def test_chain_is_causal() -> None:
     chain = chain_tree([4, 4, 6])
-    assert torch.equal(torch.from_numpy(chain.ancestor_mask()), torch.tril(torch.ones(3, 3, dtype=torch.bool)))
+    assert torch.equal(
+        torch.from_numpy(chain.ancestor_mask()), torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    )
     assert chain.depths == [0, 1, 2]

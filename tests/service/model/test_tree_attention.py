@@ -11,7 +11,14 @@ from service.model.attention import batched_width, build_layout
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import TokenTree, build_tree, chain_tree, prepend_chain
 from tests.helpers.models import make_tiny_model
-from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, path_to, prefilled, sequential_logits
+from tests.helpers.passes import (
+    DRAFTS,
+    PROMPT,
+    assert_nodes_match,
+    path_to,
+    prefilled,
+    sequential_logits,
+)
 
 
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
@@ -39,7 +46,10 @@ def test_the_models_own_calls_on_a_cache_stay_causal_once_served(attn_implementa
 
 
 LAYOUTS = {  # drafts per row -> (batched query slots per row, rows attended by a call of their own)
-    "alike": ([[Draft((4,), "x")], [Draft((6,), "x")], [Draft((8,), "x")], [Draft((9,), "x")]], (2, [])),
+    "alike": (
+        [[Draft((4,), "x")], [Draft((6,), "x")], [Draft((8,), "x")], [Draft((9,), "x")]],
+        (2, []),
+    ),
     "one wide among plain rows": ([[], [], DRAFTS, []], (1, [2])),
     "plain rows": ([[], [], [], []], (1, [])),
     "ragged": ([DRAFTS, [], [Draft(tuple(range(10, 40)), "x")], []], (1, [0, 2])),
@@ -52,14 +62,23 @@ def test_rows_of_other_lengths_and_widths_do_not_disturb_each_other(layout: str)
     one batched call, calls of their own, or both."""
     model = make_tiny_model(seed=3)
     runner = ModelRunner(model)
-    assert runner.query_groups == 2  # the tiny model's query heads share KV heads: the calls fold them
+    assert (
+        runner.query_groups == 2
+    )  # the tiny model's query heads share KV heads: the calls fold them
     prompts = [PROMPT, [7, 3], list(range(2, 40)), [11, 12, 13]]
     cache = prefilled(runner, prompts)
     drafts, (width, separate) = LAYOUTS[layout]
     trees = [build_tree(prompt[-1], d) for prompt, d in zip(prompts, drafts)]
-    planned = build_layout(trees, cache.lengths, torch.device("cpu"))  # a GPU's dearer calls pick other layouts
-    assert (planned.query_index.shape[1] if planned.query_index is not None else 0, planned.separate_rows) == (width, separate)
-    assert planned.one_token_rows == (layout == "plain rows")  # plain decoding: no gather, no scatter
+    planned = build_layout(
+        trees, cache.lengths, torch.device("cpu")
+    )  # a GPU's dearer calls pick other layouts
+    assert (
+        planned.query_index.shape[1] if planned.query_index is not None else 0,
+        planned.separate_rows,
+    ) == (width, separate)
+    assert planned.one_token_rows == (
+        layout == "plain rows"
+    )  # plain decoding: no gather, no scatter
     logits = runner.forward(cache, [RowInput(tree) for tree in trees])
     for prompt, tree, row_logits in zip(prompts, trees, logits):
         assert_nodes_match(model, prompt, tree, row_logits)
@@ -69,7 +88,9 @@ def test_the_batched_width_minimizes_query_slots_and_calls() -> None:
     assert batched_width([1] * 16, call_slots=1) == 1  # plain decoding: one call
     assert batched_width([1] * 15 + [5], call_slots=1) == 1  # the tree gets a call of its own
     assert batched_width([3, 5, 5, 9], call_slots=1) == 0  # unlike trees: a call each
-    assert batched_width([3, 5, 5, 9], call_slots=16) == 9  # where calls are dear (GPU): one padded call
+    assert (
+        batched_width([3, 5, 5, 9], call_slots=16) == 9
+    )  # where calls are dear (GPU): one padded call
     assert batched_width([1] * 15 + [64], call_slots=1) == 1  # a prompt chunk beside decode rows
     # the batched call pads every row to the longest: alike trees of unlike lengths get a call each
     assert batched_width([4] * 4, call_slots=1, ends=[300] * 4) == 4
@@ -99,7 +120,9 @@ def test_compacted_cache_continues_like_a_fresh_decode() -> None:
     cache.commit(0, branch)
     assert cache.lengths == [len(PROMPT) + 2]
     logits = runner.forward(cache, [RowInput(chain_tree([10]))])[0][0]
-    torch.testing.assert_close(logits, sequential_logits(model, PROMPT + [3, 9, 10]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        logits, sequential_logits(model, PROMPT + [3, 9, 10]), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_rows_compacted_together_continue_like_fresh_decodes() -> None:
@@ -117,7 +140,9 @@ def test_rows_compacted_together_continue_like_fresh_decodes() -> None:
     logits = runner.forward(cache, [RowInput(chain_tree([10])) for _ in prompts])
     for prompt, tokens, row_logits in zip(prompts, kept, logits):
         continued = prompt + tokens if prompt is not prompts[2] else prompt[:-1] + [30, 31, 32]
-        torch.testing.assert_close(row_logits[0], sequential_logits(model, continued + [10]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            row_logits[0], sequential_logits(model, continued + [10]), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_a_removed_row_leaves_the_others_intact_and_the_last_frees_memory() -> None:
@@ -129,7 +154,9 @@ def test_a_removed_row_leaves_the_others_intact_and_the_last_frees_memory() -> N
     survivors = [prompts[2], prompts[1]]
     logits = runner.forward(cache, [RowInput(chain_tree([p[-1]])) for p in survivors])
     for prompt, row_logits in zip(survivors, logits):
-        torch.testing.assert_close(row_logits[0], sequential_logits(model, prompt), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            row_logits[0], sequential_logits(model, prompt), atol=1e-5, rtol=1e-5
+        )
     cache.remove_row(1)
     assert cache.nbytes > 0
     cache.remove_row(0)
@@ -146,9 +173,14 @@ def test_a_tree_brought_in_two_passes_equals_it_in_one(split: int) -> None:
     prompts = [PROMPT, [7, 3, 9], list(range(2, 30))]
     cache = prefilled(runner, prompts)
     trees = [build_tree(p[-1], DRAFTS) for p in prompts]
-    runner.forward(cache, [RowInput(_first(trees[0], split)), RowInput(chain_tree([])), RowInput(chain_tree([]))])
-    logits = runner.forward(cache, [RowInput(trees[0], split, cached=split), RowInput(chain_tree([])),
-                                    RowInput(trees[2])])
+    runner.forward(
+        cache,
+        [RowInput(_first(trees[0], split)), RowInput(chain_tree([])), RowInput(chain_tree([]))],
+    )
+    logits = runner.forward(
+        cache,
+        [RowInput(trees[0], split, cached=split), RowInput(chain_tree([])), RowInput(trees[2])],
+    )
     tail = trees[0].num_nodes - split
     assert logits[0].shape[0] == tail and logits[1].shape[0] == 0
     for node in range(split, trees[0].num_nodes):
@@ -159,5 +191,10 @@ def test_a_tree_brought_in_two_passes_equals_it_in_one(split: int) -> None:
 
 def _first(tree: TokenTree, n: int) -> TokenTree:
     """The tree's first n nodes (breadth-first, so a tree again)."""
-    return TokenTree(tree.token_ids[:n], tree.parents[:n], tree.depths[:n], tree.strategies[:n],
-                     [{t: c for t, c in kids.items() if c < n} for kids in tree.children[:n]])
+    return TokenTree(
+        tree.token_ids[:n],
+        tree.parents[:n],
+        tree.depths[:n],
+        tree.strategies[:n],
+        [{t: c for t, c in kids.items() if c < n} for kids in tree.children[:n]],
+    )

@@ -11,26 +11,39 @@ from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
 from drafting import ContextNgram, Mixer, TokenHistory, default_mixer
+from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
+from service.model.loader import LoadedModel
 from service.model_drafts.draft_checks import IncompatibleDraft, check_draft, check_tokenizers
 from service.model_drafts.draft_model import ModelDrafter, model_drafters
-from service.engine.engine import Engine
-from service.model.loader import LoadedModel
 from service.model_drafts.self_draft import first_layers
 from tests.helpers.costs import MEMORY_BOUND
 from tests.helpers.engines import NEW_TOKENS, PROMPTS, reference_greedy
 from tests.helpers.models import make_tiny_model
 
-MIXES = ["self_draft", "draft_model", "self_draft_staged", "draft_model_staged", "context+self_draft",
-         "context+bigram+draft_model", "self_draft+draft_model", "context+self_draft_staged", "mixed"]
+MIXES = [
+    "self_draft",
+    "draft_model",
+    "self_draft_staged",
+    "draft_model_staged",
+    "context+self_draft",
+    "context+bigram+draft_model",
+    "self_draft+draft_model",
+    "context+self_draft_staged",
+    "mixed",
+]
 
 
 @pytest.mark.parametrize("strategy", MIXES)
 @pytest.mark.parametrize("mode", ["fixed", "auto"])
-def test_greedy_is_lossless_alone_and_mixed(tiny_model, tiny_engine: Engine, strategy: str, mode: str) -> None:
+def test_greedy_is_lossless_alone_and_mixed(
+    tiny_model, tiny_engine: Engine, strategy: str, mode: str
+) -> None:
     tiny_engine.profile = MEMORY_BOUND
     for prompt in PROMPTS[:2]:
-        params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(4, 4, mode), strategy=strategy)
+        params = GenerationParams(
+            NEW_TOKENS, speculation=SpeculationParams(4, 4, mode), strategy=strategy
+        )
         completion = tiny_engine.complete(prompt, params)
         assert completion.token_ids == reference_greedy(tiny_model, prompt, NEW_TOKENS)
 
@@ -42,21 +55,32 @@ def test_seeded_sampling_is_lossless_alone_and_mixed(tiny_engine: Engine, strate
         sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=seed)
         plain = tiny_engine.complete(prompt, GenerationParams(24, sampling=sampling))
         spec = tiny_engine.complete(
-            prompt, GenerationParams(24, speculation=SpeculationParams(3, 4), strategy=strategy, sampling=sampling))
+            prompt,
+            GenerationParams(
+                24, speculation=SpeculationParams(3, 4), strategy=strategy, sampling=sampling
+            ),
+        )
         assert spec.token_ids == plain.token_ids
 
 
 def test_requests_drafted_together_equal_each_alone(tiny_model, tiny_engine: Engine) -> None:
-    requests = [(p, GenerationParams(20, speculation=SpeculationParams(3, 3), strategy=s))
-                for p, s in zip(PROMPTS, ["self_draft", "draft_model", "mixed", "context+self_draft"])]
+    requests = [
+        (p, GenerationParams(20, speculation=SpeculationParams(3, 3), strategy=s))
+        for p, s in zip(PROMPTS, ["self_draft", "draft_model", "mixed", "context+self_draft"])
+    ]
     for (prompt, params), completion in zip(requests, tiny_engine.complete_many(requests)):
         assert completion.token_ids == reference_greedy(tiny_model, prompt, params.max_new_tokens)
 
 
-def test_one_draft_pass_a_depth_serves_every_request_and_rows_are_freed(tiny_model, tiny_runner) -> None:
+def test_one_draft_pass_a_depth_serves_every_request_and_rows_are_freed(
+    tiny_model, tiny_runner
+) -> None:
     drafter = ModelDrafter(make_tiny_model(seed=5), "draft_model")
     engine = Engine(tiny_runner, Mixer([drafter]), [], max_context=512)
-    assert engine.scheduler.kv_bytes_per_token == tiny_runner.kv_bytes_per_token + drafter.kv_bytes_per_token
+    assert (
+        engine.scheduler.kv_bytes_per_token
+        == tiny_runner.kv_bytes_per_token + drafter.kv_bytes_per_token
+    )
     passes = []
     forward = drafter.rows.runner.forward
     drafter.rows.runner.forward = lambda cache, rows: passes.append(rows) or forward(cache, rows)  # type: ignore[method-assign]
@@ -82,7 +106,9 @@ def test_a_self_draft_in_the_targets_rows_drafts_what_one_with_rows_of_its_own_d
     view, lookahead = first_layers(tiny_model, 1), ContextNgram() if staged else None
     shared = ModelDrafter(view, "self_draft", lookahead=lookahead, shares_target_cache=True)
     engine = Engine(tiny_runner, Mixer([shared]), [], max_context=512)
-    assert engine.scheduler.kv_bytes_per_token == tiny_runner.kv_bytes_per_token  # nothing of its own
+    assert (
+        engine.scheduler.kv_bytes_per_token == tiny_runner.kv_bytes_per_token
+    )  # nothing of its own
     seen = []
     prepare = shared.prepare
 
@@ -103,8 +129,12 @@ def test_a_self_draft_in_the_targets_rows_drafts_what_one_with_rows_of_its_own_d
 
 @pytest.mark.parametrize("w", [1, 3, 6])
 def test_the_target_drafting_for_itself_is_always_accepted(tiny_model, tiny_runner, w: int) -> None:
-    engine = Engine(tiny_runner, Mixer([ModelDrafter(make_tiny_model(), "draft_model")]), [], max_context=512)
-    params = GenerationParams(NEW_TOKENS, speculation=SpeculationParams(2, w), strategy="draft_model")
+    engine = Engine(
+        tiny_runner, Mixer([ModelDrafter(make_tiny_model(), "draft_model")]), [], max_context=512
+    )
+    params = GenerationParams(
+        NEW_TOKENS, speculation=SpeculationParams(2, w), strategy="draft_model"
+    )
     completion = engine.complete(PROMPTS[0], params)
     assert completion.token_ids == reference_greedy(tiny_model, PROMPTS[0], NEW_TOKENS)
     assert completion.num_passes == -(-NEW_TOKENS // (w + 1))  # every round: w drafted + the bonus
@@ -124,9 +154,14 @@ def test_several_self_draft_depths_are_named_by_depth(tiny_model) -> None:
     loaded = LoadedModel(make_tiny_model(num_layers=4), word_tokenizer(64), "tiny", 0.0, False)
     assert [d.name for d in model_drafters(loaded, (2,))] == ["self_draft"]
     assert [d.name for d in model_drafters(loaded, (1, 3))] == ["self_draft_1", "self_draft_3"]
-    assert [d.model.config.num_hidden_layers for d in model_drafters(loaded, (None,))] == [3]  # 4/5 of 4
+    assert [d.model.config.num_hidden_layers for d in model_drafters(loaded, (None,))] == [
+        3
+    ]  # 4/5 of 4
     staged = model_drafters(loaded, (2,), staged=True)
-    assert [(d.name, d.lookahead is not None) for d in staged] == [("self_draft", False), ("self_draft_staged", True)]
+    assert [(d.name, d.lookahead is not None) for d in staged] == [
+        ("self_draft", False),
+        ("self_draft_staged", True),
+    ]
 
 
 def word_tokenizer(size: int, renamed: dict[int, str] | None = None) -> PreTrainedTokenizerFast:
@@ -137,8 +172,11 @@ def word_tokenizer(size: int, renamed: dict[int, str] | None = None) -> PreTrain
 
 def test_a_tokenizer_mismatch_names_the_differing_tokens() -> None:
     check_tokenizers(word_tokenizer(64), word_tokenizer(64))
-    with pytest.raises(IncompatibleDraft, match=r"in 2 tokens: 'five' \(target id None, draft id 5\), "
-                                                r"'t5' \(target id 5, draft id None\)"):
+    with pytest.raises(
+        IncompatibleDraft,
+        match=r"in 2 tokens: 'five' \(target id None, draft id 5\), "
+        r"'t5' \(target id 5, draft id None\)",
+    ):
         check_tokenizers(word_tokenizer(64), word_tokenizer(64, {5: "five"}))
     with pytest.raises(IncompatibleDraft, match=r"'t64' \(target id 64, draft id None\)"):
         check_tokenizers(word_tokenizer(65), word_tokenizer(64))
@@ -147,13 +185,17 @@ def test_a_tokenizer_mismatch_names_the_differing_tokens() -> None:
 def test_a_draft_on_another_dtype_device_or_shorter_context_is_refused(tiny_model) -> None:
     tokenizer = word_tokenizer(64)
     check_draft(tiny_model, make_tiny_model(seed=1), tokenizer, tokenizer)
-    with pytest.raises(IncompatibleDraft, match="computes in torch.bfloat16, the target in torch.float32"):
+    with pytest.raises(
+        IncompatibleDraft, match="computes in torch.bfloat16, the target in torch.float32"
+    ):
         check_draft(tiny_model, make_tiny_model(seed=1).to(torch.bfloat16), tokenizer, tokenizer)
     with pytest.raises(IncompatibleDraft, match=f"is on meta, the target on {tiny_model.device}"):
         check_draft(tiny_model, make_tiny_model(seed=1).to("meta"), tokenizer, tokenizer)
     short = make_tiny_model(seed=1)
     short.config.max_position_embeddings = 128
-    with pytest.raises(IncompatibleDraft, match=r"context \(128 tokens\) is shorter than the target's \(512\)"):
+    with pytest.raises(
+        IncompatibleDraft, match=r"context \(128 tokens\) is shorter than the target's \(512\)"
+    ):
         check_draft(tiny_model, short, tokenizer, tokenizer)
 
 

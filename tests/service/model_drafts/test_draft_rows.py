@@ -33,7 +33,9 @@ def held_keys(drafter: ModelDrafter, history: TokenHistory) -> tuple[list[int], 
     its scratch tree that `history` continues with), and layer 0's keys of them [1, heads, n, d]."""
     row = drafter.rows.row(history)
     committed = len(row.token_ids)
-    path = matching_path(row.scratch, history.token_ids[committed:]) if row.scratch is not None else []
+    path = (
+        matching_path(row.scratch, history.token_ids[committed:]) if row.scratch is not None else []
+    )
     slots = [*range(committed), *(committed + node for node in path)]
     keys = drafter.rows.cache.layers[0].keys[row.index : row.index + 1, :, slots]
     return history.token_ids[: len(slots)], keys
@@ -48,13 +50,18 @@ def assert_in_step(drafter: ModelDrafter, history: TokenHistory) -> None:
 @pytest.mark.parametrize(
     "commit",
     [
-        lambda drafts: [*drafts[0].token_ids, 11],  # full acceptance of the best branch, then a bonus
+        lambda drafts: [
+            *drafts[0].token_ids,
+            11,
+        ],  # full acceptance of the best branch, then a bonus
         lambda drafts: [*drafts[2].token_ids[:2], 11],  # partial acceptance of another branch
         lambda drafts: [63],  # rejection: only the bonus token
     ],
     ids=["full", "partial", "rejected"],
 )
-def test_the_cache_keeps_what_was_committed_and_drops_the_rest(drafter: ModelDrafter, commit) -> None:
+def test_the_cache_keeps_what_was_committed_and_drops_the_rest(
+    drafter: ModelDrafter, commit
+) -> None:
     history = TokenHistory(PROMPT)
     drafts = drafter.propose(history, K, W)
     assert len(drafts) == K and all(len(d.token_ids) == W for d in drafts)
@@ -67,7 +74,9 @@ def test_the_cache_keeps_what_was_committed_and_drops_the_rest(drafter: ModelDra
 
 
 @pytest.mark.parametrize("accepted", [0, 1, 2, 3])
-def test_accepted_draft_entries_are_reused_not_recomputed(drafter: ModelDrafter, accepted: int) -> None:
+def test_accepted_draft_entries_are_reused_not_recomputed(
+    drafter: ModelDrafter, accepted: int
+) -> None:
     history = TokenHistory(PROMPT)
     drafts = drafter.propose(history, K, W)
     history.extend([*drafts[1].token_ids[:accepted], 11])
@@ -80,7 +89,10 @@ def test_a_history_the_row_never_saw_starts_over(drafter: ModelDrafter) -> None:
     history = TokenHistory(PROMPT)
     drafter.propose(history, K, W)
     row = drafter.rows.row(history)
-    assert drafter.rows.sync(row, [5, 9, 1, 1]) == [1, 1]  # diverges after two tokens: rolled back to them
+    assert drafter.rows.sync(row, [5, 9, 1, 1]) == [
+        1,
+        1,
+    ]  # diverges after two tokens: rolled back to them
     assert drafter.rows.cache.lengths[row.index] == 2
 
 
@@ -88,12 +100,24 @@ def test_drafts_are_the_draft_models_top_branches_continued_greedily(drafter: Mo
     history = TokenHistory(PROMPT)
     drafts = drafter.propose(history, K, W)
     with torch.inference_mode():
-        first = drafter.model(torch.tensor([PROMPT], device=drafter.model.device)).logits[0, -1].topk(K).indices.tolist()
+        first = (
+            drafter.model(torch.tensor([PROMPT], device=drafter.model.device))
+            .logits[0, -1]
+            .topk(K)
+            .indices.tolist()
+        )
         assert [d.token_ids[0] for d in drafts] == first
         for draft in drafts:
             ids = [*PROMPT, draft.token_ids[0]]
             for token in draft.token_ids[1:]:
-                assert int(drafter.model(torch.tensor([ids], device=drafter.model.device)).logits[0, -1].argmax()) == token
+                assert (
+                    int(
+                        drafter.model(torch.tensor([ids], device=drafter.model.device))
+                        .logits[0, -1]
+                        .argmax()
+                    )
+                    == token
+                )
                 ids.append(token)
     assert [d.rank for d in drafts] == list(range(K))
     assert drafter.seconds_per_token > 0
@@ -105,16 +129,22 @@ def test_requests_drafted_in_one_batch_get_what_each_gets_alone(drafter: ModelDr
     drafter.prepare(asks)
     batched = [drafter.propose(h, k, w) for h, k, w in asks]
     for (history, k, w), drafts in zip(asks, batched):
-        alone = ModelDrafter(drafter.model, "draft_model").propose(TokenHistory(history.token_ids), k, w)
+        alone = ModelDrafter(drafter.model, "draft_model").propose(
+            TokenHistory(history.token_ids), k, w
+        )
         assert [d.token_ids for d in drafts] == [d.token_ids for d in alone]
         held, keys = held_keys(drafter, history)
-        assert held == history.token_ids and torch.allclose(keys, fresh_entries(drafter, held), atol=1e-5)
+        assert held == history.token_ids and torch.allclose(
+            keys, fresh_entries(drafter, held), atol=1e-5
+        )
     # a second round, after each request committed some of its drafts: still each as alone
     for (history, _, _), drafts in zip(asks, batched):
         history.extend([*drafts[-1].token_ids[:1], 11])
     drafter.prepare(asks)
     for history, k, w in asks:
-        alone = ModelDrafter(drafter.model, "draft_model").propose(TokenHistory(history.token_ids), k, w)
+        alone = ModelDrafter(drafter.model, "draft_model").propose(
+            TokenHistory(history.token_ids), k, w
+        )
         assert [d.token_ids for d in drafter.propose(history, k, w)] == [d.token_ids for d in alone]
 
 
@@ -133,8 +163,12 @@ def test_a_finished_request_frees_its_row_and_memory_returns(drafter: ModelDraft
     assert len(drafter.rows) == 0 and drafter.rows.cache.nbytes == 0
 
 
-@pytest.mark.parametrize("prompt", [PROMPT, [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3]], ids=["mixed", "repetitive"])
-def test_a_staged_chain_is_the_draft_models_greedy_chain(drafter: ModelDrafter, prompt: list[int]) -> None:
+@pytest.mark.parametrize(
+    "prompt", [PROMPT, [3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 5, 6, 3]], ids=["mixed", "repetitive"]
+)
+def test_a_staged_chain_is_the_draft_models_greedy_chain(
+    drafter: ModelDrafter, prompt: list[int]
+) -> None:
     staged = ModelDrafter(drafter.model, "staged", lookahead=ContextNgram())
     history = TokenHistory(prompt)
     plain_drafts, staged_drafts = drafter.propose(history, K, 6), staged.propose(history, K, 6)

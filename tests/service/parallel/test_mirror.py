@@ -17,7 +17,13 @@ from service.parallel.mirror import MirroredCache, Op, Replica
 from tests.helpers.engines import make_engine
 
 SYSTEM = list(range(2, 42))  # two and a half prefix-cache blocks
-PROMPTS = [SYSTEM + [5, 9], SYSTEM + [7], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4], SYSTEM[:20] + [50, 51], [11]]
+PROMPTS = [
+    SYSTEM + [5, 9],
+    SYSTEM + [7],
+    [3, 4, 5, 6, 3, 4, 5, 6, 3, 4],
+    SYSTEM[:20] + [50, 51],
+    [11],
+]
 
 
 class ShadowedRunner(ModelRunner):
@@ -35,10 +41,13 @@ class ShadowedRunner(ModelRunner):
     def new_cache(self, rows: int = 0) -> TreeKVCache:
         cache_id = next(self._ids)
         self.ops.append((cache_id, "new_cache", rows))
-        return MirroredCache(cache_id, self.ops.append, self.model.config.num_hidden_layers, rows, self.kv_dtype)
+        return MirroredCache(
+            cache_id, self.ops.append, self.model.config.num_hidden_layers, rows, self.kv_dtype
+        )
 
-    def forward_flat(self, cache: TreeKVCache, rows: Sequence[RowInput],
-                     token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_flat(
+        self, cache: TreeKVCache, rows: Sequence[RowInput], token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         assert isinstance(cache, MirroredCache)
         self.replica.replay(self.ops)
         self.ops.clear()
@@ -55,20 +64,31 @@ class ShadowedRunner(ModelRunner):
 def assert_same_entries(cache: TreeKVCache, other: TreeKVCache) -> None:
     for row, length in enumerate(cache.lengths):
         if length:
-            for ours, theirs in zip(TreeKVCache.entries(cache, row, 0, length), other.entries(row, 0, length)):
+            for ours, theirs in zip(
+                TreeKVCache.entries(cache, row, 0, length), other.entries(row, 0, length)
+            ):
                 assert torch.equal(ours, theirs)
 
 
-@pytest.mark.parametrize("speculation", [SpeculationParams(0, 0), SpeculationParams(4, 4),
-                                         SpeculationParams(4, 4, "auto")])
-def test_a_replica_kept_by_the_ops_alone_runs_every_pass_as_rank_zero(tiny_model, tiny_tables,
-                                                                      speculation: SpeculationParams) -> None:
+@pytest.mark.parametrize(
+    "speculation",
+    [SpeculationParams(0, 0), SpeculationParams(4, 4), SpeculationParams(4, 4, "auto")],
+)
+def test_a_replica_kept_by_the_ops_alone_runs_every_pass_as_rank_zero(
+    tiny_model, tiny_tables, speculation: SpeculationParams
+) -> None:
     runner = ShadowedRunner(tiny_model)
     engine = make_engine(runner, tiny_tables, max_tokens_per_pass=16, prefix_cache=True)
-    for wave in (PROMPTS[:3], PROMPTS[3:], PROMPTS[:2]):  # the last wave reads the blocks the first stored
+    for wave in (
+        PROMPTS[:3],
+        PROMPTS[3:],
+        PROMPTS[:2],
+    ):  # the last wave reads the blocks the first stored
         lengths = itertools.cycle([6, 14, 9])
-        requests = [engine.add_request(prompt, GenerationParams(next(lengths), speculation=speculation))
-                    for prompt in wave]
+        requests = [
+            engine.add_request(prompt, GenerationParams(next(lengths), speculation=speculation))
+            for prompt in wave
+        ]
         while engine.has_work:
             results, _ = engine.step()
             assert not any(isinstance(out, Exception) for _, out in results)

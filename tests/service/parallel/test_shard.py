@@ -18,9 +18,13 @@ from tests.helpers.models import make_tiny_model
 def test_heads_kv_heads_and_mlp_columns_must_divide_over_the_ranks() -> None:
     model = make_tiny_model()  # 4 heads, 2 KV heads, 128 MLP columns
     check_shardable(model, 2)
-    with pytest.raises(NotShardable, match=r"num_attention_heads \(4\) does not divide over 3 ranks"):
+    with pytest.raises(
+        NotShardable, match=r"num_attention_heads \(4\) does not divide over 3 ranks"
+    ):
         check_shardable(model, 3)
-    with pytest.raises(NotShardable, match=r"num_key_value_heads \(2\) does not divide over 4 ranks"):
+    with pytest.raises(
+        NotShardable, match=r"num_key_value_heads \(2\) does not divide over 4 ranks"
+    ):
         check_shardable(model, 4)
 
 
@@ -38,12 +42,21 @@ def test_a_pods_first_process_is_local_rank_zero_and_starts_the_others() -> None
     assert (alone.rank, alone.local_rank, alone.world, alone.starts_pod) == (0, 0, 2, True)
     assert alone.master_addr == "127.0.0.1" and alone.master_port > 0  # a free port rank 0 picked
     started = RankPlace.from_env(2, alone.env() | {"RANK": "1", "LOCAL_RANK": "1"})
-    assert (started.rank, started.local_rank, started.starts_pod, started.master_port) == (1, 1, False,
-                                                                                           alone.master_port)
+    assert (started.rank, started.local_rank, started.starts_pod, started.master_port) == (
+        1,
+        1,
+        False,
+        alone.master_port,
+    )
 
 
 def test_a_leaderworkerset_pod_holds_the_ranks_after_the_pods_before_it() -> None:
-    lws = {"LWS_GROUP_SIZE": "3", "LWS_WORKER_INDEX": "2", "MASTER_ADDR": "leader.ns", "MASTER_PORT": "29500"}
+    lws = {
+        "LWS_GROUP_SIZE": "3",
+        "LWS_WORKER_INDEX": "2",
+        "MASTER_ADDR": "leader.ns",
+        "MASTER_PORT": "29500",
+    }
     place = RankPlace.from_env(4, lws)
     assert (place.rank, place.local_rank, place.world, place.starts_pod) == (8, 0, 12, True)
     assert (place.master_addr, place.master_port) == ("leader.ns", 29500)
@@ -58,7 +71,9 @@ def test_a_pods_ranks_load_one_after_another_and_other_pods_at_once() -> None:
     places = [RankPlace(rank, rank % 2, 2, 4, "127.0.0.1", port) for rank in range(4)]
 
     def load(place: RankPlace, seconds: float) -> None:
-        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # a process's own
+        store = TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)
+        )  # a process's own
         with in_turn(store, place):
             order.append(f"start {place.rank}")
             time.sleep(seconds)
@@ -69,6 +84,8 @@ def test_a_pods_ranks_load_one_after_another_and_other_pods_at_once() -> None:
         thread.start()
     for thread in threads:
         thread.join()
-    assert order.index("start 1") > order.index("end 0") and order.index("start 3") > order.index("end 2")
+    assert order.index("start 1") > order.index("end 0") and order.index("start 3") > order.index(
+        "end 2"
+    )
     assert order.index("start 2") < order.index("end 0")  # another pod (host): at once
     del server
