@@ -104,7 +104,8 @@ class ConcurrencyLimit:
         if self.limit and self.in_flight[client] >= self.limit:
             raise ApiError(
                 429,
-                f"too many concurrent requests for this API key (at most {self.limit}); retry when one ends",
+                f"too many concurrent requests for this API key (at most {self.limit}); "
+                "retry when one ends",
                 "rate_limit_exceeded",
                 code="concurrency_limit_exceeded",
                 headers={"Retry-After": str(self.retry_after)},

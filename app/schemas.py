@@ -27,7 +27,8 @@ from service.engine.params import (
 
 
 def _valid_unicode(text: str) -> str:
-    """JSON may escape a lone surrogate ("\\ud800"); such a string is no text and no tokenizer takes it."""
+    """JSON may escape a lone surrogate ("\\ud800"); such a string is no text and no tokenizer takes
+    it."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
@@ -189,7 +190,8 @@ class GenerationRequest(_Request):
         None,
         ge=0,
         le=2,
-        description=f"0 = greedy; below {MIN_TEMPERATURE} also greedy (no sampling that close to 0)",
+        description=f"0 = greedy; below {MIN_TEMPERATURE} also greedy "
+        "(no sampling that close to 0)",
     )
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)
@@ -197,8 +199,8 @@ class GenerationRequest(_Request):
         None,
         ge=0,
         le=MAX_REQUEST_SEED,
-        description="makes a sample reproducible; with `n` > 1, choice i samples with seed + i (mod 2^63): "
-        "the very text a request of n = 1 with that seed gets",
+        description="makes a sample reproducible; with `n` > 1, choice i samples with seed + i "
+        "(mod 2^63): the very text a request of n = 1 with that seed gets",
     )
     stop: Text | list[Text] | None = Field(
         None, description="stop strings (count and length capped by the server)"
@@ -209,8 +211,9 @@ class GenerationRequest(_Request):
         1,
         ge=1,
         le=MAX_N,
-        description=f"choices to generate (at most {MAX_N}; the server may allow fewer), each sampled on its own: "
-        "with a `seed`, choice i uses seed + i (mod 2^63); greedy, the n choices are one text",
+        description=f"choices to generate (at most {MAX_N}; the server may allow fewer), each "
+        "sampled on its own: with a `seed`, choice i uses seed + i (mod 2^63); greedy, the n "
+        "choices are one text",
     )
     user: str | None = None
     speculation: SpeculationOptions | None = None
@@ -222,8 +225,8 @@ class GenerationRequest(_Request):
         None,
         ge=MIN_REPETITION_PENALTY,
         le=MAX_REPETITION_PENALTY,
-        description="vLLM's: divides positive (multiplies negative) logits of tokens in the prompt or the output; "
-        "1 = none (any value > 0 beyond these bounds would only saturate)",
+        description="vLLM's: divides positive (multiplies negative) logits of tokens in the prompt "
+        "or the output; 1 = none (any value > 0 beyond these bounds would only saturate)",
     )
     frequency_penalty: float | None = Field(
         None,
@@ -249,8 +252,8 @@ class GenerationRequest(_Request):
     response_format: ResponseFormat | None = Field(
         None,
         discriminator="type",
-        description="`json_object`: the output is a JSON object; `json_schema`: it matches the schema "
-        "(properties and items the schema does not describe are not generated)",
+        description="`json_object`: the output is a JSON object; `json_schema`: it matches the "
+        "schema (properties and items the schema does not describe are not generated)",
     )
     echo: Annotated[bool | None, unsupported("echo")] = None
     suffix: Annotated[str | None, unsupported("suffix")] = None
@@ -268,7 +271,8 @@ class GenerationRequest(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _token_biases(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        """Keys are token ids in decimal, biases in OpenAI's range (the vocabulary is the route's check)."""
+        """Keys are token ids in decimal, biases in OpenAI's range (the vocabulary is the route's
+        check)."""
         for token, value in (bias or {}).items():
             if not re.fullmatch(TOKEN_ID_KEY, token):
                 raise ValueError(f'keys must be token ids in decimal (as "50256"), got {token!r}')
@@ -291,8 +295,8 @@ class CompletionRequest(GenerationRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | Literal[False] | None = (
         Field(
             None,
-            description="each token's logprob and this many likeliest alternatives (raw: temperature 1); "
-            "`false` (what some clients send by default) asks for none",
+            description="each token's logprob and this many likeliest alternatives (raw: "
+            "temperature 1); `false` (what some clients send by default) asks for none",
         )
     )
     top_logprobs: int | None = Field(
@@ -314,7 +318,8 @@ class CompletionRequest(GenerationRequest):
     def _chat_only(cls, top_logprobs: int | None) -> int | None:
         if top_logprobs:  # silently ignoring it would answer without what was asked
             raise ValueError(
-                "`top_logprobs` is a chat field; on completions `logprobs` is the number of alternatives"
+                "`top_logprobs` is a chat field; "
+                "on completions `logprobs` is the number of alternatives"
             )
         return top_logprobs
 
@@ -520,8 +525,9 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ChatTool] | None = Field(
         None,
         max_length=MAX_TOOLS,
-        description="functions the model may call (names unique); see `tool_choice`. A template without tool "
-        "syntax gets them in a system message, its answer held to JSON (the server's docs)",
+        description="functions the model may call (names unique); see `tool_choice`. A template "
+        "without tool syntax gets them in a system message, its answer held to JSON (the server's "
+        "docs)",
     )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,

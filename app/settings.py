@@ -26,7 +26,8 @@ class Settings(BaseSettings):
 
     model: str | None = Field(
         None,
-        description="A local Hugging Face model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+        description="A local Hugging Face model directory or .gguf file (default: the embedded "
+        "SmolLM2-135M-Instruct)",
     )
     served_model_name: str | None = Field(
         None, description="Model name reported by the API (default: derived from the model)"
@@ -38,13 +39,15 @@ class Settings(BaseSettings):
     )
     dtype: str | None = Field(
         None,
-        description="float32, bfloat16 or float16 (default: bfloat16 on GPU; on a CPU float32 for the packed GGUF path, else bfloat16 with native bf16, float32 without)",
+        description="float32, bfloat16 or float16 (default: bfloat16 on GPU; on a CPU float32 for "
+        "the packed GGUF path, else bfloat16 with native bf16, float32 without)",
     )
     quantization: Literal["auto", "none", "gguf", "gguf-int8"] = Field(
         "auto",
-        description="gguf: keep a GGUF's Q4_1 linears (and Q8_0 LM head) packed, the CPU fast path; gguf-int8: the same "
-        "with the Q4_1 linears' activations rounded to 8 bits per block of 32 and a float16 KV cache, as llama.cpp "
-        "computes (CPUs with AVX-512 VNNI); none: unpacked weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, "
+        description="gguf: keep a GGUF's Q4_1 linears (and Q8_0 LM head) packed, the CPU fast "
+        "path; gguf-int8: the same with the Q4_1 linears' activations rounded to 8 bits per block "
+        "of 32 and a float16 KV cache, as llama.cpp computes (CPUs with AVX-512 VNNI); none: "
+        "unpacked weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, "
         "dtype unset or float32), else none",
     )
     cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
@@ -52,23 +55,26 @@ class Settings(BaseSettings):
         1,
         ge=1,
         le=64,
-        description="Ranks the model is split over (its heads and MLP columns), one GPU each (on a CPU, its "
-        "cores shared), started by this command; Llama-family models, --quantization none, no model drafts or device round",
+        description="Ranks the model is split over (its heads and MLP columns), one GPU each (on a "
+        "CPU, its cores shared), started by this command; Llama-family models, --quantization "
+        "none, no model drafts or device round",
     )
     tensor_parallel_timeout: float = Field(
         60.0,
         gt=0,
-        description="Seconds an exchange between the ranks (a pass, an idle ping) may wait; past it a rank "
-        "is taken as lost and the server exits",
+        description="Seconds an exchange between the ranks (a pass, an idle ping) may wait; past "
+        "it a rank is taken as lost and the server exits",
     )
     enforce_eager: bool = Field(
         False,
-        description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never records them)",
+        description="Run every pass eagerly: no CUDA graphs of the small passes (GPU; a CPU never "
+        "records them)",
     )
     device_round: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Take the steps it can (every row decoding, no logprobs, grammar or logit controls; fixed mode "
-        "with one shape, or auto) through the device round: drafts, tree check and KV commit on the model's device, one copy back a step; auto: on a GPU",
+        description="Take the steps it can (every row decoding, no logprobs, grammar or logit "
+        "controls; fixed mode with one shape, or auto) through the device round: drafts, tree "
+        "check and KV commit on the model's device, one copy back a step; auto: on a GPU",
     )
     spec_mode: SpeculationMode = Field(
         "auto",
@@ -82,14 +88,16 @@ class Settings(BaseSettings):
     )
     spec_strategy: Strategy = Field(
         "mixed",
-        description="Draft strategy: context, extended_bigram, recycled, logit, suffix, unigram, bigram, "
-        "token_recycling (the last three never in mixed), self_draft, draft_model, self_draft_staged, "
-        "draft_model_staged (the model drafts when enabled) or mixed (all enabled but those three)",
+        description="Draft strategy: context, extended_bigram, recycled, logit, suffix, unigram, "
+        "bigram, token_recycling (the last three never in mixed), self_draft, draft_model, "
+        "self_draft_staged, draft_model_staged (the model drafts when enabled) or mixed (all "
+        "enabled but those three)",
     )
     suffix_cache_tokens: int = Field(
         DEFAULT_CAPACITY,
         ge=0,
-        description="Recent output tokens of all requests the suffix strategy indexes (about 40 bytes each; 0 = off)",
+        description="Recent output tokens of all requests the suffix strategy indexes (about 40 "
+        "bytes each; 0 = off)",
     )
     self_draft: bool = Field(
         False,
@@ -99,7 +107,8 @@ class Settings(BaseSettings):
     self_draft_layers: int | None = Field(
         None,
         ge=1,
-        description="Layers of the self-draft (default: 4/5 of the model's, measured in docs/benchmarks.md)",
+        description="Layers of the self-draft (default: 4/5 of the model's, measured in "
+        "docs/benchmarks.md)",
     )
     draft_staged: bool = Field(
         False,
@@ -108,8 +117,8 @@ class Settings(BaseSettings):
     )
     draft_model: str | None = Field(
         None,
-        description="Enable the draft_model strategy: a local Hugging Face directory or .gguf with the model's "
-        "tokenizer, drafting for it (checked at start)",
+        description="Enable the draft_model strategy: a local Hugging Face directory or .gguf with "
+        "the model's tokenizer, drafting for it (checked at start)",
     )
     model_tables: bool = Field(
         True,
@@ -124,24 +133,27 @@ class Settings(BaseSettings):
     max_running_requests: int | None = Field(
         None,
         ge=1,
-        description="Requests decoded together in one batch, one pass per step (default: 16 on CPU, 64 on GPU)",
+        description="Requests decoded together in one batch, one pass per step (default: 16 on "
+        "CPU, 64 on GPU)",
     )
     max_tokens_per_pass: int = Field(
         512,
         ge=16,
-        description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the whole batch",
+        description="Tokens one pass may carry: prompt chunks, decode tokens and tree nodes of the "
+        "whole batch",
     )
     max_prefill_tokens_while_decoding: int | None = Field(
         None,
         ge=1,
-        description="Prompt tokens a pass may carry while other requests decode (default: as many as "
-        "prefill_pass_ms allows; 64 on CPU, max_tokens_per_pass on GPU until a cost profile is in use)",
+        description="Prompt tokens a pass may carry while other requests decode (default: as many "
+        "as prefill_pass_ms allows; 64 on CPU, max_tokens_per_pass on GPU until a cost profile is "
+        "in use)",
     )
     prefill_pass_ms: float = Field(
         100.0,
         gt=0,
-        description="While other requests decode, prompt chunks are sized by the cost profile so that "
-        "a pass costs about this many ms (the inter-token time a loading prompt may cause)",
+        description="While other requests decode, prompt chunks are sized by the cost profile so "
+        "that a pass costs about this many ms (the inter-token time a loading prompt may cause)",
     )
     kv_cache_memory_mb: int | None = Field(
         4096,
@@ -159,7 +171,8 @@ class Settings(BaseSettings):
     drain_timeout: float = Field(
         30.0,
         ge=0,
-        description="On SIGTERM: seconds running requests may take to finish before they are ended with an error",
+        description="On SIGTERM: seconds running requests may take to finish before they are ended "
+        "with an error",
     )
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with 429")
     default_temperature: float = Field(
@@ -178,12 +191,14 @@ class Settings(BaseSettings):
     max_prompt_tokens: int | None = Field(
         None,
         ge=1,
-        description="Most prompt tokens a request may send (default: the model's context); more gets 400",
+        description="Most prompt tokens a request may send (default: the model's context); more "
+        "gets 400",
     )
     max_tokens_cap: int = Field(
         4096,
         ge=1,
-        description="Largest max_tokens / max_completion_tokens a request may ask for; more gets 400 (not clamped)",
+        description="Largest max_tokens / max_completion_tokens a request may ask for; more gets "
+        "400 (not clamped)",
     )
     max_stop_sequences: int = Field(
         4, ge=0, description="Most stop strings per request; more gets 400"
@@ -194,13 +209,15 @@ class Settings(BaseSettings):
     max_concurrent_per_key: int = Field(
         0,
         ge=0,
-        description="Requests one API key may have in flight (0 = no limit; without keys all clients are one); more get 429",
+        description="Requests one API key may have in flight (0 = no limit; without keys all "
+        "clients are one); more get 429",
     )
 
     # Authentication (README: Authentication).
     api_keys: str | None = Field(
         None,
-        description="Comma-separated API keys accepted as `Authorization: Bearer KEY` (none and no file: no auth)",
+        description="Comma-separated API keys accepted as `Authorization: Bearer KEY` (none and no "
+        "file: no auth)",
     )
     api_key_file: Path | None = Field(
         None, description="A file of API keys, one per line (# comments and blank lines skipped)"
@@ -211,7 +228,8 @@ class Settings(BaseSettings):
     def _defaults_within_limits(self) -> Settings:
         if self.max_tokens > self.max_tokens_cap:
             raise ValueError(
-                f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap ({self.max_tokens_cap})"
+                f"max_tokens ({self.max_tokens}) must not exceed max_tokens_cap "
+                f"({self.max_tokens_cap})"
             )
         return self
 

@@ -45,13 +45,15 @@ def _cell(text: str) -> str:
 
 
 def settings_table() -> str:
-    """A markdown table of every server setting: flag, environment variable, default, description."""
+    """A markdown table of every server setting: flag, environment variable, default,
+    description."""
     prefix = Settings.model_config.get("env_prefix", "")
     lines = ["| flag | environment variable | default | description |", "|---|---|---|---|"]
     for name, info in Settings.model_fields.items():
         env = f"`{prefix}{name.upper()}`"
         lines.append(
-            f"| {_flag(name, info)} | {env} | {_default(info.default)} | {_cell(info.description or '')} |"
+            f"| {_flag(name, info)} | {env} | {_default(info.default)} | "
+            f"{_cell(info.description or '')} |"
         )
     return "\n".join(lines)
 

@@ -12,7 +12,8 @@ from drafting.model_ngram import ExtendedBigram, ModelBigram, ModelTables, Model
 from drafting.recycled import PAIR_BITS, Recycled, SuccessorTable, compile_table_kernels, rank_paths
 from drafting.suffix import DEFAULT_CAPACITY, Suffix, SuffixIndex
 
-# Model-running strategies (service/model_drafts/draft_model.py) exist only when the server enables them.
+# Model-running strategies (service/model_drafts/draft_model.py) exist only when the server enables
+# them.
 MODEL_STRATEGY_NAMES = ("self_draft", "draft_model", "self_draft_staged", "draft_model_staged")
 STRATEGY_NAMES = (
     "context",

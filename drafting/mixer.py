@@ -196,14 +196,16 @@ class RequestDrafts:
         self.counts: dict[Key, AcceptanceCounts] = defaultdict(AcceptanceCounts)
         self._candidates: list[Draft] = []
         self._writer = SuffixWriter(mixer.suffix) if mixer.suffix is not None else None
-        # strategies the controller passes over; a new request starts where others left the costly ones
+        # strategies the controller passes over; a new request starts where others left the costly
+        # ones
         self._skipped = {
             s.name: _Skipped(0, mixer.probe_waits[s.name])
             for s in strategies
             if s.name in mixer.probe_waits
         }
         self._reach: tuple[int, int] | None = None  # (drafts, depth) worth asking for; None: all
-        # how many of each draft's tokens the request's output may take next (structured output); None: all
+        # how many of each draft's tokens the request's output may take next (structured output);
+        # None: all
         self.legal_lengths: Callable[[Sequence[Sequence[int]]], list[int]] | None = None
         # the shared successor tables its strategies read: they alone learn from its passes
         self.tables = [

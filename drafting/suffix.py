@@ -119,7 +119,8 @@ class SuffixWriter:
 
     index: SuffixIndex
     chunk: int = 64  # tokens per write
-    seam: int = 12  # last tokens repeated before the next chunk: n-grams there keep ~8 tokens of continuation
+    # last tokens repeated before the next chunk: n-grams there keep ~8 tokens of continuation
+    seam: int = 12
     _pending: list[int] = field(default_factory=list)
     _context: list[int] = field(default_factory=list)
 

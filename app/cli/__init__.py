@@ -1,4 +1,5 @@
-"""`ngrammys serve`, `worker`, `prepare`, `bench`, `extract`, `speed`, `profile`, `steps`, `loadtest` and `neighbour`.
+"""`ngrammys serve`, `worker`, `prepare`, `bench`, `extract`, `speed`, `profile`, `steps`,
+`loadtest` and `neighbour`.
 
 A module a command (`worker` shares `serve`'s flags): each adds its flags (`add_flags`) and runs
 it (`run`); the measurement commands' work is in `service/bench/`. `main` imports only the
@@ -20,7 +21,10 @@ __all__ = ["COMMANDS", "build_parser", "loadtest_server_flags", "main", "serve_s
 
 COMMANDS = {  # name: help
     "serve": "serve the OpenAI-compatible HTTP API",
-    "worker": "a tensor-parallel rank other than 0: a pod's first starts the pod's others (LeaderWorkerSet)",
+    "worker": (
+        "a tensor-parallel rank other than 0: a pod's first starts the pod's others "
+        "(LeaderWorkerSet)"
+    ),
     "prepare": "convert the model and compute its draft tables into the cache (for images)",
     "bench": "plain vs speculative decoding on Spec-Bench prompts",
     "extract": "JSON extraction: structured output vs free text, plain vs speculative",

@@ -1,6 +1,6 @@
-"""`ngrammys bench`: plain vs speculative decoding on Spec-Bench prompts (`service/bench/bench_run.py`);
-`--task`, a repetitive workload instead (`service/bench/workload.py`); `--spike`, auto mode's
-recovery from a load spike."""
+"""`ngrammys bench`: plain vs speculative decoding on Spec-Bench prompts
+(`service/bench/bench_run.py`); `--task`, a repetitive workload instead
+(`service/bench/workload.py`); `--spike`, auto mode's recovery from a load spike."""
 
 from __future__ import annotations
 
@@ -71,9 +71,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         nargs="+",
         default=[MIXED],
-        help=f"draft strategies to compare (each against the same plain run): {', '.join(STRATEGY_NAMES)}, "
-        "self_draft_<m> when several --self-draft-layers are given, or a mix joined "
-        "with '+' (e.g. context+self_draft)",
+        help="draft strategies to compare (each against the same plain run): "
+        f"{', '.join(STRATEGY_NAMES)}, self_draft_<m> when several --self-draft-layers are given, "
+        "or a mix joined with '+' (e.g. context+self_draft)",
     )
     parser.add_argument(
         "--self-draft-layers",

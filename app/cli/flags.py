@@ -56,7 +56,8 @@ def engine_config(args: argparse.Namespace, **fields: Any) -> EngineConfig:
 
 def dataset(text: str) -> Path:
     """`--dataset`, read as it is parsed: a missing, unreadable or malformed questions file stops
-    the command with a message saying where to get it, before a model loads, not with a traceback."""
+    the command with a message saying where to get it, before a model loads, not with a
+    traceback."""
     from service.bench.specbench import DatasetError, specbench_questions
 
     path = Path(text)

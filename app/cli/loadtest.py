@@ -32,7 +32,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=1,
-        help="runs of each (C, mode), order alternating (off-auto-auto-off); ratios from their means",
+        help="runs of each (C, mode), order alternating (off-auto-auto-off); "
+        "ratios from their means",
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--url", default=None, help="a running server (default: start one here)")
@@ -73,8 +74,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--workload",
         choices=("specbench", *prefix_workloads.WORKLOADS),
         default="specbench",
-        help="specbench: its questions, off vs auto; chat: conversations behind a long system prompt, "
-        "document: questions about one long document, each with the prefix cache and without",
+        help="specbench: its questions, off vs auto; chat: conversations behind a long system "
+        "prompt, document: questions about one long document, each with the prefix cache and "
+        "without",
     )
     parser.add_argument(
         "--conversations",
@@ -105,8 +107,8 @@ def run(args: argparse.Namespace) -> None:
     if args.workload != "specbench":
         if args.url:
             sys.exit(
-                "ngrammys loadtest: --workload chat|document starts its own servers (one with the prefix "
-                "cache, one without); leave out --url"
+                "ngrammys loadtest: --workload chat|document starts its own servers (one with the "
+                "prefix cache, one without); leave out --url"
             )
         prefix_workloads.run_command(
             lambda prefix_cache: serving_process(loadtest_server_flags(args, prefix_cache)),

@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.random_weights and not args.model:
         sys.exit(
-            "ngrammys profile: --random-weights needs --model, a directory with the model's config.json"
+            "ngrammys profile: --random-weights needs --model, "
+            "a directory with the model's config.json"
         )
     cost_profile.run_command(
         args.model,

@@ -25,7 +25,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_settings(args: argparse.Namespace) -> Settings:
-    """The server's settings: the flags given, else the `NGRAMMYS_*` variables, else the defaults."""
+    """The server's settings: the flags given, else the `NGRAMMYS_*` variables, else the
+    defaults."""
     return Settings(
         **{
             name: getattr(args, name)

@@ -32,7 +32,8 @@ def loadtest_server_flags(args: argparse.Namespace, prefix_cache: bool = False) 
 
 
 def model_serve_flags(args: argparse.Namespace) -> list[str]:
-    """The `ngrammys serve` flags that load the model `args` names (`app/cli/flags.py`'s `model_flags`)."""
+    """The `ngrammys serve` flags that load the model `args` names (`app/cli/flags.py`'s
+    `model_flags`)."""
     flags = ["--cache-dir", str(args.cache_dir)]
     for flag, value in (
         ("--model", args.model),

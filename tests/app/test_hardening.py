@@ -174,7 +174,8 @@ def test_token_ids_are_checked_against_the_models_vocabulary(embedded) -> None:
         assert str(vocab) in error["message"]
 
 
-UNSUPPORTED = [  # (`tools` and `tool_choice` are chat's, refused on completions: tests/app/test_tools.py)
+# (`tools` and `tool_choice` are chat's, refused on completions: tests/app/test_tools.py)
+UNSUPPORTED = [
     ("echo", True),
     ("suffix", "end"),
     ("functions", [{"name": "f"}]),
@@ -364,7 +365,8 @@ def test_requests_at_the_limits_are_served(server: str, route: str, extra) -> No
 
 
 def test_concurrent_requests_per_api_key_beyond_the_limit_get_429(embedded) -> None:
-    """The embedded model, whose copy of a text accepts drafts: the limit holds while a request speculates."""
+    """The embedded model, whose copy of a text accepts drafts: the limit holds while a request
+    speculates."""
     settings = Settings(
         api_keys="key-a,key-b", max_concurrent_per_key=1, retry_after_seconds=2, **QUIET
     )

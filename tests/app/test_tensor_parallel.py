@@ -187,8 +187,8 @@ def test_a_killed_rank_ends_the_server_within_the_bound(tiny_dir: Path, tmp_path
         text = log.read_text()
         # whichever notices first: the watch over the pod's processes, or the next pass's collective
         lost = re.search(
-            r"tensor parallelism: (rank process \d+ exited with code -9|a collective with the other "
-            r"ranks failed).*the model copy is lost, exiting",
+            r"tensor parallelism: (rank process \d+ exited with code -9|a collective with the "
+            r"other ranks failed).*the model copy is lost, exiting",
             text,
         )
         assert lost, text[-2000:]

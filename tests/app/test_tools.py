@@ -62,13 +62,17 @@ WHOLE = {"max_tokens": 128, "temperature": 1.0}
 SPECULATION = {"spec_mode": "fixed", "spec_k": 4, "spec_w": 4}
 HERMES_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call functions, given in <tools></tools>:\n<tools>"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\nCall one as <tool_call>\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    "Call one as <tool_call>\n"
     '{"name": <name>, "arguments": <arguments>}\n</tool_call><|im_end|>\n{% endif %}'
     "{%- for message in messages %}"
-    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "{%- if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message.content }}\n</tool_response>"
     "<|im_end|>\n"
-    "{%- elif message.tool_calls %}<|im_start|>assistant\n{%- for call in message.tool_calls %}\n<tool_call>\n"
-    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{%- elif message.tool_calls %}<|im_start|>assistant\n"
+    "{%- for call in message.tool_calls %}\n<tool_call>\n"
+    '{"name": "{{ call.function.name }}", '
+    '"arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
     "{%- endfor %}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -455,7 +459,10 @@ def test_the_hermes_grammar_compiles_for_the_embedded_tokenizer(tiny_served) -> 
     spec = replace(tool_use(request), native=True).grammar()
     assert spec is not None and spec.kind == "structural_tag" and spec.field == "tools"
     compiled = compiler.compile(spec)
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2, "unit": "F"}}\n</tool_call>'
+    call = (
+        '<tool_call>\n{"name": "get_weather", '
+        '"arguments": {"city": "Oslo", "days": 2, "unit": "F"}}\n</tool_call>'
+    )
     assert matches(compiled, call) and matches(
         compiled, call + '\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     )
@@ -500,7 +507,8 @@ HERMES_ANSWERS = [
     ('<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>', "", [("now", {})]),
     (
         (
-            'Let me look.\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+            'Let me look.\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n'
+            "<tool_call>\n"
             '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
         ),
         "Let me look.",

@@ -58,7 +58,8 @@ GATEWAY_MANIFESTS = DEPLOY / "inference-gateway.yaml"
 
 
 def over(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Helm's merge of two values files (`-f base -f override`): maps merge, the rest is replaced."""
+    """Helm's merge of two values files (`-f base -f override`): maps merge, the rest is
+    replaced."""
     merged = copy.deepcopy(base)
     for key, value in override.items():
         both_maps = isinstance(value, dict) and isinstance(merged.get(key), dict)
@@ -221,8 +222,8 @@ def test_custom_resources_validate_against_their_crd_schemas(rendered: dict, gat
     node = tool("node", "Node.js: apt-get install nodejs")
     if not (CRD_VALIDATOR / "node_modules").is_dir():
         pytest.skip(
-            "the CRD schemas are not installed (`make deploy-tools` runs npm ci in tests/deploy/crd); "
-            "ScaledObject, ServiceMonitor and HTTPRoute were not validated"
+            "the CRD schemas are not installed (`make deploy-tools` runs npm ci in "
+            "tests/deploy/crd); ScaledObject, ServiceMonitor and HTTPRoute were not validated"
         )
     resources = [
         doc for docs in [*rendered.values(), gateway] for doc in docs if doc["kind"] in CUSTOM_KINDS
@@ -746,7 +747,8 @@ def test_the_inference_pool_its_endpoint_picker_and_route_fit_together(gateway: 
     (epp,) = manifests["Deployment"]
     (route,) = manifests["HTTPRoute"]
     (config_map,) = manifests["ConfigMap"]
-    # The pool's Endpoint Picker is the example's EPP Service, its ext-proc port the EPP's gRPC port.
+    # The pool's Endpoint Picker is the example's EPP Service, its ext-proc port the EPP's gRPC
+    # port.
     ref = pool["spec"]["endpointPickerRef"]
     assert ref["name"] == epp_service["metadata"]["name"] and ref["failureMode"] == "FailOpen"
     port = next(p for p in epp_service["spec"]["ports"] if p["port"] == ref["port"]["number"])

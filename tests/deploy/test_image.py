@@ -111,7 +111,8 @@ def _as_user(uid: int, gid: int) -> dict:
 
 
 def _python_for(uid: int, gid: int) -> str:
-    """A Python >= 3.11 with venv that the unprivileged user can run (root's pyenv may be closed to it)."""
+    """A Python >= 3.11 with venv that the unprivileged user can run (root's pyenv may be closed to
+    it)."""
     candidates = [
         getattr(sys, "_base_executable", sys.executable),
         "/usr/local/bin/python3",
@@ -237,7 +238,8 @@ def _build(parsed: dockerfile.Dockerfile, root: Path, python: str, log: Path) ->
 
 
 def _seed_tables(cache: Path) -> None:
-    """Copy the draft tables from the user's cache if there (computing them costs minutes on a CPU)."""
+    """Copy the draft tables from the user's cache if there (computing them costs minutes on a
+    CPU)."""
     from service.model.loader import DEFAULT_CACHE_DIR
 
     for table in (DEFAULT_CACHE_DIR / "tables").glob("*.npz"):

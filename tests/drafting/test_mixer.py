@@ -208,9 +208,7 @@ class Matching(Counted):
     follows_matches: ClassVar[bool] = True
 
 
-def test_a_cheap_strategy_passed_over_round_after_round_waits_but_one_that_follows_matches_does_not() -> (
-    None
-):
+def test_a_passed_over_cheap_strategy_waits_but_one_that_follows_matches_does_not() -> None:
     """The table-like strategy is asked in every round while taken and for `CHEAP_GRACE`
     rounds passed over, then after 8, 16 and every 32 rounds (its own wait, not a new
     request's); the match-following one in every round, though never taken."""

@@ -1,4 +1,5 @@
-"""The successor table, the static rank-path template and the recycled strategy, on literal arrays."""
+"""The successor table, the static rank-path template and the recycled strategy, on literal
+arrays."""
 
 from __future__ import annotations
 

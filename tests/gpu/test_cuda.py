@@ -91,8 +91,8 @@ def test_a_seeded_sample_is_the_same_with_speculation(served) -> None:
 
 
 def test_structured_output_on_the_gpu_is_valid_and_equals_plain(served) -> None:
-    """The extraction benchmark's schema with the logits on the device: every answer parses
-    and matches, and speculative answers equal plain constrained decoding's (or part at a near tie)."""
+    """The extraction benchmark's schema with the logits on the device: every answer parses and
+    matches, and speculative answers equal plain constrained decoding's (or part at a near tie)."""
     import json
 
     import jsonschema

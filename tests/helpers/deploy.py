@@ -37,7 +37,8 @@ def seed_command(baked: str | Path, writable: str | Path) -> list[str]:
 
 
 def tool(name: str, install: str) -> str:
-    """The executable `name` beside this Python (the venv) or on PATH, or skip saying how to get it."""
+    """The executable `name` beside this Python (the venv) or on PATH, or skip saying how to get
+    it."""
     beside = Path(sys.executable).parent / name
     found = str(beside) if beside.exists() else shutil.which(name)
     if not found:

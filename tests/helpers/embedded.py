@@ -9,7 +9,8 @@ QUESTIONS = [
     "List the first five prime numbers.",
     "Repeat exactly, three times: the quick brown fox jumps over the lazy dog.",
     "Write a Python function that returns the factorial of n.",
-    "Summarize in one sentence: The meeting moved to Tuesday. Tuesday's room is booked, so the meeting is in room 4.",
+    "Summarize in one sentence: The meeting moved to Tuesday. Tuesday's room is booked, so the "
+    "meeting is in room 4.",
 ]
 
 

@@ -1,5 +1,6 @@
 """A character-level vocabulary for the tiny models (64 tokens, id 1 the end of text) so their
-random outputs can be held to a grammar, and the plain constrained decoding the engine must equal."""
+random outputs can be held to a grammar, and the plain constrained decoding the engine must
+equal."""
 
 from __future__ import annotations
 

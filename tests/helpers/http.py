@@ -21,14 +21,14 @@ from tests.helpers.costs import MEMORY_BOUND
 MESSAGES = [{"role": "user", "content": "List the first five prime numbers."}]
 LONG = [{"role": "user", "content": "Count from 1 to 500, one number per line."}]
 ESSAY = (
-    "The harbour town woke early. Fishing boats left before dawn, their lamps swinging over black water, "
-    "and the bakery on the square lit its ovens at four. By seven the market stalls were up: apples from the "
-    "valley farms, cheese wrapped in cloth, knives sharpened while you waited. The ferry to the island ran "
-    "twice a day, at nine and at three, and the captain knew every passenger by name. In winter the storms "
-    "came from the west and the town closed its shutters; in summer the visitors came from the east and the "
-    "town opened everything it had. The old lighthouse had not been used for forty years, but the children "
-    "still climbed its stairs to count the ships, and the council still argued every spring about who should "
-    "pay to paint it."
+    "The harbour town woke early. Fishing boats left before dawn, their lamps swinging over black "
+    "water, and the bakery on the square lit its ovens at four. By seven the market stalls were "
+    "up: apples from the valley farms, cheese wrapped in cloth, knives sharpened while you waited. "
+    "The ferry to the island ran twice a day, at nine and at three, and the captain knew every "
+    "passenger by name. In winter the storms came from the west and the town closed its shutters; "
+    "in summer the visitors came from the east and the town opened everything it had. The old "
+    "lighthouse had not been used for forty years, but the children still climbed its stairs to "
+    "count the ships, and the council still argued every spring about who should pay to paint it."
 )
 COPY_LONG = [
     {"role": "user", "content": f"Repeat this text word for word:\n\n{ESSAY}"}

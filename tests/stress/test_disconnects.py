@@ -123,10 +123,12 @@ def test_a_disconnect_storm_loses_nothing_and_leaks_nothing(tiny_served, caplog)
     latencies.sort()
     completed = len(latencies)
     print(
-        f"\ndisconnect storm (the second): {REQUESTS} requests, {CLIENTS} clients, {REQUESTS - completed} dropped, "
-        f"{completed} complete in {seconds:.1f} s; latency p50 {latencies[completed // 2]:.2f} s, "
-        f"p99 {latencies[min(int(completed * 0.99), completed - 1)]:.2f} s; "
-        f"RSS {' → '.join(f'{r / 2**20:.0f}' for r in rss)} MiB over two storms; KV after: {engine.cache.nbytes} bytes"
+        f"\ndisconnect storm (the second): {REQUESTS} requests, {CLIENTS} clients, "
+        f"{REQUESTS - completed} dropped, {completed} complete in {seconds:.1f} s; latency p50 "
+        f"{latencies[completed // 2]:.2f} s, p99 "
+        f"{latencies[min(int(completed * 0.99), completed - 1)]:.2f} s; RSS "
+        f"{' → '.join(f'{r / 2**20:.0f}' for r in rss)} MiB over two storms; KV after: "
+        f"{engine.cache.nbytes} bytes"
     )
     assert REQUESTS * 0.6 < completed < REQUESTS
     assert rss[2] - rss[1] < RSS_GROWTH_LIMIT, "the second storm left memory behind"

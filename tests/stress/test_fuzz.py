@@ -96,7 +96,8 @@ def test_the_published_schema_holds_for_generated_requests(long_context_served, 
     output = run.stdout + run.stderr
     summary = output[output.rfind("SUMMARY") :] if "SUMMARY" in output else output[-3000:]
     print(
-        f"\nschemathesis, seed {SEED} (NGRAMMYS_FUZZ_SEED={SEED} replays it); server afterwards: {health}\n{summary}"
+        f"\nschemathesis, seed {SEED} (NGRAMMYS_FUZZ_SEED={SEED} replays it); server afterwards: "
+        f"{health}\n{summary}"
     )
     if run.returncode != 0:
         FAILURES.mkdir(exist_ok=True)
