@@ -114,9 +114,9 @@ async def in_passing_thread(work: Callable[[], T]) -> T:
     Not `asyncio.to_thread`: OpenMP (torch's runtime and numba's) keeps a pool of worker
     threads for every thread that ran a parallel region, for as long as that thread lives, and
     the default executor's threads live on. With a loader's pool beside the engine's, the
-    pools hold more threads than a 2-core CPU has cores, and libgomp then stops spinning
-    between regions, so every region waits for a sleeping worker to wake: on a 2-core CPU the
-    server's one-row passes ran at 19 ms a token instead of 12.6.
+    pools hold more threads than a small CPU has cores, and libgomp then stops spinning
+    between regions, so every region waits for a sleeping worker to wake, and one-row passes
+    slow down by half (docs/benchmarks.md, figures behind design choices).
     """
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ngrammys-load")
