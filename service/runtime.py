@@ -235,7 +235,8 @@ class Runtime:
         on_step: Callable[[StepStats], None] | None,
         pod: PodRanks | None = None,
     ) -> Runtime:
-        """`engine` behind its worker, which warms up (the cost profile's keeper, `tables`) while idle."""
+        """`engine` behind its worker, which warms up (the cost profile's keeper, `tables`) while
+        idle."""
         keeper = profile_keeper(engine, config)
         async_engine = AsyncEngine(
             engine,

@@ -52,7 +52,8 @@ def run_command(
     methods = bench.bench_methods(list(dict.fromkeys(strategies)), k, w, grid, auto)
     print(
         f"{loaded.name}: {len(prompts)} prompts; methods: {', '.join(methods)}; "
-        f"max_new_tokens={max_new_tokens}, temperature={sampling.temperature}, device={loaded.model.device}",
+        f"max_new_tokens={max_new_tokens}, temperature={sampling.temperature}, "
+        f"device={loaded.model.device}",
         flush=True,
     )
 
@@ -129,7 +130,8 @@ def run_command(
     if near_ties:
         print(
             f"\n{near_ties} answers parted from plain decoding at a near tie of two tokens' logits "
-            f"(their true gap, recomputed at a higher precision, within what {loaded.model.dtype}'s rounding "
+            "(their true gap, recomputed at a higher precision, within what "
+            f"{loaded.model.dtype}'s rounding "
             "moves logits there: not a defect)"
         )
     return bench.parted_beyond_near_ties(ours)
@@ -140,20 +142,25 @@ def _parting_text(parting: Parting | None) -> str:
     if parting is None:
         return ""
     unit = "ulp" if parting.ulps == 1 else "ulps"
-    return f" from token {parting.index} ({parting.ulps:g} {unit}{', a near tie' if parting.near_tie else ''})"
+    return (
+        f" from token {parting.index} ({parting.ulps:g} {unit}"
+        f"{', a near tie' if parting.near_tie else ''})"
+    )
 
 
 def _spike(engine: Engine, prompts: list[bench.BenchPrompt], params: GenerationParams) -> None:
     """Auto mode fresh, under busy processes, then after: a table row per prompt."""
     print(
-        "| prompt | fresh tok/s | under load | after: first 50 rounds | after: later rounds | after: rounds with drafts |"
+        "| prompt | fresh tok/s | under load | after: first 50 rounds | after: later rounds "
+        "| after: rounds with drafts |"
     )
     print("|---|---|---|---|---|---|")
     for prompt in prompts:
         r = bench.spike_recovery(engine, prompt.prompt_ids, params)
         rest = f"{r.after_rest:.1f}" if r.after_rest else f"— (done within {r.rounds} rounds)"
         print(
-            f"| {prompt.category}/{prompt.question_id} | {r.fresh:.1f} | {r.during:.1f} | {r.after_first_rounds:.1f} "
+            f"| {prompt.category}/{prompt.question_id} | {r.fresh:.1f} | {r.during:.1f} "
+            f"| {r.after_first_rounds:.1f} "
             f"({r.after_first_rounds / r.fresh:.0%}) | {rest} | {r.after_drafted_rounds} |",
             flush=True,
         )

@@ -25,12 +25,14 @@ PROMPT_LOOKUP_TOKENS = 10  # the library's documented example value
 
 
 class HfGenerate:
-    """Greedy `model.generate`, optionally with prompt lookup; `complete` is shaped like the engine's."""
+    """Greedy `model.generate`, optionally with prompt lookup; `complete` is shaped like the
+    engine's."""
 
     def __init__(
         self, model: PreTrainedModel, eos_token_ids: Sequence[int], prompt_lookup_tokens: int = 0
     ) -> None:
-        """No `eos_token_ids`: every call decodes exactly its `max_new_tokens` (`ngrammys speed`)."""
+        """No `eos_token_ids`: every call decodes exactly its `max_new_tokens`
+        (`ngrammys speed`)."""
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
         self.prompt_lookup_tokens = prompt_lookup_tokens

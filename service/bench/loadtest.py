@@ -187,7 +187,8 @@ def run_loadtest(
 
 
 def wait_warm(base: str, warm_up: bool) -> None:
-    """Until /ready, and (`warm_up`: for a server started here) until its cost profile and tables exist."""
+    """Until /ready, and (`warm_up`: for a server started here) until its cost profile and tables
+    exist."""
     while True:
         ready = httpx.get(f"{base}/ready", timeout=10).status_code == 200
         health = httpx.get(f"{base}/health", timeout=10).json()
@@ -273,7 +274,10 @@ def format_comparison(results: list[LoadResult]) -> str:
     ]
     for concurrency in dict.fromkeys(r.concurrency for r in results):
         cells = [
-            f"{means[(concurrency, mode)]:.1f} ({', '.join(f'{x:.1f}' for x in runs[(concurrency, mode)])})"
+            (
+                f"{means[(concurrency, mode)]:.1f} "
+                f"({', '.join(f'{x:.1f}' for x in runs[(concurrency, mode)])})"
+            )
             for mode in modes
         ]
         ratio = (
@@ -286,14 +290,16 @@ def format_comparison(results: list[LoadResult]) -> str:
 
 
 HEADER = (
-    "| C | mode | repeat | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
+    "| C | mode | repeat | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms "
+    "| ITL p50 ms | ITL p99 ms "
     "| tokens/pass | drafted/pass |\n|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
 def _row(s: dict[str, float | int | str]) -> str:
     return (
-        f"| {s['concurrency']} | {s['mode']} | {s['repeat']} | {s['requests']} | {s['requests_per_second']:.2f} "
+        f"| {s['concurrency']} | {s['mode']} | {s['repeat']} | {s['requests']} "
+        f"| {s['requests_per_second']:.2f} "
         f"| {s['output_tokens_per_second']:.1f} | {s['ttft_p50_ms']:.0f} | {s['ttft_p99_ms']:.0f} "
         f"| {s['itl_p50_ms']:.0f} | {s['itl_p99_ms']:.0f} | {s['tokens_per_pass']:.2f} "
         f"| {s['drafted_per_pass']:.1f} |"

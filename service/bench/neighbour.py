@@ -28,7 +28,8 @@ from service.bench.loadtest import wait_warm
 
 PARAGRAPH = (
     "The committee met on Tuesday to review the budget. It approved the new library, postponed the "
-    "bridge repairs until spring, and asked the treasurer for a report on the water rates before the next "
+    "bridge repairs until spring, and asked the treasurer for a report on the water rates "
+    "before the next "
     "meeting. The treasurer said the report would be ready by the end of the month."
 )
 COPY = [{"role": "user", "content": f"Repeat this paragraph word for word:\n\n{PARAGRAPH}"}]
@@ -47,7 +48,8 @@ class Speeds:
 
 
 def copy_speeds(base: str, max_tokens: int, repeats: int = 2) -> Speeds:
-    """Off and auto on the copy prompt, alternating (off, auto, auto, off, ...) so drift hits both alike."""
+    """Off and auto on the copy prompt, alternating (off, auto, auto, off, ...) so drift hits both
+    alike."""
     runs: dict[str, list[float]] = {"off": [], "auto": []}
     for index in range(repeats):
         for mode in ("off", "auto") if index % 2 == 0 else ("auto", "off"):
@@ -101,7 +103,8 @@ def run(base: str, pid: int, count: int, seconds: float, max_tokens: int, log=pr
         _tokens_per_second(base, mode, max_tokens)
     before = copy_speeds(base, max_tokens)
     log(
-        f"before: off {before.off:.1f} tok/s, auto {before.auto:.1f} tok/s, auto/off {before.ratio:.2f}"
+        f"before: off {before.off:.1f} tok/s, auto {before.auto:.1f} tok/s, "
+        f"auto/off {before.ratio:.2f}"
     )
     with neighbours(count, 2 * seconds):
         serving_until = time.monotonic() + seconds
@@ -110,7 +113,8 @@ def run(base: str, pid: int, count: int, seconds: float, max_tokens: int, log=pr
             _tokens_per_second(base, "auto", max_tokens)
             served += 1
         log(
-            f"served {served} auto requests beside {count} busy processes; now idle beside them for {seconds:.0f} s"
+            f"served {served} auto requests beside {count} busy processes; "
+            f"now idle beside them for {seconds:.0f} s"
         )
         cpu_idle = process_cpu_seconds(pid)
         time.sleep(max(serving_until + seconds - time.monotonic(), 0.0))

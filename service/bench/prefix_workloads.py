@@ -206,7 +206,8 @@ def compare(
 
 
 HEADER = (
-    "| setting | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s | seconds "
+    "| setting | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s "
+    "| seconds "
     "| prefix hit rate |\n|---|---|---|---|---|---|---|---|---|"
 )
 
@@ -260,7 +261,8 @@ def run_command(
 
     print(
         f"workload {name}: {len(workload.conversations)} conversations x "
-        f"{len(workload.conversations[0])} turns, {workload.clients} at a time, {max_tokens} tokens each, "
+        f"{len(workload.conversations[0])} turns, {workload.clients} at a time, "
+        f"{max_tokens} tokens each, "
         f"greedy, speculation {mode}\n\n{HEADER}",
         flush=True,
     )

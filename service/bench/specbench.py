@@ -357,7 +357,8 @@ def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
     fixed_names = [name for name in results if name != auto_name]
     header = (
         "| category | plain tok/s | best fixed | its tok/s | auto tok/s | auto vs plain "
-        "| auto vs best fixed | auto forecast tok/s | auto realized tok/s |\n|---|---|---|---|---|---|---|---|---|"
+        "| auto vs best fixed | auto forecast tok/s | auto realized tok/s |\n"
+        "|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for index, auto in enumerate(results[auto_name]):
@@ -367,7 +368,8 @@ def format_auto_report(results: dict[str, list[CategoryResult]]) -> str:
         rows.append(
             f"| {auto.category} | {auto.plain.tokens_per_second:.1f} | {best_name} | {best:.1f} "
             f"| {spec:.1f} | {auto.speedup:.2f}x | {spec / best:.0%} "
-            f"| {auto.speculative.forecast_tokens_per_second:.1f} | {auto.speculative.decode_tokens_per_second:.1f} |"
+            f"| {auto.speculative.forecast_tokens_per_second:.1f} "
+            f"| {auto.speculative.decode_tokens_per_second:.1f} |"
         )
     return "\n".join([header, *rows])
 

@@ -78,7 +78,8 @@ def measure(
 
 
 def format_speeds(speeds: Sequence[Speed]) -> str:
-    """A markdown table: prompt tokens/s per length and decode tokens/s, each method's ratio to the first's."""
+    """A markdown table: prompt tokens/s per length and decode tokens/s, each method's ratio to the
+    first's."""
     lengths = list(speeds[0].prompt)
     first = speeds[0]
     lines = [
@@ -147,7 +148,8 @@ def run_command(
             for name, reference in llama_cpp_references(llama_cpp, ()).items()
         }
     print(
-        f"{loaded.name} on {loaded.model.device}: prompts of {', '.join(map(str, lengths))} tokens cut from "
+        f"{loaded.name} on {loaded.model.device}: "
+        f"prompts of {', '.join(map(str, lengths))} tokens cut from "
         f"Spec-Bench's questions, fastest of {repeats} runs each",
         flush=True,
     )

@@ -55,7 +55,8 @@ class StepRun:
     def row(self) -> str:
         per_step = 1e3 / self.steps
         return (
-            f"| {self.concurrency} | {self.mode} | {self.steps} | {self.rows / self.steps:.1f} | {self.tokens} "
+            f"| {self.concurrency} | {self.mode} | {self.steps} | {self.rows / self.steps:.1f} "
+            f"| {self.tokens} "
             f"| {self.step_seconds * per_step:.1f} "
             f"| {self.draft_seconds * per_step:.1f} | {self.pass_seconds * per_step:.1f} "
             f"| {self.capture_seconds * per_step:.1f} "
@@ -66,7 +67,8 @@ class StepRun:
 
 
 HEADER = (
-    "| C | mode | steps | rows/step | tokens | ms/step | plan+draft ms | pass ms | of which capture ms "
+    "| C | mode | steps | rows/step | tokens | ms/step | plan+draft ms | pass ms "
+    "| of which capture ms "
     "| verify+commit ms | device-round steps | their wait ms | tokens/s |\n"
     "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
@@ -207,7 +209,8 @@ def run_command(
     from service.runtime import build_engine, build_engine_with_tables
 
     loaded = load(model, config)
-    # no suffix index: the prompts cycle, and it would draft a repeated prompt's earlier answer whole
+    # no suffix index: the prompts cycle, and it would draft a repeated prompt's earlier answer
+    # whole
     config = replace(config, cost_profile=True, suffix_cache_tokens=0)
     engine = build_engine_with_tables(loaded, config)
     prompts = [p.prompt_ids for p in load_specbench(dataset, loaded.tokenizer, per_category)]
@@ -222,7 +225,8 @@ def run_command(
         return fresh
 
     print(
-        f"{loaded.name} on {loaded.model.device}, {loaded.model.dtype}: {len(prompts)} prompts cycled, "
+        f"{loaded.name} on {loaded.model.device}, {loaded.model.dtype}: "
+        f"{len(prompts)} prompts cycled, "
         f"{max_new_tokens} tokens each, C x {requests_per_slot} requests a run, greedy, "
         f"auto up to k={k} w={w}\n\n{HEADER}",
         flush=True,

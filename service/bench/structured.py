@@ -111,7 +111,8 @@ def documents(count: int = 30, seed: int = 0) -> list[str]:
             f"{first} {last} is {rng.randint(19, 70)} years old and lives in {rng.choice(CITIES)}. "
             f"{'Works' if employed else 'Until last year worked'} as a {rng.choice(JOBS)}"
             f"{'' if employed else ' and is looking for a new position'}. "
-            f"Good at {', '.join(skills[:-1]) + ' and ' + skills[-1] if len(skills) > 1 else skills[0]}. "
+            "Good at "
+            f"{', '.join(skills[:-1]) + ' and ' + skills[-1] if len(skills) > 1 else skills[0]}. "
             f"Reach them at {first.lower()}.{last.lower()}@example.org."
         )
     return out
@@ -194,7 +195,8 @@ def _matches(text: str) -> bool:
 def format_results(results: dict[str, StructuredResult], plain: dict[str, str]) -> str:
     """One row per method; `plain` names each method's reference (its group's plain decoding)."""
     header = (
-        "| method | tokens | passes | tokens/pass | tok/s | vs its plain | valid JSON | identical | grammar time "
+        "| method | tokens | passes | tokens/pass | tok/s | vs its plain | valid JSON | identical "
+        "| grammar time "
         "/ pass time |\n|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
@@ -202,8 +204,10 @@ def format_results(results: dict[str, StructuredResult], plain: dict[str, str]) 
         reference = results[plain[name]]
         speedup = (r.tokens / r.seconds) / (reference.tokens / reference.seconds)
         rows.append(
-            f"| {name} | {r.tokens} | {r.passes} | {r.tokens / r.passes:.2f} | {r.tokens / r.seconds:.1f} "
-            f"| {speedup:.2f}x | {r.valid}/{len(r.completions)} | {r.identical}/{len(r.completions)} "
+            f"| {name} | {r.tokens} | {r.passes} | {r.tokens / r.passes:.2f} "
+            f"| {r.tokens / r.seconds:.1f} "
+            f"| {speedup:.2f}x | {r.valid}/{len(r.completions)} "
+            f"| {r.identical}/{len(r.completions)} "
             f"| {r.grammar_share:.1%} |"
         )
     return "\n".join([header, *rows])
@@ -245,7 +249,8 @@ def run_command(
     ]
     docs = documents(document_count)
     print(
-        f"{loaded.name}: {len(docs)} documents -> one JSON schema, {max_new_tokens} tokens at most, greedy; "
+        f"{loaded.name}: {len(docs)} documents -> one JSON schema, "
+        f"{max_new_tokens} tokens at most, greedy; "
         "each method on an engine of its own",
         flush=True,
     )

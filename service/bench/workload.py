@@ -95,12 +95,14 @@ def format_workload(results: dict[str, WorkloadResult]) -> str:
     """One row per method: tokens per pass and tokens/s against the first (reference) method."""
     reference = next(iter(results.values())).totals.tokens_per_second
     header = (
-        "| method | tokens | passes | tokens/pass | tok/s | vs first | accepted by strategy | draft time "
+        "| method | tokens | passes | tokens/pass | tok/s | vs first | accepted by strategy "
+        "| draft time "
         "| identical |\n|---|---|---|---|---|---|---|---|---|"
     )
     rows = [
         f"| {name} | {t.tokens} | {t.passes} | {t.tokens_per_pass:.2f} | {t.tokens_per_second:.1f} "
-        f"| {t.tokens_per_second / reference:.2f}x | {shares_text(t.strategy_shares())} | {t.draft_share:.1%} "
+        f"| {t.tokens_per_second / reference:.2f}x | {shares_text(t.strategy_shares())} "
+        f"| {t.draft_share:.1%} "
         f"| {r.identical}/{r.prompts} |"
         for name, r in results.items()
         for t in [r.totals]

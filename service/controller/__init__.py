@@ -1,1 +1,2 @@
-"""How much to speculate: the cost profile, its calibration, the tree planner and the step's policy."""
+"""How much to speculate: the cost profile, its calibration, the tree planner and the step's
+policy."""

@@ -165,7 +165,8 @@ class Calibration:
     host: HostCost = field(
         default_factory=HostCost
     )  # what a speculating row costs outside the pass
-    # rows -> the size buckets' factors (`size_factor`), until the next pass changes them (the controller asks per node)
+    # rows -> the size buckets' factors (`size_factor`), until the next pass changes them (the
+    # controller asks per node)
     _factors: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
 
     @property

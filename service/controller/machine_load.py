@@ -92,7 +92,8 @@ class MachineLoad:
         self.others_cores = max(others, 0.0) / (now - then)
 
     def quiet(self, threads: int) -> bool:
-        """Other work left at least `threads` cores (of this process's) free over the last window."""
+        """Other work left at least `threads` cores (of this process's) free over the last
+        window."""
         self.update()
         if self.others_cores is None:
             return False

@@ -6,9 +6,9 @@ much to the pass's expected tokens and one token to the pass. Nodes are added be
 (a parent is never less likely than its child, so trees stay connected), and the controller
 keeps the number of additions with the most expected tokens per second for the whole pass —
 plain decoding for everyone unless speculation beats it by `min_gain`. A node drafted by a
-model (`service/model_drafts/draft_model.py`) also costs its measured drafting seconds, so an accurate but
-slow draft loses to a fast one: nodes are ranked by expected tokens per second of pass and
-drafting, and every plan's rate counts both. Likewise every row that speculates costs the
+model (`service/model_drafts/draft_model.py`) also costs its measured drafting seconds, so an
+accurate but slow draft loses to a fast one: nodes are ranked by expected tokens per second of pass
+and drafting, and every plan's rate counts both. Likewise every row that speculates costs the
 host work of drafting it (measured as the engine runs), once per row. On a device where a
 bigger pass is nearly free, many nodes pay; where it costs (a CPU, or a large batch on a
 GPU), few or none do, per request, without any table of switch-off points.

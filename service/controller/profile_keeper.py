@@ -52,7 +52,8 @@ BACKOFF_FIRST = (
     60.0  # seconds between profiling activities, doubled after each that changed nothing
 )
 BACKOFF_MAX = 3600.0
-CPU_SHARE = 0.1  # of this process's cores' time in any hour, spent profiling while a valid profile is in use
+# the share of this process's cores' time in any hour spent profiling while a valid profile is used
+CPU_SHARE = 0.1
 HOUR = 3600.0
 
 Measure = Callable[[], Generator[None, None, tuple[CostProfile, list[str]]]]
@@ -204,8 +205,8 @@ class ProfileKeeper:
         if result is None:
             outcome = "abandoned"
             log.warning(
-                "cost profile measurement abandoned: the machine got busy or the hour's profiling budget "
-                "ran out; %s",
+                "cost profile measurement abandoned: the machine got busy or the hour's "
+                "profiling budget ran out; %s",
                 self._keeping(),
             )
         elif result[1]:
@@ -227,7 +228,8 @@ class ProfileKeeper:
         self._back_off(changed=outcome == "adopted")
 
     def _check_drift(self) -> Generator[bool, None, None]:
-        """Probe the relative costs the profile says; stale if they disagree beyond `DRIFT_LIMIT`."""
+        """Probe the relative costs the profile says; stale if they disagree beyond
+        `DRIFT_LIMIT`."""
         assert self.profile is not None
         disagreement = yield from self._run("probe", self._probe(self.profile))
         if disagreement is not None and disagreement > DRIFT_LIMIT:
@@ -240,8 +242,8 @@ class ProfileKeeper:
             return
         if disagreement is not None:
             log.info(
-                "relative pass costs agree with the cost profile on a quiet machine (x%.2f): the drift "
-                "was other work's",
+                "relative pass costs agree with the cost profile on a quiet machine (x%.2f): "
+                "the drift was other work's",
                 disagreement,
             )
             self.calibration.reset_costs()

@@ -284,7 +284,8 @@ def _ms(values: Sequence[float]) -> str:
 
 
 def _monotone(profile: CostProfile) -> CostProfile:
-    """A larger pass is never recorded as cheaper (a dip is noise the controller must not bet on)."""
+    """A larger pass is never recorded as cheaper (a dip is noise the controller must not bet
+    on)."""
     seconds = [[list(itertools.accumulate(row, max)) for row in table] for table in profile.seconds]
     return dataclasses.replace(profile, seconds=seconds)
 
@@ -333,7 +334,10 @@ def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
         "-static" if runner.static is not None else ""
     )  # fixed-shape passes (CUDA graphs) cost otherwise
     ranks = f"-tp{runner.tensor_parallel_size}" if runner.tensor_parallel_size > 1 else ""
-    name = f"{device_name(runner.device)}-{fingerprint}{int8}{static}{ranks}-{runner.dtype}-code{pass_code_version()}"
+    name = (
+        f"{device_name(runner.device)}-{fingerprint}{int8}{static}{ranks}-{runner.dtype}"
+        f"-code{pass_code_version()}"
+    )
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
     return cache_dir / "profiles" / f"{safe}.json"
 

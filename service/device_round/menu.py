@@ -69,7 +69,8 @@ class NodeAcceptance:
             self.trials[ids] + PRIOR_WEIGHT
         )
         rates[0] = 1.0  # the root: the bonus token, always committed
-        # a node is reached with the product of its path's rates: a sum of logs over the ancestor matrix
+        # a node is reached with the product of its path's rates: a sum of logs over the ancestor
+        # matrix
         return float(np.exp(_ancestors(template) @ np.log(np.maximum(rates, 1e-12))).sum())
 
     def _ids(self, template: TreeTemplate) -> np.ndarray:

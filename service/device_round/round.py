@@ -55,7 +55,8 @@ DEVICE_STRATEGIES = {
 }
 
 
-# the model's choice after every node of a step's rows, from their logits [R * N, vocab], on the device
+# the model's choice after every node of a step's rows, from their logits [R * N, vocab], on the
+# device
 Chooser = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -143,8 +144,8 @@ class DeviceRound:
             self._newest_on_device = False
 
     def fixed_template(self, k: int, w: int, strategy: str) -> TemplateChoice | None:
-        """The template of a step whose rows all ask for (k, w) drafts of `strategy` (fixed mode; the
-        root alone where no draft fits, as at a request's last token); None where the device
+        """The template of a step whose rows all ask for (k, w) drafts of `strategy` (fixed mode;
+        the root alone where no draft fits, as at a request's last token); None where the device
         does not draft that strategy."""
         drafts = self._drafts(strategy)
         if drafts is None:

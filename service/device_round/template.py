@@ -146,5 +146,6 @@ def _template(k: int, w: int, chain: int) -> TreeTemplate:
 
 
 def _first_seen(prefix: tuple[int, ...], paths: tuple[tuple[int, ...], ...]) -> int:
-    """The index of the first path through `prefix` (its draft's rank): better drafts' nodes first."""
+    """The index of the first path through `prefix` (its draft's rank): better drafts' nodes
+    first."""
     return next(i for i, path in enumerate(paths) if path[: len(prefix)] == prefix)

@@ -83,7 +83,8 @@ class TextStream:
 
 
 def _failure_function(pattern: str) -> list[int]:
-    """KMP: failure[i] = length of the longest proper prefix of pattern[:i + 1] that is also its suffix."""
+    """KMP: failure[i] = length of the longest proper prefix of pattern[:i + 1] that is also its
+    suffix."""
     failure = [0] * len(pattern)
     matched = 0
     for i in range(1, len(pattern)):

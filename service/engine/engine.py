@@ -67,7 +67,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_context = max_context
         self.cache = runner.new_cache()
-        # the draft models' rows count against the KV budget too (an upper bound: all of them per request)
+        # the draft models' rows count against the KV budget too (an upper bound: all of them per
+        # request)
         self.scheduler = Scheduler(
             scheduler_config.for_device(runner.device.type),
             self.cache,

@@ -61,7 +61,8 @@ class StepStats:
     # of `seconds`, on a device round's step (`service/device_round/`): the host waiting for the
     # device in the step's one copy back (the rest is host time on the step's critical path)
     wait_seconds: float = 0.0
-    syncs: int = 0  # device → host copies the host waited for: 1 on a device round's step (not counted elsewhere)
+    # device → host copies the host waited for: 1 on a device round's step (not counted elsewhere)
+    syncs: int = 0
 
 
 @dataclass

@@ -77,7 +77,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
             raise ValueError(
-                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), got {self.temperature}"
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, inf), "
+                f"got {self.temperature}"
             )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -90,7 +91,8 @@ class SamplingParams:
         self._check_adjustments()
 
     def _check_adjustments(self) -> None:
-        """logit_bias and the penalties within OpenAI's ranges (repetition_penalty within float32's)."""
+        """logit_bias and the penalties within OpenAI's ranges (repetition_penalty within
+        float32's)."""
         for name in ("frequency_penalty", "presence_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise ValueError(
@@ -98,7 +100,8 @@ class SamplingParams:
                 )
         if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(
-                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
+                "repetition_penalty must be in "
+                f"[{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}], "
                 f"got {self.repetition_penalty}"
             )
         for token, bias in self.logit_bias.items():
@@ -114,7 +117,8 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether logit_bias or a penalty asks for anything: requests without them skip that work."""
+        """Whether logit_bias or a penalty asks for anything: requests without them skip that
+        work."""
         return (
             bool(self.logit_bias)
             or self.frequency_penalty != 0

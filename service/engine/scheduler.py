@@ -171,12 +171,15 @@ class Scheduler:
         return kv_capacity_bound(kv_tokens) * self.kv_bytes_per_token
 
     def check_fits(self, kv_tokens: int) -> None:
-        """Raise `DoesNotFit` if a request needing `kv_tokens` KV entries exceeds the budget alone."""
+        """Raise `DoesNotFit` if a request needing `kv_tokens` KV entries exceeds the budget
+        alone."""
         budget = self.config.kv_cache_bytes
         if budget is not None and self._row_bytes(kv_tokens) > budget:
             raise DoesNotFit(
-                f"the request needs up to {kv_tokens} KV tokens ({self._row_bytes(kv_tokens) / 2**20:.0f} MiB), "
-                f"over the server's KV budget of {budget / 2**20:.0f} MiB; ask for fewer max_tokens or a "
+                f"the request needs up to {kv_tokens} KV tokens "
+                f"({self._row_bytes(kv_tokens) / 2**20:.0f} MiB), "
+                f"over the server's KV budget of {budget / 2**20:.0f} MiB; "
+                f"ask for fewer max_tokens or a "
                 f"shorter prompt"
             )
 
@@ -197,7 +200,8 @@ class Scheduler:
             if budget is not None and bound > budget:
                 break  # FCFS: it waits for memory, and nothing behind it overtakes
             if self._joins_running_prefill(candidate):
-                break  # FCFS as well: it waits a few passes at most, for entries it then need not compute
+                # FCFS as well: it waits a few passes at most, for entries it then need not compute
+                break
             self.waiting.popleft()
             candidate.status, candidate.started_at = Status.RUNNING, time.monotonic()
             candidate.kv_row = self.cache.add_row()

@@ -1,5 +1,6 @@
 """Structured output: the grammar a request's output must match, compiled once per schema
-and followed token by token (`compiler.py`, `constraint.py`), and drafted where it forces the text (`forced_text.py`)."""
+and followed token by token (`compiler.py`, `constraint.py`), and drafted where it forces the text
+(`forced_text.py`)."""
 
 from service.grammar.compiler import GrammarCompiler, GrammarError, GrammarSpec
 from service.grammar.constraint import Constraint

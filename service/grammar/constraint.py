@@ -50,7 +50,8 @@ class Constraint:
             return self.matcher.accept_token(token_id)
 
     def masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """A copy of one position's logits ([vocab]) with the tokens the grammar forbids next at -inf."""
+        """A copy of one position's logits ([vocab]) with the tokens the grammar forbids next at
+        -inf."""
         with self.timed():
             self.matcher.fill_next_token_bitmask(self._bitmask)
             out = logits.float().clone()[None]  # [1, vocab]
@@ -72,7 +73,8 @@ class Constraint:
                     del path[shared:]
                 for token in draft[shared:]:
                     if (path and path[-1] in self.stop_ids) or not self.matcher.accept_token(token):
-                        break  # nothing follows a stop token (xgrammar would warn of a finished matcher)
+                        # nothing follows a stop token (xgrammar would warn of a finished matcher)
+                        break
                     path.append(token)
                 lengths[index] = len(path)  # path is the draft's legal prefix now
             if path:

@@ -407,8 +407,8 @@ def token_attention(head_dim: int, group: int, half: bool = False) -> Any:
     queries [T, heads, head_dim]; keys, values [rows, kv_heads, capacity, head_dim] (the cache's
     whole buffers: float32, or with `half` float16 as uint16 bits), heads = group * kv_heads;
     token i attends to columns [0, starts[i]) of row rows[i], then to
-    columns[column_offsets[i]:column_offsets[i + 1]] (its tree path, ascending). Writes out[tokens[i]] [heads, head_dim]. One task per (token, KV head) over
-    numba's threads."""
+    columns[column_offsets[i]:column_offsets[i + 1]] (its tree path, ascending). Writes
+    out[tokens[i]] [heads, head_dim]. One task per (token, KV head) over numba's threads."""
     pointer = ctypes.c_int64
     attend = compile_ir(
         _Emitter(head_dim, group, half).build(),

@@ -42,7 +42,8 @@ HEADS = 2  # query heads a sweep carries: HEADS x DIMS accumulators (more spill 
 
 
 def chunk_kernel_fits(head_dim: int) -> bool:
-    """Whether the kernel takes heads of `head_dim` (a float16 row widens LANES entries at a time)."""
+    """Whether the kernel takes heads of `head_dim` (a float16 row widens LANES entries at a
+    time)."""
     return head_dim % LANES == 0
 
 

@@ -1,5 +1,6 @@
 """Numba kernels for the per-layer steps of the packed CPU path around its matmuls: RMSNorm;
-rotary embedding together with the KV-cache write (attention: `service/kernels/attention_kernel.py`).
+rotary embedding together with the KV-cache write (attention:
+`service/kernels/attention_kernel.py`).
 
 On a CPU a one-token pass of a small model spends a large share of its time outside the
 matmuls, in operators that each cost microseconds whatever their size: `F.rms_norm` runs as

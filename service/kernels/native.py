@@ -1,6 +1,7 @@
 """Machine code built at load from LLVM IR (llvmlite, which numba brings): for kernels whose
 inner loops need vector operations numba's vectorizer does not emit, or an order of float
-operations it does not keep (`service/kernels/int8_kernel.py`, `service/kernels/attention_kernel.py`)."""
+operations it does not keep (`service/kernels/int8_kernel.py`,
+`service/kernels/attention_kernel.py`)."""
 
 from __future__ import annotations
 

@@ -97,7 +97,8 @@ _kernels_error: str | None = None
 
 def load_kernels(cache_dir: Path | None = None) -> Any:
     """The compiled numba kernels module, or None when numba is not installed (or fails).
-    The per-layer kernels (`service/kernels/layer_kernels.py`) load with it (`loaded_layer_kernels`).
+    The per-layer kernels (`service/kernels/layer_kernels.py`) load with it
+    (`loaded_layer_kernels`).
 
     The first call per machine compiles them (slow; logged) into numba's cache,
     `<cache_dir>/numba` (next to the source without a `cache_dir`; `NUMBA_CACHE_DIR` overrides
@@ -125,8 +126,8 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
     except Exception as error:  # noqa: BLE001 - any import failure means: use the fallback
         _kernels_error = f"{type(error).__name__}: {error}"
         log.error(
-            "the numba kernels failed to load (%s): the packed linears run on their torch fallback, "
-            "several times slower; /health reports it",
+            "the numba kernels failed to load (%s): the packed linears run on their torch "
+            "fallback, several times slower; /health reports it",
             _kernels_error,
         )
         return None
@@ -272,7 +273,8 @@ def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept packed."""
+    """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept
+    packed."""
 
     def __init__(
         self,
@@ -318,7 +320,10 @@ class PackedLinear(nn.Module):
             if self.kernels is not None
             else "torch fallback"
         )
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} ({path})"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{self.kind} ({path})"
+        )
 
     def tiles(self) -> PackedTiles:
         return self._tiles
@@ -626,7 +631,8 @@ def pack_gguf_linears(
     """Replace every Llama linear whose GGUF tensor is Q4_1, and the LM head when its tensor is
     Q4_1 or Q8_0, by a `PackedLinear`; returns how many. Other linears are left as loaded;
     so are the embeddings (a tied LM head gets its own packed copy of the blocks).
-    `int8_activations`: the packed linears compute with 8-bit activations (service/kernels/int8_kernel.py).
+    `int8_activations`: the packed linears compute with 8-bit activations
+    (service/kernels/int8_kernel.py).
 
     Reading a GGUF's header takes seconds (its tokenizer), so the tiles are saved to
     `tiles_file` (if given) and read from there on later starts. When they are read from the
@@ -689,7 +695,8 @@ def pack_gguf_linears(
         " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
         "8-bit activations (VNNI)"
         if int8_activations
-        else f"numba kernels; Q4_1 weights dequantized in registers for passes of up to {fused_max_rows} rows, "
+        else "numba kernels; Q4_1 weights dequantized in registers for passes of up to "
+        f"{fused_max_rows} rows, "
         f"the kernels for {large_passes}"
         if kernels is not None
         else "torch fallback: numba not installed",

@@ -254,7 +254,8 @@ def _kernel_queries(
     attended_offsets: np.ndarray,
     kernel_rows: Sequence[int],
 ) -> KernelQueries:
-    """The kernel rows' nodes from firsts[row] on; attended_offsets[row]: the first one's flat index."""
+    """The kernel rows' nodes from firsts[row] on; attended_offsets[row]: the first one's flat
+    index."""
     tokens, rows, row_starts, columns, counts = [], [], [], [], [0]
     for row in kernel_rows:
         tree, start = trees[row], starts[row]
@@ -290,9 +291,9 @@ def batched_width(widths: Sequence[int], call_slots: int, ends: Sequence[int] | 
     """The query slots per row of the batched call (0: none, every row a call of its own) that
     minimize the attention's work: the batched call's rows x D query slots, each over the pass's
     longest row, plus for each wider row its width over its own columns (`ends`; default: rows
-    alike) and the call's fixed cost, `call_slots` slots over CALL_COLUMNS. Rows of unlike lengths make the batched
-    call's padding dear: sixteen four-token trees at Spec-Bench prompts' lengths spent more in
-    one padded call than in a call each (docs/benchmarks.md)."""
+    alike) and the call's fixed cost, `call_slots` slots over CALL_COLUMNS. Rows of unlike lengths
+    make the batched call's padding dear: sixteen four-token trees at Spec-Bench prompts' lengths
+    spent more in one padded call than in a call each (docs/benchmarks.md)."""
     ends = ends or [CALL_COLUMNS] * len(widths)
     longest = max(ends, default=CALL_COLUMNS)
 
@@ -333,9 +334,8 @@ def _batched(
     mask = answered[:, :, None] & (
         np.arange(pass_end)[None, None, :] < start[:, None, None]
     )  # the committed cache
-    mask[:, :, 0] = (
-        True  # padding slots attend somewhere (their output is dropped); real ones see column 0 anyway
-    )
+    # padding slots attend somewhere (their output is dropped); real ones see column 0 anyway
+    mask[:, :, 0] = True
     in_call = [row for row, w in enumerate(widths) if 0 < w <= width]
     roots = [row for row in in_call if trees[row].num_nodes == 1]
     if roots:
@@ -470,8 +470,8 @@ def _attend_separate_rows(
     scaling: float | None,
     flat: torch.Tensor,
 ) -> None:
-    """Attention of each of the layout's separate rows, one call a row, into flat [T, heads, head_dim]
-    (`key`, `value`: [rows, kv_heads, at least pass_end, head_dim])."""
+    """Attention of each of the layout's separate rows, one call a row, into flat
+    [T, heads, head_dim] (`key`, `value`: [rows, kv_heads, at least pass_end, head_dim])."""
     offsets, widths = layout.attended
     for row in layout.separate_rows:
         offset, width, end = offsets[row], widths[row], layout.ends[row]

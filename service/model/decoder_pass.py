@@ -144,8 +144,8 @@ def kv_cache_dtype(model: PreTrainedModel) -> torch.dtype:
 
 
 def _layer_kernels(model: PreTrainedModel) -> Any:
-    """The per-layer kernels (`service/kernels/layer_kernels.py`) when `model`'s passes run the packed
-    CPU path (its linears packed, with the numba kernels; float32 on a CPU), else None."""
+    """The per-layer kernels (`service/kernels/layer_kernels.py`) when `model`'s passes run the
+    packed CPU path (its linears packed, with the numba kernels; float32 on a CPU), else None."""
     down = model.base_model.layers[0].mlp.down_proj
     if not isinstance(down, PackedLinear) or down.kernels is None:
         return None

@@ -59,7 +59,8 @@ class _RowBufferLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scatter this pass's T entries (key_states: [1, kv_heads, T, head_dim]) into their rows."""
+        """Scatter this pass's T entries (key_states: [1, kv_heads, T, head_dim]) into their
+        rows."""
 
         def scatter(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
             rows, positions = layout.write_rows, layout.write_positions  # [T] each
@@ -139,7 +140,8 @@ class TreeKVCache(Cache):
         self.spare = spare
         self.capacity = INITIAL_CAPACITY
         self.layout: PassLayout | None = None
-        # keys and values of every layer, [layers, rows, kv_heads, capacity, head_dim] each (None: not made)
+        # keys and values of every layer, [layers, rows, kv_heads, capacity, head_dim] each
+        # (None: not made)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         super().__init__(layers=[_RowBufferLayer(self) for _ in range(num_layers)])
 

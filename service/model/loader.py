@@ -154,7 +154,8 @@ def load_model(
     )
     if quantization in PACKED and gguf_file is None:
         raise ValueError(
-            f"--quantization {quantization} needs a .gguf model (the embedded one, or --model FILE.gguf)"
+            f"--quantization {quantization} needs a .gguf model "
+            "(the embedded one, or --model FILE.gguf)"
         )
     from_cache = False
     if path.is_file():  # GGUF: go through the converted-weights cache

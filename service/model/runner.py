@@ -10,8 +10,8 @@ then equal those of decoding its path token by token (a unit test holds the proj
 Llama-family models run the decoder stack through `service/model/decoder_pass.py` (same arithmetic,
 far fewer operator calls); other models through transformers' own modules. On a GPU, a pass
 whose rows each bring a whole tree of at most 128 nodes is padded to a fixed shape and replayed
-as a CUDA graph (`service/model/static_pass.py`): the launches of a small model's pass cost more than
-its arithmetic there.
+as a CUDA graph (`service/model/static_pass.py`): the launches of a small model's pass cost more
+than its arithmetic there.
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ class FixedShape:
             return None
         slots = next(width for width in SLOT_WIDTHS if max(sizes) <= width)
         total, rows = sum(sizes), power_of_two(len(sizes))
-        # one-token rows: flat token r is row r's query, nothing to gather (the padding rows' tokens are padding)
+        # one-token rows: flat token r is row r's query, nothing to gather (the padding rows' tokens
+        # are padding)
         return cls(rows, slots, rows if slots == 1 else power_of_two(total))
 
     @property

@@ -11,7 +11,8 @@ drafting (accepted draft tokens kept, the rest forgotten) and freed when it ends
 self-draft drafts in the target's own rows instead, which hold its entries already.
 
 The measured seconds per drafted token are exposed as `seconds_per_token`, which the mixer
-hands to the controller so that a slow draft pays for its own time (`service/controller/planner.py`).
+hands to the controller so that a slow draft pays for its own time
+(`service/controller/planner.py`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ def first_layers(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     total = model.config.num_hidden_layers
     if not 1 <= num_layers < total:
         raise ValueError(
-            f"self-draft layers must be in [1, {total - 1}] for this {total}-layer model, got {num_layers}"
+            f"self-draft layers must be in [1, {total - 1}] for this {total}-layer model, "
+            f"got {num_layers}"
         )
     config = copy.copy(model.config)
     config.num_hidden_layers = num_layers
