@@ -4,7 +4,7 @@ A bench reference (`ngrammys bench --llama-cpp`), not a serving path: it answers
 prompt ids as the engine, with the same stop tokens and budget, so the bench can put its
 tokens/s beside plain and speculative decoding measured in the same run, prefill included.
 It needs the optional `llama-cpp-python` package (`pip install 'ngrammys[llama-cpp]'`), which
-compiles llama.cpp at install time (6.5 minutes on the 2-core dev CPU), so it stays out of
+compiles llama.cpp at install time (minutes on a small CPU), so it stays out of
 `make test`'s setup.
 
 Its output need not equal the engine's: llama.cpp multiplies 4-bit weights by activations it

@@ -290,8 +290,8 @@ def format_comparison(results: list[LoadResult]) -> str:
 
 
 HEADER = (
-    "| C | mode | repeat | requests | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms "
-    "| ITL p50 ms | ITL p99 ms "
+    "| C | mode | repeat | requests | req/s | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) "
+    "| ITL p50 (ms) | ITL p99 (ms) "
     "| tokens/pass | drafted/pass |\n|---|---|---|---|---|---|---|---|---|---|---|"
 )
 

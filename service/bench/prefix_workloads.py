@@ -206,8 +206,8 @@ def compare(
 
 
 HEADER = (
-    "| setting | requests | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s "
-    "| seconds "
+    "| setting | requests | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | ITL p99 (ms) "
+    "| output tok/s | seconds "
     "| prefix hit rate |\n|---|---|---|---|---|---|---|---|---|"
 )
 
