@@ -21,7 +21,8 @@ def tiny_packed(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_int8(tmp_path_factory):
-    """The tiny Llama with Q4_1 weights, as float32 and packed with 8-bit activations (`gguf-int8`)."""
+    """The tiny Llama with Q4_1 weights, as float32 and packed with 8-bit activations
+    (`gguf-int8`)."""
     plain, packed, path = tiny_gguf_twins(tmp_path_factory.mktemp("gguf"))
     assert pack_gguf_linears(packed, path, int8_activations=True) == 15
     return plain, packed, path

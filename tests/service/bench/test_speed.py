@@ -98,5 +98,6 @@ def test_the_command_prints_the_table_and_writes_json(tmp_path, capsys, monkeypa
     rows = json.loads(out.read_text())
     assert [row["method"].split(" (")[0] for row in rows] == ["ngrammys", "transformers generate"]
     assert all(row["decode"] > 0 and set(row["prompt"]) == {"16", "64"} for row in rows)
-    # each length runs several times, and the longer prompts start as the shorter: none may be cached
+    # each length runs several times, and the longer prompts start as the shorter:
+    # none may be cached
     assert len(built) == 1 and built[0].scheduler.prefix is None

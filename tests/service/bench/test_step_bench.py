@@ -88,7 +88,8 @@ def test_each_concurrency_runs_both_modes_in_alternating_order() -> None:
 
 @pytest.mark.slow
 def test_the_command_prints_a_row_a_run_and_the_ratios(tmp_path, capsys, embedded) -> None:
-    # C=17 is past the scheduler's default of 16 running requests: the command sizes its engines to C
+    # C=17 is past the scheduler's default of 16 running requests:
+    # the command sizes its engines to C
     main(
         [
             "steps",

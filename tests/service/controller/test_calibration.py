@@ -73,7 +73,7 @@ def test_a_uniform_load_spike_changes_no_decision() -> None:
     assert sizes.count(1) <= 120 // PROBE_EVERY
 
 
-def test_a_spike_that_hits_speculation_hardest_is_recovered_from_within_a_bounded_number_of_rounds() -> (
+def test_a_spike_that_hits_speculation_hardest_is_recovered_from_within_a_bounded_number_of_rounds() -> (  # noqa: E501
     None
 ):
     """During the spike trees cost 4× their price and plain passes 1×: auto stops speculating.

@@ -1,4 +1,5 @@
-"""Other work on the machine, from the kernel's per-core counters less this process's own CPU time."""
+"""Other work on the machine, from the kernel's per-core counters less this process's own CPU
+time."""
 
 from __future__ import annotations
 

@@ -127,7 +127,8 @@ def test_shared_prefixes_count_once() -> None:
     ]
     tree = choose(shared, MEMORY_BOUND, 2, 2)
     assert tree.k == 2 and {d.token_ids for d in tree.drafts} == {(1, 2), (1, 3)}
-    # node 1: a's (the better draft holds it); node 2: 0.5·0.5; node 3: continues from node 1, 0.5·0.2
+    # node 1: a's (the better draft holds it); node 2: 0.5·0.5;
+    # node 3: continues from node 1, 0.5·0.2
     assert tree.expected_tokens == pytest.approx(1 + 0.5 + 0.25 + 0.10)
 
 

@@ -108,13 +108,14 @@ def drift(calibration: Calibration) -> None:
 
 
 def decision(profile: CostProfile, calibration: Calibration) -> int:
-    """The tokens the controller puts in a one-row pass with drafts that pay on the CPU-like curve."""
+    """The tokens the controller puts in a one-row pass with drafts that pay on the CPU-like
+    curve."""
     row = RowCandidates(candidates(0.9, 0.8, k=2, w=4), 2, 4)
     price = lambda shape: profile.cost(shape.tokens, 100) * calibration.shape_factor(shape.tokens)  # noqa: E731
     return plan_trees([row], price, PassShape(1), 0.0, 8).tokens
 
 
-def test_a_neighbours_spike_while_idle_starts_nothing_and_decisions_return_to_the_pre_spike_ones() -> (
+def test_a_neighbours_spike_while_idle_starts_nothing_and_decisions_return_to_the_pre_spike_ones() -> (  # noqa: E501
     None
 ):
     world = World()
@@ -214,7 +215,8 @@ def test_profiling_cpu_time_per_hour_stays_under_its_cap_under_a_pathological_dr
         for start, _ in world.spent
     )
     print(
-        f"measurements {len(world.measures)}, probes {len(world.probes)}, worst hour {worst:.0f} CPU s of {CAP:.0f}"
+        f"measurements {len(world.measures)}, probes {len(world.probes)}, "
+        f"worst hour {worst:.0f} CPU s of {CAP:.0f}"
     )
     assert worst <= CAP
     assert len(world.measures) >= 2  # the cap limits profiling; it does not stop it

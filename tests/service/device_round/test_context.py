@@ -11,7 +11,8 @@ from service.device_round.context import context_drafts
 
 
 def reference(history: list[int], window: int, w: int, max_n: int = 4) -> list[int]:
-    """Longest n first; the latest occurrence that ends before the suffix starts... or overlaps it."""
+    """Longest n first; the latest occurrence that ends before the suffix starts... or overlaps
+    it."""
     recent = history[-window:]
     for n in range(min(max_n, len(recent) - 1), 0, -1):
         suffix = recent[-n:]

@@ -67,7 +67,8 @@ async def until(condition: Callable[[], bool], timeout: float = 10) -> None:
 
 
 async def one_running_one_waiting(server: AsyncEngine) -> tuple[RequestHandle, RequestHandle]:
-    """A long request in the batch and a short one in the engine's queue behind it (a batch of one)."""
+    """A long request in the batch and a short one in the engine's queue behind it (a batch of
+    one)."""
     running = server.submit(PROMPTS[0], LONG)
     await until(lambda: server.num_running == 1)
     waiting = server.submit(PROMPTS[1], GenerationParams(8))

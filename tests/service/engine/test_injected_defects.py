@@ -163,6 +163,7 @@ def test_greedy_answers_part_beyond_a_tie_only_with_a_defect(
     injected(monkeypatch, kv_from_the_wrong_row)
     faulty, _ = judged(model, PROMPTS)
     print(
-        f"\n{dtype}: clean {clean}, {accepted} draft tokens accepted; a KV entry in the wrong row: {faulty}"
+        f"\n{dtype}: clean {clean}, {accepted} draft tokens accepted; "
+        f"a KV entry in the wrong row: {faulty}"
     )
     assert any(outcome.startswith("differs") for outcome in faulty), faulty

@@ -87,7 +87,8 @@ def test_counts_catch_up_with_each_round_as_a_fresh_adjuster_would() -> None:
 
 
 def test_path_counts_hold_each_nodes_drafted_tokens() -> None:
-    # tokens [9, 7, 4, 11, 7, 3, 9, 2, 9], parents [-1, 0, 0, 0, 1, 1, 2, 4, 6]: node 7's path is 7 7 2
+    # tokens [9, 7, 4, 11, 7, 3, 9, 2, 9], parents [-1, 0, 0, 0, 1, 1, 2, 4, 6]:
+    # node 7's path is 7 7 2
     tree = build_tree(9, DRAFTS)
     counts = path_counts(tree, VOCAB, torch.device("cpu"))  # [num_nodes, vocab]
     for node in range(tree.num_nodes):

@@ -65,7 +65,8 @@ def test_min_p_keeps_tokens_within_a_share_of_the_likeliest() -> None:
 
 
 def test_min_p_cuts_after_temperature_and_before_top_p() -> None:
-    # at temperature 4, p ≈ [0.28, 0.22, 0.19, 0.17, 0.13]: all >= 0.4 × 0.28; at 1, only the top one
+    # at temperature 4, p ≈ [0.28, 0.22, 0.19, 0.17, 0.13]: all >= 0.4 × 0.28;
+    # at 1, only the top one
     assert (target_probs(LOGITS, SamplingParams(temperature=4.0, min_p=0.4)) > 0).all()
     assert (target_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.4)) > 0).sum() == 1
     # min-p 0.2 keeps 3 tokens, renormalized ≈ [0.63, 0.23, 0.14], of which top-p 0.85 keeps 2;

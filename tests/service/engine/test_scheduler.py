@@ -238,7 +238,8 @@ def _one_prompt_beside(streams: int, scheduler: Scheduler) -> Request:
     "pass_ms, profile, streams, chunk",
     [
         # 10 ms + 1 ms a token (a CPU): a pass of 4 streams and the prompt's tokens stays within
-        # 50.5 ms up to 40 tokens in all, 36 of them the prompt's; 100.5 ms allows 90, 86 the prompt's
+        # 50.5 ms up to 40 tokens in all, 36 of them the prompt's; 100.5 ms allows 90,
+        # 86 the prompt's
         (50.5, CPU, 4, 36),
         (100.5, CPU, 4, 86),
         (100.5, CPU, 1, 89),

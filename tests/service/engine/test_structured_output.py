@@ -331,7 +331,8 @@ def test_forced_text_is_drafted_as_the_tokenizer_spells_it() -> None:
 
 
 def test_forced_text_drafts_are_accepted(tiny_model, tiny_runner) -> None:
-    """Drafting nothing but the grammar's forced text, the keys and separators come in whole rounds."""
+    """Drafting nothing but the grammar's forced text, the keys and separators come in whole
+    rounds."""
     spec = schema_spec(PERSON)
     engine = engine_for(tiny_runner, None, [DecoyDrafter([0], [])])
     rounds = list(

@@ -1,5 +1,5 @@
-"""The packed path's attention kernel (`service/kernels/attention_kernel.py`): each token over its own
-row's columns, as SDPA computes it, and with the same bits whatever else the call holds."""
+"""The packed path's attention kernel (`service/kernels/attention_kernel.py`): each token over its
+own row's columns, as SDPA computes it, and with the same bits whatever else the call holds."""
 
 from __future__ import annotations
 

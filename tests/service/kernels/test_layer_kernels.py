@@ -1,5 +1,5 @@
-"""The packed path's per-layer kernels (`service/kernels/layer_kernels.py`) against the torch operators
-they replace, and the packed pass with them against the same pass without them."""
+"""The packed path's per-layer kernels (`service/kernels/layer_kernels.py`) against the torch
+operators they replace, and the packed pass with them against the same pass without them."""
 
 from __future__ import annotations
 

@@ -126,7 +126,7 @@ def test_the_q4_1_dispatch_changes_no_bit_and_is_tuned_among_its_candidates() ->
 
 
 @needs_numba
-def test_large_passes_take_the_kernel_or_the_gemm_as_tuned_and_the_kernel_keeps_rows_independent() -> (
+def test_large_passes_take_the_kernel_or_the_gemm_as_tuned_and_the_kernel_keeps_rows_independent() -> (  # noqa: E501
     None
 ):
     """Where the CPU measured the kernel faster at large passes, a prompt-sized pass runs it too:
@@ -294,7 +294,8 @@ def test_real_layers_hold_the_files_weights_and_match_float32(embedded, embedded
 @pytest.mark.slow
 def test_embedded_packed_speculation_equals_its_plain_decoding(embedded_packed) -> None:
     """Greedy speculative output equals plain output of the same (packed) path, except where
-    plain decoding itself is a numerical tie (attention and the LM head still round by pass size)."""
+    plain decoding itself is a numerical tie (attention and the LM head still round by pass
+    size)."""
     from service.model.prompts import chat_prompt_ids
     from service.runtime import build_engine
 

@@ -68,7 +68,8 @@ def test_a_fixed_shape_pass_continues_from_what_the_last_one_kept() -> None:
             row_logits[0], sequential_logits(model, history), atol=1e-5, rtol=1e-5
         )
     assert runner.static.shapes == [FixedShape(2, 16, 32), FixedShape(2, 1, 2)]
-    cache.add_row()  # a third request: its prompt's chunk fits a fixed shape, on grown buffers (of 4 rows)
+    # a third request: its prompt's chunk fits a fixed shape, on grown buffers (of 4 rows)
+    cache.add_row()
     runner.forward(
         cache,
         [RowInput(chain_tree([1])), RowInput(chain_tree([2])), RowInput(chain_tree([5, 6]), 2)],
