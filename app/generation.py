@@ -32,9 +32,8 @@ class Piece:
 
     text: str
     logprobs: list[TokenLogprob]
-    completion_tokens: int = (
-        0  # the choice's tokens by then (its chunk may be sent after more came)
-    )
+    # the choice's tokens by then (its chunk may be sent after more came)
+    completion_tokens: int = 0
 
 
 @dataclass
@@ -49,9 +48,8 @@ class Generation:
     metrics: Metrics
     continuous_usage: bool = False  # usage on every chunk (this choice's, as vLLM's)
     logprobs: LogprobsFormatter | None = None  # set when the request asked for logprobs
-    tool_calls: ToolCallStream | None = (
-        None  # set when the answer may hold tool calls (chat with tools)
-    )
+    # set when the answer may hold tool calls (chat with tools)
+    tool_calls: ToolCallStream | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)

@@ -76,9 +76,8 @@ class SpeculationOptions(_Request):
 
 class StreamOptions(_Request):
     include_usage: bool = False
-    continuous_usage_stats: bool = (
-        False  # usage on every chunk (as vLLM), for exact per-token timing
-    )
+    # usage on every chunk (as vLLM), for exact per-token timing
+    continuous_usage_stats: bool = False
 
 
 # OpenAI fields this server does not implement, with the values that ask for nothing: any

@@ -115,9 +115,8 @@ class ToolCallStream:
         self._calls: list[str] | None = (
             [] if format == "generic" else None
         )  # the text from the first tag on
-        self._dropped = (
-            ""  # whitespace between the content and the first tag (content again if no call parses)
-        )
+        # whitespace between the content and the first tag (content again if no call parses)
+        self._dropped = ""
 
     def push(self, text: str) -> str:
         """The content `text` releases (maybe "")."""

@@ -46,9 +46,8 @@ PROBE_FIRST, PROBE_LAST = (
     128,
 )  # a costly strategy passed over is asked again after 8, 16, ... 128 rounds
 CHEAP_GRACE = 8  # rounds in a row the controller may pass a cheap strategy over before it waits too
-CHEAP_PROBE_LAST = (
-    32  # ... after 8, 16, then every 32 rounds: a copy to draft from may start any time
-)
+# ... after 8, 16, then every 32 rounds: a copy to draft from may start any time
+CHEAP_PROBE_LAST = 32
 REACH_SLACK = 2  # drafts and depth asked for beyond twice what the controller took last round
 
 Key = tuple[str, int, int]  # (strategy, rank, order): see `Draft.order`

@@ -155,9 +155,8 @@ class WarmUpState:
 
     cost_profile: bool  # a valid one measured or loaded: auto mode speculates
     model_tables: bool  # computed or loaded: the table strategies draft
-    profile: ProfileState | None = (
-        None  # the keeper's account (None: the server measures no profile)
-    )
+    # the keeper's account (None: the server measures no profile)
+    profile: ProfileState | None = None
 
 
 @dataclass

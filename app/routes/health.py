@@ -23,13 +23,11 @@ class Health(BaseModel):
     requests_running: int | None = None
     requests_waiting: int | None = None
     cost_profile: bool | None = None  # a valid one measured or loaded: auto mode speculates
-    cost_profile_state: ProfileState | None = (
-        None  # validity, staleness and measurements (if the server measures one)
-    )
+    # validity, staleness and measurements (if the server measures one)
+    cost_profile_state: ProfileState | None = None
     model_tables: bool | None = None  # computed or loaded: the table strategies draft
-    kernels_fallback: str | None = (
-        None  # only when the CPU kernels failed to load: why (their torch fallback runs)
-    )
+    # only when the CPU kernels failed to load: why (their torch fallback runs)
+    kernels_fallback: str | None = None
     error: str | None = None
 
 

@@ -40,13 +40,11 @@ class StepRun:
     draft_seconds: float  # of which planning and drafting
     rows: int  # Σ over steps of the requests in the pass (their mean shows the batch C really ran)
     capture_seconds: float = 0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes
-    pass_seconds: float = (
-        0.0  # of `step_seconds`: the forward passes (the rest: verification and KV commits)
-    )
+    # of `step_seconds`: the forward passes (the rest: verification and KV commits)
+    pass_seconds: float = 0.0
     device_steps: int = 0  # steps taken by the device round (`service/device_round/`)
-    wait_seconds: float = (
-        0.0  # of their time: the host waiting for the device in their one copy back each
-    )
+    # of their time: the host waiting for the device in their one copy back each
+    wait_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:

@@ -35,16 +35,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 LEVEL_DECAY = 0.8  # horizon ≈ 5 passes: load changes show at once
-LEVEL_PRIOR_ROUNDS = (
-    4.0  # the load level is trusted like its prior (1) until about this many passes
-)
+# the load level is trusted like its prior (1) until about this many passes
+LEVEL_PRIOR_ROUNDS = 4.0
 SHAPE_DECAY = 0.9  # horizon ≈ 10 passes, applied to every size on every pass
 SHAPE_PRIOR_ROUNDS = 0.25  # a fresh pass-time measurement outweighs the profile's word at once
 PROBE_EVERY = 16  # plain rounds with drafts on offer before a request probes speculation
 PROBE_MAX_EVERY = 128  # ... after probes that kept finding plain the better choice
-QUIET_ROUNDS = (
-    4  # after this many plain rounds in a row, a request is drafted every this-many rounds,
-)
+# after this many plain rounds in a row, a request is drafted every this-many rounds,
+QUIET_ROUNDS = 4
 QUIET_MAX_EVERY = 16  # ... then every 8 from 8 plain rounds on, every 16 from 16 on
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # upper bounds of pass-size buckets
 ROW_BUCKETS = (1, 4, 16, 64)  # upper bounds of row-count buckets (the profile's rows: 1, 4, 16)

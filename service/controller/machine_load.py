@@ -16,9 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-WINDOW_SECONDS = (
-    1.0  # other work is judged over at least this long (one sample of /proc/stat per window)
-)
+# other work is judged over at least this long (one sample of /proc/stat per window)
+WINDOW_SECONDS = 1.0
 SLACK_CORES = 0.3  # other work using less than this much of the cores the passes need is quiet
 STAT = Path("/proc/stat")
 IDLE_FIELDS = (

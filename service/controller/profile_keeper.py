@@ -48,9 +48,8 @@ from service.model.runner import ModelRunner
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-BACKOFF_FIRST = (
-    60.0  # seconds between profiling activities, doubled after each that changed nothing
-)
+# seconds between profiling activities, doubled after each that changed nothing
+BACKOFF_FIRST = 60.0
 BACKOFF_MAX = 3600.0
 # the share of this process's cores' time in any hour spent profiling while a valid profile is used
 CPU_SHARE = 0.1
@@ -132,9 +131,8 @@ class ProfileKeeper:
         self._budget = _Budget()
         self._costs = {"measure": 0.0, "probe": 0.0}  # CPU seconds of the last whole one of each
         self._next_at = clock()
-        self._unchanged = (
-            0  # profiling activities in a row that changed nothing: the back-off's exponent
-        )
+        # profiling activities in a row that changed nothing: the back-off's exponent
+        self._unchanged = 0
 
     @classmethod
     def for_runner(

@@ -33,9 +33,8 @@ MENU = ((0, 1), (1, 1), (0, 2), (1, 2), (0, 4), (2, 3), (4, 4), (0, 8), (8, 6), 
 CONTEXT_PRIOR = 0.5  # a context node's rate before any round measured it
 PRIOR_WEIGHT = 2.0  # the prior counts as this many rounds
 DECAY = 0.995  # a round's weight after the next one
-PROBE_EVERY = (
-    16  # after this many steps of the root alone, one step drafts the smallest tree (to measure)
-)
+# after this many steps of the root alone, one step drafts the smallest tree (to measure)
+PROBE_EVERY = 16
 
 
 class NodeAcceptance:

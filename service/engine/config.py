@@ -26,9 +26,8 @@ class EngineConfig:
     cost_profile: bool = True  # measure (or load) the pass costs auto mode plans with
     cache_dir: Path = DEFAULT_CACHE_DIR  # tables, profiles and converted weights
     enforce_eager: bool = False  # every pass eagerly: no CUDA graphs of the small passes
-    device_round: bool | None = (
-        None  # steps on the device where they can be (`service/device_round/`); None: on a GPU
-    )
+    # steps on the device where they can be (`service/device_round/`); None: on a GPU
+    device_round: bool | None = None
     suffix_cache_tokens: int = DEFAULT_CAPACITY  # recent output tokens the suffix strategy indexes
     # Model drafts (`service/model_drafts/`): self-draft depths (None: the measured default; several
     # are served as self_draft_<m>), a draft model's path, and their staged twins.

@@ -59,9 +59,8 @@ class Engine:
         """`device_round`: run the steps it can take on the model's device
         (`service/device_round/`); None: where that device is a GPU."""
         self.runner = runner
-        self.grammars = (
-            grammars  # compiles structured output's grammars (None: the engine has no tokenizer)
-        )
+        # compiles structured output's grammars (None: the engine has no tokenizer)
+        self.grammars = grammars
         self.mixer = mixer
         self.policy = SpeculationPolicy(max_context)
         self.eos_token_ids = frozenset(eos_token_ids)

@@ -30,9 +30,8 @@ class RoundOutput:
     predicted_tokens_per_second: float | None = None  # the controller's forecast (auto mode)
     batch_size: int = 1  # requests in the pass
     logprobs: list[TokenLogprob] | None = None  # one per token in `token_ids`, when asked for
-    grammar_seconds: float = (
-        0.0  # of the step, this request's structured output (masks, drafts cut, ...)
-    )
+    # of the step, this request's structured output (masks, drafts cut, ...)
+    grammar_seconds: float = 0.0
 
     @property
     def realized_tokens_per_second(self) -> float:
@@ -51,9 +50,8 @@ class StepStats:
     draft_seconds: (
         float  # of `seconds`: planning, drafting and learning (what plain decoding does not do)
     )
-    capture_seconds: float = (
-        0.0  # of `pass_seconds`: recording CUDA graphs of new pass shapes (once per shape)
-    )
+    # of `pass_seconds`: recording CUDA graphs of new pass shapes (once per shape)
+    capture_seconds: float = 0.0
     # of `seconds`: the forward call (on a GPU it returns once the device has run the pass: the
     # logits are gathered by an index from the host, a copy that waits); the rest, `seconds -
     # draft_seconds - pass_seconds`, is verification and the KV commit

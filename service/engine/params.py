@@ -64,14 +64,12 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) = no top-k cut
     seed: int | None = None
-    min_p: float = (
-        0.0  # keep tokens with p >= min_p × the largest p (after temperature); 0 = no cut
-    )
+    # keep tokens with p >= min_p × the largest p (after temperature); 0 = no cut
+    min_p: float = 0.0
     frequency_penalty: float = 0.0  # subtracted once per occurrence of the token in the output
     presence_penalty: float = 0.0  # subtracted once if the token occurs in the output
-    repetition_penalty: float = (
-        1.0  # divides (multiplies, if negative) logits of prompt and output tokens
-    )
+    # divides (multiplies, if negative) logits of prompt and output tokens
+    repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     def __post_init__(self) -> None:
@@ -136,9 +134,8 @@ class GenerationParams:
     speculation: SpeculationParams = field(default_factory=SpeculationParams)
     strategy: str = "mixed"  # a draft strategy name, or "mixed" for all of them
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    logprobs: int | None = (
-        None  # None: none; n: each token's logprob and its n likeliest alternatives
-    )
+    # None: none; n: each token's logprob and its n likeliest alternatives
+    logprobs: int | None = None
     grammar: GrammarSpec | None = None  # structured output: what the output must match
 
     def __post_init__(self) -> None:

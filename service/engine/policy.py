@@ -41,9 +41,8 @@ class SpeculationPolicy:
         self.max_context = max_context
         self.profile: CostProfile | None = None  # set once measured; auto mode needs it
         self.calibration = Calibration()  # how far auto mode's forecasts fall from what happens
-        self._last_cost: tuple[float, int, CostProfile, PassCost] | None = (
-            None  # `pass_cost`'s last answer
-        )
+        # `pass_cost`'s last answer
+        self._last_cost: tuple[float, int, CostProfile, PassCost] | None = None
 
     # -- who drafts -----------------------------------------------------------------------
 
@@ -143,19 +142,11 @@ class SpeculationPolicy:
         if not auto:
             return decided
         # fixed-mode trees that grew the pass make the gate's pricing stale
-        plan = self.plan(
-            auto,
-            decided,
-            budget,
-            set(speculating),
-            pricing
-            if all(row.tree is None or row.tree.num_nodes == 1 for row in decided)
-            else None,
-        )
-        chosen = {id(row): choice for row, choice in zip(auto, plan.trees)}
+        grown = any(row.tree is not None and row.tree.num_nodes > 1 for row in decided)
+        plan = self.plan(auto, decided, budget, set(speculating), None if grown else pricing)
+        chosen = dict(zip(auto, plan.trees))  # rows compare by identity
         return [
-            self._auto_tree(row, chosen[id(row)], plan) if id(row) in chosen else row
-            for row in decided
+            self._auto_tree(row, chosen[row], plan) if row in chosen else row for row in decided
         ]
 
     def _fixed_tree(self, row: StepRow, drafts: bool, budget: int) -> StepRow:

@@ -61,15 +61,13 @@ class SchedulerConfig:
     max_running_requests: int | None = None  # None: by device (`for_device`)
     max_tokens_per_pass: int = 512  # prefill chunks + decode tokens + tree nodes in one pass
     kv_cache_bytes: int | None = None  # budget of the KV buffers; None = unbounded
-    max_prefill_tokens_while_decoding: int | None = (
-        None  # a fixed cap; None: priced by `prefill_pass_ms`
-    )
+    # a fixed cap; None: priced by `prefill_pass_ms`
+    max_prefill_tokens_while_decoding: int | None = None
     # while others decode, a pass that carries prompt chunks is sized to cost about this much
     prefill_pass_ms: float = 100.0
     prefix_cache: bool = True  # keep computed KV blocks for later requests with the same prefix
-    unpriced_prefill_tokens: int | None = (
-        None  # the cap until a cost profile prices one: `for_device`
-    )
+    # the cap until a cost profile prices one: `for_device`
+    unpriced_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (

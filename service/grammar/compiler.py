@@ -77,9 +77,8 @@ class GrammarCompiler:
     def __init__(
         self, info: xgrammar.TokenizerInfo, encode: Callable[[str], Sequence[int]]
     ) -> None:
-        self.encode = (
-            encode  # text -> token ids, as the tokenizer spells it (the forced-text drafts)
-        )
+        # text -> token ids, as the tokenizer spells it (the forced-text drafts)
+        self.encode = encode
         self._compiler = xgrammar.GrammarCompiler(info)
 
     @classmethod

@@ -32,9 +32,8 @@ from numba import njit, prange
 from service.kernels.int8_kernel import BLOCK, COLUMNS, TILE_BYTES, _ir, split_tiles
 from service.kernels.native import compile_ir
 
-GROUP = (
-    8  # rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill the registers
-)
+# rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill the registers
+GROUP = 8
 SCALES_AT = GROUP * BLOCK  # a record: GROUP rows x 32 int8, GROUP float32 dx, GROUP float32 dx·Σxq
 SUMS_AT = SCALES_AT + 4 * GROUP
 RECORD_BYTES = SUMS_AT + 4 * GROUP

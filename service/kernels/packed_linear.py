@@ -289,9 +289,8 @@ class PackedLinear(nn.Module):
         self.in_features = tiles.in_features
         self.out_features = tiles.out_features
         self.kernels = kernels
-        self.fused_max_rows = (
-            fused_max_rows  # Q4_1 passes up to this many rows dequantize in registers
-        )
+        # Q4_1 passes up to this many rows dequantize in registers
+        self.fused_max_rows = fused_max_rows
         self.kernel_max_rows = kernel_max_rows  # larger passes dequantize the layer for F.linear
         # 8-bit activations on VNNI (service/kernels/int8_kernel.py), for passes of every size
         self.int8_activations = int8_activations

@@ -104,9 +104,8 @@ class PassLayout:
     kernel_queries: KernelQueries | None = None  # tokens the attention kernel answers
     chunk_queries: ChunkQueries | None = None  # prompt tokens the chunk kernel answers
     skips: list[int] | None = None  # per row: its first tokens, the chunk kernel's (None: none)
-    query_groups: int = (
-        1  # query heads per KV head folded into the query length (masks repeated so)
-    )
+    # query heads per KV head folded into the query length (masks repeated so)
+    query_groups: int = 1
 
     @property
     def rows(self) -> int:

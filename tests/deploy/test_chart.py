@@ -211,9 +211,8 @@ def test_the_kubernetes_schema_check_can_fail(rendered: dict) -> None:
         "kubernetes_validate", reason="kubernetes-validate not installed: `make deploy-tools`"
     )
     deployment = copy.deepcopy(_deployment(rendered["default"]))
-    deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["periodSecond"] = (
-        10  # a typo
-    )
+    # a typo
+    deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]["periodSecond"] = 10
     with pytest.raises(kv.ValidationError):
         kv.validate(deployment, OLDEST_KUBERNETES, strict=True)
 

@@ -34,9 +34,8 @@ from tests.helpers.passes import (
     prefilled,
 )
 
-TREE_NODES = (
-    17  # k=4 w=4 trees and the root: the defects touch rows of 2..17 tokens, never a prompt
-)
+# k=4 w=4 trees and the root: the defects touch rows of 2..17 tokens, never a prompt
+TREE_NODES = 17
 PROMPTS = [[5, 9, 13, 2, 6] * 5, [7, 7, 3, 1, 8, 4] * 4, [11, 12, 13, 14, 15, 16, 17, 18] * 3]
 NEW_TOKENS = 40
 Defect = Callable[[PassLayout], None]
