@@ -43,6 +43,5 @@ async def _concurrency(request: Request) -> ConcurrencyLimit:
 SettingsDep = Annotated[Settings, Depends(_settings)]
 RuntimeDep = Annotated[Runtime, Depends(_runtime)]  # 503 while the model loads
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
-ConcurrencyDep = Annotated[
-    ConcurrencyLimit, Depends(_concurrency)
-]  # requests in flight per API key
+# requests in flight per API key
+ConcurrencyDep = Annotated[ConcurrencyLimit, Depends(_concurrency)]

@@ -48,9 +48,8 @@ def error_response(
     if request.url.path.startswith("/v1/") and request.method == "POST" and status < 500:
         outcome = "rejected" if status in (429, 503) else "invalid"
         request.app.state.metrics.requests.labels(outcome).inc()
-    message = message.encode("utf-8", "replace").decode(
-        "utf-8"
-    )  # a lone surrogate echoed back stays valid
+    # a lone surrogate echoed back stays valid
+    message = message.encode("utf-8", "replace").decode("utf-8")
     body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 

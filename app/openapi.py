@@ -103,9 +103,8 @@ def _limits_as_configured(components: Schema, settings: Settings) -> None:
                 _bound(properties[field], "integer", maximum=settings.max_tokens_cap)
         # FastAPI's schema holds bounds as floats: 2**63 - 1 would publish as 2**63
         _bound(properties["seed"], "integer", maximum=MAX_REQUEST_SEED)
-        _bound(
-            properties["n"], "integer", maximum=min(MAX_N, settings.max_waiting)
-        )  # a choice is a request
+        # a choice is a request
+        _bound(properties["n"], "integer", maximum=min(MAX_N, settings.max_waiting))
         _bound(properties["stop"], "string", maxLength=settings.max_stop_length)
         _bound(properties["stop"], "array", maxItems=settings.max_stop_sequences)
         for branch in properties["stop"]["anyOf"]:

@@ -263,9 +263,8 @@ class GenerationRequest(_Request):
     def _as_list(cls, stop: str | list[str] | None) -> list[str]:
         return [stop] if isinstance(stop, str) else list(stop or [])
 
-    _whole_generation = field_validator("max_tokens", "top_k", "seed", "n", mode="before")(
-        integral
-    )  # 626.0 is 626
+    # 626.0 is 626
+    _whole_generation = field_validator("max_tokens", "top_k", "seed", "n", mode="before")(integral)
 
     @field_validator("logit_bias")
     @classmethod
@@ -537,9 +536,8 @@ class ChatCompletionRequest(GenerationRequest):
         None, description="false: at most one call per answer (default true)"
     )
 
-    _whole_chat = field_validator("max_completion_tokens", "top_logprobs", mode="before")(
-        integral
-    )  # 626.0 is 626
+    # 626.0 is 626
+    _whole_chat = field_validator("max_completion_tokens", "top_logprobs", mode="before")(integral)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -717,10 +715,8 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-STREAM_MODELS = (
-    ChatCompletionChunk,
-    CompletionResponse,
-)  # CompletionResponse doubles as its own chunk
+# CompletionResponse doubles as its own chunk
+STREAM_MODELS = (ChatCompletionChunk, CompletionResponse)
 
 
 def event_stream_schema(chunk: type[BaseModel]) -> dict[str, Any]:

@@ -112,9 +112,8 @@ class ToolCallStream:
     def __init__(self, format: ToolFormat) -> None:
         self.format = format
         self._undecided = ""  # content not sent yet: it may begin a tag
-        self._calls: list[str] | None = (
-            [] if format == "generic" else None
-        )  # the text from the first tag on
+        # the text from the first tag on
+        self._calls: list[str] | None = [] if format == "generic" else None
         # whitespace between the content and the first tag (content again if no call parses)
         self._dropped = ""
 

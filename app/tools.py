@@ -53,9 +53,8 @@ HERMES_WHITESPACE = 1
 class ToolUse:
     """What the request's tools ask: which the prompt lists, which the answer may call, how."""
 
-    listed: tuple[
-        FunctionDefinition, ...
-    ] = ()  # shown to the model: none with `tool_choice: "none"`
+    # shown to the model: none with `tool_choice: "none"`
+    listed: tuple[FunctionDefinition, ...] = ()
     required: bool = False  # `required` or a named function: at least one call
     named: str | None = None  # the one function the answer may call, if named
     parallel: bool = True  # more than one call per answer

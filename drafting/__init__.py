@@ -47,9 +47,8 @@ def default_mixer(
     slot = tables or TableSlot()
     recycled = SuccessorTable(fallback=slot, pair_bits=PAIR_BITS)
     baseline = SuccessorTable()
-    suffix = (
-        SuffixIndex(suffix_cache_tokens) if suffix_cache_tokens > 0 else None
-    )  # 0: no suffix strategy
+    # 0: no suffix strategy
+    suffix = SuffixIndex(suffix_cache_tokens) if suffix_cache_tokens > 0 else None
     strategies = [
         ContextNgram(),
         ExtendedBigram(slot),

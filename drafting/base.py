@@ -75,9 +75,8 @@ class PassDistributions:
     """
 
     node_tokens: np.ndarray  # [num_nodes] int: the token at each tree node
-    top_ids: (
-        np.ndarray
-    )  # [num_nodes, K] int: the model's likeliest next tokens after each node, best first
+    # [num_nodes, K] int: the model's likeliest next tokens after each node, best first
+    top_ids: np.ndarray
     stop_node: int  # where verification stopped: its choice is the round's bonus token
     # [num_nodes] int: the token before each node (its parent's; the root's from the context, -1
     # if none); None: not known, so no table learns what follows a pair of tokens

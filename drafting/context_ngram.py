@@ -82,9 +82,8 @@ def first_distinct(by_n: Iterable[tuple[int, Sequence[tuple[int, ...]]]], k: int
 
 
 def _ranked(continuations: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    counts: dict[
-        tuple[int, ...], int
-    ] = {}  # most recent first: a stable sort keeps that among equal counts
+    # most recent first: a stable sort keeps that among equal counts
+    counts: dict[tuple[int, ...], int] = {}
     for continuation in reversed(continuations):
         counts[continuation] = counts.get(continuation, 0) + 1
     return sorted(counts, key=counts.__getitem__, reverse=True)

@@ -41,10 +41,8 @@ SEPARATOR = "+"  # "context+self_draft": a mix of some strategies
 CONTEXT = "context"  # its short drafts are lengthened by bigram chaining in mixed mode
 REQUEST_PRIOR_WEIGHT = 4.0  # global statistics count as this many observations of a request
 UNSEEN = Acceptance(p=0.5, c=0.5)  # optimistic start, so every key gets tried
-PROBE_FIRST, PROBE_LAST = (
-    8,
-    128,
-)  # a costly strategy passed over is asked again after 8, 16, ... 128 rounds
+# a costly strategy passed over is asked again after 8, 16, ... 128 rounds
+PROBE_FIRST, PROBE_LAST = (8, 128)
 CHEAP_GRACE = 8  # rounds in a row the controller may pass a cheap strategy over before it waits too
 # ... after 8, 16, then every 32 rounds: a copy to draft from may start any time
 CHEAP_PROBE_LAST = 32

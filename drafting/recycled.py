@@ -61,9 +61,8 @@ class SuccessorTable:
         self.fallback = fallback
         self.successors = np.full((0, top_k), -1, dtype=np.int32)  # [rows, K]; -1: never observed
         self.pair_bits = pair_bits
-        self.pair_keys = np.full(
-            1 << pair_bits if pair_bits else 0, -1, dtype=np.int64
-        )  # (previous << 32) | token
+        # (previous << 32) | token
+        self.pair_keys = np.full(1 << pair_bits if pair_bits else 0, -1, dtype=np.int64)
         self.pair_successors = np.full((len(self.pair_keys), top_k), -1, dtype=np.int32)
         self.passes = 0  # passes observed
 

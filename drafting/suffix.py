@@ -46,13 +46,11 @@ class SuffixIndex:
         self.orders = tuple(sorted(orders, reverse=True))
         self.written = 0  # positions ever written; the window is [written - capacity, written)
         self.tokens = np.full(capacity, SEPARATOR, dtype=np.int32)  # [capacity] ring
-        self._mask = (
-            1 << max(capacity // 2, 1).bit_length()
-        ) - 1  # buckets: a power of two ≥ capacity/2
+        # buckets: a power of two ≥ capacity/2
+        self._mask = (1 << max(capacity // 2, 1).bit_length()) - 1
         self._heads = {n: np.full(self._mask + 1, -1, dtype=np.int64) for n in self.orders}
-        self._prev = {
-            n: np.full(capacity, -1, dtype=np.int64) for n in self.orders
-        }  # by position % capacity
+        # by position % capacity
+        self._prev = {n: np.full(capacity, -1, dtype=np.int64) for n in self.orders}
 
     @property
     def nbytes(self) -> int:

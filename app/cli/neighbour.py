@@ -42,12 +42,8 @@ def run(args: argparse.Namespace) -> None:
         )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
     pids = [args.pid]
-    flags = [
-        "--suffix-cache-tokens",
-        "0",
-        "--no-prefix-cache",
-        *model_serve_flags(args),
-    ]  # its prompt repeats
+    # its prompt repeats
+    flags = ["--suffix-cache-tokens", "0", "--no-prefix-cache", *model_serve_flags(args)]
     server = nullcontext(args.url) if args.url else serving_process(flags, started=pids.append)
     neighbour.run_command(
         server, lambda: pids[-1], args.neighbours, args.seconds, args.max_tokens, args.json

@@ -377,9 +377,8 @@ def _choices(
             **shared,
         )
 
-    first = generation(
-        handles[0]
-    )  # its id and creation time are the other choices' too: one response
+    # its id and creation time are the other choices' too: one response
+    first = generation(handles[0])
     generations = [
         first,
         *(generation(h, request_id=first.request_id, created=first.created) for h in handles[1:]),

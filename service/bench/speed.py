@@ -27,9 +27,8 @@ PROMPT_LENGTHS = (256, 1024, 2000)
 DECODE_PROMPT = 64
 DECODE_TOKENS = 128
 
-Complete = Callable[
-    [Sequence[int], GenerationParams], Completion
-]  # the engine's `complete`, or a reference's
+# the engine's `complete`, or a reference's
+Complete = Callable[[Sequence[int], GenerationParams], Completion]
 
 
 @dataclass(frozen=True)
@@ -133,9 +132,8 @@ def run_command(
     engine = build_engine(
         loaded, TableSlot(), replace(config, scheduler=SchedulerConfig(prefix_cache=False))
     )
-    engine.eos_token_ids = (
-        frozenset()
-    )  # every method decodes its whole budget: no stop token ends a run
+    # every method decodes its whole budget: no stop token ends a run
+    engine.eos_token_ids = frozenset()
     methods: dict[str, Complete] = {f"ngrammys ({quantization})": engine.complete}
     if transformers:  # the library's own float32 forward of the same model, unpacked
         floats = load_model(model, config.device, "float32", config.cache_dir, "none")

@@ -213,9 +213,8 @@ def run_command(
     engine = build_engine_with_tables(loaded, config)
     prompts = [p.prompt_ids for p in load_specbench(dataset, loaded.tokenizer, per_category)]
 
-    batch = SchedulerConfig(
-        max_running_requests=max(concurrency)
-    )  # C in flight means C in the pass
+    # C in flight means C in the pass
+    batch = SchedulerConfig(max_running_requests=max(concurrency))
 
     def new_engine() -> Engine:
         fresh = build_engine(loaded, engine.mixer.tables, replace(config, scheduler=batch))

@@ -89,9 +89,8 @@ def size_bucket(tokens: int) -> int:
     return min(bisect.bisect_left(SIZE_BUCKETS, tokens), len(SIZE_BUCKETS) - 1)
 
 
-SIZE_BUCKET_OF = tuple(
-    size_bucket(tokens) for tokens in range(SIZE_BUCKETS[-1] + 1)
-)  # larger: the last
+# larger: the last
+SIZE_BUCKET_OF = tuple(size_bucket(tokens) for tokens in range(SIZE_BUCKETS[-1] + 1))
 
 
 def shape_bucket(tokens: int, rows: int) -> int:
@@ -160,9 +159,8 @@ class Calibration:
     level: Ratio = field(default_factory=lambda: _level_ratio())
     shapes: ShapeRatios = field(default_factory=ShapeRatios)
     passes_since_probe: int = PROBE_EVERY  # the engine-wide probe clock
-    host: HostCost = field(
-        default_factory=HostCost
-    )  # what a speculating row costs outside the pass
+    # what a speculating row costs outside the pass
+    host: HostCost = field(default_factory=HostCost)
     # rows -> the size buckets' factors (`size_factor`), until the next pass changes them (the
     # controller asks per node)
     _factors: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)

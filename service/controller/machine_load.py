@@ -20,10 +20,8 @@ from pathlib import Path
 WINDOW_SECONDS = 1.0
 SLACK_CORES = 0.3  # other work using less than this much of the cores the passes need is quiet
 STAT = Path("/proc/stat")
-IDLE_FIELDS = (
-    3,
-    4,
-)  # idle, iowait; every other field of a `cpuN` line is time the core was not ours to use
+# idle, iowait; every other field of a `cpuN` line is time the core was not ours to use
+IDLE_FIELDS = (3, 4)
 
 
 def read_busy_seconds(cores: set[int], stat: Path = STAT) -> float | None:
@@ -38,9 +36,8 @@ def read_busy_seconds(cores: set[int], stat: Path = STAT) -> float | None:
         name, _, rest = line.partition(" ")
         if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cores):
             continue
-        fields = [
-            int(v) for v in rest.split()[:8]
-        ]  # guest time is counted within user time already
+        # guest time is counted within user time already
+        fields = [int(v) for v in rest.split()[:8]]
         busy_ticks += sum(fields) - sum(fields[i] for i in IDLE_FIELDS)
     return busy_ticks / os.sysconf("SC_CLK_TCK")
 

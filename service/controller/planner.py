@@ -113,18 +113,16 @@ def plan_trees(
     more_tokens = PassShape(fixed.tokens + spread, fixed.wide_rows)
     node_seconds = max((cost(more_tokens) - cost(fixed)) / spread, 1e-9)  # mean marginal of a token
     one_more = PassShape(fixed.tokens + 1, fixed.wide_rows)
-    row_seconds = max(
-        cost(one_more.grown(1)) - cost(one_more), 0.0
-    )  # a row's first node: its own call
+    # a row's first node: its own call
+    row_seconds = max(cost(one_more.grown(1)) - cost(one_more), 0.0)
 
     def seconds(node: _Node) -> float:
         widens = node.depth == 1 and rows[node.row].width == 1
         first_level = row_host_seconds if node.depth == 1 else 0.0
         return node_seconds + node.draft_seconds + first_level + (row_seconds if widens else 0.0)
 
-    ranked = sorted(  # most expected tokens per second of pass and drafting first
-        candidates, key=lambda n: (-n.probability / seconds(n), n.depth)
-    )
+    # most expected tokens per second of pass and drafting first
+    ranked = sorted(candidates, key=lambda n: (-n.probability / seconds(n), n.depth))
     base_expected = fixed_expected + len(rows)
     widths = [row.width for row in rows]
 

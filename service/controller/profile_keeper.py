@@ -66,14 +66,12 @@ class ProfileState:
 
     valid: bool  # a valid profile is in use (auto mode speculates)
     valid_since: float | None  # Unix time the profile in use was measured
-    stale: (
-        bool  # its relative costs no longer hold on a quiet machine: it is due to be measured again
-    )
+    # its relative costs no longer hold on a quiet machine: it is due to be measured again
+    stale: bool
     remeasuring: bool
     failed_attempts: int  # attempts in a row that failed validation or were abandoned
-    remeasures: dict[
-        str, int
-    ]  # attempts by outcome: adopted, failed (validation), abandoned (machine busy, budget)
+    # attempts by outcome: adopted, failed (validation), abandoned (machine busy, budget)
+    remeasures: dict[str, int]
     next_attempt_in_s: float  # seconds until profiling may start again (back-off)
     cpu_seconds_last_hour: float  # spent profiling
 

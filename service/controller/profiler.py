@@ -330,9 +330,8 @@ def profile_path(cache_dir: Path, runner: ModelRunner) -> Path:
     int8 = (
         "-int8" if getattr(runner.model.get_output_embeddings(), "int8_activations", False) else ""
     )
-    static = (
-        "-static" if runner.static is not None else ""
-    )  # fixed-shape passes (CUDA graphs) cost otherwise
+    # fixed-shape passes (CUDA graphs) cost otherwise
+    static = "-static" if runner.static is not None else ""
     ranks = f"-tp{runner.tensor_parallel_size}" if runner.tensor_parallel_size > 1 else ""
     name = (
         f"{device_name(runner.device)}-{fingerprint}{int8}{static}{ranks}-{runner.dtype}"

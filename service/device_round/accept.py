@@ -21,13 +21,11 @@ from service.device_round.template import TemplateTensors
 class Accepted:
     """A round's outcome per row, on the device."""
 
-    path: (
-        torch.Tensor
-    )  # int64 [R, W + 1]: the accepted path's node at each depth (root at 0; 0 past its end)
+    # int64 [R, W + 1]: the accepted path's node at each depth (root at 0; 0 past its end)
+    path: torch.Tensor
     counts: torch.Tensor  # int64 [R]: accepted drafted tokens
-    tokens: (
-        torch.Tensor
-    )  # int64 [R, W + 1]: the accepted tokens then the bonus (garbage past counts + 1)
+    # int64 [R, W + 1]: the accepted tokens then the bonus (garbage past counts + 1)
+    tokens: torch.Tensor
 
 
 def accept_greedy(
@@ -50,16 +48,13 @@ def accept_greedy(
     counts = template.depths[deepest]
     on_path = template.ancestors[deepest]  # [R, N]
     levels = torch.arange(max_depth + 1, device=tokens.device)
-    by_depth = on_path[:, None, :] & (
-        template.depths[None, None, :] == levels[None, :, None]
-    )  # [R, W + 1, N]
-    path = (by_depth * index).sum(
-        -1
-    )  # [R, W + 1]: one node a depth up to the row's count, none (0) past it
+    # [R, W + 1, N]
+    by_depth = on_path[:, None, :] & (template.depths[None, None, :] == levels[None, :, None])
+    # [R, W + 1]: one node a depth up to the row's count, none (0) past it
+    path = (by_depth * index).sum(-1)
     drafted = tokens.gather(1, path[:, 1:])  # [R, W]
-    after = (
-        torch.arange(max_depth, device=tokens.device)[None] == counts[:, None]
-    )  # the bonus's slot
+    # the bonus's slot
+    after = torch.arange(max_depth, device=tokens.device)[None] == counts[:, None]
     bonus = choices.gather(1, deepest[:, None])  # [R, 1]
     committed = torch.cat([torch.where(after, bonus, drafted), bonus], dim=1)
     return Accepted(path=path, counts=counts, tokens=committed)

@@ -32,14 +32,12 @@ def context_drafts(
             rows, w, dtype=torch.bool, device=device
         )
     padded = torch.nn.functional.pad(recent, (max_n - 1, 0), value=-1)  # [R, L + max_n - 1]
-    windows = padded.unfold(1, max_n, 1)[
-        :, :-1
-    ]  # [R, L - 1, max_n]: the tokens ending at each earlier position
+    # [R, L - 1, max_n]: the tokens ending at each earlier position
+    windows = padded.unfold(1, max_n, 1)[:, :-1]
     suffix = padded[:, -max_n:]  # [R, max_n]
     equal = (windows == suffix[:, None, :]) & (windows >= 0)
-    matched = (
-        equal.flip(-1).cumprod(-1).sum(-1)
-    )  # [R, L - 1]: tokens matched, backwards from each end
+    # [R, L - 1]: tokens matched, backwards from each end
+    matched = equal.flip(-1).cumprod(-1).sum(-1)
     ends = torch.arange(length - 1, device=device)
     best = (matched * length + ends).amax(-1)  # the longest match, then the latest end
     longest, end = best // length, best % length

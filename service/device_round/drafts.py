@@ -29,9 +29,8 @@ def draft_trees(
         return tokens, valid
     table.sync_fallback()
     single = table.single_rows()
-    before = torch.cat(
-        [recent[:, -2:-1], tokens], dim=1
-    )  # column i + 1: node i's token; column 0: the root's previous
+    # column i + 1: node i's token; column 0: the root's previous
+    before = torch.cat([recent[:, -2:-1], tokens], dim=1)
     for level in shape.table_levels:
         following = table.step(
             before[:, level.grandparent_columns],

@@ -74,12 +74,10 @@ class TemplateChoice:
 class DeviceRoundOutput:
     """A device step's rounds, as the host reads them after its one copy."""
 
-    tokens: (
-        np.ndarray
-    )  # int64 [R, W + 1]: row r's accepted drafts then its bonus token in [: counts[r] + 1]
-    paths: (
-        np.ndarray
-    )  # int64 [R, W + 1]: the accepted path's template node at each depth (root at 0)
+    # int64 [R, W + 1]: row r's accepted drafts then its bonus token in [: counts[r] + 1]
+    tokens: np.ndarray
+    # int64 [R, W + 1]: the accepted path's template node at each depth (root at 0)
+    paths: np.ndarray
     counts: np.ndarray  # int64 [R]: accepted drafts
     drafted: np.ndarray  # bool [R, N]: the template nodes each row filled (the root included)
     wait_seconds: float  # the host waiting for the device in the step's one copy back

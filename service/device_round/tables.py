@@ -43,9 +43,8 @@ class DeviceTable:
             (buckets + 1, host.top_k), -1, dtype=torch.long, device=device
         )
         self.push()
-        self.fallback = torch.full(
-            (vocab_size, 1), -1, dtype=torch.long, device=device
-        )  # none until the slot fills
+        # none until the slot fills
+        self.fallback = torch.full((vocab_size, 1), -1, dtype=torch.long, device=device)
         self._fallback_from: object = None
 
     def push(self) -> None:
@@ -116,9 +115,8 @@ class DeviceTable:
         node winning a row or bucket several write."""
         width = min(top_ids.shape[1], self.top_k)
         top = top_ids[:, :width]
-        rows = torch.where(
-            last_writers(tokens, keep, self.vocab_size + 1), tokens, self.vocab_size
-        )  # the rest: scratch
+        # the rest: scratch
+        rows = torch.where(last_writers(tokens, keep, self.vocab_size + 1), tokens, self.vocab_size)
         self.successors[rows, :width] = top
         if not self.pair_bits:
             return

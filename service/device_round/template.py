@@ -25,9 +25,8 @@ class TreeTemplate:
 
     parents: tuple[int, ...]  # [N]; the root's is -1
     depths: tuple[int, ...]  # [N]
-    ranks: tuple[
-        int, ...
-    ]  # [N]: a table node's rank among its parent's successors; -1 for the root and chain nodes
+    # [N]: a table node's rank among its parent's successors; -1 for the root and chain nodes
+    ranks: tuple[int, ...]
     chain: int  # context nodes, 1..chain
     k: int
     w: int

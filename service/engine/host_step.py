@@ -237,9 +237,8 @@ def _learn(row: StepRow, verdict: Verdict, top_ids: np.ndarray | None) -> None:
     drafts, tree = row.request.drafts, row.tree
     assert tree is not None
     history = drafts.history
-    root_parent = (
-        history.token_ids[-2] if len(history) > 1 else -1
-    )  # before this round's tokens join
+    # before this round's tokens join
+    root_parent = history.token_ids[-2] if len(history) > 1 else -1
     drafts.observe(verdict.token_ids)
     if top_ids is not None:
         stop_node = verdict.accepted_nodes[-1] if verdict.accepted_nodes else 0
@@ -252,8 +251,7 @@ def _pass_distributions(
     """What a row's pass showed, each node with the token before it (its parent's; the root's
     from the context, -1 where it has none)."""
     tokens = np.asarray(tree.token_ids)
-    parent_tokens = tokens[
-        tree.parents
-    ]  # the root's parent index, -1, reads the last node: replaced
+    # the root's parent index, -1, reads the last node: replaced
+    parent_tokens = tokens[tree.parents]
     parent_tokens[0] = root_parent
     return PassDistributions(tokens, top_ids, stop_node, parent_tokens)

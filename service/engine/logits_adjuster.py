@@ -111,9 +111,8 @@ def path_counts(tree: TokenTree, vocab_size: int, device: torch.device) -> torch
     """[num_nodes, vocab]: how often each token occurs on the path from the root (excluded)
     down to each node (included): one scatter of the (node, ancestor) pairs, at most
     num_nodes × depth of them."""
-    ancestors = (
-        tree.ancestor_mask()
-    )  # [num_nodes, num_nodes]: column j on row i if j is i or above it
+    # [num_nodes, num_nodes]: column j on row i if j is i or above it
+    ancestors = tree.ancestor_mask()
     ancestors[:, 0] = False  # the root is a committed token, counted already
     nodes, on_path = np.nonzero(ancestors)
     tokens = np.asarray(tree.token_ids)[on_path]

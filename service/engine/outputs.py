@@ -47,9 +47,8 @@ class StepStats:
     prefill_tokens: int
     committed_tokens: int  # tokens all requests committed
     seconds: float
-    draft_seconds: (
-        float  # of `seconds`: planning, drafting and learning (what plain decoding does not do)
-    )
+    # of `seconds`: planning, drafting and learning (what plain decoding does not do)
+    draft_seconds: float
     # of `pass_seconds`: recording CUDA graphs of new pass shapes (once per shape)
     capture_seconds: float = 0.0
     # of `seconds`: the forward call (on a GPU it returns once the device has run the pass: the

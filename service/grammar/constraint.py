@@ -25,9 +25,8 @@ class Constraint:
     def __init__(self, compiled: xgrammar.CompiledGrammar, stop_ids: Sequence[int]) -> None:
         self.matcher = xgrammar.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids))
         self.stop_ids = frozenset(stop_ids)
-        self._bitmask = xgrammar.allocate_token_bitmask(
-            1, compiled.tokenizer_info.vocab_size
-        )  # int32 [1, ceil(vocab / 32)]
+        # int32 [1, ceil(vocab / 32)]
+        self._bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
         self.seconds = 0.0  # spent in the grammar so far (what structured output adds to a request)
 
     @contextmanager

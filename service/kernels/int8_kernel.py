@@ -63,9 +63,8 @@ class Int8Tiles:
     kind: str
     packed: np.ndarray  # [U, B, 256 (Q4_1) or 512 (Q8_0)] uint8: tile u, block b (module docstring)
     d: np.ndarray  # [U, B, 16] float32 scales of the tile's columns
-    m: (
-        np.ndarray
-    )  # [U, B, 16] Q4_1: float32 mins; Q8_0: int32 -128·Σ w (activations enter as xq + 128)
+    # [U, B, 16] Q4_1: float32 mins; Q8_0: int32 -128·Σ w (activations enter as xq + 128)
+    m: np.ndarray
     out_features: int
     in_features: int
 
@@ -264,9 +263,8 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
                     ),
                     bytes64,
                 )
-                pair = (
-                    [weight, four_inputs] if kind == "Q4_1" else [four_inputs, weight]
-                )  # unsigned first
+                # unsigned first
+                pair = [weight, four_inputs] if kind == "Q4_1" else [four_inputs, weight]
                 sums = b.call(dot, [sums, *pair])
             new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
             if kind == "Q4_1":

@@ -112,9 +112,8 @@ def half_bits(x):  # pragma: no cover - compiled
             >> np.uint32(13)
         ) - np.uint32(0x1C000)
         h = plus_half[i] - np.uint32(0x3F000000) if magnitude < np.uint32(0x38800000) else normal
-        h = (
-            np.uint32(0x7C00) if magnitude >= np.uint32(0x47800000) else h
-        )  # 2^16 and above, infinity
+        # 2^16 and above, infinity
+        h = np.uint32(0x7C00) if magnitude >= np.uint32(0x47800000) else h
         h = np.uint32(0x7E00) if magnitude > np.uint32(0x7F800000) else h  # NaN
         out[i] = np.uint16(((bits[i] >> np.uint32(16)) & np.uint32(0x8000)) | h)
     return out.reshape(x.shape)

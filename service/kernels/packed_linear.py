@@ -56,10 +56,8 @@ log = logging.getLogger(__name__)
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
 PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
-BLOCK_BYTES = {
-    "Q4_1": 20,
-    "Q8_0": 34,
-}  # Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
+# Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 # Passes above this many rows may dequantize the layer and call F.linear (prefill-sized passes,
 # where a BLAS GEMM can be faster than the register-tiled kernel), if the CPU says so at load
 # (`tune_kernel_max_rows`: the kernel is timed against that path at these sizes; on some CPUs
@@ -210,9 +208,8 @@ class PackedTiles:
     """GGUF blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
 
     kind: str  # "Q4_1" or "Q8_0"
-    qs: (
-        np.ndarray
-    )  # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8
+    # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8
+    qs: np.ndarray
     d: np.ndarray  # [T, K/32, TILE] float32 scales
     m: np.ndarray  # [T, K/32, TILE] float32 mins (Q4_1; empty for Q8_0)
     out_features: int
@@ -593,9 +590,8 @@ def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
             f"{name}:shape": np.array([t.out_features, t.in_features]),
             f"{name}:kind": np.array(t.kind),
         }
-    staging = path.with_name(
-        f"{path.stem}.{os.getpid()}.partial.npz"
-    )  # per process: starts may race
+    # per process: starts may race
+    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
     try:
         np.savez(staging, **arrays)
         staging.rename(path)

@@ -83,10 +83,9 @@ class ChunkQueries:
 class PassLayout:
     """Where each of a pass's T flat tokens sits: its row, its cache position, its mask."""
 
-    ends: list[
-        int
-    ]  # [rows]: columns each row attends over (committed + its whole tree); rows: the KV
-    # rows the pass reads, [0, rows) (a fixed-shape pass pads the running rows to a power of two)
+    # [rows]: columns each row attends over (committed + its whole tree); rows: the KV rows the
+    # pass reads, [0, rows) (a fixed-shape pass pads the running rows to a power of two)
+    ends: list[int]
     widths: list[int]  # [rows]: tokens each row brings
     write_rows: torch.Tensor  # [T] long: the KV row of each flat token
     write_positions: torch.Tensor  # [T] long: its position in that row
@@ -98,9 +97,8 @@ class PassLayout:
     batched_tokens: torch.Tensor | None  # [n] long: the flat tokens the batched call answers
     batched_slots: torch.Tensor | None  # [n] long: their padded slots (row * D + i)
     separate_rows: list[int]  # rows wider than D: a call each
-    one_token_rows: (
-        bool  # every row brings one token (plain decoding): flat token r is row r's query
-    )
+    # every row brings one token (plain decoding): flat token r is row r's query
+    one_token_rows: bool
     kernel_queries: KernelQueries | None = None  # tokens the attention kernel answers
     chunk_queries: ChunkQueries | None = None  # prompt tokens the chunk kernel answers
     skips: list[int] | None = None  # per row: its first tokens, the chunk kernel's (None: none)
@@ -157,9 +155,8 @@ def build_layout(
     along its queries here, once a pass, not in every layer."""
     cached = cached or [0] * len(trees)
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
-    firsts = (
-        [max(c, p) for c, p in zip(cached, prompts)] if prompts else list(cached)
-    )  # first node attended by row
+    # first node attended by row
+    firsts = [max(c, p) for c, p in zip(cached, prompts)] if prompts else list(cached)
     attending = [tree.num_nodes - f for tree, f in zip(trees, firsts)]
     skips = [f - c for f, c in zip(firsts, cached)]
     kernel_rows = [row for row, w in enumerate(attending) if 0 < w <= kernel_width]
@@ -168,9 +165,8 @@ def build_layout(
     # rows (tensors a row, and a mask for every row, were several times slower for many rows)
     count, start = np.array(widths), np.array(starts)
     row_offsets = np.cumsum(count) - count
-    in_row = np.arange(count.sum()) - np.repeat(
-        row_offsets, count
-    )  # a token's index among its row's
+    # a token's index among its row's
+    in_row = np.arange(count.sum()) - np.repeat(row_offsets, count)
     depths = np.fromiter(
         itertools.chain.from_iterable(tree.depths[c:] for tree, c in zip(trees, cached)), np.int64
     )
@@ -327,12 +323,10 @@ def _batched(
     call answers. Built in array operations: one-node trees (plain decoding) need no loop."""
     count, start = np.array(widths), np.array(starts)
     slot = np.arange(width)
-    answered = (slot[None, :] < count[:, None]) & (
-        count[:, None] <= width
-    )  # [rows, D]: a token of a row in the call
-    mask = answered[:, :, None] & (
-        np.arange(pass_end)[None, None, :] < start[:, None, None]
-    )  # the committed cache
+    # [rows, D]: a token of a row in the call
+    answered = (slot[None, :] < count[:, None]) & (count[:, None] <= width)
+    # the committed cache
+    mask = answered[:, :, None] & (np.arange(pass_end)[None, None, :] < start[:, None, None])
     # padding slots attend somewhere (their output is dropped); real ones see column 0 anyway
     mask[:, :, 0] = True
     in_call = [row for row, w in enumerate(widths) if 0 < w <= width]
@@ -345,9 +339,8 @@ def _batched(
             mask[row, : widths[row], starts[row] : starts[row] + tree.num_nodes] = (
                 tree.ancestor_mask()[cached[row] :]
             )
-    flat = (np.cumsum(count) - count)[:, None] + slot[
-        None, :
-    ]  # [rows, D]: the flat token of each slot
+    # [rows, D]: the flat token of each slot
+    flat = (np.cumsum(count) - count)[:, None] + slot[None, :]
     slots = np.arange(len(widths))[:, None] * width + slot[None, :]
     return (
         torch.from_numpy(mask)[:, None],
@@ -395,12 +388,10 @@ def ragged_attention(
     if layout.batched_mask is not None:
         assert layout.query_index is not None and layout.batched_tokens is not None
         padded = query[0][:, layout.query_index].transpose(0, 1)  # [rows, heads, D, head_dim]
-        out = _attend(
-            padded, key, value, layout.batched_mask, scaling, layout.query_groups
-        )  # [rows, heads, D, head_dim]
-        batched = out.transpose(1, 2).reshape(-1, heads, head_dim)[
-            layout.batched_slots
-        ]  # [n, heads, d]
+        # [rows, heads, D, head_dim]
+        out = _attend(padded, key, value, layout.batched_mask, scaling, layout.query_groups)
+        # [n, heads, d]
+        batched = out.transpose(1, 2).reshape(-1, heads, head_dim)[layout.batched_slots]
         if not layout.separate_rows:
             return batched[None], None  # every token answered, in flat order
     flat = query.new_empty(query.shape[2], heads, head_dim)  # [T, heads, head_dim]

@@ -170,9 +170,8 @@ def _queries_and_cache(
     kv_heads = (qkv.shape[1] - heads) // 2
     new_values = qkv[None, :, heads + kv_heads :].transpose(1, 2)  # [1, kv_heads, T, head_dim]
     if kernels is None:
-        qk = _rotate(
-            qkv[:, : heads + kv_heads], cos[:, None], sin[:, None]
-        )  # [T, heads + kv_heads, head_dim]
+        # [T, heads + kv_heads, head_dim]
+        qk = _rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])
         keys, values = cache_layer.update(qk[None, :, heads:].transpose(1, 2), new_values)
         return qk[None, :, :heads].transpose(1, 2), keys, values
     queries = qkv.new_empty(qkv.shape[0], heads, qkv.shape[2])

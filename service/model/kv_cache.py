@@ -296,9 +296,8 @@ class TreeKVCache(Cache):
         if not blocks:
             return
         if self._buffers is None:
-            self.make_buffers(
-                blocks[0][0][0].unsqueeze(0)
-            )  # like one layer's [1, kv_heads, T, head_dim]
+            # like one layer's [1, kv_heads, T, head_dim]
+            self.make_buffers(blocks[0][0][0].unsqueeze(0))
         start = self.lengths[row]
         self.reserve(start + sum(keys.shape[2] for keys, _ in blocks))
         self.fit_buffers()

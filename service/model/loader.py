@@ -269,9 +269,8 @@ def _convert_gguf(gguf: Path, directory: Path) -> None:
     Written to a temporary sibling and renamed, so a crash never leaves half a cache entry.
     """
     log.info("converting %s (first start; cached for later ones)", gguf.name)
-    staging = directory.with_name(
-        f"{directory.name}.partial-{os.getpid()}"
-    )  # per process: starts may race
+    # per process: starts may race
+    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True

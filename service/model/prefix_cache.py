@@ -39,9 +39,8 @@ from service.model.kv_cache import TreeKVCache
 
 BLOCK_TOKENS = 16  # vLLM's default block size: a hit loses at most 15 tokens to the block edge
 
-BlockKey = tuple[
-    int, tuple[int, ...]
-]  # (parent block's id, or -1 at the start; the block's tokens)
+# (parent block's id, or -1 at the start; the block's tokens)
+BlockKey = tuple[int, tuple[int, ...]]
 
 
 @dataclass(eq=False)

@@ -107,9 +107,8 @@ class StaticPasses:
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         # spent recording graphs so far: one-off costs, not a pass's price
         self.capture_seconds = 0.0
-        self.spare = (
-            SpareBuffers()
-        )  # the buffers the graphs were recorded with, while no cache holds them
+        # the buffers the graphs were recorded with, while no cache holds them
+        self.spare = SpareBuffers()
 
     @classmethod
     def for_model(cls, model: PreTrainedModel, capture: bool) -> StaticPasses:
@@ -152,16 +151,14 @@ class StaticPasses:
             )
         self._passes.move_to_end(key)
         inputs = torch.from_numpy(_inputs(trees, starts, shape))
-        on_gpu = (
-            static.inputs.device.type == "cuda"
-        )  # from pinned memory the copy is queued, the host not made to wait
+        # from pinned memory the copy is queued, the host not made to wait
+        on_gpu = static.inputs.device.type == "cuda"
         static.inputs.copy_(inputs.pin_memory() if on_gpu else inputs, non_blocking=on_gpu)
         if token_ids is not None:
             ids = static.inputs[: shape.tokens]
             ids[: len(token_ids)] = token_ids
-            ids[len(token_ids) :] = token_ids[
-                0
-            ]  # padding: copies of the first row's root, as `_inputs` writes them
+            # padding: copies of the first row's root, as `_inputs` writes them
+            ids[len(token_ids) :] = token_ids[0]
         if fresh and self.capture:
             began = time.perf_counter()
             self._record(cache, static, shape)
@@ -287,9 +284,8 @@ def _ancestors(sizes: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
     for _ in range((slots - 1).bit_length()):
         reach = (reach @ reach).clamp_(max=1.0)
     slot = torch.arange(slots, device=parents.device)
-    seen = (slot < sizes[:, None]) | (
-        slot == 0
-    )  # [R, D]: a row's nodes (and its root for the slots past them)
+    # [R, D]: a row's nodes (and its root for the slots past them)
+    seen = (slot < sizes[:, None]) | (slot == 0)
     return (reach > 0) & seen[:, None, :]
 
 
@@ -304,13 +300,11 @@ def _tree_mask(
     r sees the row's committed columns [0, starts[r]) and, from starts[r] on, the slots j with
     ancestors[r, i, j] (`ancestors`: [R, D, D] bool). Built on the device, inside the graph."""
     rows, slots, _ = ancestors.shape
-    offset = (
-        torch.arange(columns, device=starts.device)[None] - starts[:, None]
-    )  # [R, columns]: column - start
+    # [R, columns]: column - start
+    offset = torch.arange(columns, device=starts.device)[None] - starts[:, None]
     in_tree = ancestors.gather(2, offset.clamp(0, slots - 1)[:, None].expand(rows, slots, columns))
-    seen = (offset < 0)[:, None] | (
-        in_tree & ((offset >= 0) & (offset < slots))[:, None]
-    )  # [R, D, columns]
+    # [R, D, columns]
+    seen = (offset < 0)[:, None] | (in_tree & ((offset >= 0) & (offset < slots))[:, None])
     additive = torch.zeros(seen.shape, dtype=dtype, device=starts.device).masked_fill_(
         ~seen, float("-inf")
     )

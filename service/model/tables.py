@@ -72,9 +72,8 @@ def compute_tables_steps(
     batches = range(0, vocab, batch_size)
     for start in tqdm(batches, desc="bigram table", unit="batch", disable=not show_progress):
         with torch.inference_mode():
-            ids = torch.arange(start, min(start + batch_size, vocab), device=model.device)[
-                :, None
-            ]  # [B, 1]
+            # [B, 1]
+            ids = torch.arange(start, min(start + batch_size, vocab), device=model.device)[:, None]
             logits = _next_token_logits(model, ids, prefix, len(prefix_ids))  # [B, vocab]
             bigram[start : start + len(ids)] = (
                 logits.topk(BIGRAM_TOP_K, dim=-1).indices.cpu().numpy()

@@ -62,9 +62,8 @@ class ModelDrafter:
         # proposals stay inside the target's vocabulary (a draft's may be padded larger)
         self.vocab_size = min(vocab_size or model.config.vocab_size, model.config.vocab_size)
         self.seconds_per_token = 0.0  # measured; 0 until the first round
-        self._prepared: dict[
-            int, tuple[TokenHistory, int, list[Draft]]
-        ] = {}  # id(history) -> drafts
+        # id(history) -> drafts
+        self._prepared: dict[int, tuple[TokenHistory, int, list[Draft]]] = {}
 
     @property
     def model(self) -> PreTrainedModel:
@@ -154,9 +153,8 @@ class _Job:
     lookahead: ContextNgram | None
     fed: list[int] = field(default_factory=list)  # what the row lacks of the history
     firsts: list[int] = field(default_factory=list)  # the draft's top-k after the newest token
-    levels: list[list[int]] = field(
-        default_factory=list
-    )  # levels[d][b]: branch b's token at depth d + 1
+    # levels[d][b]: branch b's token at depth d + 1
+    levels: list[list[int]] = field(default_factory=list)
     chain: list[int] = field(default_factory=list)  # staged: the draft's greedy chain
     guess: list[int] = field(default_factory=list)  # staged: this pass's guess after the chain
 
@@ -231,9 +229,8 @@ def model_drafters(
 
     One self-draft is named `self_draft`; several (to compare depths) `self_draft_<m>`; a depth
     of None is the measured default (`self_draft.default_layers`)."""
-    depths = [
-        m or default_layers(target.model) for m in self_draft_layers
-    ]  # None: the measured default
+    # None: the measured default
+    depths = [m or default_layers(target.model) for m in self_draft_layers]
     # (model, name, whether it drafts in the target's own KV rows: a self-draft does)
     models = [
         (
@@ -272,8 +269,7 @@ def load_drafters(
     """`model_drafters`, loading the draft model (a directory or .gguf) like the target."""
     draft = None
     if draft_model:
-        packed = (
-            quantization if draft_model.endswith(".gguf") else "none"
-        )  # packing is for GGUF files only
+        # packing is for GGUF files only
+        packed = quantization if draft_model.endswith(".gguf") else "none"
         draft = load_model(draft_model, device, dtype, cache_dir, packed)
     return model_drafters(target, self_draft_layers, draft, staged)

@@ -261,9 +261,8 @@ def test_a_queue_that_fills_midway_refuses_the_request_and_keeps_none_of_it(tiny
                 assert refused.headers["retry-after"] == "3"
                 wait_until(lambda: health()["requests_waiting"] == 2)  # the first is gone again
                 assert app.state.concurrency.in_flight["anonymous"] == 2  # its slot released once
-                assert_openai_error(
-                    post(base, "completions", {**sampled, "n": 4}), 400, "n"
-                )  # never fits
+                # never fits
+                assert_openai_error(post(base, "completions", {**sampled, "n": 4}), 400, "n")
         wait_until(
             lambda: health()["requests_running"] == health()["requests_waiting"] == 0, timeout=30
         )

@@ -175,12 +175,8 @@ def test_token_ids_are_checked_against_the_models_vocabulary(embedded) -> None:
 
 
 # (`tools` and `tool_choice` are chat's, refused on completions: tests/app/test_tools.py)
-UNSUPPORTED = [
-    ("echo", True),
-    ("suffix", "end"),
-    ("functions", [{"name": "f"}]),
-    ("best_of", 3),  # ignored, it would have answered with one sample, not the likeliest of three
-]
+# ignored, it would have answered with one sample, not the likeliest of three
+UNSUPPORTED = [("echo", True), ("suffix", "end"), ("functions", [{"name": "f"}]), ("best_of", 3)]
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -379,13 +375,11 @@ def test_concurrent_requests_per_api_key_beyond_the_limit_get_429(embedded) -> N
         with httpx.stream(
             "POST", f"{base}/v1/chat/completions", json=long, headers=a, timeout=60
         ) as running:
-            lines = (
-                running.iter_lines()
-            )  # kept: a dropped iterator closes the stream (the slot is freed then)
+            # kept: a dropped iterator closes the stream (the slot is freed then)
+            lines = running.iter_lines()
             next(lines)
-            wait_until(
-                lambda: accepted_draft_tokens(base) > 0, timeout=30
-            )  # refused while one speculates
+            # refused while one speculates
+            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)
             refused = post(
                 base, "chat/completions", {"messages": MESSAGES, "max_tokens": 2}, headers=a
             )

@@ -210,9 +210,8 @@ def test_disconnect_mid_stream_frees_the_engine(embedded) -> None:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             next(line for line in lines if '"content"' in line and '""' not in line)
-            wait_until(
-                lambda: accepted_draft_tokens(base) > 0, timeout=30
-            )  # it left in the middle of speculating
+            # it left in the middle of speculating
+            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)
             assert httpx.get(f"{base}/health").json()["requests_running"] == 1
         # the client is gone: the worker notices within a round, long before 400 tokens
         wait_until(lambda: httpx.get(f"{base}/health").json()["requests_running"] == 0, timeout=3)
@@ -317,9 +316,8 @@ def test_queue_full_gets_429_with_retry_after(embedded) -> None:
         with httpx.stream("POST", f"{base}/v1/chat/completions", json=long, timeout=60) as running:
             lines = running.iter_lines()  # kept: a dropped iterator closes the stream, aborting it
             next(lines)
-            wait_until(
-                lambda: accepted_draft_tokens(base) > 0, timeout=30
-            )  # refused while one speculates
+            # refused while one speculates
+            wait_until(lambda: accepted_draft_tokens(base) > 0, timeout=30)
             with httpx.stream(
                 "POST", f"{base}/v1/chat/completions", json=long, timeout=60
             ) as waiting:

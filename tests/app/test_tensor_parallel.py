@@ -231,9 +231,8 @@ def test_sigterm_drains_and_stops_every_rank(tiny_dir: Path, tmp_path: Path) -> 
                 lambda: httpx.get(f"{base}/health").json()["requests_running"] == 1, timeout=30
             )
             server.send_signal(signal.SIGTERM)
-            worker.send_signal(
-                signal.SIGTERM
-            )  # as an orchestrator signals every pod: the rank waits for rank 0
+            # as an orchestrator signals every pod: the rank waits for rank 0
+            worker.send_signal(signal.SIGTERM)
             assert answer.result()["text"]  # accepted before: answered in full
         assert server.wait(timeout=60) == 0
         worker.wait(timeout=10)  # gone (rank 0 waited for it: the code is rank 0's to read)

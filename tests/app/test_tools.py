@@ -224,9 +224,8 @@ def test_each_of_n_choices_parses_its_own_calls_streamed_or_not(server: str) -> 
         "POST", f"{server}/v1/chat/completions", json={**body, "stream": True}, timeout=60
     ) as response:
         chunks = [json.loads(e) for e in sse_events(response)[:-1]]
-    streamed: dict[int, dict[int, dict]] = defaultdict(
-        dict
-    )  # choice -> call index -> the call's delta, joined
+    # choice -> call index -> the call's delta, joined
+    streamed: dict[int, dict[int, dict]] = defaultdict(dict)
     finishes = {}
     for choice in (c for chunk in chunks for c in chunk["choices"]):
         assert not choice["delta"].get("content")  # calls only: no content before them
@@ -431,9 +430,8 @@ def test_hermes_required_and_named_answers_are_one_tagged_call_streamed_or_not(
             **WHOLE,
             "max_tokens": 160,
         }
-        content, calls, finish = ask(
-            hermes_server, False, **fields
-        )  # (the tags and a newline or space between tokens)
+        # (the tags and a newline or space between tokens)
+        content, calls, finish = ask(hermes_server, False, **fields)
         assert finish == "tool_calls" and content is None and len(calls) == 1
         assert choice == "required" or calls[0][0] == "get_weather"
         assert ask(hermes_server, True, **fields) == (content, calls, finish)

@@ -96,11 +96,8 @@ CASES = {
     },
     "inference-gateway-example": on_gpu("inference-gateway.yaml"),
 }
-CUSTOM_KINDS = {
-    "ScaledObject",
-    "ServiceMonitor",
-    "HTTPRoute",
-}  # validated against their CRDs' schemas
+# validated against their CRDs' schemas
+CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "HTTPRoute"}
 # No npm or PyPI package carries these CRDs' schemas: their pod templates are validated against the
 # Kubernetes schemas, the rest checked by hand (_check_unpublished).
 UNPUBLISHED_KINDS = {"LeaderWorkerSet", "InferencePool"}
@@ -467,9 +464,8 @@ def test_tensor_parallel_pods_get_one_gpu_per_rank_and_shared_memory(rendered: d
         _container(rendered["gpu-example"])["resources"]["limits"]["nvidia.com/gpu"] == "1"
     )  # gpu.count
 
-    cpu_only = render(
-        {"tensorParallelSize": 2}
-    )  # passed through; no GPU is requested without gpu.enabled
+    # passed through; no GPU is requested without gpu.enabled
+    cpu_only = render({"tensorParallelSize": 2})
     assert _config(cpu_only)["NGRAMMYS_TENSOR_PARALLEL_SIZE"] == "2"
     assert "nvidia.com/gpu" not in json.dumps(_container(cpu_only)["resources"])
     assert any(m["mountPath"] == "/dev/shm" for m in _container(cpu_only)["volumeMounts"])
@@ -730,9 +726,8 @@ def _metric_names() -> set[str]:
 
 
 def test_the_inference_pool_its_endpoint_picker_and_route_fit_together(gateway: list) -> None:
-    docs = render(
-        CASES["inference-gateway-example"], name="ngrammys"
-    )  # the release name the example assumes
+    # the release name the example assumes
+    docs = render(CASES["inference-gateway-example"], name="ngrammys")
     (pool,) = by_kind(docs)["InferencePool"]
     (deployment,) = by_kind(docs)["Deployment"]
     pod = deployment["spec"]["template"]

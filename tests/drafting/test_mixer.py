@@ -152,9 +152,8 @@ def test_a_costly_strategy_the_controller_passes_over_is_only_probed() -> None:
     for round_number in range(1, 31):
         before = len(costly.calls)
         scored = request_drafts.candidates(1, 2)
-        request_drafts.chosen(
-            [s.draft for s in scored if s.draft.strategy == "cheap"]
-        )  # the controller's pick
+        # the controller's pick
+        request_drafts.chosen([s.draft for s in scored if s.draft.strategy == "cheap"])
         request_drafts.observe([3, 4, 5])
         if len(costly.calls) > before:
             asked.append(round_number)

@@ -63,9 +63,8 @@ def reference_decode(
     with torch.inference_mode():
         for _ in range(num_tokens):
             logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
-            adjusted = reference_adjusted_logits(logits, prompt, ids[len(prompt) :], sampling)[
-                None
-            ]  # [1, vocab]
+            # [1, vocab]
+            adjusted = reference_adjusted_logits(logits, prompt, ids[len(prompt) :], sampling)[None]
             ids += choose_tokens(
                 adjusted, sampling, None if uniforms is None else uniforms.at([len(ids)])
             )

@@ -30,9 +30,8 @@ ESSAY = (
     "lighthouse had not been used for forty years, but the children still climbed its stairs to "
     "count the ships, and the council still argued every spring about who should pay to paint it."
 )
-COPY_LONG = [
-    {"role": "user", "content": f"Repeat this text word for word:\n\n{ESSAY}"}
-]  # drafts from the context pay
+# drafts from the context pay
+COPY_LONG = [{"role": "user", "content": f"Repeat this text word for word:\n\n{ESSAY}"}]
 # greedy by default (so texts compare with the engine's), no background warm-up in tests
 QUIET = {"model_tables": False, "cost_profile": False, "default_temperature": 0.0}
 
@@ -172,9 +171,8 @@ class Asgi24:
             if message["type"] == "http.disconnect":
                 gone.set()
             elif not message.get("more_body", False):
-                watcher.append(
-                    asyncio.ensure_future(watch())
-                )  # the body is in: only a disconnect is left
+                # the body is in: only a disconnect is left
+                watcher.append(asyncio.ensure_future(watch()))
             return message
 
         async def checked_send(message) -> None:

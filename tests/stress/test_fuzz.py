@@ -38,9 +38,8 @@ FULL = os.environ.get("NGRAMMYS_STRESS_FULL") == "1"
 SEED = int(os.environ.get("NGRAMMYS_FUZZ_SEED") or random.randrange(2**32))
 FAILURES = Path(".fuzz-failures")
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = (
-    1000 if FULL else 60
-)  # per operation in the fuzzing phase, beside the coverage phase's ~450 requests
+# per operation in the fuzzing phase, beside the coverage phase's ~450 requests
+EXAMPLES = 1000 if FULL else 60
 # max_tokens is capped low so thousands of generations take seconds.
 FUZZ_SETTINGS = Settings(max_tokens=8, max_tokens_cap=16, api_keys=KEY, request_timeout=30, **QUIET)
 
@@ -80,10 +79,8 @@ def test_the_published_schema_holds_for_generated_requests(long_context_served, 
             "--report-dir",
             str(reports),
         ]
-        hooks = {
-            "SCHEMATHESIS_HOOKS": "tests.stress.fuzz_hooks",
-            "PYTHONPATH": str(ROOT),
-        }  # the rules no schema states
+        # the rules no schema states
+        hooks = {"SCHEMATHESIS_HOOKS": "tests.stress.fuzz_hooks", "PYTHONPATH": str(ROOT)}
         run = subprocess.run(
             command,
             capture_output=True,

@@ -29,9 +29,8 @@ def test_greedy_decoding_of_the_embedded_gguf_is_repeatable_and_keeps_the_budget
         embedded.tokenizer, [{"role": "user", "content": "Count from one to twenty."}]
     )
     first = reference.complete(prompt, GenerationParams(max_new_tokens=24))
-    again = reference.complete(
-        prompt, GenerationParams(max_new_tokens=24)
-    )  # no state kept between calls
+    # no state kept between calls
+    again = reference.complete(prompt, GenerationParams(max_new_tokens=24))
     assert first.token_ids == again.token_ids and len(first.token_ids) == 24
     assert first.finish_reason == "length" and first.seconds > 0
     assert embedded.tokenizer.decode(first.token_ids).strip()  # text, not stray ids

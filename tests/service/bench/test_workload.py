@@ -23,9 +23,8 @@ def test_the_suffix_index_pays_on_requests_that_repeat_each_other(tiny_runner, t
             GenerationParams(30, speculation=SpeculationParams(k, 4), strategy=strategy),
         )
 
-    prompts = [
-        BenchPrompt(str(i), "task", [5, 9, 13, 2, 7]) for i in range(3)
-    ]  # one task, asked three times
+    # one task, asked three times
+    prompts = [BenchPrompt(str(i), "task", [5, 9, 13, 2, 7]) for i in range(3)]
     methods = [
         method("plain", "mixed", 0, 0),
         method("suffix", "suffix", 4, 10_000),

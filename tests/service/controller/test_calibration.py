@@ -39,9 +39,8 @@ def simulate(profile: CostProfile, true_cost: TrueCost, rounds: int) -> list[int
     chosen = []
     for t in range(rounds):
         row = RowCandidates(DRAFTS, 2, 4, probe=request.due_for_probe)
-        budget = (
-            0 if shared.plain_is_stale(1) and shared.level.rounds > 0 else 8
-        )  # as the engine does
+        # as the engine does
+        budget = 0 if shared.plain_is_stale(1) and shared.level.rounds > 0 else 8
         plan = plan_trees(
             [row],
             lambda s: profile.cost(s.tokens, 100) * shared.shape_factor(s.tokens),
@@ -49,9 +48,8 @@ def simulate(profile: CostProfile, true_cost: TrueCost, rounds: int) -> list[int
             0.0,
             budget,
         )
-        request.observe_round(
-            speculated=plan.tokens > 1
-        )  # acceptance as forecast: the pass-cost side alone
+        # acceptance as forecast: the pass-cost side alone
+        request.observe_round(speculated=plan.tokens > 1)
         shared.observe_pass(plan.tokens, profile.cost(plan.tokens, 100), true_cost(plan.tokens, t))
         chosen.append(plan.tokens)
     return chosen

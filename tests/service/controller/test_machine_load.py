@@ -20,9 +20,8 @@ def test_busy_seconds_sum_the_cores_of_this_process_with_stolen_time_and_without
 ) -> None:
     stat = tmp_path / "stat"
     stat.write_text(STAT)
-    ticks = (100 + 50 + 10) + (
-        200 + 50 + 5 + 5
-    )  # user, system, irq/softirq, steal; not idle nor iowait
+    # user, system, irq/softirq, steal; not idle nor iowait
+    ticks = (100 + 50 + 10) + (200 + 50 + 5 + 5)
     assert read_busy_seconds({0, 1}, stat) * 100 == ticks  # cpu2 is another cpuset's
     assert read_busy_seconds({0, 1}, tmp_path / "absent") is None
 

@@ -34,9 +34,8 @@ class World:
         self.busy = False
         self.measures: list[float] = []  # when each measurement started
         self.probes: list[float] = []
-        self.spent: list[
-            tuple[float, float]
-        ] = []  # (when, CPU seconds) of every profiling increment
+        # (when, CPU seconds) of every profiling increment
+        self.spent: list[tuple[float, float]] = []
 
     def work(self, cpu_seconds: float) -> None:
         self.cpu += cpu_seconds
@@ -119,9 +118,8 @@ def test_a_neighbours_spike_while_idle_starts_nothing_and_decisions_return_to_th
     None
 ):
     world = World()
-    scripted = Keeper(
-        world, [[]], disagreement=1.2
-    )  # the profile's relative costs still hold when quiet
+    # the profile's relative costs still hold when quiet
+    scripted = Keeper(world, [[]], disagreement=1.2)
     before = decision(OLD, scripted.calibration)
     drift(scripted.calibration)
     world.busy = True

@@ -97,9 +97,8 @@ QUIET = Neighbours(0.0)
 def test_profile_is_saved_and_reused(tmp_path, monkeypatch) -> None:
     import service.controller.profiler as profiler
 
-    monkeypatch.setattr(
-        profiler, "validate", lambda *args: []
-    )  # the tiny model's timings are noise
+    # the tiny model's timings are noise
+    monkeypatch.setattr(profiler, "validate", lambda *args: [])
     runner = ModelRunner(make_tiny_model(seed=3))
     grid = {"rows": (1,), "context_lengths": (4,), "repeats": 2}
     first = load_or_measure(runner, tmp_path, machine=QUIET, **grid)

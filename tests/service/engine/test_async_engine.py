@@ -101,9 +101,8 @@ def test_rounds_stream_to_the_end_of_each_request(tiny_model, tiny_runner, tiny_
 def test_a_request_the_engine_refuses_ends_with_the_engines_error(tiny_runner, tiny_tables) -> None:
     async def scenario() -> None:
         with serving(make_engine(tiny_runner, tiny_tables)) as server:
-            handle = server.submit(
-                list(range(2, 60)) * 8, GenerationParams(100)
-            )  # 564 tokens: over 512
+            # 564 tokens: over 512
+            handle = server.submit(list(range(2, 60)) * 8, GenerationParams(100))
             with pytest.raises(ContextTooLong):
                 await collect(server, handle)
 

@@ -53,9 +53,8 @@ CONTROLS = [
 )
 def test_each_node_is_adjusted_from_its_own_path(sampling: SamplingParams) -> None:
     tree = build_tree(OUTPUT[-1], DRAFTS)
-    logits = (
-        torch.randn(tree.num_nodes, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
-    )  # [num_nodes, vocab]
+    # [num_nodes, vocab]
+    logits = torch.randn(tree.num_nodes, VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     raw = logits.clone()
     adjusted = LogitsAdjuster(sampling, PROMPT, VOCAB, torch.device("cpu"))(
         logits, tree, PROMPT + OUTPUT

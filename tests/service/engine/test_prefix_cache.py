@@ -84,9 +84,8 @@ def test_only_the_same_tokens_at_the_same_positions_hit(prompt: list[int], hit: 
 
 def test_blocks_are_stored_only_as_far_as_the_row_is_committed() -> None:
     cache, prefix = TreeKVCache(LAYERS, rows=0), PrefixCache(unbounded)
-    prefix.store(
-        cache, computed_row(cache, BLOCK_TOKENS + 3), SHARED
-    )  # a prompt in the middle of its prefill
+    # a prompt in the middle of its prefill
+    prefix.store(cache, computed_row(cache, BLOCK_TOKENS + 3), SHARED)
     assert prefix.num_blocks == 1
 
 
@@ -114,9 +113,8 @@ def test_evicting_a_block_drops_the_blocks_after_it_and_frees_their_memory() -> 
     cache, prefix = TreeKVCache(LAYERS, rows=0), PrefixCache(unbounded)
     prefix.store(cache, computed_row(cache, len(SHARED)), SHARED)
     alive = [weakref.ref(block.keys) for block in prefix.match(SHARED)]
-    prefix.match(
-        SHARED[:BLOCK_TOKENS]
-    )  # the first block is now the most recent: the second goes first
+    # the first block is now the most recent: the second goes first
+    prefix.match(SHARED[:BLOCK_TOKENS])
     prefix.evict_until(BLOCK_BYTES)
     assert prefix.peek(SHARED) == BLOCK_TOKENS
     prefix.clear()

@@ -45,9 +45,8 @@ def test_every_pass_of_a_speculating_request_refreshes_the_table_it_drafts_from(
         [] if strategy == "token_recycling" else fed.row(out[-2])
     )
     assert untouched.passes == 0  # the other table learns only from its own requests' passes
-    pair_bytes = (1 << fed.pair_bits) * (
-        8 + fed.top_k * 4
-    )  # allocated at the start, whatever the traffic
+    # allocated at the start, whatever the traffic
+    pair_bytes = (1 << fed.pair_bits) * (8 + fed.top_k * 4)
     assert fed.nbytes <= (TINY_VOCAB + GROWTH) * fed.top_k * 4 + pair_bytes
 
 

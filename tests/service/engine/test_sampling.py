@@ -120,12 +120,10 @@ def test_top_token_ids_are_torch_topk_s(vocab: int) -> None:
         and 0 <= ids[4].min()
         and ids[4].max() < vocab
     )
-    np.testing.assert_array_equal(
-        top_token_ids(logits[[0, 5]].double(), k), expected[[0, 3]]
-    )  # torch's path
-    np.testing.assert_array_equal(
-        top_token_ids(logits[2:5], k), ids[2:5]
-    )  # three rows: one thread, six: split
+    # torch's path
+    np.testing.assert_array_equal(top_token_ids(logits[[0, 5]].double(), k), expected[[0, 3]])
+    # three rows: one thread, six: split
+    np.testing.assert_array_equal(top_token_ids(logits[2:5], k), ids[2:5])
 
 
 def test_top_token_ids_rank_infinities_first_and_ties_by_index() -> None:

@@ -11,9 +11,8 @@ from service.engine.timing import StepTimer
 def test_learning_after_the_pass_moves_from_forward_to_drafting(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    clock = iter(
-        [10.0, 10.5, 11.5, 11.7, 11.9, 12.0]
-    )  # start, drafted, passed, learn in/out, verified
+    # start, drafted, passed, learn in/out, verified
+    clock = iter([10.0, 10.5, 11.5, 11.7, 11.9, 12.0])
     monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
     timer = StepTimer()
     timer.mark_drafted(capture_seconds=3.0)

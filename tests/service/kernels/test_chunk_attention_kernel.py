@@ -83,9 +83,8 @@ def test_a_tokens_bits_do_not_depend_on_its_block() -> None:
         assert torch.equal(
             chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 60, size)), whole
         )
-    later = chunk_attention_of(
-        queries[23:], keys, values, blocks_of(0, 0, 33, 37)
-    )  # a chunk starting at 33
+    # a chunk starting at 33
+    later = chunk_attention_of(queries[23:], keys, values, blocks_of(0, 0, 33, 37))
     assert torch.equal(later, whole[23:])
 
 

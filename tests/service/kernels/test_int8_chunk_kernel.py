@@ -30,9 +30,8 @@ def test_the_chunk_kernel_gives_the_every_size_kernels_bits(
     rows, out_features, in_features, threads
 ) -> None:
     t = tiles(out_features, in_features, seed=rows)
-    scale = (
-        torch.rand(rows, 1, generator=torch.Generator().manual_seed(rows)) * 8
-    )  # rows of unlike ranges
+    # rows of unlike ranges
+    scale = torch.rand(rows, 1, generator=torch.Generator().manual_seed(rows)) * 8
     x = (
         torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows + 1)) * scale
     ).numpy()

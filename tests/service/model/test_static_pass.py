@@ -20,9 +20,8 @@ from tests.helpers.models import make_tiny_model
 from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled, sequential_logits
 
 LONG = [Draft(tuple((10 + i) % 64 for i in range(70)), "x")]  # 71 nodes: the widest slots (128)
-WIDE = [
-    Draft(tuple((10 + i) % 64 for i in range(140)), "x")
-]  # 141 nodes: wider than the widest slots
+# 141 nodes: wider than the widest slots
+WIDE = [Draft(tuple((10 + i) % 64 for i in range(140)), "x")]
 
 
 def test_rows_padded_to_a_fixed_shape_give_each_node_its_own_logits() -> None:

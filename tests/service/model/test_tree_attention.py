@@ -69,9 +69,8 @@ def test_rows_of_other_lengths_and_widths_do_not_disturb_each_other(layout: str)
     cache = prefilled(runner, prompts)
     drafts, (width, separate) = LAYOUTS[layout]
     trees = [build_tree(prompt[-1], d) for prompt, d in zip(prompts, drafts)]
-    planned = build_layout(
-        trees, cache.lengths, torch.device("cpu")
-    )  # a GPU's dearer calls pick other layouts
+    # a GPU's dearer calls pick other layouts
+    planned = build_layout(trees, cache.lengths, torch.device("cpu"))
     assert (
         planned.query_index.shape[1] if planned.query_index is not None else 0,
         planned.separate_rows,

@@ -71,9 +71,8 @@ def test_a_pods_ranks_load_one_after_another_and_other_pods_at_once() -> None:
     places = [RankPlace(rank, rank % 2, 2, 4, "127.0.0.1", port) for rank in range(4)]
 
     def load(place: RankPlace, seconds: float) -> None:
-        store = TCPStore(
-            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10)
-        )  # a process's own
+        # a process's own
+        store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
         with in_turn(store, place):
             order.append(f"start {place.rank}")
             time.sleep(seconds)
