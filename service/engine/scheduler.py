@@ -1,43 +1,20 @@
 """Waiting queue → running batch: admission, chunked prefill, and every status transition.
 
-Admission is first come, first served: the oldest waiting request is admitted when a running
-slot is free and the KV memory budget still holds with it; if it does not fit, nothing behind
-it jumps the queue (no request starves). Nothing is preempted once running.
+- Admission: first come, first served, while a running slot is free and the KV budget holds
+  with the request (rows × the longest row any of them can reach × bytes per token bounds the
+  KV memory); nothing behind a request that does not fit jumps the queue, nothing is preempted.
+- Chunked prefill: decoding rows bring their pending token (and tree); prefilling rows share
+  what is left of `max_tokens_per_pass`, oldest first. While others decode, prompt chunks take
+  as many tokens as keep the pass within `prefill_pass_ms`, priced by the cost profile
+  (`prefill_cap`), since every prompt token in the pass delays every stream's next token; in a
+  burst (more requests waiting for a first token than decoding) prompts take their share of
+  the pass instead, so the burst is not starved.
+- Prefix cache (`service/model/prefix_cache.py`): a new row starts with the cached blocks of
+  its prompt; the blocks of committed chunks and finished rows fill the room the running rows
+  leave, least recently used evicted first; a request whose prompt a running request is still
+  prefilling waits for it and reads it from the cache.
 
-Memory. The KV buffers are [rows, capacity] per layer, with the capacity shared by all rows,
-and it never grows past the longest row any running request can reach (`Request.max_kv_tokens`,
-rounded up to the cache's power-of-two growth). So rows × that bound × bytes per token is an
-upper bound of the KV memory, and admission keeps it under `kv_cache_bytes`.
-
-Chunked prefill: each step every running request brings something to the one pass. Decoding
-requests bring their pending token (plus the tree the controller adds); prefilling requests
-share what is left of `max_tokens_per_pass`, oldest first, so a long prompt is cut into
-chunks and running streams keep flowing while it loads. While any request decodes, every
-prompt token in the pass delays every running stream's next token, so prompt chunks take only
-as many tokens as keep the pass within `prefill_pass_ms` (the inter-token time a loading
-prompt may cause), priced by the cost profile (`prefill_cap`); `max_prefill_tokens_while_decoding`
-fixes a number instead. The price is what a fixed number lacked: a pass costs about in
-proportion to its tokens on a CPU, at a rate that differs by path several times over, while on
-a GPU a pass of hundreds of tokens costs little more than one, so the price gives the whole
-pass there. Until
-a profile is in use the cap is 64 tokens on a CPU (docs/benchmarks.md, "Prompt processing" and
-"Load tests", has the runs behind it) and the whole pass elsewhere. But when many requests wait
-for their first token (a burst of arrivals: more of them than decoding requests), prompts get
-the share of the pass in proportion to their number, or a burst of 64 prompts behind a few
-decoding streams would wait minutes for its first tokens (TGI's `waiting_served_ratio` answers
-the same problem). Only then: under a steady load, a few requests joining together behind many
-decoding streams would take hundreds of prompt tokens a pass by that share, and those passes
-would set the streams' p99 inter-token time (docs/benchmarks.md, "Load tests"). With
-nothing decoding, a prompt takes the whole pass (first token sooner).
-
-Prefix cache (`service/model/prefix_cache.py`): an admitted request's row starts with the
-cached blocks its prompt begins with, and the blocks of every prompt chunk a pass commits,
-and of a request's whole row when it ends, are cached for later requests. The blocks fill
-the KV budget the running rows leave, and are evicted (least recently used first) when an
-admission needs the room. A waiting request whose prompt a running request is still
-prefilling (the same system prompt, the `n` samples of one request) waits for that prefill,
-then reads it from the cache, instead of computing the same entries a second time in the
-same passes.
+docs/architecture.md, "Batching and the scheduler", says why each rule is so.
 """
 
 from __future__ import annotations
@@ -288,7 +265,7 @@ class Scheduler:
         number if one is fixed; else, priced by the cost profile, as many as keep the pass
         (`prefilling` wide rows among the running rows, at their mean context) within
         `prefill_pass_ms`, and at least `LEAST_PRICED_PREFILL_TOKENS`; without a profile, the
-        device's default (see the module's docstring)."""
+        device's default (`SchedulerConfig.for_device`)."""
         config = self.config
         if config.max_prefill_tokens_while_decoding is not None:
             return config.max_prefill_tokens_while_decoding
