@@ -118,7 +118,7 @@ def warm_up(
     a request drafting from them runs. Then the cost profile's `keeper` (a first valid profile,
     later probes and re-measures: `service/controller/profile_keeper.py`) before anything else;
     the model `tables` (None: none to make) are computed in the increments the keeper leaves free
-    (while it waits for a quiet machine or its back-off)."""
+    (while it waits for a steady load or its back-off)."""
     compile_table_kernels()
     yield None
     profiling = keeper.steps() if keeper is not None else itertools.repeat(False)

@@ -1,12 +1,16 @@
-"""Whether other work keeps this machine's cores busy: the condition for measuring pass costs.
+"""How much other work keeps this machine's cores busy, and whether that load holds steady:
+the condition for measuring pass costs.
 
-A cost profile measured while a neighbour (another pod on the node, a test run, a hypervisor
-stealing time) takes cores from the passes fails validation, or worse, looks valid and prices
-passes by the neighbour's schedule. So the profile is measured only when the cores this
-process may run on are free of other work. Linux counts each core's busy, idle and stolen time
-in `/proc/stat`; what this process used itself (`time.process_time`, all its threads) is
-subtracted, so a pass of our own never makes the machine look busy. Where there is no
-`/proc/stat` the machine is taken as quiet and the profile's own validation is the only guard.
+The controller trades on *relative* pass costs (a 16-token pass against a 1-token pass). A
+neighbour that takes the same share of the cores all along (another pod on the node, a test
+run, a hypervisor's steady steal) slows every size alike, so it cancels out of those ratios;
+one that starts, stops or swings while a profile is measured bends them, since it hits some
+sizes and not others. So a measurement starts once the load of other work has held within
+`LOAD_CHANGE_CORES` for `STEADY_WINDOWS` windows, at whatever level, and is abandoned if it
+leaves that band. Linux counts each core's busy, idle and stolen time in `/proc/stat`; what
+this process used itself (`time.process_time`, all its threads) is subtracted, so a pass of our
+own never makes the load look changed. Where there is no `/proc/stat` the load counts as steady
+and the profile's own validation is the only guard.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from pathlib import Path
 
 # other work is judged over at least this long (one sample of /proc/stat per window)
 WINDOW_SECONDS = 1.0
-SLACK_CORES = 0.3  # other work using less than this much of the cores the passes need is quiet
+# other work whose windows stay within this many cores of each other holds steady
+LOAD_CHANGE_CORES = 0.5
+STEADY_WINDOWS = 3  # windows of a steady load before a measurement may start
 STAT = Path("/proc/stat")
 # idle, iowait; every other field of a `cpuN` line is time the core was not ours to use
 IDLE_FIELDS = (3, 4)
@@ -52,8 +58,8 @@ def own_cores() -> set[int]:
 
 
 class MachineLoad:
-    """How many cores other work kept busy over the last window: `quiet(threads)` when at
-    least `threads` of this process's cores were free of it."""
+    """How many cores other work kept busy over the last window (`others_cores`), and for how
+    many windows in a row it has held within `LOAD_CHANGE_CORES` (`steady`)."""
 
     def __init__(
         self,
@@ -69,6 +75,9 @@ class MachineLoad:
         self._clock = clock
         self._last = self._sample()
         self.others_cores: float | None = None  # over the last complete window; None: not known yet
+        self.changes = 0  # times the load left its band (a new steady stretch began)
+        self._band: tuple[float, float] | None = None  # lowest and highest of the stretch
+        self._stretch = 0  # windows in the current stretch
 
     def _sample(self) -> tuple[float, float, float | None]:
         return self._clock(), self._own_cpu(), self._busy_seconds()
@@ -82,15 +91,20 @@ class MachineLoad:
         (then, own_then, busy_then), (_, own_now, busy_now) = self._last, sample
         self._last = sample
         if busy_then is None or busy_now is None:
-            self.others_cores = 0.0  # nothing to read: taken as quiet (see the module's docstring)
-            return
-        others = (busy_now - busy_then) - (own_now - own_then)
-        self.others_cores = max(others, 0.0) / (now - then)
+            others = 0.0  # nothing to read: a steady, empty load (see the module's docstring)
+        else:
+            others = max((busy_now - busy_then) - (own_now - own_then), 0.0) / (now - then)
+        self.others_cores = others
+        low, high = self._band or (others, others)
+        low, high = min(low, others), max(high, others)
+        if high - low > LOAD_CHANGE_CORES:
+            self.changes += 1
+            low = high = others
+            self._stretch = 0
+        self._band, self._stretch = (low, high), self._stretch + 1
 
-    def quiet(self, threads: int) -> bool:
-        """Other work left at least `threads` cores (of this process's) free over the last
-        window."""
+    def steady(self) -> bool:
+        """Other work's load has held within `LOAD_CHANGE_CORES` for the last `STEADY_WINDOWS`
+        windows or more."""
         self.update()
-        if self.others_cores is None:
-            return False
-        return self.others_cores <= max(self.cores - threads, 0) + SLACK_CORES
+        return self._stretch >= STEADY_WINDOWS

@@ -7,15 +7,16 @@ In Kubernetes, other pods on the node and CPU throttling are the normal case. Tw
   which the controller's comparisons of shapes cancel out. Until a first valid profile exists,
   auto mode decodes plainly.
 - Measure only when it can succeed: the engine idle (the async engine runs these increments only
-  then) AND the machine quiet (`MachineLoad`: no other work on the cores the passes use). An
-  attempt the machine interrupts is abandoned; each attempt that fails or is abandoned doubles the
+  then) AND other work's load steady (`MachineLoad.steady`: a steady neighbour cancels out of
+  relative costs; on a GPU the host's neighbours do not gate the device's profile). An attempt
+  whose load changes while it runs is abandoned; each attempt that fails or is abandoned doubles the
   wait before the next (`BACKOFF_FIRST` .. `BACKOFF_MAX`), and while a valid profile is in use,
   profiling may spend at most `CPU_SHARE` of this process's cores' time in any hour.
 
 When the calibration says the observed relative costs keep disagreeing with the profile
 (`Calibration.drifted`), that may be a neighbour (which hits large and small passes unequally
-while it runs) or a real change (another machine shape, a changed kernel). A short probe on a
-quiet machine tells them apart: if the probe's relative costs agree with the profile's, the
+while it runs) or a real change (another machine shape, a changed kernel). A short probe under
+a steady load tells them apart: if the probe's relative costs agree with the profile's, the
 drift was the neighbour's and the calibration forgets it; if not, the profile is stale and is
 measured again, and adopted if valid. Without these rules a server beside a noisy neighbour
 can measure back to back while still loaded, every attempt failing, and put a failed profile in
@@ -39,7 +40,6 @@ from service.controller.machine_load import MachineLoad
 from service.controller.profiler import (
     load_saved,
     measure_steps,
-    pass_threads,
     probe_steps,
     profile_path,
 )
@@ -66,11 +66,11 @@ class ProfileState:
 
     valid: bool  # a valid profile is in use (auto mode speculates)
     valid_since: float | None  # Unix time the profile in use was measured
-    # its relative costs no longer hold on a quiet machine: it is due to be measured again
+    # its relative costs no longer hold under a steady load: it is due to be measured again
     stale: bool
     remeasuring: bool
     failed_attempts: int  # attempts in a row that failed validation or were abandoned
-    # attempts by outcome: adopted, failed (validation), abandoned (machine busy, budget)
+    # attempts by outcome: adopted, failed (validation), abandoned (load changed, budget)
     remeasures: dict[str, int]
     next_attempt_in_s: float  # seconds until profiling may start again (back-off)
     cpu_seconds_last_hour: float  # spent profiling
@@ -109,7 +109,7 @@ class ProfileKeeper:
         save: Callable[[CostProfile], None],
         adopt: Callable[[CostProfile], None],
         calibration: Calibration,
-        quiet: Callable[[], bool],
+        steady: Callable[[], bool],
         cpu_cap: float,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.process_time,
@@ -117,7 +117,7 @@ class ProfileKeeper:
     ) -> None:
         self._measure, self._probe, self._save, self._adopt = measure, probe, save, adopt
         self.calibration = calibration
-        self._quiet = quiet
+        self._steady = steady
         self.cpu_cap = cpu_cap
         self._clock, self._cpu_clock, self._wall_clock = clock, cpu_clock, wall_clock
         self.profile: CostProfile | None = None
@@ -143,14 +143,13 @@ class ProfileKeeper:
     ) -> ProfileKeeper:
         """A keeper measuring `runner`'s passes, saving to (and starting from) `cache_dir`."""
         machine = machine or MachineLoad()
-        threads = pass_threads(runner)
         keeper = cls(
             lambda: measure_steps(runner),
             lambda profile: probe_steps(runner, profile),
             lambda profile: profile.save(profile_path(cache_dir, runner)),
             adopt,
             calibration,
-            lambda: machine.quiet(threads),
+            machine.steady if runner.device.type == "cpu" else lambda: True,
             cpu_cap=CPU_SHARE * HOUR * machine.cores,
         )
         saved = load_saved(runner, cache_dir)
@@ -180,7 +179,7 @@ class ProfileKeeper:
 
     def steps(self) -> Generator[bool, None, None]:
         while True:
-            if self._clock() < self._next_at or not self._quiet():
+            if self._clock() < self._next_at or not self._steady():
                 yield False
             elif self.profile is None or self.stale:
                 yield from self._remeasure()
@@ -201,7 +200,7 @@ class ProfileKeeper:
         if result is None:
             outcome = "abandoned"
             log.warning(
-                "cost profile measurement abandoned: the machine got busy or the hour's "
+                "cost profile measurement abandoned: other work's load changed or the hour's "
                 "profiling budget ran out; %s",
                 self._keeping(),
             )
@@ -230,7 +229,7 @@ class ProfileKeeper:
         disagreement = yield from self._run("probe", self._probe(self.profile))
         if disagreement is not None and disagreement > DRIFT_LIMIT:
             log.warning(
-                "relative pass costs are off the cost profile's by x%.2f on a quiet machine: "
+                "relative pass costs are off the cost profile's by x%.2f under a steady load: "
                 "measuring it again",
                 disagreement,
             )
@@ -238,7 +237,7 @@ class ProfileKeeper:
             return
         if disagreement is not None:
             log.info(
-                "relative pass costs agree with the cost profile on a quiet machine (x%.2f): "
+                "relative pass costs agree with the cost profile under a steady load (x%.2f): "
                 "the drift was other work's",
                 disagreement,
             )
@@ -247,11 +246,11 @@ class ProfileKeeper:
 
     def _run(self, kind: str, work: Generator[None, None, T]) -> Generator[bool, None, T | None]:
         """Run a measurement or probe (`kind`) one increment per yield, counting its CPU time;
-        None when abandoned: the machine got busy, or (a valid profile in use) one more
+        None when abandoned: other work's load changed, or (a valid profile in use) one more
         increment would overrun the hour's budget."""
         spent = 0.0
         while True:
-            if not self._quiet() or (self.profile is not None and not self._fits_budget()):
+            if not self._steady() or (self.profile is not None and not self._fits_budget()):
                 work.close()
                 return None
             started = self._cpu_clock()

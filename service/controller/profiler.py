@@ -216,30 +216,25 @@ def measure_profile(
     runner: ModelRunner, machine: MachineLoad | None = None, **grid: Sequence[int]
 ) -> tuple[CostProfile, list[str]]:
     """`measure_steps` run to the end at once; with `machine`, one more problem where other
-    work kept the cores the passes run on busy in some second of it. Such a profile can pass
-    validation and still be wrong in the ratios the controller trades on: one found in a cache
-    priced a two-token pass nearly as cheap as a one-token pass, well below its price on the
-    quiet machine (docs/benchmarks.md), and auto speculated where it lost."""
+    work's load changed while it ran (`MachineLoad.changes`). Such a profile can pass validation
+    and still be wrong in the ratios the controller trades on: one found in a cache priced a
+    two-token pass nearly as cheap as a one-token pass, well below its price on the quiet
+    machine (docs/benchmarks.md), and auto speculated where it lost."""
     steps = measure_steps(runner, **grid)
     if machine is None:
         return run_to_end(steps)  # type: ignore[arg-type]
-    threads, busiest = pass_threads(runner), 0.0
+    machine.update()
+    changes = machine.changes
     while True:
         try:
             next(steps)
         except StopIteration as done:
             profile, problems = done.value
             break
-        if not machine.quiet(threads) and machine.others_cores is not None:
-            busiest = max(busiest, machine.others_cores)
-    if busiest:
-        problems = [*problems, f"other work kept {busiest:.1f} cores busy while it was measured"]
+        machine.update()
+    if machine.changes > changes:
+        problems = [*problems, "other work's load changed while it was measured"]
     return profile, problems
-
-
-def pass_threads(runner: ModelRunner) -> int:
-    """The host threads a pass keeps busy: the CPU's torch threads, one for a GPU's launches."""
-    return torch.get_num_threads() if runner.device.type == "cpu" else 1
 
 
 def validate(
@@ -370,7 +365,7 @@ def load_or_measure(
 ) -> CostProfile:
     """The saved profile for this device/model/dtype, measuring (and saving) it if absent: for
     the bench and profile commands, run by an operator. Up to `ATTEMPTS` measurements until one
-    is valid and was measured while no other work kept the cores busy (`machine`: this
+    is valid and was measured while other work's load held steady (`machine`: this
     machine's); if none is, the last is used for this command only and never saved (a server
     never puts one in use: `profile_keeper.py`)."""
     saved = None if remeasure else load_saved(runner, cache_dir)

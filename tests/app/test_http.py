@@ -456,8 +456,8 @@ def auto_server(embedded):
     )
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
-        # a measurement takes 2-3 minutes on the 2-core dev VM; the keeper waits for a quiet
-        # machine, and after a failed one backs off (60 s, then 120 s, ...)
+        # a measurement takes minutes on a small CPU; the keeper waits for other work's load to
+        # hold steady, and after a failed or abandoned attempt backs off (60 s, then 120 s, ...)
         wait_until(lambda: httpx.get(f"{base}/health").json()["cost_profile"], timeout=1500)
         state = httpx.get(f"{base}/health").json()["cost_profile_state"]
         assert state["valid"] and state["valid_since"] <= time.time() and not state["remeasuring"]

@@ -1,10 +1,10 @@
 """The cost profile beside a noisy neighbour: a failed measurement is never put in use, nothing
-is measured while the machine is busy, attempts back off, a real change of relative costs is
+is measured while other work's load changes, attempts back off, a real change of relative costs is
 measured again and adopted, and profiling's CPU time per hour stays under its cap.
 
-The keeper runs against a simulated clock and CPU clock, a scripted machine (busy or quiet) and
-scripted measurements and probes, the way the async engine drives it: one increment per idle
-tick, each tick that has nothing to do a second of simulated time."""
+The keeper runs against a simulated clock and CPU clock, a scripted machine (its load changing
+or steady) and scripted measurements and probes, the way the async engine drives it: one
+increment per idle tick, each tick that has nothing to do a second of simulated time."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class World:
     def __init__(self) -> None:
         self.now = 0.0
         self.cpu = 0.0
-        self.busy = False
+        self.changing = False  # other work's load changes (not steady)
         self.measures: list[float] = []  # when each measurement started
         self.probes: list[float] = []
         # (when, CPU seconds) of every profiling increment
@@ -65,7 +65,7 @@ class Keeper:
             self.saved.append,
             self.adopted.append,
             self.calibration,
-            lambda: not world.busy,
+            lambda: not world.changing,
             CAP,
             clock=lambda: world.now,
             cpu_clock=lambda: world.cpu,
@@ -118,19 +118,19 @@ def test_a_neighbours_spike_while_idle_starts_nothing_and_decisions_return_to_th
     None
 ):
     world = World()
-    # the profile's relative costs still hold when quiet
+    # the profile's relative costs still hold under a steady load
     scripted = Keeper(world, [[]], disagreement=1.2)
     before = decision(OLD, scripted.calibration)
     drift(scripted.calibration)
-    world.busy = True
+    world.changing = True
     scripted.run(1800)
     assert world.measures == [] and world.probes == []  # nothing measured beside the neighbour
     assert scripted.keeper.state.valid and not scripted.keeper.state.stale
-    world.busy = False
+    world.changing = False
     scripted.run(60)
     assert (
         len(world.probes) == 1 and world.measures == []
-    )  # a probe on the quiet machine; no measurement
+    )  # a probe under a steady load; no measurement
     assert not scripted.calibration.drifted()  # the drift was the neighbour's: forgotten
     assert scripted.adopted == [OLD] and decision(OLD, scripted.calibration) == before
     scripted.run(3 * HOUR)
@@ -155,14 +155,14 @@ def test_when_every_measurement_fails_the_previous_valid_profile_stays_and_attem
     assert len(world.measures) <= 10  # not three back to back, nor one a minute
 
 
-def test_a_persistent_change_of_relative_costs_is_measured_again_once_quiet_and_adopted() -> None:
+def test_a_persistent_change_of_relative_costs_is_measured_again_once_steady_and_adopted() -> None:
     world = World()
     scripted = Keeper(world, [[]], disagreement=2 * DRIFT_LIMIT)
     drift(scripted.calibration)
-    world.busy = True
+    world.changing = True
     scripted.run(300)
     assert world.probes == [] and world.measures == []
-    world.busy = False
+    world.changing = False
     scripted.run(600)
     assert len(world.probes) == 1 and len(world.measures) == 1
     assert (
@@ -179,11 +179,11 @@ def test_a_persistent_change_of_relative_costs_is_measured_again_once_quiet_and_
     assert not scripted.calibration.drifted()  # the new profile starts from clean factors
 
 
-def test_a_measurement_the_machine_interrupts_is_abandoned_and_retried_once_quiet() -> None:
+def test_a_measurement_whose_load_changes_is_abandoned_and_retried_once_steady() -> None:
     world = World()
     scripted = Keeper(world, [[]], start=None)
     assert next(scripted.steps) is True  # the first measurement starts at once: there is no profile
-    world.busy = True
+    world.changing = True
     assert next(scripted.steps) is False  # its next increment is not run
     assert len(world.spent) == 1
     state = scripted.keeper.state
@@ -193,7 +193,7 @@ def test_a_measurement_the_machine_interrupts_is_abandoned_and_retried_once_quie
         and state.next_attempt_in_s == BACKOFF_FIRST
     )
     assert scripted.adopted == []  # auto mode decodes plainly meanwhile
-    world.busy = False
+    world.changing = False
     scripted.run(BACKOFF_FIRST + 300)
     assert scripted.adopted == [NEW] and scripted.keeper.state.valid
 

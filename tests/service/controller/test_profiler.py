@@ -82,13 +82,18 @@ def test_a_dip_is_flattened_to_the_cost_before_it_and_reported(
 
 
 class Neighbours:
-    """A machine where other work keeps `cores` cores busy all along (0: a quiet one)."""
+    """A machine whose other work keeps `cores` cores busy, and changes its load `changing`
+    times while a profile is measured (0: a steady load, whatever its level)."""
 
-    def __init__(self, cores: float) -> None:
+    def __init__(self, cores: float, changing: int = 0) -> None:
         self.others_cores = cores
+        self.changes = 0
+        self._changing = changing
 
-    def quiet(self, threads: int) -> bool:
-        return self.others_cores == 0.0
+    def update(self) -> None:
+        if self._changing:
+            self._changing -= 1
+            self.changes += 1
 
 
 QUIET = Neighbours(0.0)
@@ -109,20 +114,22 @@ def test_profile_is_saved_and_reused(tmp_path, monkeypatch) -> None:
     )  # new timings
 
 
-def test_a_profile_measured_beside_other_work_is_used_but_never_saved(
+def test_a_profile_measured_while_other_work_changed_is_used_but_never_saved(
     tmp_path, monkeypatch
 ) -> None:
-    """Valid by every rule of its own, yet measured while a neighbour took a core and a half:
-    this command gets it, the cache does not."""
+    """Valid by every rule of its own, yet measured while a neighbour came and went: this
+    command gets it, the cache does not; one measured beside a steady neighbour is saved."""
     import service.controller.profiler as profiler
 
     monkeypatch.setattr(profiler, "validate", lambda *args: [])
     runner = ModelRunner(make_tiny_model(seed=3))
     grid = {"rows": (1,), "context_lengths": (4,), "repeats": 2}
-    profile = load_or_measure(runner, tmp_path, machine=Neighbours(1.5), **grid)
+    profile = load_or_measure(runner, tmp_path, machine=Neighbours(1.5, changing=99), **grid)
     assert profile.rows == [1] and not profile_path(tmp_path, runner).exists()
-    _, problems = measure_profile(runner, Neighbours(1.5), **grid)
-    assert problems == ["other work kept 1.5 cores busy while it was measured"]
+    _, problems = measure_profile(runner, Neighbours(1.5, changing=2), **grid)
+    assert problems == ["other work's load changed while it was measured"]
+    load_or_measure(runner, tmp_path, machine=Neighbours(1.5), **grid)
+    assert profile_path(tmp_path, runner).exists()
 
 
 def test_a_profile_of_other_pass_code_is_not_reused(tmp_path, monkeypatch) -> None:
