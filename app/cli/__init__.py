@@ -1,5 +1,5 @@
 """`ngrammys serve`, `worker`, `prepare`, `bench`, `extract`, `speed`, `profile`, `steps`,
-`loadtest` and `neighbour`.
+`loadtest`, `neighbour` and `soak`.
 
 A module a command (`worker` shares `serve`'s flags): each adds its flags (`add_flags`) and runs
 it (`run`); the measurement commands' work is in `service/bench/`. `main` imports only the
@@ -33,6 +33,7 @@ COMMANDS = {  # name: help
     "steps": "engine steps in process over C requests: off vs auto, where a step's time goes",
     "loadtest": "concurrent streaming clients: throughput and latency, off vs auto",
     "neighbour": "the server beside busy processes: its cost profile, auto vs off before and after",
+    "soak": "minutes of mixed traffic: errors, memory and latency window by window, and goals",
 }
 
 

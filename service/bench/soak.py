@@ -1,0 +1,178 @@
+"""`ngrammys soak`: minutes of mixed traffic against one server, reported window by window.
+
+`clients` clients each send their planned requests (`soak_traffic.plan`) one after another until
+the run's time is up; at the end of every window the server is sampled: its RSS (read from
+/proc for a server process on this machine: the server exports no process metrics) and its KV
+and prefix-cache series from /metrics. A request belongs to the window it ends in (the last
+window takes those still running when time is up). The report (`soak_report`) judges the goals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import httpx
+
+from service.bench.loadtest import wait_warm
+from service.bench.soak_report import (
+    HEADER,
+    ServerSample,
+    SoakReport,
+    Window,
+    format_report,
+    window_row,
+    write_json,
+)
+from service.bench.soak_traffic import Outcome, plan, send
+
+REQUEST_TIMEOUT = 300.0  # seconds; past it a request counts as unanswered
+
+
+def rss_bytes(pid: int | None) -> int | None:
+    """Process `pid`'s resident memory (None: no pid, or no such process here)."""
+    if pid is None:
+        return None
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), None)
+    return None if line is None else int(line.split()[1]) * 1024
+
+
+def metric(text: str, name: str) -> float | None:
+    """The value of the unlabelled series `name` in a Prometheus text exposition."""
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return None
+
+
+async def sample_server(client: httpx.AsyncClient, api_key: str, pid: int | None) -> ServerSample:
+    """The server's memory now; a figure it does not give (or a failed scrape) is None."""
+    try:
+        response = await client.get("/metrics", headers={"Authorization": f"Bearer {api_key}"})
+        text = response.text if response.status_code == 200 else ""
+    except httpx.TransportError:
+        text = ""
+    return ServerSample(
+        rss_bytes(pid),
+        metric(text, "ngrammys_kv_cache_usage_perc"),
+        metric(text, "ngrammys_prefix_cache_bytes"),
+    )
+
+
+async def soak(
+    base_url: str,
+    api_key: str,
+    seconds: float,
+    window_seconds: float,
+    clients: int,
+    max_tokens: int,
+    pid: int | None = None,
+    progress: Callable[[str], None] = lambda row: None,
+) -> SoakReport:
+    """Run the mixed traffic for `seconds` against `base_url` (a server with `api_key`, whose
+    process is `pid` when it runs here), `progress` told each window's row as it closes."""
+    windows = max(1, math.ceil(seconds / window_seconds))
+    outcomes: list[Outcome] = []
+    samples: list[ServerSample] = []
+    started = time.monotonic()
+    deadline = started + seconds
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(
+        base_url=base_url, timeout=REQUEST_TIMEOUT, limits=limits
+    ) as client:
+
+        async def client_loop(index: int) -> None:
+            for planned in plan(index):
+                if time.monotonic() >= deadline:
+                    return
+                outcomes.append(await send(client, planned, api_key, max_tokens))
+
+        async def sampler() -> None:
+            for index in range(windows):
+                end = started + min((index + 1) * window_seconds, seconds)
+                await asyncio.sleep(max(0.0, end - time.monotonic()))
+                samples.append(await sample_server(client, api_key, pid))
+                window = _window(index, started, window_seconds, seconds, outcomes, samples)
+                progress(window_row(window))
+
+        await asyncio.gather(sampler(), *(client_loop(i) for i in range(clients)))
+    report_windows = [
+        _window(i, started, window_seconds, seconds, outcomes, samples, last=i == windows - 1)
+        for i in range(windows)
+    ]
+    return SoakReport.of(report_windows, outcomes)
+
+
+def _window(
+    index: int,
+    started: float,
+    window_seconds: float,
+    seconds: float,
+    outcomes: list[Outcome],
+    samples: list[ServerSample],
+    last: bool = False,
+) -> Window:
+    """Window `index` of a run of `seconds` (`last`: with every outcome after it too)."""
+    begin, end = index * window_seconds, min((index + 1) * window_seconds, seconds)
+    inside = [
+        o
+        for o in outcomes
+        if begin <= o.finished - started and (last or o.finished - started < end)
+    ]
+    return Window.of(index, end, inside, samples[min(index, len(samples) - 1)])
+
+
+def run_command(
+    server: AbstractContextManager[str],
+    pid: Callable[[], int | None],
+    warm_up: bool,
+    api_key: str,
+    minutes: float,
+    window_seconds: float,
+    clients: int,
+    max_tokens: int,
+    json_path: Path | None,
+) -> bool:
+    """`ngrammys soak`: the run against the server `server` yields (warmed up first when
+    `warm_up`; `pid` names its process once it runs, if on this machine), a row a window as it
+    closes, then the report; whether every goal held."""
+    with server as base:
+        wait_warm(base, warm_up)
+        print(
+            f"{minutes:g} min of mixed traffic from {clients} clients, windows of "
+            f"{window_seconds:g} s, {max_tokens} tokens at most a request; server {base}\n",
+            flush=True,
+        )
+        print(HEADER, flush=True)
+        report = asyncio.run(
+            soak(
+                base,
+                api_key,
+                minutes * 60,
+                window_seconds,
+                clients,
+                max_tokens,
+                pid(),
+                progress=lambda row: print(row, flush=True),
+            )
+        )
+    print(f"\n{format_report(report)}", flush=True)
+    if json_path:
+        write_json(
+            report,
+            json_path,
+            minutes=minutes,
+            window_seconds=window_seconds,
+            clients=clients,
+            max_tokens=max_tokens,
+        )
+        print(f"wrote {json_path}")
+    return report.passed
