@@ -61,7 +61,6 @@ def run(args: argparse.Namespace) -> None:
     passed = soak.run_command(
         server,
         lambda: pids[0] if pids else None,
-        args.url is None,
         key,
         args.minutes,
         args.window_seconds,
