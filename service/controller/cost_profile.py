@@ -14,11 +14,12 @@ charges it to a row's first node.
 from __future__ import annotations
 
 import bisect
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
+
+from service.cache_files import read_checked_json, write_checked_json
 
 PROFILE_VERSION = 3  # the wide-row cost; older files are measured again
 
@@ -81,12 +82,14 @@ class CostProfile:
         return self.cost(n, context_length) / self.cost(1, context_length)
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        """Write this profile to `path` atomically, with a sha256 of its content."""
+        write_checked_json(path, asdict(self))
 
     @classmethod
     def load(cls, path: Path) -> CostProfile:
-        data = json.loads(path.read_text())
+        """The profile `save` wrote at `path`; a ValueError naming the file if it is damaged
+        (`CorruptCacheFile`) or of another format."""
+        data = read_checked_json(path)
         if data.get("version") != PROFILE_VERSION:
             raise ValueError(
                 f"{path} is a profile of another format (version {data.get('version')})"

@@ -24,7 +24,6 @@ Embeddings, norms and tensors of other GGUF types stay as loaded.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -40,6 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.cache_files import (
+    CorruptCacheFile,
+    read_cached,
+    read_checked_json,
+    write_atomically,
+    write_checked_json,
+)
 from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul
 from service.kernels.int8_chunk_kernel import warm_up as warm_up_chunks
 from service.kernels.int8_kernel import (
@@ -130,8 +136,20 @@ def load_kernels(cache_dir: Path | None = None) -> Any:
         )
         return None
     started = time.perf_counter()
-    _warm_up(packed_kernels)
-    layer_kernels.warm_up()
+    try:
+        _warm_up(packed_kernels)
+        layer_kernels.warm_up()
+    except Exception as error:  # noqa: BLE001 - numba unpickles its cache unchecked
+        cache = _numba_cache(packed_kernels)
+        log.warning(
+            "numba's cache of the kernels under %s is unreadable (%s: %s); compiling them again",
+            cache,
+            type(error).__name__,
+            error,
+        )
+        _clear_numba_cache(cache)
+        _warm_up(packed_kernels)
+        layer_kernels.warm_up()
     layer = numba.threading_layer()
     log.info(
         "numba packed-linear kernels ready in %.1f s (threading layer %s, %d threads)",
@@ -164,6 +182,21 @@ def loaded_layer_kernels() -> Any:
     """The per-layer kernels module (RMSNorm, rotary embedding with the cache write) if
     `load_kernels` loaded the kernels, else None."""
     return _layer_kernels
+
+
+def _numba_cache(kernels: Any) -> Path:
+    """Where numba keeps the compiled kernels: its cache directory, else beside the source."""
+    import numba
+
+    return Path(numba.config.CACHE_DIR or Path(kernels.__file__).parent / "__pycache__")
+
+
+def _clear_numba_cache(cache: Path) -> None:
+    """Delete numba's index and data files of the kernels `load_kernels` warms up, so that
+    numba compiles them again (a damaged entry makes it raise, not recompile)."""
+    for module in ("packed_kernels", "layer_kernels"):
+        for path in cache.rglob(f"{module}.*.nb[ic]"):
+            path.unlink(missing_ok=True)
 
 
 def _warm_up(kernels: Any) -> None:
@@ -518,12 +551,20 @@ def kernel_max_rows_for(
     import llvmlite.binding as llvm
 
     path = cache_dir / "tuning" / f"kernel-max-rows-{llvm.get_host_cpu_name()}-x{_threads()}.json"
-    if path.exists():
-        return int(json.loads(path.read_text())["kernel_max_rows"])
+    saved = read_cached(path, _read_kernel_max_rows, "kernel limit")
+    if saved is not None:
+        return saved
     rows = tune_kernel_max_rows(layers, kernels, fused_max_rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"kernel_max_rows": rows}))
+    write_checked_json(path, {"kernel_max_rows": rows})
     return rows
+
+
+def _read_kernel_max_rows(path: Path) -> int:
+    """The limit saved at `path`, checked against its checksum and the values tuning gives."""
+    rows = read_checked_json(path)["kernel_max_rows"]
+    if rows not in (KERNEL_MAX_ROWS, *LARGE_PASS_CANDIDATES, UNBOUNDED_ROWS):
+        raise CorruptCacheFile(f"{path}: {rows!r} is no limit that tuning gives")
+    return int(rows)
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
@@ -590,20 +631,19 @@ def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
             f"{name}:shape": np.array([t.out_features, t.in_features]),
             f"{name}:kind": np.array(t.kind),
         }
-    # per process: starts may race
-    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
     try:
-        np.savez(staging, **arrays)
-        staging.rename(path)
+        write_atomically(path, lambda file: np.savez(file, **arrays))
     except OSError as error:  # a read-only cache: serve anyway, read the GGUF again next start
-        staging.unlink(missing_ok=True)
         log.warning("could not save the packed tiles to %s (%s)", path, error)
 
 
-def _load_tiles(path: Path) -> dict[str, PackedTiles]:
+def _load_tiles(path: Path, model: nn.Module) -> dict[str, PackedTiles]:
+    """The tiles `_save_tiles` wrote (zip checks every array's CRC-32 as it is read), each
+    checked against `model`'s linear of its name: `CorruptCacheFile` where one is not tiles of
+    that weight's shape."""
     with np.load(path) as arrays:
         names = [key[: -len(":shape")] for key in arrays.files if key.endswith(":shape")]
-        return {
+        tiles = {
             name: PackedTiles(
                 str(arrays[f"{name}:kind"]),
                 arrays[f"{name}:qs"],
@@ -613,6 +653,27 @@ def _load_tiles(path: Path) -> dict[str, PackedTiles]:
             )
             for name in names
         }
+    for name, t in tiles.items():
+        weight = model.get_submodule(name).weight
+        if (t.out_features, t.in_features) != tuple(weight.shape) or not _well_formed(t):
+            raise CorruptCacheFile(f"{path}: the tiles of {name} do not fit its weight")
+    return tiles
+
+
+def _well_formed(t: PackedTiles) -> bool:
+    """Whether `t`'s arrays have the kind, dtypes and shapes `tiles_from_blocks` gives."""
+    if t.kind not in BLOCK_BYTES or t.in_features % 32:
+        return False
+    grid = (-(-t.out_features // TILE), t.in_features // 32)
+    q4_1 = t.kind == "Q4_1"
+    return (
+        t.qs.dtype == (np.uint8 if q4_1 else np.int8)
+        and t.qs.shape == (*grid, 16 if q4_1 else 32, TILE)
+        and t.d.dtype == np.float32
+        and t.d.shape == (*grid, TILE)
+        and t.m.dtype == np.float32
+        and t.m.shape == ((*grid, TILE) if q4_1 else (0, 0, 0))
+    )
 
 
 def pack_gguf_linears(
@@ -630,9 +691,11 @@ def pack_gguf_linears(
     (service/kernels/int8_kernel.py).
 
     Reading a GGUF's header takes seconds (its tokenizer), so the tiles are saved to
-    `tiles_file` (if given) and read from there on later starts. When they are read from the
-    GGUF, each packed weight is checked against the loaded one: they must be equal, bit for
-    bit (same file, same dequantization), so a wrong name mapping or permutation fails loudly.
+    `tiles_file` (if given) and read from there on later starts (from the GGUF again, with a
+    warning, when the file cannot be read back whole or its tiles do not fit the model). When
+    they are read from the GGUF, each packed weight is checked against the loaded one: they
+    must be equal, bit for bit (same file, same dequantization), so a wrong name mapping or
+    permutation fails loudly.
     """
     config = model.config
     if getattr(config, "model_type", None) not in ("llama", "mistral"):
@@ -648,10 +711,14 @@ def pack_gguf_linears(
         warm_up_int8()
         warm_up_chunks()
     kernels = load_kernels(cache_dir) if use_kernels else None
-    from_file = tiles_file is not None and tiles_file.exists()
-    if from_file:
-        assert tiles_file is not None
-        tiles, kept = _load_tiles(tiles_file), -1
+    saved = (
+        None
+        if tiles_file is None
+        else read_cached(tiles_file, lambda path: _load_tiles(path, model), "packed tiles")
+    )
+    from_file = saved is not None
+    if saved is not None:
+        tiles, kept = saved, -1
     else:
         tiles, kept = read_packed_linears(model, gguf_path)
     if not any(t.kind == "Q4_1" for t in tiles.values()):

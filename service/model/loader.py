@@ -2,17 +2,16 @@
 
 Dequantizing the embedded GGUF is slow on a CPU, so the converted weights and tokenizer are
 saved once as safetensors under a cache directory keyed by the GGUF file's hash; later starts
-load that directory, much faster. Nothing is ever downloaded: every load is
-`local_files_only`.
+load that directory, much faster, once its manifest (every file's size and sha256) vouches for
+it: a damaged one is converted again (service/cache_files.py). Nothing is ever downloaded:
+every load is `local_files_only`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import importlib.util
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from service.cache_files import cached_directory, file_sha256
 from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears
 
 log = logging.getLogger(__name__)
@@ -159,10 +159,10 @@ def load_model(
     from_cache = False
     if path.is_file():  # GGUF: go through the converted-weights cache
         name = EMBEDDED_NAME if source is None else path.stem
-        directory = cache_dir / "models" / f"{path.stem}-{_file_hash(path)[:16]}"
-        from_cache = directory.is_dir()
-        if not from_cache:
-            _convert_gguf(path, directory)
+        directory = cache_dir / "models" / f"{path.stem}-{file_sha256(path)[:16]}"
+        from_cache = cached_directory(
+            directory, functools.partial(_convert_gguf, path), "converted weights"
+        )
         path = directory
     else:
         name = path.name
@@ -255,23 +255,10 @@ def check_supported(config: PretrainedConfig) -> None:
     )
 
 
-def _file_hash(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _convert_gguf(gguf: Path, directory: Path) -> None:
-    """Dequantize `gguf` once and save it as a plain safetensors model directory.
-
-    Written to a temporary sibling and renamed, so a crash never leaves half a cache entry.
-    """
+    """Dequantize `gguf` and save it as a plain safetensors model in `directory` (a temporary
+    one that `cached_directory` renames into place once whole)."""
     log.info("converting %s (first start; cached for later ones)", gguf.name)
-    # per process: starts may race
-    staging = directory.with_name(f"{directory.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
     model = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
@@ -281,11 +268,5 @@ def _convert_gguf(gguf: Path, directory: Path) -> None:
     # The weights are plain tensors now; drop the GGUF marks so they save and reload as such.
     model.hf_quantizer = None
     del model.config.quantization_config
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    try:
-        staging.rename(directory)
-    except OSError:
-        if not directory.is_dir():
-            raise
-        shutil.rmtree(staging, ignore_errors=True)  # another process finished first: use its copy
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)

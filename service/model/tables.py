@@ -9,14 +9,14 @@ tokens with the highest next-token probability averaged over those same V inputs
 model's preference with no real context. One pass over the vocabulary yields both; on a CPU
 that takes minutes, so it runs in the background at start and the table strategies switch on
 when it is done. The result is a few MB ([V, K] uint32) saved under the cache directory,
-keyed by a fingerprint of the weights.
+keyed by a fingerprint of the weights; a saved file that cannot be read back whole, or whose
+arrays are not tables, is computed again (service/cache_files.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 from collections.abc import Generator, Sequence
 from pathlib import Path
@@ -28,6 +28,7 @@ from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
 from drafting import ModelTables
+from service.cache_files import CorruptCacheFile, read_cached, write_atomically
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -163,16 +164,35 @@ def tables_path(model: PreTrainedModel, cache_dir: Path, prefix_ids: Sequence[in
 
 
 def saved_tables(path: Path) -> ModelTables | None:
-    """The tables saved at `path` (`tables_path`), or None if none are."""
-    if not path.exists():
-        return None
-    with np.load(path) as saved:
-        return ModelTables(unigram=saved["unigram"], bigram=saved["bigram"])
+    """The tables saved at `path` (`tables_path`), or None if none are or they cannot be read
+    back whole (a warning; they are computed again)."""
+    return read_cached(path, _read_tables, "model tables")
 
 
 def save_tables(path: Path, tables: ModelTables) -> None:
     """Save `tables` at `path`, written aside and renamed: a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = path.with_name(f"{path.stem}.{os.getpid()}.partial.npz")
-    np.savez(staging, unigram=tables.unigram, bigram=tables.bigram)
-    staging.rename(path)
+    write_atomically(
+        path, lambda file: np.savez(file, unigram=tables.unigram, bigram=tables.bigram)
+    )
+
+
+def _read_tables(path: Path) -> ModelTables:
+    """The tables in the npz at `path` (zip checks every array's CRC-32 as it is read), or
+    `CorruptCacheFile` if its arrays are not tables: uint32 token ids below the vocabulary
+    size, a [V, BIGRAM_TOP_K] bigram and a unigram of min(UNIGRAM_SIZE, V)."""
+    with np.load(path) as saved:
+        unigram, bigram = saved["unigram"], saved["bigram"]
+    vocab = bigram.shape[0] if bigram.ndim == 2 else 0
+    if (
+        vocab == 0
+        or unigram.dtype != np.uint32
+        or bigram.dtype != np.uint32
+        or bigram.shape != (vocab, BIGRAM_TOP_K)
+        or unigram.shape != (min(UNIGRAM_SIZE, vocab),)
+        or max(int(unigram.max()), int(bigram.max())) >= vocab
+    ):
+        raise CorruptCacheFile(
+            f"{path} holds no tables: unigram {unigram.dtype}{list(unigram.shape)}, "
+            f"bigram {bigram.dtype}{list(bigram.shape)}"
+        )
+    return ModelTables(unigram=unigram, bigram=bigram)

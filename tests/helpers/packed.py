@@ -44,11 +44,15 @@ def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(model, path: Path) -> None:
+def write_tiny_gguf(model, path: Path, loadable: bool = False) -> None:
     """Quantize the tiny Llama's linears to Q4_1 and its LM head to Q8_0 into a GGUF (llama.cpp's
-    names and q/k permutation), and set the model's weights to exactly what that file holds."""
+    names and q/k permutation), and set the model's weights to exactly what that file holds.
+    `loadable`: with the rest a served model needs (`_add_model_rest`), so that `load_model`
+    converts and serves the file."""
     config = model.config
     writer = gguf.GGUFWriter(path, "llama")
+    if loadable:
+        _add_model_rest(writer, model)
     for index, layer in enumerate(model.model.layers):
         for kind, name in LLAMA_LINEARS.items():
             linear = layer.get_submodule(name)
@@ -71,6 +75,36 @@ def write_tiny_gguf(model, path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_model_rest(writer: gguf.GGUFWriter, model) -> None:
+    """The hyperparameters, a stand-in byte-level tokenizer (a made-up token per id), the
+    embeddings and the norms of `model`: what transformers needs beside the linears to load a
+    GGUF as a model and tokenizer."""
+    config = model.config
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    vocab = config.vocab_size
+    writer.add_token_list([chr(ord("a") + i % 26) * (1 + i // 26) for i in range(vocab)])
+    writer.add_token_types([1] * vocab)
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_merges(["a a"])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_tensor("token_embd.weight", model.model.embed_tokens.weight.detach().numpy())
+    writer.add_tensor("output_norm.weight", model.model.norm.weight.detach().numpy())
+    for index, layer in enumerate(model.model.layers):
+        norms = {"attn_norm": layer.input_layernorm, "ffn_norm": layer.post_attention_layernorm}
+        for kind, norm in norms.items():
+            writer.add_tensor(f"blk.{index}.{kind}.weight", norm.weight.detach().numpy())
 
 
 def tiny_gguf_twins(directory: Path):

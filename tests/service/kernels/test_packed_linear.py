@@ -3,8 +3,6 @@ a plain torch reference, the GGUF mapping, and losslessness of speculation on th
 
 from __future__ import annotations
 
-import json
-
 import gguf
 import numpy as np
 import pytest
@@ -12,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from drafting import TableSlot
+from service.cache_files import read_checked_json, write_checked_json
 from service.engine.params import GenerationParams, SpeculationParams
 from service.kernels import packed_kernels_gen
 from service.kernels.packed_linear import (
@@ -151,8 +150,8 @@ def test_the_large_pass_limit_is_measured_once_per_kind_of_cpu(tmp_path) -> None
     tiles = tiles_from_blocks(random_blocks(96, 576), 96, 576)
     measured = kernel_max_rows_for([tiles], kernels, 2, tmp_path)
     (saved,) = (tmp_path / "tuning").iterdir()
-    assert json.loads(saved.read_text()) == {"kernel_max_rows": measured}
-    saved.write_text(json.dumps({"kernel_max_rows": 128}))
+    assert read_checked_json(saved) == {"kernel_max_rows": measured}
+    write_checked_json(saved, {"kernel_max_rows": 128})
     assert kernel_max_rows_for([tiles], kernels, 2, tmp_path) == 128
 
 
