@@ -9,8 +9,9 @@ sizes and not others. So a measurement starts once the load of other work has he
 `LOAD_CHANGE_CORES` for `STEADY_WINDOWS` windows, at whatever level, and is abandoned if it
 leaves that band. Linux counts each core's busy, idle and stolen time in `/proc/stat`; what
 this process used itself (`time.process_time`, all its threads) is subtracted, so a pass of our
-own never makes the load look changed. Where there is no `/proc/stat` the load counts as steady
-and the profile's own validation is the only guard.
+own never makes the load look changed. Work at a lower priority than this process (`nice`)
+is not counted: the scheduler gives it what our threads leave. Where there is no `/proc/stat`
+the load counts as steady and the profile's own validation is the only guard.
 """
 
 from __future__ import annotations
@@ -28,15 +29,18 @@ STEADY_WINDOWS = 3  # windows of a steady load before a measurement may start
 STAT = Path("/proc/stat")
 # idle, iowait; every other field of a `cpuN` line is time the core was not ours to use
 IDLE_FIELDS = (3, 4)
+NICE_FIELD = 1  # time in processes of a raised niceness
 
 
 def read_busy_seconds(cores: set[int], stat: Path = STAT) -> float | None:
-    """Seconds the `cores` spent busy so far (stolen time included), summed over them; None
-    where `stat` cannot be read."""
+    """Seconds the `cores` spent busy so far (stolen time included, work niced below this
+    process's not), summed over them; None where `stat` cannot be read."""
     try:
         lines = stat.read_text().splitlines()
     except OSError:
         return None
+    # work niced below ours yields the cores to us; were we niced, it competes like any other
+    free = (*IDLE_FIELDS, NICE_FIELD) if os.getpriority(os.PRIO_PROCESS, 0) <= 0 else IDLE_FIELDS
     busy_ticks = 0
     for line in lines:
         name, _, rest = line.partition(" ")
@@ -44,7 +48,7 @@ def read_busy_seconds(cores: set[int], stat: Path = STAT) -> float | None:
             continue
         # guest time is counted within user time already
         fields = [int(v) for v in rest.split()[:8]]
-        busy_ticks += sum(fields) - sum(fields[i] for i in IDLE_FIELDS)
+        busy_ticks += sum(fields) - sum(fields[i] for i in free)
     return busy_ticks / os.sysconf("SC_CLK_TCK")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from service.controller.machine_load import (
     LOAD_CHANGE_CORES,
     STEADY_WINDOWS,
@@ -14,22 +16,25 @@ from service.controller.machine_load import (
 )
 
 STAT = """cpu  300 0 100 800 20 0 5 15 0 0
-cpu0 100 0 50 400 10 0 0 10 0 0
+cpu0 100 30 50 400 10 0 0 10 0 0
 cpu1 200 0 50 400 10 0 5 5 0 0
 cpu2 999 0 0 0 0 0 0 0 0 0
 intr 1 2 3
 """
 
 
-def test_busy_seconds_sum_the_cores_of_this_process_with_stolen_time_and_without_idle_ones(
-    tmp_path: Path,
+def test_busy_seconds_sum_the_cores_of_this_process_with_stolen_time_not_idle_nor_niced_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     stat = tmp_path / "stat"
     stat.write_text(STAT)
-    # user, system, irq/softirq, steal; not idle nor iowait
+    # user, system, irq/softirq, steal; not idle nor iowait, nor work niced below this process
     ticks = (100 + 50 + 10) + (200 + 50 + 5 + 5)
+    monkeypatch.setattr("os.getpriority", lambda *_: 0)
     assert read_busy_seconds({0, 1}, stat) * 100 == ticks  # cpu2 is another cpuset's
     assert read_busy_seconds({0, 1}, tmp_path / "absent") is None
+    monkeypatch.setattr("os.getpriority", lambda *_: 10)
+    assert read_busy_seconds({0, 1}, stat) * 100 == ticks + 30  # cpu0's niced work competes
 
 
 class Clocks:
