@@ -8,11 +8,13 @@ import itertools
 import logging
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
+from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
 
 from drafting import ModelTables, Strategy, TableSlot, compile_table_kernels, default_mixer
 from service.controller.cost_profile import CostProfile
+from service.controller.default_profile import default_profile
 from service.controller.profile_keeper import ProfileKeeper, ProfileState
 from service.controller.profiler import load_or_measure
 from service.engine.async_engine import AsyncEngine
@@ -138,22 +140,29 @@ def warm_up(
 
 
 def profile_keeper(engine: Engine, config: EngineConfig) -> ProfileKeeper | None:
-    """The keeper of `engine`'s cost profile, started from the saved one if valid (None if
-    `config` measures none: auto mode then decodes plainly)."""
+    """The keeper of `engine`'s cost profile, started from the saved one if valid, else from
+    the device class's default until one is measured (None if `config` measures none: auto mode
+    then decodes plainly)."""
     if not config.cost_profile:
         return None
 
     def adopt(profile: CostProfile) -> None:
         engine.profile = profile
 
-    return ProfileKeeper.for_runner(engine.runner, config.cache_dir, engine.calibration, adopt)
+    keeper = ProfileKeeper.for_runner(engine.runner, config.cache_dir, engine.calibration, adopt)
+    if keeper.profile is None:
+        engine.use_default_profile(default_profile(engine.runner))
+    return keeper
 
 
 @dataclass(frozen=True)
 class WarmUpState:
     """How far the background warm-up got."""
 
-    cost_profile: bool  # a valid one measured or loaded: auto mode speculates
+    cost_profile: bool  # a valid one measured or loaded
+    # what auto mode prices passes with: this machine's measured profile, the device class's
+    # conservative default, or nothing (auto decodes plainly)
+    cost_profile_source: Literal["measured", "default"] | None
     model_tables: bool  # computed or loaded: the table strategies draft
     # the keeper's account (None: the server measures no profile)
     profile: ProfileState | None = None
@@ -271,7 +280,14 @@ class Runtime:
     @property
     def warm_up_state(self) -> WarmUpState:
         return WarmUpState(
-            cost_profile=self.engine.profile is not None,
+            cost_profile=self.engine.scheduler.profile is not None,
+            cost_profile_source=(
+                None
+                if self.engine.profile is None
+                else "measured"
+                if self.engine.scheduler.profile is not None
+                else "default"
+            ),
             model_tables=self.engine.mixer.tables.tables is not None,
             profile=None if self.keeper is None else self.keeper.state,
         )

@@ -22,7 +22,9 @@ class Health(BaseModel):
     status: Literal["ok", "failed", "engine stopped"]
     requests_running: int | None = None
     requests_waiting: int | None = None
-    cost_profile: bool | None = None  # a valid one measured or loaded: auto mode speculates
+    cost_profile: bool | None = None  # a valid one measured or loaded
+    # what auto mode prices passes with until (and once) this machine's is measured
+    cost_profile_source: Literal["measured", "default"] | None = None
     # validity, staleness and measurements (if the server measures one)
     cost_profile_state: ProfileState | None = None
     model_tables: bool | None = None  # computed or loaded: the table strategies draft
@@ -56,6 +58,7 @@ async def health(request: Request) -> JSONResponse:
         "requests_running": engine.num_running,
         "requests_waiting": engine.num_waiting,
         "cost_profile": warm.cost_profile,
+        "cost_profile_source": warm.cost_profile_source,
         "model_tables": warm.model_tables,
     }
     if warm.profile is not None:

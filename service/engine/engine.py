@@ -96,6 +96,13 @@ class Engine:
     def profile(self, profile: CostProfile | None) -> None:
         self.policy.profile = self.scheduler.profile = profile
 
+    def use_default_profile(self, profile: CostProfile) -> None:
+        """Let auto mode price trees with a device class's conservative `profile` until one is
+        measured (`service/controller/default_profile.py`). Its level is a guess the
+        calibration corrects for the controller only, so the scheduler sizes prefill chunks as
+        it does without a profile."""
+        self.policy.profile, self.scheduler.profile = profile, None
+
     @property
     def calibration(self) -> Calibration:
         return self.policy.calibration

@@ -8,6 +8,7 @@ import pytest
 from app.cli import build_parser, serve_settings
 from app.openapi import enabled_strategies
 from app.settings import Settings
+from service.controller.default_profile import default_profile
 from service.controller.profiler import profile_path
 from service.engine.config import EngineConfig
 from service.model.runner import ModelRunner
@@ -81,7 +82,9 @@ def test_runtime_accessors_are_what_the_routes_read(tiny_served) -> None:
         )
         assert runtime.vocab_size == tiny_served.model.config.vocab_size
         assert runtime.tokenizer is tiny_served.tokenizer
-        assert runtime.warm_up_state == WarmUpState(cost_profile=False, model_tables=False)
+        assert runtime.warm_up_state == WarmUpState(
+            cost_profile=False, cost_profile_source=None, model_tables=False
+        )
     finally:
         runtime.close()
 
@@ -98,6 +101,8 @@ def test_a_server_starts_from_its_saved_valid_profile_and_reports_its_state(
     try:
         state = runtime.warm_up_state
         assert state.cost_profile and runtime.engine.profile == CPU_LIKE
+        assert state.cost_profile_source == "measured"
+        assert runtime.engine.scheduler.profile == CPU_LIKE
         assert (
             state.profile is not None
             and state.profile.valid
@@ -108,6 +113,26 @@ def test_a_server_starts_from_its_saved_valid_profile_and_reports_its_state(
             "failed": 0,
             "abandoned": 0,
         }
+    finally:
+        runtime.close()
+
+
+def test_without_a_saved_profile_auto_prices_with_the_default_until_one_is_measured(
+    tiny_served, tmp_path
+) -> None:
+    """Auto mode speculates from the start on the device class's conservative profile; the
+    scheduler, whose prefill chunks would follow its guessed level, goes unpriced; a measured
+    profile replaces it for both."""
+    runtime = Runtime.start(
+        tiny_served, EngineConfig(model_tables=False, cost_profile=True, cache_dir=tmp_path)
+    )
+    try:
+        state, engine = runtime.warm_up_state, runtime.engine
+        assert not state.cost_profile and state.cost_profile_source == "default"
+        assert engine.profile == default_profile(engine.runner) and engine.scheduler.profile is None
+        assert state.profile is not None and not state.profile.valid
+        engine.profile = CPU_LIKE
+        assert runtime.warm_up_state.cost_profile_source == "measured"
     finally:
         runtime.close()
 
