@@ -5,7 +5,7 @@ In Kubernetes, other pods on the node and CPU throttling are the normal case. Tw
 - A profile that fails validation is never put in use. The last valid one (loaded from disk or
   measured earlier) stays; a uniform slowdown from other work is the calibration's load level,
   which the controller's comparisons of shapes cancel out. Until a first valid profile exists,
-  auto mode decodes plainly.
+  auto mode prices trees with the device class's conservative default (`default_profile.py`).
 - Measure only when it can succeed: the engine idle (the async engine runs these increments only
   then) AND other work's load steady (`MachineLoad.steady`: a steady neighbour cancels out of
   relative costs; on a GPU the host's neighbours do not gate the device's profile). An attempt
