@@ -82,11 +82,17 @@ class SoakReport:
     windows: list[Window]
     kinds: dict[str, int]  # requests sent by kind
     goals: list[Goal] = field(default_factory=list)
+    unexpected: dict[str, int] = field(default_factory=dict)  # by kind and what it got
 
     @classmethod
     def of(cls, windows: list[Window], outcomes: list[Outcome]) -> SoakReport:
         kinds = Counter(o.planned.kind for o in outcomes)
-        return cls(windows, {kind: kinds[kind] for kind in KINDS}, goals(windows))
+        unexpected = Counter(
+            f"{o.planned.kind}: {'error event' if o.stream_error else o.status or 'no answer'}"
+            for o in outcomes
+            if not o.as_expected
+        )
+        return cls(windows, {kind: kinds[kind] for kind in KINDS}, goals(windows), dict(unexpected))
 
     @property
     def passed(self) -> bool:
@@ -162,11 +168,13 @@ def window_row(w: Window) -> str:
 def format_report(report: SoakReport) -> str:
     """The windows' table, the requests by kind, and the goals with the verdict (markdown)."""
     kinds = ", ".join(f"{kind} {number}" for kind, number in report.kinds.items())
+    unexpected = ", ".join(f"{what} ({number})" for what, number in report.unexpected.items())
     lines = [
         HEADER,
         *(window_row(w) for w in report.windows),
         "",
         f"Requests by kind: {kinds}.",
+        f"Unexpected answers: {unexpected or 'none'}.",
         "",
         "| goal | verdict | figures |",
         "|---|---|---|",

@@ -24,7 +24,7 @@ from service.bench.soak_report import (
     goals,
     write_json,
 )
-from service.bench.soak_traffic import KINDS, plan
+from service.bench.soak_traffic import KINDS, Outcome, Planned, plan
 from tests.helpers.http import QUIET, wait_ready
 
 KEY = "soak-key"
@@ -51,7 +51,7 @@ def test_a_short_soak_sends_every_kind_and_meets_no_server_error(tiny_served, tm
     assert all(count > 0 for count in report.kinds.values()), report.kinds
     windows = report.windows
     assert sum(w.statuses["5xx"] + w.statuses["no answer"] for w in windows) == 0
-    assert sum(w.unexpected for w in windows) == 0, format_report(report)
+    assert sum(w.unexpected for w in windows) == 0 and not report.unexpected, report.unexpected
     assert sum(w.left for w in windows) > 0 and sum(w.statuses["4xx"] for w in windows) > 0
     for window in windows:
         assert window.good_p50_ms is not None and window.good_p99_ms >= window.good_p50_ms
@@ -83,6 +83,25 @@ def test_the_goals_judge_the_second_window_against_the_last() -> None:
     assert SoakReport(short, {}, goals(short)).passed
     assert not SoakReport(grown, {}, goals(grown)).passed
     assert [goal.passed for goal in goals([*flat[:2], _window(2, None, None)])][1:] == [None, None]
+
+
+def test_the_report_names_what_each_unexpected_answer_got() -> None:
+    outcomes = [
+        Outcome(Planned("json_schema", "q"), 429, 1.0, 1.0),
+        Outcome(Planned("chat stream", "q"), 200, 1.0, 1.0, stream_error=True),
+        Outcome(Planned("bad key", "q"), 401, 1.0, 1.0),
+        Outcome(Planned("bad body", "q"), 422, 1.0, 1.0),
+        Outcome(Planned("chat stream", "q", leave=True), 200, 1.0, 1.0, left=True),
+    ]
+    window = Window.of(0, 60.0, outcomes, ServerSample())
+    assert (window.unexpected, window.left, window.stream_errors) == (2, 1, 1)
+    assert window.statuses == {"2xx": 2, "4xx": 3, "5xx": 0, "no answer": 0}
+    report = SoakReport.of([window], outcomes)
+    assert report.unexpected == {"json_schema: 429": 1, "chat stream: error event": 1}
+    assert "Unexpected answers: json_schema: 429 (1), chat stream: error event (1)." in (
+        format_report(report)
+    )
+    assert [goal.passed for goal in report.goals] == [False, None, None]
 
 
 def test_four_clients_send_every_kind_early_and_each_in_its_shares() -> None:
