@@ -13,6 +13,7 @@ from drafting.suffix import DEFAULT_CAPACITY
 from service.engine.config import EngineConfig
 from service.engine.params import SpeculationMode
 from service.engine.scheduler import SchedulerConfig
+from service.grammar import GrammarLimits
 from service.model.loader import DEFAULT_CACHE_DIR
 
 DEVICE_ROUND_SWITCH = {"auto": None, "on": True, "off": False}
@@ -206,6 +207,37 @@ class Settings(BaseSettings):
     max_stop_length: int = Field(
         256, ge=1, description="Longest stop string in characters; longer gets 400"
     )
+    grammar_compile_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a request's grammar (response_format, tools) may take to compile; "
+        "longer gets 400 naming the field and the compile is killed. Also the most a compile waits "
+        "for a free slot; longer gets 429",
+    )
+    grammar_max_concurrent: int = Field(
+        1,
+        ge=1,
+        description="Grammars compiled at once, each in a worker process at the lowest CPU "
+        "priority; more wait in line",
+    )
+    grammar_max_bytes: int = Field(
+        131_072,
+        ge=1,
+        description="Largest JSON schema (tools' schemas together, regex) in bytes; larger gets "
+        "400 before any compile",
+    )
+    grammar_max_depth: int = Field(
+        48,
+        ge=1,
+        description="Deepest nesting of a schema's JSON objects and arrays; deeper gets 400 before "
+        "any compile (objects nested 10 deep, OpenAI's limit, are about 21)",
+    )
+    grammar_cache_mb: int = Field(
+        512,
+        ge=0,
+        description="Compiled grammars kept for their next request, in MiB (least recently used "
+        "dropped first)",
+    )
     max_concurrent_per_key: int = Field(
         0,
         ge=0,
@@ -262,4 +294,11 @@ class Settings(BaseSettings):
             device=self.device,
             dtype=self.dtype,
             quantization=self.quantization,
+            grammar_limits=GrammarLimits(
+                self.grammar_compile_timeout,
+                self.grammar_max_concurrent,
+                self.grammar_max_bytes,
+                self.grammar_max_depth,
+                self.grammar_cache_mb * 2**20,
+            ),
         )

@@ -7,10 +7,12 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Literal
 
 from transformers import PreTrainedTokenizerBase
+from xgrammar import CompiledGrammar
 
 from drafting import ModelTables, Strategy, TableSlot, compile_table_kernels, default_mixer
 from service.controller.cost_profile import CostProfile
@@ -22,7 +24,7 @@ from service.engine.config import EngineConfig
 from service.engine.engine import Engine
 from service.engine.outputs import StepStats
 from service.engine.params import GenerationParams
-from service.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from service.grammar import BoundedCompiler, GrammarCompiler, GrammarError, GrammarSpec
 from service.kernels.packed_linear import kernels_error
 from service.model.loader import LoadedModel
 from service.model.prompts import assistant_prefix_ids, stop_token_ids
@@ -85,7 +87,7 @@ def grammar_compiler(
     tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: tuple[int, ...]
 ) -> GrammarCompiler:
     """One grammar compiler per tokenizer, shared by its engines (reading a large vocabulary
-    takes a while; the compiled grammars are cached inside)."""
+    takes a while)."""
     return GrammarCompiler.for_tokenizer(tokenizer, vocab_size, eos_token_ids)
 
 
@@ -180,6 +182,8 @@ class Runtime:
     async_engine: AsyncEngine
     keeper: ProfileKeeper | None = None
     pod: PodRanks | None = None  # the tensor-parallel ranks this process started
+    # the requests' grammar compiles, bounded (None: the engine has no tokenizer)
+    grammars: BoundedCompiler | None = None
 
     @classmethod
     def start(
@@ -253,7 +257,12 @@ class Runtime:
             warm_up(engine, keeper, tables),
             on_step,
         )
-        return cls(loaded, engine, async_engine, keeper, pod)
+        grammars = (
+            None
+            if engine.grammars is None
+            else BoundedCompiler(engine.grammars, config.grammar_limits)
+        )
+        return cls(loaded, engine, async_engine, keeper, pod, grammars)
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -296,16 +305,22 @@ class Runtime:
         """`Engine.check_fits`: raises `ContextTooLong` or `DoesNotFit` (thread-safe)."""
         self.engine.check_fits(num_prompt_tokens, params)
 
-    def check_grammar(self, spec: GrammarSpec) -> None:
-        """Compile a request's grammar (then cached for the engine), or raise `GrammarError`
-        naming the field (thread-safe; a large schema may take a while: off the event loop)."""
-        if self.engine.grammars is None:
-            raise GrammarError("structured output needs the model's tokenizer", spec.field)
-        self.engine.grammars.compile(spec)
+    def compile_grammar(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        """A request's grammar, compiled within the limits (`BoundedCompiler.submit`): it fails
+        with `GrammarError` naming the field, or `GrammarBusy` (thread-safe; returns at once)."""
+        if self.grammars is None:
+            refused: Future[CompiledGrammar] = Future()
+            refused.set_exception(
+                GrammarError("structured output needs the model's tokenizer", spec.field)
+            )
+            return refused
+        return self.grammars.submit(spec)
 
     def close(self) -> None:
-        """Stop the engine's worker, then the other ranks' (if any)."""
+        """Stop the engine's worker, the grammar workers, then the other ranks' (if any)."""
         self.async_engine.shutdown()
+        if self.grammars is not None:
+            self.grammars.close()
         if self.pod is not None:
             self.pod.stopping()
         if isinstance(self.engine.runner, ParallelRunner):

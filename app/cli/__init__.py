@@ -1,5 +1,5 @@
 """`ngrammys serve`, `worker`, `prepare`, `bench`, `extract`, `speed`, `profile`, `steps`,
-`loadtest`, `neighbour` and `soak`.
+`loadtest`, `neighbour`, `soak` and `schemas`.
 
 A module a command (`worker` shares `serve`'s flags): each adds its flags (`add_flags`) and runs
 it (`run`); the measurement commands' work is in `service/bench/`. `main` imports only the
@@ -34,6 +34,7 @@ COMMANDS = {  # name: help
     "loadtest": "concurrent streaming clients: throughput and latency, off vs auto",
     "neighbour": "the server beside busy processes: its cost profile, auto vs off before and after",
     "soak": "minutes of mixed traffic: errors, memory and latency window by window, and goals",
+    "schemas": "an interactive request alone and while hostile JSON schemas arrive",
 }
 
 

@@ -7,11 +7,12 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
+from xgrammar import CompiledGrammar
 
 from app.auth import ClientDep, ConcurrencyLimit, client_identity
 from app.choices import Choices, choice_params, submit_all
@@ -49,7 +50,7 @@ from service.engine.params import (
     SpeculationParams,
 )
 from service.engine.scheduler import DoesNotFit
-from service.grammar import GrammarError, GrammarSpec
+from service.grammar import GrammarBusy, GrammarError, GrammarSpec
 from service.runtime import Runtime
 
 router = APIRouter(
@@ -237,6 +238,26 @@ def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
     return None
 
 
+async def _compiled_grammar(
+    runtime: Runtime, spec: GrammarSpec, settings: Settings
+) -> CompiledGrammar:
+    """The request's grammar, compiled off the event loop and the engine within the limits:
+    400 naming the field for one it cannot compile (in time), 429 while every compile slot
+    stays busy. Shielded: a client gone does not cancel a compile other requests wait for."""
+    try:
+        return await asyncio.shield(asyncio.wrap_future(runtime.compile_grammar(spec)))
+    except GrammarError as error:
+        raise ApiError(400, str(error), param=error.field) from error
+    except GrammarBusy as error:
+        raise ApiError(
+            429,
+            str(error),
+            "rate_limit_exceeded",
+            param=error.field,
+            headers={"Retry-After": str(settings.retry_after_seconds)},
+        ) from error
+
+
 def _sampling(body: GenerationRequest, settings: Settings, vocab_size: int) -> SamplingParams:
     """The request's sampling controls; their ranges are the schema's, checked already."""
     temperature = settings.default_temperature if body.temperature is None else body.temperature
@@ -284,10 +305,9 @@ async def _respond(
     check_prompt_length(len(prompt_ids), settings, prompt_param)
     params = _params(body, serving, max_tokens, logprobs, tools)
     if params.grammar is not None:
-        try:
-            await asyncio.to_thread(runtime.check_grammar, params.grammar)
-        except GrammarError as error:
-            raise ApiError(400, str(error), param=error.field) from error
+        params = replace(
+            params, compiled_grammar=await _compiled_grammar(runtime, params.grammar, settings)
+        )
     enabled = runtime.enabled_strategies
     if params.strategy not in enabled:  # a model draft this server was not started with
         raise ApiError(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from drafting.suffix import DEFAULT_CAPACITY
 from service.engine.scheduler import SchedulerConfig
+from service.grammar import GrammarLimits
 from service.model.loader import DEFAULT_CACHE_DIR
 
 
@@ -38,6 +39,8 @@ class EngineConfig:
     device: str | None = None
     dtype: str | None = None
     quantization: str = "auto"
+    # what a request's structured output may cost to compile (`service/grammar/limits.py`)
+    grammar_limits: GrammarLimits = GrammarLimits()
 
     @property
     def static_passes(self) -> bool | None:

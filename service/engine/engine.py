@@ -142,14 +142,17 @@ class Engine:
         return request
 
     def _constraint(self, params: GenerationParams) -> Constraint | None:
-        """A new matcher of the request's grammar (compiled once per grammar), or None."""
+        """A new matcher of the request's grammar, or None. The grammar comes compiled from the
+        server's edge (`service/grammar/bounded.py`), which bounds the compile's time and keeps
+        it off this thread; a request built in process without it is compiled here."""
         if params.grammar is None:
             return None
         if self.grammars is None:
             raise GrammarError(
                 "structured output needs the model's tokenizer", params.grammar.field
             )
-        return Constraint(self.grammars.compile(params.grammar), sorted(self.eos_token_ids))
+        compiled = params.compiled_grammar or self.grammars.compile(params.grammar)
+        return Constraint(compiled, sorted(self.eos_token_ids))
 
     def check_fits(self, num_prompt_tokens: int, params: GenerationParams) -> None:
         """Raise `ContextTooLong` unless prompt + max_new_tokens fits the model's context, or

@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from xgrammar import CompiledGrammar
+
 from service.grammar import GrammarSpec
 
 SpeculationMode = Literal["off", "fixed", "auto"]
@@ -137,6 +139,8 @@ class GenerationParams:
     # None: none; n: each token's logprob and its n likeliest alternatives
     logprobs: int | None = None
     grammar: GrammarSpec | None = None  # structured output: what the output must match
+    # `grammar` compiled already (the HTTP edge's `BoundedCompiler`); None: the engine compiles it
+    compiled_grammar: CompiledGrammar | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

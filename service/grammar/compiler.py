@@ -71,15 +71,17 @@ class GrammarSpec:
 
 
 class GrammarCompiler:
-    """Compiles `GrammarSpec`s for one tokenizer (thread-safe; xgrammar caches what it compiled,
-    so a schema seen before costs a lookup)."""
+    """Compiles `GrammarSpec`s for one tokenizer (thread-safe). Every call compiles: what is
+    kept, and for how long, is `BoundedCompiler`'s cache, bounded in bytes, where xgrammar's own
+    would keep every grammar ever compiled."""
 
     def __init__(
         self, info: xgrammar.TokenizerInfo, encode: Callable[[str], Sequence[int]]
     ) -> None:
         # text -> token ids, as the tokenizer spells it (the forced-text drafts)
         self.encode = encode
-        self._compiler = xgrammar.GrammarCompiler(info)
+        self.info = info  # what a compile worker process rebuilds its compiler from
+        self._compiler = new_xgrammar_compiler(info)
 
     @classmethod
     def for_tokenizer(
@@ -128,25 +130,34 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
         """The compiled grammar, or `GrammarError` naming `spec.field`."""
-        try:
-            if spec.kind == "json_object":
-                return self._compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False, strict_mode=False
-                )
-            if spec.kind == "json_schema":
-                check_schema(spec.source, spec.field)
-                return self._compiler.compile_json_schema(
-                    spec.source, any_whitespace=False, strict_mode=True
-                )
-            if spec.kind == "structural_tag":
-                return self._compiler.compile_structural_tag(spec.source)
-            if spec.kind == "regex":
-                return self._compiler.compile_regex(spec.source)
-        except GrammarError:
-            raise
-        except Exception as error:  # xgrammar's own messages say what it could not take
-            raise GrammarError(f"cannot be compiled: {_last_line(error)}", spec.field) from error
-        raise GrammarError(f"unknown kind {spec.kind!r}", spec.field)
+        return compile_spec(self._compiler, spec)
+
+
+def new_xgrammar_compiler(info: xgrammar.TokenizerInfo) -> xgrammar.GrammarCompiler:
+    """xgrammar's compiler on one thread (a compile never takes more than one core from the
+    engine) without its unbounded cache."""
+    return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+def compile_spec(compiler: xgrammar.GrammarCompiler, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
+    """`spec` compiled by `compiler`, or `GrammarError` naming `spec.field`."""
+    try:
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False
+            )
+        if spec.kind == "json_schema":
+            check_schema(spec.source, spec.field)
+            return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(spec.source)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.source)
+    except GrammarError:
+        raise
+    except Exception as error:  # xgrammar's own messages say what it could not take
+        raise GrammarError(f"cannot be compiled: {_last_line(error)}", spec.field) from error
+    raise GrammarError(f"unknown kind {spec.kind!r}", spec.field)
 
 
 def check_schema(source: str, field: str) -> None:

@@ -87,3 +87,23 @@ def reference_constrained(
             if token == EOS:
                 break
     return ids[len(prompt) :]
+
+
+def slow_schema(depth: int, salt: int = 0) -> dict[str, Any]:
+    """A schema whose compile time grows about threefold a level (objects of three patterned
+    strings, two of them objects again), while its text stays small: the hostile kind the
+    compile time limit is for."""
+    if depth == 0:
+        return {"type": "string", "pattern": f"[a-z]{{1,{8 + salt % 5}}}"}
+    properties = {
+        f"k{salt}_{depth}_{i}": slow_schema(depth - 1 if i < 2 else 0, salt + i) for i in range(3)
+    }
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def nested_schema(depth: int) -> dict[str, Any]:
+    """Objects nested `depth` deep, one property each."""
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
