@@ -22,7 +22,7 @@ from service.model.runner import ModelRunner
 from service.model.tables import model_fingerprint
 
 # a pass of more than one token costs this share of a one-token pass more
-STEP_SHARE = {"cpu": 0.75, "cuda": 0.1}
+STEP_SHARE = {"cpu": 0.85, "cuda": 0.1}
 # and each token beyond the first this share
 EXTRA_TOKEN_SHARE = {"cpu": 0.16, "cuda": 0.01}
 ONE_TOKEN_SECONDS = {"cpu": 0.02, "cuda": 0.005}  # the level; calibration corrects it live
