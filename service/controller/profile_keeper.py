@@ -279,5 +279,5 @@ class ProfileKeeper:
 
     def _keeping(self) -> str:
         if self.profile is None:
-            return "auto mode decodes plainly until a measurement passes"
+            return "auto mode prices trees with the default profile until a measurement passes"
         return "the previous valid cost profile stays in use"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -442,47 +441,14 @@ def test_greedy_text_is_the_same_whatever_the_speculation(server: str, direct, s
     assert reply["choices"][0]["message"]["content"] == direct(MESSAGES)[0]
 
 
-@pytest.fixture(scope="module")
-def auto_server(embedded):
-    """A server in auto mode with a real cost profile: the one this machine's profiler
-    measured into the cache directory (as the embedded weights are converted there once),
-    measured now by the server's own warm-up if there is none yet."""
-    settings = Settings(
-        spec_mode="auto",
-        max_tokens=64,
-        model_tables=False,
-        cost_profile=True,
-        default_temperature=0.0,
-    )
-    with serving(create_app(settings, loader=lambda _: embedded)) as base:
-        wait_ready(base)
-        # a measurement takes a minute or two on a small CPU once other work's load holds steady,
-        # at whatever level (a neighbour that keeps changing defers it: then this test fails)
-        wait_until(lambda: httpx.get(f"{base}/health").json()["cost_profile"], timeout=600)
-        state = httpx.get(f"{base}/health").json()["cost_profile_state"]
-        assert state["valid"] and state["valid_since"] <= time.time() and not state["remeasuring"]
-        yield base
-
-
 @pytest.mark.slow
-def test_auto_speculates_on_a_copy_task_and_keeps_the_greedy_text(auto_server: str, direct) -> None:
-    """A copy task is where drafts pay even where every token costs (a CPU), so the controller
-    must speculate on it; without a profile auto decodes plainly and accepts nothing."""
-    body = {"messages": COPY, "max_tokens": 64, "speculation": {"mode": "auto", "k": 8, "w": 6}}
-    reply = httpx.post(f"{auto_server}/v1/chat/completions", json=body, timeout=120).json()
-    choice = reply["choices"][0]
-    stats = choice["speculative_decoding_stats"]
-    print(f"\nauto on a copy task: {stats}")
-    assert choice["message"]["content"] == direct(COPY, max_tokens=64)[0]
-    assert stats["num_accepted_draft_tokens"] > 0
-
-
-@pytest.mark.slow
-def test_auto_speculates_on_the_default_profile_before_one_is_measured(
+def test_auto_speculates_on_a_copy_task_and_keeps_the_greedy_text(
     embedded, direct, tmp_path
 ) -> None:
-    """A server with no saved profile prices trees with its device class's conservative one
-    from the first request, and still keeps the greedy text."""
+    """A copy task is where drafts pay even where every token costs (a CPU), so the controller
+    must speculate on it, and from the first request: a server with no saved profile prices
+    trees with its device class's conservative one until its own is measured (without any,
+    auto decodes plainly and accepts nothing)."""
     settings = Settings(
         spec_mode="auto",
         max_tokens=64,
