@@ -30,9 +30,8 @@ from service.grammar.limits import GrammarLimits, cache_key, check_limits
 from service.grammar.worker import CompileWorker, lowest_priority
 
 Key = tuple[str, str]
-FIRST_START_TIMEOUT = (
-    120.0  # seconds a server's new worker may take to import and read the vocabulary
-)
+# seconds a server's new worker may take to import and read the vocabulary
+FIRST_START_TIMEOUT = 120.0
 
 
 class GrammarBusy(Exception):
