@@ -1,11 +1,9 @@
 """Shared fixtures: a tiny random Llama (fast, no download) and the embedded model (slow)."""
 
-from __future__ import annotations  # noqa: I001 - `service` loads before torch, below
+from __future__ import annotations
 
 import os
 
-# first: it sets OpenMP's wait policy before torch loads its runtime (service/__init__.py)
-import service  # noqa: F401
 import pytest
 from transformers import LlamaForCausalLM
 
