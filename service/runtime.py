@@ -249,6 +249,13 @@ class Runtime:
     ) -> Runtime:
         """`engine` behind its worker, which warms up (the cost profile's keeper, `tables`) while
         idle."""
+        # the grammar workers start first: their start (spawned processes) is not raced by the
+        # engine's warm-up
+        grammars = (
+            None
+            if engine.grammars is None
+            else BoundedCompiler(engine.grammars, config.grammar_limits)
+        )
         keeper = profile_keeper(engine, config)
         async_engine = AsyncEngine(
             engine,
@@ -256,11 +263,6 @@ class Runtime:
             config.request_timeout,
             warm_up(engine, keeper, tables),
             on_step,
-        )
-        grammars = (
-            None
-            if engine.grammars is None
-            else BoundedCompiler(engine.grammars, config.grammar_limits)
         )
         return cls(loaded, engine, async_engine, keeper, pod, grammars)
 

@@ -9,21 +9,23 @@ the equal-rows curve is the row's own attention call (or the padding of every ro
 controller charges to a row's first node (`CostProfile.wide_row_seconds`).
 
 The controller trades tokens against *ratios* of costs, so the ratios must survive a busy
-machine: each repeat times every size in turn (a slow spell hits all sizes alike), and a size's
-cost is the mean of its two fastest repeats. Other work on the machine (a neighbour on a shared
-host, stolen CPU time) only ever adds time to a pass, so the fastest repeats are the pass's own
-cost: on a VM with stolen time the two fastest repeats agree closely where the middle half of
-the repeats spreads widely (docs/benchmarks.md, "Cost profile robustness"). The live slowdown
-from that other work is the calibration's load level, not the profile's business. The result is
-validated before it is trusted or saved — costs must not fall as passes grow (within noise),
-must not fall as context grows (a profile whose short-context passes look slower than long ones
-was measured under changing load), and the two fastest repeats must agree (a machine so busy
-that not even two repeats ran undisturbed). A profile that fails is never saved, and a server
-never puts one in use (`profile_keeper.py`); nor is one saved that other work on the cores may
-have bent (`measure_profile` with a `MachineLoad`). Measurement is a generator of small
-increments, so the engine runs it between steps, only while idle; `probe_steps` times a few of
-the profile's shapes again, to tell a neighbour's passing slowdown from relative costs that
-changed.
+machine, and they do when every pass is timed against the same small reference pass (one row,
+one token, the shortest context) run right after it: a neighbour on a shared host, stolen CPU
+time or a core kept busy by other work slow the pass and the references either side of it
+alike, so their ratio holds whatever the load level, and a size's cost is the median of its
+repeats' ratios times the reference's own cost (the mean of its two fastest runs: other work
+only ever adds time). Without it a steady neighbour left each (rows, L) sweep priced at the
+load level of its own minutes (docs/benchmarks.md, "Profiling beside a busy core"). The live
+slowdown from that other work is the calibration's load level, not the profile's business.
+The result is validated before it is trusted or saved — costs must not fall as passes grow
+(within noise), must not fall as context grows (a profile whose short-context passes look
+slower than long ones was measured under changing load), and a size's repeats must agree (their
+median deviation within the noise: a machine whose load changed faster than a pass). A profile
+that fails is never saved, and a server never puts one in use (`profile_keeper.py`); nor is one
+saved that other work on the cores may have bent (`measure_profile` with a `MachineLoad`).
+Measurement is a generator of small increments, so the engine runs it between steps, only while
+idle; `probe_steps` times a few of the profile's shapes again, to tell a neighbour's passing
+slowdown from relative costs that changed.
 """
 
 from __future__ import annotations
@@ -109,8 +111,9 @@ def measure_steps(
     (`profiled_rows`) unless given."""
     rows = profiled_rows(runner.device) if rows is None else rows
     generator = torch.Generator().manual_seed(0)
-    samples: dict[tuple[int, int], list[list[float]]] = {}
-    wide_samples: dict[tuple[int, int], list[float]] = {}
+    reference = _ReferencePass(runner, context_lengths[0], generator)
+    ratios: dict[tuple[int, int], list[list[float]]] = {}  # each repeat over the reference
+    wide_ratios: dict[tuple[int, int], list[float]] = {}
     for count, length in itertools.product(rows, context_lengths):
         cache = _filled_cache(runner, count, length)
         passes = [
@@ -127,16 +130,16 @@ def measure_steps(
         )
         for trees in passes + wide:  # warm-up
             _timed_pass(runner, cache, trees)
-        cells = samples.setdefault((count, length), [[] for _ in passes])
+        cells = ratios.setdefault((count, length), [[] for _ in passes])
         for _ in range(repeats):
             for index, trees in enumerate(passes):
-                cells[index].append(_timed_pass(runner, cache, trees))
+                cells[index].append(reference.relative(cache, trees))
             for trees in wide * WIDE_PAIRS:  # paired with the plain pass beside it: drift cancels
-                extra = _timed_pass(runner, cache, trees) - _timed_pass(runner, cache, passes[0])
-                wide_samples.setdefault((count, length), []).append(extra)
+                extra = reference.relative(cache, trees) - reference.relative(cache, passes[0])
+                wide_ratios.setdefault((count, length), []).append(extra)
             yield
         costs = " ".join(
-            f"n{n}={own_cost(c) * 1e3:.0f}ms"
+            f"n{n}={statistics.median(c) * reference.seconds * 1e3:.0f}ms"
             for n, c in zip(pass_sizes(count, runner.device), cells)
         )
         log.info("profiled rows=%d L=%d: %s", count, length, costs)
@@ -145,18 +148,26 @@ def measure_steps(
         context_lengths=list(context_lengths),
         tree_sizes=[pass_sizes(r, runner.device) for r in rows],
         seconds=[
-            [[own_cost(c) for c in samples[(r, length)]] for length in context_lengths]
+            [
+                [statistics.median(c) * reference.seconds for c in ratios[(r, length)]]
+                for length in context_lengths
+            ]
             for r in rows
         ],
         device=device_name(runner.device),
         model=model_fingerprint(runner.model),
         dtype=str(runner.dtype),
     )
-    problems = validate(profile, samples)
+    problems = validate(profile, ratios)
     equal_rows = _monotone(profile)
     wide_row_seconds = [
         [
-            _wide_row_cost(equal_rows, r, length, wide_samples.get((r, length)))
+            _wide_row_cost(
+                equal_rows,
+                r,
+                length,
+                [extra * reference.seconds for extra in wide_ratios.get((r, length), [])],
+            )
             for length in context_lengths
         ]
         for r in rows
@@ -168,9 +179,7 @@ def measure_steps(
     return dataclasses.replace(equal_rows, wide_row_seconds=wide_row_seconds), problems
 
 
-def _wide_row_cost(
-    equal_rows: CostProfile, rows: int, length: int, extras: list[float] | None
-) -> float:
+def _wide_row_cost(equal_rows: CostProfile, rows: int, length: int, extras: list[float]) -> float:
     """What the pass with one wide row measured over the plain pass, less what the equal-rows
     curve charges its extra tokens."""
     if not extras:
@@ -240,7 +249,8 @@ def measure_profile(
 def validate(
     profile: CostProfile, samples: dict[tuple[int, int], list[list[float]]] | None = None
 ) -> list[str]:
-    """What makes `profile` untrustworthy (nothing if it is fine)."""
+    """What makes `profile` untrustworthy (nothing if it is fine); `samples`: each size's repeats
+    per (rows, L), in any unit."""
     problems = []
     for r, table in zip(profile.rows, profile.seconds):
         for length, row in zip(profile.context_lengths, table):
@@ -254,10 +264,10 @@ def validate(
                     f"longer context measured cheaper: {_ms(column)}"
                 )
     for (r, length), cells in (samples or {}).items():
-        gap = statistics.median(_fastest_gap(c) for c in cells)
-        if gap > NOISE:
+        spread = statistics.median(_spread(c) for c in cells)
+        if spread > NOISE:
             problems.append(
-                f"rows={r} L={length}: the fastest repeats disagree (median gap {gap:.0%})"
+                f"rows={r} L={length}: the repeats disagree (median deviation {spread:.0%})"
             )
     return problems
 
@@ -268,10 +278,11 @@ def own_cost(values: Sequence[float]) -> float:
     return statistics.fmean(sorted(values)[:2])
 
 
-def _fastest_gap(values: Sequence[float]) -> float:
-    """How far the second-fastest repeat is above the fastest, relative to it."""
-    fastest = sorted(values)[:2]
-    return fastest[-1] / fastest[0] - 1
+def _spread(values: Sequence[float]) -> float:
+    """How far the repeats lie from their median, relative to it (the median absolute
+    deviation: up to half the repeats may be outliers without widening it)."""
+    middle = statistics.median(values)
+    return statistics.median(abs(v - middle) for v in values) / middle
 
 
 def _ms(values: Sequence[float]) -> str:
@@ -298,6 +309,30 @@ def _chains(runner: ModelRunner, rows: int, m: int, generator: torch.Generator) 
         RowInput(chain_tree(torch.randint(runner.vocab_size, (m,), generator=generator).tolist()))
         for _ in range(rows)
     ]
+
+
+class _ReferencePass:
+    """The pass every measured pass is timed against: one row of one token at context `length`,
+    on a cache of its own, run after each measured pass."""
+
+    def __init__(self, runner: ModelRunner, length: int, generator: torch.Generator) -> None:
+        self.runner = runner
+        self.cache = _filled_cache(runner, 1, length)
+        self.trees = _chains(runner, 1, 1, generator)
+        _timed_pass(runner, self.cache, self.trees)  # warm-up
+        self.times = [_timed_pass(runner, self.cache, self.trees)]
+
+    def relative(self, cache: TreeKVCache, rows: list[RowInput]) -> float:
+        """A pass of `rows` on `cache`, timed over the mean of the reference passes either side
+        of it."""
+        elapsed = _timed_pass(self.runner, cache, rows)
+        self.times.append(_timed_pass(self.runner, self.cache, self.trees))
+        return elapsed / statistics.fmean(self.times[-2:])
+
+    @property
+    def seconds(self) -> float:
+        """The reference pass's own cost."""
+        return own_cost(self.times)
 
 
 def _timed_pass(runner: ModelRunner, cache: TreeKVCache, rows: list[RowInput]) -> float:

@@ -370,6 +370,9 @@ def test_build_steps_bake_a_cache_that_a_non_root_server_uses_as_is(scratch: Pat
         assert probe.returncode == 0, (
             f"the cost profile could not be kept in the writable cache: {probe.stderr}"
         )
+        # the worker logs the tables from its thread, the app its readiness once the runtime is
+        # assembled (the grammar workers started): either may come first
+        _wait_for(serve_log, r"ready: \S+ \(loaded in", server, 60)
         assert httpx.get(f"{base}/ready", timeout=10).status_code == 200
         reply = httpx.post(
             f"{base}/v1/chat/completions",
