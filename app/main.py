@@ -103,6 +103,8 @@ async def _load(
     )
     app.state.metrics.watch_profile(lambda: runtime.warm_up_state.profile)
     app.state.metrics.watch_kv_cache(runtime.async_engine.engine.scheduler)
+    if runtime.async_engine.engine.mixer.suffix is not None:
+        app.state.metrics.watch_suffix_index(runtime.async_engine.engine.mixer.suffix)
     app.state.runtime = runtime
     log.info("ready: %s (loaded in %.1f s)", app.state.model_name, runtime.loaded.load_seconds)
 

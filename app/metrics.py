@@ -9,6 +9,7 @@ registry (one worker process per server), so tests can build many apps side by s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request, Response
 from prometheus_client import (
@@ -16,6 +17,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -26,6 +28,9 @@ from app.auth import metrics_identity
 from service.controller.profile_keeper import OUTCOMES, ProfileState
 from service.engine.outputs import RoundOutput, StepStats
 from service.engine.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from drafting.suffix import SuffixIndex
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 PASS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -47,6 +52,8 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_resident_memory_bytes, process_cpu_seconds_total, open fds: the standard series
+        ProcessCollector(registry=r)
         self.num_drafts = Counter(
             "ngrammys_spec_decode_num_drafts", "Rounds that verified drafts", registry=r
         )
@@ -170,6 +177,14 @@ class Metrics:
         """Read the KV usage and the prefix cache's counters from the scheduler at scrape time."""
         self.registry.register(_KVCacheCollector(scheduler))
 
+    def watch_suffix_index(self, index: SuffixIndex) -> None:
+        """Export the cross-request suffix index's size (fixed at its capacity)."""
+        Gauge(
+            "ngrammys_suffix_index_bytes",
+            "Bytes held by the cross-request suffix index (fixed by --suffix-cache-tokens)",
+            registry=self.registry,
+        ).set_function(lambda: index.nbytes)
+
     def record_step(self, stats: StepStats) -> None:
         """One pass of the engine (called on the engine's thread; the client is thread-safe)."""
         self.forward.labels(tree_size_bucket(stats.tokens)).observe(stats.pass_seconds)
@@ -238,6 +253,11 @@ class _KVCacheCollector:
                 "Share of the KV cache budget the running requests may reach (1 = full)",
                 value=usage,
             )
+        yield GaugeMetricFamily(
+            "ngrammys_kv_cache_bytes",
+            "Bytes held by the running requests' KV buffers (0 while idle)",
+            value=self.scheduler.cache.nbytes,
+        )
         prefix = self.scheduler.prefix
         if prefix is None:
             return

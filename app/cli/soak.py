@@ -33,12 +33,6 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "start one here, with a key of its own)",
     )
     parser.add_argument("--api-key", default=None, help="a key of the --url server")
-    parser.add_argument(
-        "--server-pid",
-        type=int,
-        default=None,
-        help="the --url server's process, when it runs on this machine: its RSS is reported",
-    )
     model_flags(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
 
@@ -51,16 +45,14 @@ def run(args: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
     if args.url and not args.api_key:
         sys.exit("ngrammys soak: --url needs --api-key (the soak sends wrong keys too)")
-    pids: list[int] = [args.server_pid] if args.server_pid else []
     key = args.api_key or secrets.token_urlsafe(16)
     server = (
         nullcontext(args.url)
         if args.url
-        else serving_process(["--api-keys", key, *model_serve_flags(args)], started=pids.append)
+        else serving_process(["--api-keys", key, *model_serve_flags(args)])
     )
     passed = soak.run_command(
         server,
-        lambda: pids[0] if pids else None,
         key,
         args.minutes,
         args.window_seconds,

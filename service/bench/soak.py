@@ -1,10 +1,10 @@
 """`ngrammys soak`: minutes of mixed traffic against one server, reported window by window.
 
 `clients` clients each send their planned requests (`soak_traffic.plan`) one after another until
-the run's time is up; at the end of every window the server is sampled: its RSS (read from
-/proc for a server process on this machine: the server exports no process metrics) and its KV
-and prefix-cache series from /metrics. A request belongs to the window it ends in (the last
-window takes those still running when time is up). The report (`soak_report`) judges the goals.
+the run's time is up; at the end of every window the server's memory is read from its /metrics:
+its resident memory, the running requests' KV, the prefix cache and the suffix index. A request
+belongs to the window it ends in (the last window takes those still running when time is up).
+The report (`soak_report`) judges the goals.
 """
 
 from __future__ import annotations
@@ -33,18 +33,6 @@ from service.bench.soak_traffic import Outcome, plan, send
 REQUEST_TIMEOUT = 300.0  # seconds; past it a request counts as unanswered
 
 
-def rss_bytes(pid: int | None) -> int | None:
-    """Process `pid`'s resident memory (None: no pid, or no such process here)."""
-    if pid is None:
-        return None
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    line = next((x for x in status.splitlines() if x.startswith("VmRSS:")), None)
-    return None if line is None else int(line.split()[1]) * 1024
-
-
 def metric(text: str, name: str) -> float | None:
     """The value of the unlabelled series `name` in a Prometheus text exposition."""
     for line in text.splitlines():
@@ -53,7 +41,7 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
-async def sample_server(client: httpx.AsyncClient, api_key: str, pid: int | None) -> ServerSample:
+async def sample_server(client: httpx.AsyncClient, api_key: str) -> ServerSample:
     """The server's memory now; a figure it does not give (or a failed scrape) is None."""
     try:
         response = await client.get("/metrics", headers={"Authorization": f"Bearer {api_key}"})
@@ -61,9 +49,11 @@ async def sample_server(client: httpx.AsyncClient, api_key: str, pid: int | None
     except httpx.TransportError:
         text = ""
     return ServerSample(
-        rss_bytes(pid),
+        metric(text, "process_resident_memory_bytes"),
         metric(text, "ngrammys_kv_cache_usage_perc"),
+        metric(text, "ngrammys_kv_cache_bytes"),
         metric(text, "ngrammys_prefix_cache_bytes"),
+        metric(text, "ngrammys_suffix_index_bytes"),
     )
 
 
@@ -74,11 +64,10 @@ async def soak(
     window_seconds: float,
     clients: int,
     max_tokens: int,
-    pid: int | None = None,
     progress: Callable[[str], None] = lambda row: None,
 ) -> SoakReport:
-    """Run the mixed traffic for `seconds` against `base_url` (a server with `api_key`, whose
-    process is `pid` when it runs here), `progress` told each window's row as it closes."""
+    """Run the mixed traffic for `seconds` against `base_url` (a server with `api_key`),
+    `progress` told each window's row as it closes."""
     windows = max(1, math.ceil(seconds / window_seconds))
     outcomes: list[Outcome] = []
     samples: list[ServerSample] = []
@@ -99,7 +88,7 @@ async def soak(
             for index in range(windows):
                 end = started + min((index + 1) * window_seconds, seconds)
                 await asyncio.sleep(max(0.0, end - time.monotonic()))
-                samples.append(await sample_server(client, api_key, pid))
+                samples.append(await sample_server(client, api_key))
                 window = _window(index, started, window_seconds, seconds, outcomes, samples)
                 progress(window_row(window))
 
@@ -132,7 +121,6 @@ def _window(
 
 def run_command(
     server: AbstractContextManager[str],
-    pid: Callable[[], int | None],
     api_key: str,
     minutes: float,
     window_seconds: float,
@@ -141,10 +129,9 @@ def run_command(
     json_path: Path | None,
 ) -> bool:
     """`ngrammys soak`: the run against the server `server` yields, from the moment it is
-    ready (`pid` names its process once it runs, if on this machine), a row a window as it
-    closes, then the report; whether every goal held. The server's warm-up (its draft tables,
-    its cost profile: on a busy machine a measurement may be retried for long) is not waited
-    for: it runs in the first window, which the goals leave out."""
+    ready, a row a window as it closes, then the report; whether every goal held. The server's
+    warm-up (its draft tables, its cost profile: on a busy machine a measurement may be retried
+    for long) is not waited for: it runs in the first window, which the goals leave out."""
     with server as base:
         wait_warm(base, warm_up=False)
         print(
@@ -161,7 +148,6 @@ def run_command(
                 window_seconds,
                 clients,
                 max_tokens,
-                pid(),
                 progress=lambda row: print(row, flush=True),
             )
         )

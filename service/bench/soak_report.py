@@ -28,9 +28,11 @@ STATUS_CLASSES = ("2xx", "4xx", "5xx", "no answer")
 class ServerSample:
     """The server's memory at a window's end (None: not available there)."""
 
-    rss_bytes: int | None = None
+    rss_bytes: float | None = None
     kv_usage: float | None = None  # share of the KV budget the running requests may reach
+    kv_bytes: float | None = None  # the running requests' KV buffers
     prefix_cache_bytes: float | None = None
+    suffix_index_bytes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -145,8 +147,9 @@ def _growth(name: str, second, last, limit: float, show) -> Goal:  # type: ignor
 
 HEADER = (
     "| window | end (s) | requests | 2xx | 4xx | 5xx | no answer | left mid-stream "
-    "| unexpected | good p50 (ms) | good p99 (ms) | RSS (MiB) | KV use (%) "
-    "| prefix cache (MiB) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| unexpected | good p50 (ms) | good p99 (ms) | RSS (MiB) | KV use (%) | KV (MiB) "
+    "| prefix cache (MiB) | suffix index (MiB) |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -161,7 +164,8 @@ def window_row(w: Window) -> str:
         f"| {' | '.join(str(w.statuses[name]) for name in STATUS_CLASSES)} | {w.left} "
         f"| {w.unexpected} | {_cell(w.good_p50_ms)} | {_cell(w.good_p99_ms)} "
         f"| {_cell(s.rss_bytes, 2**20)} | {_cell(s.kv_usage, 0.01, 1)} "
-        f"| {_cell(s.prefix_cache_bytes, 2**20, 1)} |"
+        f"| {_cell(s.kv_bytes, 2**20, 1)} | {_cell(s.prefix_cache_bytes, 2**20, 1)} "
+        f"| {_cell(s.suffix_index_bytes, 2**20, 1)} |"
     )
 
 

@@ -49,6 +49,16 @@ EXPECTED = {  # name -> type, as issue-level contract
     "ngrammys_prefix_cache_queries": "counter",
     "ngrammys_prefix_cache_hits": "counter",
     "ngrammys_prefix_cache_bytes": "gauge",
+    "ngrammys_kv_cache_bytes": "gauge",
+    "ngrammys_suffix_index_bytes": "gauge",
+}
+PROCESS = {  # prometheus_client's standard process series (Linux)
+    "process_virtual_memory_bytes": "gauge",
+    "process_resident_memory_bytes": "gauge",
+    "process_start_time_seconds": "gauge",
+    "process_cpu_seconds": "counter",
+    "process_open_fds": "gauge",
+    "process_max_fds": "gauge",
 }
 
 
@@ -87,7 +97,8 @@ def traffic(base: str) -> None:
 def test_every_metric_is_exported_with_its_type_and_promtool_agrees(server: str) -> None:
     traffic(server)
     text = httpx.get(f"{server}/metrics").text
-    assert exported_types(text) == EXPECTED  # all of them, and nothing else (no `_created` noise)
+    # all of them, and nothing else (no `_created` noise)
+    assert exported_types(text) == EXPECTED | PROCESS
     assert (
         'ngrammys_requests_total{status="ok"}' in text
         and 'ngrammys_requests_total{status="invalid"}' in text
