@@ -34,7 +34,7 @@ from app.schemas import (
 )
 from app.tool_parsing import CALL_CLOSE, CALL_OPEN, ToolCallStream
 from service.grammar import GrammarError, GrammarSpec
-from service.grammar.compiler import check_schema
+from service.grammar.compiler import check_schema_value, json_source
 from service.model.prompts import chat_prompt_ids, renders_tools
 
 NO_ARGUMENTS = {"type": "object"}  # a function without `parameters` (strict: only `{}`)
@@ -107,9 +107,8 @@ def tool_use(body: ChatCompletionRequest) -> ToolUse:
     for index, tool in enumerate(tools):
         if named in (None, tool.name):
             try:
-                check_schema(
-                    json.dumps(tool.parameters or NO_ARGUMENTS),
-                    f"tools.{index}.function.parameters",
+                check_schema_value(
+                    tool.parameters or NO_ARGUMENTS, f"tools.{index}.function.parameters"
                 )
             except GrammarError as error:
                 raise ApiError(400, str(error), param=error.field) from error
@@ -246,7 +245,7 @@ def _generic_grammar(use: ToolUse) -> GrammarSpec:
         calling if use.required else {"anyOf": [calling, _object({"content": {"type": "string"}})]}
     )
     schema["$defs"] = _argument_defs(use.allowed)
-    return GrammarSpec("json_schema", json.dumps(schema), field="tools")
+    return GrammarSpec("json_schema", json_source(schema), field="tools")
 
 
 # --- Hermes blocks ------------------------------------------------------------------------
@@ -277,7 +276,7 @@ def _hermes_grammar(use: ToolUse) -> GrammarSpec:
         "stop_after_first": not use.parallel,
     }
     return GrammarSpec(
-        "structural_tag", json.dumps({"type": "structural_tag", "format": blocks}), field="tools"
+        "structural_tag", json_source({"type": "structural_tag", "format": blocks}), field="tools"
     )
 
 

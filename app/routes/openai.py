@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +50,7 @@ from service.engine.params import (
 )
 from service.engine.scheduler import DoesNotFit
 from service.grammar import GrammarBusy, GrammarError, GrammarSpec
+from service.grammar.compiler import json_source
 from service.runtime import Runtime
 
 router = APIRouter(
@@ -232,7 +232,7 @@ def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
     if isinstance(response_format, JsonSchemaFormat):
         return GrammarSpec(
             "json_schema",
-            json.dumps(response_format.json_schema.json_schema),
+            json_source(response_format.json_schema.json_schema),
             field="response_format.json_schema.schema",
         )
     return None

@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from service.grammar.compiler import GrammarError, GrammarSpec
+from service.grammar.compiler import GrammarError, GrammarSpec, json_source
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _BRACKET = re.compile(r"[][{}]")
@@ -67,7 +67,7 @@ def cache_key(spec: GrammarSpec) -> tuple[str, str]:
     are generated in it)."""
     if spec.kind in ("json_schema", "structural_tag"):
         try:
-            return spec.kind, json.dumps(json.loads(spec.source), separators=(",", ":"))
+            return spec.kind, json_source(json.loads(spec.source))
         except (ValueError, RecursionError):
             pass  # not JSON: compiled as it is (and refused by the compile)
     return spec.kind, spec.source

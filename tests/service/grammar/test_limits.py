@@ -1,5 +1,5 @@
-"""The checks made before any compile: a source's bytes and its JSON nesting, and the cache key
-that lets equal grammars share one compile."""
+"""The checks made before any compile: a source's bytes and its JSON nesting, the cache key
+that lets equal grammars share one compile, and the source text a schema is written to."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import pytest
 
 from service.grammar import GrammarError, GrammarLimits, GrammarSpec
+from service.grammar.compiler import json_source
 from service.grammar.limits import cache_key, check_limits, json_depth
 from tests.helpers.grammar import nested_schema
 
@@ -43,3 +44,18 @@ def test_equal_grammars_written_apart_share_a_key_and_keep_their_order() -> None
     reordered = GrammarSpec("json_schema", '{"a": {"c": 2}, "b": 1}')
     assert cache_key(spaced) == cache_key(tight) != cache_key(reordered)
     assert cache_key(GrammarSpec("regex", "a+")) != cache_key(GrammarSpec("regex", "a+ "))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"b": {"enum": ["é", "雪", "\u2028"]}, "a": [1, 2.5, None, True]},
+        {"maximum": 10**30, "minimum": -(2**70), "properties": {"x": {"type": "integer"}}},
+    ],
+)
+def test_a_schema_is_written_compact_in_its_order_and_reads_back_equal(value) -> None:
+    """orjson writes it; integers past 64 bits, which orjson refuses, take json.dumps."""
+    source = json_source(value)
+    assert json.loads(source) == value
+    assert list(json.loads(source)) == list(value)
+    assert source == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
