@@ -1,8 +1,10 @@
-"""Linear layers that keep a GGUF's Q4_1 blocks packed and compute with them (CPU fast path).
+"""Linear layers that keep a GGUF's blocks packed and compute with them (CPU fast path).
 
 `--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
-layers' weights exactly as the file stores them: 4-bit blocks of 32 weights with a float16 scale
-d and min m, w = d*q + m. A pass then reads ~0.6 bytes per weight instead of float32's 4, and
+layers' weights as the file stores them, re-laid exactly into one of two kernel layouts
+(`service/kernels/gguf_blocks.py`: Q4_0, Q4_1 and Q4_K take the 4-bit one, 32 weights with a
+scale d and min m, w = d*q + m; Q5_0 and Q8_0 the 8-bit one). On the embedded Q4_1 file a pass
+then reads ~0.6 bytes per weight instead of float32's 4, and
 the numba kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and
 applies it to every row of the pass (up to a pass size measured once on each kind of CPU,
 `kernel_max_rows_for`; larger passes dequantize the layer and call `F.linear`). Without numba
@@ -17,9 +19,10 @@ kernels a row's result does not depend on the pass size, so speculation reproduc
 decoding bit for bit in the linears (trees stay within the kernels on every CPU; where the
 kernels won at every size, prompt chunks and the rows beside them do too).
 
-The LM head is packed too when its tensor is Q4_1 or Q8_0 (here it is tied to the Q8_0 token
-embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the same values).
-Embeddings, norms and tensors of other GGUF types stay as loaded.
+The LM head is packed too when its type is one of those (the embedded file's is tied to the
+Q8_0 token embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the
+same values). Embeddings, norms and linears of other GGUF types (Q6_K in llama.cpp's Q4_K_M
+preset, for one) stay as loaded, in float32.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from service.cache_files import (
     write_atomically,
     write_checked_json,
 )
+from service.kernels.gguf_blocks import BLOCK_TYPES, unpack
 from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul
 from service.kernels.int8_chunk_kernel import warm_up as warm_up_chunks
 from service.kernels.int8_kernel import (
@@ -61,9 +65,8 @@ from service.kernels.packed_kernels_gen import TILE
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
+LAYOUTS = ("Q4_1", "Q8_0")  # the kernels' (every type in `BLOCK_TYPES` takes one)
 PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
-# Q4_1: f16 d, f16 m, 16 bytes of nibbles; Q8_0: f16 d, 32 int8
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 # Passes above this many rows may dequantize the layer and call F.linear (prefill-sized passes,
 # where a BLAS GEMM can be faster than the register-tiled kernel), if the CPU says so at load
 # (`tune_kernel_max_rows`: the kernel is timed against that path at these sizes; on some CPUs
@@ -240,7 +243,7 @@ def _threads() -> int:
 class PackedTiles:
     """GGUF blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
 
-    kind: str  # "Q4_1" or "Q8_0"
+    kind: str  # the kernel layout, "Q4_1" or "Q8_0" (`gguf_blocks`: what each GGUF type takes)
     # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8
     qs: np.ndarray
     d: np.ndarray  # [T, K/32, TILE] float32 scales
@@ -252,41 +255,26 @@ class PackedTiles:
 def tiles_from_blocks(
     raw: np.ndarray, out_features: int, in_features: int, kind: str = "Q4_1"
 ) -> PackedTiles:
-    """`raw`: the GGUF bytes of a weight, [out_features, in_features/32 * block bytes] uint8
-    (row-major blocks, as `gguf.GGUFReader` gives them). Rows are padded to a whole tile with
-    zero blocks (zero weights)."""
-    if kind not in BLOCK_BYTES:
-        raise ValueError(f"unsupported block type {kind}")
-    if in_features % 32:
-        raise ValueError(f"{kind} needs in_features divisible by 32, got {in_features}")
-    size, blocks = BLOCK_BYTES[kind], in_features // 32
-    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(out_features, blocks, size)
+    """`raw`: the GGUF bytes of a `kind` weight [out_features, blocks * block bytes] (row-major
+    blocks, as `gguf.GGUFReader` gives them), in its kernel layout (`gguf_blocks`). Rows are
+    padded to a whole tile with zero groups (zero weights)."""
+    groups = unpack(kind, raw, out_features, in_features)
     tiles = -(-out_features // TILE)
-    padded = np.zeros((tiles * TILE, blocks, size), np.uint8)
-    padded[:out_features] = raw
 
-    def half(
-        offset: int,
-    ) -> np.ndarray:  # float16 at byte `offset` of each block, widened (exactly)
-        return padded[:, :, offset : offset + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    def tiled(a: np.ndarray) -> np.ndarray:  # [rows, groups, ...] -> [T, groups, ..., TILE]
+        padded = np.zeros((tiles * TILE, *a.shape[1:]), a.dtype)
+        padded[:out_features] = a
+        padded = padded.reshape(tiles, TILE, *a.shape[1:])
+        return np.ascontiguousarray(np.moveaxis(padded, 1, -1))
 
-    def tiled(a: np.ndarray) -> np.ndarray:  # [rows, blocks, ...] -> [T, blocks, ..., TILE]
-        a = a.reshape(tiles, TILE, *a.shape[1:])
-        return np.ascontiguousarray(np.moveaxis(a, 1, -1))
-
-    if kind == "Q4_1":
+    if groups.layout == "Q4_1":
+        q = groups.q
+        nibbles = q[..., :16] | (q[..., 16:] << 4)  # byte j: weights j (low) and j + 16
         return PackedTiles(
-            kind, tiled(padded[:, :, 4:]), tiled(half(0)), tiled(half(2)), out_features, in_features
+            "Q4_1", tiled(nibbles), tiled(groups.d), tiled(groups.m), out_features, in_features
         )
     empty = np.zeros((0, 0, 0), np.float32)
-    return PackedTiles(
-        kind,
-        tiled(padded[:, :, 2:].view(np.int8)),
-        tiled(half(0)),
-        empty,
-        out_features,
-        in_features,
-    )
+    return PackedTiles("Q8_0", tiled(groups.q), tiled(groups.d), empty, out_features, in_features)
 
 
 def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
@@ -574,51 +562,53 @@ def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
     return np.arange(n_rows).reshape(n_head, dim, 2).swapaxes(2, 1).reshape(-1)
 
 
-def read_packed_linears(model: nn.Module, gguf_path: Path) -> tuple[dict[str, PackedTiles], int]:
-    """The linear weights of `gguf_path` stored as Q4_1 (and the LM head as Q4_1 or Q8_0: the
-    output tensor, or the token embedding it is tied to) as tiles keyed by the model's module
-    names ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and how many
-    linears are of other types (left as loaded)."""
+def read_packed_linears(
+    model: nn.Module, gguf_path: Path
+) -> tuple[dict[str, PackedTiles], Counter[str], Counter[str]]:
+    """The linear weights of `gguf_path` whose GGUF type the kernels serve (`BLOCK_TYPES`; the
+    LM head too: the output tensor, or the token embedding it is tied to) as tiles keyed by the
+    model's module names ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and
+    how many linears of each GGUF type were packed, and of each type left as loaded."""
     import gguf
 
     config = model.config
     reader = gguf.GGUFReader(gguf_path)
     by_name = {tensor.name: tensor for tensor in reader.tensors}
     tiles: dict[str, PackedTiles] = {}
-    kept = 0
+    packed: Counter[str] = Counter()
+    kept: Counter[str] = Counter()
+
+    def add(name: str, tensor: Any, linear: nn.Module, rows: np.ndarray | None = None) -> None:
+        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+        if kind not in BLOCK_TYPES or getattr(linear, "bias", None) is not None:
+            kept[kind] += 1
+            return
+        out_features, in_features = linear.weight.shape
+        raw = np.asarray(tensor.data).reshape(out_features, -1)
+        tiles[name] = tiles_from_blocks(
+            raw if rows is None else raw[rows], out_features, in_features, kind
+        )
+        packed[kind] += 1
+
     for tensor in reader.tensors:
         parts = tensor.name.split(".")  # blk.{i}.{kind}.weight
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LLAMA_LINEARS:
             continue
         name = f"model.layers.{int(parts[1])}.{LLAMA_LINEARS[parts[2]]}"
         linear = model.get_submodule(name)
-        if (
-            tensor.tensor_type != gguf.GGMLQuantizationType.Q4_1
-            or getattr(linear, "bias", None) is not None
-        ):
-            kept += 1
-            continue
-        out_features, in_features = linear.weight.shape
-        raw = np.asarray(tensor.data).reshape(out_features, -1)
-        if parts[2] == "attn_q":
-            raw = raw[unpermute_rows(out_features, config.num_attention_heads)]
-        elif parts[2] == "attn_k":
-            raw = raw[unpermute_rows(out_features, config.num_key_value_heads)]
-        tiles[name] = tiles_from_blocks(raw, out_features, in_features, "Q4_1")
+        heads = {
+            "attn_q": config.num_attention_heads,
+            "attn_k": config.num_key_value_heads,
+        }.get(parts[2])
+        rows = None if heads is None else unpermute_rows(linear.weight.shape[0], heads)
+        add(name, tensor, linear, rows)
     head = by_name.get("output.weight") or (
         by_name.get("token_embd.weight") if config.tie_word_embeddings else None
     )
     lm_head = getattr(model, "lm_head", None)
-    if head is not None and isinstance(lm_head, nn.Linear) and lm_head.bias is None:
-        kind = gguf.GGMLQuantizationType(head.tensor_type).name
-        if kind in BLOCK_BYTES:
-            out_features, in_features = lm_head.weight.shape
-            tiles["lm_head"] = tiles_from_blocks(
-                np.asarray(head.data).reshape(out_features, -1), out_features, in_features, kind
-            )
-        else:
-            kept += 1
-    return tiles, kept
+    if head is not None and isinstance(lm_head, nn.Linear):
+        add("lm_head", head, lm_head)
+    return tiles, packed, kept
 
 
 def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
@@ -662,7 +652,7 @@ def _load_tiles(path: Path, model: nn.Module) -> dict[str, PackedTiles]:
 
 def _well_formed(t: PackedTiles) -> bool:
     """Whether `t`'s arrays have the kind, dtypes and shapes `tiles_from_blocks` gives."""
-    if t.kind not in BLOCK_BYTES or t.in_features % 32:
+    if t.kind not in LAYOUTS or t.in_features % 32:
         return False
     grid = (-(-t.out_features // TILE), t.in_features // 32)
     q4_1 = t.kind == "Q4_1"
@@ -684,9 +674,10 @@ def pack_gguf_linears(
     use_kernels: bool = True,
     int8_activations: bool = False,
 ) -> int:
-    """Replace every Llama linear whose GGUF tensor is Q4_1, and the LM head when its tensor is
-    Q4_1 or Q8_0, by a `PackedLinear`; returns how many. Other linears are left as loaded;
-    so are the embeddings (a tied LM head gets its own packed copy of the blocks).
+    """Replace every Llama linear, and the LM head, whose GGUF type the kernels serve
+    (`gguf_blocks.BLOCK_TYPES`) by a `PackedLinear`; returns how many. Other linears are left
+    as loaded (float32, logged by type); so are the embeddings (a tied LM head gets its own
+    packed copy of the blocks).
     `int8_activations`: the packed linears compute with 8-bit activations
     (service/kernels/int8_kernel.py).
 
@@ -718,17 +709,24 @@ def pack_gguf_linears(
     )
     from_file = saved is not None
     if saved is not None:
-        tiles, kept = saved, -1
+        tiles = saved
     else:
-        tiles, kept = read_packed_linears(model, gguf_path)
-    if not any(t.kind == "Q4_1" for t in tiles.values()):
-        raise ValueError(f"{gguf_path.name} has no Q4_1 linear weights to keep packed")
+        tiles, packed_types, kept = read_packed_linears(model, gguf_path)
+        log.info(
+            "%s: packing %s linears; %s",
+            gguf_path.name,
+            _counts(packed_types),
+            f"left as loaded (float32): {_counts(kept)}" if kept else "none left as loaded",
+        )
+    if not tiles:
+        raise ValueError(
+            f"{gguf_path.name} has no linear weights of a packed type "
+            f"({', '.join(BLOCK_TYPES)}); serve it with --quantization none"
+        )
     fused_max_rows, kernel_max_rows = 2, KERNEL_MAX_ROWS
-    if kernels is not None:
-        first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
-        tuned = [
-            t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)
-        ]
+    first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
+    tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]
+    if kernels is not None and tuned:  # (the defaults where no early layer is 4-bit)
         fused_max_rows = tune_fused_max_rows(tuned, kernels)
         if not int8_activations:  # (8-bit activations run their own kernels at every size)
             kernel_max_rows = kernel_max_rows_for(tuned, kernels, fused_max_rows, cache_dir)
@@ -746,22 +744,25 @@ def pack_gguf_linears(
         setattr(parent, attr, packed)
     if tiles_file is not None and not from_file:
         _save_tiles(tiles, tiles_file)
-    kinds = Counter(t.kind for t in tiles.values())
+    layouts = Counter(t.kind for t in tiles.values())
     large_passes = (
         "every pass"
         if kernel_max_rows == UNBOUNDED_ROWS
         else f"passes of up to {kernel_max_rows} rows"
     )
     log.info(
-        "packed %s linears (%s)%s",
-        " + ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+        "packed %s linears in the kernels' layouts (%s)",
+        _counts(layouts),
         "8-bit activations (VNNI)"
         if int8_activations
-        else "numba kernels; Q4_1 weights dequantized in registers for passes of up to "
+        else "numba kernels; 4-bit weights dequantized in registers for passes of up to "
         f"{fused_max_rows} rows, "
         f"the kernels for {large_passes}"
         if kernels is not None
         else "torch fallback: numba not installed",
-        f"; kept {kept} of other types" if kept >= 0 else "",
     )
     return len(tiles)
+
+
+def _counts(counts: Counter[str]) -> str:
+    return " + ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))

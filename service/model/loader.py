@@ -135,10 +135,11 @@ def load_model(
 ) -> LoadedModel:
     """Load `source` (a .gguf file, a model directory, or None for the embedded model).
 
-    `quantization="gguf"` then keeps the GGUF's Q4_1 linear weights (and a Q8_0/Q4_1 LM head)
-    packed and computes with them (service/kernels/packed_linear.py; CPU, float32 activations);
-    "gguf-int8" likewise, its Q4_1 linears with 8-bit activations (service/kernels/int8_kernel.py,
-    CPUs with AVX-512 VNNI); "none"
+    `quantization="gguf"` then keeps the GGUF's linear weights (and LM head) of the types the
+    kernels serve (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0: service/kernels/gguf_blocks.py) packed and
+    computes with them (service/kernels/packed_linear.py; CPU, float32 activations; linears of
+    other types stay float32); "gguf-int8" likewise, with 8-bit activations
+    (service/kernels/int8_kernel.py, CPUs with AVX-512 VNNI); "none"
     serves the dequantized weights in `dtype` (by capability when None: `resolve_dtype`); "auto"
     (the default) is gguf for a GGUF model on a CPU when numba is installed and `dtype` is None
     or float32, else none (see `resolve_quantization`).

@@ -19,13 +19,14 @@ def make_tiny_model(
     vocab_size: int = TINY_VOCAB,
     num_layers: int = 2,
     context: int = 512,
+    hidden_size: int = 64,
 ) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights: real attention code, milliseconds per pass."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,

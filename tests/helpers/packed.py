@@ -4,6 +4,7 @@ speculation on a packed model equals its plain decoding."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -18,15 +19,33 @@ from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
 from tests.helpers.models import make_tiny_model
 
+Q4_0 = gguf.GGMLQuantizationType.Q4_0
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
+Q4_K = gguf.GGMLQuantizationType.Q4_K
+Q5_0 = gguf.GGMLQuantizationType.Q5_0
+Q6_K = gguf.GGMLQuantizationType.Q6_K
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+# the K-quants gguf-py cannot write: each block's float16 fields (byte offsets) and a scale that
+# keeps random blocks' weights about as large as a trained layer's
+K_SCALES = {Q4_K: ((0, 2), 1e-4), Q6_K: ((208,), 1e-4)}
 
 
 def random_blocks(out_features: int, in_features: int, seed: int = 0, kind=Q4_1) -> np.ndarray:
-    """GGUF bytes of a random weight, as gguf's own quantizer writes them."""
+    """GGUF bytes of a random weight, as gguf's own quantizer writes them; for the K-quants it
+    cannot write, random blocks (every byte pattern is a valid block) with small positive
+    float16 scales."""
     rng = np.random.default_rng(seed)
-    weight = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
-    return gguf.quants.quantize(weight, kind)
+    if kind not in K_SCALES:
+        weight = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
+        return gguf.quants.quantize(weight, kind)
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    blocks = rng.integers(0, 256, (out_features, in_features // block_weights, block_bytes))
+    blocks = blocks.astype(np.uint8)
+    offsets, scale = K_SCALES[kind]
+    for offset in offsets:
+        halves = rng.uniform(0.5, 1.0, blocks.shape[:2]) * scale
+        blocks[..., offset : offset + 2] = halves.astype(np.float16)[..., None].view(np.uint8)
+    return blocks.reshape(out_features, -1)
 
 
 def reference(blocks: np.ndarray, x: torch.Tensor, kind=Q4_1) -> torch.Tensor:
@@ -44,11 +63,18 @@ def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def write_tiny_gguf(model, path: Path, loadable: bool = False) -> None:
-    """Quantize the tiny Llama's linears to Q4_1 and its LM head to Q8_0 into a GGUF (llama.cpp's
-    names and q/k permutation), and set the model's weights to exactly what that file holds.
-    `loadable`: with the rest a served model needs (`_add_model_rest`), so that `load_model`
-    converts and serves the file."""
+def write_tiny_gguf(
+    model,
+    path: Path,
+    loadable: bool = False,
+    linear_type: Callable[[int, str], gguf.GGMLQuantizationType] = lambda index, kind: Q4_1,
+    head_type: gguf.GGMLQuantizationType = Q8_0,
+) -> None:
+    """Quantize the tiny Llama's linears (`linear_type(layer index, llama.cpp's name)`, Q4_1 by
+    default) and its LM head (Q8_0 by default) into a GGUF (llama.cpp's names and q/k
+    permutation), and set the model's weights to exactly what that file holds (random blocks
+    for the K-quants gguf-py cannot write). `loadable`: with the rest a served model needs
+    (`_add_model_rest`), so that `load_model` converts and serves the file."""
     config = model.config
     writer = gguf.GGUFWriter(path, "llama")
     if loadable:
@@ -62,19 +88,27 @@ def write_tiny_gguf(model, path: Path, loadable: bool = False) -> None:
                 "attn_k": config.num_key_value_heads,
             }.get(kind)
             stored = permute_rows(weight, heads) if heads else weight
-            blocks = gguf.quants.quantize(stored, Q4_1)
-            served = gguf.quants.dequantize(blocks, Q4_1)
+            dtype = linear_type(index, kind)
+            blocks = _quantize(stored, dtype, seed=index * 100 + list(LLAMA_LINEARS).index(kind))
+            served = gguf.quants.dequantize(blocks, dtype)
             if heads:
                 served = served[unpermute_rows(served.shape[0], heads)]
             linear.weight.data = torch.from_numpy(np.ascontiguousarray(served))
-            writer.add_tensor(f"blk.{index}.{kind}.weight", blocks, raw_dtype=Q4_1)
-    head = gguf.quants.quantize(model.lm_head.weight.detach().numpy(), Q8_0)
-    model.lm_head.weight.data = torch.from_numpy(gguf.quants.dequantize(head, Q8_0))
-    writer.add_tensor("output.weight", head, raw_dtype=Q8_0)
+            writer.add_tensor(f"blk.{index}.{kind}.weight", blocks, raw_dtype=dtype)
+    head = _quantize(model.lm_head.weight.detach().numpy(), head_type, seed=99)
+    model.lm_head.weight.data = torch.from_numpy(gguf.quants.dequantize(head, head_type))
+    writer.add_tensor("output.weight", head, raw_dtype=head_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _quantize(weight: np.ndarray, kind: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    """`weight` quantized to `kind`, or random blocks of its shape for a K-quant."""
+    if kind in K_SCALES:
+        return random_blocks(*weight.shape, seed=seed, kind=kind)
+    return gguf.quants.quantize(weight, kind)
 
 
 def _add_model_rest(writer: gguf.GGUFWriter, model) -> None:
@@ -114,6 +148,28 @@ def tiny_gguf_twins(directory: Path):
     plain = make_tiny_model(seed=3)
     write_tiny_gguf(plain, path)
     twin = make_tiny_model(seed=3)
+    twin.load_state_dict(plain.state_dict())
+    return plain, twin, path
+
+
+def mixed_type(index: int, kind: str) -> gguf.GGMLQuantizationType:
+    """A mix like llama.cpp's Q4_K_M preset: mostly Q4_K, some Q5_0 and Q8_0, Q4_0, and a Q6_K
+    attn_v (layer 0) and ffn_down (layer 1), which stay float32."""
+    if (kind, index) in (("attn_v", 0), ("ffn_down", 1)):
+        return Q6_K
+    return {"attn_k": Q4_0, "attn_output": Q5_0, "ffn_up": Q8_0}.get(kind, Q4_K)
+
+
+MIXED_HIDDEN = 256  # a K-quant's 256-weight blocks fit the rows of every linear
+
+
+def tiny_mixed_twins(directory: Path):
+    """`tiny_gguf_twins` for a wider tiny Llama whose GGUF mixes types as `mixed_type` says
+    (the LM head Q5_0)."""
+    path = directory / "tiny.Q4_K_M.gguf"
+    plain = make_tiny_model(seed=3, hidden_size=MIXED_HIDDEN)
+    write_tiny_gguf(plain, path, linear_type=mixed_type, head_type=Q5_0)
+    twin = make_tiny_model(seed=3, hidden_size=MIXED_HIDDEN)
     twin.load_state_dict(plain.state_dict())
     return plain, twin, path
 

@@ -1,0 +1,131 @@
+"""GGUF block types re-laid, exactly, into the packed kernels' two layouts.
+
+The kernels (service/kernels/packed_kernels.py) compute with 32-weight groups in one of two
+layouts: "Q4_1" (4-bit q in 0..15, a float32 scale d and min m a group: w = d*q + m, one
+rounding) and "Q8_0" (int8 q, a float32 scale d a group: w = d*q). Several of llama.cpp's block
+types are those formulas with other bit packings and scales built from smaller fields:
+
+| type | block | weight | layout |
+|---|---|---|---|
+| Q4_0 | 32: f16 d, 16 bytes of nibbles | d*(q-8) | Q4_1, m = -8d |
+| Q4_1 | 32: f16 d, f16 m, nibbles | d*q + m | Q4_1 |
+| Q4_K | 256: f16 d, f16 dmin, 8 six-bit scales and mins, nibbles | (d*sc)*q - dmin*mn | Q4_1 |
+| Q5_0 | 32: f16 d, 32 high bits, nibbles | d*(q-16) | Q8_0 |
+| Q8_0 | 32: f16 d, 32 int8 | d*q | Q8_0 |
+
+Each is exact: a float16 scale (11 significant bits) times a 6-bit scale or a 4- or 5-bit q
+needs at most 21 bits, so every product but the last is exact in float32, and the kernels'
+single rounding of d*q + m is the rounding gguf-py's dequantization makes (the loader checks
+each packed weight against the loaded one, bit for bit). Q4_K's groups widen its 4.5 bits a
+weight to 6 (two float32 a group), Q5_0's 5.5 to 9: the price of two kernels for five types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GROUP = 32  # weights a kernel group
+SUPER = 256  # weights a K-quant super-block
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A GGUF block type the kernels serve: its weights and bytes a block, and its layout."""
+
+    weights: int
+    nbytes: int
+    layout: str  # "Q4_1" or "Q8_0"
+
+
+BLOCK_TYPES = {
+    "Q4_0": BlockType(GROUP, 18, "Q4_1"),
+    "Q4_1": BlockType(GROUP, 20, "Q4_1"),
+    "Q4_K": BlockType(SUPER, 144, "Q4_1"),
+    "Q5_0": BlockType(GROUP, 22, "Q8_0"),
+    "Q8_0": BlockType(GROUP, 34, "Q8_0"),
+}
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A weight [rows, K] as 32-weight groups: q [rows, K/32, 32] (uint8 0..15 for the Q4_1
+    layout, int8 for Q8_0), d and m [rows, K/32] float32 (m all zero for Q8_0)."""
+
+    layout: str
+    q: np.ndarray
+    d: np.ndarray
+    m: np.ndarray
+
+
+def unpack(kind: str, raw: np.ndarray, rows: int, columns: int) -> Groups:
+    """`raw`: a `kind` weight's GGUF bytes [rows, columns / block weights * block bytes]
+    (row-major blocks, as `gguf.GGUFReader` gives them) as the groups of its layout."""
+    block = BLOCK_TYPES.get(kind)
+    if block is None:
+        raise ValueError(f"unsupported block type {kind}")
+    if columns % block.weights:
+        raise ValueError(f"{kind} needs rows of whole {block.weights}-weight blocks, got {columns}")
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(
+        rows, columns // block.weights, block.nbytes
+    )
+    groups = columns // GROUP
+    d, q, m = _UNPACK[kind](blocks)
+    return Groups(
+        block.layout,
+        q.reshape(rows, groups, GROUP),
+        d.reshape(rows, groups).astype(np.float32),
+        np.zeros((rows, groups), np.float32) if m is None else m.reshape(rows, groups),
+    )
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 at byte `at` of each block, widened to float32 (exactly)."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] weights: low nibbles are weights 0-15, high ones 16-31."""
+    return np.concatenate([packed & 15, packed >> 4], axis=-1)
+
+
+Unpacked = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # d, q, m
+
+
+def _q4_0(blocks: np.ndarray) -> Unpacked:
+    d = _half(blocks, 0)
+    return d, _nibbles(blocks[..., 2:]), -8 * d
+
+
+def _q4_1(blocks: np.ndarray) -> Unpacked:
+    return _half(blocks, 0), _nibbles(blocks[..., 4:]), _half(blocks, 2)
+
+
+def _q4_k(blocks: np.ndarray) -> Unpacked:
+    """A super-block: d, dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles
+    (byte j of each 32 holds weight j of two groups: 2i in its low, 2i+1 in its high nibble)."""
+    d, dmin = _half(blocks, 0)[..., None], _half(blocks, 2)[..., None]
+    fields = blocks[..., 4:16]
+    low, high, mixed = fields[..., 0:4], fields[..., 4:8], fields[..., 8:12]
+    # groups 0-3: six bits of bytes 0-3 (scales) and 4-7 (mins); groups 4-7: a nibble of
+    # bytes 8-11 below the two top bits of bytes 0-3 (scales) and 4-7 (mins)
+    scales = np.concatenate([low & 63, (mixed & 15) | ((low >> 6) << 4)], axis=-1)
+    mins = np.concatenate([high & 63, (mixed >> 4) | ((high >> 6) << 4)], axis=-1)
+    nibbles = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-2)  # [..., 4, 2, 32]: group 2i + h
+    return d * scales, q.reshape(*blocks.shape[:-1], 8, 32), -(dmin * mins)
+
+
+def _q5_0(blocks: np.ndarray) -> Unpacked:
+    high = blocks[..., 2:6].copy().view("<u4")  # bit j: weight j's fifth bit
+    bits = ((high >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = (_nibbles(blocks[..., 6:]) | (bits << 4)).astype(np.int8) - np.int8(16)
+    return _half(blocks, 0), q, None
+
+
+def _q8_0(blocks: np.ndarray) -> Unpacked:
+    return _half(blocks, 0), blocks[..., 2:].view(np.int8), None
+
+
+_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q8_0": _q8_0}
