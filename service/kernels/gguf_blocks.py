@@ -11,13 +11,15 @@ types are those formulas with other bit packings and scales built from smaller f
 | Q4_1 | 32: f16 d, f16 m, nibbles | d*q + m | Q4_1 |
 | Q4_K | 256: f16 d, f16 dmin, 8 six-bit scales and mins, nibbles | (d*sc)*q - dmin*mn | Q4_1 |
 | Q5_0 | 32: f16 d, 32 high bits, nibbles | d*(q-16) | Q8_0 |
+| Q6_K | 256: nibbles, 2-bit highs, 16 int8 scales, f16 d | (d*sc)*(q-32) | Q8_0, int16 sc*(q-32) |
 | Q8_0 | 32: f16 d, 32 int8 | d*q | Q8_0 |
 
-Each is exact: a float16 scale (11 significant bits) times a 6-bit scale or a 4- or 5-bit q
-needs at most 21 bits, so every product but the last is exact in float32, and the kernels'
+Each is exact: a float16 scale (11 significant bits) times a 6- or 8-bit scale or a 4- or 5-bit
+q needs at most 21 bits, so every product but the last is exact in float32, and the kernels'
 single rounding of d*q + m is the rounding gguf-py's dequantization makes (the loader checks
-each packed weight against the loaded one, bit for bit). Q4_K's groups widen its 4.5 bits a
-weight to 6 (two float32 a group), Q5_0's 5.5 to 9: the price of two kernels for five types.
+each packed weight against the loaded one, bit for bit). The layouts widen the types: Q4_K's
+4.5 bits a weight to 6 (two float32 a group), Q5_0's 5.5 to 9, Q6_K's 6.6 to 17: the price of
+two kernels for six types.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class BlockType:
     weights: int
     nbytes: int
     layout: str  # "Q4_1" or "Q8_0"
+    # q needs 16 bits (int16 in the 8-bit layout): kernels compiled for it on the first model
+    # that has one; the 8-bit-activation kernels take int8 only
+    wide: bool = False
 
 
 BLOCK_TYPES = {
@@ -44,6 +49,7 @@ BLOCK_TYPES = {
     "Q4_1": BlockType(GROUP, 20, "Q4_1"),
     "Q4_K": BlockType(SUPER, 144, "Q4_1"),
     "Q5_0": BlockType(GROUP, 22, "Q8_0"),
+    "Q6_K": BlockType(SUPER, 210, "Q8_0", wide=True),
     "Q8_0": BlockType(GROUP, 34, "Q8_0"),
 }
 
@@ -124,8 +130,33 @@ def _q5_0(blocks: np.ndarray) -> Unpacked:
     return _half(blocks, 0), q, None
 
 
+def _q6_k(blocks: np.ndarray) -> Unpacked:
+    """A super-block: 128 bytes of low nibbles, 64 of two-bit highs, sixteen int8 scales (one
+    a 16 weights), d. Weight 128h + 64s + j has nibble s of low byte 64h + j; weight
+    128h + 32s + j has bits 2s, 2s+1 of high byte 32h + j. The kernel's q is the exact integer
+    scale * (q - 32) (|q| <= 4096, int16) and its d the super-block's: d*(scale*q) is the
+    product gguf-py rounds once, (d*scale)*q with d*scale exact."""
+    lead = blocks.shape[:-1]
+    low = blocks[..., :128].reshape(*lead, 2, 1, 64)
+    low = np.concatenate([low & 15, low >> 4], axis=-2).reshape(*lead, SUPER)
+    high = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+    high = ((high >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(*lead, SUPER)
+    q = (low | (high << 4)).astype(np.int16) - np.int16(32)
+    scales = blocks[..., 192:208].view(np.int8).astype(np.int16)
+    q = q.reshape(*lead, 16, 16) * scales[..., None]
+    d = np.repeat(_half(blocks, 208)[..., None], SUPER // GROUP, axis=-1)
+    return d, q.reshape(*lead, SUPER // GROUP, GROUP), None
+
+
 def _q8_0(blocks: np.ndarray) -> Unpacked:
     return _half(blocks, 0), blocks[..., 2:].view(np.int8), None
 
 
-_UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q8_0": _q8_0}
+_UNPACK = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q4_K": _q4_k,
+    "Q5_0": _q5_0,
+    "Q6_K": _q6_k,
+    "Q8_0": _q8_0,
+}

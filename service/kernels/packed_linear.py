@@ -3,14 +3,14 @@
 `--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
 layers' weights as the file stores them, re-laid exactly into one of two kernel layouts
 (`service/kernels/gguf_blocks.py`: Q4_0, Q4_1 and Q4_K take the 4-bit one, 32 weights with a
-scale d and min m, w = d*q + m; Q5_0 and Q8_0 the 8-bit one). On the embedded Q4_1 file a pass
-then reads ~0.6 bytes per weight instead of float32's 4, and
-the numba kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and
-applies it to every row of the pass (up to a pass size measured once on each kind of CPU,
-`kernel_max_rows_for`; larger passes dequantize the layer and call `F.linear`). Without numba
-the same modules dequantize and call `F.linear` (slower, same weights). Up to a pass size
-measured on the CPU at load (`tune_fused_max_rows`) the weights are dequantized in registers,
-four rows at a time; above it, once per tile into a buffer that every row then reads.
+scale d and min m, w = d*q + m; Q5_0, Q6_K and Q8_0 the 8-bit one, w = d*q). On the embedded
+Q4_1 file a pass then reads ~0.6 bytes per weight instead of float32's 4, and the numba kernel
+(service/kernels/packed_kernels.py) dequantizes each block once per pass and applies it to every
+row of the pass (up to a pass size measured once on each kind of CPU, `kernel_max_rows_for`;
+larger passes dequantize the layer and call `F.linear`). Without numba the same modules
+dequantize and call `F.linear` (slower, same weights). Up to a pass size measured on the CPU at
+load (`tune_fused_max_rows`) the weights are dequantized in registers, four rows at a time;
+above it, once per tile into a buffer that every row then reads.
 
 The served weights are bit-for-bit those of the float32 path (the converted cache holds the
 same dequantized values); what differs is only the order of the float32 sums inside a matmul,
@@ -21,8 +21,8 @@ kernels won at every size, prompt chunks and the rows beside them do too).
 
 The LM head is packed too when its type is one of those (the embedded file's is tied to the
 Q8_0 token embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the
-same values). Embeddings, norms and linears of other GGUF types (Q6_K in llama.cpp's Q4_K_M
-preset, for one) stay as loaded, in float32.
+same values). Embeddings, norms and linears of other GGUF types (Q2_K, Q3_K, Q5_1, Q5_K, the
+IQ types) stay as loaded, in float32.
 """
 
 from __future__ import annotations
@@ -214,6 +214,17 @@ def _warm_up(kernels: Any) -> None:
     kernels.q4_1_matmul_serial(x, qs, scales, scales, out, 0, 4)
     kernels.q8_0_matmul_serial(x, q8, scales, out, 0)
     kernels.q8_0_dequantize(q8, scales, np.empty((32, TILE), np.float32))
+
+
+def _warm_up_wide(kernels: Any) -> None:
+    """The 8-bit layout's kernels for int16 q (Q6_K), compiled on the first model that has
+    such a linear (about a minute on two cores, then in numba's cache), not on every start."""
+    q16 = np.zeros((1, 1, 32, TILE), np.int16)
+    scales = np.zeros((1, 1, TILE), np.float32)
+    x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
+    kernels.q8_0_matmul(x, q16, scales, out, 1)
+    kernels.q8_0_matmul_serial(x, q16, scales, out, 0)
+    kernels.q8_0_dequantize(q16, scales, np.empty((32, TILE), np.float32))
 
 
 _scratch = threading.local()
@@ -422,10 +433,10 @@ class PackedLinear(nn.Module):
 def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
     """One layer computing `modules`' outputs side by side (their tiles concatenated), so a
     pass makes one kernel call instead of several; each module then holds a view of the fused
-    tiles (no copy stays behind). None when the modules differ in kind or input width, or a
-    module's rows do not fill whole tiles."""
+    tiles (no copy stays behind). None when the modules differ in layout, q's width or input
+    width, or a module's rows do not fill whole tiles."""
     tiles = [module.tiles() for module in modules]
-    if len({(t.kind, t.in_features) for t in tiles}) != 1 or any(
+    if len({(t.kind, t.qs.dtype, t.in_features) for t in tiles}) != 1 or any(
         t.out_features % TILE for t in tiles
     ):
         return None
@@ -563,12 +574,13 @@ def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
 
 
 def read_packed_linears(
-    model: nn.Module, gguf_path: Path
+    model: nn.Module, gguf_path: Path, int8_activations: bool = False
 ) -> tuple[dict[str, PackedTiles], Counter[str], Counter[str]]:
-    """The linear weights of `gguf_path` whose GGUF type the kernels serve (`BLOCK_TYPES`; the
-    LM head too: the output tensor, or the token embedding it is tied to) as tiles keyed by the
-    model's module names ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and
-    how many linears of each GGUF type were packed, and of each type left as loaded."""
+    """The linear weights of `gguf_path` whose GGUF type the kernels serve (`BLOCK_TYPES`, but
+    not a wide one for `int8_activations`; the LM head too: the output tensor, or the token
+    embedding it is tied to) as tiles keyed by the model's module names
+    ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and how many linears of
+    each GGUF type were packed, and of each type left as loaded."""
     import gguf
 
     config = model.config
@@ -580,7 +592,12 @@ def read_packed_linears(
 
     def add(name: str, tensor: Any, linear: nn.Module, rows: np.ndarray | None = None) -> None:
         kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
-        if kind not in BLOCK_TYPES or getattr(linear, "bias", None) is not None:
+        block = BLOCK_TYPES.get(kind)
+        if (
+            block is None
+            or (block.wide and int8_activations)
+            or getattr(linear, "bias", None) is not None
+        ):
             kept[kind] += 1
             return
         out_features, in_features = linear.weight.shape
@@ -657,7 +674,7 @@ def _well_formed(t: PackedTiles) -> bool:
     grid = (-(-t.out_features // TILE), t.in_features // 32)
     q4_1 = t.kind == "Q4_1"
     return (
-        t.qs.dtype == (np.uint8 if q4_1 else np.int8)
+        t.qs.dtype in ((np.uint8,) if q4_1 else (np.int8, np.int16))
         and t.qs.shape == (*grid, 16 if q4_1 else 32, TILE)
         and t.d.dtype == np.float32
         and t.d.shape == (*grid, TILE)
@@ -711,7 +728,7 @@ def pack_gguf_linears(
     if saved is not None:
         tiles = saved
     else:
-        tiles, packed_types, kept = read_packed_linears(model, gguf_path)
+        tiles, packed_types, kept = read_packed_linears(model, gguf_path, int8_activations)
         log.info(
             "%s: packing %s linears; %s",
             gguf_path.name,
@@ -723,6 +740,8 @@ def pack_gguf_linears(
             f"{gguf_path.name} has no linear weights of a packed type "
             f"({', '.join(BLOCK_TYPES)}); serve it with --quantization none"
         )
+    if kernels is not None and any(t.qs.dtype == np.int16 for t in tiles.values()):
+        _warm_up_wide(kernels)
     fused_max_rows, kernel_max_rows = 2, KERNEL_MAX_ROWS
     first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
     tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]

@@ -23,6 +23,7 @@ Q4_0 = gguf.GGMLQuantizationType.Q4_0
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 Q5_0 = gguf.GGMLQuantizationType.Q5_0
+Q5_1 = gguf.GGMLQuantizationType.Q5_1
 Q6_K = gguf.GGMLQuantizationType.Q6_K
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 # the K-quants gguf-py cannot write: each block's float16 fields (byte offsets) and a scale that
@@ -153,10 +154,12 @@ def tiny_gguf_twins(directory: Path):
 
 
 def mixed_type(index: int, kind: str) -> gguf.GGMLQuantizationType:
-    """A mix like llama.cpp's Q4_K_M preset: mostly Q4_K, some Q5_0 and Q8_0, Q4_0, and a Q6_K
-    attn_v (layer 0) and ffn_down (layer 1), which stay float32."""
-    if (kind, index) in (("attn_v", 0), ("ffn_down", 1)):
+    """A mix like llama.cpp's Q4_K_M preset: mostly Q4_K, some Q5_0 and Q8_0, Q4_0, a Q6_K
+    attn_v (layer 0), and a Q5_1 ffn_down (layer 1): a type the kernels do not serve."""
+    if (kind, index) == ("attn_v", 0):
         return Q6_K
+    if (kind, index) == ("ffn_down", 1):
+        return Q5_1
     return {"attn_k": Q4_0, "attn_output": Q5_0, "ffn_up": Q8_0}.get(kind, Q4_K)
 
 

@@ -21,6 +21,7 @@ from service.kernels.packed_linear import (
     dequantize_tiles,
     load_kernels,
     pack_gguf_linears,
+    read_packed_linears,
     tiles_from_blocks,
 )
 from service.model.runner import ModelRunner
@@ -31,6 +32,7 @@ from tests.helpers.kernels import needs_numba
 from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
     MIXED_HIDDEN,
+    Q5_1,
     Q6_K,
     assert_speculation_equals_plain_decoding,
     mixed_type,
@@ -85,15 +87,15 @@ def test_a_rows_result_does_not_depend_on_the_pass_size(kind) -> None:
 
 
 def test_a_type_the_kernels_do_not_serve_is_named() -> None:
-    with pytest.raises(ValueError, match="unsupported block type Q6_K"):
-        unpack("Q6_K", random_blocks(4, 256, kind=Q6_K), 4, 256)
+    with pytest.raises(ValueError, match="unsupported block type Q5_1"):
+        unpack("Q5_1", random_blocks(4, 256, kind=Q5_1), 4, 256)
 
 
 @pytest.fixture(scope="module")
 def tiny_mixed(tmp_path_factory):
-    """The mixed-type tiny Llama as float32 and packed: every linear but the two Q6_K ones."""
+    """The mixed-type tiny Llama as float32 and packed: every linear but the Q5_1 one."""
     plain, packed, path = tiny_mixed_twins(tmp_path_factory.mktemp("gguf"))
-    assert pack_gguf_linears(packed, path) == 2 * len(LLAMA_LINEARS) - 2 + 1  # and the LM head
+    assert pack_gguf_linears(packed, path) == 2 * len(LLAMA_LINEARS) - 1 + 1  # and the LM head
     return plain, packed, path
 
 
@@ -103,7 +105,7 @@ def test_a_mixed_file_packs_each_served_type_and_keeps_the_rest_float32(tiny_mix
         for kind, name in LLAMA_LINEARS.items():
             module = layer.get_submodule(name)
             weight = plain.model.layers[index].get_submodule(name).weight
-            if mixed_type(index, kind) == Q6_K:
+            if mixed_type(index, kind) == Q5_1:
                 assert isinstance(module, torch.nn.Linear)
                 assert torch.equal(module.weight, weight)
             else:
@@ -121,14 +123,22 @@ def test_the_types_left_as_loaded_are_logged(tiny_mixed, caplog) -> None:
     again.load_state_dict(plain.state_dict())
     with caplog.at_level(logging.INFO, logger="service.kernels.packed_linear"):
         pack_gguf_linears(again, path)
-    assert "left as loaded (float32): 2 Q6_K" in caplog.text
-    assert "2 Q4_0 + 6 Q4_K + 3 Q5_0 + 2 Q8_0" in caplog.text
+    assert "left as loaded (float32): 1 Q5_1" in caplog.text
+    assert "2 Q4_0 + 6 Q4_K + 3 Q5_0 + 1 Q6_K + 2 Q8_0" in caplog.text
+
+
+def test_wide_types_stay_float32_for_8_bit_activations(tiny_mixed) -> None:
+    """Q6_K's 16-bit q is not for the VNNI kernels, which take int8 (no VNNI needed to read)."""
+    plain, _, path = tiny_mixed
+    tiles, packed, kept = read_packed_linears(plain, path, int8_activations=True)
+    assert kept == {"Q5_1": 1, "Q6_K": 1} and "Q6_K" not in packed
+    assert "model.layers.0.self_attn.v_proj" not in tiles
 
 
 def test_a_file_without_a_served_type_is_refused_naming_the_way_out(tmp_path) -> None:
     model = make_tiny_model(seed=3, hidden_size=MIXED_HIDDEN)
-    path = tmp_path / "tiny.Q6_K.gguf"
-    write_tiny_gguf(model, path, linear_type=lambda index, kind: Q6_K, head_type=Q6_K)
+    path = tmp_path / "tiny.Q5_1.gguf"
+    write_tiny_gguf(model, path, linear_type=lambda index, kind: Q5_1, head_type=Q5_1)
     with pytest.raises(ValueError, match="no linear weights of a packed type.*--quantization none"):
         pack_gguf_linears(model, path)
 
@@ -164,8 +174,8 @@ def test_a_mixed_file_loads_by_default_packed_and_decodes_as_float32(tmp_path) -
     for index, layer in enumerate(packed.model.layers):
         for kind, name in LLAMA_LINEARS.items():
             served = layer.get_submodule(name)
-            assert isinstance(served, PackedLinear) != (mixed_type(index, kind) == Q6_K), name
-    assert not isinstance(packed.lm_head, PackedLinear)  # Q6_K: float32
+            assert isinstance(served, PackedLinear) != (mixed_type(index, kind) == Q5_1), name
+    assert isinstance(packed.lm_head, PackedLinear)  # Q6_K
     ids = torch.tensor([[0, 5, 9, 5, 7]])
     with torch.inference_mode():
         torch.testing.assert_close(packed(ids).logits, unpacked(ids).logits, rtol=1e-4, atol=1e-4)
