@@ -45,7 +45,7 @@ RUN pip install . \
  && if [ "${TORCH_INDEX_URL%/cpu}" != "$TORCH_INDEX_URL" ]; then pip uninstall -y -q triton; fi
 # Convert the GGUF and compute the draft tables once, here, instead of at every start (minutes
 # on a CPU). With float32 (quantization auto: gguf, the CPU fast path) prepare also keeps the
-# packed Q4_1/Q8_0 tiles beside the converted weights and compiles the numba kernels into
+# packed tiles beside the converted weights and compiles the numba kernels into
 # <cache>/numba (numba compiles again, once, at the first start on a different CPU model).
 # Everyone may read it (safetensors writes its file 0600), and group 0 gets the
 # owner's rights, so an arbitrary UID (OpenShift) and any pod UID find it.

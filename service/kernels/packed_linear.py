@@ -27,6 +27,7 @@ IQ types) stay as loaded, in float32.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -626,6 +627,15 @@ def read_packed_linears(
     if head is not None and isinstance(lm_head, nn.Linear):
         add("lm_head", head, lm_head)
     return tiles, packed, kept
+
+
+def tiles_file_name(int8_activations: bool = False) -> str:
+    """The packed tiles' cache file (beside the converted weights). Its name changes with the
+    types the kernels serve (`BLOCK_TYPES`), so tiles saved before a type was served are not
+    read for a model that has it, and with `int8_activations`, which leaves wide types out."""
+    served = ",".join(f"{name}:{t.layout}:{t.wide}" for name, t in BLOCK_TYPES.items())
+    digest = hashlib.sha256(served.encode()).hexdigest()[:12]
+    return f"packed_tiles_{digest}{'_int8' if int8_activations else ''}.npz"
 
 
 def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:

