@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -14,7 +15,12 @@ import torch
 from drafting import TableSlot, default_mixer
 from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SpeculationParams
-from service.kernels.packed_linear import LLAMA_LINEARS, unpermute_rows
+from service.kernels.packed_linear import (
+    LLAMA_LINEARS,
+    PackedLinear,
+    tiles_from_blocks,
+    unpermute_rows,
+)
 from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
 from tests.helpers.models import make_tiny_model
@@ -53,6 +59,19 @@ def reference(blocks: np.ndarray, x: torch.Tensor, kind=Q4_1) -> torch.Tensor:
     """gguf's dequantization, then a float64 matmul."""
     weight = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
     return (x.double() @ weight.double().T).float()
+
+
+def assert_linear_matches_reference(
+    kind: gguf.GGMLQuantizationType, out_features: int, in_features: int, rows: int, kernels: Any
+) -> None:
+    """A `PackedLinear` of random `kind` blocks (on `kernels`, or the torch fallback for None)
+    gives float32 outputs of its shape, within float32 rounding of the float64 reference."""
+    blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
+    layer = PackedLinear(tiles_from_blocks(blocks, out_features, in_features, kind.name), kernels)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features))
+    got = layer(x)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=2e-5)
 
 
 def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:

@@ -35,10 +35,10 @@ from tests.helpers.packed import (
     MIXED_HIDDEN,
     Q5_1,
     Q6_K,
+    assert_linear_matches_reference,
     assert_speculation_equals_plain_decoding,
     mixed_type,
     random_blocks,
-    reference,
     tiny_mixed_twins,
     write_tiny_gguf,
 )
@@ -65,13 +65,9 @@ def test_every_type_is_relaid_as_ggufs_dequantization_bit_for_bit(kind) -> None:
 def test_a_linear_of_every_type_matches_the_float64_reference(
     use_numba, kind, out_features, in_features, rows
 ) -> None:
-    blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
-    layer = PackedLinear(
-        tiles_from_blocks(blocks, out_features, in_features, kind.name),
-        kernels if use_numba else None,
+    assert_linear_matches_reference(
+        kind, out_features, in_features, rows, kernels if use_numba else None
     )
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features))
-    torch.testing.assert_close(layer(x), reference(blocks, x, kind), rtol=1e-5, atol=2e-5)
 
 
 @needs_numba

@@ -3,7 +3,6 @@ a plain torch reference, the GGUF mapping, and losslessness of speculation on th
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -20,7 +19,6 @@ from service.kernels.packed_linear import (
     LLAMA_LINEARS,
     UNBOUNDED_ROWS,
     PackedLinear,
-    dequantize_tiles,
     fuse_packed,
     kernel_max_rows_for,
     load_kernels,
@@ -40,22 +38,13 @@ from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
     Q4_1,
     Q8_0,
+    assert_linear_matches_reference,
     assert_speculation_equals_plain_decoding,
     random_blocks,
     reference,
 )
 
 kernels = load_kernels()  # None where numba is missing (those tests skip) or fails (they fail)
-
-
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
-def test_dequantization_is_ggufs_bit_for_bit(kind) -> None:
-    blocks = random_blocks(70, 96, kind=kind)
-    tiles = tiles_from_blocks(blocks, 70, 96, kind.name)
-    want = torch.from_numpy(gguf.quants.dequantize(blocks, kind))
-    assert torch.equal(dequantize_tiles(tiles), want)
-    if kernels is not None:
-        assert torch.equal(PackedLinear(tiles, kernels).dequantized(), want)
 
 
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
@@ -67,18 +56,13 @@ def test_dequantization_is_ggufs_bit_for_bit(kind) -> None:
 def test_packed_linear_matches_the_torch_reference(
     use_numba, kind, out_features, in_features, rows
 ) -> None:
-    blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
-    layer = PackedLinear(
-        tiles_from_blocks(blocks, out_features, in_features, kind.name),
-        kernels if use_numba else None,
+    """Every row count the two layouts' dispatch tells apart, on odd shapes (every GGUF type's
+    weights against gguf-py's: tests/service/kernels/test_gguf_blocks.py)."""
+    assert_linear_matches_reference(
+        kind, out_features, in_features, rows, kernels if use_numba else None
     )
-    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(out_features))
-    got = layer(x)
-    assert got.shape == (rows, out_features) and got.dtype == torch.float32
-    torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=2e-5)
 
 
-@needs_numba
 def test_batched_leading_dims_and_large_passes() -> None:
     blocks = random_blocks(96, 64)
     layer = PackedLinear(tiles_from_blocks(blocks, 96, 64), kernels)
