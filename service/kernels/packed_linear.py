@@ -256,7 +256,8 @@ class PackedTiles:
     """GGUF blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
 
     kind: str  # the kernel layout, "Q4_1" or "Q8_0" (`gguf_blocks`: what each GGUF type takes)
-    # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8
+    # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8, or
+    # int16 for a wide type (Q6_K)
     qs: np.ndarray
     d: np.ndarray  # [T, K/32, TILE] float32 scales
     m: np.ndarray  # [T, K/32, TILE] float32 mins (Q4_1; empty for Q8_0)
