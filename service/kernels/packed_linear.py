@@ -205,27 +205,24 @@ def _clear_numba_cache(cache: Path) -> None:
 
 def _warm_up(kernels: Any) -> None:
     qs = np.zeros((1, 1, 16, TILE), np.uint8)
-    q8 = np.zeros((1, 1, 32, TILE), np.int8)
     scales = np.zeros((1, 1, TILE), np.float32)
     x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
     kernels.q4_1_matmul(x, qs, scales, scales, out, 1, 4)
     kernels.q4_1_dequantize(qs, scales, scales, np.empty((32, TILE), np.float32))
     kernels.top_k_ids(np.zeros((1, 2 * kernels.TOP_K_BLOCK), np.float32), 1)
-    kernels.q8_0_matmul(x, q8, scales, out, 1)
     kernels.q4_1_matmul_serial(x, qs, scales, scales, out, 0, 4)
-    kernels.q8_0_matmul_serial(x, q8, scales, out, 0)
-    kernels.q8_0_dequantize(q8, scales, np.empty((32, TILE), np.float32))
+    _warm_up_8bit(kernels, np.int8)
 
 
-def _warm_up_wide(kernels: Any) -> None:
-    """The 8-bit layout's kernels for int16 q (Q6_K), compiled on the first model that has
-    such a linear (about a minute on two cores, then in numba's cache), not on every start."""
-    q16 = np.zeros((1, 1, 32, TILE), np.int16)
+def _warm_up_8bit(kernels: Any, dtype: type) -> None:
+    """The 8-bit layout's kernels for q of `dtype`: int8 at every start; int16 (Q6_K) on the
+    first model that has such a linear (about a minute on two cores, then in numba's cache)."""
+    q = np.zeros((1, 1, 32, TILE), dtype)
     scales = np.zeros((1, 1, TILE), np.float32)
     x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
-    kernels.q8_0_matmul(x, q16, scales, out, 1)
-    kernels.q8_0_matmul_serial(x, q16, scales, out, 0)
-    kernels.q8_0_dequantize(q16, scales, np.empty((32, TILE), np.float32))
+    kernels.q8_0_matmul(x, q, scales, out, 1)
+    kernels.q8_0_matmul_serial(x, q, scales, out, 0)
+    kernels.q8_0_dequantize(q, scales, np.empty((32, TILE), np.float32))
 
 
 _scratch = threading.local()
@@ -752,7 +749,7 @@ def pack_gguf_linears(
             f"({', '.join(BLOCK_TYPES)}); serve it with --quantization none"
         )
     if kernels is not None and any(t.qs.dtype == np.int16 for t in tiles.values()):
-        _warm_up_wide(kernels)
+        _warm_up_8bit(kernels, np.int16)
     fused_max_rows, kernel_max_rows = 2, KERNEL_MAX_ROWS
     first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
     tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]
