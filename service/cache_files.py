@@ -1,16 +1,16 @@
 """Write cached artefacts atomically and read them back checked, so that a cache heals.
 
-Everything the server keeps under its cache directory (converted weights, model tables, packed
-tiles, the cost profile, kernel limits) can be rebuilt from the model, so a file that is
-truncated, altered or half-written by a process that died is never worth a crash, and never
-worth a wrong answer either: `read_cached` turns any failure to read one into a warning naming
+Everything the server keeps under its cache directory (a GGUF's config and tokenizer, model
+tables, packed tiles, the cost profile, kernel limits) can be rebuilt from the model, so a file
+that is truncated, altered or half-written by a process that died is never worth a crash, and
+never worth a wrong answer either: `read_cached` turns any failure to read one into a warning naming
 the file and what was wrong, and the caller builds the artefact again.
 
 Writers go through `write_atomically`: the bytes go to a temporary file in the same directory,
 which `os.replace` then puts in place, so a reader sees the old file or the new one, never half
 of one, and two servers starting on one cache directory at once both come up (the last rename
-wins; each wrote a whole file). A directory (converted weights) is built aside and renamed the
-same way (`cached_directory`). JSON artefacts carry a sha256 of their content
+wins; each wrote a whole file). A directory (a GGUF's config and tokenizer) is built aside and
+renamed the same way (`cached_directory`). JSON artefacts carry a sha256 of their content
 (`write_checked_json`), directories a manifest of every file's size and sha256; npz files need
 neither, since zip keeps a CRC-32 of every array that reading it checks, but their readers check
 the arrays' keys and shapes.

@@ -1,5 +1,5 @@
 """`ngrammys serve`, `worker`, `prepare`, `bench`, `extract`, `speed`, `profile`, `steps`,
-`loadtest`, `neighbour`, `soak` and `schemas`.
+`loadtest`, `neighbour`, `soak`, `schemas` and `synth`.
 
 A module a command (`worker` shares `serve`'s flags): each adds its flags (`add_flags`) and runs
 it (`run`); the measurement commands' work is in `service/bench/`. `main` imports only the
@@ -25,7 +25,7 @@ COMMANDS = {  # name: help
         "a tensor-parallel rank other than 0: a pod's first starts the pod's others "
         "(LeaderWorkerSet)"
     ),
-    "prepare": "convert the model and compute its draft tables into the cache (for images)",
+    "prepare": "read the model and compute its draft tables into the cache (for images)",
     "bench": "plain vs speculative decoding on Spec-Bench prompts",
     "extract": "JSON extraction: structured output vs free text, plain vs speculative",
     "speed": "prompt processing and decoding tokens/s, beside llama.cpp's and transformers'",
@@ -35,6 +35,7 @@ COMMANDS = {  # name: help
     "neighbour": "the server beside busy processes: its cost profile, auto vs off before and after",
     "soak": "minutes of mixed traffic: errors, memory and latency window by window, and goals",
     "schemas": "an interactive request alone and while hostile JSON schemas arrive",
+    "synth": "a random-weight GGUF of a real model's shape (1B, 7B): measure without a download",
 }
 
 

@@ -1,7 +1,7 @@
-"""`ngrammys prepare`: convert the model and compute its tables into the cache `serve` will read
-(an image bakes them); when the quantization resolves to gguf, also the packed tiles and the
-compiled numba kernels (`<cache>/numba`), so a server with the same settings starts without
-compiling."""
+"""`ngrammys prepare`: read the model (a GGUF's config and tokenizer) and compute its tables
+into the cache `serve` will read (an image bakes them); when the quantization resolves to gguf,
+also the packed tiles and the compiled numba kernels (`<cache>/numba`), so a server with the
+same settings starts without compiling."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> None:
     )
     tables = "computed" if set((cache_dir / "tables").glob("*.npz")) - before else "cached"
     print(
-        f"{loaded.name} ({loaded.model.dtype}) in {cache_dir}: weights "
-        f"{'cached' if loaded.from_cache else 'converted'}, tables {tables}",
+        f"{loaded.name} ({loaded.model.dtype}) in {cache_dir}: model "
+        f"{'cached' if loaded.from_cache else 'read'}, tables {tables}",
         flush=True,
     )

@@ -25,7 +25,7 @@ class EngineConfig:
     request_timeout: float | None = None  # seconds a request may take, queueing included
     model_tables: bool = True  # derive the unigram/bigram tables in the background
     cost_profile: bool = True  # measure (or load) the pass costs auto mode plans with
-    cache_dir: Path = DEFAULT_CACHE_DIR  # tables, profiles and converted weights
+    cache_dir: Path = DEFAULT_CACHE_DIR  # tables, profiles, a GGUF's config and tiles
     enforce_eager: bool = False  # every pass eagerly: no CUDA graphs of the small passes
     # steps on the device where they can be (`service/device_round/`); None: on a GPU
     device_round: bool | None = None

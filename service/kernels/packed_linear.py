@@ -12,8 +12,8 @@ dequantize and call `F.linear` (slower, same weights). Up to a pass size measure
 load (`tune_fused_max_rows`) the weights are dequantized in registers, four rows at a time;
 above it, once per tile into a buffer that every row then reads.
 
-The served weights are bit-for-bit those of the float32 path (the converted cache holds the
-same dequantized values); what differs is only the order of the float32 sums inside a matmul,
+The served weights are bit-for-bit those of the float32 path (`--quantization none`, which
+dequantizes the same blocks); what differs is only the order of the float32 sums inside a matmul,
 so the two paths' greedy outputs part only where the top two logits nearly tie. Within the
 kernels a row's result does not depend on the pass size, so speculation reproduces plain
 decoding bit for bit in the linears (trees stay within the kernels on every CPU; where the
@@ -51,6 +51,7 @@ from service.cache_files import (
     write_checked_json,
 )
 from service.kernels.gguf_blocks import BLOCK_TYPES, unpack
+from service.kernels.gguf_file import GGUFTensor, read_gguf
 from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul
 from service.kernels.int8_chunk_kernel import warm_up as warm_up_chunks
 from service.kernels.int8_kernel import (
@@ -580,17 +581,16 @@ def read_packed_linears(
     embedding it is tied to) as tiles keyed by the model's module names
     ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and how many linears of
     each GGUF type were packed, and of each type left as loaded."""
-    import gguf
-
     config = model.config
-    reader = gguf.GGUFReader(gguf_path)
-    by_name = {tensor.name: tensor for tensor in reader.tensors}
+    by_name = read_gguf(gguf_path).tensors
     tiles: dict[str, PackedTiles] = {}
     packed: Counter[str] = Counter()
     kept: Counter[str] = Counter()
 
-    def add(name: str, tensor: Any, linear: nn.Module, rows: np.ndarray | None = None) -> None:
-        kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+    def add(
+        name: str, tensor: GGUFTensor, linear: nn.Module, rows: np.ndarray | None = None
+    ) -> None:
+        kind = tensor.kind.name
         block = BLOCK_TYPES.get(kind)
         if (
             block is None
@@ -600,13 +600,13 @@ def read_packed_linears(
             kept[kind] += 1
             return
         out_features, in_features = linear.weight.shape
-        raw = np.asarray(tensor.data).reshape(out_features, -1)
+        raw = tensor.raw.reshape(out_features, -1)
         tiles[name] = tiles_from_blocks(
             raw if rows is None else raw[rows], out_features, in_features, kind
         )
         packed[kind] += 1
 
-    for tensor in reader.tensors:
+    for tensor in by_name.values():
         parts = tensor.name.split(".")  # blk.{i}.{kind}.weight
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LLAMA_LINEARS:
             continue
@@ -628,7 +628,7 @@ def read_packed_linears(
 
 
 def tiles_file_name(int8_activations: bool = False) -> str:
-    """The packed tiles' cache file (beside the converted weights). Its name changes with the
+    """The packed tiles' cache file (beside a GGUF's cached config). Its name changes with the
     types the kernels serve (`BLOCK_TYPES`), so tiles saved before a type was served are not
     read for a model that has it, and with `int8_activations`, which leaves wide types out."""
     served = ",".join(f"{name}:{t.layout}:{t.wide}" for name, t in BLOCK_TYPES.items())
@@ -700,16 +700,17 @@ def pack_gguf_linears(
     int8_activations: bool = False,
 ) -> int:
     """Replace every Llama linear, and the LM head, whose GGUF type the kernels serve
-    (`gguf_blocks.BLOCK_TYPES`) by a `PackedLinear`; returns how many. Other linears are left
-    as loaded (float32, logged by type); so are the embeddings (a tied LM head gets its own
-    packed copy of the blocks).
+    (`gguf_blocks.BLOCK_TYPES`) by a `PackedLinear`; returns how many. `model`'s weights may be
+    loaded or still on the meta device (service/model/gguf_model.py fills the rest after).
+    Other linears are left as they are (logged by type); so are the embeddings (a tied LM head
+    gets its own packed copy of the blocks).
     `int8_activations`: the packed linears compute with 8-bit activations
     (service/kernels/int8_kernel.py).
 
-    Reading a GGUF's header takes seconds (its tokenizer), so the tiles are saved to
-    `tiles_file` (if given) and read from there on later starts (from the GGUF again, with a
-    warning, when the file cannot be read back whole or its tiles do not fit the model). When
-    they are read from the GGUF, each packed weight is checked against the loaded one: they
+    Re-laying a large model's blocks takes seconds, so the tiles are saved to `tiles_file` (if
+    given) and read from there on later starts (from the GGUF again, with a warning, when the
+    file cannot be read back whole or its tiles do not fit the model). When they are read from
+    the GGUF into a loaded model, each packed weight is checked against the loaded one: they
     must be equal, bit for bit (same file, same dequantization), so a wrong name mapping or
     permutation fails loudly.
     """
@@ -761,12 +762,15 @@ def pack_gguf_linears(
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         packed = PackedLinear(t, kernels, fused_max_rows, int8_activations, kernel_max_rows)
-        if not from_file and not torch.equal(
-            packed.dequantized(), getattr(parent, attr).weight.detach().float().cpu()
+        loaded = getattr(parent, attr).weight
+        if (
+            not from_file
+            and not loaded.is_meta
+            and not torch.equal(packed.dequantized(), loaded.detach().float().cpu())
         ):
             raise ValueError(
                 f"{name}: packed blocks differ from the loaded weight "
-                f"(is {gguf_path.name} the file this model was converted from?)"
+                f"(is {gguf_path.name} the file this model was loaded from?)"
             )
         setattr(parent, attr, packed)
     if tiles_file is not None and not from_file:

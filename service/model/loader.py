@@ -1,10 +1,13 @@
-"""Load the served model: the embedded SmolLM2 GGUF or any local Hugging Face directory.
+"""Load the served model: the embedded SmolLM2 GGUF, any local GGUF, or any local Hugging Face
+directory.
 
-Dequantizing the embedded GGUF is slow on a CPU, so the converted weights and tokenizer are
-saved once as safetensors under a cache directory keyed by the GGUF file's hash; later starts
-load that directory, much faster, once its manifest (every file's size and sha256) vouches for
-it: a damaged one is converted again (service/cache_files.py). Nothing is ever downloaded:
-every load is `local_files_only`.
+A GGUF is built into the served modules directly (service/model/gguf_model.py): packed linears
+from its blocks, the rest dequantized tensor by tensor, never a float32 copy of the model.
+Reading its config and tokenizer from the GGUF's metadata takes seconds, so they are saved once
+under a cache directory keyed by the file's hash, with the packed tiles; later starts read that
+directory once its manifest (every file's size and sha256) vouches for it: a damaged one is
+written again (service/cache_files.py). Nothing is ever downloaded: every load is
+`local_files_only`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from transformers import (
 
 from service.cache_files import cached_directory, file_sha256
 from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears, tiles_file_name
+from service.model.gguf_model import empty_model, fill_from_gguf
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +138,8 @@ def load_model(
     """Load `source` (a .gguf file, a model directory, or None for the embedded model).
 
     `quantization="gguf"` then keeps the GGUF's linear weights (and LM head) of the types the
-    kernels serve (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0: service/kernels/gguf_blocks.py) packed and
-    computes with them (service/kernels/packed_linear.py; CPU, float32 activations; linears of
+    kernels serve (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0: service/kernels/gguf_blocks.py) packed
+    and computes with them (service/kernels/packed_linear.py; CPU, float32 activations; linears of
     other types stay float32); "gguf-int8" likewise, with 8-bit activations
     (service/kernels/int8_kernel.py, CPUs with AVX-512 VNNI); "none"
     serves the dequantized weights in `dtype` (by capability when None: `resolve_dtype`); "auto"
@@ -156,16 +160,17 @@ def load_model(
             "(the embedded one, or --model FILE.gguf)"
         )
     from_cache = False
-    if path.is_file():  # GGUF: go through the converted-weights cache
+    if gguf_file is not None:  # its config and tokenizer from the header cache
         name = EMBEDDED_NAME if source is None else path.stem
-        directory = cache_dir / "models" / f"{path.stem}-{file_sha256(path)[:16]}"
+        directory = cache_dir / "gguf" / f"{path.stem}-{file_sha256(path)[:16]}"
         from_cache = cached_directory(
-            directory, functools.partial(_convert_gguf, path), "converted weights"
+            directory, functools.partial(_save_gguf_header, gguf_file), "GGUF config and tokenizer"
         )
         path = directory
     else:
         name = path.name
-    check_supported(AutoConfig.from_pretrained(path, local_files_only=True))
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_supported(config)
     torch_device = resolve_device(device)
     if quantization in PACKED:
         if torch_device.type != "cpu":
@@ -182,7 +187,7 @@ def load_model(
     log.info(
         "loading %s from %s (%s, dtype %s%s, quantization %s)",
         name,
-        path,
+        gguf_file or path,
         torch_device,
         torch_dtype,
         "" if dtype else " by capability" if torch_device.type == "cpu" else "",
@@ -194,19 +199,22 @@ def load_model(
             "yes" if cpu_has_native_bf16() else "no",
             torch.get_num_threads(),
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).to(
-        torch_device
-    )
-    if quantization in PACKED:
-        assert gguf_file is not None
-        int8_activations = quantization == "gguf-int8"
-        pack_gguf_linears(
-            model,
-            gguf_file,
-            cache_dir,
-            tiles_file=path / tiles_file_name(int8_activations),
-            int8_activations=int8_activations,
-        )
+    if gguf_file is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, local_files_only=True
+        ).to(torch_device)
+    else:
+        model = empty_model(config, torch_dtype)
+        if quantization in PACKED:
+            int8_activations = quantization == "gguf-int8"
+            pack_gguf_linears(
+                model,
+                gguf_file,
+                cache_dir,
+                tiles_file=path / tiles_file_name(int8_activations),
+                int8_activations=int8_activations,
+            )
+        fill_from_gguf(model, gguf_file, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.1f s (%s)", name, seconds, "cached" if from_cache else "cold")
@@ -255,18 +263,15 @@ def check_supported(config: PretrainedConfig) -> None:
     )
 
 
-def _convert_gguf(gguf: Path, directory: Path) -> None:
-    """Dequantize `gguf` and save it as a plain safetensors model in `directory` (a temporary
-    one that `cached_directory` renames into place once whole)."""
-    log.info("converting %s (first start; cached for later ones)", gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+def _save_gguf_header(gguf: Path, directory: Path) -> None:
+    """Save the config and tokenizer of `gguf` (read from its metadata) in `directory` (a
+    temporary one that `cached_directory` renames into place once whole)."""
+    log.info(
+        "reading the config and tokenizer of %s (first start; cached for later ones)", gguf.name
     )
-    tokenizer = AutoTokenizer.from_pretrained(
+    AutoConfig.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True
-    )
-    # The weights are plain tensors now; drop the GGUF marks so they save and reload as such.
-    model.hf_quantizer = None
-    del model.config.quantization_config
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
+    ).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, local_files_only=True
+    ).save_pretrained(directory)

@@ -282,7 +282,7 @@ def test_build_steps_bake_a_cache_that_a_non_root_server_uses_as_is(scratch: Pat
     build_log = scratch / "build.log"
     build_env = _build(parsed, scratch, python, build_log)
     baked = Path(build_env["NGRAMMYS_CACHE_DIR"])
-    assert re.search(r"weights converted, tables (cached|computed)", build_log.read_text()), (
+    assert re.search(r"model read, tables (cached|computed)", build_log.read_text()), (
         build_log.read_text()[-3000:]
     )
     _keep_tables(baked)

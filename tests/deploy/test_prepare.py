@@ -1,5 +1,5 @@
 """`ngrammys prepare`, the image's bake step: it fills the cache `serve` would use with the same
-NGRAMMYS_* settings, and says whether it converted and computed or found them cached. (The slow
+NGRAMMYS_* settings, and says whether it read and computed or found them cached. (The slow
 image test runs it for real on the embedded model.)"""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> list[tuple]:
 
     def load_model(model, device, dtype, cache_dir, quantization="auto"):
         calls.append(("load", model, device, dtype, cache_dir, quantization))
-        converted = (cache_dir / "models").exists()
-        (cache_dir / "models").mkdir(parents=True, exist_ok=True)
+        cached = (cache_dir / "gguf").exists()
+        (cache_dir / "gguf").mkdir(parents=True, exist_ok=True)
         return SimpleNamespace(
             model=SimpleNamespace(dtype="torch.float32"),
             tokenizer=None,
             name="M",
-            from_cache=converted,
+            from_cache=cached,
         )
 
     def load_or_compute_tables(model, cache_dir, prefix, show_progress=True):
@@ -47,7 +47,7 @@ def test_prepare_reads_the_settings_serve_reads(
     cli.main(["prepare"])
     assert fakes[0] == ("load", None, None, "bfloat16", tmp_path / "env-cache", "none")
     assert fakes[1] == ("tables", tmp_path / "env-cache", [7, 8])  # the prefix serve's warm-up uses
-    assert "weights converted, tables computed" in capsys.readouterr().out
+    assert "model read, tables computed" in capsys.readouterr().out
 
     cli.main(
         [
@@ -68,4 +68,4 @@ def test_prepare_says_when_everything_was_cached(
 ) -> None:
     cli.main(["prepare", "--cache-dir", str(tmp_path)])
     cli.main(["prepare", "--cache-dir", str(tmp_path)])
-    assert capsys.readouterr().out.splitlines()[-1].endswith("weights cached, tables cached")
+    assert capsys.readouterr().out.splitlines()[-1].endswith("model cached, tables cached")

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from drafting import TableSlot, default_mixer
+from service.bench import random_gguf
 from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SpeculationParams
 from service.kernels.packed_linear import (
@@ -32,27 +33,17 @@ Q5_0 = gguf.GGMLQuantizationType.Q5_0
 Q5_1 = gguf.GGMLQuantizationType.Q5_1
 Q6_K = gguf.GGMLQuantizationType.Q6_K
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
-# the K-quants gguf-py cannot write: each block's float16 fields (byte offsets) and a scale that
-# keeps random blocks' weights about as large as a trained layer's
-K_SCALES = {Q4_K: ((0, 2), 1e-4), Q6_K: ((208,), 1e-4)}
+K_TYPES = (Q4_K, Q6_K)  # served K-quants, which gguf-py cannot write
 
 
 def random_blocks(out_features: int, in_features: int, seed: int = 0, kind=Q4_1) -> np.ndarray:
     """GGUF bytes of a random weight, as gguf's own quantizer writes them; for the K-quants it
-    cannot write, random blocks (every byte pattern is a valid block) with small positive
-    float16 scales."""
+    cannot write, random blocks (`service/bench/random_gguf.py`)."""
     rng = np.random.default_rng(seed)
-    if kind not in K_SCALES:
+    if kind not in K_TYPES:
         weight = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
         return gguf.quants.quantize(weight, kind)
-    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[kind]
-    blocks = rng.integers(0, 256, (out_features, in_features // block_weights, block_bytes))
-    blocks = blocks.astype(np.uint8)
-    offsets, scale = K_SCALES[kind]
-    for offset in offsets:
-        halves = rng.uniform(0.5, 1.0, blocks.shape[:2]) * scale
-        blocks[..., offset : offset + 2] = halves.astype(np.float16)[..., None].view(np.uint8)
-    return blocks.reshape(out_features, -1)
+    return random_gguf.random_blocks(out_features, in_features, kind, rng)
 
 
 def reference(blocks: np.ndarray, x: torch.Tensor, kind=Q4_1) -> torch.Tensor:
@@ -126,33 +117,29 @@ def write_tiny_gguf(
 
 def _quantize(weight: np.ndarray, kind: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
     """`weight` quantized to `kind`, or random blocks of its shape for a K-quant."""
-    if kind in K_SCALES:
+    if kind in K_TYPES:
         return random_blocks(*weight.shape, seed=seed, kind=kind)
     return gguf.quants.quantize(weight, kind)
 
 
 def _add_model_rest(writer: gguf.GGUFWriter, model) -> None:
-    """The hyperparameters, a stand-in byte-level tokenizer (a made-up token per id), the
-    embeddings and the norms of `model`: what transformers needs beside the linears to load a
-    GGUF as a model and tokenizer."""
+    """The hyperparameters, a stand-in tokenizer, the embeddings and the norms of `model`: what
+    transformers needs beside the linears to load a GGUF as a model and tokenizer."""
     config = model.config
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    vocab = config.vocab_size
-    writer.add_token_list([chr(ord("a") + i % 26) * (1 + i // 26) for i in range(vocab)])
-    writer.add_token_types([1] * vocab)
-    writer.add_token_scores([0.0] * vocab)
-    writer.add_token_merges(["a a"])
-    writer.add_bos_token_id(config.bos_token_id)
-    writer.add_eos_token_id(config.eos_token_id)
+    shape = random_gguf.ModelShape(
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.vocab_size,
+        tied=False,
+        context=config.max_position_embeddings,
+        norm_eps=config.rms_norm_eps,
+        bos=config.bos_token_id,
+        eos=config.eos_token_id,
+    )
+    random_gguf.add_llama_metadata(writer, shape)
     writer.add_tensor("token_embd.weight", model.model.embed_tokens.weight.detach().numpy())
     writer.add_tensor("output_norm.weight", model.model.norm.weight.detach().numpy())
     for index, layer in enumerate(model.model.layers):

@@ -72,7 +72,7 @@ def greedy(model, steps: int = 8) -> list[int]:
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    """The tiny Llama as a GGUF that `load_model` converts and serves."""
+    """The tiny Llama as a GGUF that `load_model` serves."""
     path = tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf"
     write_tiny_gguf(make_tiny_model(seed=3), path, loadable=True)
     return path
@@ -113,29 +113,30 @@ def test_a_failed_atomic_write_leaves_the_old_file_and_no_temporary_one(tmp_path
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
-def test_damaged_converted_weights_are_converted_again(tiny_gguf, tmp_path, caplog, damage) -> None:
-    # the model maps its file: its output is taken before the file is damaged under it
+def test_a_damaged_gguf_config_is_read_from_the_file_again(
+    tiny_gguf, tmp_path, caplog, damage
+) -> None:
     before = greedy(
         load_model(tiny_gguf, cache_dir=tmp_path, quantization="none", dtype="float32").model
     )
-    (directory,) = (tmp_path / "models").iterdir()
-    weights = directory / "model.safetensors"
-    damage(weights)
+    (directory,) = (tmp_path / "gguf").iterdir()
+    config = directory / "config.json"
+    damage(config)
     with caplog.at_level(logging.WARNING):
         again = load_model(tiny_gguf, cache_dir=tmp_path, quantization="none", dtype="float32")
-    assert not again.from_cache and warned_about(caplog, weights)
+    assert not again.from_cache and warned_about(caplog, config)
     assert greedy(again.model) == before
-    assert [p.name for p in (tmp_path / "models").iterdir()] == [directory.name]  # no leftovers
+    assert [p.name for p in (tmp_path / "gguf").iterdir()] == [directory.name]  # no leftovers
     warm = load_model(tiny_gguf, cache_dir=tmp_path, quantization="none", dtype="float32")
     assert warm.from_cache and greedy(warm.model) == before
 
 
-def test_converted_weights_without_a_manifest_are_converted_again(
+def test_a_gguf_header_cache_without_a_manifest_is_written_again(
     tiny_gguf, tmp_path, caplog
 ) -> None:
     """A directory an older version wrote, or one a copy left unfinished, is not trusted."""
     load_model(tiny_gguf, cache_dir=tmp_path, quantization="none", dtype="float32")
-    (directory,) = (tmp_path / "models").iterdir()
+    (directory,) = (tmp_path / "gguf").iterdir()
     (directory / MANIFEST_FILE).unlink()
     with caplog.at_level(logging.WARNING):
         again = load_model(tiny_gguf, cache_dir=tmp_path, quantization="none", dtype="float32")
@@ -275,13 +276,13 @@ def test_a_numba_cache_that_breaks_the_warm_up_is_cleared_and_compiled_again(
 
 
 def _start_server_parts(gguf: Path, cache_dir: Path, barrier) -> tuple[list[int], bytes]:
-    """What a server start puts in the cache, from one process: the converted weights, their
-    packed tiles and the model tables; its greedy output and the tables' bytes."""
+    """What a server start puts in the cache, from one process: the GGUF's config and
+    tokenizer, its packed tiles and the model tables; its greedy output and the tables' bytes."""
     barrier.wait()
     loaded = load_model(gguf, cache_dir=cache_dir, quantization="none", dtype="float32")
     tables = load_or_compute_tables(loaded.model, cache_dir, show_progress=False)
     output = greedy(loaded.model)
-    (directory,) = (cache_dir / "models").iterdir()
+    (directory,) = (cache_dir / "gguf").iterdir()
     pack_gguf_linears(
         loaded.model, gguf, tiles_file=directory / tiles_file_name(), use_kernels=False
     )
@@ -296,7 +297,7 @@ def test_two_processes_filling_one_empty_cache_at_once_both_come_up(tiny_gguf, t
         with context.Pool(2) as pool:
             results = pool.starmap(_start_server_parts, [(tiny_gguf, tmp_path, barrier)] * 2)
     assert results[0] == results[1]
-    (directory,) = (tmp_path / "models").iterdir()  # one whole directory, no leftovers
+    (directory,) = (tmp_path / "gguf").iterdir()  # one whole directory, no leftovers
     assert (directory / MANIFEST_FILE).exists() and (directory / tiles_file_name()).exists()
     assert not [p for p in tmp_path.rglob("*") if ".partial" in p.name]
     loaded = load_model(tiny_gguf, cache_dir=tmp_path, quantization="none", dtype="float32")

@@ -59,8 +59,8 @@ spec:
   {{- if or $values.cache.seedFromImage (eq $values.model.source "initContainer") }}
   initContainers:
     {{- if $values.cache.seedFromImage }}
-    # Links the image's baked weights and tables into the writable cache: nothing is copied,
-    # and the server finds them without converting or recomputing.
+    # Links the image's baked cache and tables into the writable cache: nothing is copied,
+    # and the server finds them without reading the GGUF's metadata or recomputing.
     - name: seed-cache
       image: {{ include "ngrammys.image" $root }}
       imagePullPolicy: {{ $values.image.pullPolicy }}

@@ -1,4 +1,4 @@
-"""Loading the embedded GGUF: converted once, then served from the cache."""
+"""Loading a model: the embedded GGUF (its header cached once), a directory, random weights."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from service.model.loader import (
 
 
 @pytest.mark.slow
-def test_gguf_conversion_is_cached_and_reused(tmp_path, embedded) -> None:
+def test_the_gguf_header_is_cached_and_reused(tmp_path, embedded) -> None:
     cold = load_model(cache_dir=tmp_path, quantization="none", dtype="float32")
     warm = load_model(cache_dir=tmp_path, quantization="none", dtype="float32")
     assert (cold.from_cache, warm.from_cache) == (False, True)
@@ -29,7 +29,7 @@ def test_gguf_conversion_is_cached_and_reused(tmp_path, embedded) -> None:
     ids = torch.tensor([cold.tokenizer.encode("The capital of France is")])
     with torch.inference_mode():
         torch.testing.assert_close(cold.model(ids).logits, warm.model(ids).logits)
-        # the cache holds the same weights the shared fixture got
+        # the same weights the shared fixture got
         torch.testing.assert_close(warm.model(ids).logits, embedded.model(ids).logits)
     assert warm.tokenizer.encode("hello world") == embedded.tokenizer.encode("hello world")
 
