@@ -86,7 +86,7 @@ def preset(name: str) -> Callable[[str, int, int], Kind]:
     the layer count) in a preset: "Q4_K_M" mixes as llama.cpp's does (Q6_K for the output, and
     for attn_v and ffn_down where `more_bits`; Q4_K elsewhere); a block type's name puts every
     tensor in that type."""
-    if name == "Q4_K_M":
+    if name == "Q4_K_M":  # (llama.cpp's llama_tensor_get_type, for a dense Llama)
 
         def q4_k_m(tensor: str, layer: int, layers: int) -> Kind:
             if tensor == "output" or (
@@ -140,8 +140,10 @@ def write_random_gguf(path: Path, shape: ModelShape, types: str = "Q4_K_M", seed
     """Write a GGUF of `shape` with random weights in the `types` preset (`preset`) to `path`,
     norms all ones."""
     kind_of = preset(types)
+    # as llama.cpp's quantizer: a tied embedding is the output, in the output's type
+    embedding = kind_of("output" if shape.tied else "token_embd", 0, 1)
     tensors: list[tuple[str, tuple[int, ...], Kind | None]] = [
-        ("token_embd.weight", (shape.vocab, shape.hidden), kind_of("token_embd", 0, shape.layers))
+        ("token_embd.weight", (shape.vocab, shape.hidden), embedding)
     ]
     head_dim = shape.hidden // shape.heads
     rows = {

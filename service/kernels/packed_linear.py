@@ -21,8 +21,9 @@ kernels won at every size, prompt chunks and the rows beside them do too).
 
 The LM head is packed too when its type is one of those (the embedded file's is tied to the
 Q8_0 token embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the
-same values). Embeddings, norms and linears of other GGUF types (Q2_K, Q3_K, Q5_1, Q5_K, the
-IQ types) stay as loaded, in float32.
+same values). The token embedding can share those tiles
+(service/kernels/packed_embedding.py). Norms and linears of other GGUF types (Q2_K, Q3_K, Q5_1,
+Q5_K, the IQ types) stay as loaded, in float32.
 """
 
 from __future__ import annotations
@@ -290,15 +291,21 @@ def tiles_from_blocks(
 
 def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
     """The float32 weight [out_features, in_features], in plain torch (the reference)."""
-    qs = torch.from_numpy(tiles.qs)  # [T, B, 16 or 32, TILE]
-    d = torch.from_numpy(tiles.d)[:, :, None, :]
+    return dequantize_rows(tiles, torch.arange(tiles.out_features))
+
+
+def dequantize_rows(tiles: PackedTiles, rows: torch.Tensor) -> torch.Tensor:
+    """The float32 weights of `rows` (int64 [n]) [n, in_features], in plain torch: d*q is exact,
+    so d*q + m rounds once, as gguf-py's dequantization does."""
+    tile, lane = rows // TILE, rows % TILE
+    qs = torch.from_numpy(tiles.qs)[tile, :, :, lane]  # [n, B, 16 or 32]
+    d = torch.from_numpy(tiles.d)[tile, :, lane][..., None]  # [n, B, 1]
     if tiles.kind == "Q4_1":
-        q = torch.cat([qs & 15, qs >> 4], dim=2).float()  # [T, B, 32, TILE]
-        w = d * q + torch.from_numpy(tiles.m)[:, :, None, :]  # two roundings, as gguf computes it
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [n, B, 32]
+        w = d * q + torch.from_numpy(tiles.m)[tile, :, lane][..., None]
     else:
         w = d * qs.float()
-    w = w.permute(0, 3, 1, 2).reshape(-1, tiles.in_features)  # [T*TILE, K]
-    return w[: tiles.out_features]
+    return w.reshape(len(rows), tiles.in_features)
 
 
 class PackedLinear(nn.Module):

@@ -1,8 +1,9 @@
 """A served model built straight from a GGUF file, with no float32 copy of the model.
 
 The model is made from its config with every parameter on the meta device (no memory). The
-caller packs the linears the kernels serve first (service/kernels/packed_linear.py); this fills
-each parameter left from its own tensor: dequantized as gguf-py does, turned from llama.cpp's
+caller packs the linears the kernels serve first (service/kernels/packed_linear.py), and the
+token embedding (`pack_embedding`); `fill_from_gguf` fills each parameter left from its own
+tensor: dequantized as gguf-py does, turned from llama.cpp's
 layout into transformers' by transformers' own per-architecture processor (Llama's q/k row
 order, Gemma's norm offset), cast and moved, one tensor at a time. Memory at its peak is the
 served model plus one tensor in float32, where loading through transformers holds every tensor
@@ -21,7 +22,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+from service.kernels.gguf_blocks import BLOCK_TYPES
 from service.kernels.gguf_file import GGUFContents, read_gguf
+from service.kernels.packed_embedding import PackedEmbedding
+from service.kernels.packed_linear import PackedLinear, tiles_from_blocks
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,32 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel
         model.get_submodule(parent)._buffers[attr] = torch.empty_like(buffer, device="cpu")
     model.init_weights()  # the buffers' values; free on the meta parameters
     return model
+
+
+def pack_embedding(model: PreTrainedModel, path: Path) -> str | None:
+    """Replace the token embedding by a `PackedEmbedding` where its blocks are of a type the
+    kernels lay out (`BLOCK_TYPES`): sharing a packed LM head's tiles where the two are tied,
+    else from the file's own `token_embd` blocks. Returns the GGUF type packed, or None (the
+    embedding is then filled in float32)."""
+    embedding = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    name = next(n for n, module in model.named_modules() if module is embedding)
+    parent, _, attr = name.rpartition(".")
+    tensors = read_gguf(path).tensors
+    tensor = tensors.get("token_embd.weight")
+    if tensor is None or not isinstance(embedding, nn.Embedding):
+        return None
+    if model.config.tie_word_embeddings:
+        if not isinstance(head, PackedLinear) or "output.weight" in tensors:
+            return None  # a float32 table (which an unpacked head is tied to)
+        tiles = head.tiles()  # packed from these very blocks
+    elif tensor.kind.name in BLOCK_TYPES:
+        vocab, hidden = embedding.weight.shape
+        tiles = tiles_from_blocks(tensor.raw.reshape(vocab, -1), vocab, hidden, tensor.kind.name)
+    else:
+        return None
+    setattr(model.get_submodule(parent), attr, PackedEmbedding(tiles))
+    return tensor.kind.name
 
 
 def fill_from_gguf(model: PreTrainedModel, path: Path, device: torch.device) -> None:

@@ -31,7 +31,7 @@ from transformers import (
 
 from service.cache_files import cached_directory, file_sha256
 from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears, tiles_file_name
-from service.model.gguf_model import empty_model, fill_from_gguf
+from service.model.gguf_model import empty_model, fill_from_gguf, pack_embedding
 
 log = logging.getLogger(__name__)
 
@@ -214,6 +214,8 @@ def load_model(
                 tiles_file=path / tiles_file_name(int8_activations),
                 int8_activations=int8_activations,
             )
+            packed = pack_embedding(model, gguf_file)
+            log.info("token embedding: %s", f"{packed}, packed" if packed else "float32")
         fill_from_gguf(model, gguf_file, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     seconds = time.perf_counter() - started

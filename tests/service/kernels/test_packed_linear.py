@@ -268,7 +268,9 @@ def test_real_layers_hold_the_files_weights_and_match_float32(embedded, embedded
     head = packed.lm_head  # tied to the Q8_0 token embedding in the file
     assert isinstance(head, PackedLinear) and head.kind == "Q8_0"
     assert torch.equal(head.dequantized(), float32.lm_head.weight)
-    assert torch.equal(packed.model.embed_tokens.weight, float32.model.embed_tokens.weight)
+    embedding = packed.model.embed_tokens  # the head's tiles, rows dequantized on lookup
+    assert embedding.qs.data_ptr() == head.qs.data_ptr()
+    assert torch.equal(embedding.dequantized(), float32.model.embed_tokens.weight)
     torch.testing.assert_close(
         head(x[:5, :576]), F.linear(x[:5, :576], float32.lm_head.weight), rtol=1e-4, atol=1e-4
     )

@@ -1,6 +1,7 @@
 """A GGUF built straight into the served modules (service/model/gguf_model.py): the weights
 transformers' own GGUF loading gives, bit for bit, for a mixed-type file and a tied one; packed
-linears from the blocks alone; and a model whose float32 copy would not fit in memory loads."""
+linears and the token embedding from the blocks alone; and a model whose float32 copy would not
+fit in memory loads."""
 
 from __future__ import annotations
 
@@ -14,10 +15,17 @@ from transformers import AutoModelForCausalLM
 
 from service.bench.random_gguf import ModelShape, write_random_gguf
 from service.kernels.gguf_file import GGUFFormatError, read_gguf
+from service.kernels.packed_embedding import PackedEmbedding
 from service.kernels.packed_linear import PackedLinear, load_kernels
 from service.model.loader import load_model
 from tests.helpers.models import make_tiny_model
-from tests.helpers.packed import MIXED_HIDDEN, Q6_K, mixed_type, write_tiny_gguf
+from tests.helpers.packed import (
+    MIXED_HIDDEN,
+    Q6_K,
+    assert_speculation_equals_plain_decoding,
+    mixed_type,
+    write_tiny_gguf,
+)
 
 load_kernels()  # from the source tree's cache, not each test's own cache directory
 TIED = ModelShape(256, 512, 3, 4, 2, 300, tied=True)
@@ -71,6 +79,35 @@ def test_packed_linears_come_from_the_blocks_and_the_rest_from_its_tensor(
     for key, weight in model.state_dict().items():
         if key in want:
             assert torch.equal(weight, want[key]), key
+    embedding = model.get_input_embeddings()
+    table = embedding.dequantized() if name == "tied" else embedding.weight
+    assert torch.equal(table, want["model.embed_tokens.weight"])
+
+
+def test_the_token_embedding_stays_packed_and_a_tied_one_shares_the_heads_tiles(
+    files, tmp_path
+) -> None:
+    """No float32 table: a tied embedding (Q6_K here, as llama.cpp's Q4_K_M writes it) is the
+    packed LM head's tiles, an untied one of a packed type its own; an F32 one stays a table."""
+    tied = load_model(files["tied"], cache_dir=tmp_path).model
+    embedding = tied.get_input_embeddings()
+    assert isinstance(embedding, PackedEmbedding)
+    assert embedding.qs.data_ptr() == tied.lm_head.qs.data_ptr()
+    untied = tmp_path / "untied.Q4_0.gguf"
+    write_random_gguf(untied, ModelShape(256, 512, 2, 4, 2, 300, tied=False), "Q4_0")
+    model = load_model(untied, cache_dir=tmp_path).model
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding, PackedEmbedding) and embedding.kind == "Q4_1"
+    assert embedding.qs.data_ptr() != model.lm_head.qs.data_ptr()
+    assert torch.equal(
+        embedding.dequantized(), transformers_weights(untied)["model.embed_tokens.weight"]
+    )
+    mixed = load_model(files["mixed"], cache_dir=tmp_path).model
+    assert type(mixed.get_input_embeddings()) is torch.nn.Embedding
+
+
+def test_speculation_with_a_packed_embedding_equals_plain_decoding(files, tmp_path) -> None:
+    assert_speculation_equals_plain_decoding(load_model(files["tied"], cache_dir=tmp_path).model)
 
 
 def test_the_tensor_reader_refuses_what_is_not_a_whole_gguf(files, tmp_path) -> None:
