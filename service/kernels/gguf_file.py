@@ -49,6 +49,7 @@ class GGUFContents:
     """What a start needs of a GGUF: its architecture (`general.architecture`, llama.cpp's name:
     "llama", "qwen2", "gemma3"...) and its tensors by name, in file order."""
 
+    path: Path
     architecture: str
     tensors: dict[str, GGUFTensor]
 
@@ -128,4 +129,4 @@ def read_gguf(path: Path) -> GGUFContents:
             raise GGUFFormatError(f"{path}: tensor {name} does not fit the file")
         raw = data[first:last].reshape(*shape[:-1], row_bytes)
         tensors[name] = GGUFTensor(name, kind, shape, raw)
-    return GGUFContents(architecture, tensors)
+    return GGUFContents(path, architecture, tensors)

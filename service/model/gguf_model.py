@@ -13,7 +13,6 @@ in float32 at once (28 GB for a 7B model).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -23,7 +22,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
 from service.kernels.gguf_blocks import BLOCK_TYPES
-from service.kernels.gguf_file import GGUFContents, read_gguf
+from service.kernels.gguf_file import GGUFContents
 from service.kernels.packed_embedding import PackedEmbedding
 from service.kernels.packed_linear import PackedLinear, tiles_from_blocks
 
@@ -43,7 +42,7 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel
     return model
 
 
-def pack_embedding(model: PreTrainedModel, path: Path) -> str | None:
+def pack_embedding(model: PreTrainedModel, contents: GGUFContents) -> str | None:
     """Replace the token embedding by a `PackedEmbedding` where its blocks are of a type the
     kernels lay out (`BLOCK_TYPES`): sharing a packed LM head's tiles where the two are tied,
     else from the file's own `token_embd` blocks. Returns the GGUF type packed, or None (the
@@ -52,7 +51,7 @@ def pack_embedding(model: PreTrainedModel, path: Path) -> str | None:
     head = model.get_output_embeddings()
     name = next(n for n, module in model.named_modules() if module is embedding)
     parent, _, attr = name.rpartition(".")
-    tensors = read_gguf(path).tensors
+    tensors = contents.tensors
     tensor = tensors.get("token_embd.weight")
     if tensor is None or not isinstance(embedding, nn.Embedding):
         return None
@@ -69,12 +68,12 @@ def pack_embedding(model: PreTrainedModel, path: Path) -> str | None:
     return tensor.kind.name
 
 
-def fill_from_gguf(model: PreTrainedModel, path: Path, device: torch.device) -> None:
-    """Give every parameter of `model` still on the meta device its weights from the GGUF at
-    `path`, in the parameter's dtype, on `device` (buffers too); a tied output embedding
+def fill_from_gguf(model: PreTrainedModel, contents: GGUFContents, device: torch.device) -> None:
+    """Give every parameter of `model` still on the meta device its weights from the GGUF
+    `contents`, in the parameter's dtype, on `device` (buffers too); a tied output embedding
     without a tensor of its own is tied to the input one. Raises `ValueError` naming any
     parameter the file has no tensor for."""
-    contents = read_gguf(path)
+    path = contents.path
     processor = TENSOR_PROCESSORS.get(contents.architecture, TensorProcessor)(
         config=model.config.to_dict()
     )

@@ -30,6 +30,7 @@ from transformers import (
 )
 
 from service.cache_files import cached_directory, file_sha256
+from service.kernels.gguf_file import read_gguf
 from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears, tiles_file_name
 from service.model.gguf_model import empty_model, fill_from_gguf, pack_embedding
 
@@ -204,6 +205,7 @@ def load_model(
             path, dtype=torch_dtype, local_files_only=True
         ).to(torch_device)
     else:
+        contents = read_gguf(gguf_file)  # the tensor table, read once for the steps below
         model = empty_model(config, torch_dtype)
         if quantization in PACKED:
             int8_activations = quantization == "gguf-int8"
@@ -214,9 +216,9 @@ def load_model(
                 tiles_file=path / tiles_file_name(int8_activations),
                 int8_activations=int8_activations,
             )
-            packed = pack_embedding(model, gguf_file)
+            packed = pack_embedding(model, contents)
             log.info("token embedding: %s", f"{packed}, packed" if packed else "float32")
-        fill_from_gguf(model, gguf_file, torch_device)
+        fill_from_gguf(model, contents, torch_device)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.1f s (%s)", name, seconds, "cached" if from_cache else "cold")
