@@ -49,7 +49,7 @@ class Settings(BaseSettings):
         "packed (other types float32), the CPU fast path; gguf-int8: the same (Q6_K float32) "
         "with the packed linears' "
         "activations rounded to 8 bits per block of 32 and a float16 KV cache, as llama.cpp "
-        "computes (CPUs with AVX-512 VNNI); none: "
+        "computes (CPUs with AVX2 or AVX-512 VNNI); none: "
         "unpacked weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, "
         "dtype unset or float32), else none",
     )

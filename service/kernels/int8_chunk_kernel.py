@@ -29,10 +29,11 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from service.kernels.int8_kernel import BLOCK, COLUMNS, TILE_BYTES, _ir, split_tiles
+from service.kernels.int8_kernel import BLOCK, Isa, _ir, _required_isa, split_tiles
 from service.kernels.native import compile_ir
 
-# rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill the registers
+# rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill AVX-512's
+# registers; on AVX2 (16) some spill, and yet 8 measured faster than 2 or 4 (docs/benchmarks.md)
 GROUP = 8
 SCALES_AT = GROUP * BLOCK  # a record: GROUP rows x 32 int8, GROUP float32 dx, GROUP float32 dx·Σxq
 SUMS_AT = SCALES_AT + 4 * GROUP
@@ -152,14 +153,19 @@ def records(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tupl
     return b.gep(record, [ir.Constant(i64, BLOCK * r)]), scales, sums
 
 
+def chunk_matmul(isa: Isa | None = None) -> Any:
+    """`chunk_matmul(isa)(x, packed, d, m, out, chunks)`: out[:R, C·U] = x[R, K] @ W.T for a
+    Q4_1 `Int8Tiles` (packed, d, m) of `isa` (this CPU's best by default), as
+    `int8_kernel.int8_matmul("Q4_1", isa)` computes it; `out` has room for R rounded up to a
+    whole `GROUP` of rows. The rows are quantized over numba's threads, then the tiles split
+    into `chunks` parts over them (0 or 1: the calling thread)."""
+    return _chunk_matmul(isa or _required_isa())
+
+
 @functools.cache
-def chunk_matmul() -> Any:
-    """`chunk_matmul()(x, packed, d, m, out, chunks)`: out[:R, 16U] = x[R, K] @ W.T for a Q4_1
-    `Int8Tiles` (packed, d, m), as `int8_kernel.int8_matmul("Q4_1")` computes it; `out` has
-    room for R rounded up to a whole `GROUP` of rows. The rows are quantized over numba's
-    threads, then the tiles split into `chunks` parts over them (0 or 1: the calling thread)."""
+def _chunk_matmul(isa: Isa) -> Any:
     quantize = compile_ir(_quantize_ir(), "quantize", [ctypes.c_int64] * 4)
-    tiles_kernel = compile_ir(_ir("Q4_1", (GROUP,), records), "tiles", [ctypes.c_int64] * 11)
+    tiles_kernel = compile_ir(_ir("Q4_1", isa, (GROUP,), records), "tiles", [ctypes.c_int64] * 11)
 
     @njit(parallel=True, nogil=True)
     def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled
@@ -177,15 +183,16 @@ def chunk_matmul() -> Any:
     return matmul
 
 
-def warm_up() -> None:
+def warm_up(isa: Isa | None = None) -> None:
     """Build and compile the kernel now, not in the first long prompt's pass (like
     `int8_kernel.warm_up`)."""
-    scales = np.zeros((1, 1, COLUMNS), np.float32)
-    chunk_matmul()(
+    isa = isa or _required_isa()
+    scales = np.zeros((1, 1, isa.columns), np.float32)
+    chunk_matmul(isa)(
         np.zeros((1, BLOCK), np.float32),
-        np.zeros((1, 1, TILE_BYTES), np.uint8),
+        np.zeros((1, 1, isa.tile_bytes), np.uint8),
         scales,
         scales,
-        np.empty((GROUP, COLUMNS), np.float32),
+        np.empty((GROUP, isa.columns), np.float32),
         0,
     )

@@ -1,26 +1,36 @@
-"""Q4_1 linears computed with 8-bit activations on AVX-512 VNNI (`--quantization gguf-int8`).
+"""Q4_1 and Q8_0 linears computed with 8-bit activations (`--quantization gguf-int8`).
 
 On a CPU the packed Q4_1 kernel of `service/kernels/packed_kernels.py` multiplies in float32:
 past a few rows a pass is bound by float32 multiply-adds, and a tree of 16 tokens costs several
-one-token passes (docs/benchmarks.md, "The 8-bit linears"). VNNI's `vpdpbusd` multiplies 64 unsigned
-bytes by 64 signed bytes and adds them in fours into 16 int32 lanes: 64 multiply-adds an
-instruction. llama.cpp computes its Q4_1 dot products that way, with each activation row
-quantized to 8 bits per block of 32 (a float scale per block); so does this module.
+one-token passes (docs/benchmarks.md, "The 8-bit linears"). Integer vector instructions do four
+times the multiply-adds of a float32 one: AVX-512 VNNI's `vpdpbusd` multiplies 64 unsigned bytes
+by 64 signed bytes and adds them in fours into 16 int32 lanes; AVX2's `vpmaddubsw` multiplies 32
+byte pairs and adds them in pairs into 16 int16 lanes (`vpmaddwd` by ones then adds those in
+pairs into 8 int32). llama.cpp computes its dot products that way, with each activation row
+quantized to 8 bits per block of 32 (a float scale per block); so does this module, on
+whichever of the two the CPU has (`Isa`, VNNI first).
 
 The weights stay exactly the GGUF's (w = d*q + m, q the 4-bit value); only the activations
-entering a Q4_1 linear are rounded, per row and per block of 32: dx = max|x| / 127,
+entering a packed linear are rounded, per row and per block of 32: dx = max|x| / 127,
 xq = round(x / dx). Then for each output column and block, Σ q·xq is exact in int32, and
-y = Σ_blocks (d·dx)·Σ q·xq + m·(dx·Σ xq), the float part in one fixed order. Each row is
-computed alone, so a row's result does not depend on the pass (speculation reproduces plain
-decoding of this path bit for bit); it differs from the float32 path's by the rounding of the
-activations, as llama.cpp's does.
+y = Σ_blocks (d·dx)·Σ q·xq + m·(dx·Σ xq), the float part in one fixed order. Both instruction
+sets reach the same exact integers, so the two compute the same bits. Each row is computed
+alone, so a row's result does not depend on the pass (speculation reproduces plain decoding of
+this path bit for bit); it differs from the float32 path's by the rounding of the activations,
+as llama.cpp's does.
+
+On AVX2 no product pair may leave int16 (`vpmaddubsw` saturates): a Q4_1 block's pairs are at
+most 2·15·127 = 3810, so a block's eight products are summed in int16 (≤ 30480) before one
+`vpmaddwd`; a Q8_0 weight (down to -128) times an unsigned activation byte could reach 65280,
+so Q8_0 takes llama.cpp's sign trick: |w| (unsigned) times xq with w's sign, ≤ 2·128·127.
 
 The inner kernel is LLVM IR built here with llvmlite (numba's own compiler: nothing to
-install) and compiled for this CPU at load: numba's vectorizer emits no `vpdpbusd` from
-scalar code (an int16 pair-product loop stayed scalar, slower than the float kernel), so the
-IR calls the intrinsic itself. Weights are re-laid at load into tiles of 16 output columns:
-per block of 32 inputs, four 64-byte vectors, byte 4c+i of vector g holding column c's
-weights 4g+i (low nibble) and 16+4g+i (high nibble). numba's threads split the tiles.
+install) and compiled for this CPU at load: numba's vectorizer emits none of these instructions
+from scalar code (an int16 pair-product loop stayed scalar, slower than the float kernel), so
+the IR calls them itself. Weights are re-laid at load into tiles of one vector's int32 lanes of
+output columns (16 on AVX-512, 8 on AVX2): per block of 32 inputs, four vectors, byte 4c+i of
+vector g holding column c's weights 4g+i (low nibble) and 16+4g+i (high nibble). numba's threads
+split the tiles.
 """
 
 from __future__ import annotations
@@ -36,59 +46,114 @@ from numba import njit, prange
 
 from service.kernels.native import compile_ir
 
-COLUMNS = 16  # output columns of a tile: one vector of 16 int32 / float32 lanes
 BLOCK = 32  # inputs per block (Q4_1's, and the activations' scale)
-TILE_BYTES = BLOCK * COLUMNS // 2  # a block of a tile: 4 vectors of 64 bytes
 # Rows sharing each loaded (and unpacked) block, largest first, while a whole group is left
-# (their accumulators and the block fit 32 registers). Passes of 8 rows or more take
+# (their accumulators and the block fit AVX-512's 32 registers; on AVX2's 16 some spill, and
+# yet 4 measured faster than 2 or 1 from 4 rows on). Passes of 8 rows or more take
 # `int8_chunk_kernel.py`, which groups 8.
 ROW_GROUPS = (4, 1)
-REQUIRED_FEATURES = ("avx512f", "avx512bw", "avx512vnni")
 
 
-def int8_supported() -> bool:
-    """Whether this CPU has the instructions the kernel is built from."""
+@dataclass(frozen=True)
+class Isa:
+    """A vector instruction set the kernels are built for."""
+
+    name: str
+    features: tuple[str, ...]  # what the CPU must have (LLVM's names)
+    columns: int  # output columns of a tile: one vector of int32 / float32 lanes
+    # Q8_0: added to the activations so that they enter unsigned (VNNI's operand order); the
+    # sums then start from -offset·Σw (`Int8Tiles.m`). AVX2 takes the sign trick instead.
+    q8_offset: int
+
+    @property
+    def vector_bytes(self) -> int:
+        return 4 * self.columns
+
+    @property
+    def tile_bytes(self) -> int:
+        """A Q4_1 block of a tile: four vectors (Q8_0's: eight)."""
+        return BLOCK * self.columns // 2
+
+
+VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128)
+AVX2 = Isa("AVX2", ("avx2", "fma"), 8, 0)
+ISAS = (VNNI, AVX2)  # the first the CPU has is used
+
+
+def supported_isas() -> tuple[Isa, ...]:
+    """The instruction sets of `ISAS` this CPU has, best first."""
     try:
         import llvmlite.binding as llvm
     except ImportError:  # pragma: no cover - numba always brings llvmlite
-        return False
+        return ()
     features = llvm.get_host_cpu_features()
-    return all(features.get(name, False) for name in REQUIRED_FEATURES)
+    return tuple(isa for isa in ISAS if all(features.get(f, False) for f in isa.features))
+
+
+@functools.cache
+def best_isa() -> Isa | None:
+    """The instruction set the kernels use on this CPU, or None (the 8-bit path is refused)."""
+    isas = supported_isas()
+    return isas[0] if isas else None
+
+
+def int8_supported() -> bool:
+    """Whether this CPU has the instructions of one of `ISAS`."""
+    return best_isa() is not None
+
+
+REQUIRED_FEATURES = " or ".join(" + ".join(isa.features) for isa in ISAS)  # for error messages
 
 
 @dataclass(frozen=True)
 class Int8Tiles:
-    """A Q4_1 or Q8_0 weight [out_features, in_features] re-laid for the kernel."""
+    """A Q4_1 or Q8_0 weight [out_features, in_features] re-laid for the kernel of `isa`."""
 
     kind: str
-    packed: np.ndarray  # [U, B, 256 (Q4_1) or 512 (Q8_0)] uint8: tile u, block b (module docstring)
-    d: np.ndarray  # [U, B, 16] float32 scales of the tile's columns
-    # [U, B, 16] Q4_1: float32 mins; Q8_0: int32 -128·Σ w (activations enter as xq + 128)
+    isa: Isa
+    # [U, B, 4 (Q4_1) or 8 (Q8_0) vectors] uint8: tile u, block b (module docstring)
+    packed: np.ndarray
+    d: np.ndarray  # [U, B, columns] float32 scales of the tile's columns
+    # [U, B, columns] Q4_1: float32 mins; Q8_0: int32 -offset·Σ w (activations enter as
+    # xq + offset)
     m: np.ndarray
     out_features: int
     in_features: int
 
+    @property
+    def padded_features(self) -> int:
+        """The output columns the kernel writes: whole tiles."""
+        return self.packed.shape[0] * self.isa.columns
+
 
 def int8_tiles(
-    kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray, out_features: int
+    kind: str,
+    qs: np.ndarray,
+    d: np.ndarray,
+    m: np.ndarray,
+    out_features: int,
+    isa: Isa | None = None,
 ) -> Int8Tiles:
-    """Re-lay `PackedTiles`' arrays into the kernel's tiles: Q4_1 qs [T, B, 16, 32] (byte j of
-    a block: low nibble weight j, high nibble weight j+16), Q8_0 qs [T, B, 32, 32] int8; d, m
-    [T, B, 32]."""
+    """Re-lay `PackedTiles`' arrays into the tiles of `isa`'s kernel (this CPU's best by
+    default): Q4_1 qs [T, B, 16, 32] (byte j of a block: low nibble weight j, high nibble
+    weight j+16), Q8_0 qs [T, B, 32, 32] int8; d, m [T, B, 32]."""
+    isa = isa or _required_isa()
     tiles, blocks, _, width = qs.shape
+    lanes = isa.columns
 
-    def columns(a: np.ndarray, dtype: type) -> np.ndarray:  # [T, B, width] -> [U, B, 16]
-        a = a.transpose(0, 2, 1).reshape(-1, COLUMNS, blocks)
+    def columns(a: np.ndarray, dtype: type) -> np.ndarray:  # [T, B, width] -> [U, B, lanes]
+        a = a.transpose(0, 2, 1).reshape(-1, lanes, blocks)
         return np.ascontiguousarray(a.transpose(0, 2, 1), dtype=dtype)
 
     if kind == "Q8_0":
-        q = qs.transpose(0, 3, 1, 2).reshape(-1, COLUMNS, blocks, 8, 4)  # [U, c, B, g, i]
+        q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
         packed = np.ascontiguousarray(
-            q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 2 * TILE_BYTES)
+            q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 2 * isa.tile_bytes)
         ).view(np.uint8)
-        bias = -128 * qs.astype(np.int32).sum(axis=2)  # [T, B, width]
+        bias = -isa.q8_offset * qs.astype(np.int32).sum(axis=2)  # [T, B, width]
         return Int8Tiles(
             kind,
+            isa,
             packed,
             columns(d, np.float32),
             columns(bias, np.int32),
@@ -96,12 +161,27 @@ def int8_tiles(
             blocks * BLOCK,
         )
     q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [T, B, 32 inputs, width columns]
-    q = q.transpose(0, 3, 1, 2).reshape(-1, COLUMNS, blocks, 2, 4, 4)  # [U, c, B, half, g, i]
+    q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)  # [U, c, B, half, g, i]
     packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [U, c, B, g, i]
-    packed = np.ascontiguousarray(packed.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, TILE_BYTES))
-    return Int8Tiles(
-        kind, packed, columns(d, np.float32), columns(m, np.float32), out_features, blocks * BLOCK
+    packed = np.ascontiguousarray(
+        packed.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.tile_bytes)
     )
+    return Int8Tiles(
+        kind,
+        isa,
+        packed,
+        columns(d, np.float32),
+        columns(m, np.float32),
+        out_features,
+        blocks * BLOCK,
+    )
+
+
+def _required_isa() -> Isa:
+    isa = best_isa()
+    if isa is None:
+        raise RuntimeError(f"--quantization gguf-int8 needs a CPU with {REQUIRED_FEATURES}")
+    return isa
 
 
 @njit(cache=True, nogil=True)
@@ -147,26 +227,42 @@ def row_major(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tu
     )
 
 
-def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses = row_major) -> str:
-    """The tile kernel's LLVM IR: tiles(packed, d, m, xq, dx, xs, out, rows, blocks,
-    out_stride, count) computes out[r, 16u : 16u + 16] for the `count` tiles from `packed`.
-    Q4_1: weights (nibbles, unsigned) times xq (signed), plus m·xs; Q8_0: xq + 128 (unsigned)
-    times the weights (signed), the sums starting from m = -128·Σ w. Rows go `row_groups` at a
-    time through each block (the largest first, while a whole group is left), so a block's
-    weights are loaded (and unpacked) once for the group; every row's arithmetic is the same in
-    a group as alone. `addresses` says where a row's inputs are (`row_major` by default; see
+def _ir(
+    kind: str,
+    isa: Isa,
+    row_groups: Sequence[int] = ROW_GROUPS,
+    addresses: Addresses = row_major,
+) -> str:
+    """The tile kernel's LLVM IR for `isa`: tiles(packed, d, m, xq, dx, xs, out, rows, blocks,
+    out_stride, count) computes out[r, Cu : Cu + C] (C = `isa.columns`) for the `count` tiles
+    from `packed`. Q4_1: weights (nibbles, unsigned) times xq (signed), plus m·xs; Q8_0 on VNNI:
+    xq + 128 (unsigned) times the weights (signed), the sums starting from m = -128·Σ w; on
+    AVX2: |w| times xq with w's sign. Rows go `row_groups` at a time through each block (the
+    largest first, while a whole group is left), so a block's weights are loaded (and unpacked)
+    once for the group; every row's arithmetic is the same in a group as alone. `addresses`
+    says where a row's inputs are (`row_major` by default; see
     `service/kernels/int8_chunk_kernel.py` for the other layout)."""
     from llvmlite import ir
 
-    i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
-    bytes64, ints, floats = ir.VectorType(i8, 64), ir.VectorType(i32, 16), ir.VectorType(f32, 16)
+    i8, i16, i32, i64 = (ir.IntType(n) for n in (8, 16, 32, 64))
+    f32 = ir.FloatType()
+    lanes = isa.columns
+    vector = ir.VectorType(i8, isa.vector_bytes)
+    ints, floats = ir.VectorType(i32, lanes), ir.VectorType(f32, lanes)
+    shorts = ir.VectorType(i16, 2 * lanes)
     module = ir.Module(name="ngrammys_int8")
-    dot = ir.Function(
-        module, ir.FunctionType(ints, [ints, bytes64, bytes64]), name="llvm.x86.avx512.vpdpbusd.512"
-    )
-    fma = ir.Function(
-        module, ir.FunctionType(floats, [floats, floats, floats]), name="llvm.fma.v16f32"
-    )
+
+    def intrinsic(name: str, result: Any, *operands: Any) -> Any:
+        return ir.Function(module, ir.FunctionType(result, list(operands)), name=name)
+
+    fma = intrinsic(f"llvm.fma.v{lanes}f32", floats, floats, floats, floats)
+    if isa is VNNI:
+        dpbusd = intrinsic("llvm.x86.avx512.vpdpbusd.512", ints, ints, vector, vector)
+    else:
+        maddubs = intrinsic("llvm.x86.avx2.pmadd.ub.sw", shorts, vector, vector)
+        madd = intrinsic("llvm.x86.avx2.pmadd.wd", ints, shorts, shorts)
+        sign = intrinsic("llvm.x86.avx2.psign.b", vector, vector, vector)
+        ones = ir.Constant(shorts, [1] * 2 * lanes)
     args = [
         i8.as_pointer(),
         f32.as_pointer(),
@@ -183,7 +279,7 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
     function = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name="tiles")
     packed0, d0, m0, xq, dx, xs, out0, rows, blocks, out_stride, count = function.args
     const = lambda value: ir.Constant(i64, value)  # noqa: E731
-    block_bytes = TILE_BYTES if kind == "Q4_1" else 2 * TILE_BYTES
+    block_bytes = isa.tile_bytes if kind == "Q4_1" else 2 * isa.tile_bytes
     start, tile_head = function.append_basic_block("start"), function.append_basic_block("tile")
     ir.IRBuilder(start).branch(tile_head)
 
@@ -191,12 +287,31 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
     tile = b.phi(i64, "tile")
     tile.add_incoming(const(0), start)
     packed = b.gep(packed0, [b.mul(tile, b.mul(blocks, const(block_bytes)))])
-    d = b.gep(d0, [b.mul(tile, b.mul(blocks, const(COLUMNS)))])
+    d = b.gep(d0, [b.mul(tile, b.mul(blocks, const(lanes)))])
     m = b.gep(
         b.bitcast(m0, (f32 if kind == "Q4_1" else i32).as_pointer()),
-        [b.mul(tile, b.mul(blocks, const(COLUMNS)))],
+        [b.mul(tile, b.mul(blocks, const(lanes)))],
     )
-    out = b.gep(out0, [b.mul(tile, const(COLUMNS))])
+    out = b.gep(out0, [b.mul(tile, const(lanes))])
+
+    def dot(b: Any, sums: Any, products: list[tuple[Any, Any]]) -> Any:
+        """sums + Σ over (weights, four inputs a lane) pairs of their lanes' byte products."""
+        if isa is VNNI:
+            for weight, inputs in products:  # unsigned first
+                pair = [weight, inputs] if kind == "Q4_1" else [inputs, weight]
+                sums = b.call(dpbusd, [sums, *pair])
+            return sums
+        if kind == "Q4_1":  # a block's products stay within int16 (module docstring)
+            pairs = [b.call(maddubs, [weight, inputs]) for weight, inputs in products]
+            total = pairs[0]
+            for pair in pairs[1:]:
+                total = b.add(total, pair)
+            return b.add(sums, b.call(madd, [total, ones]))
+        for weight, inputs in products:  # |w| times xq·sign(w): within int16 pair by pair
+            magnitude = b.call(sign, [weight, weight])
+            pair = b.call(maddubs, [magnitude, b.call(sign, [inputs, weight])])
+            sums = b.add(sums, b.call(madd, [pair, ones]))
+        return sums
 
     def rows_loop(entry: Any, first_row: Any, group: int) -> tuple[Any, Any]:
         """Rows `group` at a time from `first_row` while a whole group fits; returns the exit
@@ -217,33 +332,37 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
         block.add_incoming(const(0), head)
         totals = [b.phi(floats, f"total{r}") for r in range(group)]
         for total in totals:
-            total.add_incoming(ir.Constant(floats, [0.0] * COLUMNS), head)
+            total.add_incoming(ir.Constant(floats, [0.0] * lanes), head)
         weights = b.gep(packed, [b.mul(block, const(block_bytes))])
         scales = b.load(
-            b.bitcast(b.gep(d, [b.mul(block, const(COLUMNS))]), floats.as_pointer()), align=4
+            b.bitcast(b.gep(d, [b.mul(block, const(lanes))]), floats.as_pointer()), align=4
         )
         column_terms = b.load(
             b.bitcast(
-                b.gep(m, [b.mul(block, const(COLUMNS))]),
+                b.gep(m, [b.mul(block, const(lanes))]),
                 (floats if kind == "Q4_1" else ints).as_pointer(),
             ),
             align=4,
         )
 
         def splat(pointer: Any) -> Any:
-            lanes = b.insert_element(
+            first = b.insert_element(
                 ir.Constant(floats, None), b.load(pointer), ir.Constant(i32, 0)
             )
             return b.shuffle_vector(
-                lanes, ir.Constant(floats, None), ir.Constant(ints, [0] * COLUMNS)
+                first, ir.Constant(floats, None), ir.Constant(ints, [0] * lanes)
             )
 
         vectors = [
-            b.load(b.bitcast(b.gep(weights, [const(64 * g)]), bytes64.as_pointer()), align=1)
-            for g in range(block_bytes // 64)
+            b.load(
+                b.bitcast(b.gep(weights, [const(isa.vector_bytes * g)]), vector.as_pointer()),
+                align=1,
+            )
+            for g in range(block_bytes // isa.vector_bytes)
         ]
         if kind == "Q4_1":  # (weights, input offset) pairs: low nibbles 4g.., high ones 16+4g..
-            nibble, four = ir.Constant(bytes64, [15] * 64), ir.Constant(bytes64, [4] * 64)
+            nibble = ir.Constant(vector, [15] * isa.vector_bytes)
+            four = ir.Constant(vector, [4] * isa.vector_bytes)
             operands = [(b.and_(v, nibble), 4 * g) for g, v in enumerate(vectors)]
             operands += [
                 (b.and_(b.lshr(v, four), nibble), BLOCK // 2 + 4 * g) for g, v in enumerate(vectors)
@@ -253,19 +372,16 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
         news = []
         for r, total in enumerate(totals):
             inputs, row_dx, row_xs = addresses(b, (xq, dx, xs, blocks), row, r, block)
-            sums = ir.Constant(ints, [0] * COLUMNS) if kind == "Q4_1" else column_terms
+            products = []
             for weight, offset in operands:  # xq[offset : offset + 4] in every 32-bit lane
                 word = b.load(b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1)
-                lanes = b.insert_element(ir.Constant(ints, None), word, ir.Constant(i32, 0))
-                four_inputs = b.bitcast(
-                    b.shuffle_vector(
-                        lanes, ir.Constant(ints, None), ir.Constant(ints, [0] * COLUMNS)
-                    ),
-                    bytes64,
+                first = b.insert_element(ir.Constant(ints, None), word, ir.Constant(i32, 0))
+                splatted = b.shuffle_vector(
+                    first, ir.Constant(ints, None), ir.Constant(ints, [0] * lanes)
                 )
-                # unsigned first
-                pair = [weight, four_inputs] if kind == "Q4_1" else [four_inputs, weight]
-                sums = b.call(dot, [sums, *pair])
+                products.append((weight, b.bitcast(splatted, vector)))
+            start_sums = ir.Constant(ints, [0] * lanes) if kind == "Q4_1" else column_terms
+            sums = dot(b, start_sums, products)
             new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
             if kind == "Q4_1":
                 new = b.call(fma, [column_terms, splat(row_xs), new])
@@ -303,18 +419,19 @@ def _ir(kind: str, row_groups: Sequence[int] = ROW_GROUPS, addresses: Addresses 
     return str(module)
 
 
+def int8_matmul(kind: str = "Q4_1", isa: Isa | None = None) -> Any:
+    """`int8_matmul(kind, isa)(x, packed, d, m, out, chunks)`: out[R, C·U] = x[R, K] @ W.T for
+    the weight of (packed, d, m) (`Int8Tiles` of that kind and instruction set, this CPU's best
+    by default), x quantized per row and block first; the tiles split into `chunks` parts over
+    numba's threads (0 or 1: the calling thread)."""
+    return _int8_matmul(kind, isa or _required_isa())
+
+
 @functools.cache
-def int8_matmul(kind: str = "Q4_1") -> Any:
-    """`int8_matmul(kind)(x, packed, d, m, out, chunks)`: out[R, 16U] = x[R, K] @ W.T for
-    the weight of (packed, d, m) (`Int8Tiles` of that kind), x quantized per row and block
-    first; the tiles split into `chunks` parts over numba's threads (0 or 1: the calling
-    thread)."""
-    if not int8_supported():
-        raise RuntimeError(
-            f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}"
-        )
-    tiles_kernel = compile_ir(_ir(kind), "tiles", [ctypes.c_int64] * 11)
-    offset = 0 if kind == "Q4_1" else 128  # Q8_0: the activations are the unsigned operand
+def _int8_matmul(kind: str, isa: Isa) -> Any:
+    tiles_kernel = compile_ir(_ir(kind, isa), "tiles", [ctypes.c_int64] * 11)
+    # Q8_0 on VNNI: the activations are the unsigned operand
+    offset = isa.q8_offset if kind == "Q8_0" else 0
 
     @njit(nogil=True)
     def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled
@@ -367,7 +484,7 @@ def split_tiles(
                 inputs,
                 dx,
                 xs,
-                out[:, first * COLUMNS :].ctypes.data,
+                out[:, first * d.shape[2] :].ctypes.data,  # d: [U, B, columns]
                 rows,
                 blocks,
                 out.shape[1],
@@ -375,21 +492,22 @@ def split_tiles(
             )
 
 
-def warm_up() -> None:
-    """Build and compile both kinds' kernels now (LLVM, then numba, which cannot cache code
-    that calls into this process's own machine code), not in the first request's pass, which
-    would otherwise wait seconds for them."""
+def warm_up(isa: Isa | None = None) -> None:
+    """Build and compile both kinds' kernels for `isa` (this CPU's best by default) now (LLVM,
+    then numba, which cannot cache code that calls into this process's own machine code), not
+    in the first request's pass, which would otherwise wait seconds for them."""
+    isa = isa or _required_isa()
     x = np.zeros((1, BLOCK), np.float32)
     for kind, block_bytes, extra in (
-        ("Q4_1", TILE_BYTES, np.float32),
-        ("Q8_0", 2 * TILE_BYTES, np.int32),
+        ("Q4_1", isa.tile_bytes, np.float32),
+        ("Q8_0", 2 * isa.tile_bytes, np.int32),
     ):
-        scales = np.zeros((1, 1, COLUMNS), np.float32)
-        int8_matmul(kind)(
+        scales = np.zeros((1, 1, isa.columns), np.float32)
+        int8_matmul(kind, isa)(
             x,
             np.zeros((1, 1, block_bytes), np.uint8),
             scales,
-            np.zeros((1, 1, COLUMNS), extra),
-            np.empty((1, COLUMNS), np.float32),
+            np.zeros((1, 1, isa.columns), extra),
+            np.empty((1, isa.columns), np.float32),
             0,
         )

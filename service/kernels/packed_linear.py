@@ -56,8 +56,8 @@ from service.kernels.gguf_file import GGUFTensor, read_gguf
 from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul
 from service.kernels.int8_chunk_kernel import warm_up as warm_up_chunks
 from service.kernels.int8_kernel import (
-    COLUMNS,
     REQUIRED_FEATURES,
+    best_isa,
     int8_matmul,
     int8_supported,
     int8_tiles,
@@ -328,7 +328,7 @@ class PackedLinear(nn.Module):
         # Q4_1 passes up to this many rows dequantize in registers
         self.fused_max_rows = fused_max_rows
         self.kernel_max_rows = kernel_max_rows  # larger passes dequantize the layer for F.linear
-        # 8-bit activations on VNNI (service/kernels/int8_kernel.py), for passes of every size
+        # 8-bit activations (service/kernels/int8_kernel.py), for passes of every size
         self.int8_activations = int8_activations
         self._set_tiles(tiles)
 
@@ -345,11 +345,11 @@ class PackedLinear(nn.Module):
         if self._int8 is not None:  # what every call needs, looked up once
             self._int8_kernel = int8_matmul(tiles.kind)
             self._chunk_kernel = chunk_matmul() if tiles.kind == "Q4_1" else None
-            self._int8_columns = self._int8.packed.shape[0] * COLUMNS
+            self._int8_columns = self._int8.padded_features
 
     def extra_repr(self) -> str:
         path = (
-            "int8 activations, VNNI"
+            f"int8 activations, {self._int8.isa.name}"
             if self._int8 is not None
             else "numba"
             if self.kernels is not None
@@ -404,7 +404,7 @@ class PackedLinear(nn.Module):
         return self._shaped(out, x)
 
     def _int8_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The VNNI kernels, whatever the pass size (from CHUNK_MIN_ROWS rows on, a Q4_1 layer's
+        """The 8-bit kernels, whatever the pass size (from CHUNK_MIN_ROWS rows on, a Q4_1 layer's
         many-row kernel, with the same bits): a prompt chunk's rows then compute as they would
         in a pass of their own. Lean: a one-token pass makes over a hundred of these calls, so
         what every call needs is looked up once (`_set_tiles`) and no no-op conversion runs
@@ -728,7 +728,7 @@ def pack_gguf_linears(
         )
     if int8_activations and not int8_supported():
         raise ValueError(
-            f"--quantization gguf-int8 needs a CPU with {', '.join(REQUIRED_FEATURES)}; "
+            f"--quantization gguf-int8 needs a CPU with {REQUIRED_FEATURES}; "
             "use --quantization gguf"
         )
     if int8_activations:
@@ -791,8 +791,8 @@ def pack_gguf_linears(
     log.info(
         "packed %s linears in the kernels' layouts (%s)",
         _counts(layouts),
-        "8-bit activations (VNNI)"
-        if int8_activations
+        f"8-bit activations ({isa.name})"
+        if int8_activations and (isa := best_isa()) is not None
         else "numba kernels; 4-bit weights dequantized in registers for passes of up to "
         f"{fused_max_rows} rows, "
         f"the kernels for {large_passes}"

@@ -142,7 +142,7 @@ def load_model(
     kernels serve (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0: service/kernels/gguf_blocks.py) packed
     and computes with them (service/kernels/packed_linear.py; CPU, float32 activations; linears of
     other types stay float32); "gguf-int8" likewise, with 8-bit activations
-    (service/kernels/int8_kernel.py, CPUs with AVX-512 VNNI); "none"
+    (service/kernels/int8_kernel.py, CPUs with AVX2 or AVX-512 VNNI); "none"
     serves the dequantized weights in `dtype` (by capability when None: `resolve_dtype`); "auto"
     (the default) is gguf for a GGUF model on a CPU when numba is installed and `dtype` is None
     or float32, else none (see `resolve_quantization`).

@@ -272,7 +272,7 @@ def test_a_second_turn_reads_the_first_turns_prompt_and_answer_on_the_packed_pat
     from service.kernels.int8_kernel import int8_supported
 
     if path == "gguf-int8" and not int8_supported():
-        pytest.skip("the CPU lacks AVX-512 VNNI")
+        pytest.skip("the CPU has neither AVX2 nor AVX-512 VNNI")
     model = request.getfixturevalue("tiny_packed" if path == "gguf" else "tiny_int8")[1]
     runner = ModelRunner(model)
     params = GenerationParams(40, speculation=SpeculationParams(4, 4, "auto"), logprobs=0)

@@ -143,7 +143,7 @@ def test_a_prompt_gets_the_same_cache_and_logits_however_it_is_chunked(
         model = tiny_packed[1]
     else:
         if not int8_supported():
-            pytest.skip("the CPU lacks AVX-512 VNNI")
+            pytest.skip("the CPU has neither AVX2 nor AVX-512 VNNI")
         _, model, gguf = tiny_gguf_twins(tmp_path)
         pack_gguf_linears(model, gguf, int8_activations=True)
     runner = ModelRunner(model)

@@ -1,6 +1,6 @@
-"""Packed linears with 8-bit activations (`--quantization gguf-int8`): the VNNI kernel against a
-reference that quantizes the activations the same way, a row's result whatever the pass holds,
-and losslessness of speculation on that path."""
+"""Packed linears with 8-bit activations (`--quantization gguf-int8`): the kernel of each
+instruction set the CPU has against a reference that quantizes the activations the same way,
+a row's result whatever the pass holds, and losslessness of speculation on that path."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ import torch
 from drafting import TableSlot
 from service.controller.profiler import profile_path
 from service.engine.params import GenerationParams, SpeculationParams
-from service.kernels.int8_kernel import BLOCK, int8_matmul, int8_supported, int8_tiles
+from service.kernels.int8_kernel import (
+    BLOCK,
+    int8_matmul,
+    int8_supported,
+    int8_tiles,
+    supported_isas,
+)
 from service.kernels.packed_linear import (
     LLAMA_LINEARS,
     PackedLinear,
@@ -33,7 +39,10 @@ from tests.helpers.packed import (
     reference,
 )
 
-pytestmark = pytest.mark.skipif(not int8_supported(), reason="the CPU lacks AVX-512 VNNI")
+pytestmark = pytest.mark.skipif(
+    not int8_supported(), reason="the CPU has neither AVX2 nor AVX-512 VNNI"
+)
+ISAS = pytest.mark.parametrize("isa", supported_isas(), ids=lambda isa: isa.name)
 
 
 def quantized(x: torch.Tensor) -> torch.Tensor:
@@ -47,39 +56,75 @@ def quantized(x: torch.Tensor) -> torch.Tensor:
 
 
 def run(
-    kind, blocks: np.ndarray, out_features: int, x: torch.Tensor, chunks: int = 2
+    kind, blocks: np.ndarray, out_features: int, x: torch.Tensor, chunks: int = 2, isa=None
 ) -> torch.Tensor:
     tiles = tiles_from_blocks(blocks, out_features, x.shape[1], kind.name)
-    t = int8_tiles(kind.name, tiles.qs, tiles.d, tiles.m, out_features)
-    out = np.empty((x.shape[0], t.packed.shape[0] * 16), np.float32)
-    int8_matmul(kind.name)(x.numpy(), t.packed, t.d, t.m, out, chunks)
+    t = int8_tiles(kind.name, tiles.qs, tiles.d, tiles.m, out_features, isa)
+    out = np.empty((x.shape[0], t.padded_features), np.float32)
+    int8_matmul(kind.name, isa)(x.numpy(), t.packed, t.d, t.m, out, chunks)
     return torch.from_numpy(out[:, :out_features])
 
 
+@ISAS
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
 @pytest.mark.parametrize(
     "out_features,in_features,rows", [(70, 96, 1), (32, 64, 3), (100, 576, 16), (48, 1536, 70)]
 )
 def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(
-    kind, out_features, in_features, rows
+    kind, out_features, in_features, rows, isa
 ) -> None:
     blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-    got = run(kind, blocks, out_features, x)
+    got = run(kind, blocks, out_features, x, isa=isa)
     torch.testing.assert_close(got, reference(blocks, quantized(x), kind), rtol=1e-5, atol=1e-5)
     exact = reference(blocks, x, kind)  # float activations: within the rounding of 8 bits
     assert (got - exact).norm() < 0.02 * exact.norm()
 
 
+@ISAS
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
-def test_a_rows_result_does_not_depend_on_the_pass(kind) -> None:
+def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     blocks = random_blocks(96, 192, kind=kind)
     x = torch.randn(9, 192, generator=torch.Generator().manual_seed(1))
-    together = run(kind, blocks, 96, x, chunks=2)
+    together = run(kind, blocks, 96, x, chunks=2, isa=isa)
     for row in range(9):
-        assert torch.equal(run(kind, blocks, 96, x[row : row + 1], chunks=0)[0], together[row])
+        alone = run(kind, blocks, 96, x[row : row + 1], chunks=0, isa=isa)
+        assert torch.equal(alone[0], together[row])
     x[:, :BLOCK] = 0  # an all-zero block: scale 0, no division by it
-    assert torch.isfinite(run(kind, blocks, 96, x)).all()
+    assert torch.isfinite(run(kind, blocks, 96, x, isa=isa)).all()
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
+    """AVX2 and VNNI reach the same exact integer sums, then take the same float steps. The
+    extremes are where AVX2's int16 pairs would saturate if summed unguarded: 15·127 nibble
+    products, and Q8_0's -128 weights against -127 activations."""
+    isas = supported_isas()
+    if len(isas) < 2:
+        pytest.skip(f"the CPU has one instruction set of the kernel's: {isas[0].name}")
+    blocks = random_blocks(64, 256, seed=4, kind=kind)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4))
+    x[0] = torch.where(torch.arange(256) % 32 == 0, -1.0, -1e-3)  # xq: -127 and small
+    results = [run(kind, blocks, 64, x, isa=isa) for isa in isas]
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+@ISAS
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
+    """Every weight at its type's extreme (a nibble of 15; an int8 of -128) against activations
+    of ±127 after rounding: the sums must be the exact ones, on AVX2 too, where products are
+    summed in int16."""
+    blocks = random_blocks(16, 64, seed=2, kind=kind)
+    per_block = blocks.reshape(16, 2, -1)  # [rows, blocks, bytes]: scales first, then q
+    if kind is Q4_1:
+        per_block[..., 4:] = 0xFF  # every nibble 15
+    else:
+        per_block[..., 2:] = np.int8(-128).view(np.uint8)
+    for sign in (1.0, -1.0):
+        x = torch.full((1, 64), sign)
+        got = run(kind, blocks, 16, x, isa=isa)
+        torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=1e-4)
 
 
 def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
