@@ -40,7 +40,7 @@ class BlockType:
     nbytes: int
     layout: str  # "Q4_1" or "Q8_0"
     # q needs 16 bits (int16 in the 8-bit layout): kernels compiled for it on the first model
-    # that has one; the 8-bit-activation kernels take int8 only
+    # that has one; the 8-bit-activation kernels multiply it as int16 pairs
     wide: bool = False
 
 

@@ -24,6 +24,10 @@ most 2·15·127 = 3810, so a block's eight products are summed in int16 (≤ 304
 `vpmaddwd`; a Q8_0 weight (down to -128) times an unsigned activation byte could reach 65280,
 so Q8_0 takes llama.cpp's sign trick: |w| (unsigned) times xq with w's sign, ≤ 2·128·127.
 
+A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
+integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) computes with `vpmaddwd` on
+int16 pairs, the activations widened to int16: exact in int32 too.
+
 The inner kernel is LLVM IR built here with llvmlite (numba's own compiler: nothing to
 install) and compiled for this CPU at load: numba's vectorizer emits none of these instructions
 from scalar code (an int16 pair-product loop stayed scalar, slower than the float kernel), so
@@ -74,6 +78,10 @@ class Isa:
         """A Q4_1 block of a tile: four vectors (Q8_0's: eight)."""
         return BLOCK * self.columns // 2
 
+    def block_bytes(self, kind: str) -> int:
+        """A block of a tile of `kind`: 32 weights a column, 4, 8 or 16 bits each."""
+        return self.tile_bytes * {"Q4_1": 1, "Q8_0": 2, "wide": 4}[kind]
+
 
 VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128)
 AVX2 = Isa("AVX2", ("avx2", "fma"), 8, 0)
@@ -107,11 +115,12 @@ REQUIRED_FEATURES = " or ".join(" + ".join(isa.features) for isa in ISAS)  # for
 
 @dataclass(frozen=True)
 class Int8Tiles:
-    """A Q4_1 or Q8_0 weight [out_features, in_features] re-laid for the kernel of `isa`."""
+    """A Q4_1, Q8_0 or wide (int16 weights) weight [out_features, in_features] re-laid for the
+    kernel of `isa`."""
 
-    kind: str
+    kind: str  # "Q4_1", "Q8_0" or "wide"
     isa: Isa
-    # [U, B, 4 (Q4_1) or 8 (Q8_0) vectors] uint8: tile u, block b (module docstring)
+    # [U, B, 4 (Q4_1), 8 (Q8_0) or 16 (wide) vectors] uint8: tile u, block b (module docstring)
     packed: np.ndarray
     d: np.ndarray  # [U, B, columns] float32 scales of the tile's columns
     # [U, B, columns] Q4_1: float32 mins; Q8_0: int32 -offset·Σ w (activations enter as
@@ -136,7 +145,8 @@ def int8_tiles(
 ) -> Int8Tiles:
     """Re-lay `PackedTiles`' arrays into the tiles of `isa`'s kernel (this CPU's best by
     default): Q4_1 qs [T, B, 16, 32] (byte j of a block: low nibble weight j, high nibble
-    weight j+16), Q8_0 qs [T, B, 32, 32] int8; d, m [T, B, 32]."""
+    weight j+16), Q8_0 qs [T, B, 32, 32] int8, or int16 for a wide type (`Int8Tiles.kind`
+    "wide": vector g's lane c holds column c's weights 2g and 2g+1); d, m [T, B, 32]."""
     isa = isa or _required_isa()
     tiles, blocks, _, width = qs.shape
     lanes = isa.columns
@@ -145,36 +155,22 @@ def int8_tiles(
         a = a.transpose(0, 2, 1).reshape(-1, lanes, blocks)
         return np.ascontiguousarray(a.transpose(0, 2, 1), dtype=dtype)
 
-    if kind == "Q8_0":
+    if kind == "Q8_0" and qs.dtype == np.int16:
+        kind = "wide"
+        q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 16, 2)  # [U, c, B, g, i]
+        m = columns(np.zeros_like(d), np.int32)  # signed times signed: no offset
+    elif kind == "Q8_0":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
-        packed = np.ascontiguousarray(
-            q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 2 * isa.tile_bytes)
-        ).view(np.uint8)
-        bias = -isa.q8_offset * qs.astype(np.int32).sum(axis=2)  # [T, B, width]
-        return Int8Tiles(
-            kind,
-            isa,
-            packed,
-            columns(d, np.float32),
-            columns(bias, np.int32),
-            out_features,
-            blocks * BLOCK,
-        )
-    q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [T, B, 32 inputs, width columns]
-    q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)  # [U, c, B, half, g, i]
-    packed = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [U, c, B, g, i]
-    packed = np.ascontiguousarray(
-        packed.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.tile_bytes)
-    )
-    return Int8Tiles(
-        kind,
-        isa,
-        packed,
-        columns(d, np.float32),
-        columns(m, np.float32),
-        out_features,
-        blocks * BLOCK,
-    )
+        m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
+    else:
+        q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [T, B, 32 inputs, width columns]
+        q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)  # [U, c, B, half, g, i]
+        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [U, c, B, g, i]
+        m = columns(m, np.float32)
+    packed = np.ascontiguousarray(  # [U, B, g, c, i]
+        q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.block_bytes(kind) // q.itemsize)
+    ).view(np.uint8)
+    return Int8Tiles(kind, isa, packed, columns(d, np.float32), m, out_features, blocks * BLOCK)
 
 
 def _required_isa() -> Isa:
@@ -258,6 +254,7 @@ def _ir(
     fma = intrinsic(f"llvm.fma.v{lanes}f32", floats, floats, floats, floats)
     if isa is VNNI:
         dpbusd = intrinsic("llvm.x86.avx512.vpdpbusd.512", ints, ints, vector, vector)
+        madd = intrinsic("llvm.x86.avx512.pmaddw.d.512", ints, shorts, shorts)
     else:
         maddubs = intrinsic("llvm.x86.avx2.pmadd.ub.sw", shorts, vector, vector)
         madd = intrinsic("llvm.x86.avx2.pmadd.wd", ints, shorts, shorts)
@@ -279,7 +276,7 @@ def _ir(
     function = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name="tiles")
     packed0, d0, m0, xq, dx, xs, out0, rows, blocks, out_stride, count = function.args
     const = lambda value: ir.Constant(i64, value)  # noqa: E731
-    block_bytes = isa.tile_bytes if kind == "Q4_1" else 2 * isa.tile_bytes
+    block_bytes = isa.block_bytes(kind)
     start, tile_head = function.append_basic_block("start"), function.append_basic_block("tile")
     ir.IRBuilder(start).branch(tile_head)
 
@@ -295,7 +292,12 @@ def _ir(
     out = b.gep(out0, [b.mul(tile, const(lanes))])
 
     def dot(b: Any, sums: Any, products: list[tuple[Any, Any]]) -> Any:
-        """sums + Σ over (weights, four inputs a lane) pairs of their lanes' byte products."""
+        """sums + Σ over (weights, inputs) pairs of their lanes' products: four bytes a lane,
+        or two int16 (wide)."""
+        if kind == "wide":
+            for weight, inputs in products:
+                sums = b.add(sums, b.call(madd, [b.bitcast(weight, shorts), inputs]))
+            return sums
         if isa is VNNI:
             for weight, inputs in products:  # unsigned first
                 pair = [weight, inputs] if kind == "Q4_1" else [inputs, weight]
@@ -367,19 +369,31 @@ def _ir(
             operands += [
                 (b.and_(b.lshr(v, four), nibble), BLOCK // 2 + 4 * g) for g, v in enumerate(vectors)
             ]
-        else:
-            operands = [(v, 4 * g) for g, v in enumerate(vectors)]
+        else:  # four int8 weights a lane, or two int16 (wide)
+            width = 2 if kind == "wide" else 4
+            operands = [(v, width * g) for g, v in enumerate(vectors)]
         news = []
         for r, total in enumerate(totals):
             inputs, row_dx, row_xs = addresses(b, (xq, dx, xs, blocks), row, r, block)
             products = []
             for weight, offset in operands:  # xq[offset : offset + 4] in every 32-bit lane
-                word = b.load(b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1)
+                if kind == "wide":  # xq[offset : offset + 2], widened to int16
+                    two = b.load(
+                        b.bitcast(
+                            b.gep(inputs, [const(offset)]), ir.VectorType(i8, 2).as_pointer()
+                        ),
+                        align=1,
+                    )
+                    word = b.bitcast(b.sext(two, ir.VectorType(i16, 2)), i32)
+                else:
+                    word = b.load(
+                        b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1
+                    )
                 first = b.insert_element(ir.Constant(ints, None), word, ir.Constant(i32, 0))
                 splatted = b.shuffle_vector(
                     first, ir.Constant(ints, None), ir.Constant(ints, [0] * lanes)
                 )
-                products.append((weight, b.bitcast(splatted, vector)))
+                products.append((weight, b.bitcast(splatted, shorts if kind == "wide" else vector)))
             start_sums = ir.Constant(ints, [0] * lanes) if kind == "Q4_1" else column_terms
             sums = dot(b, start_sums, products)
             new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
@@ -493,19 +507,16 @@ def split_tiles(
 
 
 def warm_up(isa: Isa | None = None) -> None:
-    """Build and compile both kinds' kernels for `isa` (this CPU's best by default) now (LLVM,
+    """Build and compile every kind's kernels for `isa` (this CPU's best by default) now (LLVM,
     then numba, which cannot cache code that calls into this process's own machine code), not
     in the first request's pass, which would otherwise wait seconds for them."""
     isa = isa or _required_isa()
     x = np.zeros((1, BLOCK), np.float32)
-    for kind, block_bytes, extra in (
-        ("Q4_1", isa.tile_bytes, np.float32),
-        ("Q8_0", 2 * isa.tile_bytes, np.int32),
-    ):
+    for kind, extra in (("Q4_1", np.float32), ("Q8_0", np.int32), ("wide", np.int32)):
         scales = np.zeros((1, 1, isa.columns), np.float32)
         int8_matmul(kind, isa)(
             x,
-            np.zeros((1, 1, block_bytes), np.uint8),
+            np.zeros((1, 1, isa.block_bytes(kind)), np.uint8),
             scales,
             np.zeros((1, 1, isa.columns), extra),
             np.empty((1, isa.columns), np.float32),

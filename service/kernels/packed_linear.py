@@ -343,7 +343,7 @@ class PackedLinear(nn.Module):
             else None
         )
         if self._int8 is not None:  # what every call needs, looked up once
-            self._int8_kernel = int8_matmul(tiles.kind)
+            self._int8_kernel = int8_matmul(self._int8.kind)
             self._chunk_kernel = chunk_matmul() if tiles.kind == "Q4_1" else None
             self._int8_columns = self._int8.padded_features
 
@@ -581,13 +581,12 @@ def unpermute_rows(n_rows: int, n_head: int) -> np.ndarray:
 
 
 def read_packed_linears(
-    model: nn.Module, gguf_path: Path, int8_activations: bool = False
+    model: nn.Module, gguf_path: Path
 ) -> tuple[dict[str, PackedTiles], Counter[str], Counter[str]]:
-    """The linear weights of `gguf_path` whose GGUF type the kernels serve (`BLOCK_TYPES`, but
-    not a wide one for `int8_activations`; the LM head too: the output tensor, or the token
-    embedding it is tied to) as tiles keyed by the model's module names
-    ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and how many linears of
-    each GGUF type were packed, and of each type left as loaded."""
+    """The linear weights of `gguf_path` whose GGUF type the kernels serve (`BLOCK_TYPES`; the
+    LM head too: the output tensor, or the token embedding it is tied to) as tiles keyed by the
+    model's module names ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and
+    how many linears of each GGUF type were packed, and of each type left as loaded."""
     config = model.config
     by_name = read_gguf(gguf_path).tensors
     tiles: dict[str, PackedTiles] = {}
@@ -599,11 +598,7 @@ def read_packed_linears(
     ) -> None:
         kind = tensor.kind.name
         block = BLOCK_TYPES.get(kind)
-        if (
-            block is None
-            or (block.wide and int8_activations)
-            or getattr(linear, "bias", None) is not None
-        ):
+        if block is None or getattr(linear, "bias", None) is not None:
             kept[kind] += 1
             return
         out_features, in_features = linear.weight.shape
@@ -634,13 +629,13 @@ def read_packed_linears(
     return tiles, packed, kept
 
 
-def tiles_file_name(int8_activations: bool = False) -> str:
-    """The packed tiles' cache file (beside a GGUF's cached config). Its name changes with the
-    types the kernels serve (`BLOCK_TYPES`), so tiles saved before a type was served are not
-    read for a model that has it, and with `int8_activations`, which leaves wide types out."""
+def tiles_file_name() -> str:
+    """The packed tiles' cache file (beside a GGUF's cached config), for float and 8-bit
+    activations alike. Its name changes with the types the kernels serve (`BLOCK_TYPES`), so
+    tiles saved before a type was served are not read for a model that has it."""
     served = ",".join(f"{name}:{t.layout}:{t.wide}" for name, t in BLOCK_TYPES.items())
     digest = hashlib.sha256(served.encode()).hexdigest()[:12]
-    return f"packed_tiles_{digest}{'_int8' if int8_activations else ''}.npz"
+    return f"packed_tiles_{digest}.npz"
 
 
 def _save_tiles(tiles: dict[str, PackedTiles], path: Path) -> None:
@@ -744,7 +739,7 @@ def pack_gguf_linears(
     if saved is not None:
         tiles = saved
     else:
-        tiles, packed_types, kept = read_packed_linears(model, gguf_path, int8_activations)
+        tiles, packed_types, kept = read_packed_linears(model, gguf_path)
         log.info(
             "%s: packing %s linears; %s",
             gguf_path.name,

@@ -213,7 +213,7 @@ def load_model(
                 model,
                 gguf_file,
                 cache_dir,
-                tiles_file=path / tiles_file_name(int8_activations),
+                tiles_file=path / tiles_file_name(),
                 int8_activations=int8_activations,
             )
             packed = pack_embedding(model, contents)

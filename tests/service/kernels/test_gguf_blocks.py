@@ -21,7 +21,6 @@ from service.kernels.packed_linear import (
     dequantize_tiles,
     load_kernels,
     pack_gguf_linears,
-    read_packed_linears,
     tiles_file_name,
     tiles_from_blocks,
 )
@@ -124,14 +123,6 @@ def test_the_types_left_as_loaded_are_logged(tiny_mixed, caplog) -> None:
     assert "2 Q4_0 + 6 Q4_K + 3 Q5_0 + 1 Q6_K + 2 Q8_0" in caplog.text
 
 
-def test_wide_types_stay_float32_for_8_bit_activations(tiny_mixed) -> None:
-    """Q6_K's 16-bit q is not for the VNNI kernels, which take int8 (no VNNI needed to read)."""
-    plain, _, path = tiny_mixed
-    tiles, packed, kept = read_packed_linears(plain, path, int8_activations=True)
-    assert kept == {"Q5_1": 1, "Q6_K": 1} and "Q6_K" not in packed
-    assert "model.layers.0.self_attn.v_proj" not in tiles
-
-
 def test_a_file_without_a_served_type_is_refused_naming_the_way_out(tmp_path) -> None:
     model = make_tiny_model(seed=3, hidden_size=MIXED_HIDDEN)
     path = tmp_path / "tiny.Q5_1.gguf"
@@ -185,9 +176,7 @@ def test_a_mixed_file_loads_by_default_packed_and_decodes_as_float32(tmp_path) -
 
 
 def test_the_tiles_cache_is_named_by_the_types_served(monkeypatch) -> None:
-    """Tiles saved before a type was served (its linears float32 then) are not read after, nor
-    tiles with a wide type by the 8-bit-activation path, which leaves it out."""
+    """Tiles saved before a type was served (its linears float32 then) are not read after."""
     name = tiles_file_name()
-    assert tiles_file_name(int8_activations=True) != name
     monkeypatch.setitem(BLOCK_TYPES, "Q5_1", BlockType(32, 24, "Q8_0"))
     assert tiles_file_name() != name

@@ -33,10 +33,12 @@ from tests.helpers.engines import make_engine
 from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
     Q4_1,
+    Q6_K,
     Q8_0,
     assert_speculation_equals_plain_decoding,
     random_blocks,
     reference,
+    tiny_mixed_twins,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -59,9 +61,9 @@ def run(
     kind, blocks: np.ndarray, out_features: int, x: torch.Tensor, chunks: int = 2, isa=None
 ) -> torch.Tensor:
     tiles = tiles_from_blocks(blocks, out_features, x.shape[1], kind.name)
-    t = int8_tiles(kind.name, tiles.qs, tiles.d, tiles.m, out_features, isa)
+    t = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, out_features, isa)
     out = np.empty((x.shape[0], t.padded_features), np.float32)
-    int8_matmul(kind.name, isa)(x.numpy(), t.packed, t.d, t.m, out, chunks)
+    int8_matmul(t.kind, isa)(x.numpy(), t.packed, t.d, t.m, out, chunks)
     return torch.from_numpy(out[:, :out_features])
 
 
@@ -82,6 +84,24 @@ def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(
 
 
 @ISAS
+@pytest.mark.parametrize(
+    "out_features,in_features,rows", [(70, 256, 1), (40, 512, 5), (24, 768, 70)]
+)
+def test_a_wide_type_computes_its_int16_weights_on_the_rounded_activations(
+    out_features, in_features, rows, isa
+) -> None:
+    """Q6_K's weights are int16 integers (scale·(q - 32)) times d: `vpmaddwd` on int16 pairs."""
+    blocks = random_blocks(out_features, in_features, seed=rows, kind=Q6_K)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    got = run(Q6_K, blocks, out_features, x, isa=isa)
+    torch.testing.assert_close(got, reference(blocks, quantized(x), Q6_K), rtol=1e-5, atol=1e-5)
+    together, alone = run(Q6_K, blocks, out_features, x, isa=isa), []
+    for row in range(min(rows, 4)):
+        alone.append(run(Q6_K, blocks, out_features, x[row : row + 1], chunks=0, isa=isa)[0])
+        assert torch.equal(alone[-1], together[row])
+
+
+@ISAS
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0])
 def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     blocks = random_blocks(96, 192, kind=kind)
@@ -94,7 +114,7 @@ def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     assert torch.isfinite(run(kind, blocks, 96, x, isa=isa)).all()
 
 
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0, Q6_K])
 def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
     """AVX2 and VNNI reach the same exact integer sums, then take the same float steps. The
     extremes are where AVX2's int16 pairs would saturate if summed unguarded: 15·127 nibble
@@ -110,19 +130,24 @@ def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q8_0, Q6_K])
 def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
-    """Every weight at its type's extreme (a nibble of 15; an int8 of -128) against activations
-    of ±127 after rounding: the sums must be the exact ones, on AVX2 too, where products are
-    summed in int16."""
-    blocks = random_blocks(16, 64, seed=2, kind=kind)
-    per_block = blocks.reshape(16, 2, -1)  # [rows, blocks, bytes]: scales first, then q
+    """Every weight at its type's extreme (a nibble of 15; an int8 of -128; Q6_K's -128·(0 - 32))
+    against activations of ±127 after rounding: the sums must be the exact ones, on AVX2 too,
+    where products are summed in int16."""
+    blocks = random_blocks(16, 256, seed=2, kind=kind)
+    per_block = blocks.reshape(
+        16, 256 // 32 if kind is not Q6_K else 1, -1
+    )  # [rows, blocks, bytes]
     if kind is Q4_1:
-        per_block[..., 4:] = 0xFF  # every nibble 15
+        per_block[..., 4:] = 0xFF  # every nibble 15 (after d and m)
+    elif kind is Q8_0:
+        per_block[..., 2:] = np.int8(-128).view(np.uint8)  # (after d)
     else:
-        per_block[..., 2:] = np.int8(-128).view(np.uint8)
+        per_block[..., :192] = 0  # q = 0: q - 32 = -32 (before the scales and d)
+        per_block[..., 192:208] = np.int8(-128).view(np.uint8)
     for sign in (1.0, -1.0):
-        x = torch.full((1, 64), sign)
+        x = torch.full((1, 256), sign)
         got = run(kind, blocks, 16, x, isa=isa)
         torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=1e-4)
 
@@ -139,6 +164,25 @@ def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
             torch.testing.assert_close(
                 module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5
             )
+
+
+def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path) -> None:
+    """A Q4_K_M-like file (Q4_0, Q4_K, Q5_0, Q6_K, Q8_0; one Q5_1 linear, not served) packs
+    every served type on the 8-bit path, Q6_K's int16 weights too, and speculation there
+    equals plain decoding."""
+    plain, packed, path = tiny_mixed_twins(tmp_path)
+    assert pack_gguf_linears(packed, path, int8_activations=True) == 2 * len(LLAMA_LINEARS)
+    kinds = set()
+    for name, module in packed.named_modules():
+        if isinstance(module, PackedLinear):
+            kinds.add(module._int8.kind)
+            assert torch.equal(module.dequantized(), plain.get_submodule(name).weight)
+            x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(3))
+            torch.testing.assert_close(
+                module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5
+            )
+    assert kinds == {"Q4_1", "Q8_0", "wide"}
+    assert_speculation_equals_plain_decoding(packed)
 
 
 def test_its_kv_cache_holds_float16_and_counts_half_the_bytes(tiny_int8) -> None:
