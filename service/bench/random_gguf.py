@@ -115,9 +115,17 @@ def token_names(vocab: int) -> list[str]:
     return names
 
 
+# a plain chat template, so that the benchmarks' chat prompts can be built for a random model
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
 def add_llama_metadata(writer: gguf.GGUFWriter, shape: ModelShape) -> None:
-    """The hyperparameters and a stand-in byte-level tokenizer: what transformers needs beside
-    the tensors to make a model and tokenizer of a GGUF."""
+    """The hyperparameters, a stand-in byte-level tokenizer and a chat template: what
+    transformers needs beside the tensors to make a model and tokenizer of a GGUF, and what the
+    benchmarks need to make chat prompts."""
     writer.add_context_length(shape.context)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)
@@ -134,6 +142,7 @@ def add_llama_metadata(writer: gguf.GGUFWriter, shape: ModelShape) -> None:
     writer.add_token_merges(["a a"])
     writer.add_bos_token_id(shape.bos)
     writer.add_eos_token_id(shape.eos)
+    writer.add_chat_template(CHAT_TEMPLATE)
 
 
 def write_random_gguf(path: Path, shape: ModelShape, types: str = "Q4_K_M", seed: int = 0) -> None:

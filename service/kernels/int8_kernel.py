@@ -68,6 +68,9 @@ class Isa:
     # Q8_0: added to the activations so that they enter unsigned (VNNI's operand order); the
     # sums then start from -offset·Σw (`Int8Tiles.m`). AVX2 takes the sign trick instead.
     q8_offset: int
+    # Q6_K as 6-bit weights (kind "Q6_K", the sign trick) rather than int16 ones ("wide"):
+    # AVX2 has `vpsignb`, AVX-512 has none
+    six_bit: bool
 
     @property
     def vector_bytes(self) -> int:
@@ -79,12 +82,13 @@ class Isa:
         return BLOCK * self.columns // 2
 
     def block_bytes(self, kind: str) -> int:
-        """A block of a tile of `kind`: 32 weights a column, 4, 8 or 16 bits each."""
-        return self.tile_bytes * {"Q4_1": 1, "Q8_0": 2, "wide": 4}[kind]
+        """A block of a tile of `kind`: 32 weights a column, 4, 8 or 16 bits each (Q6_K: four
+        vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales)."""
+        return self.vector_bytes * {"Q4_1": 4, "Q8_0": 8, "wide": 16, "Q6_K": 7}[kind]
 
 
-VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128)
-AVX2 = Isa("AVX2", ("avx2", "fma"), 8, 0)
+VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128, six_bit=False)
+AVX2 = Isa("AVX2", ("avx2", "fma"), 8, 0, six_bit=True)
 ISAS = (VNNI, AVX2)  # the first the CPU has is used
 
 
@@ -155,6 +159,8 @@ def int8_tiles(
         a = a.transpose(0, 2, 1).reshape(-1, lanes, blocks)
         return np.ascontiguousarray(a.transpose(0, 2, 1), dtype=dtype)
 
+    if kind == "Q8_0" and qs.dtype == np.int16 and isa.six_bit:
+        return _six_bit_tiles(qs, d, out_features, isa)
     if kind == "Q8_0" and qs.dtype == np.int16:
         kind = "wide"
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 16, 2)  # [U, c, B, g, i]
@@ -171,6 +177,54 @@ def int8_tiles(
         q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.block_bytes(kind) // q.itemsize)
     ).view(np.uint8)
     return Int8Tiles(kind, isa, packed, columns(d, np.float32), m, out_features, blocks * BLOCK)
+
+
+def _six_bit_tiles(qs: np.ndarray, d: np.ndarray, out_features: int, isa: Isa) -> Int8Tiles:
+    """Q6_K's int16 weights (`gguf_blocks`: scale·(q - 32), a scale a 16 weights) as the
+    kind "Q6_K": per 16 weights an int16 scale s and 6-bit w + 32 with s·w the weight. s is the
+    16 products' greatest common divisor, signed so that every w lies in [-32, 31] (the file's
+    own scale's sign does): any such factoring gives the same products, hence the same sums.
+    A block's bytes: four vectors of low nibbles (as Q4_1's), two of the high bits (vector h,
+    byte 4c+i: bits 2g, 2g+1 hold weight 16h+4g+i's), one of the two sub-blocks' scales."""
+    tiles, blocks, _, width = qs.shape
+    lanes = isa.columns
+    products = qs.astype(np.int32).reshape(tiles, blocks, 2, 16, width)
+    s = np.gcd.reduce(np.abs(products), axis=3)  # [T, B, 2, width]
+    s[s == 0] = 1
+    w = products // s[:, :, :, None]
+    flip = w.max(axis=3) > 31
+    w = np.where(flip[:, :, :, None], -w, w)
+    s = np.where(flip, -s, s)
+    assert w.min() >= -32 and w.max() <= 31 and np.abs(s).max() <= 4096
+    six = (w + 32).astype(np.uint8).reshape(tiles, blocks, 32, width)
+    # [T, B, 32, width] -> [U, c, B, half, g, i]: input 16 half + 4 g + i of column c
+    by_input = six.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)
+    low = (by_input[:, :, :, 0] & 15) | ((by_input[:, :, :, 1] & 15) << 4)  # [U, c, B, g, i]
+    top = by_input >> 4
+    high = sum(top[:, :, :, :, g] << (2 * g) for g in range(4)).astype(np.uint8)  # [U,c,B,h,i]
+    scales = s.astype(np.int16).transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2)
+    packed = np.concatenate(
+        [
+            low.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 16 * lanes),
+            high.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 8 * lanes),
+            np.ascontiguousarray(scales.transpose(0, 2, 3, 1))
+            .reshape(-1, blocks, 2 * lanes)
+            .view(np.uint8),
+        ],
+        axis=2,
+    )
+    d_columns = np.ascontiguousarray(
+        d.transpose(0, 2, 1).reshape(-1, lanes, blocks).transpose(0, 2, 1), dtype=np.float32
+    )
+    return Int8Tiles(
+        "Q6_K",
+        isa,
+        np.ascontiguousarray(packed),
+        d_columns,
+        np.zeros(d_columns.shape, np.int32),
+        out_features,
+        blocks * BLOCK,
+    )
 
 
 def _required_isa() -> Isa:
@@ -252,7 +306,7 @@ def _ir(
         return ir.Function(module, ir.FunctionType(result, list(operands)), name=name)
 
     fma = intrinsic(f"llvm.fma.v{lanes}f32", floats, floats, floats, floats)
-    if isa is VNNI:
+    if isa.name == VNNI.name:
         dpbusd = intrinsic("llvm.x86.avx512.vpdpbusd.512", ints, ints, vector, vector)
         madd = intrinsic("llvm.x86.avx512.pmaddw.d.512", ints, shorts, shorts)
     else:
@@ -298,13 +352,19 @@ def _ir(
             for weight, inputs in products:
                 sums = b.add(sums, b.call(madd, [b.bitcast(weight, shorts), inputs]))
             return sums
-        if isa is VNNI:
+        if isa.name == VNNI.name:
             for weight, inputs in products:  # unsigned first
                 pair = [weight, inputs] if kind == "Q4_1" else [inputs, weight]
                 sums = b.call(dpbusd, [sums, *pair])
             return sums
         if kind == "Q4_1":  # a block's products stay within int16 (module docstring)
             pairs = [b.call(maddubs, [weight, inputs]) for weight, inputs in products]
+        elif kind == "Q6_K":  # a sub-block's: |w| ≤ 32, so four pairs ≤ 4·2·32·127 < 2^15
+            pairs = [
+                b.call(maddubs, [b.call(sign, [weight, weight]), b.call(sign, [inputs, weight])])
+                for weight, inputs in products
+            ]
+        if kind in ("Q4_1", "Q6_K"):
             total = pairs[0]
             for pair in pairs[1:]:
                 total = b.add(total, pair)
@@ -369,6 +429,37 @@ def _ir(
             operands += [
                 (b.and_(b.lshr(v, four), nibble), BLOCK // 2 + 4 * g) for g, v in enumerate(vectors)
             ]
+        elif kind == "Q6_K":  # (w, input offset) pairs, w = six bits - 32; the scales' vector
+            filled = lambda value: ir.Constant(vector, [value] * isa.vector_bytes)  # noqa: E731
+            operands = [
+                (
+                    b.sub(
+                        b.or_(
+                            b.and_(b.lshr(v, filled(4 * half)), filled(15)),
+                            b.shl(
+                                b.and_(b.lshr(vectors[4 + half], filled(2 * g)), filled(3)),
+                                filled(4),
+                            ),
+                        ),
+                        filled(32),
+                    ),
+                    16 * half + 4 * g,
+                )
+                for half in (0, 1)
+                for g, v in enumerate(vectors[:4])
+            ]
+            packed_scales = b.bitcast(vectors[6], shorts)
+            sub_scales = [
+                b.sext(
+                    b.shuffle_vector(
+                        packed_scales,
+                        ir.Constant(shorts, None),
+                        ir.Constant(ints, list(range(h * lanes, (h + 1) * lanes))),
+                    ),
+                    ints,
+                )
+                for h in (0, 1)
+            ]
         else:  # four int8 weights a lane, or two int16 (wide)
             width = 2 if kind == "wide" else 4
             operands = [(v, width * g) for g, v in enumerate(vectors)]
@@ -394,8 +485,15 @@ def _ir(
                     first, ir.Constant(ints, None), ir.Constant(ints, [0] * lanes)
                 )
                 products.append((weight, b.bitcast(splatted, shorts if kind == "wide" else vector)))
-            start_sums = ir.Constant(ints, [0] * lanes) if kind == "Q4_1" else column_terms
-            sums = dot(b, start_sums, products)
+            if kind == "Q6_K":  # each sub-block's exact sum times its scale
+                zero = ir.Constant(ints, [0] * lanes)
+                sums = b.add(
+                    b.mul(dot(b, zero, products[:4]), sub_scales[0]),
+                    b.mul(dot(b, zero, products[4:]), sub_scales[1]),
+                )
+            else:
+                start_sums = ir.Constant(ints, [0] * lanes) if kind == "Q4_1" else column_terms
+                sums = dot(b, start_sums, products)
             new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
             if kind == "Q4_1":
                 new = b.call(fma, [column_terms, splat(row_xs), new])
@@ -512,7 +610,8 @@ def warm_up(isa: Isa | None = None) -> None:
     in the first request's pass, which would otherwise wait seconds for them."""
     isa = isa or _required_isa()
     x = np.zeros((1, BLOCK), np.float32)
-    for kind, extra in (("Q4_1", np.float32), ("Q8_0", np.int32), ("wide", np.int32)):
+    wide = "Q6_K" if isa.six_bit else "wide"
+    for kind, extra in (("Q4_1", np.float32), ("Q8_0", np.int32), (wide, np.int32)):
         scales = np.zeros((1, 1, isa.columns), np.float32)
         int8_matmul(kind, isa)(
             x,

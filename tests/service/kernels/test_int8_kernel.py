@@ -4,6 +4,8 @@ a row's result whatever the pass holds, and losslessness of speculation on that 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +14,9 @@ from drafting import TableSlot
 from service.controller.profiler import profile_path
 from service.engine.params import GenerationParams, SpeculationParams
 from service.kernels.int8_kernel import (
+    AVX2,
     BLOCK,
+    best_isa,
     int8_matmul,
     int8_supported,
     int8_tiles,
@@ -129,6 +133,23 @@ def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
     assert all(torch.equal(results[0], other) for other in results[1:])
 
 
+@pytest.mark.skipif(AVX2 not in supported_isas(), reason="the CPU lacks AVX2")
+def test_q6_k_as_six_bits_and_as_int16_gives_the_same_bits() -> None:
+    """On AVX2 Q6_K is re-laid as 6-bit weights times a per-16 scale (the products' greatest
+    common divisor, not the file's scale); as int16 products (VNNI's way) the sums are the
+    same integers, so the outputs are the same bits. Blocks whose scales share factors with
+    their weights, and all-zero groups, included."""
+    blocks = random_blocks(48, 512, seed=6, kind=Q6_K)
+    per_block = blocks.reshape(48, 2, -1)
+    per_block[:8, :, :192] = 0x22  # q = 2 | 2<<4 ... (even weights minus 32: common factors)
+    per_block[8:12, :, 192:208] = 0  # scale 0: all-zero products
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(6))
+    six = run(Q6_K, blocks, 48, x, isa=AVX2)
+    wide = run(Q6_K, blocks, 48, x, isa=dataclasses.replace(AVX2, six_bit=False))
+    assert torch.equal(six, wide)
+    torch.testing.assert_close(six, reference(blocks, quantized(x), Q6_K), rtol=1e-5, atol=1e-5)
+
+
 @ISAS
 @pytest.mark.parametrize("kind", [Q4_1, Q8_0, Q6_K])
 def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
@@ -181,7 +202,7 @@ def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path
             torch.testing.assert_close(
                 module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5
             )
-    assert kinds == {"Q4_1", "Q8_0", "wide"}
+    assert kinds == {"Q4_1", "Q8_0", "Q6_K" if best_isa().six_bit else "wide"}
     assert_speculation_equals_plain_decoding(packed)
 
 

@@ -110,6 +110,17 @@ def test_speculation_with_a_packed_embedding_equals_plain_decoding(files, tmp_pa
     assert_speculation_equals_plain_decoding(load_model(files["tied"], cache_dir=tmp_path).model)
 
 
+def test_a_synthetic_file_serves_chat_prompts(files, tmp_path) -> None:
+    """`ngrammys synth` files carry a chat template, so the benchmarks' chat prompts (`speed`,
+    `bench`) can be built for them (the stand-in tokenizer keeps lowercase letters alone)."""
+    from service.model.prompts import chat_prompt_ids
+
+    loaded = load_model(files["tied"], cache_dir=tmp_path)
+    ids = chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": "Say hi"}])
+    text = loaded.tokenizer.decode(ids)
+    assert text == "userayhiassistant"
+
+
 def test_the_tensor_reader_refuses_what_is_not_a_whole_gguf(files, tmp_path) -> None:
     text = tmp_path / "model.gguf"
     text.write_text("not a model")
