@@ -51,6 +51,7 @@ from numba import njit, prange
 from service.kernels.native import compile_ir
 
 BLOCK = 32  # inputs per block (Q4_1's, and the activations' scale)
+RELAY_TILES = 64  # `int8_tiles` re-lays a weight this many of its 32-column tiles at a time
 # Rows sharing each loaded (and unpacked) block, largest first, while a whole group is left
 # (their accumulators and the block fit AVX-512's 32 registers; on AVX2's 16 some spill, and
 # yet 4 measured faster than 2 or 1 from 4 rows on). Passes of 8 rows or more take
@@ -150,8 +151,28 @@ def int8_tiles(
     """Re-lay `PackedTiles`' arrays into the tiles of `isa`'s kernel (this CPU's best by
     default): Q4_1 qs [T, B, 16, 32] (byte j of a block: low nibble weight j, high nibble
     weight j+16), Q8_0 qs [T, B, 32, 32] int8, or int16 for a wide type (`Int8Tiles.kind`
-    "wide": vector g's lane c holds column c's weights 2g and 2g+1); d, m [T, B, 32]."""
+    "wide": vector g's lane c holds column c's weights 2g and 2g+1); d, m [T, B, 32]. A few
+    tiles at a time, so that the re-laying's temporaries stay small beside a large weight (a
+    128k-row head's would take gigabytes)."""
     isa = isa or _required_isa()
+    parts = [
+        _relaid(kind, qs[at : at + RELAY_TILES], d[at : at + RELAY_TILES], m, at, isa)
+        for at in range(0, qs.shape[0], RELAY_TILES)
+    ]
+    return Int8Tiles(
+        parts[0][0],
+        isa,
+        *(np.concatenate([part[i] for part in parts]) for i in (1, 2, 3)),
+        out_features,
+        qs.shape[1] * BLOCK,
+    )
+
+
+def _relaid(
+    kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray, at: int, isa: Isa
+) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
+    """`int8_tiles` of the tiles from `at` on (`qs` and `d` are theirs, `m` the whole weight's):
+    their kind, packed bytes, d and m."""
     tiles, blocks, _, width = qs.shape
     lanes = isa.columns
 
@@ -160,11 +181,11 @@ def int8_tiles(
         return np.ascontiguousarray(a.transpose(0, 2, 1), dtype=dtype)
 
     if kind == "Q8_0" and qs.dtype == np.int16 and isa.six_bit:
-        return _six_bit_tiles(qs, d, out_features, isa)
+        return "Q6_K", _six_bit(qs, lanes), columns(d, np.float32), columns(0 * d, np.int32)
     if kind == "Q8_0" and qs.dtype == np.int16:
         kind = "wide"
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 16, 2)  # [U, c, B, g, i]
-        m = columns(np.zeros_like(d), np.int32)  # signed times signed: no offset
+        m = columns(0 * d, np.int32)  # signed times signed: no offset
     elif kind == "Q8_0":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
         m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
@@ -172,14 +193,14 @@ def int8_tiles(
         q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [T, B, 32 inputs, width columns]
         q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)  # [U, c, B, half, g, i]
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [U, c, B, g, i]
-        m = columns(m, np.float32)
+        m = columns(m[at : at + tiles], np.float32)
     packed = np.ascontiguousarray(  # [U, B, g, c, i]
         q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.block_bytes(kind) // q.itemsize)
     ).view(np.uint8)
-    return Int8Tiles(kind, isa, packed, columns(d, np.float32), m, out_features, blocks * BLOCK)
+    return kind, packed, columns(d, np.float32), m
 
 
-def _six_bit_tiles(qs: np.ndarray, d: np.ndarray, out_features: int, isa: Isa) -> Int8Tiles:
+def _six_bit(qs: np.ndarray, lanes: int) -> np.ndarray:
     """Q6_K's int16 weights (`gguf_blocks`: scale·(q - 32), a scale a 16 weights) as the
     kind "Q6_K": per 16 weights an int16 scale s and 6-bit w + 32 with s·w the weight. s is the
     16 products' greatest common divisor, signed so that every w lies in [-32, 31] (the file's
@@ -187,7 +208,6 @@ def _six_bit_tiles(qs: np.ndarray, d: np.ndarray, out_features: int, isa: Isa) -
     A block's bytes: four vectors of low nibbles (as Q4_1's), two of the high bits (vector h,
     byte 4c+i: bits 2g, 2g+1 hold weight 16h+4g+i's), one of the two sub-blocks' scales."""
     tiles, blocks, _, width = qs.shape
-    lanes = isa.columns
     products = qs.astype(np.int32).reshape(tiles, blocks, 2, 16, width)
     s = np.gcd.reduce(np.abs(products), axis=3)  # [T, B, 2, width]
     s[s == 0] = 1
@@ -203,7 +223,7 @@ def _six_bit_tiles(qs: np.ndarray, d: np.ndarray, out_features: int, isa: Isa) -
     top = by_input >> 4
     high = sum(top[:, :, :, :, g] << (2 * g) for g in range(4)).astype(np.uint8)  # [U,c,B,h,i]
     scales = s.astype(np.int16).transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2)
-    packed = np.concatenate(
+    return np.concatenate(
         [
             low.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 16 * lanes),
             high.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 8 * lanes),
@@ -212,18 +232,6 @@ def _six_bit_tiles(qs: np.ndarray, d: np.ndarray, out_features: int, isa: Isa) -
             .view(np.uint8),
         ],
         axis=2,
-    )
-    d_columns = np.ascontiguousarray(
-        d.transpose(0, 2, 1).reshape(-1, lanes, blocks).transpose(0, 2, 1), dtype=np.float32
-    )
-    return Int8Tiles(
-        "Q6_K",
-        isa,
-        np.ascontiguousarray(packed),
-        d_columns,
-        np.zeros(d_columns.shape, np.int32),
-        out_features,
-        blocks * BLOCK,
     )
 
 
