@@ -1,4 +1,5 @@
-"""Q4_1 and Q8_0 linears computed with 8-bit activations (`--quantization gguf-int8`).
+"""Packed linears (Q4_1, Q8_0 and Q6_K layouts) computed with 8-bit activations
+(`--quantization gguf-int8`).
 
 On a CPU the packed Q4_1 kernel of `service/kernels/packed_kernels.py` multiplies in float32:
 past a few rows a pass is bound by float32 multiply-adds, and a tree of 16 tokens costs several
@@ -25,8 +26,11 @@ most 2·15·127 = 3810, so a block's eight products are summed in int16 (≤ 304
 so Q8_0 takes llama.cpp's sign trick: |w| (unsigned) times xq with w's sign, ≤ 2·128·127.
 
 A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
-integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) computes with `vpmaddwd` on
-int16 pairs, the activations widened to int16: exact in int32 too.
+integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) computes on VNNI with
+`vpmaddwd` on int16 pairs, the activations widened to int16 (kind "wide"); on AVX2 it is
+re-laid as 6-bit weights and an int16 scale a 16 (kind "Q6_K", `_six_bit`), a third of the
+bytes, each sub-block's sum (the sign trick, within int16) times its scale. Both are exact in
+int32, and equal.
 
 The inner kernel is LLVM IR built here with llvmlite (numba's own compiler: nothing to
 install) and compiled for this CPU at load: numba's vectorizer emits none of these instructions
