@@ -12,16 +12,14 @@ from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmu
 from service.kernels.int8_kernel import (
     BLOCK,
     int8_matmul,
-    int8_supported,
     int8_tiles,
     supported_isas,
 )
 from service.kernels.packed_linear import PackedLinear, tiles_from_blocks
+from tests.helpers.kernels import needs_int8
 from tests.helpers.packed import random_blocks
 
-pytestmark = pytest.mark.skipif(
-    not int8_supported(), reason="the CPU has neither AVX2 nor AVX-512 VNNI"
-)
+pytestmark = needs_int8
 
 
 def tiles(out_features: int, in_features: int, seed: int, isa):

@@ -18,7 +18,6 @@ from service.kernels.int8_kernel import (
     BLOCK,
     best_isa,
     int8_matmul,
-    int8_supported,
     int8_tiles,
     supported_isas,
 )
@@ -34,6 +33,7 @@ from service.model.tree import chain_tree
 from tests.helpers.batch import LENGTHS, MODES, PROMPTS
 from tests.helpers.embedded import QUESTIONS, compare
 from tests.helpers.engines import make_engine
+from tests.helpers.kernels import needs_int8
 from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
     Q4_1,
@@ -45,9 +45,7 @@ from tests.helpers.packed import (
     tiny_mixed_twins,
 )
 
-pytestmark = pytest.mark.skipif(
-    not int8_supported(), reason="the CPU has neither AVX2 nor AVX-512 VNNI"
-)
+pytestmark = needs_int8
 ISAS = pytest.mark.parametrize("isa", supported_isas(), ids=lambda isa: isa.name)
 
 
