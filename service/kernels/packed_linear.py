@@ -343,8 +343,9 @@ class PackedLinear(nn.Module):
             else None
         )
         if self._int8 is not None:  # what every call needs, looked up once
-            self._int8_kernel = int8_matmul(self._int8.kind)
-            self._chunk_kernel = chunk_matmul() if tiles.kind == "Q4_1" else None
+            kind, isa = self._int8.kind, self._int8.isa  # the kernels of the tiles' own layout
+            self._int8_kernel = int8_matmul(kind, isa)
+            self._chunk_kernel = chunk_matmul(isa) if kind == "Q4_1" else None
             self._int8_columns = self._int8.padded_features
 
     def extra_repr(self) -> str:
