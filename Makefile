@@ -59,7 +59,7 @@ bench: setup
 # .gpu/a and .gpu/b, each under 64 MiB with the tree. docs/benchmarks.md says how to send them.
 GPU_PYTHON ?= 3.12
 GPU_PACKAGES := fastapi starlette pydantic pydantic-core pydantic-settings python-dotenv typing-inspection \
-  annotated-types uvicorn gguf orjson xgrammar apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs
+  annotated-types opentelemetry-api uvicorn gguf orjson xgrammar apache-tvm-ffi jsonschema jsonschema-specifications referencing rpds-py attrs
 gpu-bundle: setup
 	rm -rf .gpu && mkdir -p .gpu/a .gpu/b/wheels
 	$(BIN)/pip freeze | sed 's/_/-/g' | grep -iE '^($(shell echo $(GPU_PACKAGES) | tr ' ' '|'))==' >.gpu/b/requirements.txt

@@ -24,7 +24,6 @@ float32's rounding, ~1e-6 of a logit.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 import weakref
@@ -100,8 +99,18 @@ def reference_of(model: PreTrainedModel) -> PreTrainedModel:
         return model
     reference = _REFERENCES.get(model)
     if reference is None:
-        reference = _REFERENCES[model] = copy.deepcopy(model).to(HIGHER_PRECISION[model.dtype])
+        reference = _REFERENCES[model] = _rebuilt(model, HIGHER_PRECISION[model.dtype])
     return reference
+
+
+def _rebuilt(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """A new `type(model)` from its config holding `model`'s weights in `dtype`, on its device.
+    Rebuilt rather than deep-copied: a served model is reachable from what serves it (a CUDA
+    graph cannot be copied)."""
+    with torch.device(model.device):
+        rebuilt = type(model)(model.config).to(dtype)
+    rebuilt.load_state_dict(model.state_dict())
+    return rebuilt.eval()
 
 
 def ulp(magnitude: float, dtype: torch.dtype) -> float:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from drafting import TableSlot
+from service.bench.near_ties import first_difference
 from service.engine.config import EngineConfig
 from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.model.loader import LoadedModel, load_model
@@ -68,7 +69,17 @@ def test_greedy_speculation_equals_plain_decoding_alone_and_batched(served, shap
     assert outcomes.count("identical") >= len(outcomes) // 2
 
 
-def test_a_seeded_sample_is_the_same_with_speculation(served) -> None:
+@pytest.fixture(scope="module")
+def served_float32() -> LoadedModel:
+    """The embedded model in float32 on the GPU: the passes of different shapes that plain and
+    speculative decoding take round a bf16 logit differently, and a uniform that falls within
+    that rounding of a sampled token's edge picks its neighbour; in float32 that is too rare to
+    meet in these tests."""
+    return load_model(os.environ.get("NGRAMMYS_GPU_MODEL"), device="cuda", dtype="float32")
+
+
+def test_a_seeded_sample_is_the_same_with_speculation(served_float32) -> None:
+    served = served_float32
     engine = build_engine(served, TableSlot())
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     asked = prompts(served)
@@ -87,6 +98,8 @@ def test_a_seeded_sample_is_the_same_with_speculation(served) -> None:
         ).token_ids
         for p in asked
     ]
+    parted = [first_difference(p, s) for p, s in zip(plain, speculative)]
+    print(f"\nseeded samples part from plain sampling at: {parted}")
     assert speculative == plain
 
 
@@ -147,7 +160,8 @@ def test_device_round_steps_take_one_copy_back_and_equal_the_host_path(served) -
                 device_steps += engine.device_round.copies - copies
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message).splitlines()[0] for w in caught]
+        messages = [str(w.message).splitlines()[0] for w in caught]
+        syncs = [m for m in messages if "called a synchronizing CUDA operation" in m]
     print(f"\n{device_steps} device-round steps, {len(syncs)} synchronizing calls: {syncs}")
     assert device_steps == 8
     assert len(syncs) <= device_steps, syncs
