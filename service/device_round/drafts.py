@@ -27,7 +27,6 @@ def draft_trees(
         tokens[:, 1 : 1 + template.chain], valid[:, 1 : 1 + template.chain] = chain, filled
     if table is None or not shape.table_levels:
         return tokens, valid
-    table.sync_fallback()
     single = table.single_rows()
     # column i + 1: node i's token; column 0: the root's previous
     before = torch.cat([recent[:, -2:-1], tokens], dim=1)

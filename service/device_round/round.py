@@ -39,6 +39,7 @@ from service.controller.cost_profile import CostProfile
 from service.device_round.accept import accept_greedy
 from service.device_round.context import WINDOW
 from service.device_round.drafts import draft_trees
+from service.device_round.graphs import RoundGraphs
 from service.device_round.menu import TemplateChooser, menu
 from service.device_round.tables import DeviceTable
 from service.device_round.template import TreeTemplate
@@ -132,6 +133,8 @@ class DeviceRound:
         # which side's tables the last round refreshed: the other takes them before it drafts
         self._newest_on_device = False
         self._windows = RecentWindows(WINDOW)
+        static = runner.static
+        self.graphs = RoundGraphs(self.device, static is not None and static.capture)
 
     def hand_tables_to_host(self) -> None:
         """Before a step drafted on the host: the host tables take what device rounds learned
@@ -206,25 +209,52 @@ class DeviceRound:
             for device_table in self.tables.values():
                 device_table.push()
             self._newest_on_device = True
-        starts_host = list(cache.lengths)
-        recent, starts = self._upload(histories, starts_host, choice)
+        staging = self._staging(histories, cache.lengths, choice)
+        width = staging.shape[1] - 1  # the recent tokens', then the KV start
         table = None if choice.table is None else self.tables[choice.table]
-        tokens, valid = draft_trees(recent, template, table)  # [R, N] each
-        logits = self.runner.forward_flat(
-            cache, [RowInput(template.shape_tree)] * rows, tokens.flatten()
-        )  # [R * N, vocab]
-        choices = (logits.argmax(-1) if choose is None else choose(logits)).view(
-            rows, template.num_nodes
-        )
-        accepted = accept_greedy(tokens, valid, choices, shape, template.max_depth)
-        cache.keep_paths(starts, accepted.path, accepted.counts)
         if table is not None:
-            top = logits.topk(table.top_k, dim=-1).indices
-            parents = tokens[:, shape.parents].clone()
-            parents[:, 0] = recent[:, -2]
-            table.refresh(tokens.flatten(), parents.flatten(), top, valid.flatten())
-        packed = torch.cat(
-            [accepted.tokens, accepted.path, accepted.counts[:, None], valid.long()], dim=1
+            table.sync_fallback()
+        head = self.runner.model.get_output_embeddings()
+
+        def draft(inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return draft_trees(inputs[:, :width], template, table)  # [R, N] each
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
+            return self.runner.every_node_hidden(
+                cache, [RowInput(template.shape_tree)] * rows, tokens.flatten()
+            )
+
+        def after(
+            inputs: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, hidden: torch.Tensor
+        ) -> torch.Tensor:
+            recent, starts = inputs[:, :width], inputs[:, width]
+            logits = head(hidden)  # [R * N, vocab]
+            choices = (logits.argmax(-1) if choose is None else choose(logits)).view(
+                rows, template.num_nodes
+            )
+            accepted = accept_greedy(tokens, valid, choices, shape, template.max_depth)
+            cache.keep_paths(starts, accepted.path, accepted.counts)
+            if table is not None:
+                top = logits.topk(table.top_k, dim=-1).indices
+                parents = tokens[:, shape.parents].clone()
+                parents[:, 0] = recent[:, -2]
+                table.refresh(tokens.flatten(), parents.flatten(), top, valid.flatten())
+            return torch.cat(
+                [accepted.tokens, accepted.path, accepted.counts[:, None], valid.long()], dim=1
+            )
+
+        # sampled rows' chooser draws from their own generators: those rounds run eagerly
+        key = None
+        if choose is None:
+            key = (template, rows, choice.table, None if table is None else id(table.fallback))
+        packed = self.graphs.run(
+            key,
+            staging,
+            draft,
+            forward,
+            after,
+            cache.buffer_identity,
+            keep=() if table is None else (table.fallback,),
         )
         began = time.perf_counter()
         host = self._to_host(packed)
@@ -241,21 +271,17 @@ class DeviceRound:
         self.chooser.acceptance.observe(template, result.paths, result.counts)
         return result
 
-    def _upload(
+    def _staging(
         self, histories: Sequence[TokenHistory], starts: Sequence[int], choice: TemplateChoice
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's recent tokens [R, L] (-1 before its first) and KV start [R], in one
-        host → device copy that the device does not wait for."""
+    ) -> torch.Tensor:
+        """Each row's recent tokens (-1 before its first), then its KV start [R, L + 1], on
+        the host: the step's one upload."""
         width = WINDOW if choice.template.chain else 2
         host = np.empty((len(histories), width + 1), dtype=np.int64)
         for row, history in enumerate(histories):
             host[row, :width] = self._windows.of(history)[-width:]
         host[:, width] = starts
-        staging = torch.from_numpy(host)
-        if self.device.type == "cuda":  # from pinned memory the copy is queued, not waited for
-            staging = staging.pin_memory()
-        uploaded = staging.to(self.device, non_blocking=True)
-        return uploaded[:, :width], uploaded[:, width]
+        return torch.from_numpy(host)
 
     def _to_host(self, packed: torch.Tensor) -> np.ndarray:
         """The step's one device → host copy: where the host waits for the device."""

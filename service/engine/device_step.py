@@ -39,6 +39,11 @@ class DeviceStep:
         self.runner = runner
         self.policy = policy
 
+    @property
+    def _capture_seconds(self) -> float:
+        """Spent recording CUDA graphs so far: the passes' and the rounds' own."""
+        return self.runner.capture_seconds + self.device_round.graphs.capture_seconds
+
     def run(self, rows: list[StepRow], budget: int, timer: StepTimer) -> StepRounds:
         """The step's rounds (`HostStep.run`'s, from the device round's one copy back where it
         takes the step); raises `PassFailed` if the pass does."""
@@ -48,7 +53,7 @@ class DeviceStep:
             return self.host.run(rows, budget, timer)
         template = choice.template
         rows = [self._shaped(row, template, choice.forecast) for row in rows]
-        timer.mark_drafted(self.runner.capture_seconds)
+        timer.mark_drafted(self._capture_seconds)
         try:
             step = self.device_round.run(
                 self.host.cache,
@@ -58,7 +63,7 @@ class DeviceStep:
             )
         except Exception as error:
             raise PassFailed(str(error)) from error
-        timer.mark_passed(self.runner.capture_seconds)
+        timer.mark_passed(self._capture_seconds)
         chain_drafted = step.drafted[:, 1 : 1 + template.chain].sum(1).tolist()
         table_drafted = step.drafted[:, 1 + template.chain :].sum(1).tolist()
         table = choice.table or ""

@@ -139,17 +139,10 @@ class ModelRunner:
         `token_ids` [flat tokens] on the model's device, when the tokens were drafted there
         (`service/device_round/`): the trees then give only the pass's shape, and the host
         never reads a token."""
-        if len(rows) != cache.num_rows:
-            raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
-        with sdpa_kernel(ATTENTION_BACKENDS):
-            hidden, offsets = self._static_hidden(cache, rows, token_ids) or self._eager_hidden(
-                cache, rows, token_ids
-            )
         head = self.model.get_output_embeddings()
-        if all(
-            row.logits_from == 0 and row.cached == 0 for row in rows
-        ):  # every node (a device round): no gather
-            return head(hidden[: sum(row.tree.num_nodes for row in rows)])
+        if all(row.logits_from == 0 and row.cached == 0 for row in rows):  # no gather
+            return head(self.every_node_hidden(cache, rows, token_ids))
+        hidden, offsets = self._hidden(cache, rows, token_ids)
         wanted = [
             offset + node - row.cached
             for offset, row in zip(offsets, rows)
@@ -158,6 +151,27 @@ class ModelRunner:
         if not wanted:
             return hidden.new_empty(0, self.vocab_size)
         return head(hidden[wanted])  # [num_wanted, vocab]
+
+    @torch.inference_mode()
+    def every_node_hidden(
+        self, cache: TreeKVCache, rows: Sequence[RowInput], token_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final-norm hidden states of every node of `rows` [nodes, hidden] (rows in order;
+        none cached): what a device round takes the LM head of among its recorded operators."""
+        hidden, _ = self._hidden(cache, rows, token_ids)
+        return hidden[: sum(row.tree.num_nodes for row in rows)]
+
+    def _hidden(
+        self, cache: TreeKVCache, rows: Sequence[RowInput], token_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The pass's hidden states (flat, padding after the last row's where it has a fixed
+        shape), with each row's first flat token."""
+        if len(rows) != cache.num_rows:
+            raise ValueError(f"{len(rows)} row inputs for {cache.num_rows} cache rows")
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            return self._static_hidden(cache, rows, token_ids) or self._eager_hidden(
+                cache, rows, token_ids
+            )
 
     def _static_hidden(
         self, cache: TreeKVCache, rows: Sequence[RowInput], token_ids: torch.Tensor | None

@@ -16,6 +16,7 @@ mkdir -p "$OUT"
 
 step() {  # step NAME SECONDS COMMAND...: run it under a limit, log to $OUT/NAME.log, record the outcome
   local name=$1 limit=$2
+  [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0  # ONLY="tests bench": those alone
   shift 2
   local started=$SECONDS
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1

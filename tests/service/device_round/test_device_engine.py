@@ -102,6 +102,7 @@ def test_device_rounds_draft_the_trees_the_host_would(
             device_table.pull()  # the host copy: what the host path would draft from now
         else:
             device_table.push()
+        device_table.sync_fallback()
         recent = torch.tensor([[-1, *history.token_ids][-2:] for history in histories])
         tokens, valid = draft_trees(recent, plan.template, device_table)
         for row, history in enumerate(histories):

@@ -91,6 +91,7 @@ def test_walks_draft_the_host_trees(k: int, w: int, pair_bits: int, fallback: bo
     device = DeviceTable(host, VOCAB, torch.device("cpu"))
     for _ in range(6):
         _refresh_both(host, device, _random_pass(rng, 12, 4))
+    device.sync_fallback()  # the round takes the model bigram before it drafts
     template = TreeTemplate.of(k, w)
     for _ in range(10):
         history = [int(t) for t in rng.integers(0, VOCAB, int(rng.integers(1, 4)))]
