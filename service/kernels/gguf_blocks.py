@@ -9,6 +9,7 @@ types are those formulas with other bit packings and scales built from smaller f
 |---|---|---|---|
 | Q4_0 | 32: f16 d, 16 bytes of nibbles | d*(q-8) | Q4_1, m = -8d |
 | Q4_1 | 32: f16 d, f16 m, nibbles | d*q + m | Q4_1 |
+| Q3_K | 256: high bits, 2-bit lows, 16 6-bit scales, f16 d | (d*sc)*(q-4) | Q8_0, int16 sc*(q-4) |
 | Q4_K | 256: f16 d, f16 dmin, 8 six-bit scales and mins, nibbles | (d*sc)*q - dmin*mn | Q4_1 |
 | Q5_0 | 32: f16 d, 32 high bits, nibbles | d*(q-16) | Q8_0 |
 | Q6_K | 256: nibbles, 2-bit highs, 16 int8 scales, f16 d | (d*sc)*(q-32) | Q8_0, int16 sc*(q-32) |
@@ -18,8 +19,8 @@ Each is exact: a float16 scale (11 significant bits) times a 6- or 8-bit scale o
 q needs at most 21 bits, so every product but the last is exact in float32, and the kernels'
 single rounding of d*q + m is the rounding gguf-py's dequantization makes (the loader checks
 each packed weight against the loaded one, bit for bit). The layouts widen the types: Q4_K's
-4.5 bits a weight to 6 (two float32 a group), Q5_0's 5.5 to 9, Q6_K's 6.6 to 17: the price of
-two kernels for six types.
+4.5 bits a weight to 6 (two float32 a group), Q5_0's 5.5 to 9, Q3_K's 3.4 and Q6_K's 6.6 to
+17: the price of two kernels for seven types.
 """
 
 from __future__ import annotations
@@ -40,13 +41,15 @@ class BlockType:
     nbytes: int
     layout: str  # "Q4_1" or "Q8_0"
     # q needs 16 bits (int16 in the 8-bit layout): kernels compiled for it on the first model
-    # that has one; the 8-bit-activation kernels multiply it as int16 pairs
+    # that has one; the 8-bit-activation kernels multiply it as int16 pairs, or on AVX2 as six
+    # bits times a scale a 16 (`int8_kernel`)
     wide: bool = False
 
 
 BLOCK_TYPES = {
     "Q4_0": BlockType(GROUP, 18, "Q4_1"),
     "Q4_1": BlockType(GROUP, 20, "Q4_1"),
+    "Q3_K": BlockType(SUPER, 110, "Q8_0", wide=True),
     "Q4_K": BlockType(SUPER, 144, "Q4_1"),
     "Q5_0": BlockType(GROUP, 22, "Q8_0"),
     "Q6_K": BlockType(SUPER, 210, "Q8_0", wide=True),
@@ -108,6 +111,28 @@ def _q4_1(blocks: np.ndarray) -> Unpacked:
     return _half(blocks, 0), _nibbles(blocks[..., 4:]), _half(blocks, 2)
 
 
+def _q3_k(blocks: np.ndarray) -> Unpacked:
+    """A super-block: 32 bytes of high bits, 64 of two-bit lows, 12 of sixteen 6-bit scales
+    (one a 16 weights), d. Weight 128h + 32s + j has bits 2s, 2s+1 of low byte 32h + j and bit
+    4h + s of high byte j: q is those three bits less 4, a set high bit meaning none less.
+    Scale i has the low (i < 8) or high nibble of byte i mod 8, below bits 2(i div 4),
+    2(i div 4) + 1 of byte 8 + i mod 4, less 32. As Q6_K's, the kernel's q is the exact integer
+    (scale - 32)·q (|q| <= 128) and its d the super-block's."""
+    lead = blocks.shape[:-1]
+    shifts = np.arange(0, 8, 2, dtype=np.uint8)[:, None]  # [4, 1]
+    low = (blocks[..., 32:96].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [..., h, s, j]
+    bits = np.arange(8, dtype=np.uint8)[:, None]
+    high = (blocks[..., :32].reshape(*lead, 1, 32) >> bits) & 1  # [..., 4h + s, j]
+    q = low.reshape(*lead, SUPER).astype(np.int16) + 4 * high.reshape(*lead, SUPER) - 4
+    fields = blocks[..., 96:108]
+    nibbles = np.concatenate([fields[..., :8] & 15, fields[..., :8] >> 4], axis=-1)
+    tops = (fields[..., 8:12].reshape(*lead, 1, 4) >> shifts) & 3  # [..., i div 4, i mod 4]
+    scales = (nibbles | (tops.reshape(*lead, 16) << 4)).astype(np.int16) - 32
+    q = q.reshape(*lead, 16, 16) * scales[..., None]
+    d = np.repeat(_half(blocks, 108)[..., None], SUPER // GROUP, axis=-1)
+    return d, q.reshape(*lead, SUPER // GROUP, GROUP), None
+
+
 def _q4_k(blocks: np.ndarray) -> Unpacked:
     """A super-block: d, dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles
     (byte j of each 32 holds weight j of two groups: 2i in its low, 2i+1 in its high nibble)."""
@@ -155,6 +180,7 @@ def _q8_0(blocks: np.ndarray) -> Unpacked:
 _UNPACK = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
+    "Q3_K": _q3_k,
     "Q4_K": _q4_k,
     "Q5_0": _q5_0,
     "Q6_K": _q6_k,

@@ -3,7 +3,7 @@
 `--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
 layers' weights as the file stores them, re-laid exactly into one of two kernel layouts
 (`service/kernels/gguf_blocks.py`: Q4_0, Q4_1 and Q4_K take the 4-bit one, 32 weights with a
-scale d and min m, w = d*q + m; Q5_0, Q6_K and Q8_0 the 8-bit one, w = d*q). On the embedded
+scale d and min m, w = d*q + m; Q3_K, Q5_0, Q6_K and Q8_0 the 8-bit one, w = d*q). On the embedded
 Q4_1 file a pass then reads ~0.6 bytes per weight instead of float32's 4, and the numba kernel
 (service/kernels/packed_kernels.py) dequantizes each block once per pass and applies it to every
 row of the pass (up to a pass size measured once on each kind of CPU, `kernel_max_rows_for`;

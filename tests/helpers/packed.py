@@ -26,6 +26,7 @@ from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
 from tests.helpers.models import make_tiny_model
 
+Q3_K = gguf.GGMLQuantizationType.Q3_K
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q4_K = gguf.GGMLQuantizationType.Q4_K
@@ -33,7 +34,7 @@ Q5_0 = gguf.GGMLQuantizationType.Q5_0
 Q5_1 = gguf.GGMLQuantizationType.Q5_1
 Q6_K = gguf.GGMLQuantizationType.Q6_K
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
-K_TYPES = (Q4_K, Q6_K)  # served K-quants, which gguf-py cannot write
+K_TYPES = (Q3_K, Q4_K, Q6_K)  # served K-quants, which gguf-py cannot write
 
 
 def random_blocks(out_features: int, in_features: int, seed: int = 0, kind=Q4_1) -> np.ndarray:

@@ -36,6 +36,7 @@ from tests.helpers.engines import make_engine
 from tests.helpers.kernels import needs_int8
 from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
+    Q3_K,
     Q4_1,
     Q6_K,
     Q8_0,
@@ -86,20 +87,22 @@ def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(
 
 
 @ISAS
+@pytest.mark.parametrize("kind", [Q3_K, Q6_K])
 @pytest.mark.parametrize(
     "out_features,in_features,rows", [(70, 256, 1), (40, 512, 5), (24, 768, 70)]
 )
 def test_a_wide_type_computes_its_int16_weights_on_the_rounded_activations(
-    out_features, in_features, rows, isa
+    out_features, in_features, rows, kind, isa
 ) -> None:
-    """Q6_K's weights are int16 integers (scale·(q - 32)) times d: `vpmaddwd` on int16 pairs."""
-    blocks = random_blocks(out_features, in_features, seed=rows, kind=Q6_K)
+    """Q6_K's and Q3_K's weights are int16 integers (scale·q) times d: `vpmaddwd` on int16
+    pairs, or on AVX2 six bits times a scale a 16."""
+    blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-    got = run(Q6_K, blocks, out_features, x, isa=isa)
-    torch.testing.assert_close(got, reference(blocks, quantized(x), Q6_K), rtol=1e-5, atol=1e-5)
-    together, alone = run(Q6_K, blocks, out_features, x, isa=isa), []
+    got = run(kind, blocks, out_features, x, isa=isa)
+    torch.testing.assert_close(got, reference(blocks, quantized(x), kind), rtol=1e-5, atol=1e-5)
+    together, alone = run(kind, blocks, out_features, x, isa=isa), []
     for row in range(min(rows, 4)):
-        alone.append(run(Q6_K, blocks, out_features, x[row : row + 1], chunks=0, isa=isa)[0])
+        alone.append(run(kind, blocks, out_features, x[row : row + 1], chunks=0, isa=isa)[0])
         assert torch.equal(alone[-1], together[row])
 
 
@@ -116,7 +119,7 @@ def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     assert torch.isfinite(run(kind, blocks, 96, x, isa=isa)).all()
 
 
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q8_0, Q6_K])
 def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
     """AVX2 and VNNI reach the same exact integer sums, then take the same float steps. The
     extremes are where AVX2's int16 pairs would saturate if summed unguarded: 15·127 nibble
