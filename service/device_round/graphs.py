@@ -87,7 +87,8 @@ class RoundGraphs:
         if record is None:
             return self._first(key, staging, draft, forward, after, buffers, keep)
         self._rounds.move_to_end(key)
-        record.inputs.copy_(_pinned(staging), non_blocking=True)
+        on_gpu = self.device.type == "cuda"
+        record.inputs.copy_(_pinned(staging) if on_gpu else staging, non_blocking=on_gpu)
         record.draft.replay()
         record.hidden.copy_(forward(record.tokens))
         identity = buffers()
@@ -129,12 +130,20 @@ class RoundGraphs:
     def _record(self, operators: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
         """`operators` recorded (not run) as a graph, with what they leave."""
         began = time.perf_counter()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            left = operators()
+        recorded = record_graph(operators, self._pool)
         self.capture_seconds += time.perf_counter() - began
         self.recorded += 1
-        return graph, left
+        return recorded
+
+
+def record_graph(
+    operators: Callable[[], object], pool: object
+) -> tuple[torch.cuda.CUDAGraph, object]:
+    """`operators` recorded (not run) as a CUDA graph in memory `pool`, with what they leave."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        left = operators()
+    return graph, left
 
 
 def _pinned(staging: torch.Tensor) -> torch.Tensor:
