@@ -28,9 +28,10 @@ so Q8_0 takes llama.cpp's sign trick: |w| (unsigned) times xq with w's sign, ≤
 A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
 integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) computes on VNNI with
 `vpmaddwd` on int16 pairs, the activations widened to int16 (kind "wide"); on AVX2 it is
-re-laid as 6-bit weights and an int16 scale a 16 (kind "Q6_K", `_six_bit`), a third of the
-bytes, each sub-block's sum (the sign trick, within int16) times its scale. Both are exact in
-int32, and equal.
+re-laid as 6-bit weights and an int16 scale a 16 (kind "Q6_K", `_scaled`), a third of the
+bytes, each sub-block's sum (the sign trick, within int16) times its scale; where every weight
+fits 4 bits so (Q3_K's, scale·(q - 4): `gguf_blocks`) as 4-bit ones (kind "Q3_K"), a quarter.
+All are exact in int32, and equal.
 
 The inner kernel is LLVM IR built here with llvmlite (numba's own compiler: nothing to
 install) and compiled for this CPU at load: numba's vectorizer emits none of these instructions
@@ -88,8 +89,9 @@ class Isa:
 
     def block_bytes(self, kind: str) -> int:
         """A block of a tile of `kind`: 32 weights a column, 4, 8 or 16 bits each (Q6_K: four
-        vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales)."""
-        return self.vector_bytes * {"Q4_1": 4, "Q8_0": 8, "wide": 16, "Q6_K": 7}[kind]
+        vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales;
+        Q3_K: the nibbles and the scales)."""
+        return self.vector_bytes * {"Q4_1": 4, "Q8_0": 8, "wide": 16, "Q6_K": 7, "Q3_K": 5}[kind]
 
 
 VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128, six_bit=False)
@@ -127,7 +129,7 @@ class Int8Tiles:
     """A Q4_1, Q8_0 or wide (int16 weights) weight [out_features, in_features] re-laid for the
     kernel of `isa`."""
 
-    kind: str  # "Q4_1", "Q8_0" or "wide"
+    kind: str  # "Q4_1", "Q8_0", "wide", or on AVX2 "Q6_K" or "Q3_K" in its place
     isa: Isa
     # [U, B, 4 (Q4_1), 8 (Q8_0) or 16 (wide) vectors] uint8: tile u, block b (module docstring)
     packed: np.ndarray
@@ -159,6 +161,8 @@ def int8_tiles(
     tiles at a time, so that the re-laying's temporaries stay small beside a large weight (a
     128k-row head's would take gigabytes)."""
     isa = isa or _required_isa()
+    if kind == "Q8_0" and qs.dtype == np.int16:
+        kind = _wide_kind(qs, isa)
     parts = [
         _relaid(kind, qs[at : at + RELAY_TILES], d[at : at + RELAY_TILES], m, at, isa)
         for at in range(0, qs.shape[0], RELAY_TILES)
@@ -184,10 +188,10 @@ def _relaid(
         a = a.transpose(0, 2, 1).reshape(-1, lanes, blocks)
         return np.ascontiguousarray(a.transpose(0, 2, 1), dtype=dtype)
 
-    if kind == "Q8_0" and qs.dtype == np.int16 and isa.six_bit:
-        return "Q6_K", _six_bit(qs, lanes), columns(d, np.float32), columns(0 * d, np.int32)
-    if kind == "Q8_0" and qs.dtype == np.int16:
-        kind = "wide"
+    if kind in SCALED_BITS:
+        scaled = _scaled(qs, lanes, SCALED_BITS[kind])
+        return kind, scaled, columns(d, np.float32), columns(0 * d, np.int32)
+    if kind == "wide":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 16, 2)  # [U, c, B, g, i]
         m = columns(0 * d, np.int32)  # signed times signed: no offset
     elif kind == "Q8_0":
@@ -204,39 +208,68 @@ def _relaid(
     return kind, packed, columns(d, np.float32), m
 
 
-def _six_bit(qs: np.ndarray, lanes: int) -> np.ndarray:
-    """Q6_K's int16 weights (`gguf_blocks`: scale·(q - 32), a scale a 16 weights) as the
-    kind "Q6_K": per 16 weights an int16 scale s and 6-bit w + 32 with s·w the weight. s is the
-    16 products' greatest common divisor, signed so that every w lies in [-32, 31] (the file's
-    own scale's sign does): any such factoring gives the same products, hence the same sums.
-    A block's bytes: four vectors of low nibbles (as Q4_1's), two of the high bits (vector h,
-    byte 4c+i: bits 2g, 2g+1 hold weight 16h+4g+i's), one of the two sub-blocks' scales."""
+# the kinds of int16 weights re-laid on AVX2 as a few bits times a scale a 16, and their bits
+SCALED_BITS = {"Q6_K": 6, "Q3_K": 4}
+
+
+def _wide_kind(qs: np.ndarray, isa: Isa) -> str:
+    """How `isa`'s kernels take int16 weights: "wide" on VNNI; on AVX2 "Q3_K" where every
+    sub-block factors into 4-bit weights (a Q3_K file's always do), else "Q6_K" (6 bits: a
+    Q6_K file's always do). Tile by tile, as the re-laying goes; a Q6_K weight stops at its
+    first tiles."""
+    if not isa.six_bit:
+        return "wide"
+    for at in range(0, qs.shape[0], RELAY_TILES):
+        if _factored(qs[at : at + RELAY_TILES], 4) is None:
+            return "Q6_K"
+    return "Q3_K"
+
+
+def _factored(qs: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Int16 weights [T, B, 32, width] as a scale s [T, B, 2, width] a 16 and w [T, B, 2, 16,
+    width] in [-2^(bits-1), 2^(bits-1)) with s·w the weight, or None where they do not fit. s
+    is the 16 products' greatest common divisor, signed so that w fits where it can: any such
+    factoring gives the same products, hence the same sums."""
     tiles, blocks, _, width = qs.shape
+    top = 2 ** (bits - 1) - 1
     products = qs.astype(np.int32).reshape(tiles, blocks, 2, 16, width)
     s = np.gcd.reduce(np.abs(products), axis=3)  # [T, B, 2, width]
     s[s == 0] = 1
     w = products // s[:, :, :, None]
-    flip = w.max(axis=3) > 31
+    flip = w.max(axis=3) > top
     w = np.where(flip[:, :, :, None], -w, w)
-    s = np.where(flip, -s, s)
-    assert w.min() >= -32 and w.max() <= 31 and np.abs(s).max() <= 4096
-    six = (w + 32).astype(np.uint8).reshape(tiles, blocks, 32, width)
+    if w.min() < -top - 1 or w.max() > top:
+        return None
+    return np.where(flip, -s, s), w
+
+
+def _scaled(qs: np.ndarray, lanes: int, bits: int) -> np.ndarray:
+    """Int16 weights (`gguf_blocks`: Q6_K's scale·(q - 32), Q3_K's scale·(q - 4), a scale a 16
+    weights) as the kind of `bits` (`SCALED_BITS`): per 16 weights an int16 scale s and w
+    (`_factored`), stored as w + 2^(bits-1). A block's bytes: four vectors of the low nibbles
+    (as Q4_1's), for 6 bits two of the high bits (vector h, byte 4c+i: bits 2g, 2g+1 hold
+    weight 16h+4g+i's), then one of the two sub-blocks' scales."""
+    tiles, blocks, _, width = qs.shape
+    factored = _factored(qs, bits)
+    assert factored is not None
+    s, w = factored
+    assert np.abs(s).max() <= 4096
+    stored = (w + 2 ** (bits - 1)).astype(np.uint8).reshape(tiles, blocks, 32, width)
     # [T, B, 32, width] -> [U, c, B, half, g, i]: input 16 half + 4 g + i of column c
-    by_input = six.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)
+    by_input = stored.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)
     low = (by_input[:, :, :, 0] & 15) | ((by_input[:, :, :, 1] & 15) << 4)  # [U, c, B, g, i]
-    top = by_input >> 4
-    high = sum(top[:, :, :, :, g] << (2 * g) for g in range(4)).astype(np.uint8)  # [U,c,B,h,i]
+    parts = [low.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 16 * lanes)]
+    if bits > 4:
+        top = by_input >> 4
+        high = sum(top[:, :, :, :, g] << (2 * g) for g in range(4)).astype(np.uint8)  # [U,c,B,h,i]
+        parts.append(high.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 8 * lanes))
     scales = s.astype(np.int16).transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2)
-    return np.concatenate(
-        [
-            low.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 16 * lanes),
-            high.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 8 * lanes),
-            np.ascontiguousarray(scales.transpose(0, 2, 3, 1))
-            .reshape(-1, blocks, 2 * lanes)
-            .view(np.uint8),
-        ],
-        axis=2,
+    parts.append(
+        np.ascontiguousarray(scales.transpose(0, 2, 3, 1))
+        .reshape(-1, blocks, 2 * lanes)
+        .view(np.uint8)
     )
+    return np.concatenate(parts, axis=2)
 
 
 def _required_isa() -> Isa:
@@ -371,12 +404,12 @@ def _ir(
             return sums
         if kind == "Q4_1":  # a block's products stay within int16 (module docstring)
             pairs = [b.call(maddubs, [weight, inputs]) for weight, inputs in products]
-        elif kind == "Q6_K":  # a sub-block's: |w| ≤ 32, so four pairs ≤ 4·2·32·127 < 2^15
+        elif kind in SCALED_BITS:  # a sub-block's: |w| ≤ 32, so four pairs ≤ 4·2·32·127 < 2^15
             pairs = [
                 b.call(maddubs, [b.call(sign, [weight, weight]), b.call(sign, [inputs, weight])])
                 for weight, inputs in products
             ]
-        if kind in ("Q4_1", "Q6_K"):
+        if kind == "Q4_1" or kind in SCALED_BITS:
             total = pairs[0]
             for pair in pairs[1:]:
                 total = b.add(total, pair)
@@ -441,26 +474,23 @@ def _ir(
             operands += [
                 (b.and_(b.lshr(v, four), nibble), BLOCK // 2 + 4 * g) for g, v in enumerate(vectors)
             ]
-        elif kind == "Q6_K":  # (w, input offset) pairs, w = six bits - 32; the scales' vector
+        elif kind in SCALED_BITS:  # (w, input offset) pairs, w = the bits - 2^(bits-1)
             filled = lambda value: ir.Constant(vector, [value] * isa.vector_bytes)  # noqa: E731
+            six = SCALED_BITS[kind] == 6
+
+            def bits_of(half: int, g: int, v: Any) -> Any:
+                nibble = b.and_(b.lshr(v, filled(4 * half)), filled(15))
+                if not six:
+                    return nibble
+                high = b.and_(b.lshr(vectors[4 + half], filled(2 * g)), filled(3))
+                return b.or_(nibble, b.shl(high, filled(4)))
+
             operands = [
-                (
-                    b.sub(
-                        b.or_(
-                            b.and_(b.lshr(v, filled(4 * half)), filled(15)),
-                            b.shl(
-                                b.and_(b.lshr(vectors[4 + half], filled(2 * g)), filled(3)),
-                                filled(4),
-                            ),
-                        ),
-                        filled(32),
-                    ),
-                    16 * half + 4 * g,
-                )
+                (b.sub(bits_of(half, g, v), filled(32 if six else 8)), 16 * half + 4 * g)
                 for half in (0, 1)
                 for g, v in enumerate(vectors[:4])
             ]
-            packed_scales = b.bitcast(vectors[6], shorts)
+            packed_scales = b.bitcast(vectors[-1], shorts)
             sub_scales = [
                 b.sext(
                     b.shuffle_vector(
@@ -497,7 +527,7 @@ def _ir(
                     first, ir.Constant(ints, None), ir.Constant(ints, [0] * lanes)
                 )
                 products.append((weight, b.bitcast(splatted, shorts if kind == "wide" else vector)))
-            if kind == "Q6_K":  # each sub-block's exact sum times its scale
+            if kind in SCALED_BITS:  # each sub-block's exact sum times its scale
                 zero = ir.Constant(ints, [0] * lanes)
                 sums = b.add(
                     b.mul(dot(b, zero, products[:4]), sub_scales[0]),
@@ -622,8 +652,8 @@ def warm_up(isa: Isa | None = None) -> None:
     in the first request's pass, which would otherwise wait seconds for them."""
     isa = isa or _required_isa()
     x = np.zeros((1, BLOCK), np.float32)
-    wide = "Q6_K" if isa.six_bit else "wide"
-    for kind, extra in (("Q4_1", np.float32), ("Q8_0", np.int32), (wide, np.int32)):
+    wide = [*SCALED_BITS] if isa.six_bit else ["wide"]
+    for kind, extra in (("Q4_1", np.float32), ("Q8_0", np.int32), *((w, np.int32) for w in wide)):
         scales = np.zeros((1, 1, isa.columns), np.float32)
         int8_matmul(kind, isa)(
             x,

@@ -151,20 +151,43 @@ def test_q6_k_as_six_bits_and_as_int16_gives_the_same_bits() -> None:
     torch.testing.assert_close(six, reference(blocks, quantized(x), Q6_K), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(AVX2 not in supported_isas(), reason="the CPU lacks AVX2")
+def test_q3_k_as_four_bits_and_as_int16_gives_the_same_bits() -> None:
+    """On AVX2 Q3_K's products scale·(q - 4) factor into 4-bit weights (kind "Q3_K", a quarter
+    of int16's bytes) and Q6_K's into 6-bit ones; the sums are int16's integers either way, so
+    the outputs are the same bits. A weight with one sub-block that needs 6 bits takes 6 bits
+    throughout."""
+    blocks = random_blocks(48, 512, seed=7, kind=Q3_K)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(7))
+    tiles = tiles_from_blocks(blocks, 48, 512, "Q3_K")
+    assert int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 48, AVX2).kind == "Q3_K"
+    six = tiles.qs.copy()
+    six[0, 0, :16, 0] = 9 * np.arange(16)  # products whose gcd 9 leaves w up to 15: 6 bits
+    assert int8_tiles(tiles.kind, six, tiles.d, tiles.m, 48, AVX2).kind == "Q6_K"
+    four = run(Q3_K, blocks, 48, x, isa=AVX2)
+    wide = run(Q3_K, blocks, 48, x, isa=dataclasses.replace(AVX2, six_bit=False))
+    assert torch.equal(four, wide)
+    torch.testing.assert_close(four, reference(blocks, quantized(x), Q3_K), rtol=1e-5, atol=1e-5)
+
+
 @ISAS
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q8_0, Q6_K])
 def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
-    """Every weight at its type's extreme (a nibble of 15; an int8 of -128; Q6_K's -128·(0 - 32))
+    """Every weight at its type's extreme (a nibble of 15; an int8 of -128; Q6_K's -128·(0 - 32),
+    Q3_K's -32·(0 - 4))
     against activations of ±127 after rounding: the sums must be the exact ones, on AVX2 too,
     where products are summed in int16."""
     blocks = random_blocks(16, 256, seed=2, kind=kind)
     per_block = blocks.reshape(
-        16, 256 // 32 if kind is not Q6_K else 1, -1
+        16, 256 // 32 if kind in (Q4_1, Q8_0) else 1, -1
     )  # [rows, blocks, bytes]
     if kind is Q4_1:
         per_block[..., 4:] = 0xFF  # every nibble 15 (after d and m)
     elif kind is Q8_0:
         per_block[..., 2:] = np.int8(-128).view(np.uint8)  # (after d)
+    elif kind is Q3_K:
+        per_block[..., :96] = 0  # q = 0: q - 4 = -4 (high bits clear, low bits 0)
+        per_block[..., 96:108] = 0  # every scale 0 - 32 = -32: products of 128
     else:
         per_block[..., :192] = 0  # q = 0: q - 32 = -32 (before the scales and d)
         per_block[..., 192:208] = np.int8(-128).view(np.uint8)
