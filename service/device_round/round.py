@@ -243,7 +243,7 @@ class DeviceRound:
                 [accepted.tokens, accepted.path, accepted.counts[:, None], valid.long()], dim=1
             )
 
-        # sampled rows' chooser draws from their own generators: those rounds run eagerly
+        # a sampled round's chooser reads uniforms uploaded afresh each step: it runs eagerly
         key = None
         if choose is None:
             key = (template, rows, choice.table, None if table is None else id(table.fallback))
