@@ -3,6 +3,9 @@ the requests it generates as valid, so that "schema-valid request rejected" mean
 
 - A named `tool_choice` names one of `tools` (the schema says it needs tools, not which).
 - Tool names are unique (JSON Schema's `uniqueItems` compares whole items, not one field).
+- A completion prompt holds a token: the tokenizer drops a few control characters, so a prompt
+  of nothing else is refused with 400 (tests/app/test_hardening.py), which a schema cannot know;
+  such a prompt gets a letter appended.
 - A JSON schema given to the grammar (`response_format`'s, a tool's `parameters`) compiles and
   uses only keywords the grammar enforces: the published schema calls it an object, and the
   grammar's own tests (tests/service/engine/test_structured_output.py) generate schemas.
@@ -11,6 +14,7 @@ Requests generated as invalid are left as they are: they must still be refused.
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
 import schemathesis
@@ -33,6 +37,8 @@ def map_case(context: Any, case: Any) -> Any:
     ):
         return case
     body = case.body
+    if "prompt" in body:
+        body["prompt"] = _tokenizable(body["prompt"])
     tools = body.get("tools") if isinstance(body.get("tools"), list) else []
     functions = [
         tool["function"]
@@ -53,3 +59,13 @@ def map_case(context: Any, case: Any) -> Any:
     if isinstance(response_format, dict) and isinstance(response_format.get("json_schema"), dict):
         response_format["json_schema"]["schema"] = dict(GRAMMAR_SCHEMA)
     return case
+
+
+def _tokenizable(prompt: Any) -> Any:
+    """A string prompt (or a one-string list) made only of control characters, with a letter
+    appended; token ids and anything else as they are."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        return [_tokenizable(prompt[0])]
+    if isinstance(prompt, str) and prompt and all(unicodedata.category(c) == "Cc" for c in prompt):
+        return prompt + "a"
+    return prompt
