@@ -1,9 +1,10 @@
-"""GGUF block types re-laid, exactly, into the packed kernels' two layouts.
+"""GGUF block types re-laid, exactly, into the packed kernels' three layouts.
 
-The kernels (service/kernels/packed_kernels.py) compute with 32-weight groups in one of two
+The kernels (service/kernels/packed_kernels.py) compute with 32-weight groups in one of three
 layouts: "Q4_1" (4-bit q in 0..15, a float32 scale d and min m a group: w = d*q + m, one
-rounding) and "Q8_0" (int8 q, a float32 scale d a group: w = d*q). Several of llama.cpp's block
-types are those formulas with other bit packings and scales built from smaller fields:
+rounding), "Q8_0" (int8 q, a float32 scale d a group: w = d*q) and "Q8_1" (int8 q, d and m:
+w = d*q + m). llama.cpp's block types are those formulas with other bit packings and scales
+built from smaller fields:
 
 | type | block | weight | layout |
 |---|---|---|---|
@@ -12,6 +13,8 @@ types are those formulas with other bit packings and scales built from smaller f
 | Q3_K | 256: high bits, 2-bit lows, 16 6-bit scales, f16 d | (d*sc)*(q-4) | Q8_0, int16 sc*(q-4) |
 | Q4_K | 256: f16 d, f16 dmin, 8 six-bit scales and mins, nibbles | (d*sc)*q - dmin*mn | Q4_1 |
 | Q5_0 | 32: f16 d, 32 high bits, nibbles | d*(q-16) | Q8_0 |
+| Q5_1 | 32: f16 d, f16 m, 32 high bits, nibbles | d*q + m | Q8_1 |
+| Q5_K | 256: Q4_K's fields, then 32 bytes of high bits, nibbles | (d*sc)*q - dmin*mn | Q8_1 |
 | Q6_K | 256: nibbles, 2-bit highs, 16 int8 scales, f16 d | (d*sc)*(q-32) | Q8_0, int16 sc*(q-32) |
 | Q8_0 | 32: f16 d, 32 int8 | d*q | Q8_0 |
 
@@ -19,8 +22,9 @@ Each is exact: a float16 scale (11 significant bits) times a 6- or 8-bit scale o
 q needs at most 21 bits, so every product but the last is exact in float32, and the kernels'
 single rounding of d*q + m is the rounding gguf-py's dequantization makes (the loader checks
 each packed weight against the loaded one, bit for bit). The layouts widen the types: Q4_K's
-4.5 bits a weight to 6 (two float32 a group), Q5_0's 5.5 to 9, Q3_K's 3.4 and Q6_K's 6.6 to
-17: the price of two kernels for seven types.
+4.5 bits a weight to 6 (two float32 a group), Q5_0's 5.5 to 9, Q5_1's 6 and Q5_K's 5.5 to 10,
+Q3_K's 3.4 and Q6_K's 6.6 to 17: the price of three kernels for nine types. Q2_K is not served:
+its mins change every 16 weights, within a kernel group (its linears stay float32).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class BlockType:
 
     weights: int
     nbytes: int
-    layout: str  # "Q4_1" or "Q8_0"
+    layout: str  # "Q4_1", "Q8_0" or "Q8_1"
     # q needs 16 bits (int16 in the 8-bit layout): kernels compiled for it on the first model
     # that has one; the 8-bit-activation kernels multiply it as int16 pairs, or on AVX2 as six
     # bits times a scale a 16 (`int8_kernel`)
@@ -52,6 +56,8 @@ BLOCK_TYPES = {
     "Q3_K": BlockType(SUPER, 110, "Q8_0", wide=True),
     "Q4_K": BlockType(SUPER, 144, "Q4_1"),
     "Q5_0": BlockType(GROUP, 22, "Q8_0"),
+    "Q5_1": BlockType(GROUP, 24, "Q8_1"),
+    "Q5_K": BlockType(SUPER, 176, "Q8_1"),
     "Q6_K": BlockType(SUPER, 210, "Q8_0", wide=True),
     "Q8_0": BlockType(GROUP, 34, "Q8_0"),
 }
@@ -60,7 +66,8 @@ BLOCK_TYPES = {
 @dataclass(frozen=True)
 class Groups:
     """A weight [rows, K] as 32-weight groups: q [rows, K/32, 32] (uint8 0..15 for the Q4_1
-    layout, int8 for Q8_0), d and m [rows, K/32] float32 (m all zero for Q8_0)."""
+    layout, int8 or int16 for Q8_0, int8 for Q8_1), d and m [rows, K/32] float32 (m all zero
+    for Q8_0)."""
 
     layout: str
     q: np.ndarray
@@ -136,6 +143,23 @@ def _q3_k(blocks: np.ndarray) -> Unpacked:
 def _q4_k(blocks: np.ndarray) -> Unpacked:
     """A super-block: d, dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles
     (byte j of each 32 holds weight j of two groups: 2i in its low, 2i+1 in its high nibble)."""
+    scales, mins = _k_scales_mins(blocks)
+    return scales, _k_nibbles(blocks[..., 16:]), mins
+
+
+def _q5_k(blocks: np.ndarray) -> Unpacked:
+    """Q4_K's fields, then 32 bytes of high bits (bit g of byte j: weight j of group g's fifth
+    bit), then Q4_K's nibbles."""
+    scales, mins = _k_scales_mins(blocks)
+    bits = np.arange(8, dtype=np.uint8)[:, None]
+    high = (blocks[..., 16:48].reshape(*blocks.shape[:-1], 1, 32) >> bits) & 1  # [..., g, j]
+    q = _k_nibbles(blocks[..., 48:]) | (high << 4)
+    return scales, q.view(np.int8), mins
+
+
+def _k_scales_mins(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's eight group scales d*sc and mins -(dmin*mn) [..., 8] from the
+    super-block's d, dmin and 12 bytes of 6-bit fields (products exact in float32)."""
     d, dmin = _half(blocks, 0)[..., None], _half(blocks, 2)[..., None]
     fields = blocks[..., 4:16]
     low, high, mixed = fields[..., 0:4], fields[..., 4:8], fields[..., 8:12]
@@ -143,16 +167,31 @@ def _q4_k(blocks: np.ndarray) -> Unpacked:
     # bytes 8-11 below the two top bits of bytes 0-3 (scales) and 4-7 (mins)
     scales = np.concatenate([low & 63, (mixed & 15) | ((low >> 6) << 4)], axis=-1)
     mins = np.concatenate([high & 63, (mixed >> 4) | ((high >> 6) << 4)], axis=-1)
-    nibbles = blocks[..., 16:].reshape(*blocks.shape[:-1], 4, 1, 32)
+    return d * scales, -(dmin * mins)
+
+
+def _k_nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., 128] bytes -> [..., 8 groups, 32]: byte j of each 32 holds weight j of groups 2i
+    (low nibble) and 2i+1 (high)."""
+    nibbles = packed.reshape(*packed.shape[:-1], 4, 1, 32)
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-2)  # [..., 4, 2, 32]: group 2i + h
-    return d * scales, q.reshape(*blocks.shape[:-1], 8, 32), -(dmin * mins)
+    return q.reshape(*packed.shape[:-1], 8, 32)
 
 
 def _q5_0(blocks: np.ndarray) -> Unpacked:
-    high = blocks[..., 2:6].copy().view("<u4")  # bit j: weight j's fifth bit
+    return _half(blocks, 0), _five_bits(blocks[..., 2:]).view(np.int8) - np.int8(16), None
+
+
+def _q5_1(blocks: np.ndarray) -> Unpacked:
+    return _half(blocks, 0), _five_bits(blocks[..., 4:]).view(np.int8), _half(blocks, 2)
+
+
+def _five_bits(fields: np.ndarray) -> np.ndarray:
+    """[..., 20] bytes (a little-endian uint32 whose bit j is weight j's fifth bit, then 16
+    bytes of nibbles) -> [..., 32] uint8 q in 0..31."""
+    high = fields[..., :4].copy().view("<u4")
     bits = ((high >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8)
-    q = (_nibbles(blocks[..., 6:]) | (bits << 4)).astype(np.int8) - np.int8(16)
-    return _half(blocks, 0), q, None
+    return _nibbles(fields[..., 4:]) | (bits << 4)
 
 
 def _q6_k(blocks: np.ndarray) -> Unpacked:
@@ -183,6 +222,8 @@ _UNPACK = {
     "Q3_K": _q3_k,
     "Q4_K": _q4_k,
     "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q5_K": _q5_k,
     "Q6_K": _q6_k,
     "Q8_0": _q8_0,
 }

@@ -1,4 +1,4 @@
-"""Packed linears (Q4_1, Q8_0 and Q6_K layouts) computed with 8-bit activations
+"""Packed linears (Q4_1, Q8_0, Q8_1 and Q6_K layouts) computed with 8-bit activations
 (`--quantization gguf-int8`).
 
 On a CPU the packed Q4_1 kernel of `service/kernels/packed_kernels.py` multiplies in float32:
@@ -24,6 +24,8 @@ On AVX2 no product pair may leave int16 (`vpmaddubsw` saturates): a Q4_1 block's
 most 2·15·127 = 3810, so a block's eight products are summed in int16 (≤ 30480) before one
 `vpmaddwd`; a Q8_0 weight (down to -128) times an unsigned activation byte could reach 65280,
 so Q8_0 takes llama.cpp's sign trick: |w| (unsigned) times xq with w's sign, ≤ 2·128·127.
+Q8_1's weights (Q5_1's and Q5_K's q, 0..31, with a min as Q4_1's) are unsigned bytes: four of
+its product pairs (≤ 4·2·31·127) are summed in int16.
 
 A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
 integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) computes on VNNI with
@@ -91,7 +93,8 @@ class Isa:
         """A block of a tile of `kind`: 32 weights a column, 4, 8 or 16 bits each (Q6_K: four
         vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales;
         Q3_K: the nibbles and the scales)."""
-        return self.vector_bytes * {"Q4_1": 4, "Q8_0": 8, "wide": 16, "Q6_K": 7, "Q3_K": 5}[kind]
+        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 8, "wide": 16, "Q6_K": 7, "Q3_K": 5}
+        return self.vector_bytes * sizes[kind]
 
 
 VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128, six_bit=False)
@@ -129,12 +132,12 @@ class Int8Tiles:
     """A Q4_1, Q8_0 or wide (int16 weights) weight [out_features, in_features] re-laid for the
     kernel of `isa`."""
 
-    kind: str  # "Q4_1", "Q8_0", "wide", or on AVX2 "Q6_K" or "Q3_K" in its place
+    kind: str  # "Q4_1", "Q8_0", "Q8_1", "wide", or on AVX2 "Q6_K" or "Q3_K" in its place
     isa: Isa
     # [U, B, 4 (Q4_1), 8 (Q8_0) or 16 (wide) vectors] uint8: tile u, block b (module docstring)
     packed: np.ndarray
     d: np.ndarray  # [U, B, columns] float32 scales of the tile's columns
-    # [U, B, columns] Q4_1: float32 mins; Q8_0: int32 -offset·Σ w (activations enter as
+    # [U, B, columns] Q4_1, Q8_1: float32 mins; Q8_0: int32 -offset·Σ w (activations enter as
     # xq + offset)
     m: np.ndarray
     out_features: int
@@ -194,9 +197,13 @@ def _relaid(
     if kind == "wide":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 16, 2)  # [U, c, B, g, i]
         m = columns(0 * d, np.int32)  # signed times signed: no offset
-    elif kind == "Q8_0":
+    elif kind in ("Q8_0", "Q8_1"):
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
-        m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
+        m = (
+            columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
+            if kind == "Q8_0"
+            else columns(m[at : at + tiles], np.float32)
+        )
     else:
         q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [T, B, 32 inputs, width columns]
         q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)  # [U, c, B, half, g, i]
@@ -208,6 +215,8 @@ def _relaid(
     return kind, packed, columns(d, np.float32), m
 
 
+# the kinds whose weights are unsigned with a float min a block (w = d·q + m)
+FLOAT_MINS = ("Q4_1", "Q8_1")
 # the kinds of int16 weights re-laid on AVX2 as a few bits times a scale a 16, and their bits
 SCALED_BITS = {"Q6_K": 6, "Q3_K": 4}
 
@@ -330,7 +339,8 @@ def _ir(
 ) -> str:
     """The tile kernel's LLVM IR for `isa`: tiles(packed, d, m, xq, dx, xs, out, rows, blocks,
     out_stride, count) computes out[r, Cu : Cu + C] (C = `isa.columns`) for the `count` tiles
-    from `packed`. Q4_1: weights (nibbles, unsigned) times xq (signed), plus m·xs; Q8_0 on VNNI:
+    from `packed`. Q4_1 (and Q8_1, bytes): weights (nibbles, unsigned) times xq (signed), plus
+    m·xs; Q8_0 on VNNI:
     xq + 128 (unsigned) times the weights (signed), the sums starting from m = -128·Σ w; on
     AVX2: |w| times xq with w's sign. Rows go `row_groups` at a time through each block (the
     largest first, while a whole group is left), so a block's weights are loaded (and unpacked)
@@ -385,7 +395,7 @@ def _ir(
     packed = b.gep(packed0, [b.mul(tile, b.mul(blocks, const(block_bytes)))])
     d = b.gep(d0, [b.mul(tile, b.mul(blocks, const(lanes)))])
     m = b.gep(
-        b.bitcast(m0, (f32 if kind == "Q4_1" else i32).as_pointer()),
+        b.bitcast(m0, (f32 if kind in FLOAT_MINS else i32).as_pointer()),
         [b.mul(tile, b.mul(blocks, const(lanes)))],
     )
     out = b.gep(out0, [b.mul(tile, const(lanes))])
@@ -399,21 +409,24 @@ def _ir(
             return sums
         if isa.name == VNNI.name:
             for weight, inputs in products:  # unsigned first
-                pair = [weight, inputs] if kind == "Q4_1" else [inputs, weight]
+                pair = [weight, inputs] if kind in FLOAT_MINS else [inputs, weight]
                 sums = b.call(dpbusd, [sums, *pair])
             return sums
-        if kind == "Q4_1":  # a block's products stay within int16 (module docstring)
+        if kind in FLOAT_MINS:  # unsigned weights: Q4_1's ≤ 15 (module docstring), Q8_1's ≤ 31
             pairs = [b.call(maddubs, [weight, inputs]) for weight, inputs in products]
         elif kind in SCALED_BITS:  # a sub-block's: |w| ≤ 32, so four pairs ≤ 4·2·32·127 < 2^15
             pairs = [
                 b.call(maddubs, [b.call(sign, [weight, weight]), b.call(sign, [inputs, weight])])
                 for weight, inputs in products
             ]
-        if kind == "Q4_1" or kind in SCALED_BITS:
-            total = pairs[0]
-            for pair in pairs[1:]:
-                total = b.add(total, pair)
-            return b.add(sums, b.call(madd, [total, ones]))
+        if kind in FLOAT_MINS or kind in SCALED_BITS:
+            run = 4 if kind == "Q8_1" else len(pairs)  # pairs summed in int16 before widening
+            for at in range(0, len(pairs), run):
+                total = pairs[at]
+                for pair in pairs[at + 1 : at + run]:
+                    total = b.add(total, pair)
+                sums = b.add(sums, b.call(madd, [total, ones]))
+            return sums
         for weight, inputs in products:  # |w| times xq·sign(w): within int16 pair by pair
             magnitude = b.call(sign, [weight, weight])
             pair = b.call(maddubs, [magnitude, b.call(sign, [inputs, weight])])
@@ -447,7 +460,7 @@ def _ir(
         column_terms = b.load(
             b.bitcast(
                 b.gep(m, [b.mul(block, const(lanes))]),
-                (floats if kind == "Q4_1" else ints).as_pointer(),
+                (floats if kind in FLOAT_MINS else ints).as_pointer(),
             ),
             align=4,
         )
@@ -534,10 +547,10 @@ def _ir(
                     b.mul(dot(b, zero, products[4:]), sub_scales[1]),
                 )
             else:
-                start_sums = ir.Constant(ints, [0] * lanes) if kind == "Q4_1" else column_terms
+                start_sums = ir.Constant(ints, [0] * lanes) if kind in FLOAT_MINS else column_terms
                 sums = dot(b, start_sums, products)
             new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
-            if kind == "Q4_1":
+            if kind in FLOAT_MINS:
                 new = b.call(fma, [column_terms, splat(row_xs), new])
             news.append(new)
         block_next = b.add(block, const(1))
@@ -653,7 +666,8 @@ def warm_up(isa: Isa | None = None) -> None:
     isa = isa or _required_isa()
     x = np.zeros((1, BLOCK), np.float32)
     wide = [*SCALED_BITS] if isa.six_bit else ["wide"]
-    for kind, extra in (("Q4_1", np.float32), ("Q8_0", np.int32), *((w, np.int32) for w in wide)):
+    kinds = (("Q4_1", np.float32), ("Q8_0", np.int32), ("Q8_1", np.float32))
+    for kind, extra in (*kinds, *((w, np.int32) for w in wide)):
         scales = np.zeros((1, 1, isa.columns), np.float32)
         int8_matmul(kind, isa)(
             x,

@@ -1,9 +1,10 @@
 """Linear layers that keep a GGUF's blocks packed and compute with them (CPU fast path).
 
 `--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
-layers' weights as the file stores them, re-laid exactly into one of two kernel layouts
+layers' weights as the file stores them, re-laid exactly into one of three kernel layouts
 (`service/kernels/gguf_blocks.py`: Q4_0, Q4_1 and Q4_K take the 4-bit one, 32 weights with a
-scale d and min m, w = d*q + m; Q3_K, Q5_0, Q6_K and Q8_0 the 8-bit one, w = d*q). On the embedded
+scale d and min m, w = d*q + m; Q3_K, Q5_0, Q6_K and Q8_0 the 8-bit one, w = d*q; Q5_1 and Q5_K
+the 8-bit one with a min, w = d*q + m). On the embedded
 Q4_1 file a pass then reads ~0.6 bytes per weight instead of float32's 4, and the numba kernel
 (service/kernels/packed_kernels.py) dequantizes each block once per pass and applies it to every
 row of the pass (up to a pass size measured once on each kind of CPU, `kernel_max_rows_for`;
@@ -22,8 +23,8 @@ kernels won at every size, prompt chunks and the rows beside them do too).
 The LM head is packed too when its type is one of those (the embedded file's is tied to the
 Q8_0 token embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the
 same values). The token embedding can share those tiles
-(service/kernels/packed_embedding.py). Norms and linears of other GGUF types (Q2_K, Q3_K, Q5_1,
-Q5_K, the IQ types) stay as loaded, in float32.
+(service/kernels/packed_embedding.py). Norms and linears of other GGUF types (Q2_K, the IQ
+types) stay as loaded, in float32.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from service.kernels.packed_kernels_gen import TILE
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
-LAYOUTS = ("Q4_1", "Q8_0")  # the kernels' (every type in `BLOCK_TYPES` takes one)
+LAYOUTS = ("Q4_1", "Q8_0", "Q8_1")  # the kernels' (every type in `BLOCK_TYPES` takes one)
 PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
 # Passes above this many rows may dequantize the layer and call F.linear (prefill-sized passes,
 # where a BLAS GEMM can be faster than the register-tiled kernel), if the CPU says so at load
@@ -216,15 +217,18 @@ def _warm_up(kernels: Any) -> None:
     _warm_up_8bit(kernels, np.int8)
 
 
-def _warm_up_8bit(kernels: Any, dtype: type) -> None:
-    """The 8-bit layout's kernels for q of `dtype`: int8 at every start; int16 (Q6_K) on the
-    first model that has such a linear (about a minute on two cores, then in numba's cache)."""
+def _warm_up_8bit(kernels: Any, dtype: type, layout: str = "Q8_0") -> None:
+    """An 8-bit layout's kernels for q of `dtype`: Q8_0's int8 ones at every start; int16 (Q6_K)
+    and Q8_1 (Q5_1, Q5_K) on the first model that has such a linear (about a minute on two
+    cores, then in numba's cache)."""
     q = np.zeros((1, 1, 32, TILE), dtype)
     scales = np.zeros((1, 1, TILE), np.float32)
+    weights = (q, scales, scales) if layout == "Q8_1" else (q, scales)
     x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
-    kernels.q8_0_matmul(x, q, scales, out, 1)
-    kernels.q8_0_matmul_serial(x, q, scales, out, 0)
-    kernels.q8_0_dequantize(q, scales, np.empty((32, TILE), np.float32))
+    name = layout.lower()
+    getattr(kernels, f"{name}_matmul")(x, *weights, out, 1)
+    getattr(kernels, f"{name}_matmul_serial")(x, *weights, out, 0)
+    getattr(kernels, f"{name}_dequantize")(*weights, np.empty((32, TILE), np.float32))
 
 
 _scratch = threading.local()
@@ -254,12 +258,12 @@ def _threads() -> int:
 class PackedTiles:
     """GGUF blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
 
-    kind: str  # the kernel layout, "Q4_1" or "Q8_0" (`gguf_blocks`: what each GGUF type takes)
+    kind: str  # the kernel layout, "Q4_1", "Q8_0" or "Q8_1" (`gguf_blocks`: each type's)
     # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8, or
-    # int16 for a wide type (Q6_K)
+    # int16 for a wide type (Q6_K); Q8_1: as Q8_0's int8
     qs: np.ndarray
     d: np.ndarray  # [T, K/32, TILE] float32 scales
-    m: np.ndarray  # [T, K/32, TILE] float32 mins (Q4_1; empty for Q8_0)
+    m: np.ndarray  # [T, K/32, TILE] float32 mins (Q4_1, Q8_1; empty for Q8_0)
     out_features: int
     in_features: int
 
@@ -285,8 +289,10 @@ def tiles_from_blocks(
         return PackedTiles(
             "Q4_1", tiled(nibbles), tiled(groups.d), tiled(groups.m), out_features, in_features
         )
-    empty = np.zeros((0, 0, 0), np.float32)
-    return PackedTiles("Q8_0", tiled(groups.q), tiled(groups.d), empty, out_features, in_features)
+    m = tiled(groups.m) if groups.layout == "Q8_1" else np.zeros((0, 0, 0), np.float32)
+    return PackedTiles(
+        groups.layout, tiled(groups.q), tiled(groups.d), m, out_features, in_features
+    )
 
 
 def dequantize_tiles(tiles: PackedTiles) -> torch.Tensor:
@@ -303,14 +309,16 @@ def dequantize_rows(tiles: PackedTiles, rows: torch.Tensor) -> torch.Tensor:
     if tiles.kind == "Q4_1":
         q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [n, B, 32]
         w = d * q + torch.from_numpy(tiles.m)[tile, :, lane][..., None]
+    elif tiles.kind == "Q8_1":
+        w = d * qs.float() + torch.from_numpy(tiles.m)[tile, :, lane][..., None]
     else:
         w = d * qs.float()
     return w.reshape(len(rows), tiles.in_features)
 
 
 class PackedLinear(nn.Module):
-    """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF Q4_1 or Q8_0 tensor kept
-    packed."""
+    """Drop-in for a bias-free `nn.Linear` whose weight is a GGUF tensor kept packed in one of
+    the kernels' layouts (`LAYOUTS`)."""
 
     def __init__(
         self,
@@ -372,10 +380,10 @@ class PackedLinear(nn.Module):
         t = self._tiles
         shape = (self.in_features, t.qs.shape[0] * TILE)  # transposed: the kernels' layout
         out = _scratch_weights(shape) if reuse else np.empty(shape, np.float32)
-        if self.kind == "Q4_1":
-            self.kernels.q4_1_dequantize(t.qs, t.d, t.m, out)
-        else:
+        if self.kind == "Q8_0":
             self.kernels.q8_0_dequantize(t.qs, t.d, out)
+        else:
+            getattr(self.kernels, f"{self.kind.lower()}_dequantize")(t.qs, t.d, t.m, out)
         return torch.from_numpy(out).t()[: self.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -397,6 +405,10 @@ class PackedLinear(nn.Module):
         if self.kind == "Q4_1":
             (self.kernels.q4_1_matmul if threads else self.kernels.q4_1_matmul_serial)(
                 xs, t.qs, t.d, t.m, out, threads, self.fused_max_rows
+            )
+        elif self.kind == "Q8_1":
+            (self.kernels.q8_1_matmul if threads else self.kernels.q8_1_matmul_serial)(
+                xs, t.qs, t.d, t.m, out, threads
             )
         else:
             (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(
@@ -684,13 +696,14 @@ def _well_formed(t: PackedTiles) -> bool:
         return False
     grid = (-(-t.out_features // TILE), t.in_features // 32)
     q4_1 = t.kind == "Q4_1"
+    q_types = {"Q4_1": (np.uint8,), "Q8_0": (np.int8, np.int16), "Q8_1": (np.int8,)}[t.kind]
     return (
-        t.qs.dtype in ((np.uint8,) if q4_1 else (np.int8, np.int16))
+        t.qs.dtype in q_types
         and t.qs.shape == (*grid, 16 if q4_1 else 32, TILE)
         and t.d.dtype == np.float32
         and t.d.shape == (*grid, TILE)
         and t.m.dtype == np.float32
-        and t.m.shape == ((*grid, TILE) if q4_1 else (0, 0, 0))
+        and t.m.shape == ((0, 0, 0) if t.kind == "Q8_0" else (*grid, TILE))
     )
 
 
@@ -754,6 +767,8 @@ def pack_gguf_linears(
         )
     if kernels is not None and any(t.qs.dtype == np.int16 for t in tiles.values()):
         _warm_up_8bit(kernels, np.int16)
+    if kernels is not None and any(t.kind == "Q8_1" for t in tiles.values()):
+        _warm_up_8bit(kernels, np.int8, "Q8_1")
     fused_max_rows, kernel_max_rows = 2, KERNEL_MAX_ROWS
     first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
     tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]

@@ -26,15 +26,17 @@ from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
 from tests.helpers.models import make_tiny_model
 
+Q2_K = gguf.GGMLQuantizationType.Q2_K
 Q3_K = gguf.GGMLQuantizationType.Q3_K
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
 Q4_1 = gguf.GGMLQuantizationType.Q4_1
 Q4_K = gguf.GGMLQuantizationType.Q4_K
 Q5_0 = gguf.GGMLQuantizationType.Q5_0
 Q5_1 = gguf.GGMLQuantizationType.Q5_1
+Q5_K = gguf.GGMLQuantizationType.Q5_K
 Q6_K = gguf.GGMLQuantizationType.Q6_K
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
-K_TYPES = (Q3_K, Q4_K, Q6_K)  # served K-quants, which gguf-py cannot write
+K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)  # K-quants, which gguf-py cannot write
 
 
 def random_blocks(out_features: int, in_features: int, seed: int = 0, kind=Q4_1) -> np.ndarray:
@@ -161,15 +163,18 @@ def tiny_gguf_twins(directory: Path):
 
 
 def mixed_type(index: int, kind: str) -> gguf.GGMLQuantizationType:
-    """A mix like llama.cpp's Q4_K_M preset: mostly Q4_K, some Q5_0 and Q8_0, Q4_0, a Q6_K
-    attn_v (layer 0), and a Q5_1 ffn_down (layer 1): a type the kernels do not serve."""
-    if (kind, index) == ("attn_v", 0):
-        return Q6_K
+    """A mix like llama.cpp's Q4_K_M and Q5_K_M presets: mostly Q4_K, some Q5_0 and Q8_0,
+    Q4_0, a Q6_K attn_v (layer 0), a Q5_K ffn_gate and a Q5_1 attn_output (layer 1), and a
+    Q2_K ffn_down (layer 1): `UNSERVED`, a type the kernels do not serve."""
+    special = {("attn_v", 0): Q6_K, ("ffn_gate", 1): Q5_K, ("attn_output", 1): Q5_1}
     if (kind, index) == ("ffn_down", 1):
-        return Q5_1
+        return UNSERVED
+    if (kind, index) in special:
+        return special[kind, index]
     return {"attn_k": Q4_0, "attn_output": Q5_0, "ffn_up": Q8_0}.get(kind, Q4_K)
 
 
+UNSERVED = Q2_K  # (its mins change every 16 weights: `service/kernels/gguf_blocks.py`)
 MIXED_HIDDEN = 256  # a K-quant's 256-weight blocks fit the rows of every linear
 
 

@@ -32,8 +32,8 @@ from tests.helpers.kernels import needs_numba
 from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
     MIXED_HIDDEN,
-    Q5_1,
     Q6_K,
+    UNSERVED,
     assert_linear_matches_reference,
     assert_speculation_equals_plain_decoding,
     mixed_type,
@@ -83,13 +83,13 @@ def test_a_rows_result_does_not_depend_on_the_pass_size(kind) -> None:
 
 
 def test_a_type_the_kernels_do_not_serve_is_named() -> None:
-    with pytest.raises(ValueError, match="unsupported block type Q5_1"):
-        unpack("Q5_1", random_blocks(4, 256, kind=Q5_1), 4, 256)
+    with pytest.raises(ValueError, match=f"unsupported block type {UNSERVED.name}"):
+        unpack(UNSERVED.name, random_blocks(4, 256, kind=UNSERVED), 4, 256)
 
 
 @pytest.fixture(scope="module")
 def tiny_mixed(tmp_path_factory):
-    """The mixed-type tiny Llama as float32 and packed: every linear but the Q5_1 one."""
+    """The mixed-type tiny Llama as float32 and packed: every linear but the Q2_K one."""
     plain, packed, path = tiny_mixed_twins(tmp_path_factory.mktemp("gguf"))
     assert pack_gguf_linears(packed, path) == 2 * len(LLAMA_LINEARS) - 1 + 1  # and the LM head
     return plain, packed, path
@@ -101,7 +101,7 @@ def test_a_mixed_file_packs_each_served_type_and_keeps_the_rest_float32(tiny_mix
         for kind, name in LLAMA_LINEARS.items():
             module = layer.get_submodule(name)
             weight = plain.model.layers[index].get_submodule(name).weight
-            if mixed_type(index, kind) == Q5_1:
+            if mixed_type(index, kind) == UNSERVED:
                 assert isinstance(module, torch.nn.Linear)
                 assert torch.equal(module.weight, weight)
             else:
@@ -119,14 +119,14 @@ def test_the_types_left_as_loaded_are_logged(tiny_mixed, caplog) -> None:
     again.load_state_dict(plain.state_dict())
     with caplog.at_level(logging.INFO, logger="service.kernels.packed_linear"):
         pack_gguf_linears(again, path)
-    assert "left as loaded (float32): 1 Q5_1" in caplog.text
-    assert "2 Q4_0 + 6 Q4_K + 3 Q5_0 + 1 Q6_K + 2 Q8_0" in caplog.text
+    assert "left as loaded (float32): 1 Q2_K" in caplog.text
+    assert "2 Q4_0 + 5 Q4_K + 2 Q5_0 + 1 Q5_1 + 1 Q5_K + 1 Q6_K + 2 Q8_0" in caplog.text
 
 
 def test_a_file_without_a_served_type_is_refused_naming_the_way_out(tmp_path) -> None:
     model = make_tiny_model(seed=3, hidden_size=MIXED_HIDDEN)
-    path = tmp_path / "tiny.Q5_1.gguf"
-    write_tiny_gguf(model, path, linear_type=lambda index, kind: Q5_1, head_type=Q5_1)
+    path = tmp_path / "tiny.Q2_K.gguf"
+    write_tiny_gguf(model, path, linear_type=lambda index, kind: UNSERVED, head_type=UNSERVED)
     with pytest.raises(ValueError, match="no linear weights of a packed type.*--quantization none"):
         pack_gguf_linears(model, path)
 
@@ -162,7 +162,7 @@ def test_a_mixed_file_loads_by_default_packed_and_decodes_as_float32(tmp_path) -
     for index, layer in enumerate(packed.model.layers):
         for kind, name in LLAMA_LINEARS.items():
             served = layer.get_submodule(name)
-            assert isinstance(served, PackedLinear) != (mixed_type(index, kind) == Q5_1), name
+            assert isinstance(served, PackedLinear) != (mixed_type(index, kind) == UNSERVED), name
     assert isinstance(packed.lm_head, PackedLinear)  # Q6_K
     ids = torch.tensor([[0, 5, 9, 5, 7]])
     with torch.inference_mode():
@@ -178,5 +178,5 @@ def test_a_mixed_file_loads_by_default_packed_and_decodes_as_float32(tmp_path) -
 def test_the_tiles_cache_is_named_by_the_types_served(monkeypatch) -> None:
     """Tiles saved before a type was served (its linears float32 then) are not read after."""
     name = tiles_file_name()
-    monkeypatch.setitem(BLOCK_TYPES, "Q5_1", BlockType(32, 24, "Q8_0"))
+    monkeypatch.setitem(BLOCK_TYPES, "Q2_K", BlockType(256, 84, "Q8_1"))
     assert tiles_file_name() != name

@@ -38,6 +38,8 @@ from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
     Q3_K,
     Q4_1,
+    Q5_1,
+    Q5_K,
     Q6_K,
     Q8_0,
     assert_speculation_equals_plain_decoding,
@@ -71,7 +73,7 @@ def run(
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q5_1, Q8_0])
 @pytest.mark.parametrize(
     "out_features,in_features,rows", [(70, 96, 1), (32, 64, 3), (100, 576, 16), (48, 1536, 70)]
 )
@@ -87,15 +89,15 @@ def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q3_K, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q5_K, Q6_K])
 @pytest.mark.parametrize(
     "out_features,in_features,rows", [(70, 256, 1), (40, 512, 5), (24, 768, 70)]
 )
-def test_a_wide_type_computes_its_int16_weights_on_the_rounded_activations(
+def test_a_k_quant_computes_its_weights_on_the_rounded_activations(
     out_features, in_features, rows, kind, isa
 ) -> None:
     """Q6_K's and Q3_K's weights are int16 integers (scale·q) times d: `vpmaddwd` on int16
-    pairs, or on AVX2 six bits times a scale a 16."""
+    pairs, or on AVX2 a few bits times a scale a 16; Q5_K's are bytes with a min a 32."""
     blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     got = run(kind, blocks, out_features, x, isa=isa)
@@ -107,7 +109,7 @@ def test_a_wide_type_computes_its_int16_weights_on_the_rounded_activations(
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q4_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q5_1, Q8_0])
 def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     blocks = random_blocks(96, 192, kind=kind)
     x = torch.randn(9, 192, generator=torch.Generator().manual_seed(1))
@@ -119,7 +121,7 @@ def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     assert torch.isfinite(run(kind, blocks, 96, x, isa=isa)).all()
 
 
-@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q8_0, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q5_1, Q5_K, Q8_0, Q6_K])
 def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
     """AVX2 and VNNI reach the same exact integer sums, then take the same float steps. The
     extremes are where AVX2's int16 pairs would saturate if summed unguarded: 15·127 nibble
@@ -171,18 +173,20 @@ def test_q3_k_as_four_bits_and_as_int16_gives_the_same_bits() -> None:
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q8_0, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q5_1, Q5_K, Q8_0, Q6_K])
 def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
-    """Every weight at its type's extreme (a nibble of 15; an int8 of -128; Q6_K's -128·(0 - 32),
-    Q3_K's -32·(0 - 4))
+    """Every weight at its type's extreme (a nibble of 15; Q5_1's and Q5_K's q of 31; an int8 of
+    -128; Q6_K's -128·(0 - 32), Q3_K's -32·(0 - 4))
     against activations of ±127 after rounding: the sums must be the exact ones, on AVX2 too,
     where products are summed in int16."""
     blocks = random_blocks(16, 256, seed=2, kind=kind)
     per_block = blocks.reshape(
-        16, 256 // 32 if kind in (Q4_1, Q8_0) else 1, -1
+        16, 256 // 32 if kind in (Q4_1, Q5_1, Q8_0) else 1, -1
     )  # [rows, blocks, bytes]
-    if kind is Q4_1:
-        per_block[..., 4:] = 0xFF  # every nibble 15 (after d and m)
+    if kind is Q4_1 or kind is Q5_1:
+        per_block[..., 4:] = 0xFF  # every nibble 15 and high bit set (after d and m)
+    elif kind is Q5_K:
+        per_block[..., 16:] = 0xFF  # (after d, dmin, the scales and mins)
     elif kind is Q8_0:
         per_block[..., 2:] = np.int8(-128).view(np.uint8)  # (after d)
     elif kind is Q3_K:
@@ -212,7 +216,8 @@ def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
 
 
 def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path) -> None:
-    """A Q4_K_M-like file (Q4_0, Q4_K, Q5_0, Q6_K, Q8_0; one Q5_1 linear, not served) packs
+    """A Q4_K_M-like file (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; one Q2_K linear, not
+    served) packs
     every served type on the 8-bit path, Q6_K's int16 weights too, and speculation there
     equals plain decoding."""
     plain, packed, path = tiny_mixed_twins(tmp_path)
@@ -226,7 +231,7 @@ def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path
             torch.testing.assert_close(
                 module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5
             )
-    assert kinds == {"Q4_1", "Q8_0", "Q6_K" if best_isa().six_bit else "wide"}
+    assert kinds == {"Q4_1", "Q8_0", "Q8_1", "Q6_K" if best_isa().six_bit else "wide"}
     assert_speculation_equals_plain_decoding(packed)
 
 

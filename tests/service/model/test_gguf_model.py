@@ -33,7 +33,7 @@ TIED = ModelShape(256, 512, 3, 4, 2, 300, tied=True)
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict:
-    """A mixed-type file as llama.cpp's Q4_K_M writes one (q/k permuted, a Q5_1 linear the
+    """A mixed-type file as llama.cpp's Q4_K_M writes one (q/k permuted, a Q2_K linear the
     kernels do not serve), and a random-weight tied one (no output tensor)."""
     directory = tmp_path_factory.mktemp("gguf")
     mixed = directory / "mixed.gguf"
