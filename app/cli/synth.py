@@ -7,7 +7,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from service.bench.random_gguf import SCALE_FIELDS, SHAPES, write_random_gguf
+from service.bench.random_gguf import K_M_PRESETS, SCALE_FIELDS, SHAPES, write_random_gguf
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -15,9 +15,9 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
     parser.add_argument(
         "--types",
-        choices=["Q4_K_M", *(kind.name for kind in SCALE_FIELDS)],
+        choices=[*K_M_PRESETS, *(kind.name for kind in SCALE_FIELDS)],
         default="Q4_K_M",
-        help="llama.cpp's Q4_K_M mix, or every tensor in one block type",
+        help="llama.cpp's Q4_K_M or Q5_K_M mix, or every tensor in one block type",
     )
     parser.add_argument("--seed", type=int, default=0)
 

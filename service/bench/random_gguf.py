@@ -81,24 +81,30 @@ def more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+# llama.cpp's "_M" K-quant presets: their base type
+K_M_PRESETS = {"Q4_K_M": Kind.Q4_K, "Q5_K_M": Kind.Q5_K}
+
+
 def preset(name: str) -> Callable[[str, int, int], Kind]:
     """The type of each tensor ("token_embd", "output" or a linear's llama.cpp name; its layer;
-    the layer count) in a preset: "Q4_K_M" mixes as llama.cpp's does (Q6_K for the output, and
-    for attn_v and ffn_down where `more_bits`; Q4_K elsewhere); a block type's name puts every
-    tensor in that type."""
-    if name == "Q4_K_M":  # (llama.cpp's llama_tensor_get_type, for a dense Llama)
+    the layer count) in a preset: "Q4_K_M" and "Q5_K_M" mix as llama.cpp's do (Q6_K for the
+    output, and for attn_v and ffn_down where `more_bits`; the base type elsewhere); a block
+    type's name puts every tensor in that type."""
+    if name in K_M_PRESETS:  # (llama.cpp's llama_tensor_get_type, for a dense Llama)
+        base = K_M_PRESETS[name]
 
-        def q4_k_m(tensor: str, layer: int, layers: int) -> Kind:
+        def k_m(tensor: str, layer: int, layers: int) -> Kind:
             if tensor == "output" or (
                 tensor in ("attn_v", "ffn_down") and more_bits(layer, layers)
             ):
                 return Kind.Q6_K
-            return Kind.Q4_K
+            return base
 
-        return q4_k_m
+        return k_m
     kind = Kind[name]
     if kind not in SCALE_FIELDS:
-        raise ValueError(f"no random blocks for {name}: one of Q4_K_M, {', '.join(SCALE_FIELDS)}")
+        choices = ", ".join([*K_M_PRESETS, *(kind.name for kind in SCALE_FIELDS)])
+        raise ValueError(f"no random blocks for {name}: one of {choices}")
     return lambda tensor, layer, layers: kind
 
 
