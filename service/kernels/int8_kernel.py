@@ -49,7 +49,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -147,6 +147,18 @@ class Int8Tiles:
     def padded_features(self) -> int:
         """The output columns the kernel writes: whole tiles."""
         return self.packed.shape[0] * self.isa.columns
+
+    def rows(self, first: int, count: int) -> Int8Tiles:
+        """Output rows first..first+count-1 (`first` a whole number of tiles in), as views."""
+        assert first % self.isa.columns == 0
+        tiles = slice(first // self.isa.columns, -(-(first + count) // self.isa.columns))
+        return replace(
+            self,
+            packed=self.packed[tiles],
+            d=self.d[tiles],
+            m=self.m[tiles],
+            out_features=count,
+        )
 
 
 def int8_tiles(

@@ -58,6 +58,7 @@ from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmu
 from service.kernels.int8_chunk_kernel import warm_up as warm_up_chunks
 from service.kernels.int8_kernel import (
     REQUIRED_FEATURES,
+    Int8Tiles,
     best_isa,
     int8_matmul,
     int8_supported,
@@ -340,16 +341,15 @@ class PackedLinear(nn.Module):
         self.int8_activations = int8_activations
         self._set_tiles(tiles)
 
-    def _set_tiles(self, tiles: PackedTiles) -> None:
+    def _set_tiles(self, tiles: PackedTiles, int8: Int8Tiles | None = None) -> None:
+        """`tiles`, and for 8-bit activations `int8`, their re-laying (made here if None)."""
         # Buffers, so state_dict (and the model fingerprint keying the caches) shows them.
         for name in ("qs", "d", "m"):
             self.register_buffer(name, torch.from_numpy(getattr(tiles, name)), persistent=True)
         self._tiles = tiles  # numpy views of the buffers, for the kernels' calls
-        self._int8 = (
-            int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features)
-            if self.int8_activations
-            else None
-        )
+        if self.int8_activations and int8 is None:
+            int8 = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features)
+        self._int8 = int8 if self.int8_activations else None
         if self._int8 is not None:  # what every call needs, looked up once
             kind, isa = self._int8.kind, self._int8.isa  # the kernels of the tiles' own layout
             self._int8_kernel = int8_matmul(kind, isa)
@@ -453,30 +453,36 @@ class PackedLinear(nn.Module):
 def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
     """One layer computing `modules`' outputs side by side (their tiles concatenated), so a
     pass makes one kernel call instead of several; each module then holds a view of the fused
-    tiles (no copy stays behind). None when the modules differ in layout, q's width or input
-    width, or a module's rows do not fill whole tiles."""
+    tiles, and of their 8-bit re-laying (no copy stays behind). None when the modules differ in
+    layout, q's width or input width, or a module's rows do not fill whole tiles."""
     tiles = [module.tiles() for module in modules]
     if len({(t.kind, t.qs.dtype, t.in_features) for t in tiles}) != 1 or any(
         t.out_features % TILE for t in tiles
     ):
         return None
     qs, d, m = (np.concatenate([getattr(t, name) for t in tiles]) for name in ("qs", "d", "m"))
+    first = modules[0]
+    fused = PackedLinear(
+        PackedTiles(
+            tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features
+        ),
+        first.kernels,
+        first.fused_max_rows,
+        first.int8_activations,
+        first.kernel_max_rows,
+    )
     start = 0
     for module, t in zip(modules, tiles):
         stop = start + t.out_features // TILE
+        int8 = None if fused._int8 is None else fused._int8.rows(start * TILE, t.out_features)
         module._set_tiles(
             PackedTiles(
                 t.kind, qs[start:stop], d[start:stop], m[start:stop], t.out_features, t.in_features
-            )
+            ),
+            int8,
         )
         start = stop
-    fused = PackedTiles(
-        tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features
-    )
-    first = modules[0]
-    return PackedLinear(
-        fused, first.kernels, first.fused_max_rows, first.int8_activations, first.kernel_max_rows
-    )
+    return fused
 
 
 def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:

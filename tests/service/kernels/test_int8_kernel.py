@@ -24,6 +24,7 @@ from service.kernels.int8_kernel import (
 from service.kernels.packed_linear import (
     LLAMA_LINEARS,
     PackedLinear,
+    fuse_packed,
     pack_gguf_linears,
     tiles_from_blocks,
 )
@@ -199,6 +200,26 @@ def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
         x = torch.full((1, 256), sign)
         got = run(kind, blocks, 16, x, isa=isa)
         torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", [Q4_1, Q6_K])
+def test_fused_layers_share_one_8_bit_relaying(kind) -> None:
+    """q, k, v as one layer on the 8-bit path: each layer then computes from a view of the fused
+    layer's re-laid tiles (not a copy of its own), with the bits it had alone."""
+    shapes = [(96, 512), (32, 512), (64, 512)]
+    layers = [
+        PackedLinear(
+            tiles_from_blocks(random_blocks(o, i, seed=o, kind=kind), o, i, kind.name),
+            int8_activations=True,
+        )
+        for o, i in shapes
+    ]
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
+    alone = torch.cat([layer(x) for layer in layers], dim=-1)
+    fused = fuse_packed(layers)
+    assert fused is not None and torch.equal(fused(x), alone)
+    assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), alone)
+    assert all(np.shares_memory(layer._int8.packed, fused._int8.packed) for layer in layers)
 
 
 def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
