@@ -24,8 +24,9 @@ On AVX2 no product pair may leave int16 (`vpmaddubsw` saturates): a Q4_1 block's
 most 2·15·127 = 3810, so a block's eight products are summed in int16 (≤ 30480) before one
 `vpmaddwd`; a Q8_0 weight (down to -128) times an unsigned activation byte could reach 65280,
 so Q8_0 takes llama.cpp's sign trick: |w| (unsigned) times xq with w's sign, ≤ 2·128·127.
-Q8_1's weights (Q5_1's and Q5_K's q, 0..31, with a min as Q4_1's) are unsigned bytes: four of
-its product pairs (≤ 4·2·31·127) are summed in int16.
+Q8_1's weights (Q5_1's and Q5_K's q, 0..31, with a min as Q4_1's) are re-laid as Q4_1's
+nibbles and a fifth vector of their fifth bits (5 bits a weight, not 8); four of their product
+pairs (≤ 4·2·31·127) are summed in int16.
 
 A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
 integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) computes on VNNI with
@@ -93,7 +94,7 @@ class Isa:
         """A block of a tile of `kind`: 32 weights a column, 4, 8 or 16 bits each (Q6_K: four
         vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales;
         Q3_K: the nibbles and the scales)."""
-        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 8, "wide": 16, "Q6_K": 7, "Q3_K": 5}
+        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "wide": 16, "Q6_K": 7, "Q3_K": 5}
         return self.vector_bytes * sizes[kind]
 
 
@@ -209,17 +210,18 @@ def _relaid(
     if kind == "wide":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 16, 2)  # [U, c, B, g, i]
         m = columns(0 * d, np.int32)  # signed times signed: no offset
-    elif kind in ("Q8_0", "Q8_1"):
+    elif kind == "Q8_0":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
-        m = (
-            columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
-            if kind == "Q8_0"
-            else columns(m[at : at + tiles], np.float32)
-        )
-    else:
-        q = np.concatenate([qs & 15, qs >> 4], axis=2)  # [T, B, 32 inputs, width columns]
-        q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)  # [U, c, B, half, g, i]
-        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [U, c, B, g, i]
+        m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
+    else:  # Q4_1, Q8_1: nibbles, and Q8_1's fifth bits (bit 4h + g: weight 16h + 4g + i's)
+        # [T, B, 32 inputs, width columns] -> [U, c, B, half, g, i]
+        q = np.concatenate([qs & 15, qs >> 4], axis=2) if kind == "Q4_1" else qs.view(np.uint8)
+        q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)
+        nibbles = (q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)  # [U, c, B, g, i]
+        if kind == "Q8_1":
+            fifth = sum((q[:, :, :, h, g] >> 4) << (4 * h + g) for h in (0, 1) for g in range(4))
+            nibbles = np.concatenate([nibbles, fifth[:, :, :, None]], axis=3)  # [U, c, B, 5, i]
+        q = nibbles
         m = columns(m[at : at + tiles], np.float32)
     packed = np.ascontiguousarray(  # [U, B, g, c, i]
         q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.block_bytes(kind) // q.itemsize)
@@ -492,15 +494,25 @@ def _ir(
             )
             for g in range(block_bytes // isa.vector_bytes)
         ]
-        if kind == "Q4_1":  # (weights, input offset) pairs: low nibbles 4g.., high ones 16+4g..
-            nibble = ir.Constant(vector, [15] * isa.vector_bytes)
-            four = ir.Constant(vector, [4] * isa.vector_bytes)
-            operands = [(b.and_(v, nibble), 4 * g) for g, v in enumerate(vectors)]
+        filled = lambda value: ir.Constant(vector, [value] * isa.vector_bytes)  # noqa: E731
+        if kind in FLOAT_MINS:  # (weights, input offset) pairs: low nibbles 4g.., high 16+4g..
+            nibbles = vectors[:4]
+            operands = [(b.and_(v, filled(15)), 4 * g) for g, v in enumerate(nibbles)]
             operands += [
-                (b.and_(b.lshr(v, four), nibble), BLOCK // 2 + 4 * g) for g, v in enumerate(vectors)
+                (b.and_(b.lshr(v, filled(4)), filled(15)), BLOCK // 2 + 4 * g)
+                for g, v in enumerate(nibbles)
             ]
+            if kind == "Q8_1":  # pair k's fifth bits: bit k of the fifth vector
+                operands = [
+                    (
+                        b.or_(
+                            w, b.shl(b.and_(b.lshr(vectors[4], filled(k)), filled(1)), filled(4))
+                        ),
+                        at,
+                    )
+                    for k, (w, at) in enumerate(operands)
+                ]
         elif kind in SCALED_BITS:  # (w, input offset) pairs, w = the bits - 2^(bits-1)
-            filled = lambda value: ir.Constant(vector, [value] * isa.vector_bytes)  # noqa: E731
             six = SCALED_BITS[kind] == 6
 
             def bits_of(half: int, g: int, v: Any) -> Any:
