@@ -307,13 +307,10 @@ def dequantize_rows(tiles: PackedTiles, rows: torch.Tensor) -> torch.Tensor:
     tile, lane = rows // TILE, rows % TILE
     qs = torch.from_numpy(tiles.qs)[tile, :, :, lane]  # [n, B, 16 or 32]
     d = torch.from_numpy(tiles.d)[tile, :, lane][..., None]  # [n, B, 1]
-    if tiles.kind == "Q4_1":
-        q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # [n, B, 32]
-        w = d * q + torch.from_numpy(tiles.m)[tile, :, lane][..., None]
-    elif tiles.kind == "Q8_1":
-        w = d * qs.float() + torch.from_numpy(tiles.m)[tile, :, lane][..., None]
-    else:
-        w = d * qs.float()
+    q = torch.cat([qs & 15, qs >> 4], dim=-1) if tiles.kind == "Q4_1" else qs  # [n, B, 32]
+    w = d * q.float()
+    if tiles.kind in ("Q4_1", "Q8_1"):
+        w = w + torch.from_numpy(tiles.m)[tile, :, lane][..., None]
     return w.reshape(len(rows), tiles.in_features)
 
 
