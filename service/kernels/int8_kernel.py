@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -160,6 +160,56 @@ class Int8Tiles:
             m=self.m[tiles],
             out_features=count,
         )
+
+    def dequantized(self) -> np.ndarray:
+        """The float32 weights [out_features, in_features] the kernels compute with (w = d·q,
+        plus m for `FLOAT_MINS`), read back from the re-laid bytes: tests check them against
+        the file's."""
+        units, blocks, _ = self.packed.shape
+        lanes = self.isa.columns
+        q = _weights(self.kind, self.packed.reshape(units, blocks, -1, lanes, 4))  # [U,B,c,32]
+        w = self.d[..., None] * q.astype(np.float32)
+        if self.kind in FLOAT_MINS:
+            w = w + self.m[..., None]
+        w = w.transpose(0, 2, 1, 3).reshape(units * lanes, blocks * BLOCK)
+        return np.ascontiguousarray(w[: self.out_features])
+
+
+def _weights(kind: str, vectors: np.ndarray) -> np.ndarray:
+    """The integer weights [U, B, c, 32] (times their scale a 16 for `SCALED_BITS`) of a
+    block's re-laid vectors [U, B, v, c, 4] of `kind` (the inverse of `_relaid`)."""
+
+    def nibbles(v: np.ndarray) -> np.ndarray:  # [U, B, 4, c, 4] -> [U, B, c, 32]: 16h + 4g + i
+        halves = np.stack([v & 15, v >> 4], axis=2).astype(np.int32)  # [U, B, h, g, c, i]
+        return halves.transpose(0, 1, 4, 2, 3, 5).reshape(*v.shape[:2], v.shape[3], BLOCK)
+
+    def by_input(v: np.ndarray) -> np.ndarray:  # [U, B, g, c, i] -> [U, B, c, g*i]
+        return v.transpose(0, 1, 3, 2, 4).reshape(*v.shape[:2], v.shape[3], -1).astype(np.int32)
+
+    if kind == "Q8_0":
+        return by_input(vectors.view(np.int8))
+    if kind == "wide":  # [U, B, 16 vectors, c, 2 int16]
+        return by_input(vectors.view(np.int16))
+    q = nibbles(vectors[:, :, :4])
+    if kind == "Q4_1":
+        return q
+    if kind == "Q8_1":  # bit 4h + g of the fifth vector: weight 16h + 4g + i's fifth bit
+        fifth = vectors[:, :, 4].astype(np.int32)  # [U, B, c, i]
+        bits = np.stack([(fifth >> (4 * h + g)) & 1 for h in (0, 1) for g in range(4)], axis=2)
+        return q | (
+            bits.reshape(*fifth.shape[:2], 2, 4, fifth.shape[2], 4)
+            .transpose(0, 1, 4, 2, 3, 5)
+            .reshape(q.shape)
+            << 4
+        )
+    bits = SCALED_BITS[kind]  # low nibbles, for 6 bits two vectors of high bits, then scales
+    if bits > 4:
+        high = vectors[:, :, 4:6].astype(np.int32)  # [U, B, h, c, i]: bits 2g, 2g+1
+        top = np.stack([(high >> (2 * g)) & 3 for g in range(4)], axis=3)  # [U, B, h, g, c, i]
+        q = q | (top.transpose(0, 1, 4, 2, 3, 5).reshape(q.shape) << 4)
+    scales = vectors[:, :, -1].reshape(*vectors.shape[:2], -1).view(np.int16)  # [U, B, 2 c]
+    scales = scales.reshape(*vectors.shape[:2], 2, -1).transpose(0, 1, 3, 2)  # [U, B, c, 2]
+    return np.repeat(scales.astype(np.int32), 16, axis=3) * (q - 2 ** (bits - 1))
 
 
 def int8_tiles(
@@ -683,15 +733,15 @@ def split_tiles(
             )
 
 
-def warm_up(isa: Isa | None = None) -> None:
-    """Build and compile every kind's kernels for `isa` (this CPU's best by default) now (LLVM,
-    then numba, which cannot cache code that calls into this process's own machine code), not
-    in the first request's pass, which would otherwise wait seconds for them."""
+def warm_up(kinds: Iterable[str], isa: Isa | None = None) -> None:
+    """Build and compile the kernels of `kinds` (`Int8Tiles.kind`) for `isa` (this CPU's best
+    by default) now (LLVM, then numba, which cannot cache code that calls into this process's
+    own machine code), not in the first request's pass, which would otherwise wait seconds for
+    them. Each kind's take about half a second: a model's own kinds only."""
     isa = isa or _required_isa()
     x = np.zeros((1, BLOCK), np.float32)
-    wide = [*SCALED_BITS] if isa.six_bit else ["wide"]
-    kinds = (("Q4_1", np.float32), ("Q8_0", np.int32), ("Q8_1", np.float32))
-    for kind, extra in (*kinds, *((w, np.int32) for w in wide)):
+    for kind in sorted(set(kinds)):
+        extra = np.float32 if kind in FLOAT_MINS else np.int32
         scales = np.zeros((1, 1, isa.columns), np.float32)
         int8_matmul(kind, isa)(
             x,

@@ -1,43 +1,47 @@
-"""A token embedding kept as the GGUF's blocks, each looked-up row dequantized on the way.
+"""A token embedding kept as the GGUF's own blocks, memory-mapped, each looked-up row dequantized
+on the way.
 
-A 128k-token vocabulary at 4,096 wide is 2 GB as a float32 table and a quarter of that packed; a
-pass reads only its own tokens' rows. The rows are gguf-py's dequantization bit for bit (the
-same layouts as the packed linears, `dequantize_rows`), so the model computes exactly as with
-the float32 table. A tied LM head and the embedding share one set of tiles.
+A 128k-token vocabulary at 4,096 wide is 2 GB as a float32 table and a fraction of that as the
+file stores it; a pass reads only its own tokens' rows, and the pages of rows never looked up
+are never read. The rows are gguf-py's dequantization itself (any type it reads: the K-quants,
+Q2_K and the IQ types included), so the model computes exactly as with the float32 table, and
+nothing is re-laid at start.
 """
 
 from __future__ import annotations
 
+import gguf
+import numpy as np
 import torch
 from torch import nn
 
-from service.kernels.packed_linear import PackedTiles, dequantize_rows, dequantize_tiles
-
 
 class PackedEmbedding(nn.Module):
-    """Drop-in for `nn.Embedding` (no padding index, no max norm) over packed tiles."""
+    """Drop-in for `nn.Embedding` (no padding index, no max norm) over a GGUF tensor's bytes
+    `raw` [num_embeddings, bytes a row] of type `kind`."""
 
-    def __init__(self, tiles: PackedTiles) -> None:
+    def __init__(self, raw: np.ndarray, kind: gguf.GGMLQuantizationType) -> None:
         super().__init__()
-        self.num_embeddings, self.embedding_dim = tiles.out_features, tiles.in_features
-        self.kind = tiles.kind
-        self._tiles = tiles
-        for name in ("qs", "d", "m"):  # buffers, so the model fingerprint sees them
-            self.register_buffer(name, torch.from_numpy(getattr(tiles, name)), persistent=True)
+        self._raw, self._type = raw, kind
+        self.kind = kind.name
+        self.num_embeddings = raw.shape[0]
+        self.embedding_dim = self._rows(np.zeros(1, np.int64)).shape[1]
+        # a copy of the first row's bytes, so that the model fingerprint sees the table
+        self.register_buffer("first_row", torch.from_numpy(np.array(raw[:1])), persistent=True)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind} (packed)"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind} (GGUF blocks)"
 
-    def tiles(self) -> PackedTiles:
-        return self._tiles
+    def _rows(self, ids: np.ndarray) -> np.ndarray:
+        return gguf.quants.dequantize(np.asarray(self._raw[ids]), self._type)
 
     def dequantized(self) -> torch.Tensor:
         """The whole float32 table (tests; never on the serving path)."""
-        return dequantize_tiles(self._tiles)
+        return torch.from_numpy(self._rows(np.arange(self.num_embeddings)))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = input_ids.reshape(-1).long().cpu()
+        rows = input_ids.reshape(-1).long().cpu().numpy()
         if len(rows) and (int(rows.min()) < 0 or int(rows.max()) >= self.num_embeddings):
             raise IndexError(f"token ids must be in [0, {self.num_embeddings})")
-        out = dequantize_rows(self._tiles, rows)
+        out = torch.from_numpy(self._rows(rows))
         return out.reshape(*input_ids.shape, self.embedding_dim).to(input_ids.device)

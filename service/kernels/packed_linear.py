@@ -22,9 +22,10 @@ kernels won at every size, prompt chunks and the rows beside them do too).
 
 The LM head is packed too when its type is one of those (the embedded file's is tied to the
 Q8_0 token embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the
-same values). The token embedding can share those tiles
+same values). The token embedding stays the file's memory-mapped blocks
 (service/kernels/packed_embedding.py). Norms and linears of other GGUF types (Q2_K, the IQ
-types) stay as loaded, in float32.
+types) stay as loaded, in float32. With 8-bit activations a layer keeps only its 8-bit
+re-laying (`Int8Tiles`), which holds the same weights.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -268,6 +269,13 @@ class PackedTiles:
     out_features: int
     in_features: int
 
+    def rows(self, first: int, count: int) -> PackedTiles:
+        """Output rows first..first+count-1 (`first` a whole number of tiles in), as views."""
+        assert first % TILE == 0
+        tiles = slice(first // TILE, -(-(first + count) // TILE))
+        m = self.m[tiles] if self.m.size else self.m
+        return replace(self, qs=self.qs[tiles], d=self.d[tiles], m=m, out_features=count)
+
 
 def tiles_from_blocks(
     raw: np.ndarray, out_features: int, in_features: int, kind: str = "Q4_1"
@@ -320,12 +328,13 @@ class PackedLinear(nn.Module):
 
     def __init__(
         self,
-        tiles: PackedTiles,
+        tiles: PackedTiles | Int8Tiles,
         kernels: Any = None,
         fused_max_rows: int = 2,
         int8_activations: bool = False,
         kernel_max_rows: int = KERNEL_MAX_ROWS,
     ) -> None:
+        """`tiles`: the weight in its kernel layout, or (8-bit activations) re-laid already."""
         super().__init__()
         self.kind = tiles.kind
         self.in_features = tiles.in_features
@@ -335,18 +344,20 @@ class PackedLinear(nn.Module):
         self.fused_max_rows = fused_max_rows
         self.kernel_max_rows = kernel_max_rows  # larger passes dequantize the layer for F.linear
         # 8-bit activations (service/kernels/int8_kernel.py), for passes of every size
-        self.int8_activations = int8_activations
+        self.int8_activations = int8_activations or isinstance(tiles, Int8Tiles)
         self._set_tiles(tiles)
 
-    def _set_tiles(self, tiles: PackedTiles, int8: Int8Tiles | None = None) -> None:
-        """`tiles`, and for 8-bit activations `int8`, their re-laying (made here if None)."""
+    def _set_tiles(self, tiles: PackedTiles | Int8Tiles) -> None:
+        """The weight the layer computes with. For 8-bit activations only the re-laid tiles
+        are kept (made here from `PackedTiles`): they hold the same weights."""
+        if self.int8_activations and isinstance(tiles, PackedTiles):
+            tiles = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features)
+        names = ("packed", "d", "m") if isinstance(tiles, Int8Tiles) else ("qs", "d", "m")
         # Buffers, so state_dict (and the model fingerprint keying the caches) shows them.
-        for name in ("qs", "d", "m"):
+        for name in names:
             self.register_buffer(name, torch.from_numpy(getattr(tiles, name)), persistent=True)
-        self._tiles = tiles  # numpy views of the buffers, for the kernels' calls
-        if self.int8_activations and int8 is None:
-            int8 = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features)
-        self._int8 = int8 if self.int8_activations else None
+        self._tiles = tiles if isinstance(tiles, PackedTiles) else None  # numpy views
+        self._int8 = tiles if isinstance(tiles, Int8Tiles) else None
         if self._int8 is not None:  # what every call needs, looked up once
             kind, isa = self._int8.kind, self._int8.isa  # the kernels of the tiles' own layout
             self._int8_kernel = int8_matmul(kind, isa)
@@ -367,11 +378,17 @@ class PackedLinear(nn.Module):
         )
 
     def tiles(self) -> PackedTiles:
+        """The weight in its kernel layout (float32 activations: 8-bit ones keep only their
+        re-laying)."""
+        if self._tiles is None:
+            raise ValueError("a layer with 8-bit activations keeps only its re-laid tiles")
         return self._tiles
 
     def dequantized(self, reuse: bool = False) -> torch.Tensor:
         """The served float32 weights [out_features, in_features]. `reuse`: in the calling
         thread's scratch buffer (valid until its next such call), for a large pass's F.linear."""
+        if self._int8 is not None:
+            return torch.from_numpy(self._int8.dequantized())
         if self.kernels is None:
             return dequantize_tiles(self.tiles())
         t = self._tiles
@@ -448,38 +465,37 @@ class PackedLinear(nn.Module):
 
 
 def fuse_packed(modules: Sequence[PackedLinear]) -> PackedLinear | None:
-    """One layer computing `modules`' outputs side by side (their tiles concatenated), so a
-    pass makes one kernel call instead of several; each module then holds a view of the fused
-    tiles, and of their 8-bit re-laying (no copy stays behind). None when the modules differ in
-    layout, q's width or input width, or a module's rows do not fill whole tiles."""
-    tiles = [module.tiles() for module in modules]
-    if len({(t.kind, t.qs.dtype, t.in_features) for t in tiles}) != 1 or any(
-        t.out_features % TILE for t in tiles
-    ):
+    """One layer computing `modules`' outputs side by side (their tiles, or 8-bit re-layings,
+    concatenated), so a pass makes one kernel call instead of several; each module then holds
+    a view of the fused tiles (no copy stays behind). None when the modules differ in layout,
+    q's width or input width, or a module's rows do not fill whole tiles."""
+    tiles = [module._int8 or module.tiles() for module in modules]
+    if len({_fusable_as(t) for t in tiles}) != 1 or any(t.out_features % TILE for t in tiles):
         return None
-    qs, d, m = (np.concatenate([getattr(t, name) for t in tiles]) for name in ("qs", "d", "m"))
-    first = modules[0]
+    first = tiles[0]
+    arrays = {
+        name: np.concatenate([getattr(t, name) for t in tiles])
+        for name in (("packed", "d", "m") if isinstance(first, Int8Tiles) else ("qs", "d", "m"))
+    }
+    whole = replace(first, **arrays, out_features=sum(t.out_features for t in tiles))
     fused = PackedLinear(
-        PackedTiles(
-            tiles[0].kind, qs, d, m, sum(t.out_features for t in tiles), tiles[0].in_features
-        ),
-        first.kernels,
-        first.fused_max_rows,
-        first.int8_activations,
-        first.kernel_max_rows,
+        whole,
+        modules[0].kernels,
+        modules[0].fused_max_rows,
+        modules[0].int8_activations,
+        modules[0].kernel_max_rows,
     )
     start = 0
     for module, t in zip(modules, tiles):
-        stop = start + t.out_features // TILE
-        int8 = None if fused._int8 is None else fused._int8.rows(start * TILE, t.out_features)
-        module._set_tiles(
-            PackedTiles(
-                t.kind, qs[start:stop], d[start:stop], m[start:stop], t.out_features, t.in_features
-            ),
-            int8,
-        )
-        start = stop
+        module._set_tiles(whole.rows(start, t.out_features))
+        start += t.out_features
     return fused
+
+
+def _fusable_as(t: PackedTiles | Int8Tiles) -> tuple[Any, ...]:
+    """What tiles concatenated into one weight must share."""
+    width = t.isa if isinstance(t, Int8Tiles) else t.qs.dtype
+    return type(t), t.kind, width, t.in_features
 
 
 def tune_fused_max_rows(layers: Sequence[PackedTiles], kernels: Any) -> int:
@@ -743,9 +759,6 @@ def pack_gguf_linears(
             f"--quantization gguf-int8 needs a CPU with {REQUIRED_FEATURES}; "
             "use --quantization gguf"
         )
-    if int8_activations:
-        warm_up_int8()
-        warm_up_chunks()
     kernels = load_kernels(cache_dir) if use_kernels else None
     saved = (
         None
@@ -768,18 +781,23 @@ def pack_gguf_linears(
             f"{gguf_path.name} has no linear weights of a packed type "
             f"({', '.join(BLOCK_TYPES)}); serve it with --quantization none"
         )
-    if kernels is not None and any(t.qs.dtype == np.int16 for t in tiles.values()):
-        _warm_up_8bit(kernels, np.int16)
-    if kernels is not None and any(t.kind == "Q8_1" for t in tiles.values()):
-        _warm_up_8bit(kernels, np.int8, "Q8_1")
+    if tiles_file is not None and not from_file:
+        _save_tiles(tiles, tiles_file)
     fused_max_rows, kernel_max_rows = 2, KERNEL_MAX_ROWS
+    float_kernels = kernels if not int8_activations else None  # (8-bit ones run their own)
+    if float_kernels is not None and any(t.qs.dtype == np.int16 for t in tiles.values()):
+        _warm_up_8bit(float_kernels, np.int16)
+    if float_kernels is not None and any(t.kind == "Q8_1" for t in tiles.values()):
+        _warm_up_8bit(float_kernels, np.int8, "Q8_1")
     first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
     tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]
-    if kernels is not None and tuned:  # (the defaults where no early layer is 4-bit)
-        fused_max_rows = tune_fused_max_rows(tuned, kernels)
-        if not int8_activations:  # (8-bit activations run their own kernels at every size)
-            kernel_max_rows = kernel_max_rows_for(tuned, kernels, fused_max_rows, cache_dir)
-    for name, t in tiles.items():
+    if float_kernels is not None and tuned:  # (the defaults where no early layer is 4-bit)
+        fused_max_rows = tune_fused_max_rows(tuned, float_kernels)
+        kernel_max_rows = kernel_max_rows_for(tuned, float_kernels, fused_max_rows, cache_dir)
+    layouts = Counter(t.kind for t in tiles.values())
+    count = len(tiles)
+    for name in list(tiles):  # each weight's float tiles go once 8-bit ones are made of them
+        t = tiles.pop(name)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         packed = PackedLinear(t, kernels, fused_max_rows, int8_activations, kernel_max_rows)
@@ -794,9 +812,11 @@ def pack_gguf_linears(
                 f"(is {gguf_path.name} the file this model was loaded from?)"
             )
         setattr(parent, attr, packed)
-    if tiles_file is not None and not from_file:
-        _save_tiles(tiles, tiles_file)
-    layouts = Counter(t.kind for t in tiles.values())
+    if int8_activations:
+        kinds = {m._int8.kind for m in model.modules() if isinstance(m, PackedLinear) and m._int8}
+        warm_up_int8(kinds)
+        if "Q4_1" in kinds:
+            warm_up_chunks()
     large_passes = (
         "every pass"
         if kernel_max_rows == UNBOUNDED_ROWS
@@ -813,7 +833,7 @@ def pack_gguf_linears(
         if kernels is not None
         else "torch fallback: numba not installed",
     )
-    return len(tiles)
+    return count
 
 
 def _counts(counts: Counter[str]) -> str:

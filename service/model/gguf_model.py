@@ -21,10 +21,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-from service.kernels.gguf_blocks import BLOCK_TYPES
 from service.kernels.gguf_file import GGUFContents
 from service.kernels.packed_embedding import PackedEmbedding
-from service.kernels.packed_linear import PackedLinear, tiles_from_blocks
+from service.kernels.packed_linear import PackedLinear
 
 log = logging.getLogger(__name__)
 
@@ -43,28 +42,35 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel
 
 
 def pack_embedding(model: PreTrainedModel, contents: GGUFContents) -> str | None:
-    """Replace the token embedding by a `PackedEmbedding` where its blocks are of a type the
-    kernels lay out (`BLOCK_TYPES`): sharing a packed LM head's tiles where the two are tied,
-    else from the file's own `token_embd` blocks. Returns the GGUF type packed, or None (the
-    embedding is then filled in float32)."""
+    """Replace the token embedding by a `PackedEmbedding` over the file's `token_embd` blocks
+    (any type gguf-py dequantizes but float32), unless an LM head left in float32 is tied to
+    it. Returns the GGUF type kept packed, or None (the embedding is then filled in float32)."""
     embedding = model.get_input_embeddings()
-    head = model.get_output_embeddings()
     name = next(n for n, module in model.named_modules() if module is embedding)
     parent, _, attr = name.rpartition(".")
-    tensors = contents.tensors
-    tensor = tensors.get("token_embd.weight")
-    if tensor is None or not isinstance(embedding, nn.Embedding):
+    tensor = contents.tensors.get("token_embd.weight")
+    if (
+        tensor is None
+        or not isinstance(embedding, nn.Embedding)
+        or tensor.kind == gguf.GGMLQuantizationType.F32
+    ):
         return None
-    if model.config.tie_word_embeddings:
-        if not isinstance(head, PackedLinear) or "output.weight" in tensors:
-            return None  # a float32 table (which an unpacked head is tied to)
-        tiles = head.tiles()  # packed from these very blocks
-    elif tensor.kind.name in BLOCK_TYPES:
-        vocab, hidden = embedding.weight.shape
-        tiles = tiles_from_blocks(tensor.raw.reshape(vocab, -1), vocab, hidden, tensor.kind.name)
-    else:
+    if model.config.tie_word_embeddings and (
+        not isinstance(model.get_output_embeddings(), PackedLinear)
+        or "output.weight" in contents.tensors
+    ):
+        return None  # a float32 table (which an unpacked head is tied to)
+    try:
+        packed = PackedEmbedding(tensor.raw, tensor.kind)
+    except NotImplementedError:  # a type gguf-py cannot dequantize: fill_from_gguf says so
         return None
-    setattr(model.get_submodule(parent), attr, PackedEmbedding(tiles))
+    if (packed.num_embeddings, packed.embedding_dim) != tuple(embedding.weight.shape):
+        raise ValueError(
+            f"{contents.path.name}: tensor token_embd.weight has shape "
+            f"{(packed.num_embeddings, packed.embedding_dim)}, the model's embedding "
+            f"{tuple(embedding.weight.shape)}"
+        )
+    setattr(model.get_submodule(parent), attr, packed)
     return tensor.kind.name
 
 
@@ -79,6 +85,8 @@ def fill_from_gguf(model: PreTrainedModel, contents: GGUFContents, device: torch
     )
     targets = _parameter_names(model, contents)
     for tensor in contents.tensors.values():
+        if tensor.name not in targets:  # packed already: neither dequantized nor read
+            continue
         result = processor.process(
             weights=tensor.dequantized(),
             name=tensor.name,

@@ -158,7 +158,9 @@ def test_a_mixed_file_loads_by_default_packed_and_decodes_as_float32(tmp_path) -
     plain = make_tiny_model(seed=3, hidden_size=MIXED_HIDDEN)
     write_tiny_gguf(plain, path, loadable=True, linear_type=mixed_type, head_type=Q6_K)
     packed = load_model(path, cache_dir=tmp_path / "cache").model
-    unpacked = load_model(path, cache_dir=tmp_path / "cache", quantization="none").model
+    unpacked = load_model(
+        path, cache_dir=tmp_path / "cache", quantization="none", dtype="float32"
+    ).model
     for index, layer in enumerate(packed.model.layers):
         for kind, name in LLAMA_LINEARS.items():
             served = layer.get_submodule(name)

@@ -16,6 +16,7 @@ from service.engine.params import GenerationParams, SpeculationParams
 from service.kernels.int8_kernel import (
     AVX2,
     BLOCK,
+    VNNI,
     best_isa,
     int8_matmul,
     int8_tiles,
@@ -24,6 +25,7 @@ from service.kernels.int8_kernel import (
 from service.kernels.packed_linear import (
     LLAMA_LINEARS,
     PackedLinear,
+    dequantize_tiles,
     fuse_packed,
     pack_gguf_linears,
     tiles_from_blocks,
@@ -38,7 +40,10 @@ from tests.helpers.kernels import needs_int8
 from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
     Q3_K,
+    Q4_0,
     Q4_1,
+    Q4_K,
+    Q5_0,
     Q5_1,
     Q5_K,
     Q6_K,
@@ -202,6 +207,17 @@ def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
         torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("isa", [VNNI, AVX2], ids=lambda isa: isa.name)
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K])
+def test_the_relaid_weights_are_the_files(kind, isa) -> None:
+    """Read back from the bytes the kernels of either instruction set take (re-laying needs
+    no CPU feature), every weight is the one the file's blocks give: the 8-bit path keeps no
+    other copy to check against."""
+    tiles = tiles_from_blocks(random_blocks(96, 512, seed=7, kind=kind), 96, 512, kind.name)
+    relaid = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, tiles.out_features, isa)
+    assert np.array_equal(relaid.dequantized(), dequantize_tiles(tiles).numpy())
+
+
 @pytest.mark.parametrize("kind", [Q4_1, Q6_K])
 def test_fused_layers_share_one_8_bit_relaying(kind) -> None:
     """q, k, v as one layer on the 8-bit path: each layer then computes from a view of the fused
@@ -220,6 +236,9 @@ def test_fused_layers_share_one_8_bit_relaying(kind) -> None:
     assert fused is not None and torch.equal(fused(x), alone)
     assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), alone)
     assert all(np.shares_memory(layer._int8.packed, fused._int8.packed) for layer in layers)
+    for layer in [fused, *layers]:  # the re-laid tiles only: no float-path tiles beside them
+        with pytest.raises(ValueError, match="only its re-laid tiles"):
+            layer.tiles()
 
 
 def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:

@@ -12,6 +12,7 @@ from drafting import TableSlot
 from service.cache_files import read_checked_json, write_checked_json
 from service.engine.params import GenerationParams, SpeculationParams
 from service.kernels import packed_kernels_gen
+from service.kernels.packed_embedding import PackedEmbedding
 from service.kernels.packed_linear import (
     FUSED_ROW_CANDIDATES,
     KERNEL_MAX_ROWS,
@@ -268,8 +269,8 @@ def test_real_layers_hold_the_files_weights_and_match_float32(embedded, embedded
     head = packed.lm_head  # tied to the Q8_0 token embedding in the file
     assert isinstance(head, PackedLinear) and head.kind == "Q8_0"
     assert torch.equal(head.dequantized(), float32.lm_head.weight)
-    embedding = packed.model.embed_tokens  # the head's tiles, rows dequantized on lookup
-    assert embedding.qs.data_ptr() == head.qs.data_ptr()
+    embedding = packed.model.embed_tokens  # the file's blocks, rows dequantized on lookup
+    assert isinstance(embedding, PackedEmbedding) and embedding.kind == "Q8_0"
     assert torch.equal(embedding.dequantized(), float32.model.embed_tokens.weight)
     torch.testing.assert_close(
         head(x[:5, :576]), F.linear(x[:5, :576], float32.lm_head.weight), rtol=1e-4, atol=1e-4

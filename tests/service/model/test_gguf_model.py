@@ -18,6 +18,7 @@ from service.kernels.gguf_file import GGUFFormatError, read_gguf
 from service.kernels.packed_embedding import PackedEmbedding
 from service.kernels.packed_linear import PackedLinear, load_kernels
 from service.model.loader import load_model
+from tests.helpers.kernels import needs_int8
 from tests.helpers.models import make_tiny_model
 from tests.helpers.packed import (
     MIXED_HIDDEN,
@@ -84,24 +85,24 @@ def test_packed_linears_come_from_the_blocks_and_the_rest_from_its_tensor(
     assert torch.equal(table, want["model.embed_tokens.weight"])
 
 
-def test_the_token_embedding_stays_packed_and_a_tied_one_shares_the_heads_tiles(
-    files, tmp_path
-) -> None:
-    """No float32 table: a tied embedding (Q6_K here, as llama.cpp's Q4_K_M writes it) is the
-    packed LM head's tiles, an untied one of a packed type its own; an F32 one stays a table."""
-    tied = load_model(files["tied"], cache_dir=tmp_path).model
-    embedding = tied.get_input_embeddings()
-    assert isinstance(embedding, PackedEmbedding)
-    assert embedding.qs.data_ptr() == tied.lm_head.qs.data_ptr()
+@pytest.mark.parametrize("quantization", ["gguf", pytest.param("gguf-int8", marks=needs_int8)])
+def test_the_token_embedding_stays_the_files_blocks(files, tmp_path, quantization) -> None:
+    """No float32 table, and no copy: a tied embedding (Q6_K here, as llama.cpp's Q4_K_M writes
+    it) and an untied one are rows of the file's own blocks, dequantized as transformers does,
+    on either activation path; an F32 one stays a table."""
+    tied = load_model(files["tied"], cache_dir=tmp_path, quantization=quantization).model
     untied = tmp_path / "untied.Q4_0.gguf"
     write_random_gguf(untied, ModelShape(256, 512, 2, 4, 2, 300, tied=False), "Q4_0")
-    model = load_model(untied, cache_dir=tmp_path).model
-    embedding = model.get_input_embeddings()
-    assert isinstance(embedding, PackedEmbedding) and embedding.kind == "Q4_1"
-    assert embedding.qs.data_ptr() != model.lm_head.qs.data_ptr()
-    assert torch.equal(
-        embedding.dequantized(), transformers_weights(untied)["model.embed_tokens.weight"]
-    )
+    model = load_model(untied, cache_dir=tmp_path, quantization=quantization).model
+    for served, path, kind in ((tied, files["tied"], "Q6_K"), (model, untied, "Q4_0")):
+        embedding = served.get_input_embeddings()
+        assert isinstance(embedding, PackedEmbedding) and embedding.kind == kind
+        held = sum(b.numel() * b.element_size() for b in embedding.buffers())
+        assert held * embedding.num_embeddings <= path.stat().st_size  # one row's bytes
+        want = transformers_weights(path)["model.embed_tokens.weight"]
+        assert torch.equal(embedding.dequantized(), want)
+        ids = torch.tensor([[3, 0, 255], [7, 7, 1]])
+        assert torch.equal(embedding(ids), want[ids])
     mixed = load_model(files["mixed"], cache_dir=tmp_path).model
     assert type(mixed.get_input_embeddings()) is torch.nn.Embedding
 
@@ -149,7 +150,11 @@ LOAD_UNDER_A_LIMIT = textwrap.dedent(
     limit = data + int(sys.argv[3]) * 2**20
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     try:
-        load_model(Path(sys.argv[1]), cache_dir=Path(sys.argv[2]), quantization=sys.argv[4])
+        # float32 on every path (none would take bfloat16 on a CPU with native bf16)
+        load_model(
+            Path(sys.argv[1]), dtype="float32", cache_dir=Path(sys.argv[2]),
+            quantization=sys.argv[4],
+        )
     except (MemoryError, RuntimeError) as error:
         print("failed:", type(error).__name__, str(error)[:200])
     else:
