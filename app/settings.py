@@ -45,9 +45,9 @@ class Settings(BaseSettings):
     )
     quantization: Literal["auto", "none", "gguf", "gguf-int8"] = Field(
         "auto",
-        description="gguf: keep a GGUF's Q3_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 linears and "
-        "LM head packed (other types float32), the CPU fast path; gguf-int8: the same "
-        "with the packed linears' "
+        description="gguf: keep a GGUF's Q2_K/Q3_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 "
+        "linears and LM head packed (other types float32), the CPU fast path; gguf-int8: the "
+        "same with the packed linears' "
         "activations rounded to 8 bits per block of 32 and a float16 KV cache, as llama.cpp "
         "computes (CPUs with AVX2 or AVX-512 VNNI); none: "
         "unpacked weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, "

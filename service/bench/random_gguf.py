@@ -56,6 +56,7 @@ SCALE_FIELDS: dict[Kind, tuple[tuple[int, ...], float]] = {
     Kind.Q5_0: ((0,), 2.5e-3),
     Kind.Q5_1: ((0, 2), 2.5e-3),
     Kind.Q8_0: ((0,), 3e-4),
+    Kind.IQ4_NL: ((0,), 5e-4),
     Kind.Q2_K: ((80, 82), 1e-3),
     Kind.Q3_K: ((108,), 5e-4),
     Kind.Q4_K: ((0, 2), 1e-4),

@@ -1,15 +1,16 @@
-"""GGUF block types re-laid, exactly, into the packed kernels' three layouts.
+"""GGUF block types re-laid, exactly, into the packed kernels' four layouts.
 
-The kernels (service/kernels/packed_kernels.py) compute with 32-weight groups in one of three
+The kernels (service/kernels/packed_kernels.py) compute with 32-weight groups in one of four
 layouts: "Q4_1" (4-bit q in 0..15, a float32 scale d and min m a group: w = d*q + m, one
-rounding), "Q8_0" (int8 q, a float32 scale d a group: w = d*q) and "Q8_1" (int8 q, d and m:
-w = d*q + m). llama.cpp's block types are those formulas with other bit packings and scales
-built from smaller fields:
+rounding), "Q8_0" (int8 q, a float32 scale d a group: w = d*q), "Q8_1" (int8 q, d and m:
+w = d*q + m) and "Q8_1_16" (Q8_1 with a d and m for each half group). llama.cpp's block types
+are those formulas with other bit packings and scales built from smaller fields:
 
 | type | block | weight | layout |
 |---|---|---|---|
 | Q4_0 | 32: f16 d, 16 bytes of nibbles | d*(q-8) | Q4_1, m = -8d |
 | Q4_1 | 32: f16 d, f16 m, nibbles | d*q + m | Q4_1 |
+| Q2_K | 256: 16 4-bit scales and mins, 2-bit q, f16 d, f16 dmin | (d*sc)*q - dmin*mn | Q8_1_16 |
 | Q3_K | 256: high bits, 2-bit lows, 16 6-bit scales, f16 d | (d*sc)*(q-4) | Q8_0, int16 sc*(q-4) |
 | Q4_K | 256: f16 d, f16 dmin, 8 six-bit scales and mins, nibbles | (d*sc)*q - dmin*mn | Q4_1 |
 | Q5_0 | 32: f16 d, 32 high bits, nibbles | d*(q-16) | Q8_0 |
@@ -23,8 +24,7 @@ q needs at most 21 bits, so every product but the last is exact in float32, and 
 single rounding of d*q + m is the rounding gguf-py's dequantization makes (the loader checks
 each packed weight against the loaded one, bit for bit). The layouts widen the types: Q4_K's
 4.5 bits a weight to 6 (two float32 a group), Q5_0's 5.5 to 9, Q5_1's 6 and Q5_K's 5.5 to 10,
-Q3_K's 3.4 and Q6_K's 6.6 to 17: the price of three kernels for nine types. Q2_K is not served:
-its mins change every 16 weights, within a kernel group (its linears stay float32).
+Q2_K's 2.6 to 12, Q3_K's 3.4 and Q6_K's 6.6 to 17: the price of four kernels for ten types.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class BlockType:
 
     weights: int
     nbytes: int
-    layout: str  # "Q4_1", "Q8_0" or "Q8_1"
+    layout: str  # "Q4_1", "Q8_0", "Q8_1" or "Q8_1_16"
     # q needs 16 bits (int16 in the 8-bit layout): kernels compiled for it on the first model
     # that has one; the 8-bit-activation kernels multiply it as int16 pairs, or on AVX2 as six
     # bits times a scale a 16 (`int8_kernel`)
@@ -51,6 +51,7 @@ class BlockType:
 
 
 BLOCK_TYPES = {
+    "Q2_K": BlockType(SUPER, 84, "Q8_1_16"),
     "Q4_0": BlockType(GROUP, 18, "Q4_1"),
     "Q4_1": BlockType(GROUP, 20, "Q4_1"),
     "Q3_K": BlockType(SUPER, 110, "Q8_0", wide=True),
@@ -66,8 +67,8 @@ BLOCK_TYPES = {
 @dataclass(frozen=True)
 class Groups:
     """A weight [rows, K] as 32-weight groups: q [rows, K/32, 32] (uint8 0..15 for the Q4_1
-    layout, int8 or int16 for Q8_0, int8 for Q8_1), d and m [rows, K/32] float32 (m all zero
-    for Q8_0)."""
+    layout, int8 or int16 for Q8_0, int8 for Q8_1 and Q8_1_16), d and m [rows, K/32] float32
+    (m all zero for Q8_0; [rows, K/32, 2] for Q8_1_16, a half group each)."""
 
     layout: str
     q: np.ndarray
@@ -86,13 +87,13 @@ def unpack(kind: str, raw: np.ndarray, rows: int, columns: int) -> Groups:
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(
         rows, columns // block.weights, block.nbytes
     )
-    groups = columns // GROUP
+    scales = (rows, columns // GROUP, 2) if block.layout == "Q8_1_16" else (rows, columns // GROUP)
     d, q, m = _UNPACK[kind](blocks)
     return Groups(
         block.layout,
-        q.reshape(rows, groups, GROUP),
-        d.reshape(rows, groups).astype(np.float32),
-        np.zeros((rows, groups), np.float32) if m is None else m.reshape(rows, groups),
+        q.reshape(rows, columns // GROUP, GROUP),
+        d.reshape(scales).astype(np.float32),
+        np.zeros(scales, np.float32) if m is None else m.reshape(scales),
     )
 
 
@@ -116,6 +117,18 @@ def _q4_0(blocks: np.ndarray) -> Unpacked:
 
 def _q4_1(blocks: np.ndarray) -> Unpacked:
     return _half(blocks, 0), _nibbles(blocks[..., 4:]), _half(blocks, 2)
+
+
+def _q2_k(blocks: np.ndarray) -> Unpacked:
+    """A super-block: sixteen bytes of a 4-bit scale (low nibble) and min (high) a 16 weights,
+    64 bytes of 2-bit q (weight 128h + 32s + j in bits 2s, 2s+1 of byte 32h + j), d, dmin.
+    Per 16 weights d*sc and -(dmin*mn), exact in float32."""
+    lead = blocks.shape[:-1]
+    fields = blocks[..., :16]
+    shifts = np.arange(0, 8, 2, dtype=np.uint8)[:, None]  # [4, 1]
+    q = (blocks[..., 16:80].reshape(*lead, 2, 1, 32) >> shifts) & 3  # [..., h, s, j]
+    d, dmin = _half(blocks, 80)[..., None], _half(blocks, 82)[..., None]
+    return d * (fields & 15), q.reshape(*lead, SUPER).view(np.int8), -(dmin * (fields >> 4))
 
 
 def _q3_k(blocks: np.ndarray) -> Unpacked:
@@ -217,6 +230,7 @@ def _q8_0(blocks: np.ndarray) -> Unpacked:
 
 
 _UNPACK = {
+    "Q2_K": _q2_k,
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
     "Q3_K": _q3_k,

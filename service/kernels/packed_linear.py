@@ -1,10 +1,11 @@
 """Linear layers that keep a GGUF's blocks packed and compute with them (CPU fast path).
 
 `--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
-layers' weights as the file stores them, re-laid exactly into one of three kernel layouts
+layers' weights as the file stores them, re-laid exactly into one of four kernel layouts
 (`service/kernels/gguf_blocks.py`: Q4_0, Q4_1 and Q4_K take the 4-bit one, 32 weights with a
 scale d and min m, w = d*q + m; Q3_K, Q5_0, Q6_K and Q8_0 the 8-bit one, w = d*q; Q5_1 and Q5_K
-the 8-bit one with a min, w = d*q + m). On the embedded
+the 8-bit one with a min, w = d*q + m; Q2_K the 8-bit one with a scale and min a half). On the
+embedded
 Q4_1 file a pass then reads ~0.6 bytes per weight instead of float32's 4, and the numba kernel
 (service/kernels/packed_kernels.py) dequantizes each block once per pass and applies it to every
 row of the pass (up to a pass size measured once on each kind of CPU, `kernel_max_rows_for`;
@@ -23,8 +24,8 @@ kernels won at every size, prompt chunks and the rows beside them do too).
 The LM head is packed too when its type is one of those (the embedded file's is tied to the
 Q8_0 token embedding: the head gets its own packed copy, 8.5 bits a weight instead of 32, the
 same values). The token embedding stays the file's memory-mapped blocks
-(service/kernels/packed_embedding.py). Norms and linears of other GGUF types (Q2_K, the IQ
-types) stay as loaded, in float32. With 8-bit activations a layer keeps only its 8-bit
+(service/kernels/packed_embedding.py). Norms and linears of other GGUF types (the IQ types)
+stay as loaded, in float32. With 8-bit activations a layer keeps only its 8-bit
 re-laying (`Int8Tiles`), which holds the same weights.
 """
 
@@ -71,7 +72,10 @@ from service.kernels.packed_kernels_gen import TILE
 log = logging.getLogger(__name__)
 
 QUANTIZATIONS: tuple[str, ...] = ("none", "gguf", "gguf-int8")
-LAYOUTS = ("Q4_1", "Q8_0", "Q8_1")  # the kernels' (every type in `BLOCK_TYPES` takes one)
+LAYOUTS = ("Q4_1", "Q8_0", "Q8_1", "Q8_1_16")  # the kernels' (every `BLOCK_TYPES` type's)
+WITH_MINS = ("Q4_1", "Q8_1", "Q8_1_16")  # the layouts whose weights are d*q + m
+# the layouts the 8-bit-activation kernels take; a layer of another (Q2_K's) keeps float32 ones
+INT8_LAYOUTS = ("Q4_1", "Q8_0", "Q8_1")
 PACKED = ("gguf", "gguf-int8")  # the quantizations that keep the GGUF's blocks packed
 # Passes above this many rows may dequantize the layer and call F.linear (prefill-sized passes,
 # where a BLAS GEMM can be faster than the register-tiled kernel), if the CPU says so at load
@@ -220,12 +224,12 @@ def _warm_up(kernels: Any) -> None:
 
 
 def _warm_up_8bit(kernels: Any, dtype: type, layout: str = "Q8_0") -> None:
-    """An 8-bit layout's kernels for q of `dtype`: Q8_0's int8 ones at every start; int16 (Q6_K)
-    and Q8_1 (Q5_1, Q5_K) on the first model that has such a linear (about a minute on two
-    cores, then in numba's cache)."""
+    """An 8-bit layout's kernels for q of `dtype`: Q8_0's int8 ones at every start; int16 (Q6_K),
+    Q8_1 (Q5_1, Q5_K) and Q8_1_16 (Q2_K) on the first model that has such a linear (about a
+    minute on two cores, then in numba's cache)."""
     q = np.zeros((1, 1, 32, TILE), dtype)
-    scales = np.zeros((1, 1, TILE), np.float32)
-    weights = (q, scales, scales) if layout == "Q8_1" else (q, scales)
+    scales = np.zeros((1, 1, 2, TILE) if layout == "Q8_1_16" else (1, 1, TILE), np.float32)
+    weights = (q, scales, scales) if layout in WITH_MINS else (q, scales)
     x, out = np.zeros((3, 32), np.float32), np.empty((3, TILE), np.float32)
     name = layout.lower()
     getattr(kernels, f"{name}_matmul")(x, *weights, out, 1)
@@ -260,12 +264,12 @@ def _threads() -> int:
 class PackedTiles:
     """GGUF blocks of one weight [out_features, in_features], re-laid into tiles of TILE rows."""
 
-    kind: str  # the kernel layout, "Q4_1", "Q8_0" or "Q8_1" (`gguf_blocks`: each type's)
+    kind: str  # the kernel layout, one of `LAYOUTS` (`gguf_blocks`: each type's)
     # Q4_1: [T, K/32, 16, TILE] uint8 (two weights a byte); Q8_0: [T, K/32, 32, TILE] int8, or
-    # int16 for a wide type (Q6_K); Q8_1: as Q8_0's int8
+    # int16 for a wide type (Q6_K); Q8_1, Q8_1_16: as Q8_0's int8
     qs: np.ndarray
-    d: np.ndarray  # [T, K/32, TILE] float32 scales
-    m: np.ndarray  # [T, K/32, TILE] float32 mins (Q4_1, Q8_1; empty for Q8_0)
+    d: np.ndarray  # [T, K/32, TILE] float32 scales (Q8_1_16: [T, K/32, 2, TILE], a half each)
+    m: np.ndarray  # float32 mins, as d (`WITH_MINS`; empty for Q8_0)
     out_features: int
     in_features: int
 
@@ -298,7 +302,7 @@ def tiles_from_blocks(
         return PackedTiles(
             "Q4_1", tiled(nibbles), tiled(groups.d), tiled(groups.m), out_features, in_features
         )
-    m = tiled(groups.m) if groups.layout == "Q8_1" else np.zeros((0, 0, 0), np.float32)
+    m = tiled(groups.m) if groups.layout in WITH_MINS else np.zeros((0, 0, 0), np.float32)
     return PackedTiles(
         groups.layout, tiled(groups.q), tiled(groups.d), m, out_features, in_features
     )
@@ -314,11 +318,15 @@ def dequantize_rows(tiles: PackedTiles, rows: torch.Tensor) -> torch.Tensor:
     so d*q + m rounds once, as gguf-py's dequantization does."""
     tile, lane = rows // TILE, rows % TILE
     qs = torch.from_numpy(tiles.qs)[tile, :, :, lane]  # [n, B, 16 or 32]
-    d = torch.from_numpy(tiles.d)[tile, :, lane][..., None]  # [n, B, 1]
+
+    def per_weight(scales: np.ndarray) -> torch.Tensor:  # [n, B, 1], or [n, B, 32] for halves
+        a = torch.from_numpy(scales)[tile, ..., lane]  # [n, B] or [n, B, 2]
+        return a[..., None] if a.dim() == 2 else a.repeat_interleave(16, dim=-1)
+
     q = torch.cat([qs & 15, qs >> 4], dim=-1) if tiles.kind == "Q4_1" else qs  # [n, B, 32]
-    w = d * q.float()
-    if tiles.kind in ("Q4_1", "Q8_1"):
-        w = w + torch.from_numpy(tiles.m)[tile, :, lane][..., None]
+    w = per_weight(tiles.d) * q.float()
+    if tiles.kind in WITH_MINS:
+        w = w + per_weight(tiles.m)
     return w.reshape(len(rows), tiles.in_features)
 
 
@@ -344,7 +352,9 @@ class PackedLinear(nn.Module):
         self.fused_max_rows = fused_max_rows
         self.kernel_max_rows = kernel_max_rows  # larger passes dequantize the layer for F.linear
         # 8-bit activations (service/kernels/int8_kernel.py), for passes of every size
-        self.int8_activations = int8_activations or isinstance(tiles, Int8Tiles)
+        self.int8_activations = isinstance(tiles, Int8Tiles) or (
+            int8_activations and tiles.kind in INT8_LAYOUTS
+        )
         self._set_tiles(tiles)
 
     def _set_tiles(self, tiles: PackedTiles | Int8Tiles) -> None:
@@ -420,14 +430,11 @@ class PackedLinear(nn.Module):
             (self.kernels.q4_1_matmul if threads else self.kernels.q4_1_matmul_serial)(
                 xs, t.qs, t.d, t.m, out, threads, self.fused_max_rows
             )
-        elif self.kind == "Q8_1":
-            (self.kernels.q8_1_matmul if threads else self.kernels.q8_1_matmul_serial)(
-                xs, t.qs, t.d, t.m, out, threads
-            )
         else:
-            (self.kernels.q8_0_matmul if threads else self.kernels.q8_0_matmul_serial)(
-                xs, t.qs, t.d, out, threads
-            )
+            name = self.kind.lower()
+            weights = (t.qs, t.d, t.m) if self.kind in WITH_MINS else (t.qs, t.d)
+            matmul = getattr(self.kernels, f"{name}_matmul{'' if threads else '_serial'}")
+            matmul(xs, *weights, out, threads)
         return self._shaped(out, x)
 
     def _int8_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -715,14 +722,15 @@ def _well_formed(t: PackedTiles) -> bool:
         return False
     grid = (-(-t.out_features // TILE), t.in_features // 32)
     q4_1 = t.kind == "Q4_1"
-    q_types = {"Q4_1": (np.uint8,), "Q8_0": (np.int8, np.int16), "Q8_1": (np.int8,)}[t.kind]
+    q_types = {"Q4_1": (np.uint8,), "Q8_0": (np.int8, np.int16)}.get(t.kind, (np.int8,))
+    scales = (*grid, 2, TILE) if t.kind == "Q8_1_16" else (*grid, TILE)
     return (
         t.qs.dtype in q_types
         and t.qs.shape == (*grid, 16 if q4_1 else 32, TILE)
         and t.d.dtype == np.float32
-        and t.d.shape == (*grid, TILE)
+        and t.d.shape == scales
         and t.m.dtype == np.float32
-        and t.m.shape == ((0, 0, 0) if t.kind == "Q8_0" else (*grid, TILE))
+        and t.m.shape == (scales if t.kind in WITH_MINS else (0, 0, 0))
     )
 
 
@@ -784,16 +792,18 @@ def pack_gguf_linears(
     if tiles_file is not None and not from_file:
         _save_tiles(tiles, tiles_file)
     fused_max_rows, kernel_max_rows = 2, KERNEL_MAX_ROWS
-    float_kernels = kernels if not int8_activations else None  # (8-bit ones run their own)
-    if float_kernels is not None and any(t.qs.dtype == np.int16 for t in tiles.values()):
-        _warm_up_8bit(float_kernels, np.int16)
-    if float_kernels is not None and any(t.kind == "Q8_1" for t in tiles.values()):
-        _warm_up_8bit(float_kernels, np.int8, "Q8_1")
+    # the layers the float32-activation kernels compute: all, or with 8-bit activations Q2_K's
+    floats = [t for t in tiles.values() if not int8_activations or t.kind not in INT8_LAYOUTS]
+    if kernels is not None and any(t.qs.dtype == np.int16 for t in floats):
+        _warm_up_8bit(kernels, np.int16)
+    for layout in ("Q8_1", "Q8_1_16"):
+        if kernels is not None and any(t.kind == layout for t in floats):
+            _warm_up_8bit(kernels, np.int8, layout)
     first_layers = tuple(f"model.layers.{i}." for i in range(TUNING_LAYERS))
     tuned = [t for name, t in tiles.items() if t.kind == "Q4_1" and name.startswith(first_layers)]
-    if float_kernels is not None and tuned:  # (the defaults where no early layer is 4-bit)
-        fused_max_rows = tune_fused_max_rows(tuned, float_kernels)
-        kernel_max_rows = kernel_max_rows_for(tuned, float_kernels, fused_max_rows, cache_dir)
+    if kernels is not None and tuned and not int8_activations:  # (defaults: no 4-bit early)
+        fused_max_rows = tune_fused_max_rows(tuned, kernels)
+        kernel_max_rows = kernel_max_rows_for(tuned, kernels, fused_max_rows, cache_dir)
     layouts = Counter(t.kind for t in tiles.values())
     count = len(tiles)
     for name in list(tiles):  # each weight's float tiles go once 8-bit ones are made of them

@@ -139,7 +139,7 @@ def load_model(
     """Load `source` (a .gguf file, a model directory, or None for the embedded model).
 
     `quantization="gguf"` then keeps the GGUF's linear weights (and LM head) of the types the
-    kernels serve (Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0: service/kernels/gguf_blocks.py) packed
+    kernels serve (Q2_K to Q8_0: service/kernels/gguf_blocks.py) packed
     and computes with them (service/kernels/packed_linear.py; CPU, float32 activations; linears of
     other types stay float32); "gguf-int8" likewise, with 8-bit activations
     (service/kernels/int8_kernel.py, CPUs with AVX2 or AVX-512 VNNI); "none"

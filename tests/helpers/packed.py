@@ -26,6 +26,7 @@ from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
 from tests.helpers.models import make_tiny_model
 
+IQ4_NL = gguf.GGMLQuantizationType.IQ4_NL
 Q2_K = gguf.GGMLQuantizationType.Q2_K
 Q3_K = gguf.GGMLQuantizationType.Q3_K
 Q4_0 = gguf.GGMLQuantizationType.Q4_0
@@ -36,14 +37,15 @@ Q5_1 = gguf.GGMLQuantizationType.Q5_1
 Q5_K = gguf.GGMLQuantizationType.Q5_K
 Q6_K = gguf.GGMLQuantizationType.Q6_K
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
-K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)  # K-quants, which gguf-py cannot write
+K_TYPES = (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)  # K-quants
+RANDOM_TYPES = (*K_TYPES, IQ4_NL)  # types gguf-py cannot write: random blocks
 
 
 def random_blocks(out_features: int, in_features: int, seed: int = 0, kind=Q4_1) -> np.ndarray:
     """GGUF bytes of a random weight, as gguf's own quantizer writes them; for the K-quants it
     cannot write, random blocks (`service/bench/random_gguf.py`)."""
     rng = np.random.default_rng(seed)
-    if kind not in K_TYPES:
+    if kind not in RANDOM_TYPES:
         weight = (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)
         return gguf.quants.quantize(weight, kind)
     return random_gguf.random_blocks(out_features, in_features, kind, rng)
@@ -119,8 +121,9 @@ def write_tiny_gguf(
 
 
 def _quantize(weight: np.ndarray, kind: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
-    """`weight` quantized to `kind`, or random blocks of its shape for a K-quant."""
-    if kind in K_TYPES:
+    """`weight` quantized to `kind`, or random blocks of its shape for a type gguf-py cannot
+    write."""
+    if kind in RANDOM_TYPES:
         return random_blocks(*weight.shape, seed=seed, kind=kind)
     return gguf.quants.quantize(weight, kind)
 
@@ -163,10 +166,16 @@ def tiny_gguf_twins(directory: Path):
 
 
 def mixed_type(index: int, kind: str) -> gguf.GGMLQuantizationType:
-    """A mix like llama.cpp's Q4_K_M and Q5_K_M presets: mostly Q4_K, some Q5_0 and Q8_0,
-    Q4_0, a Q6_K attn_v (layer 0), a Q5_K ffn_gate and a Q5_1 attn_output (layer 1), and a
-    Q2_K ffn_down (layer 1): `UNSERVED`, a type the kernels do not serve."""
-    special = {("attn_v", 0): Q6_K, ("ffn_gate", 1): Q5_K, ("attn_output", 1): Q5_1}
+    """A mix like llama.cpp's Q4_K_M, Q5_K_M and Q2_K presets: mostly Q4_K, some Q5_0 and
+    Q8_0, Q4_0, a Q6_K attn_v (layer 0), a Q5_K ffn_gate, a Q5_1 attn_output and a Q2_K ffn_up
+    (layer 1), and an IQ4_NL ffn_down (layer 1): `UNSERVED`, a type the kernels do not
+    serve."""
+    special = {
+        ("attn_v", 0): Q6_K,
+        ("ffn_gate", 1): Q5_K,
+        ("attn_output", 1): Q5_1,
+        ("ffn_up", 1): Q2_K,
+    }
     if (kind, index) == ("ffn_down", 1):
         return UNSERVED
     if (kind, index) in special:
@@ -174,7 +183,7 @@ def mixed_type(index: int, kind: str) -> gguf.GGMLQuantizationType:
     return {"attn_k": Q4_0, "attn_output": Q5_0, "ffn_up": Q8_0}.get(kind, Q4_K)
 
 
-UNSERVED = Q2_K  # (its mins change every 16 weights: `service/kernels/gguf_blocks.py`)
+UNSERVED = IQ4_NL  # (a lookup table of 16 values: no layout of the kernels holds it)
 MIXED_HIDDEN = 256  # a K-quant's 256-weight blocks fit the rows of every linear
 
 

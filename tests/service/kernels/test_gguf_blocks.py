@@ -89,7 +89,7 @@ def test_a_type_the_kernels_do_not_serve_is_named() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_mixed(tmp_path_factory):
-    """The mixed-type tiny Llama as float32 and packed: every linear but the Q2_K one."""
+    """The mixed-type tiny Llama as float32 and packed: every linear but the IQ4_NL one."""
     plain, packed, path = tiny_mixed_twins(tmp_path_factory.mktemp("gguf"))
     assert pack_gguf_linears(packed, path) == 2 * len(LLAMA_LINEARS) - 1 + 1  # and the LM head
     return plain, packed, path
@@ -119,13 +119,13 @@ def test_the_types_left_as_loaded_are_logged(tiny_mixed, caplog) -> None:
     again.load_state_dict(plain.state_dict())
     with caplog.at_level(logging.INFO, logger="service.kernels.packed_linear"):
         pack_gguf_linears(again, path)
-    assert "left as loaded (float32): 1 Q2_K" in caplog.text
-    assert "2 Q4_0 + 5 Q4_K + 2 Q5_0 + 1 Q5_1 + 1 Q5_K + 1 Q6_K + 2 Q8_0" in caplog.text
+    assert "left as loaded (float32): 1 IQ4_NL" in caplog.text
+    assert "1 Q2_K + 2 Q4_0 + 5 Q4_K + 2 Q5_0 + 1 Q5_1 + 1 Q5_K + 1 Q6_K + 1 Q8_0" in caplog.text
 
 
 def test_a_file_without_a_served_type_is_refused_naming_the_way_out(tmp_path) -> None:
     model = make_tiny_model(seed=3, hidden_size=MIXED_HIDDEN)
-    path = tmp_path / "tiny.Q2_K.gguf"
+    path = tmp_path / "tiny.IQ4_NL.gguf"
     write_tiny_gguf(model, path, linear_type=lambda index, kind: UNSERVED, head_type=UNSERVED)
     with pytest.raises(ValueError, match="no linear weights of a packed type.*--quantization none"):
         pack_gguf_linears(model, path)
@@ -180,5 +180,5 @@ def test_a_mixed_file_loads_by_default_packed_and_decodes_as_float32(tmp_path) -
 def test_the_tiles_cache_is_named_by_the_types_served(monkeypatch) -> None:
     """Tiles saved before a type was served (its linears float32 then) are not read after."""
     name = tiles_file_name()
-    monkeypatch.setitem(BLOCK_TYPES, "Q2_K", BlockType(256, 84, "Q8_1"))
+    monkeypatch.setitem(BLOCK_TYPES, "IQ4_NL", BlockType(32, 18, "Q4_1"))
     assert tiles_file_name() != name
