@@ -65,10 +65,15 @@ def steady(machine: MachineLoad) -> MachineLoad:
 
 
 @pytest.mark.slow
-def test_a_profile_measured_beside_a_steady_busy_core_is_valid(embedded) -> None:
+def test_a_profile_measured_beside_a_steady_busy_core_is_valid() -> None:
+    """On the path a server takes by default (the packed one): torch's float32 GEMMs of the
+    unpacked path, threaded beside a busy core, timed 2-row passes above 4-row ones on an
+    AVX-512 CPU (92 against 74 ms; fine on one thread), which fails validation."""
     if in_a_passive_process("test_a_profile_measured_beside_a_steady_busy_core_is_valid"):
         return
-    runner = ModelRunner(embedded.model)
+    from service.model.loader import load_model
+
+    runner = ModelRunner(load_model(quantization="gguf").model)
     with busy_core():
         machine = steady(MachineLoad())
         assert machine.others_cores is not None and machine.others_cores > 0.5
