@@ -5,14 +5,13 @@ layers' weights as the file stores them, re-laid exactly into one of four kernel
 (`service/kernels/gguf_blocks.py`: Q4_0, Q4_1 and Q4_K take the 4-bit one, 32 weights with a
 scale d and min m, w = d*q + m; Q3_K, Q5_0, Q6_K and Q8_0 the 8-bit one, w = d*q; Q5_1 and Q5_K
 the 8-bit one with a min, w = d*q + m; Q2_K the 8-bit one with a scale and min a half). On the
-embedded
-Q4_1 file a pass then reads ~0.6 bytes per weight instead of float32's 4, and the numba kernel
-(service/kernels/packed_kernels.py) dequantizes each block once per pass and applies it to every
-row of the pass (up to a pass size measured once on each kind of CPU, `kernel_max_rows_for`;
-larger passes dequantize the layer and call `F.linear`). Without numba the same modules
-dequantize and call `F.linear` (slower, same weights). Up to a pass size measured on the CPU at
-load (`tune_fused_max_rows`) the weights are dequantized in registers, four rows at a time;
-above it, once per tile into a buffer that every row then reads.
+embedded Q4_1 file a pass then reads ~0.6 bytes per weight instead of float32's 4, and the numba
+kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and applies it
+to every row of the pass (up to a pass size measured once on each kind of CPU,
+`kernel_max_rows_for`; larger passes dequantize the layer and call `F.linear`). Without numba
+the same modules dequantize and call `F.linear` (slower, same weights). Up to a pass size
+measured on the CPU at load (`tune_fused_max_rows`) the weights are dequantized in registers,
+four rows at a time; above it, once per tile into a buffer that every row then reads.
 
 The served weights are bit-for-bit those of the float32 path (`--quantization none`, which
 dequantizes the same blocks); what differs is only the order of the float32 sums inside a matmul,
