@@ -1,4 +1,4 @@
-"""Packed linears (Q4_1, Q8_0, Q8_1 and Q6_K layouts) computed with 8-bit activations
+"""Packed linears (Q4_1, Q8_0, Q8_1, Q6_K and Q3_K layouts) computed with 8-bit activations
 (`--quantization gguf-int8`).
 
 On a CPU the packed Q4_1 kernel of `service/kernels/packed_kernels.py` multiplies in float32:
@@ -29,12 +29,11 @@ nibbles and a fifth vector of their fifth bits (5 bits a weight, not 8); four of
 pairs (≤ 4·2·31·127) are summed in int16.
 
 A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
-integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) computes on VNNI with
-`vpmaddwd` on int16 pairs, the activations widened to int16 (kind "wide"); on AVX2 it is
-re-laid as 6-bit weights and an int16 scale a 16 (kind "Q6_K", `_scaled`), a third of the
-bytes, each sub-block's sum (the sign trick, within int16) times its scale; where every weight
-fits 4 bits so (Q3_K's, scale·(q - 4): `gguf_blocks`) as 4-bit ones (kind "Q3_K"), a quarter.
-All are exact in int32, and equal.
+integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) is re-laid as 6-bit weights
+and an int16 scale a 16 (kind "Q6_K", `_scaled`), half of int16's bytes; where every weight
+fits 4 bits so (Q3_K's, scale·(q - 4): `gguf_blocks`), as 4-bit ones (kind "Q3_K"). Each
+sub-block's sum is exact, then times its scale: on AVX2 by the sign trick within int16, on
+VNNI with the activations entering as xq + 128 as Q8_0's (|sums| < 2^31 either way).
 
 The inner kernel is LLVM IR built here with llvmlite (numba's own compiler: nothing to
 install) and compiled for this CPU at load: numba's vectorizer emits none of these instructions
@@ -74,12 +73,9 @@ class Isa:
     name: str
     features: tuple[str, ...]  # what the CPU must have (LLVM's names)
     columns: int  # output columns of a tile: one vector of int32 / float32 lanes
-    # Q8_0: added to the activations so that they enter unsigned (VNNI's operand order); the
-    # sums then start from -offset·Σw (`Int8Tiles.m`). AVX2 takes the sign trick instead.
+    # Q8_0, Q6_K, Q3_K: added to the activations so that they enter unsigned (VNNI's operand
+    # order); the sums then start from -offset·Σw (`Int8Tiles.m`). AVX2 takes the sign trick.
     q8_offset: int
-    # Q6_K as 6-bit weights (kind "Q6_K", the sign trick) rather than int16 ones ("wide"):
-    # AVX2 has `vpsignb`, AVX-512 has none
-    six_bit: bool
 
     @property
     def vector_bytes(self) -> int:
@@ -91,15 +87,15 @@ class Isa:
         return BLOCK * self.columns // 2
 
     def block_bytes(self, kind: str) -> int:
-        """A block of a tile of `kind`: 32 weights a column, 4, 8 or 16 bits each (Q6_K: four
+        """A block of a tile of `kind`: 32 weights a column, 4, 5 or 8 bits each (Q6_K: four
         vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales;
         Q3_K: the nibbles and the scales)."""
-        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "wide": 16, "Q6_K": 7, "Q3_K": 5}
+        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "Q6_K": 7, "Q3_K": 5}
         return self.vector_bytes * sizes[kind]
 
 
-VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128, six_bit=False)
-AVX2 = Isa("AVX2", ("avx2", "fma"), 8, 0, six_bit=True)
+VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128)
+AVX2 = Isa("AVX2", ("avx2", "fma"), 8, 0)
 ISAS = (VNNI, AVX2)  # the first the CPU has is used
 
 
@@ -130,16 +126,15 @@ REQUIRED_FEATURES = " or ".join(" + ".join(isa.features) for isa in ISAS)  # for
 
 @dataclass(frozen=True)
 class Int8Tiles:
-    """A Q4_1, Q8_0 or wide (int16 weights) weight [out_features, in_features] re-laid for the
-    kernel of `isa`."""
+    """A weight [out_features, in_features] re-laid for the kernel of `isa`."""
 
-    kind: str  # "Q4_1", "Q8_0", "Q8_1", "wide", or on AVX2 "Q6_K" or "Q3_K" in its place
+    kind: str  # "Q4_1", "Q8_0", "Q8_1", or for int16 weights "Q6_K" or "Q3_K"
     isa: Isa
-    # [U, B, 4 (Q4_1), 8 (Q8_0) or 16 (wide) vectors] uint8: tile u, block b (module docstring)
+    # [U, B, `Isa.block_bytes`] uint8: tile u, block b (module docstring)
     packed: np.ndarray
     d: np.ndarray  # [U, B, columns] float32 scales of the tile's columns
-    # [U, B, columns] Q4_1, Q8_1: float32 mins; Q8_0: int32 -offset·Σ w (activations enter as
-    # xq + offset)
+    # [U, B, columns] Q4_1, Q8_1: float32 mins; the others: int32 -offset·Σ w (activations
+    # enter as xq + offset)
     m: np.ndarray
     out_features: int
     in_features: int
@@ -188,8 +183,6 @@ def _weights(kind: str, vectors: np.ndarray) -> np.ndarray:
 
     if kind == "Q8_0":
         return by_input(vectors.view(np.int8))
-    if kind == "wide":  # [U, B, 16 vectors, c, 2 int16]
-        return by_input(vectors.view(np.int16))
     q = nibbles(vectors[:, :, :4])
     if kind == "Q4_1":
         return q
@@ -222,13 +215,13 @@ def int8_tiles(
 ) -> Int8Tiles:
     """Re-lay `PackedTiles`' arrays into the tiles of `isa`'s kernel (this CPU's best by
     default): Q4_1 qs [T, B, 16, 32] (byte j of a block: low nibble weight j, high nibble
-    weight j+16), Q8_0 qs [T, B, 32, 32] int8, or int16 for a wide type (`Int8Tiles.kind`
-    "wide": vector g's lane c holds column c's weights 2g and 2g+1); d, m [T, B, 32]. A few
+    weight j+16), Q8_0 qs [T, B, 32, 32] int8, or int16 for a wide type (Q6_K, Q3_K); d, m
+    [T, B, 32]. A few
     tiles at a time, so that the re-laying's temporaries stay small beside a large weight (a
     128k-row head's would take gigabytes)."""
     isa = isa or _required_isa()
     if kind == "Q8_0" and qs.dtype == np.int16:
-        kind = _wide_kind(qs, isa)
+        kind = _scaled_kind(qs)
     parts = [
         _relaid(kind, qs[at : at + RELAY_TILES], d[at : at + RELAY_TILES], m, at, isa)
         for at in range(0, qs.shape[0], RELAY_TILES)
@@ -254,13 +247,11 @@ def _relaid(
         a = a.transpose(0, 2, 1).reshape(-1, lanes, blocks)
         return np.ascontiguousarray(a.transpose(0, 2, 1), dtype=dtype)
 
-    if kind in SCALED_BITS:
+    if kind in SCALED_BITS:  # activations enter as xq + offset: the sums start from -offset·Σ w
         scaled = _scaled(qs, lanes, SCALED_BITS[kind])
-        return kind, scaled, columns(d, np.float32), columns(0 * d, np.int32)
-    if kind == "wide":
-        q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 16, 2)  # [U, c, B, g, i]
-        m = columns(0 * d, np.int32)  # signed times signed: no offset
-    elif kind == "Q8_0":
+        m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
+        return kind, scaled, columns(d, np.float32), m
+    if kind == "Q8_0":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
         m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
     else:  # Q4_1, Q8_1: nibbles, and Q8_1's fifth bits (bit 4h + g: weight 16h + 4g + i's)
@@ -285,13 +276,10 @@ FLOAT_MINS = ("Q4_1", "Q8_1")
 SCALED_BITS = {"Q6_K": 6, "Q3_K": 4}
 
 
-def _wide_kind(qs: np.ndarray, isa: Isa) -> str:
-    """How `isa`'s kernels take int16 weights: "wide" on VNNI; on AVX2 "Q3_K" where every
-    sub-block factors into 4-bit weights (a Q3_K file's always do), else "Q6_K" (6 bits: a
-    Q6_K file's always do). Tile by tile, as the re-laying goes; a Q6_K weight stops at its
-    first tiles."""
-    if not isa.six_bit:
-        return "wide"
+def _scaled_kind(qs: np.ndarray) -> str:
+    """How the kernels take int16 weights: "Q3_K" where every sub-block factors into 4-bit
+    weights (a Q3_K file's always do), else "Q6_K" (6 bits: a Q6_K file's always do). Tile by
+    tile, as the re-laying goes; a Q6_K weight stops at its first tiles."""
     for at in range(0, qs.shape[0], RELAY_TILES):
         if _factored(qs[at : at + RELAY_TILES], 4) is None:
             return "Q6_K"
@@ -404,12 +392,12 @@ def _ir(
     """The tile kernel's LLVM IR for `isa`: tiles(packed, d, m, xq, dx, xs, out, rows, blocks,
     out_stride, count) computes out[r, Cu : Cu + C] (C = `isa.columns`) for the `count` tiles
     from `packed`. Q4_1 (and Q8_1, bytes): weights (nibbles, unsigned) times xq (signed), plus
-    m·xs; Q8_0 on VNNI:
-    xq + 128 (unsigned) times the weights (signed), the sums starting from m = -128·Σ w; on
-    AVX2: |w| times xq with w's sign. Rows go `row_groups` at a time through each block (the
-    largest first, while a whole group is left), so a block's weights are loaded (and unpacked)
-    once for the group; every row's arithmetic is the same in a group as alone. `addresses`
-    says where a row's inputs are (`row_major` by default; see
+    m·xs; Q8_0 on VNNI: xq + 128 (unsigned) times the weights (signed), the sums starting from
+    m = -128·Σ w; on AVX2: |w| times xq with w's sign; Q6_K and Q3_K the same way a sub-block
+    at a time, each sub-block's sum times its scale. Rows go `row_groups` at a time through
+    each block (the largest first, while a whole group is left), so a block's weights are
+    loaded (and unpacked) once for the group; every row's arithmetic is the same in a group as
+    alone. `addresses` says where a row's inputs are (`row_major` by default; see
     `service/kernels/int8_chunk_kernel.py` for the other layout)."""
     from llvmlite import ir
 
@@ -427,7 +415,6 @@ def _ir(
     fma = intrinsic(f"llvm.fma.v{lanes}f32", floats, floats, floats, floats)
     if isa.name == VNNI.name:
         dpbusd = intrinsic("llvm.x86.avx512.vpdpbusd.512", ints, ints, vector, vector)
-        madd = intrinsic("llvm.x86.avx512.pmaddw.d.512", ints, shorts, shorts)
     else:
         maddubs = intrinsic("llvm.x86.avx2.pmadd.ub.sw", shorts, vector, vector)
         madd = intrinsic("llvm.x86.avx2.pmadd.wd", ints, shorts, shorts)
@@ -465,12 +452,7 @@ def _ir(
     out = b.gep(out0, [b.mul(tile, const(lanes))])
 
     def dot(b: Any, sums: Any, products: list[tuple[Any, Any]]) -> Any:
-        """sums + Σ over (weights, inputs) pairs of their lanes' products: four bytes a lane,
-        or two int16 (wide)."""
-        if kind == "wide":
-            for weight, inputs in products:
-                sums = b.add(sums, b.call(madd, [b.bitcast(weight, shorts), inputs]))
-            return sums
+        """sums + Σ over (weights, inputs) pairs of their lanes' products, four bytes a lane."""
         if isa.name == VNNI.name:
             for weight, inputs in products:  # unsigned first
                 pair = [weight, inputs] if kind in FLOAT_MINS else [inputs, weight]
@@ -589,37 +571,27 @@ def _ir(
                 )
                 for h in (0, 1)
             ]
-        else:  # four int8 weights a lane, or two int16 (wide)
-            width = 2 if kind == "wide" else 4
-            operands = [(v, width * g) for g, v in enumerate(vectors)]
+        else:  # four int8 weights a lane
+            operands = [(v, 4 * g) for g, v in enumerate(vectors)]
         news = []
         for r, total in enumerate(totals):
             inputs, row_dx, row_xs = addresses(b, (xq, dx, xs, blocks), row, r, block)
             products = []
             for weight, offset in operands:  # xq[offset : offset + 4] in every 32-bit lane
-                if kind == "wide":  # xq[offset : offset + 2], widened to int16
-                    two = b.load(
-                        b.bitcast(
-                            b.gep(inputs, [const(offset)]), ir.VectorType(i8, 2).as_pointer()
-                        ),
-                        align=1,
-                    )
-                    word = b.bitcast(b.sext(two, ir.VectorType(i16, 2)), i32)
-                else:
-                    word = b.load(
-                        b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1
-                    )
+                word = b.load(b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1)
                 first = b.insert_element(ir.Constant(ints, None), word, ir.Constant(i32, 0))
                 splatted = b.shuffle_vector(
                     first, ir.Constant(ints, None), ir.Constant(ints, [0] * lanes)
                 )
-                products.append((weight, b.bitcast(splatted, shorts if kind == "wide" else vector)))
+                products.append((weight, b.bitcast(splatted, vector)))
             if kind in SCALED_BITS:  # each sub-block's exact sum times its scale
                 zero = ir.Constant(ints, [0] * lanes)
                 sums = b.add(
                     b.mul(dot(b, zero, products[:4]), sub_scales[0]),
                     b.mul(dot(b, zero, products[4:]), sub_scales[1]),
                 )
+                if isa.q8_offset:  # VNNI: the activations entered as xq + offset
+                    sums = b.add(sums, column_terms)
             else:
                 start_sums = ir.Constant(ints, [0] * lanes) if kind in FLOAT_MINS else column_terms
                 sums = dot(b, start_sums, products)
@@ -671,8 +643,8 @@ def int8_matmul(kind: str = "Q4_1", isa: Isa | None = None) -> Any:
 @functools.cache
 def _int8_matmul(kind: str, isa: Isa) -> Any:
     tiles_kernel = compile_ir(_ir(kind, isa), "tiles", [ctypes.c_int64] * 11)
-    # Q8_0 on VNNI: the activations are the unsigned operand
-    offset = isa.q8_offset if kind == "Q8_0" else 0
+    # signed weights on VNNI: the activations are the unsigned operand
+    offset = isa.q8_offset if kind not in FLOAT_MINS else 0
 
     @njit(nogil=True)
     def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled

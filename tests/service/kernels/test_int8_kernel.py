@@ -4,8 +4,6 @@ a row's result whatever the pass holds, and losslessness of speculation on that 
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -13,11 +11,11 @@ import torch
 from drafting import TableSlot
 from service.controller.profiler import profile_path
 from service.engine.params import GenerationParams, SpeculationParams
+from service.kernels import int8_kernel
 from service.kernels.int8_kernel import (
     AVX2,
     BLOCK,
     VNNI,
-    best_isa,
     int8_matmul,
     int8_tiles,
     supported_isas,
@@ -102,8 +100,8 @@ def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(
 def test_a_k_quant_computes_its_weights_on_the_rounded_activations(
     out_features, in_features, rows, kind, isa
 ) -> None:
-    """Q6_K's and Q3_K's weights are int16 integers (scale·q) times d: `vpmaddwd` on int16
-    pairs, or on AVX2 a few bits times a scale a 16; Q5_K's are bytes with a min a 32."""
+    """Q6_K's and Q3_K's weights are int16 integers (scale·q) times d, re-laid as a few bits
+    times a scale a 16; Q5_K's are bytes with a min a 32."""
     blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     got = run(kind, blocks, out_features, x, isa=isa)
@@ -142,39 +140,36 @@ def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
     assert all(torch.equal(results[0], other) for other in results[1:])
 
 
-@pytest.mark.skipif(AVX2 not in supported_isas(), reason="the CPU lacks AVX2")
-def test_q6_k_as_six_bits_and_as_int16_gives_the_same_bits() -> None:
-    """On AVX2 Q6_K is re-laid as 6-bit weights times a per-16 scale (the products' greatest
-    common divisor, not the file's scale); as int16 products (VNNI's way) the sums are the
-    same integers, so the outputs are the same bits. Blocks whose scales share factors with
-    their weights, and all-zero groups, included."""
+@ISAS
+def test_q6_k_sub_blocks_with_common_factors_or_zero_scales_compute_their_weights(isa) -> None:
+    """Q6_K is re-laid as 6-bit weights times a per-16 scale: the products' greatest common
+    divisor, not the file's scale. Blocks whose scales share factors with their weights, and
+    all-zero groups, included."""
     blocks = random_blocks(48, 512, seed=6, kind=Q6_K)
     per_block = blocks.reshape(48, 2, -1)
     per_block[:8, :, :192] = 0x22  # q = 2 | 2<<4 ... (even weights minus 32: common factors)
     per_block[8:12, :, 192:208] = 0  # scale 0: all-zero products
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(6))
-    six = run(Q6_K, blocks, 48, x, isa=AVX2)
-    wide = run(Q6_K, blocks, 48, x, isa=dataclasses.replace(AVX2, six_bit=False))
-    assert torch.equal(six, wide)
-    torch.testing.assert_close(six, reference(blocks, quantized(x), Q6_K), rtol=1e-5, atol=1e-5)
+    got = run(Q6_K, blocks, 48, x, isa=isa)
+    torch.testing.assert_close(got, reference(blocks, quantized(x), Q6_K), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(AVX2 not in supported_isas(), reason="the CPU lacks AVX2")
-def test_q3_k_as_four_bits_and_as_int16_gives_the_same_bits() -> None:
-    """On AVX2 Q3_K's products scale·(q - 4) factor into 4-bit weights (kind "Q3_K", a quarter
-    of int16's bytes) and Q6_K's into 6-bit ones; the sums are int16's integers either way, so
+@ISAS
+def test_q3_k_as_four_bits_and_as_six_gives_the_same_bits(isa, monkeypatch) -> None:
+    """Q3_K's products scale·(q - 4) factor into 4-bit weights (kind "Q3_K", two thirds of
+    6-bit's bytes) and Q6_K's into 6-bit ones; the sums are the same integers either way, so
     the outputs are the same bits. A weight with one sub-block that needs 6 bits takes 6 bits
     throughout."""
     blocks = random_blocks(48, 512, seed=7, kind=Q3_K)
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(7))
     tiles = tiles_from_blocks(blocks, 48, 512, "Q3_K")
-    assert int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 48, AVX2).kind == "Q3_K"
+    assert int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 48, isa).kind == "Q3_K"
     six = tiles.qs.copy()
     six[0, 0, :16, 0] = 9 * np.arange(16)  # products whose gcd 9 leaves w up to 15: 6 bits
-    assert int8_tiles(tiles.kind, six, tiles.d, tiles.m, 48, AVX2).kind == "Q6_K"
-    four = run(Q3_K, blocks, 48, x, isa=AVX2)
-    wide = run(Q3_K, blocks, 48, x, isa=dataclasses.replace(AVX2, six_bit=False))
-    assert torch.equal(four, wide)
+    assert int8_tiles(tiles.kind, six, tiles.d, tiles.m, 48, isa).kind == "Q6_K"
+    four = run(Q3_K, blocks, 48, x, isa=isa)
+    monkeypatch.setattr(int8_kernel, "_scaled_kind", lambda qs: "Q6_K")
+    assert torch.equal(four, run(Q3_K, blocks, 48, x, isa=isa))
     torch.testing.assert_close(four, reference(blocks, quantized(x), Q3_K), rtol=1e-5, atol=1e-5)
 
 
@@ -275,7 +270,7 @@ def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path
             torch.testing.assert_close(
                 module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5
             )
-    assert kinds == {"Q4_1", "Q8_0", "Q8_1", "Q6_K" if best_isa().six_bit else "wide"}
+    assert kinds == {"Q4_1", "Q8_0", "Q8_1", "Q6_K"}
     assert_speculation_equals_plain_decoding(packed)
 
 
