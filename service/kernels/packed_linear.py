@@ -623,10 +623,13 @@ def read_packed_linears(
 ) -> tuple[dict[str, PackedTiles], Counter[str], Counter[str]]:
     """The linear weights of `gguf_path` whose GGUF type the kernels serve (`BLOCK_TYPES`; the
     LM head too: the output tensor, or the token embedding it is tied to) as tiles keyed by the
-    model's module names ("model.layers.3.mlp.up_proj", "lm_head"), q/k rows un-permuted; and
-    how many linears of each GGUF type were packed, and of each type left as loaded."""
+    model's module names ("model.layers.3.mlp.up_proj", "lm_head"), a Llama's q/k rows
+    un-permuted (llama.cpp permutes that architecture's alone, and transformers undoes it for
+    it alone); and how many linears of each GGUF type were packed, and of each type left as
+    loaded."""
     config = model.config
-    by_name = read_gguf(gguf_path).tensors
+    contents = read_gguf(gguf_path)
+    by_name, permuted = contents.tensors, contents.architecture == "llama"
     tiles: dict[str, PackedTiles] = {}
     packed: Counter[str] = Counter()
     kept: Counter[str] = Counter()
@@ -656,7 +659,7 @@ def read_packed_linears(
             "attn_q": config.num_attention_heads,
             "attn_k": config.num_key_value_heads,
         }.get(parts[2])
-        rows = None if heads is None else unpermute_rows(linear.weight.shape[0], heads)
+        rows = unpermute_rows(linear.weight.shape[0], heads) if heads and permuted else None
         add(name, tensor, linear, rows)
     head = by_name.get("output.weight") or (
         by_name.get("token_embd.weight") if config.tie_word_embeddings else None
@@ -667,11 +670,20 @@ def read_packed_linears(
     return tiles, packed, kept
 
 
+# The architectures whose linears are packed: the lean pass's (`service/model/decoder_pass.py`);
+# their projections are Llama's modules, under Llama's names
+PACKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Bumped whenever what saved tiles hold changes (so that older files are not read)
+TILES_FORMAT = 2
+
+
 def tiles_file_name() -> str:
     """The packed tiles' cache file (beside a GGUF's cached config), for float and 8-bit
     activations alike. Its name changes with the types the kernels serve (`BLOCK_TYPES`), so
-    tiles saved before a type was served are not read for a model that has it."""
+    tiles saved before a type was served are not read for a model that has it, nor tiles of an
+    older `TILES_FORMAT`."""
     served = ",".join(f"{name}:{t.layout}:{t.wide}" for name, t in BLOCK_TYPES.items())
+    served += f";{TILES_FORMAT}"
     digest = hashlib.sha256(served.encode()).hexdigest()[:12]
     return f"packed_tiles_{digest}.npz"
 
@@ -757,9 +769,10 @@ def pack_gguf_linears(
     permutation fails loudly.
     """
     config = model.config
-    if getattr(config, "model_type", None) not in ("llama", "mistral"):
+    if getattr(config, "model_type", None) not in PACKED_MODEL_TYPES:
         raise ValueError(
-            f"--quantization gguf supports Llama-family models, not {config.model_type!r}"
+            f"--quantization gguf supports {', '.join(PACKED_MODEL_TYPES)} models, "
+            f"not {config.model_type!r}"
         )
     if int8_activations and not int8_supported():
         raise ValueError(

@@ -21,8 +21,9 @@ call each (`service/kernels/layer_kernels.py`), and the packed layers are called
 
 Weights, cache writes and attention (`service/model/attention.py`) are the model's own (on the
 packed path one-token rows attend through a kernel: the same softmax, summed in position
-order). Models whose layers differ (extra norms such as Qwen3's, Gemma's norm of 1 + weight)
-take transformers' own forward: `supports_lean_pass` decides.
+order). Qwen3's RMSNorm of each query and key head before the rotary embedding is one norm
+call each. Models whose layers differ otherwise (Gemma's norm of 1 + weight, its sandwich
+norms) take transformers' own forward: `supports_lean_pass` decides.
 """
 
 from __future__ import annotations
@@ -37,13 +38,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from service.kernels.packed_linear import PackedLinear, fuse_packed, loaded_layer_kernels
+from service.kernels.packed_linear import (
+    PACKED_MODEL_TYPES,
+    PackedLinear,
+    fuse_packed,
+    loaded_layer_kernels,
+)
 from service.model.attention import PassLayout, kernel_array, kernel_attention, ragged_attention
 from service.model.kv_cache import TreeKVCache
 
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
-# bias) → rotary → attention → o_proj → residual → RMSNorm → down(act(gate) * up) → residual.
-LEAN_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# bias) → (Qwen3: RMSNorm of each q and k head) → rotary → attention → o_proj → residual →
+# RMSNorm → down(act(gate) * up) → residual.
+LEAN_MODEL_TYPES = PACKED_MODEL_TYPES
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
@@ -106,6 +113,8 @@ def lean_hidden(
         qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(
             tokens, -1, attn.head_dim
         )
+        if hasattr(attn, "q_norm"):
+            _norm_heads(qkv, (attn.q_norm, attn.k_norm), heads, kernels)
         layer_cache = cache.layers[index]
         queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, layer_cache, kernels)
         if layout.kernel_queries is not None or layout.chunk_queries is not None:
@@ -254,6 +263,17 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module, kernels: Any = None) -> torch.Te
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _norm_heads(
+    qkv: torch.Tensor, norms: tuple[nn.Module, nn.Module], heads: int, kernels: Any
+) -> None:
+    """Qwen3's RMSNorm of each query head and each key head over head_dim (`norms`: the
+    queries', the keys'), in place in `qkv` [T, heads + 2 * kv_heads, head_dim]."""
+    kv_heads = (qkv.shape[1] - heads) // 2
+    for norm, part in zip(norms, (slice(0, heads), slice(heads, heads + kv_heads))):
+        x = qkv[:, part]
+        qkv[:, part] = _rms_norm(x.reshape(-1, x.shape[-1]), norm, kernels).view(x.shape)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

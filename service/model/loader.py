@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -267,15 +268,28 @@ def check_supported(config: PretrainedConfig) -> None:
     )
 
 
+def _take_head_dim(config: PretrainedConfig, path: Path) -> None:
+    """Set `config.head_dim` from the file's `{arch}.attention.key_length`, which llama.cpp
+    reads: transformers' GGUF mapping leaves some architectures (Qwen3's) at the config
+    class's default, wrong for a model whose heads are not hidden / heads wide."""
+    reader = GGUFReader(path)
+    architecture = reader.get_field("general.architecture")
+    if architecture is None or not hasattr(config, "head_dim"):
+        return
+    key_length = reader.get_field(f"{architecture.contents()}.attention.key_length")
+    if key_length is not None:
+        config.head_dim = int(key_length.contents())
+
+
 def _save_gguf_header(gguf: Path, directory: Path) -> None:
     """Save the config and tokenizer of `gguf` (read from its metadata) in `directory` (a
     temporary one that `cached_directory` renames into place once whole)."""
     log.info(
         "reading the config and tokenizer of %s (first start; cached for later ones)", gguf.name
     )
-    AutoConfig.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, local_files_only=True
-    ).save_pretrained(directory)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    _take_head_dim(config, gguf)
+    config.save_pretrained(directory)
     AutoTokenizer.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True
     ).save_pretrained(directory)

@@ -86,23 +86,28 @@ def write_tiny_gguf(
     linear_type: Callable[[int, str], gguf.GGMLQuantizationType] = lambda index, kind: Q4_1,
     head_type: gguf.GGMLQuantizationType = Q8_0,
 ) -> None:
-    """Quantize the tiny Llama's linears (`linear_type(layer index, llama.cpp's name)`, Q4_1 by
-    default) and its LM head (Q8_0 by default) into a GGUF (llama.cpp's names and q/k
-    permutation), and set the model's weights to exactly what that file holds (random blocks
-    for the K-quants gguf-py cannot write). `loadable`: with the rest a served model needs
-    (`_add_model_rest`), so that `load_model` converts and serves the file."""
+    """Quantize a tiny model's linears (`linear_type(layer index, llama.cpp's name)`, Q4_1 by
+    default) and its LM head (Q8_0 by default) into a GGUF of its architecture (llama.cpp's
+    names, and for a Llama its q/k permutation), and set the model's weights to exactly what
+    that file holds (random blocks for the K-quants gguf-py cannot write). `loadable`: with the
+    rest a served model needs (`_add_model_rest`), so that `load_model` converts and serves the
+    file."""
     config = model.config
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, config.model_type)
     if loadable:
         _add_model_rest(writer, model)
     for index, layer in enumerate(model.model.layers):
         for kind, name in LLAMA_LINEARS.items():
             linear = layer.get_submodule(name)
             weight = linear.weight.detach().numpy()
-            heads = {
-                "attn_q": config.num_attention_heads,
-                "attn_k": config.num_key_value_heads,
-            }.get(kind)
+            heads = (
+                {
+                    "attn_q": config.num_attention_heads,
+                    "attn_k": config.num_key_value_heads,
+                }.get(kind)
+                if config.model_type == "llama"
+                else None
+            )
             stored = permute_rows(weight, heads) if heads else weight
             dtype = linear_type(index, kind)
             blocks = _quantize(stored, dtype, seed=index * 100 + list(LLAMA_LINEARS).index(kind))
@@ -141,15 +146,24 @@ def _add_model_rest(writer: gguf.GGUFWriter, model) -> None:
         config.vocab_size,
         tied=False,
         context=config.max_position_embeddings,
+        rope_theta=config.rope_parameters["rope_theta"],
         norm_eps=config.rms_norm_eps,
         bos=config.bos_token_id,
         eos=config.eos_token_id,
     )
     random_gguf.add_llama_metadata(writer, shape)
+    writer.add_key_length(model.model.layers[0].self_attn.head_dim)  # Qwen3's is no quotient
+    writer.add_value_length(model.model.layers[0].self_attn.head_dim)
     writer.add_tensor("token_embd.weight", model.model.embed_tokens.weight.detach().numpy())
     writer.add_tensor("output_norm.weight", model.model.norm.weight.detach().numpy())
     for index, layer in enumerate(model.model.layers):
         norms = {"attn_norm": layer.input_layernorm, "ffn_norm": layer.post_attention_layernorm}
+        for kind in ("attn_q", "attn_k", "attn_v"):  # Qwen2's biases
+            bias = layer.get_submodule(LLAMA_LINEARS[kind]).bias
+            if bias is not None:
+                writer.add_tensor(f"blk.{index}.{kind}.bias", bias.detach().numpy())
+        if hasattr(layer.self_attn, "q_norm"):  # Qwen3's
+            norms |= {"attn_q_norm": layer.self_attn.q_norm, "attn_k_norm": layer.self_attn.k_norm}
         for kind, norm in norms.items():
             writer.add_tensor(f"blk.{index}.{kind}.weight", norm.weight.detach().numpy())
 

@@ -37,7 +37,8 @@ def tiny_model(config_name: str) -> transformers.PreTrainedModel:
     [
         ("LlamaConfig", True),
         ("Qwen2Config", True),  # biases on q, k, v: the fused projection carries them
-        ("Qwen3Config", False),  # norms on q and k: transformers' own layers run it
+        ("Qwen3Config", True),  # norms on each q and k head
+        ("Gemma3TextConfig", False),  # norms of 1 + weight: transformers' own layers run it
     ],
 )
 def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, lean: bool) -> None:
@@ -49,9 +50,10 @@ def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, 
     assert_nodes_match(model, PROMPT, tree, runner.forward(cache, [RowInput(tree)])[0])
 
 
-def test_the_lean_pass_gives_transformers_pass_bit_for_bit() -> None:
+@pytest.mark.parametrize("config_name", ["LlamaConfig", "Qwen2Config", "Qwen3Config"])
+def test_the_lean_pass_gives_transformers_pass_bit_for_bit(config_name: str) -> None:
     """Same operators in the same order, fewer calls: float32 logits equal exactly."""
-    model = make_tiny_model(seed=6)
+    model = tiny_model(config_name)
     lean, reference = ModelRunner(model), ModelRunner(model)
     reference.lean = False
     tree = build_tree(PROMPT[-1], DRAFTS)
