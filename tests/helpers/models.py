@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 TINY_VOCAB = 64
@@ -37,3 +38,24 @@ def make_tiny_model(
         attn_implementation=attn_implementation,
     )
     return LlamaForCausalLM(config).to(TEST_DEVICE).eval()
+
+
+def make_tiny_family_model(
+    config_name: str, seed: int = 2, vocab_size: int = TINY_VOCAB, **config: object
+) -> transformers.PreTrainedModel:
+    """A 2-layer random model of a family (`config_name`: "Qwen3Config"...), 64 wide (two Q4_1
+    blocks a row), heads 16 wide; `config`: more of the family config's fields."""
+    torch.manual_seed(seed)
+    made = getattr(transformers, config_name)(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+        **config,
+    )
+    return transformers.AutoModelForCausalLM.from_config(made).eval()

@@ -11,25 +11,13 @@ import transformers
 from service.model.decoder_pass import fuse_projections
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import build_tree
-from tests.helpers.models import make_tiny_model
+from tests.helpers.models import make_tiny_family_model, make_tiny_model
 from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
 
 
 def tiny_model(config_name: str) -> transformers.PreTrainedModel:
     """A 2-layer random model of a family (Qwen2: q/k/v biases; Qwen3: extra q/k norms)."""
-    torch.manual_seed(2)
-    config = getattr(transformers, config_name)(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        attn_implementation="sdpa",
-    )
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return make_tiny_family_model(config_name)
 
 
 @pytest.mark.parametrize(

@@ -6,43 +6,30 @@ plain decoding."""
 from __future__ import annotations
 
 import pytest
-import torch
-import transformers
 
 from service.kernels.packed_linear import PackedLinear, load_kernels
 from service.model.loader import load_model
 from service.model.runner import ModelRunner, RowInput
 from service.model.tree import build_tree
+from tests.helpers.models import make_tiny_family_model
 from tests.helpers.packed import assert_speculation_equals_plain_decoding, write_tiny_gguf
 from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
 
 load_kernels()  # from the source tree's cache, not each test's own cache directory
 
 
-def tiny_model(config_name: str) -> transformers.PreTrainedModel:
-    """A 2-layer random model of a family, 64 wide (two Q4_1 blocks a row)."""
-    torch.manual_seed(4)
-    config = getattr(transformers, config_name)(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
 @pytest.mark.parametrize("config_name", ["LlamaConfig", "Qwen2Config", "Qwen3Config"])
 def test_a_gguf_of_the_family_serves_packed_on_the_lean_pass(config_name, tmp_path) -> None:
     """Qwen2 and Qwen3 keep their q/k rows as written (llama.cpp permutes a Llama's alone);
     Qwen2's biased q/k/v stay unpacked; Qwen3's q/k norms come from the file."""
-    plain = tiny_model(config_name)
+    plain = make_tiny_family_model(
+        config_name,
+        seed=4,
+        vocab_size=300,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(plain, path, loadable=True)  # plain now holds the file's weights
     model = load_model(path, cache_dir=tmp_path).model
