@@ -2,7 +2,8 @@
 
 gguf-py's `GGUFReader` parses every metadata value into numpy views: seconds for a tokenizer of
 49k tokens and merges, on every start. A start needs only the tensors' names, types, shapes and
-offsets, so this walks past the metadata (reading only `general.alignment`) and maps the data.
+offsets, and a few numbers, so this walks past the metadata (keeping its scalar numbers, the
+alignment and the architecture) and maps the data.
 The layout is GGUF v2/v3's (ggml's docs/gguf.md): header, key-value pairs, tensor infos, then
 the tensor data at an aligned offset. Little-endian files only, as llama.cpp writes them.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -19,8 +21,21 @@ import numpy as np
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
-# metadata value types: bytes of each fixed-size one; 8 is a string, 9 an array
-SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# metadata value types: the struct format of each fixed-size one; 8 is a string, 9 an array
+SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+SCALAR_BYTES = {kind: struct.calcsize(fmt) for kind, fmt in SCALAR_FORMATS.items()}
 STRING, ARRAY = 8, 9
 
 
@@ -47,11 +62,17 @@ class GGUFTensor:
 @dataclass(frozen=True)
 class GGUFContents:
     """What a start needs of a GGUF: its architecture (`general.architecture`, llama.cpp's name:
-    "llama", "qwen2", "gemma3"...) and its tensors by name, in file order."""
+    "llama", "qwen2", "gemma3"...), its tensors by name, in file order, and its scalar
+    numbers by key ("llama.context_length": 8192)."""
 
     path: Path
     architecture: str
     tensors: dict[str, GGUFTensor]
+    numbers: dict[str, int | float]
+
+    def number(self, key: str) -> int | float | None:
+        """The architecture's number `key` ("context_length" for "llama.context_length")."""
+        return self.numbers.get(f"{self.architecture}.{key}")
 
 
 class _Cursor:
@@ -61,6 +82,13 @@ class _Cursor:
         self.data, self.offset, self.path = data, 0, path
 
     def read(self, fmt: str) -> int:
+        return int(self._unpack(fmt))
+
+    def scalar(self, kind: int) -> int | float:
+        """A metadata number of value type `kind` (`SCALAR_FORMATS`)."""
+        return self._unpack(SCALAR_FORMATS[kind])
+
+    def _unpack(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
         if self.offset + size > len(self.data):
             raise GGUFFormatError(f"{self.path}: the file ends inside its header")
@@ -103,15 +131,16 @@ def read_gguf(path: Path) -> GGUFContents:
     if version not in VERSIONS:
         raise GGUFFormatError(f"{path}: GGUF version {version} (this reader maps v2 and v3)")
     n_tensors, n_values = cursor.read("<Q"), cursor.read("<Q")
-    alignment, architecture = DEFAULT_ALIGNMENT, ""
+    architecture, numbers = "", dict[str, int | float]()
     for _ in range(n_values):
         key, kind = cursor.string(), cursor.read("<I")
-        if key == "general.alignment" and kind == 4:  # uint32
-            alignment = cursor.read("<I")
+        if kind in SCALAR_FORMATS:
+            numbers[key] = cursor.scalar(kind)
         elif key == "general.architecture" and kind == STRING:
             architecture = cursor.string()
         else:
             cursor.skip_value(kind)
+    alignment = int(numbers.get("general.alignment", DEFAULT_ALIGNMENT))
     infos = []
     for _ in range(n_tensors):
         name = cursor.string()
@@ -129,4 +158,4 @@ def read_gguf(path: Path) -> GGUFContents:
             raise GGUFFormatError(f"{path}: tensor {name} does not fit the file")
         raw = data[first:last].reshape(*shape[:-1], row_bytes)
         tensors[name] = GGUFTensor(name, kind, shape, raw)
-    return GGUFContents(path, architecture, tensors)
+    return GGUFContents(path, architecture, tensors, numbers)

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -31,7 +30,7 @@ from transformers import (
 )
 
 from service.cache_files import cached_directory, file_sha256
-from service.kernels.gguf_file import read_gguf
+from service.kernels.gguf_file import GGUFContents, read_gguf
 from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears, tiles_file_name
 from service.model.gguf_model import empty_model, fill_from_gguf, pack_embedding
 
@@ -163,10 +162,12 @@ def load_model(
         )
     from_cache = False
     if gguf_file is not None:  # its config and tokenizer from the header cache
+        contents = read_gguf(gguf_file)  # the header and tensor table, read once for all steps
+        check_gguf_supported(contents)
         name = EMBEDDED_NAME if source is None else path.stem
         directory = cache_dir / "gguf" / f"{path.stem}-{file_sha256(path)[:16]}"
         from_cache = cached_directory(
-            directory, functools.partial(_save_gguf_header, gguf_file), "GGUF config and tokenizer"
+            directory, functools.partial(_save_gguf_header, contents), "GGUF config and tokenizer"
         )
         path = directory
     else:
@@ -206,7 +207,6 @@ def load_model(
             path, dtype=torch_dtype, local_files_only=True
         ).to(torch_device)
     else:
-        contents = read_gguf(gguf_file)  # the tensor table, read once for the steps below
         model = empty_model(config, torch_dtype)
         if quantization in PACKED:
             int8_activations = quantization == "gguf-int8"
@@ -252,43 +252,60 @@ def check_supported(config: PretrainedConfig) -> None:
     that is off (`use_sliding_window: false`), on no layer (`layer_types`) or at least the
     context length is no window at all.
     """
-    window = getattr(config, "sliding_window", None)
-    context = getattr(config, "max_position_embeddings", None)
-    if not window or getattr(config, "use_sliding_window", True) is False:
+    if getattr(config, "use_sliding_window", True) is False:
         return
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
         return
-    if context is not None and window >= context:
+    _check_window(
+        config.model_type,
+        getattr(config, "sliding_window", None),
+        getattr(config, "max_position_embeddings", None),
+    )
+
+
+def _check_window(model_type: str, window: int | None, context: int | None) -> None:
+    if not window or (context is not None and window >= context):
         return
     raise UnsupportedModel(
-        f"{config.model_type} models with sliding-window attention are not supported: the window "
+        f"{model_type} models with sliding-window attention are not supported: the window "
         f"({window} tokens) is shorter than the context ({context}), and ngrammys attends densely, "
         "so its output would differ from the model's past the window"
     )
 
 
-def _take_head_dim(config: PretrainedConfig, path: Path) -> None:
+def check_gguf_supported(contents: GGUFContents) -> None:
+    """`check_supported` from a GGUF's header (llama.cpp's `{arch}.attention.sliding_window`
+    and `{arch}.context_length`), before its config and tokenizer are converted (a large
+    vocabulary's take a minute)."""
+    window, context = (
+        contents.number(key) for key in ("attention.sliding_window", "context_length")
+    )
+    _check_window(
+        contents.architecture,
+        None if window is None else int(window),
+        None if context is None else int(context),
+    )
+
+
+def _take_head_dim(config: PretrainedConfig, contents: GGUFContents) -> None:
     """Set `config.head_dim` from the file's `{arch}.attention.key_length`, which llama.cpp
     reads: transformers' GGUF mapping leaves some architectures (Qwen3's) at the config
     class's default, wrong for a model whose heads are not hidden / heads wide."""
-    reader = GGUFReader(path)
-    architecture = reader.get_field("general.architecture")
-    if architecture is None or not hasattr(config, "head_dim"):
-        return
-    key_length = reader.get_field(f"{architecture.contents()}.attention.key_length")
-    if key_length is not None:
-        config.head_dim = int(key_length.contents())
+    key_length = contents.number("attention.key_length")
+    if key_length is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(key_length)
 
 
-def _save_gguf_header(gguf: Path, directory: Path) -> None:
-    """Save the config and tokenizer of `gguf` (read from its metadata) in `directory` (a
-    temporary one that `cached_directory` renames into place once whole)."""
+def _save_gguf_header(contents: GGUFContents, directory: Path) -> None:
+    """Save the config and tokenizer of the GGUF of `contents` (read from its metadata) in
+    `directory` (a temporary one that `cached_directory` renames into place once whole)."""
+    gguf = contents.path
     log.info(
         "reading the config and tokenizer of %s (first start; cached for later ones)", gguf.name
     )
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    _take_head_dim(config, gguf)
+    _take_head_dim(config, contents)
     config.save_pretrained(directory)
     AutoTokenizer.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True

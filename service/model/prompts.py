@@ -19,13 +19,21 @@ PROBE_TOOL = {
 }
 
 
+NO_TEMPLATE = (
+    "the model has no chat template (a base model): send the text as a prompt to /v1/completions"
+)
+
+
 def chat_prompt_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered by the chat template, ready for the assistant's turn;
-    `tools` (OpenAI's function list) go to the template, which may show them or not."""
+    `tools` (OpenAI's function list) go to the template, which may show them or not. A model
+    without a template (a base model) has no chat: ValueError saying so."""
+    if not tokenizer.chat_template:
+        raise ValueError(NO_TEMPLATE)
     encoded = tokenizer.apply_chat_template(
         list(messages),
         tools=None if tools is None else list(tools),
@@ -39,7 +47,8 @@ def chat_prompt_ids(
 def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the chat template shows the model the tools it is given: a template without
     tool syntax ignores `tools=`, and the caller has to describe them itself."""
-    return _renders_tools(tokenizer, str(tokenizer.chat_template))
+    template = tokenizer.chat_template
+    return bool(template) and _renders_tools(tokenizer, str(template))
 
 
 @functools.lru_cache(maxsize=8)

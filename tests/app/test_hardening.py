@@ -6,6 +6,7 @@ every refusal must be a 4xx in OpenAI's error shape, and the server must live on
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -74,6 +75,26 @@ def invalid_count(base: str) -> float:
         if line.startswith('ngrammys_requests_total{status="invalid"}'):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_a_model_without_a_chat_template_answers_chat_with_400_and_completions(
+    tiny_served,
+) -> None:
+    """A base model has no chat: 400 naming the route to use, not a template error; its
+    completions serve as usual."""
+    tokenizer = copy.deepcopy(tiny_served.tokenizer)
+    tokenizer.chat_template = None
+    loaded = LoadedModel(tiny_served.model, tokenizer, "base", 0.0, False)
+    app = create_app(Settings(**LIMITS, **QUIET), loader=lambda _: loaded)
+    with serving(app) as base:
+        wait_ready(base)
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        for extra in ({}, {"tools": [tool]}):
+            refused = post(base, "chat/completions", {**ROUTES["chat/completions"], **extra})
+            assert_openai_error(refused, 400, "messages")
+            assert "no chat template" in refused.json()["error"]["message"]
+            assert "/v1/completions" in refused.json()["error"]["message"]
+        assert post(base, "completions", ROUTES["completions"]).status_code == 200
 
 
 # --- the bugs ---------------------------------------------------------------------------

@@ -133,6 +133,22 @@ def test_the_tensor_reader_refuses_what_is_not_a_whole_gguf(files, tmp_path) -> 
         read_gguf(cut)
 
 
+def test_the_tensor_reader_keeps_the_headers_numbers_as_gguf_py_reads_them(files) -> None:
+    import gguf
+
+    contents = read_gguf(files["mixed"])
+    reader = gguf.GGUFReader(files["mixed"])
+    want = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if len(field.types) == 1
+        and field.types[0] != gguf.GGUFValueType.STRING
+        and not key.startswith("GGUF.")  # the header's own counts, not metadata
+    }
+    assert contents.numbers == want and len(want) >= 6
+    assert contents.number("context_length") == 512 and contents.architecture == "llama"
+
+
 # the float32 model of this shape (280M weights, 1.1 GB) does not fit the limit; its packed one
 # does (~0.75 bytes a weight, with the kernels' scratch buffers ~350 MB)
 LARGE = ModelShape(1024, 4096, 16, 8, 8, 4096, tied=False)

@@ -138,6 +138,23 @@ def test_a_sliding_window_model_is_refused_at_load(tmp_path) -> None:
         load_model(directory)
 
 
+def test_a_windowed_gguf_is_refused_before_any_conversion(tmp_path) -> None:
+    """Its header says so (a Gemma 3's window of 512 in a context of 32,768): refused before
+    the config and tokenizer are read (here there are none to read)."""
+    import gguf
+
+    path = tmp_path / "windowed.gguf"
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_context_length(32768)
+    writer.add_sliding_window(512)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(UnsupportedModel, match=r"gemma3 .*sliding-window.*\(512 tokens\)"):
+        load_model(path, cache_dir=tmp_path)
+    assert not (tmp_path / "gguf").exists()
+
+
 @pytest.mark.parametrize(
     "config_name,fields,refused",
     [
