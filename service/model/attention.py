@@ -16,7 +16,11 @@ so one 5-node tree among 15 one-token rows must not make all 16 rows attend with
 docs/benchmarks.md).
 
 Masks: row r's node i sees the row's committed cache [0, start_r) and its own ancestors in
-the tree (itself included), nothing else — the same rule as a single sequence.
+the tree (itself included), nothing else — the same rule as a single sequence. A layer with a
+sliding window W (Mistral's, Qwen2's windowed layers, Gemma's local ones: `layer_windows`)
+sees of those only the keys whose position is above the query's minus W, as transformers'
+`sliding_window_overlay` rules; the pass's layout for it is `PassLayout.for_window(W)` (the
+whole KV stays cached: a window bounds what is read, not what is kept).
 
 On the packed CPU path the rows of at most `kernel_width` tokens (decode rows) skip the
 batched call: a kernel (`service/kernels/attention_kernel.py`) attends each of their tokens over its
@@ -32,7 +36,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,6 +109,13 @@ class PassLayout:
     skips: list[int] | None = None  # per row: its first tokens, the chunk kernel's (None: none)
     # query heads per KV head folded into the query length (masks repeated so)
     query_groups: int = 1
+    # the layouts of windowed layers, by window (`for_window`); windows the pass fits in share
+    # this one
+    windowed: dict[int, PassLayout] = field(default_factory=dict)
+
+    def for_window(self, window: int | None) -> PassLayout:
+        """The layout a layer of sliding window `window` (None: none) attends with."""
+        return self.windowed.get(window, self) if window else self
 
     @property
     def rows(self) -> int:
@@ -138,6 +150,7 @@ def build_layout(
     kernel_width: int = 0,
     query_groups: int = 1,
     prompts: Sequence[int] | None = None,
+    windows: Sequence[int] = (),
 ) -> PassLayout:
     """The layout of a pass in which row r brings the nodes of `trees[r]` from `cached[r]` on
     (default: all) on top of `starts[r]` committed entries. Masks are additive, in `dtype`
@@ -152,7 +165,12 @@ def build_layout(
 
     `query_groups` > 1 (query heads per KV head) makes the attention calls fold each KV head's
     query heads into the query length (see `_attend`), so every mask is repeated that often
-    along its queries here, once a pass, not in every layer."""
+    along its queries here, once a pass, not in every layer.
+
+    `windows`: the sliding windows of the model's layers, each getting its own masks
+    (`PassLayout.for_window`); no prompt rows (`prompts`) then: the chunk kernel attends
+    without a window."""
+    assert not (windows and prompts), "the chunk kernel has no window"
     cached = cached or [0] * len(trees)
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
     # first node attended by row
@@ -184,36 +202,80 @@ def build_layout(
         )
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     separate_rows = [row for row, w in enumerate(attending) if w > width and row not in kernel_rows]
-    return PassLayout(
+    positions = np.repeat(start, count) + depths
+    attended_offsets = row_offsets + skips
+
+    def masks(window: int | None) -> dict:
+        """The masks and kernel queries of a layer of sliding window `window` (None: none)."""
+        return dict(
+            row_masks={
+                row: _additive(
+                    _row_mask(trees[row], starts[row], firsts[row], window),
+                    device,
+                    dtype,
+                    query_groups,
+                )
+                for row in separate_rows
+            },
+            batched_mask=None
+            if batched_mask is None
+            else _additive(
+                _within_window(batched_mask, trees, starts, cached, widths, window),
+                device,
+                dtype,
+                query_groups,
+            ),
+            kernel_queries=_kernel_queries(
+                trees, starts, firsts, attended_offsets, kernel_rows, window
+            )
+            if kernel_rows
+            else None,
+        )
+
+    layout = PassLayout(
         ends=ends,
         widths=widths,
         write_rows=torch.from_numpy(np.repeat(np.arange(len(widths)), count)).to(device),
         write_positions=torch.from_numpy(np.repeat(start + np.array(cached), count) + in_row).to(
             device
         ),
-        position_ids=torch.from_numpy(np.repeat(start, count) + depths)[None].to(device),
+        position_ids=torch.from_numpy(positions)[None].to(device),
         pass_end=pass_end,
-        row_masks={
-            row: _additive(
-                _row_mask(trees[row], starts[row], firsts[row]), device, dtype, query_groups
-            )
-            for row in separate_rows
-        },
-        batched_mask=None
-        if batched_mask is None
-        else _additive(batched_mask, device, dtype, query_groups),
+        **masks(None),
         query_index=to(query_index),
         batched_tokens=to(batched_tokens),
         batched_slots=to(batched_slots),
         separate_rows=separate_rows,
         one_token_rows=not kernel_rows and not chunks and all(w == 1 for w in widths),
-        kernel_queries=_kernel_queries(trees, starts, firsts, row_offsets + skips, kernel_rows)
-        if kernel_rows
-        else None,
         chunk_queries=_chunk_queries(starts, cached, skips, row_offsets) if chunks else None,
         skips=skips if chunks else None,
         query_groups=query_groups,
     )
+    for window in set(windows):
+        if window < int(positions.max(initial=0)) + 1:  # some query sees past it
+            layout.windowed[window] = replace(layout, **masks(window), windowed={})
+    return layout
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window (None: it attends to the whole context), as
+    transformers' models apply them: a window switched off (`use_sliding_window: false`) is
+    none; `layer_types` says which layers are windowed (Gemma's local ones, Qwen2's past
+    `max_window_layers`); without it every layer is (Mistral's)."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return [None] * layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * layers
+    return [window if "sliding" in str(kind) else None for kind in types]
+
+
+def _key_positions(tree: TokenTree, start: int) -> np.ndarray:
+    """[start + n]: the position of each column of a row: the committed cache's, then its tree
+    nodes' (start + depth)."""
+    return np.concatenate([np.arange(start), start + np.asarray(tree.depths, dtype=np.int64)])
 
 
 def _chunk_queries(
@@ -248,21 +310,31 @@ def _kernel_queries(
     firsts: Sequence[int],
     attended_offsets: np.ndarray,
     kernel_rows: Sequence[int],
+    window: int | None = None,
 ) -> KernelQueries:
     """The kernel rows' nodes from firsts[row] on; attended_offsets[row]: the first one's flat
-    index."""
+    index. With a sliding `window` each node's columns are all listed (none as a committed
+    range), those within the window."""
     tokens, rows, row_starts, columns, counts = [], [], [], [], [0]
     for row in kernel_rows:
         tree, start = trees[row], starts[row]
+        key_positions = _key_positions(tree, start)
         paths: list[list[int]] = []  # each node's ancestors and itself, root first
         for node, parent in enumerate(tree.parents):
             paths.append((paths[parent] if parent >= 0 else []) + [start + node])
         for node in range(firsts[row], tree.num_nodes):
             tokens.append(attended_offsets[row] + node - firsts[row])
             rows.append(row)
-            row_starts.append(start)
-            columns.extend(paths[node])
-            counts.append(len(paths[node]))
+            path = paths[node]
+            if window is None:
+                row_starts.append(start)
+            else:
+                lowest = int(key_positions[start + node]) - window  # positions above it are seen
+                committed = list(range(max(0, lowest + 1), start))
+                path = committed + [c for c in path if key_positions[c] > lowest]
+                row_starts.append(0)
+            columns.extend(path)
+            counts.append(len(path))
     as_array = lambda values: np.array(values, dtype=np.int64)  # noqa: E731
     return KernelQueries(
         as_array(tokens),
@@ -301,12 +373,45 @@ def batched_width(widths: Sequence[int], call_slots: int, ends: Sequence[int] | 
     return min([0, *sorted(set(widths))], key=work)
 
 
-def _row_mask(tree: TokenTree, start: int, cached: int = 0) -> torch.Tensor:
+def _row_mask(
+    tree: TokenTree, start: int, cached: int = 0, window: int | None = None
+) -> torch.Tensor:
     """[1, 1, n - cached, start + n] bool: the whole committed cache, then the tree's
-    ancestors, for the nodes the row brings."""
+    ancestors, for the nodes the row brings; of those, with a sliding `window`, the columns
+    whose position is within it."""
     n = tree.num_nodes
     mask = torch.ones(1, 1, n - cached, start + n, dtype=torch.bool)
     mask[0, 0, :, start:] = torch.from_numpy(tree.ancestor_mask()[cached:])
+    if window is not None:
+        keys = _key_positions(tree, start)
+        queries = keys[start + cached :]
+        mask &= torch.from_numpy(keys[None, :] > queries[:, None] - window)
+    return mask
+
+
+def _within_window(
+    mask: torch.Tensor,
+    trees: Sequence[TokenTree],
+    starts: Sequence[int],
+    cached: Sequence[int],
+    widths: Sequence[int],
+    window: int | None,
+) -> torch.Tensor:
+    """The batched call's mask [rows, 1, D, pass_end] (`_batched`) with, given a sliding
+    `window`, each answered query slot's columns cut to those within it (padding slots keep
+    theirs: their output is dropped)."""
+    if window is None:
+        return mask
+    mask = mask.clone()
+    width, pass_end = mask.shape[2], mask.shape[3]
+    for row, tree in enumerate(trees):
+        if not 0 < widths[row] <= width:
+            continue
+        keys = _key_positions(tree, starts[row])
+        queries = keys[starts[row] + cached[row] :]
+        seen = np.zeros((len(queries), pass_end), dtype=bool)
+        seen[:, : len(keys)] = keys[None, :] > queries[:, None] - window
+        mask[row, 0, : len(queries)] &= torch.from_numpy(seen)
     return mask
 
 
@@ -361,18 +466,19 @@ def ragged_attention(
     pass_layout: PassLayout | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """Per-row attention of a flat pass; other calls (no layout) go to the model's own kind."""
+    """Per-row attention of a flat pass; other calls (no layout) go to the model's own kind.
+    `sliding_window` (transformers' windowed layers give theirs) restricts either to it."""
+    window: Any = kwargs.get("sliding_window")
     if pass_layout is None:
         fallback = getattr(module.config, "ngrammys_inner_attention", "sdpa")
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(fallback, sdpa_attention_forward)
-        if attention_mask is None and 1 < query.shape[2] < key.shape[2]:
-            attention_mask = _causal_after_cache(
-                query.shape[2], key.shape[2], query.device, query.dtype
-            )
+        queries, keys = query.shape[2], key.shape[2]
+        if attention_mask is None and (1 < queries < keys or (window and keys > window)):
+            attention_mask = _causal_after_cache(queries, keys, query.device, query.dtype, window)
         return inner(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-    layout = pass_layout
+    layout = pass_layout.for_window(window)
     if layout.one_token_rows:  # no gather or scatter: [rows, heads, 1, head_dim] is a view
         out = _attend(
             query[0].transpose(0, 1)[:, :, None],
@@ -501,14 +607,17 @@ def _attend(
 
 
 def _causal_after_cache(
-    queries: int, keys: int, device: torch.device, dtype: torch.dtype
+    queries: int, keys: int, device: torch.device, dtype: torch.dtype, window: int | None = None
 ) -> torch.Tensor:
     """The additive causal mask [1, 1, queries, keys] of `queries` new tokens after `keys -
-    queries` cached ones. transformers builds no mask for an attention kind it does not know,
-    and the inner kinds then take their missing mask as causal from the top-left corner: right
-    for a whole sequence, wrong for several tokens on top of a cache (transformers' own
-    `generate` with prompt lookup on a served model)."""
+    queries` cached ones (each seeing the last `window` positions only, given one).
+    transformers builds no mask for an attention kind it does not know, and the inner kinds
+    then take their missing mask as causal from the top-left corner: right for a whole
+    sequence, wrong for several tokens on top of a cache (transformers' own `generate` with
+    prompt lookup on a served model), and blind to windows."""
     seen = torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+    if window is not None:
+        seen &= torch.ones_like(seen).triu(keys - queries - window + 1)
     return torch.zeros(1, 1, queries, keys, dtype=dtype, device=device).masked_fill_(
         ~seen, float("-inf")
     )

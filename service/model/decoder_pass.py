@@ -44,7 +44,13 @@ from service.kernels.packed_linear import (
     fuse_packed,
     loaded_layer_kernels,
 )
-from service.model.attention import PassLayout, kernel_array, kernel_attention, ragged_attention
+from service.model.attention import (
+    PassLayout,
+    kernel_array,
+    kernel_attention,
+    layer_windows,
+    ragged_attention,
+)
 from service.model.kv_cache import TreeKVCache
 
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
@@ -108,6 +114,7 @@ def lean_hidden(
     tokens = x.shape[0]
     heads = model.config.num_attention_heads
     kernels = _layer_kernels(model)
+    windows = layer_windows(model.config)
     for index, layer in enumerate(base.layers):
         attn, projections = layer.self_attn, fused_projections(layer)
         qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(
@@ -117,13 +124,14 @@ def lean_hidden(
             _norm_heads(qkv, (attn.q_norm, attn.k_norm), heads, kernels)
         layer_cache = cache.layers[index]
         queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, layer_cache, kernels)
-        if layout.kernel_queries is not None or layout.chunk_queries is not None:
+        attending = layout.for_window(windows[index])
+        if attending.kernel_queries is not None or attending.chunk_queries is not None:
             out = kernel_attention(
-                queries, (layer_cache.keys, layer_cache.values), layout, attn.scaling
+                queries, (layer_cache.keys, layer_cache.values), attending, attn.scaling
             )  # [1, T, heads, head_dim]
         else:
             out, _ = ragged_attention(
-                attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=layout
+                attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=attending
             )
         x = x + projections.o(out.reshape(tokens, -1))
         gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(

@@ -32,6 +32,8 @@ from transformers import (
 from service.cache_files import cached_directory, file_sha256
 from service.kernels.gguf_file import GGUFContents, read_gguf
 from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears, tiles_file_name
+from service.model.attention import layer_windows
+from service.model.decoder_pass import LEAN_MODEL_TYPES
 from service.model.gguf_model import empty_model, fill_from_gguf, pack_embedding
 
 log = logging.getLogger(__name__)
@@ -245,21 +247,15 @@ def random_model(
 
 
 def check_supported(config: PretrainedConfig) -> None:
-    """Refuse models with sliding-window attention that the context can outgrow.
-
-    The tree pass attends with a dense mask over the whole cache; past the window such a
-    model attends to less, so its output here would differ from the model's own. A window
-    that is off (`use_sliding_window: false`), on no layer (`layer_types`) or at least the
-    context length is no window at all.
-    """
-    if getattr(config, "use_sliding_window", True) is False:
-        return
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and not any("sliding" in str(kind) for kind in layer_types):
-        return
+    """Refuse models with sliding-window attention that the context can outgrow, but those
+    whose windows the passes apply (`WINDOWED_MODEL_TYPES`, service/model/attention.py):
+    elsewhere the tree pass would attend densely over the whole cache, and past the window the
+    output would differ from the model's own. A window switched off, on no layer, or at least
+    the context long is no window at all."""
+    windows = [w for w in layer_windows(config) if w is not None]
     _check_window(
         config.model_type,
-        getattr(config, "sliding_window", None),
+        min(windows, default=None),
         getattr(config, "max_position_embeddings", None),
     )
 
@@ -267,11 +263,21 @@ def check_supported(config: PretrainedConfig) -> None:
 def _check_window(model_type: str, window: int | None, context: int | None) -> None:
     if not window or (context is not None and window >= context):
         return
+    if model_type in WINDOWED_MODEL_TYPES or model_type in WINDOWED_ARCHITECTURES:
+        return
     raise UnsupportedModel(
         f"{model_type} models with sliding-window attention are not supported: the window "
-        f"({window} tokens) is shorter than the context ({context}), and ngrammys attends densely, "
-        "so its output would differ from the model's past the window"
+        f"({window} tokens) is shorter than the context ({context}), and ngrammys attends densely "
+        f"for them (windows are applied for {', '.join(WINDOWED_MODEL_TYPES)}), so its output "
+        "would differ from the model's past the window"
     )
+
+
+# The model types whose layers' sliding windows every pass applies: the lean pass's, and
+# Gemma 3's (transformers' layers, which give the attention their window); their llama.cpp
+# architecture names, for a GGUF's header
+WINDOWED_MODEL_TYPES = (*LEAN_MODEL_TYPES, "gemma3_text")
+WINDOWED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def check_gguf_supported(contents: GGUFContents) -> None:

@@ -27,7 +27,12 @@ from transformers import PreTrainedModel
 from service.kernels.attention_kernel import warm_up as warm_up_attention
 from service.kernels.chunk_attention_kernel import chunk_kernel_fits
 from service.kernels.chunk_attention_kernel import warm_up as warm_up_chunk_attention
-from service.model.attention import build_layout, prompt_prefix, use_ragged_attention
+from service.model.attention import (
+    build_layout,
+    layer_windows,
+    prompt_prefix,
+    use_ragged_attention,
+)
 from service.model.decoder_pass import (
     attention_kernel_width,
     kv_cache_dtype,
@@ -75,10 +80,14 @@ class ModelRunner:
         use_ragged_attention(self.model)
         # Llama-family layers run through a lean pass of our own; others through transformers'
         self.lean = supports_lean_pass(self.model)
+        # the sliding windows of the model's layers: each gets masks of its own every pass
+        self.windows = sorted({w for w in layer_windows(model.config) if w is not None})
         on_gpu = model.device.type == "cuda"
         wanted = on_gpu if static_passes is None else static_passes
         self.static = (
-            StaticPasses.for_model(self.model, capture=on_gpu) if wanted and self.lean else None
+            StaticPasses.for_model(self.model, capture=on_gpu)
+            if wanted and self.lean and not self.windows  # fixed shapes have no windows
+            else None
         )
         self.device = model.device
         self.dtype = model.dtype
@@ -99,7 +108,10 @@ class ModelRunner:
         self.query_groups: int = config.num_attention_heads // config.num_key_value_heads
         # on the packed CPU path, prompt tokens attend through the chunk kernel (their own bits)
         self.chunk_kernel = bool(
-            self.lean and attention_kernel_width(self.model) and chunk_kernel_fits(head_dim)
+            self.lean
+            and attention_kernel_width(self.model)
+            and chunk_kernel_fits(head_dim)
+            and not self.windows  # the chunk kernel attends without a window
         )
         if self.lean and attention_kernel_width(
             self.model
@@ -210,6 +222,7 @@ class ModelRunner:
             attention_kernel_width(self.model),
             self.query_groups,
             prompts,
+            self.windows,
         )
         cache.begin_pass(layout)
         input_ids = (

@@ -130,27 +130,30 @@ def _tiny(config_class, **fields):
 
 
 def test_a_sliding_window_model_is_refused_at_load(tmp_path) -> None:
-    from transformers import MistralConfig, MistralForCausalLM
+    """Gemma 2's windows: its attention soft-capping is not applied, so its windows are not
+    either."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
     directory = tmp_path / "windowed"
-    MistralForCausalLM(_tiny(MistralConfig, sliding_window=16)).save_pretrained(directory)
+    Gemma2ForCausalLM(_tiny(Gemma2Config, sliding_window=16)).save_pretrained(directory)
     with pytest.raises(UnsupportedModel, match=r"sliding-window.*\(16 tokens\).*\(512\)"):
         load_model(directory)
 
 
 def test_a_windowed_gguf_is_refused_before_any_conversion(tmp_path) -> None:
-    """Its header says so (a Gemma 3's window of 512 in a context of 32,768): refused before
+    """Its header says so (a Gemma 2 window of 512 in a context of 32,768: its attention
+    soft-capping is not applied, so its windows are not either): refused before
     the config and tokenizer are read (here there are none to read)."""
     import gguf
 
     path = tmp_path / "windowed.gguf"
-    writer = gguf.GGUFWriter(path, "gemma3")
+    writer = gguf.GGUFWriter(path, "gemma2")
     writer.add_context_length(32768)
     writer.add_sliding_window(512)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModel, match=r"gemma3 .*sliding-window.*\(512 tokens\)"):
+    with pytest.raises(UnsupportedModel, match=r"gemma2 .*sliding-window.*\(512 tokens\)"):
         load_model(path, cache_dir=tmp_path)
     assert not (tmp_path / "gguf").exists()
 
@@ -158,16 +161,17 @@ def test_a_windowed_gguf_is_refused_before_any_conversion(tmp_path) -> None:
 @pytest.mark.parametrize(
     "config_name,fields,refused",
     [
-        ("MistralConfig", {"sliding_window": 16}, True),  # a window inside the context
+        ("MistralConfig", {"sliding_window": 16}, False),  # a window inside the context: applied
         ("MistralConfig", {"sliding_window": 512}, False),  # a window as long as the context: none
         ("MistralConfig", {"sliding_window": None}, False),  # no window
         ("Qwen2Config", {"sliding_window": 16, "use_sliding_window": False}, False),  # switched off
         (
             "Qwen2Config",
             {"sliding_window": 16, "use_sliding_window": True, "max_window_layers": 0},
-            True,
+            False,  # applied
         ),
-        ("Gemma2Config", {"sliding_window": 16}, True),  # every other layer is windowed
+        ("Gemma3TextConfig", {"sliding_window": 16}, False),  # local layers: applied
+        ("Gemma2Config", {"sliding_window": 16}, True),  # every other layer, not applied
         ("LlamaConfig", {}, False),  # dense attention only
     ],
 )
