@@ -50,8 +50,8 @@ class Settings(BaseSettings):
         "same with the packed linears' "
         "activations rounded to 8 bits per block of 32 and a float16 KV cache, as llama.cpp "
         "computes (CPUs with AVX2 or AVX-512 VNNI); none: "
-        "unpacked weights in the dtype; auto: gguf for a GGUF model on a CPU (numba installed, "
-        "dtype unset or float32), else none",
+        "unpacked weights in the dtype; auto: gguf for a GGUF model of a packed family on a CPU "
+        "(numba installed, dtype unset or float32), else none",
     )
     cache_dir: Path = Field(
         DEFAULT_CACHE_DIR,

@@ -31,7 +31,13 @@ from transformers import (
 
 from service.cache_files import cached_directory, file_sha256
 from service.kernels.gguf_file import GGUFContents, read_gguf
-from service.kernels.packed_linear import PACKED, QUANTIZATIONS, pack_gguf_linears, tiles_file_name
+from service.kernels.packed_linear import (
+    PACKED,
+    PACKED_MODEL_TYPES,
+    QUANTIZATIONS,
+    pack_gguf_linears,
+    tiles_file_name,
+)
 from service.model.attention import layer_windows
 from service.model.decoder_pass import LEAN_MODEL_TYPES
 from service.model.gguf_model import empty_model, fill_from_gguf, pack_embedding
@@ -154,6 +160,7 @@ def load_model(
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
     gguf_file = path if path.is_file() else None
+    asked = quantization
     quantization = resolve_quantization(
         quantization, gguf_file is not None, resolve_device(device), dtype
     )
@@ -176,6 +183,9 @@ def load_model(
         name = path.name
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_supported(config)
+    if asked == "auto" and quantization in PACKED and config.model_type not in PACKED_MODEL_TYPES:
+        log.info("quantization auto: none (%s models are not packed)", config.model_type)
+        quantization = "none"
     torch_device = resolve_device(device)
     if quantization in PACKED:
         if torch_device.type != "cpu":

@@ -110,6 +110,21 @@ def test_quantization_auto_picks_the_packed_path_only_where_it_pays(monkeypatch)
         resolve_quantization("int3", True, cpu, None)
 
 
+def test_quantization_auto_serves_a_gguf_of_an_unpacked_family_unpacked(
+    tmp_path, monkeypatch
+) -> None:
+    """A GGUF of an architecture the packed path does not take (a Llama one here, with the
+    Llama family taken off the list) serves with --quantization none, not a refusal."""
+    from service.bench.random_gguf import ModelShape, write_random_gguf
+    from service.kernels.packed_linear import PackedLinear
+
+    path = tmp_path / "tiny.gguf"
+    write_random_gguf(path, ModelShape(64, 128, 2, 4, 2, 300, tied=False), "Q4_0")
+    monkeypatch.setattr(model_loader, "PACKED_MODEL_TYPES", ("qwen2",))
+    model = load_model(path, cache_dir=tmp_path, dtype="float32").model
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
 def test_quantization_gguf_needs_a_gguf_model(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="needs a .gguf model"):
