@@ -257,11 +257,18 @@ def random_model(
 
 
 def check_supported(config: PretrainedConfig) -> None:
-    """Refuse models with sliding-window attention that the context can outgrow, but those
+    """Refuse models whose attention or output logits are soft-capped, and models with
+    sliding-window attention that the context can outgrow, but those
     whose windows the passes apply (`WINDOWED_MODEL_TYPES`, service/model/attention.py):
     elsewhere the tree pass would attend densely over the whole cache, and past the window the
     output would differ from the model's own. A window switched off, on no layer, or at least
     the context long is no window at all."""
+    for capped in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's
+        if getattr(config, capped, None):
+            raise UnsupportedModel(
+                f"{config.model_type} models with {capped} are not supported: the passes "
+                "do not cap the logits, so their output would differ from the model's"
+            )
     windows = [w for w in layer_windows(config) if w is not None]
     _check_window(
         config.model_type,

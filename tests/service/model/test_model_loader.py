@@ -145,12 +145,12 @@ def _tiny(config_class, **fields):
 
 
 def test_a_sliding_window_model_is_refused_at_load(tmp_path) -> None:
-    """Gemma 2's windows: its attention soft-capping is not applied, so its windows are not
-    either."""
+    """Gemma 2's windows (its soft-capping off, which is refused too): not applied."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     directory = tmp_path / "windowed"
-    Gemma2ForCausalLM(_tiny(Gemma2Config, sliding_window=16)).save_pretrained(directory)
+    uncapped = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    Gemma2ForCausalLM(_tiny(Gemma2Config, sliding_window=16, **uncapped)).save_pretrained(directory)
     with pytest.raises(UnsupportedModel, match=r"sliding-window.*\(16 tokens\).*\(512\)"):
         load_model(directory)
 
@@ -173,6 +173,17 @@ def test_a_windowed_gguf_is_refused_before_any_conversion(tmp_path) -> None:
     assert not (tmp_path / "gguf").exists()
 
 
+@pytest.mark.parametrize("field", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_soft_capped_logits_are_refused(field: str) -> None:
+    """Gemma 2 caps its attention scores and its output logits; the passes do neither."""
+    from transformers import Gemma2Config
+
+    uncapped = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    config = _tiny(Gemma2Config, sliding_window=None, **{**uncapped, field: 30.0})
+    with pytest.raises(UnsupportedModel, match=field):
+        check_supported(config)
+
+
 @pytest.mark.parametrize(
     "config_name,fields,refused",
     [
@@ -186,7 +197,15 @@ def test_a_windowed_gguf_is_refused_before_any_conversion(tmp_path) -> None:
             False,  # applied
         ),
         ("Gemma3TextConfig", {"sliding_window": 16}, False),  # local layers: applied
-        ("Gemma2Config", {"sliding_window": 16}, True),  # every other layer, not applied
+        (  # every other layer, not applied
+            "Gemma2Config",
+            {
+                "sliding_window": 16,
+                "attn_logit_softcapping": None,
+                "final_logit_softcapping": None,
+            },
+            True,
+        ),
         ("LlamaConfig", {}, False),  # dense attention only
     ],
 )
