@@ -21,9 +21,11 @@ call each (`service/kernels/layer_kernels.py`), and the packed layers are called
 
 Weights, cache writes and attention (`service/model/attention.py`) are the model's own (on the
 packed path one-token rows attend through a kernel: the same softmax, summed in position
-order). Qwen3's RMSNorm of each query and key head before the rotary embedding is one norm
-call each. Models whose layers differ otherwise (Gemma's norm of 1 + weight, its sandwich
-norms) take transformers' own forward: `supports_lean_pass` decides.
+order). Qwen3's and Gemma 3's RMSNorm of each query and key head before the rotary embedding
+is one norm call each; Gemma 3's norms scale by 1 + weight, in float32 (`_rms_norm`), wrap the
+attention and the MLP on both sides, and its local and global layers take rotary tables of
+their own. Models whose layers differ otherwise take transformers' own forward:
+`supports_lean_pass` decides.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ from service.model.kv_cache import TreeKVCache
 
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
 # bias) → (Qwen3: RMSNorm of each q and k head) → rotary → attention → o_proj → residual →
-# RMSNorm → down(act(gate) * up) → residual.
-LEAN_MODEL_TYPES = PACKED_MODEL_TYPES
+# RMSNorm → down(act(gate) * up) → residual; and Gemma 3's (the module docstring)
+LEAN_MODEL_TYPES = (*PACKED_MODEL_TYPES, "gemma3_text")
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
@@ -108,14 +110,15 @@ def lean_hidden(
     """The final-norm hidden states [T, hidden] of a flat pass (`input_ids`: [1, T])."""
     base = model.base_model
     x = base.embed_tokens(input_ids)  # [1, T, hidden]
-    cos, sin = base.rotary_emb(x, position_ids=layout.position_ids)  # [1, T, head_dim] each
-    cos, sin = cos[0].contiguous(), sin[0].contiguous()  # [T, head_dim]
+    rotary = _rotary_tables(model, x, layout)  # per layer
     x = x[0]  # [T, hidden]
     tokens = x.shape[0]
     heads = model.config.num_attention_heads
     kernels = _layer_kernels(model)
     windows = layer_windows(model.config)
+    sandwich = hasattr(base.layers[0], "post_feedforward_layernorm")  # Gemma 3's norms
     for index, layer in enumerate(base.layers):
+        cos, sin = rotary[index]
         attn, projections = layer.self_attn, fused_projections(layer)
         qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(
             tokens, -1, attn.head_dim
@@ -133,12 +136,39 @@ def lean_hidden(
             out, _ = ragged_attention(
                 attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=attending
             )
-        x = x + projections.o(out.reshape(tokens, -1))
+        attended = projections.o(out.reshape(tokens, -1))
+        if sandwich:
+            x = x + _rms_norm(attended, layer.post_attention_layernorm)
+            gate, up = projections.gate_up(_rms_norm(x, layer.pre_feedforward_layernorm)).chunk(
+                2, dim=-1
+            )
+            x = x + _rms_norm(
+                projections.down(layer.mlp.act_fn(gate) * up), layer.post_feedforward_layernorm
+            )
+            continue
+        x = x + attended
         gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(
             2, dim=-1
         )
         x = x + projections.down(layer.mlp.act_fn(gate) * up)
     return _rms_norm(x, base.norm, kernels)
+
+
+def _rotary_tables(
+    model: PreTrainedModel, x: torch.Tensor, layout: PassLayout
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's rotary tables cos, sin [T, head_dim] for the pass: one pair for all, or
+    Gemma 3's by layer type (its local layers' base differs from its global ones')."""
+    rotary = model.base_model.rotary_emb
+    layers = model.config.num_hidden_layers
+    if not hasattr(rotary, "layer_types"):
+        cos, sin = rotary(x, position_ids=layout.position_ids)  # [1, T, head_dim] each
+        return [(cos[0].contiguous(), sin[0].contiguous())] * layers
+    tables = {}
+    for kind in rotary.layer_types:
+        cos, sin = rotary(x, position_ids=layout.position_ids, layer_type=kind)
+        tables[kind] = (cos[0].contiguous(), sin[0].contiguous())
+    return [tables[kind] for kind in model.config.layer_types[:layers]]
 
 
 def attention_kernel_width(model: PreTrainedModel) -> int:
@@ -262,7 +292,11 @@ def _fuse_linears(modules: Sequence[nn.Linear]) -> Projection:
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module, kernels: Any = None) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalize in float32, round to the input's dtype, then
-    scale (one fused call when that rounding is a no-op; one kernel call on the packed path)."""
+    scale (one fused call when that rounding is a no-op; one kernel call on the packed path).
+    Gemma's (no `variance_epsilon`): scale by 1 + weight in float32, then round."""
+    if not hasattr(norm, "variance_epsilon"):
+        normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.eps)
+        return (normed * (1.0 + norm.weight.float())).type_as(x)
     eps = norm.variance_epsilon
     if kernels is not None:
         out = torch.empty_like(x)

@@ -17,7 +17,7 @@ from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
 
 def tiny_model(config_name: str) -> transformers.PreTrainedModel:
     """A 2-layer random model of a family (Qwen2: q/k/v biases; Qwen3: extra q/k norms)."""
-    return make_tiny_family_model(config_name)
+    return make_tiny_family_model(config_name, pad_token_id=0)
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,8 @@ def tiny_model(config_name: str) -> transformers.PreTrainedModel:
         ("LlamaConfig", True),
         ("Qwen2Config", True),  # biases on q, k, v: the fused projection carries them
         ("Qwen3Config", True),  # norms on each q and k head
-        ("Gemma3TextConfig", False),  # norms of 1 + weight: transformers' own layers run it
+        ("Gemma3TextConfig", True),  # norms of 1 + weight on both sides, q/k norms, two ropes
+        ("Phi3Config", False),  # fused q/k/v and gate/up modules: transformers' own layers
     ],
 )
 def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, lean: bool) -> None:
@@ -38,7 +39,9 @@ def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, 
     assert_nodes_match(model, PROMPT, tree, runner.forward(cache, [RowInput(tree)])[0])
 
 
-@pytest.mark.parametrize("config_name", ["LlamaConfig", "Qwen2Config", "Qwen3Config"])
+@pytest.mark.parametrize(
+    "config_name", ["LlamaConfig", "Qwen2Config", "Qwen3Config", "Gemma3TextConfig"]
+)
 def test_the_lean_pass_gives_transformers_pass_bit_for_bit(config_name: str) -> None:
     """Same operators in the same order, fewer calls: float32 logits equal exactly."""
     model = tiny_model(config_name)
