@@ -20,7 +20,10 @@ QUESTIONS = [
 
 
 class TurnTokenizer:
-    """Stands in for a tokenizer: a user turn's ids are its characters' code points."""
+    """Stands in for a tokenizer with a chat template: a user turn's ids are its characters'
+    code points."""
+
+    chat_template = "{{ the turns' characters }}"
 
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], **_: object
