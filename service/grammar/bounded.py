@@ -109,15 +109,20 @@ class BoundedCompiler:
             return done
         with self._pending_lock:
             pending = self._pending.get(key)
-            if pending is None:
+            started = pending is None
+            if started:
                 pending = self._threads.submit(self._compile, spec, key, time.monotonic())
                 self._pending[key] = pending
-                pending.add_done_callback(lambda _: self._forget(key))
-            return pending
+        if started:
+            # outside the lock: a compile already over (one that failed at once) runs this
+            # callback here, now, and it takes the lock
+            pending.add_done_callback(lambda done: self._forget(key, done))
+        return pending
 
-    def _forget(self, key: Key) -> None:
+    def _forget(self, key: Key, done: Future[xgrammar.CompiledGrammar]) -> None:
         with self._pending_lock:
-            self._pending.pop(key, None)
+            if self._pending.get(key) is done:
+                del self._pending[key]
 
     def _compile(self, spec: GrammarSpec, key: Key, queued: float) -> xgrammar.CompiledGrammar:
         timeout = self.limits.compile_timeout

@@ -5,7 +5,9 @@ refused as busy, and the cache bounded in bytes."""
 from __future__ import annotations
 
 import json
+import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -52,6 +54,32 @@ def test_a_compile_error_names_the_field_the_compile_named(bounded) -> None:
     with pytest.raises(GrammarError) as refused:
         bounded.submit(spec).result(timeout=120)
     assert refused.value.field == "tools" and not isinstance(refused.value, CompileTimeout)
+
+
+def test_a_compile_over_before_its_callback_is_added_does_not_deadlock(bounded) -> None:
+    """A compile that fails at once can be over before `submit` adds its done-callback, which
+    then runs in `submit`'s own thread: it must not wait for a lock `submit` holds."""
+
+    class AtOnce:  # runs each compile in the caller's thread: over before `submit` goes on
+        def submit(self, fn, *args):
+            done = Future()
+            try:
+                done.set_result(fn(*args))
+            except Exception as error:
+                done.set_exception(error)
+            return done
+
+        def shutdown(self, **_: object) -> None:
+            pass
+
+    bounded._threads = AtOnce()
+    caller = threading.Thread(
+        target=lambda: bounded.submit(GrammarSpec("json_schema", '{"type": "nope"}'))
+    )
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive()
+    assert not bounded._pending  # forgotten once over
 
 
 def test_a_line_that_stays_busy_past_the_limit_is_refused_as_busy(bounded) -> None:
