@@ -172,19 +172,23 @@ def load_specbench(
     per_category: int | None = None,
     categories: Sequence[str] | None = None,
 ) -> list[BenchPrompt]:
-    """`specbench_questions`, chat-templated into prompt ids.
+    """`specbench_questions`, chat-templated into prompt ids; for a model without a chat
+    template (a base model) the question's text as it is (with the tokenizer's special tokens,
+    as `/v1/completions` encodes a prompt), so base models are measured on the same questions.
 
     `path` is Spec-Bench's question.jsonl (SPECBENCH_SOURCE): one JSON object a line, e.g.
     {"question_id": 81, "category": "writing", "turns": ["first user turn", "second user turn"]};
     other keys are ignored, and so is every turn but the first, which becomes the one user
     message of the prompt. Blank lines are skipped. A missing, unreadable or malformed file
     raises `DatasetError`."""
+
+    def prompt_ids(text: str) -> list[int]:
+        if not tokenizer.chat_template:
+            return list(tokenizer.encode(text))
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": text}])
+
     return [
-        BenchPrompt(
-            q.question_id,
-            q.category,
-            chat_prompt_ids(tokenizer, [{"role": "user", "content": q.text}]),
-        )
+        BenchPrompt(q.question_id, q.category, prompt_ids(q.text))
         for q in specbench_questions(path, per_category, categories)
     ]
 

@@ -57,8 +57,9 @@ from service.model.kv_cache import TreeKVCache
 
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
 # bias) → (Qwen3: RMSNorm of each q and k head) → rotary → attention → o_proj → residual →
-# RMSNorm → down(act(gate) * up) → residual; and Gemma 3's (the module docstring)
-LEAN_MODEL_TYPES = (*PACKED_MODEL_TYPES, "gemma3_text")
+# RMSNorm → down(act(gate) * up) → residual; and Gemma 3's (the module docstring): the packed
+# path's families
+LEAN_MODEL_TYPES = PACKED_MODEL_TYPES
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a

@@ -44,7 +44,8 @@ def empty_model(config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel
 def pack_embedding(model: PreTrainedModel, contents: GGUFContents) -> str | None:
     """Replace the token embedding by a `PackedEmbedding` over the file's `token_embd` blocks
     (any type gguf-py dequantizes but float32), unless an LM head left in float32 is tied to
-    it. Returns the GGUF type kept packed, or None (the embedding is then filled in float32)."""
+    it; a scaled embedding (Gemma's) keeps its scale. Returns the GGUF type kept packed, or
+    None (the embedding is then filled in float32)."""
     embedding = model.get_input_embeddings()
     name = next(n for n, module in model.named_modules() if module is embedding)
     parent, _, attr = name.rpartition(".")
@@ -61,7 +62,9 @@ def pack_embedding(model: PreTrainedModel, contents: GGUFContents) -> str | None
     ):
         return None  # a float32 table (which an unpacked head is tied to)
     try:
-        packed = PackedEmbedding(tensor.raw, tensor.kind)
+        packed = PackedEmbedding(
+            tensor.raw, tensor.kind, getattr(embedding, "scalar_embed_scale", None)
+        )
     except NotImplementedError:  # a type gguf-py cannot dequantize: fill_from_gguf says so
         return None
     if (packed.num_embeddings, packed.embedding_dim) != tuple(embedding.weight.shape):

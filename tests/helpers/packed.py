@@ -79,6 +79,10 @@ def permute_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+# llama.cpp's architecture names where they differ from transformers' model types
+GGUF_ARCHITECTURES = {"gemma3_text": "gemma3"}
+
+
 def write_tiny_gguf(
     model,
     path: Path,
@@ -91,11 +95,13 @@ def write_tiny_gguf(
     names, and for a Llama its q/k permutation), and set the model's weights to exactly what
     that file holds (random blocks for the K-quants gguf-py cannot write). `loadable`: with the
     rest a served model needs (`_add_model_rest`), so that `load_model` converts and serves the
-    file."""
+    file; a model with tied embeddings then gets no output tensor: its token embedding, in
+    `head_type`, is the head, as llama.cpp writes such a model."""
     config = model.config
-    writer = gguf.GGUFWriter(path, config.model_type)
+    writer = gguf.GGUFWriter(path, GGUF_ARCHITECTURES.get(config.model_type, config.model_type))
+    tied_table = loadable and config.tie_word_embeddings
     if loadable:
-        _add_model_rest(writer, model)
+        _add_model_rest(writer, model, head_type if tied_table else None)
     for index, layer in enumerate(model.model.layers):
         for kind, name in LLAMA_LINEARS.items():
             linear = layer.get_submodule(name)
@@ -116,9 +122,10 @@ def write_tiny_gguf(
                 served = served[unpermute_rows(served.shape[0], heads)]
             linear.weight.data = torch.from_numpy(np.ascontiguousarray(served))
             writer.add_tensor(f"blk.{index}.{kind}.weight", blocks, raw_dtype=dtype)
-    head = _quantize(model.lm_head.weight.detach().numpy(), head_type, seed=99)
-    model.lm_head.weight.data = torch.from_numpy(gguf.quants.dequantize(head, head_type))
-    writer.add_tensor("output.weight", head, raw_dtype=head_type)
+    if not tied_table:
+        head = _quantize(model.lm_head.weight.detach().numpy(), head_type, seed=99)
+        model.lm_head.weight.data = torch.from_numpy(gguf.quants.dequantize(head, head_type))
+        writer.add_tensor("output.weight", head, raw_dtype=head_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -133,10 +140,17 @@ def _quantize(weight: np.ndarray, kind: gguf.GGMLQuantizationType, seed: int) ->
     return gguf.quants.quantize(weight, kind)
 
 
-def _add_model_rest(writer: gguf.GGUFWriter, model) -> None:
+def _add_model_rest(
+    writer: gguf.GGUFWriter, model, embedding_type: gguf.GGMLQuantizationType | None = None
+) -> None:
     """The hyperparameters, a stand-in tokenizer, the embeddings and the norms of `model`: what
-    transformers needs beside the linears to load a GGUF as a model and tokenizer."""
+    transformers needs beside the linears to load a GGUF as a model and tokenizer. The token
+    embedding in float32, or quantized to `embedding_type` (the model's set to the file's).
+    Gemma's norms as llama.cpp stores them (1 + weight: its norms scale by that), its sandwich
+    norms under their llama.cpp names, and its window."""
     config = model.config
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3's: per layer type
     shape = random_gguf.ModelShape(
         config.hidden_size,
         config.intermediate_size,
@@ -146,7 +160,7 @@ def _add_model_rest(writer: gguf.GGUFWriter, model) -> None:
         config.vocab_size,
         tied=False,
         context=config.max_position_embeddings,
-        rope_theta=config.rope_parameters["rope_theta"],
+        rope_theta=rope["rope_theta"],
         norm_eps=config.rms_norm_eps,
         bos=config.bos_token_id,
         eos=config.eos_token_id,
@@ -154,10 +168,33 @@ def _add_model_rest(writer: gguf.GGUFWriter, model) -> None:
     random_gguf.add_llama_metadata(writer, shape)
     writer.add_key_length(model.model.layers[0].self_attn.head_dim)  # Qwen3's is no quotient
     writer.add_value_length(model.model.layers[0].self_attn.head_dim)
-    writer.add_tensor("token_embd.weight", model.model.embed_tokens.weight.detach().numpy())
-    writer.add_tensor("output_norm.weight", model.model.norm.weight.detach().numpy())
+    gemma = hasattr(model.model.layers[0], "post_feedforward_layernorm")
+    if gemma:
+        writer.add_sliding_window(config.sliding_window)
+    embedding = model.model.embed_tokens.weight.detach().numpy()
+    if embedding_type is None:
+        writer.add_tensor("token_embd.weight", embedding)
+    else:
+        table = _quantize(embedding, embedding_type, seed=98)
+        model.model.embed_tokens.weight.data = torch.from_numpy(
+            gguf.quants.dequantize(table, embedding_type)
+        )
+        writer.add_tensor("token_embd.weight", table, raw_dtype=embedding_type)
+
+    def add_norm(name: str, norm: torch.nn.Module) -> None:
+        weight = norm.weight.detach().numpy()
+        writer.add_tensor(name, weight + 1 if gemma else weight)
+
+    add_norm("output_norm.weight", model.model.norm)
     for index, layer in enumerate(model.model.layers):
         norms = {"attn_norm": layer.input_layernorm, "ffn_norm": layer.post_attention_layernorm}
+        if gemma:
+            norms = {
+                "attn_norm": layer.input_layernorm,
+                "post_attention_norm": layer.post_attention_layernorm,
+                "ffn_norm": layer.pre_feedforward_layernorm,
+                "post_ffw_norm": layer.post_feedforward_layernorm,
+            }
         for kind in ("attn_q", "attn_k", "attn_v"):  # Qwen2's biases
             bias = layer.get_submodule(LLAMA_LINEARS[kind]).bias
             if bias is not None:
@@ -165,7 +202,7 @@ def _add_model_rest(writer: gguf.GGUFWriter, model) -> None:
         if hasattr(layer.self_attn, "q_norm"):  # Qwen3's
             norms |= {"attn_q_norm": layer.self_attn.q_norm, "attn_k_norm": layer.self_attn.k_norm}
         for kind, norm in norms.items():
-            writer.add_tensor(f"blk.{index}.{kind}.weight", norm.weight.detach().numpy())
+            add_norm(f"blk.{index}.{kind}.weight", norm)
 
 
 def tiny_gguf_twins(directory: Path):

@@ -31,6 +31,16 @@ class TurnTokenizer:
         return {"input_ids": [ord(c) for m in messages for c in m["content"]]}
 
 
+class BaseModelTokenizer:
+    """Stands in for a base model's tokenizer (no chat template): a text's ids are a BOS (1)
+    and its characters' code points."""
+
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return [1, *(ord(c) for c in text)]
+
+
 def write(directory: Path, lines: Sequence[str]) -> Path:
     path = directory / "question.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -45,6 +55,14 @@ def test_a_written_file_loads_each_first_turn_as_a_prompt(tmp_path: Path) -> Non
     assert [(p.question_id, p.category) for p in prompts] == [("81", "writing"), ("math_1", "math")]
     assert prompts[0].prompt_ids == [ord(c) for c in "Write a haiku."]
     assert [q.question_id for q in specbench_questions(path, categories=["math"])] == ["math_1"]
+
+
+def test_a_base_model_takes_each_question_as_plain_text(tmp_path: Path) -> None:
+    path = write(tmp_path, [json.dumps(QUESTIONS[0])])
+
+    prompts = load_specbench(path, BaseModelTokenizer())
+
+    assert prompts[0].prompt_ids == [1, *(ord(c) for c in "Write a haiku.")]
 
 
 def test_a_missing_file_is_an_error_naming_it_and_its_source(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ path, the packed one and the 8-bit one; the prefix cache changes nothing."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from drafting import TableSlot
 from service.engine.engine import Engine
@@ -88,13 +89,17 @@ def test_tree_nodes_past_the_window_equal_sequential_decoding(config_name) -> No
     assert_nodes_match(reference, PROMPT, tree, runner.forward(cache, [RowInput(tree)])[0])
 
 
+@pytest.mark.parametrize("config_name", ["MistralConfig", "Gemma3TextConfig"])
 @pytest.mark.parametrize(
     "int8", [False, pytest.param(True, marks=needs_int8)], ids=["gguf", "gguf-int8"]
 )
-def test_packed_windowed_layers_attend_through_the_kernel_within_the_window(int8, tmp_path) -> None:
-    """The packed path's attention kernel (every row on the 8-bit path) with windows."""
-    served, reference = twins("MistralConfig")
-    path = tmp_path / "mistral.gguf"
+def test_packed_windowed_layers_attend_through_the_kernel_within_the_window(
+    config_name, int8, tmp_path
+) -> None:
+    """The packed path's attention kernel (every row on the 8-bit path) with windows: Mistral's
+    on every layer, Gemma 3's on its local ones (its norms and rotary tables per layer)."""
+    served, reference = twins(config_name)
+    path = tmp_path / "model.gguf"
     write_tiny_gguf(reference, path)  # the reference now holds the file's weights
     served.load_state_dict(reference.state_dict())
     pack_gguf_linears(served, path, int8_activations=int8)
@@ -106,6 +111,44 @@ def test_packed_windowed_layers_attend_through_the_kernel_within_the_window(int8
     # (densely) is 0.17 off
     assert_nodes_match(reference, PROMPT, tree, logits, 0.02 if int8 else 1e-4)
     assert_speculation_equals_plain_decoding(served)
+
+
+@pytest.mark.parametrize("quantization", ["gguf", pytest.param("gguf-int8", marks=needs_int8)])
+def test_a_gemma_3_gguf_serves_packed_as_transformers_runs_the_file(quantization, tmp_path) -> None:
+    """A Gemma 3 GGUF as llama.cpp writes one (norms stored as 1 + weight, the tied embedding
+    quantized, no output tensor) through the loader: packed linears, the embedding kept packed
+    and scaled by √hidden as Gemma's. On the float-activation path greedy output past the
+    window equals transformers' own model of the file, with speculation off, fixed and auto,
+    batched and alone; the 8-bit path's speculation equals its plain decoding."""
+    from transformers import AutoModelForCausalLM
+
+    from service.kernels.packed_embedding import PackedEmbedding
+    from service.model.loader import load_model
+
+    model = make_tiny_family_model("Gemma3TextConfig", seed=5, **FAMILIES["Gemma3TextConfig"])
+    write_tiny_gguf(model, tmp_path / "gemma3.gguf", loadable=True)
+    loaded = load_model(tmp_path / "gemma3.gguf", cache_dir=tmp_path, quantization=quantization)
+    served = loaded.model
+    embedding = served.get_input_embeddings()
+    assert isinstance(embedding, PackedEmbedding) and float(embedding.scale) == 64**0.5
+    assert None not in layer_windows(served.config)  # llama.cpp's files: windows by pattern
+    if quantization == "gguf-int8":
+        assert_speculation_equals_plain_decoding(served)
+        return
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="gemma3.gguf", dtype=torch.float32
+    ).eval()
+    want = {tuple(p): reference_greedy(reference, p, NEW_TOKENS) for p in (PROMPT, OTHER)}
+    engine = engine_for(served)
+    for speculation in (
+        SpeculationParams(),
+        SpeculationParams(4, 3),
+        SpeculationParams(6, 5, mode="auto"),
+    ):
+        params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=speculation)
+        assert engine.complete(PROMPT, params).token_ids == want[tuple(PROMPT)], speculation
+        batched = engine.complete_many([(PROMPT, params), (OTHER, params)])
+        assert [r.token_ids for r in batched] == [want[tuple(PROMPT)], want[tuple(OTHER)]]
 
 
 def test_a_prompt_from_the_prefix_cache_and_seeded_sampling_decode_as_without() -> None:
