@@ -7,7 +7,10 @@ the model's next token is rarely a table's top-1 guess but often within its top-
 parallel guesses pay where the hardware has spare compute.
 
 The tables may not exist yet (they are computed in the background at start); until a
-`TableSlot` is filled, these strategies propose nothing.
+`TableSlot` is filled, these strategies propose nothing. While they are computed the slot holds
+the rows done so far: the bigram's rows of the first token ids (a vocabulary's ids run from its
+commonest tokens, as BPE merges and SentencePiece scores order them), and a token past them has
+no successors yet.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ class ModelTables:
     """Model-derived token tables."""
 
     unigram: np.ndarray  # [num_unigram] token ids, most likely first
-    bigram: np.ndarray  # [vocab, top_k] uint32: next-token ids after each token alone, best first
+    # [rows, top_k] uint32: next-token ids after each token alone, best first, for the token
+    # ids below rows (the whole vocabulary once computed)
+    bigram: np.ndarray
 
     @cached_property
     def top_successors(self) -> list[int]:
@@ -35,13 +40,14 @@ class ModelTables:
         return self.bigram[:, 0].tolist()
 
     def successors(self, token: int, k: int) -> list[int]:
-        """The top `k` next tokens after `token` alone, best first."""
-        return self.bigram[token, :k].tolist()
+        """The top `k` next tokens after `token` alone, best first (none past the rows)."""
+        return self.bigram[token, :k].tolist() if token < len(self.bigram) else []
 
     def chain(self, token_ids: tuple[int, ...], w: int) -> tuple[int, ...]:
-        """Extend `token_ids` to `w` tokens by following each last token's top-1 bigram."""
+        """Extend `token_ids` to `w` tokens by following each last token's top-1 bigram (fewer
+        where a token past the rows ends the chain)."""
         extended, top = list(token_ids), self.top_successors
-        while len(extended) < w:
+        while len(extended) < w and extended[-1] < len(top):
             extended.append(top[extended[-1]])
         return tuple(extended)
 

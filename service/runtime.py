@@ -106,7 +106,7 @@ def build_engine_with_tables(
 
 def model_tables_steps(
     loaded: LoadedModel, config: EngineConfig
-) -> Generator[None, None, ModelTables]:
+) -> Generator[ModelTables | None, None, ModelTables]:
     """The model tables from the cache, or computed (and saved) in increments."""
     prefix = assistant_prefix_ids(loaded.tokenizer)
     return load_or_compute_tables_steps(
@@ -115,14 +115,17 @@ def model_tables_steps(
 
 
 def warm_up(
-    engine: Engine, keeper: ProfileKeeper | None, tables: Generator[None, None, ModelTables] | None
+    engine: Engine,
+    keeper: ProfileKeeper | None,
+    tables: Generator[ModelTables | None, None, ModelTables] | None,
 ) -> Generator[bool | None, None, None]:
     """The warm-up as increments, for as long as the server runs (yields False while there is
     nothing to do). First the successor tables' compiled refresh and walk, which every round of
     a request drafting from them runs. Then the cost profile's `keeper` (a first valid profile,
     later probes and re-measures: `service/controller/profile_keeper.py`) before anything else;
     the model `tables` (None: none to make) are computed in the increments the keeper leaves free
-    (while it waits for a steady load or its back-off)."""
+    (while it waits for a steady load or its back-off); the strategies draft from the rows
+    done so far as they come."""
     compile_table_kernels()
     yield None
     profiling = keeper.steps() if keeper is not None else itertools.repeat(False)
@@ -131,11 +134,20 @@ def warm_up(
             yield True
         elif tables is not None:
             try:
-                next(tables)
+                partial = next(tables)
             except StopIteration as done:
                 engine.mixer.tables.tables = done.value
                 tables = None
                 log.info("model tables ready: unigram/bigram strategies enabled")
+            else:
+                if partial is not None:
+                    if engine.mixer.tables.tables is None:
+                        log.info(
+                            "model tables: drafting from the first %d tokens' rows while the "
+                            "rest are computed",
+                            len(partial.bigram),
+                        )
+                    engine.mixer.tables.tables = partial
             yield True
         else:
             yield False
@@ -165,7 +177,10 @@ class WarmUpState:
     # what auto mode prices passes with: this machine's measured profile, the device class's
     # conservative default, or nothing (auto decodes plainly)
     cost_profile_source: Literal["measured", "default"] | None
-    model_tables: bool  # computed or loaded: the table strategies draft
+    model_tables: bool  # computed (all of them) or loaded
+    # the tokens whose rows the table strategies draft from: the vocabulary once computed, the
+    # first ids' while they are (0: none yet)
+    model_table_rows: int
     # the keeper's account (None: the server measures no profile)
     profile: ProfileState | None = None
 
@@ -243,7 +258,7 @@ class Runtime:
         loaded: LoadedModel,
         engine: Engine,
         config: EngineConfig,
-        tables: Generator[None, None, ModelTables] | None,
+        tables: Generator[ModelTables | None, None, ModelTables] | None,
         on_step: Callable[[StepStats], None] | None,
         pod: PodRanks | None = None,
     ) -> Runtime:
@@ -290,6 +305,7 @@ class Runtime:
 
     @property
     def warm_up_state(self) -> WarmUpState:
+        tables = self.engine.mixer.tables.tables
         return WarmUpState(
             cost_profile=self.engine.scheduler.profile is not None,
             cost_profile_source=(
@@ -299,7 +315,8 @@ class Runtime:
                 if self.engine.scheduler.profile is not None
                 else "default"
             ),
-            model_tables=self.engine.mixer.tables.tables is not None,
+            model_tables=tables is not None and len(tables.bigram) == self.vocab_size,
+            model_table_rows=0 if tables is None else len(tables.bigram),
             profile=None if self.keeper is None else self.keeper.state,
         )
 

@@ -27,7 +27,10 @@ class Health(BaseModel):
     cost_profile_source: Literal["measured", "default"] | None = None
     # validity, staleness and measurements (if the server measures one)
     cost_profile_state: ProfileState | None = None
-    model_tables: bool | None = None  # computed or loaded: the table strategies draft
+    model_tables: bool | None = None  # computed (all of them) or loaded
+    # the tokens whose rows the table strategies draft from: the first ids' while the tables
+    # are computed (their ids run from the commonest tokens), the vocabulary once they are
+    model_table_rows: int | None = None
     # only when the CPU kernels failed to load: why (their torch fallback runs)
     kernels_fallback: str | None = None
     error: str | None = None
@@ -60,6 +63,7 @@ async def health(request: Request) -> JSONResponse:
         "cost_profile": warm.cost_profile,
         "cost_profile_source": warm.cost_profile_source,
         "model_tables": warm.model_tables,
+        "model_table_rows": warm.model_table_rows,
     }
     if warm.profile is not None:
         body["cost_profile_state"] = asdict(warm.profile)

@@ -7,10 +7,13 @@ attention sink and the model then predicts little but punctuation. The prefix's 
 computed once and shared by every batch, so each input still costs one token. Unigram: the
 tokens with the highest next-token probability averaged over those same V inputs — the
 model's preference with no real context. One pass over the vocabulary yields both; on a CPU
-that takes minutes, so it runs in the background at start and the table strategies switch on
-when it is done. The result is a few MB ([V, K] uint32) saved under the cache directory,
-keyed by a fingerprint of the weights; a saved file that cannot be read back whole, or whose
-arrays are not tables, is computed again (service/cache_files.py).
+that takes minutes (it grows with the square of the vocabulary: a 262k-token one's take many
+times a 49k-token one's), so it runs in the background at start, in id order (a vocabulary's
+ids run from its commonest tokens), and the table strategies draft from the rows done so far,
+given to them each time their count doubles. A batch is bounded by its logits' size, so a large
+vocabulary's batches are smaller. The result is a few MB ([V, K] uint32) saved under the cache
+directory, keyed by a fingerprint of the weights; a saved file that cannot be read back whole,
+or whose arrays are not tables, is computed again (service/cache_files.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ T = TypeVar("T")
 
 BIGRAM_TOP_K = 8
 UNIGRAM_SIZE = 64
+LOGITS_PER_BATCH = 1 << 23  # a batch's [B, vocab] float32 logits: 32 MiB at most
+FIRST_PUBLISHED_ROWS = 1024  # the partial tables given to the strategies first, then doubling
 _computing = threading.Lock()  # one computation at a time; later callers then find the file
 
 
@@ -63,14 +68,19 @@ def compute_tables_steps(
     prefix_ids: Sequence[int] = (),
     batch_size: int = 512,
     show_progress: bool = True,
-) -> Generator[None, None, ModelTables]:
-    """`compute_tables` one batch per increment (the engine runs them between steps)."""
+) -> Generator[ModelTables | None, None, ModelTables]:
+    """`compute_tables` one batch (of at most `batch_size` tokens, fewer for a large
+    vocabulary: `LOGITS_PER_BATCH`) per increment (the engine runs them between steps). An
+    increment yields the tables of the rows done so far each time their count has doubled
+    since the last it yielded (from `FIRST_PUBLISHED_ROWS`), else None."""
     vocab = model.config.vocab_size
+    batch_size = max(1, min(batch_size, LOGITS_PER_BATCH // vocab))
     bigram = np.zeros((vocab, BIGRAM_TOP_K), dtype=np.uint32)  # [vocab, K]
     mean_probs = torch.zeros(vocab, dtype=torch.float64, device=model.device)  # [vocab]
     with torch.inference_mode():
         prefix = _prefix_cache(model, prefix_ids)
     batches = range(0, vocab, batch_size)
+    publish_at = FIRST_PUBLISHED_ROWS
     for start in tqdm(batches, desc="bigram table", unit="batch", disable=not show_progress):
         with torch.inference_mode():
             # [B, 1]
@@ -80,9 +90,19 @@ def compute_tables_steps(
                 logits.topk(BIGRAM_TOP_K, dim=-1).indices.cpu().numpy()
             )
             mean_probs += logits.softmax(dim=-1).sum(dim=0, dtype=torch.float64)
-        yield
-    unigram = mean_probs.topk(min(UNIGRAM_SIZE, vocab)).indices.cpu().numpy().astype(np.uint32)
-    return ModelTables(unigram=unigram, bigram=bigram)
+        done = start + len(ids)
+        if publish_at <= done < vocab:
+            publish_at = 2 * done
+            yield ModelTables(unigram=_unigram(mean_probs), bigram=bigram[:done])
+        else:
+            yield None
+    return ModelTables(unigram=_unigram(mean_probs), bigram=bigram)
+
+
+def _unigram(mean_probs: torch.Tensor) -> np.ndarray:
+    """The tokens of the highest summed probability, most likely first."""
+    top = min(UNIGRAM_SIZE, len(mean_probs))
+    return mean_probs.topk(top).indices.cpu().numpy().astype(np.uint32)
 
 
 def run_to_end(steps: Generator[object, None, T]) -> T:
@@ -145,8 +165,9 @@ def load_or_compute_tables_steps(
     prefix_ids: Sequence[int] = (),
     batch_size: int = 512,
     show_progress: bool = True,
-) -> Generator[None, None, ModelTables]:
-    """`load_or_compute_tables` in increments of one batch."""
+) -> Generator[ModelTables | None, None, ModelTables]:
+    """`load_or_compute_tables` in increments of one batch (yielding as `compute_tables_steps`
+    does)."""
     path = tables_path(model, cache_dir, prefix_ids)
     cached = saved_tables(path)
     if cached is not None:

@@ -60,19 +60,20 @@ class ParallelRunner(ModelRunner):
 
     def table_steps(
         self, prefix_ids: Sequence[int], path: Path, batch_size: int
-    ) -> Generator[None, None, ModelTables]:
+    ) -> Generator[ModelTables | None, None, ModelTables]:
         """The model tables computed over the ranks, one batch a step in turn with the passes
         (`compute_tables_steps` runs the model's own forward, which every rank must run with
-        it), then saved at `path` (the whole model's)."""
+        it; its partial tables are yielded as it yields them), then saved at `path` (the whole
+        model's)."""
         steps = compute_tables_steps(self.model, prefix_ids, batch_size, show_progress=False)
         while True:
             with self.control.turn("tables", list(prefix_ids), batch_size):
                 try:
-                    next(steps)
+                    partial = next(steps)
                 except StopIteration as done:
                     tables = done.value
                     break
-            yield
+            yield partial
         save_tables(path, tables)
         return tables
 
@@ -84,7 +85,7 @@ def serve_rank(runner: ModelRunner, control_group: dist.ProcessGroup) -> None:
     """Another rank's life: run what rank 0 sends, until it says stop (or is lost: the
     collective's error is raised)."""
     replica = Replica(runner.new_cache)
-    tables: Generator[None, None, ModelTables] | None = None
+    tables: Generator[ModelTables | None, None, ModelTables] | None = None
     while True:
         ops, message = receive(control_group)
         replica.replay(ops)

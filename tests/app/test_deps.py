@@ -83,7 +83,7 @@ def test_runtime_accessors_are_what_the_routes_read(tiny_served) -> None:
         assert runtime.vocab_size == tiny_served.model.config.vocab_size
         assert runtime.tokenizer is tiny_served.tokenizer
         assert runtime.warm_up_state == WarmUpState(
-            cost_profile=False, cost_profile_source=None, model_tables=False
+            cost_profile=False, cost_profile_source=None, model_tables=False, model_table_rows=0
         )
     finally:
         runtime.close()

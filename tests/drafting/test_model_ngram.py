@@ -48,3 +48,11 @@ def test_strategies_wait_for_their_tables() -> None:
         assert strategy.propose(HISTORY, 3, 3) == []
     empty.tables = TABLES
     assert ModelBigram(empty).propose(HISTORY, 1, 1) == [Draft((2,), "bigram", 0)]
+
+
+def test_partial_tables_draft_for_the_rows_done_and_nothing_past_them() -> None:
+    partial = TableSlot(ModelTables(unigram=TABLES.unigram, bigram=BIGRAM[:3]))  # tokens 0-2
+    assert [d.token_ids for d in ModelBigram(partial).propose(HISTORY, 2, 1)] == [(2,), (0,)]
+    # after 1: 2 -> 3, and token 3 has no row yet: the chain stops there
+    assert [d.token_ids for d in ExtendedBigram(partial).propose(HISTORY, 1, 4)] == [(2, 3)]
+    assert ModelBigram(partial).propose(TokenHistory([1, 4]), 3, 1) == []

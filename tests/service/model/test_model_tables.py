@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from service.model.tables import compute_tables, load_or_compute_tables, model_fingerprint
+from service.model import tables as model_tables
+from service.model.tables import (
+    compute_tables,
+    compute_tables_steps,
+    load_or_compute_tables,
+    model_fingerprint,
+)
 from tests.helpers.models import TINY_VOCAB, make_tiny_model
 
 
@@ -39,3 +45,37 @@ def test_tables_are_cached_per_model(tmp_path, tiny_model) -> None:
     assert len(list((tmp_path / "tables").iterdir())) == 2
     other = make_tiny_model(seed=9)
     assert model_fingerprint(other) != model_fingerprint(tiny_model)
+
+
+def test_the_rows_done_are_yielded_as_their_count_doubles(tiny_model, monkeypatch) -> None:
+    """A large vocabulary's tables take many minutes: the strategies get the rows done so far,
+    each a prefix of the final table, at 8, 16, 32 rows (of 64, 5 a batch), then the whole."""
+    monkeypatch.setattr(model_tables, "FIRST_PUBLISHED_ROWS", 8)
+    steps = compute_tables_steps(tiny_model, [0], batch_size=5, show_progress=False)
+    yielded = []
+    while True:
+        try:
+            partial = next(steps)
+        except StopIteration as done:
+            final = done.value
+            break
+        if partial is not None:
+            yielded.append(partial)
+    assert [len(p.bigram) for p in yielded] == [10, 20, 40]
+    for partial in yielded:
+        assert np.array_equal(partial.bigram, final.bigram[: len(partial.bigram)])
+    assert final.bigram.shape == (TINY_VOCAB, 8)
+
+
+def test_a_batch_is_bounded_by_its_logits(tiny_model, monkeypatch) -> None:
+    monkeypatch.setattr(model_tables, "LOGITS_PER_BATCH", 3 * TINY_VOCAB)
+    steps = compute_tables_steps(tiny_model, batch_size=512, show_progress=False)
+    increments = 0
+    try:
+        while True:
+            next(steps)
+            increments += 1
+    except StopIteration as done:
+        tables = done.value
+    assert increments == -(-TINY_VOCAB // 3)  # 3 tokens a batch
+    assert np.array_equal(tables.bigram, compute_tables(tiny_model, show_progress=False).bigram)
