@@ -139,12 +139,14 @@ def lean_hidden(
             )
         attended = projections.o(out.reshape(tokens, -1))
         if sandwich:
-            x = x + _rms_norm(attended, layer.post_attention_layernorm)
-            gate, up = projections.gate_up(_rms_norm(x, layer.pre_feedforward_layernorm)).chunk(
-                2, dim=-1
-            )
+            x = x + _rms_norm(attended, layer.post_attention_layernorm, kernels)
+            gate, up = projections.gate_up(
+                _rms_norm(x, layer.pre_feedforward_layernorm, kernels)
+            ).chunk(2, dim=-1)
             x = x + _rms_norm(
-                projections.down(layer.mlp.act_fn(gate) * up), layer.post_feedforward_layernorm
+                projections.down(layer.mlp.act_fn(gate) * up),
+                layer.post_feedforward_layernorm,
+                kernels,
             )
             continue
         x = x + attended
@@ -294,18 +296,35 @@ def _fuse_linears(modules: Sequence[nn.Linear]) -> Projection:
 def _rms_norm(x: torch.Tensor, norm: nn.Module, kernels: Any = None) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalize in float32, round to the input's dtype, then
     scale (one fused call when that rounding is a no-op; one kernel call on the packed path).
-    Gemma's (no `variance_epsilon`): scale by 1 + weight in float32, then round."""
-    if not hasattr(norm, "variance_epsilon"):
+    Gemma's (no `variance_epsilon`): scale by 1 + weight in float32, then round (on the packed
+    path the kernel's call, with 1 + weight made once)."""
+    gemma = not hasattr(norm, "variance_epsilon")
+    if kernels is not None:
+        out = torch.empty_like(x)
+        eps = norm.eps if gemma else norm.variance_epsilon
+        kernels.rms_norm(x.numpy(), _norm_scale(norm, gemma).numpy(), eps, out.numpy())
+        return out
+    if gemma:
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.eps)
         return (normed * (1.0 + norm.weight.float())).type_as(x)
     eps = norm.variance_epsilon
-    if kernels is not None:
-        out = torch.empty_like(x)
-        kernels.rms_norm(x.numpy(), norm.weight.detach().numpy(), eps, out.numpy())
-        return out
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), norm.weight, eps)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+# Gemma's norms' 1 + weight (float32), made once a norm
+_GEMMA_SCALES: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def _norm_scale(norm: nn.Module, gemma: bool) -> torch.Tensor:
+    """What a norm multiplies the normalized input by: its weight, Gemma's 1 + weight."""
+    if not gemma:
+        return norm.weight.detach()
+    scale = _GEMMA_SCALES.get(norm)
+    if scale is None:
+        scale = _GEMMA_SCALES[norm] = 1.0 + norm.weight.detach().float()
+    return scale
 
 
 def _norm_heads(

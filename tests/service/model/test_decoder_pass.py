@@ -69,3 +69,38 @@ def test_fused_projections_share_the_layers_memory() -> None:
         )  # each still works alone
     storages = {m.weight.untyped_storage().data_ptr() for m in modules}
     assert len(storages) == 1  # views of one fused weight: no second copy
+
+
+ROPE_SCALINGS = {
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "linear": {"factor": 2.0},
+    "dynamic": {"factor": 2.0},
+    "yarn": {"factor": 4.0},
+}
+
+
+@pytest.mark.parametrize("rope_type", ROPE_SCALINGS)
+def test_scaled_rotary_embeddings_are_the_models_own(rope_type: str) -> None:
+    """Llama 3's, linear, dynamic NTK and YaRN scaling: the lean pass takes its rotary tables
+    from the model's own rotary module, so its tree logits equal sequential decoding, and its
+    pass equals transformers' bit for bit. Past the original length (8 positions here) the
+    static scalings differ from plain rotary embeddings; dynamic NTK rescales only past
+    max_position_embeddings, which is the served context's bound (so no row's tables depend on
+    how long the other rows of its pass are)."""
+    rope = {"rope_type": rope_type, "rope_theta": 10000.0, "original_max_position_embeddings": 8}
+    model = make_tiny_family_model(
+        "LlamaConfig", pad_token_id=0, rope_parameters=rope | ROPE_SCALINGS[rope_type]
+    )
+    plain = make_tiny_family_model("LlamaConfig", pad_token_id=0)
+    assert model.model.rotary_emb.rope_type == rope_type
+    lean, reference = ModelRunner(model), ModelRunner(model)
+    reference.lean = False
+    tree = build_tree(PROMPT[-1], DRAFTS)
+    got = [
+        runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
+        for runner in (lean, reference)
+    ]
+    assert torch.equal(got[0], got[1])
+    assert_nodes_match(model, PROMPT, tree, got[0])
+    unscaled = ModelRunner(plain).forward(prefilled(ModelRunner(plain), [PROMPT]), [RowInput(tree)])
+    assert torch.allclose(unscaled[0], got[0]) == (rope_type == "dynamic")
