@@ -19,6 +19,9 @@ On the packed CPU path RMSNorm and the rotary embedding with the cache write are
 call each (`service/kernels/layer_kernels.py`), and the packed layers are called through
 `forward`, without `nn.Module.__call__`.
 
+Phi-3's fused modules are used as they are, and a partial rotary embedding (Phi-4-mini's
+`partial_rotary_factor`) turns the first dimensions of each head, as its model does.
+
 Weights, cache writes and attention (`service/model/attention.py`) are the model's own (on the
 packed path one-token rows attend through a kernel: the same softmax, summed in position
 order). Qwen3's and Gemma 3's RMSNorm of each query and key head before the rotary embedding
@@ -58,8 +61,9 @@ from service.model.kv_cache import TreeKVCache
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
 # bias) → (Qwen3: RMSNorm of each q and k head) → rotary → attention → o_proj → residual →
 # RMSNorm → down(act(gate) * up) → residual; and Gemma 3's (the module docstring): the packed
-# path's families
-LEAN_MODEL_TYPES = PACKED_MODEL_TYPES
+# path's families; and Phi-3's, whose q/k/v and gate/up are one module each already and whose
+# rotary embedding may cover a part of each head
+LEAN_MODEL_TYPES = (*PACKED_MODEL_TYPES, "phi3")
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
@@ -92,6 +96,7 @@ class FusedProjections:
     gate_up: Projection  # [T, hidden] -> [T, 2 * intermediate]
     o: Projection  # [T, heads * head_dim] -> [T, hidden]
     down: Projection  # [T, intermediate] -> [T, hidden]
+    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation of the gate
 
 
 # Per decoder layer, made once: a self-draft view shares the target's layers and their fusion.
@@ -144,7 +149,7 @@ def lean_hidden(
                 _rms_norm(x, layer.pre_feedforward_layernorm, kernels)
             ).chunk(2, dim=-1)
             x = x + _rms_norm(
-                projections.down(layer.mlp.act_fn(gate) * up),
+                projections.down(projections.act(gate) * up),
                 layer.post_feedforward_layernorm,
                 kernels,
             )
@@ -153,7 +158,7 @@ def lean_hidden(
         gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(
             2, dim=-1
         )
-        x = x + projections.down(layer.mlp.act_fn(gate) * up)
+        x = x + projections.down(projections.act(gate) * up)
     return _rms_norm(x, base.norm, kernels)
 
 
@@ -250,10 +255,15 @@ def fused_projections(layer: nn.Module) -> FusedProjections:
     if fused is None:
         attn, mlp = layer.self_attn, layer.mlp
         fused = FusedProjections(
-            fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj]),
-            fuse_projections([mlp.gate_proj, mlp.up_proj]),
+            _direct(attn.qkv_proj)  # Phi-3's, fused in the model
+            if hasattr(attn, "qkv_proj")
+            else fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj]),
+            _direct(mlp.gate_up_proj)
+            if hasattr(mlp, "gate_up_proj")
+            else fuse_projections([mlp.gate_proj, mlp.up_proj]),
             _direct(attn.o_proj),
             _direct(mlp.down_proj),
+            mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn,
         )
         _FUSED[layer] = fused
     return fused
@@ -339,6 +349,11 @@ def _norm_heads(
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, transformers' `rotate_half` convention: x * cos + [-x2, x1] * sin."""
+    """Rotary embedding, transformers' `rotate_half` convention: x * cos + [-x2, x1] * sin, on
+    the first cos.shape[-1] dimensions (all but for a partial rotary embedding), the rest as
+    they are."""
+    turned = cos.shape[-1]
+    if turned < x.shape[-1]:
+        return torch.cat((_rotate(x[..., :turned], cos, sin), x[..., turned:]), dim=-1)
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

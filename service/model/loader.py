@@ -293,7 +293,7 @@ def _check_window(model_type: str, window: int | None, context: int | None) -> N
 # The model types whose layers' sliding windows every pass applies: the lean pass's; their
 # llama.cpp architecture names, for a GGUF's header
 WINDOWED_MODEL_TYPES = LEAN_MODEL_TYPES
-WINDOWED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+WINDOWED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 
 
 def check_gguf_supported(contents: GGUFContents) -> None:

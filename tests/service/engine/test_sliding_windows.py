@@ -26,8 +26,8 @@ from tests.helpers.passes import DRAFTS, assert_nodes_match, prefilled
 
 load_kernels()
 WINDOW = 12
-# Mistral: every layer windowed; Qwen2: layers past max_window_layers; Gemma 3: its local
-# layers (transformers' own layers, not the lean pass)
+# Mistral and Phi-3: every layer windowed; Qwen2: layers past max_window_layers; Gemma 3: its
+# local layers
 FAMILIES = {
     "MistralConfig": {"sliding_window": WINDOW},
     "Qwen2Config": {"sliding_window": WINDOW, "use_sliding_window": True, "max_window_layers": 1},
@@ -35,6 +35,7 @@ FAMILIES = {
         "sliding_window": WINDOW,
         "layer_types": ["sliding_attention", "full_attention"],
     },
+    "Phi3Config": {"sliding_window": WINDOW, "pad_token_id": 0},  # every layer, as Mistral's
 }
 PROMPT = [5, 9, 13, 2, 7, 7, 30, 41, 3, 4, 5, 6, 3, 4, 5, 6, 3, 4, 22, 17, 9, 13, 2, 7, 7]
 OTHER = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12]
@@ -59,7 +60,8 @@ def engine_for(model) -> Engine:
 def test_layers_take_the_windows_transformers_applies(config_name) -> None:
     served, _ = twins(config_name)
     windows = layer_windows(served.config)
-    assert WINDOW in windows and (config_name == "MistralConfig") == (None not in windows)
+    every_layer = config_name in ("MistralConfig", "Phi3Config")
+    assert WINDOW in windows and every_layer == (None not in windows)
 
 
 @pytest.mark.parametrize("config_name", FAMILIES)

@@ -16,7 +16,13 @@ from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
 
 
 def tiny_model(config_name: str) -> transformers.PreTrainedModel:
-    """A 2-layer random model of a family (Qwen2: q/k/v biases; Qwen3: extra q/k norms)."""
+    """A 2-layer random model of a family (Qwen2: q/k/v biases; Qwen3: extra q/k norms;
+    "Phi3Config:partial": a Phi-3 whose rotary embedding turns half of each head)."""
+    if config_name == "Phi3Config:partial":
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        model = make_tiny_family_model("Phi3Config", pad_token_id=0, rope_parameters=rope)
+        assert model.model.rotary_emb.inv_freq.numel() * 2 == 8  # of a 16-wide head
+        return model
     return make_tiny_family_model(config_name, pad_token_id=0)
 
 
@@ -27,7 +33,9 @@ def tiny_model(config_name: str) -> transformers.PreTrainedModel:
         ("Qwen2Config", True),  # biases on q, k, v: the fused projection carries them
         ("Qwen3Config", True),  # norms on each q and k head
         ("Gemma3TextConfig", True),  # norms of 1 + weight on both sides, q/k norms, two ropes
-        ("Phi3Config", False),  # fused q/k/v and gate/up modules: transformers' own layers
+        ("Phi3Config", True),  # q/k/v and gate/up fused in the model
+        ("Phi3Config:partial", True),  # Phi-4-mini's: rotary on a part of each head
+        ("Olmo2Config", False),  # norms after attention and MLP: transformers' own layers
     ],
 )
 def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, lean: bool) -> None:
@@ -40,7 +48,15 @@ def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, 
 
 
 @pytest.mark.parametrize(
-    "config_name", ["LlamaConfig", "Qwen2Config", "Qwen3Config", "Gemma3TextConfig"]
+    "config_name",
+    [
+        "LlamaConfig",
+        "Qwen2Config",
+        "Qwen3Config",
+        "Gemma3TextConfig",
+        "Phi3Config",
+        "Phi3Config:partial",
+    ],
 )
 def test_the_lean_pass_gives_transformers_pass_bit_for_bit(config_name: str) -> None:
     """Same operators in the same order, fewer calls: float32 logits equal exactly."""
