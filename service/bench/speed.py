@@ -116,16 +116,10 @@ def run_command(
     from service.bench.hf_generate_reference import HF_GENERATE, HfGenerate
     from service.bench.specbench import load_specbench
     from service.engine.scheduler import SchedulerConfig
-    from service.model.loader import load_model, resolve_device, resolve_quantization
+    from service.model.loader import load_model
     from service.runtime import build_engine
 
     loaded = load(model, config)
-    quantization = resolve_quantization(
-        config.quantization,
-        model is None or str(model).endswith(".gguf"),
-        resolve_device(config.device),
-        config.dtype,
-    )
     prompts = [p.prompt_ids for p in load_specbench(dataset, loaded.tokenizer)]
     stream = token_stream(prompts, max([*lengths, DECODE_PROMPT]))
     # no prefix cache: each length runs several times, and a repeat would find its prompt cached
@@ -134,7 +128,7 @@ def run_command(
     )
     # every method decodes its whole budget: no stop token ends a run
     engine.eos_token_ids = frozenset()
-    methods: dict[str, Complete] = {f"ngrammys ({quantization})": engine.complete}
+    methods: dict[str, Complete] = {f"ngrammys ({loaded.quantization})": engine.complete}
     if transformers:  # the library's own float32 forward of the same model, unpacked
         floats = load_model(model, config.device, "float32", config.cache_dir, "none")
         methods[f"{HF_GENERATE} (float32)"] = HfGenerate(floats.model, ()).complete

@@ -63,6 +63,7 @@ class LoadedModel:
     name: str
     load_seconds: float
     from_cache: bool
+    quantization: str = "none"  # what the loader chose: "none", "gguf" or "gguf-int8"
 
 
 def embedded_gguf_path() -> Path:
@@ -235,7 +236,7 @@ def load_model(
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     seconds = time.perf_counter() - started
     log.info("loaded %s in %.1f s (%s)", name, seconds, "cached" if from_cache else "cold")
-    return LoadedModel(model.eval(), tokenizer, name, seconds, from_cache)
+    return LoadedModel(model.eval(), tokenizer, name, seconds, from_cache, quantization)
 
 
 def random_model(

@@ -121,8 +121,11 @@ def test_quantization_auto_serves_a_gguf_of_an_unpacked_family_unpacked(
     path = tmp_path / "tiny.gguf"
     write_random_gguf(path, ModelShape(64, 128, 2, 4, 2, 300, tied=False), "Q4_0")
     monkeypatch.setattr(model_loader, "PACKED_MODEL_TYPES", ("qwen2",))
-    model = load_model(path, cache_dir=tmp_path, dtype="float32").model
-    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    loaded = load_model(path, cache_dir=tmp_path, dtype="float32")
+    assert not any(isinstance(m, PackedLinear) for m in loaded.model.modules())
+    assert loaded.quantization == "none"  # what the benchmarks label it with
+    monkeypatch.setattr(model_loader, "PACKED_MODEL_TYPES", ("llama",))
+    assert load_model(path, cache_dir=tmp_path).quantization == "gguf"
 
 
 def test_quantization_gguf_needs_a_gguf_model(tmp_path) -> None:
