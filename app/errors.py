@@ -63,9 +63,7 @@ async def _api_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    # A union reports one error per member; the member whose own check failed says most.
-    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
+    first = _says_most(exc.errors())
     message = str(first.get("msg")).removeprefix("Value error, ")
     if first.get("type") == "json_invalid":  # the location is a byte offset, not a field
         position = first.get("loc", ("body", "?"))[-1]
@@ -81,6 +79,19 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(
         request, 400, f"{param}: {message}" if param else message, "invalid_request_error", param
     )
+
+
+def _says_most(errors: list[dict]) -> dict:
+    """A union reports one error per member: the member whose own check failed says most, then
+    one that found its field in the body (a field the body has, not one it lacks: a body of
+    chat messages is not a prompt missing)."""
+    checked = (e for e in errors if e.get("type") == "value_error")
+    in_member = (
+        e
+        for e in errors
+        if e.get("type") != "missing" and not all(_is_field(p) for p in e.get("loc", ())[1:])
+    )
+    return next(checked, None) or next(in_member, None) or errors[0]
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}

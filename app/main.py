@@ -19,7 +19,7 @@ from app.metrics import Metrics
 from app.metrics import router as metrics_router
 from app.openapi import finish_openapi
 from app.ranks import start_rank_zero, world_size
-from app.routes import health, openai
+from app.routes import health, openai, tokenize
 from app.settings import Settings
 from service.model.loader import LoadedModel, load_model
 from service.runtime import Runtime
@@ -71,6 +71,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(tokenize.router)
     app.include_router(metrics_router)
     finish_openapi(app)
     return app

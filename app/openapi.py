@@ -122,10 +122,12 @@ def _limits_as_configured(components: Schema, settings: Settings) -> None:
 
 
 def _token_ids_below(components: Schema, vocab_size: int) -> None:
-    """A prompt's token ids and logit_bias's keys exist in the model's embedding."""
+    """A prompt's token ids, those to detokenize and logit_bias's keys exist in the model's
+    embedding."""
     for branch in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if branch.get("type") == "array" and branch["items"].get("type") == "integer":
             branch["items"]["maximum"] = vocab_size - 1
+    components["DetokenizeRequest"]["properties"]["tokens"]["items"]["maximum"] = vocab_size - 1
     for request in ("CompletionRequest", "ChatCompletionRequest"):
         components[request]["properties"]["logit_bias"] = logit_bias_schema(
             decimals_below(vocab_size)

@@ -708,11 +708,69 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    max_model_len: int | None = Field(
+        None, description="the context a request's prompt and answer share (once loaded)"
+    )
 
 
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class TokenizePromptRequest(_Request):
+    """vLLM's /tokenize of a prompt: its ids as /v1/completions encodes it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(True, description="the tokenizer's BOS and the like")
+    return_token_strs: bool = Field(
+        False, description="also each token as the vocabulary spells it"
+    )
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's /tokenize of chat messages: the ids /v1/chat/completions prompts the model with
+    (the chat template, and the tools as that route shows them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = Field(
+        True, description="end with the opening of the assistant's turn, as a chat request does"
+    )
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    return_token_strs: bool = Field(
+        False, description="also each token as the vocabulary spells it"
+    )
+
+
+TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """vLLM's /detokenize: token ids (of the model's vocabulary) back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+    _whole_ids = field_validator("tokens", mode="before")(integral)
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # CompletionResponse doubles as its own chunk

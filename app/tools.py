@@ -116,22 +116,27 @@ def tool_use(body: ChatCompletionRequest) -> ToolUse:
 
 
 def chat_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatMessage], use: ToolUse
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[ChatMessage],
+    use: ToolUse,
+    add_generation_prompt: bool = True,
 ) -> tuple[list[int], ToolUse]:
     """The prompt's token ids, and `use` with the template's convention (tokenizer calls: on
     a worker thread, under the tokenizer's lock)."""
+    opened = add_generation_prompt
     if not use.listed and not any(m.role == "tool" or m.tool_calls for m in messages):
-        return chat_prompt_ids(
-            tokenizer, [{"role": m.role, "content": m.text()} for m in messages]
-        ), use
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        return chat_prompt_ids(tokenizer, plain, add_generation_prompt=opened), use
     use = replace(use, native=renders_tools(tokenizer))
     if use.native:
         tools = [
             {"type": "function", "function": tool.model_dump(exclude_none=True)}
             for tool in use.listed
         ]
-        return chat_prompt_ids(tokenizer, [_native(m) for m in messages], tools or None), use
-    return chat_prompt_ids(tokenizer, generic_messages(messages, use)), use
+        native = [_native(m) for m in messages]
+        return chat_prompt_ids(tokenizer, native, tools or None, opened), use
+    generic = generic_messages(messages, use)
+    return chat_prompt_ids(tokenizer, generic, add_generation_prompt=opened), use
 
 
 def _native(message: ChatMessage) -> dict[str, Any]:

@@ -286,6 +286,11 @@ class Runtime:
         return self.loaded.tokenizer
 
     @property
+    def max_context(self) -> int:
+        """Tokens a request's prompt and answer may take together (the model's context)."""
+        return self.engine.max_context
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the model's embedding has (its config's vocabulary, which may be larger or
         smaller than the tokenizer's)."""

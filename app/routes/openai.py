@@ -73,13 +73,11 @@ def _generation_responses(model: type, chunk: type) -> dict[int | str, dict[str,
 
 @router.get("/models", response_model=ModelList)
 async def models(request: Request) -> dict[str, object]:
-    name = request.app.state.model_name
-    cards = (
-        []
-        if name is None
-        else [{"id": name, "object": "model", "created": int(time.time()), "owned_by": "ngrammys"}]
-    )
-    return {"object": "list", "data": cards}
+    name, runtime = request.app.state.model_name, request.app.state.runtime
+    card = {"id": name, "object": "model", "created": int(time.time()), "owned_by": "ngrammys"}
+    if runtime is not None:
+        card["max_model_len"] = runtime.max_context
+    return {"object": "list", "data": [] if name is None else [card]}
 
 
 @router.post(
@@ -96,11 +94,13 @@ async def completions(
     metrics: MetricsDep,
     limit: ConcurrencyDep,
 ) -> Response:
-    _check_model(request, body)
+    check_model(request, body.model)
     max_tokens = body.max_tokens or min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_tokens_cap)
     check_generation_limits(body, settings, max_tokens, "max_tokens")
     if isinstance(body.prompt, str):
-        prompt_ids = await _tokenize(request, "prompt", runtime.tokenizer.encode, body.prompt)
+        prompt_ids = await tokenize_off_loop(
+            request, "prompt", runtime.tokenizer.encode, body.prompt
+        )
     else:
         prompt_ids = _checked_ids(body.prompt, runtime.vocab_size)
     serving = _Serving(runtime, settings, metrics, limit, client)
@@ -130,12 +130,12 @@ async def chat_completions(
     metrics: MetricsDep,
     limit: ConcurrencyDep,
 ) -> Response:
-    _check_model(request, body)
+    check_model(request, body.model)
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens or settings.max_tokens
     check_generation_limits(body, settings, max_tokens, asked)
     tools = tool_use(body)
-    prompt_ids, tools = await _tokenize(
+    prompt_ids, tools = await tokenize_off_loop(
         request, "messages", chat_prompt, runtime.tokenizer, body.messages, tools
     )
     serving = _Serving(runtime, settings, metrics, limit, client)
@@ -163,12 +163,13 @@ class _Serving:
     client: str
 
 
-def _check_model(request: Request, body: GenerationRequest) -> None:
+def check_model(request: Request, model: str | None) -> None:
+    """404 for a request naming a model this server does not serve (none named: its own)."""
     name = request.app.state.model_name
-    if body.model is not None and body.model != name:
+    if model is not None and model != name:
         raise ApiError(
             404,
-            f"The model `{body.model}` does not exist; this server serves `{name}`",
+            f"The model `{model}` does not exist; this server serves `{name}`",
             param="model",
             code="model_not_found",
         )
@@ -177,7 +178,9 @@ def _check_model(request: Request, body: GenerationRequest) -> None:
 T = TypeVar("T")
 
 
-async def _tokenize(request: Request, param: str, encode: Callable[..., T], *args: Any) -> T:
+async def tokenize_off_loop(
+    request: Request, param: str, encode: Callable[..., T], *args: Any
+) -> T:
     """Tokenize on a worker thread (a long prompt must not stall the event loop), one at a
     time (a fast tokenizer shared across threads may fail with "Already borrowed")."""
     lock: threading.Lock = request.app.state.tokenizer_lock

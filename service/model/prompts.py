@@ -28,16 +28,18 @@ def chat_prompt_ids(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
-    """Token ids of `messages` rendered by the chat template, ready for the assistant's turn;
-    `tools` (OpenAI's function list) go to the template, which may show them or not. A model
-    without a template (a base model) has no chat: ValueError saying so."""
+    """Token ids of `messages` rendered by the chat template, ready for the assistant's turn
+    (unless not `add_generation_prompt`); `tools` (OpenAI's function list) go to the template,
+    which may show them or not. A model without a template (a base model) has no chat:
+    ValueError saying so."""
     if not tokenizer.chat_template:
         raise ValueError(NO_TEMPLATE)
     encoded = tokenizer.apply_chat_template(
         list(messages),
         tools=None if tools is None else list(tools),
-        add_generation_prompt=True,
+        add_generation_prompt=add_generation_prompt,
         tokenize=True,
         return_dict=True,
     )
