@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from app.auth import ApiKeys, ConcurrencyLimit
 from app.errors import install_error_handlers
 from app.limits import BodySizeLimit
-from app.metrics import Metrics
+from app.metrics import Metrics, RouteCounter
 from app.metrics import router as metrics_router
 from app.openapi import finish_openapi
 from app.ranks import start_rank_zero, world_size
@@ -68,6 +68,7 @@ def create_app(
     )
     app.state.tokenizer_lock = threading.Lock()
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RouteCounter, metrics=app.state.metrics)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)

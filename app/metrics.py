@@ -23,6 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.auth import metrics_identity
 from service.controller.profile_keeper import OUTCOMES, ProfileState
@@ -163,6 +164,12 @@ class Metrics:
         self.disconnects = Counter(
             "ngrammys_client_disconnects", "Clients gone before the end", registry=r
         )
+        self.http_requests = Counter(
+            "ngrammys_http_requests",
+            "HTTP requests answered, by route (its path template), method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
 
     def watch_queue(self, waiting: Callable[[], int], running: Callable[[], int]) -> None:
         """Read the queue gauges from the engine at scrape time."""
@@ -284,3 +291,30 @@ async def metrics(request: Request) -> Response:
     return Response(
         generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
     )
+
+
+class RouteCounter:
+    """ASGI middleware: every HTTP request answered, counted in `metrics.http_requests` by the
+    route it matched (its path template, so the labels stay few; `unmatched` for none), its
+    method and the status sent (500 where none was: the error left past this middleware)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def counted_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted_send)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.http_requests.labels(route, scope["method"], str(status)).inc()

@@ -43,6 +43,7 @@ EXPECTED = {  # name -> type, as issue-level contract
     "ngrammys_generation_tokens": "counter",
     "ngrammys_requests": "counter",
     "ngrammys_client_disconnects": "counter",
+    "ngrammys_http_requests": "counter",
     "ngrammys_cost_profile_valid": "gauge",
     "ngrammys_cost_profile_remeasures": "counter",
     "ngrammys_kv_cache_usage_perc": "gauge",
@@ -104,6 +105,13 @@ def test_every_metric_is_exported_with_its_type_and_promtool_agrees(server: str)
         and 'ngrammys_requests_total{status="invalid"}' in text
     )
     assert "ngrammys_client_disconnects_total 1.0" in text
+    chat = 'ngrammys_http_requests_total{method="POST",route="/v1/chat/completions",status='
+    assert f'{chat}"200"}}' in text and f'{chat}"400"}}' in text
+    httpx.get(f"{server}/nowhere")
+    httpx.post(f"{server}/tokenize", json={"prompt": "counted"})
+    text = httpx.get(f"{server}/metrics").text
+    assert 'ngrammys_http_requests_total{method="GET",route="unmatched",status="404"} 1.0' in text
+    assert 'ngrammys_http_requests_total{method="POST",route="/tokenize",status="200"} 1.0' in text
     assert shutil.which("promtool"), "promtool missing: `make test` installs Debian's prometheus"
     check = subprocess.run(
         ["promtool", "check", "metrics"], input=text, capture_output=True, text=True
