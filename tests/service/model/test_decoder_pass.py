@@ -10,7 +10,7 @@ import transformers
 
 from service.model.decoder_pass import fuse_projections
 from service.model.runner import ModelRunner, RowInput
-from service.model.tree import build_tree
+from service.model.tree import TokenTree, build_tree
 from tests.helpers.models import make_tiny_family_model, make_tiny_model
 from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
 
@@ -47,6 +47,19 @@ def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, 
     assert_nodes_match(model, PROMPT, tree, runner.forward(cache, [RowInput(tree)])[0])
 
 
+def lean_and_reference_tree_logits(
+    model: torch.nn.Module, tree: TokenTree
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tree's logits after PROMPT from the lean pass and from transformers' own forward."""
+    lean, reference = ModelRunner(model), ModelRunner(model)
+    reference.lean = False
+    lean_logits, reference_logits = (
+        runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
+        for runner in (lean, reference)
+    )
+    return lean_logits, reference_logits
+
+
 @pytest.mark.parametrize(
     "config_name",
     [
@@ -60,15 +73,9 @@ def test_tree_logits_equal_sequential_decoding_on_either_path(config_name: str, 
 )
 def test_the_lean_pass_gives_transformers_pass_bit_for_bit(config_name: str) -> None:
     """Same operators in the same order, fewer calls: float32 logits equal exactly."""
-    model = tiny_model(config_name)
-    lean, reference = ModelRunner(model), ModelRunner(model)
-    reference.lean = False
     tree = build_tree(PROMPT[-1], DRAFTS)
-    got = [
-        runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
-        for runner in (lean, reference)
-    ]
-    assert torch.equal(got[0], got[1])
+    lean, reference = lean_and_reference_tree_logits(tiny_model(config_name), tree)
+    assert torch.equal(lean, reference)
 
 
 def test_fused_projections_share_the_layers_memory() -> None:
@@ -109,14 +116,9 @@ def test_scaled_rotary_embeddings_are_the_models_own(rope_type: str) -> None:
     )
     plain = make_tiny_family_model("LlamaConfig", pad_token_id=0)
     assert model.model.rotary_emb.rope_type == rope_type
-    lean, reference = ModelRunner(model), ModelRunner(model)
-    reference.lean = False
     tree = build_tree(PROMPT[-1], DRAFTS)
-    got = [
-        runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
-        for runner in (lean, reference)
-    ]
-    assert torch.equal(got[0], got[1])
-    assert_nodes_match(model, PROMPT, tree, got[0])
+    lean, reference = lean_and_reference_tree_logits(model, tree)
+    assert torch.equal(lean, reference)
+    assert_nodes_match(model, PROMPT, tree, lean)
     unscaled = ModelRunner(plain).forward(prefilled(ModelRunner(plain), [PROMPT]), [RowInput(tree)])
-    assert torch.allclose(unscaled[0], got[0]) == (rope_type == "dynamic")
+    assert torch.allclose(unscaled[0], lean) == (rope_type == "dynamic")
