@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
-from xgrammar import CompiledGrammar
 
-from app.auth import ClientDep, ConcurrencyLimit, client_identity
-from app.choices import Choices, choice_params, submit_all
+from app.auth import ClientDep, client_identity
 from app.deps import ConcurrencyDep, MetricsDep, RuntimeDep, SettingsDep
-from app.errors import ApiError
-from app.generation import Generation, Kind
-from app.limits import check_generation_limits, check_prompt_length
-from app.logprobs import LogprobsFormatter
-from app.metrics import Metrics
+from app.generation import Kind
+from app.limits import check_generation_limits
 from app.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -28,37 +19,26 @@ from app.schemas import (
     CompletionRequest,
     CompletionResponse,
     GenerationRequest,
-    JsonObjectFormat,
-    JsonSchemaFormat,
     ModelList,
-    ResponseFormat,
-    SpeculationOptions,
     error_responses,
     event_stream_schema,
 )
-from app.settings import Settings
+from app.serving import (
+    CLIENT_CLOSED_REQUEST,
+    Serving,
+    check_model,
+    checked_ids,
+    collect,
+    start,
+    tokenize_off_loop,
+)
 from app.sse import GenerationStream
 from app.tools import ToolUse, chat_prompt, tool_use
-from service.engine.async_engine import QueueFull, RequestHandle, RequestTimeout, ShuttingDown
-from service.engine.detokenizer import TextStream
-from service.engine.engine import ContextTooLong
-from service.engine.params import (
-    MIN_TEMPERATURE,
-    GenerationParams,
-    SamplingParams,
-    SpeculationParams,
-)
-from service.engine.scheduler import DoesNotFit
-from service.grammar import GrammarBusy, GrammarError, GrammarSpec
-from service.grammar.compiler import json_source
-from service.runtime import Runtime
 
 router = APIRouter(
     prefix="/v1", dependencies=[Depends(client_identity)], responses=error_responses(401)
 )
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
-DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks for its client
-CLIENT_CLOSED_REQUEST = 499
 GENERATION_ERRORS = error_responses(400, 404, 413, 429, 500, 503, 504)
 
 
@@ -102,8 +82,8 @@ async def completions(
             request, "prompt", runtime.tokenizer.encode, body.prompt
         )
     else:
-        prompt_ids = _checked_ids(body.prompt, runtime.vocab_size)
-    serving = _Serving(runtime, settings, metrics, limit, client)
+        prompt_ids = checked_ids(body.prompt, runtime.vocab_size)
+    serving = Serving(runtime, settings, metrics, limit, client)
     return await _respond(
         "text_completion",
         body,
@@ -138,7 +118,7 @@ async def chat_completions(
     prompt_ids, tools = await tokenize_off_loop(
         request, "messages", chat_prompt, runtime.tokenizer, body.messages, tools
     )
-    serving = _Serving(runtime, settings, metrics, limit, client)
+    serving = Serving(runtime, settings, metrics, limit, client)
     return await _respond(
         "chat.completion",
         body,
@@ -152,280 +132,24 @@ async def chat_completions(
     )
 
 
-@dataclass(frozen=True)
-class _Serving:
-    """What a generation route got from the app (app/deps.py) and its caller's identity."""
-
-    runtime: Runtime
-    settings: Settings
-    metrics: Metrics
-    limit: ConcurrencyLimit
-    client: str
-
-
-def check_model(request: Request, model: str | None) -> None:
-    """404 for a request naming a model this server does not serve (none named: its own)."""
-    name = request.app.state.model_name
-    if model is not None and model != name:
-        raise ApiError(
-            404,
-            f"The model `{model}` does not exist; this server serves `{name}`",
-            param="model",
-            code="model_not_found",
-        )
-
-
-T = TypeVar("T")
-
-
-async def tokenize_off_loop(
-    request: Request, param: str, encode: Callable[..., T], *args: Any
-) -> T:
-    """Tokenize on a worker thread (a long prompt must not stall the event loop), one at a
-    time (a fast tokenizer shared across threads may fail with "Already borrowed")."""
-    lock: threading.Lock = request.app.state.tokenizer_lock
-
-    def run() -> T:
-        with lock:
-            return encode(*args)
-
-    try:
-        return await asyncio.to_thread(run)
-    except Exception as error:  # the input's fault: a template that refuses the messages, ...
-        raise ApiError(400, f"{param}: could not be tokenized: {error}", param=param) from error
-
-
-def _checked_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> list[int]:
-    """Token ids must exist in the model's embedding (its config's vocabulary, which may be
-    larger or smaller than the tokenizer's)."""
-    if any(not 0 <= i < vocab_size for i in ids):
-        raise ApiError(400, f"{param}: token ids must be in [0, {vocab_size})", param=param)
-    return ids
-
-
-def _params(
-    body: GenerationRequest,
-    serving: _Serving,
-    max_tokens: int,
-    logprobs: int | None,
-    tools: ToolUse,
-) -> GenerationParams:
-    settings = serving.settings
-    options = body.speculation or SpeculationOptions()
-    k = settings.spec_k if options.k is None else options.k
-    w = settings.spec_w if options.w is None else options.w
-    try:
-        speculation = SpeculationParams(k, w, options.mode or settings.spec_mode)
-    except ValueError as error:
-        raise ApiError(400, str(error), param="speculation") from error
-    return GenerationParams(
-        max_new_tokens=max_tokens,
-        speculation=speculation,
-        strategy=options.strategy or settings.spec_strategy,
-        sampling=_sampling(body, settings, serving.runtime.vocab_size),
-        logprobs=logprobs,
-        grammar=tools.grammar() or _grammar(body.response_format),
-    )
-
-
-def _grammar(response_format: ResponseFormat | None) -> GrammarSpec | None:
-    """What `response_format` asks the output to match (None: free text)."""
-    if isinstance(response_format, JsonObjectFormat):
-        return GrammarSpec("json_object")
-    if isinstance(response_format, JsonSchemaFormat):
-        return GrammarSpec(
-            "json_schema",
-            json_source(response_format.json_schema.json_schema),
-            field="response_format.json_schema.schema",
-        )
-    return None
-
-
-async def _compiled_grammar(
-    runtime: Runtime, spec: GrammarSpec, settings: Settings
-) -> CompiledGrammar:
-    """The request's grammar, compiled off the event loop and the engine within the limits:
-    400 naming the field for one it cannot compile (in time), 429 while every compile slot
-    stays busy. Shielded: a client gone does not cancel a compile other requests wait for."""
-    try:
-        return await asyncio.shield(asyncio.wrap_future(runtime.compile_grammar(spec)))
-    except GrammarError as error:
-        raise ApiError(400, str(error), param=error.field) from error
-    except GrammarBusy as error:
-        raise ApiError(
-            429,
-            str(error),
-            "rate_limit_exceeded",
-            param=error.field,
-            headers={"Retry-After": str(settings.retry_after_seconds)},
-        ) from error
-
-
-def _sampling(body: GenerationRequest, settings: Settings, vocab_size: int) -> SamplingParams:
-    """The request's sampling controls; their ranges are the schema's, checked already."""
-    temperature = settings.default_temperature if body.temperature is None else body.temperature
-    if temperature < MIN_TEMPERATURE:
-        temperature = 0.0  # that close to 0 the distribution is the argmax (see MIN_TEMPERATURE)
-    return SamplingParams(
-        temperature,
-        body.top_p or 1.0,
-        max(body.top_k or 0, 0),
-        body.seed,
-        min_p=body.min_p or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        presence_penalty=body.presence_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
-        logit_bias=_logit_bias(body.logit_bias or {}, vocab_size),
-    )
-
-
-def _logit_bias(bias: dict[str, float], vocab_size: int) -> dict[int, float]:
-    """logit_bias keyed by token id; each must exist in the model's embedding, as a prompt's."""
-    by_id = {int(token): value for token, value in bias.items()}
-    _checked_ids(list(by_id), vocab_size, "logit_bias")
-    return by_id
-
-
 async def _respond(
     kind: Kind,
     body: GenerationRequest,
     request: Request,
-    serving: _Serving,
+    serving: Serving,
     prompt_ids: list[int],
     max_tokens: int,
     prompt_param: str,
     logprobs: int | None,
     tools: ToolUse = ToolUse(),
 ) -> Response:
-    runtime, settings, limit, client = (
-        serving.runtime,
-        serving.settings,
-        serving.limit,
-        serving.client,
+    """The request's answer in OpenAI's shape: a stream of chunks, or the whole response."""
+    choices = await start(
+        kind, body, request, serving, prompt_ids, max_tokens, prompt_param, logprobs, tools
     )
-    if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
-        raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
-    check_prompt_length(len(prompt_ids), settings, prompt_param)
-    params = _params(body, serving, max_tokens, logprobs, tools)
-    if params.grammar is not None:
-        params = replace(
-            params, compiled_grammar=await _compiled_grammar(runtime, params.grammar, settings)
-        )
-    enabled = runtime.enabled_strategies
-    if params.strategy not in enabled:  # a model draft this server was not started with
-        raise ApiError(
-            400,
-            f"strategy {params.strategy!r} is not enabled on this server; enabled: "
-            f"{', '.join(enabled)}",
-            param="speculation",
-        )
-    engine_requests = choice_params(params, body.n)
-    try:
-        for choice in engine_requests:
-            runtime.check_fits(len(prompt_ids), choice)
-    except ContextTooLong as error:
-        raise ApiError(
-            400, str(error), param=prompt_param, code="context_length_exceeded"
-        ) from error
-    except DoesNotFit as error:
-        raise ApiError(
-            400, str(error), param="max_tokens", code="kv_cache_budget_exceeded"
-        ) from error
-    limit.acquire(client)  # one slot for the request, whatever its n
-    try:
-        handles = submit_all(runtime.async_engine, prompt_ids, engine_requests)
-    except QueueFull as error:
-        limit.release(client)
-        raise ApiError(
-            429,
-            f"the server is busy: {error}; retry shortly",
-            "rate_limit_exceeded",
-            headers={"Retry-After": str(settings.retry_after_seconds)},
-        ) from error
-    except ShuttingDown as error:
-        limit.release(client)
-        raise ApiError(503, str(error), "service_unavailable") from error
-    except BaseException:
-        limit.release(client)
-        raise
-    serving.metrics.prompt_tokens.inc(len(prompt_ids))  # once: the choices share the prompt
-    choices = _choices(kind, body, request, serving, handles, logprobs, tools)
     if body.stream:
         return GenerationStream(choices)
-    try:
-        body_json = await _collect_while_connected(choices, request)
-    except ClientGone:
-        choices.finish("aborted")
+    whole = await collect(choices, request)
+    if whole is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
-    except Exception as error:
-        choices.finish(Generation.status_of(error))
-        if isinstance(error, RequestTimeout):
-            raise ApiError(504, str(error), "timeout", code="timeout") from error
-        if isinstance(error, ShuttingDown):
-            raise ApiError(503, str(error), "service_unavailable", code="shutting_down") from error
-        raise ApiError(500, f"generation failed: {error}", "server_error") from error
-    except BaseException:  # cancelled: the client left
-        choices.finish("aborted")
-        raise
-    choices.finish("ok")
-    return JSONResponse(body_json)
-
-
-def _choices(
-    kind: Kind,
-    body: GenerationRequest,
-    request: Request,
-    serving: _Serving,
-    handles: list[RequestHandle],
-    logprobs: int | None,
-    tools: ToolUse,
-) -> Choices:
-    """The request's `body.n` choices, from its engine requests (one, or one per choice), each
-    parsing its own answer's tool calls."""
-    runtime, options = serving.runtime, body.stream_options
-
-    def generation(handle: RequestHandle, **shared: Any) -> Generation:
-        return Generation(
-            kind,
-            request.app.state.model_name,
-            runtime.async_engine,
-            handle,
-            TextStream(runtime.tokenizer, body.stop or []),
-            serving.metrics,
-            continuous_usage=bool(options and options.continuous_usage_stats),
-            logprobs=None
-            if logprobs is None
-            else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
-            tool_calls=tools.output_parser(),
-            **shared,
-        )
-
-    # its id and creation time are the other choices' too: one response
-    first = generation(handles[0])
-    generations = [
-        first,
-        *(generation(h, request_id=first.request_id, created=first.created) for h in handles[1:]),
-    ]
-    return Choices(
-        generations,
-        copies=body.n // len(generations),
-        include_usage=bool(options and options.include_usage),
-        on_finish=lambda: serving.limit.release(serving.client),
-    )
-
-
-class ClientGone(Exception):
-    """The client of a non-streaming request disconnected before its answer was ready."""
-
-
-async def _collect_while_connected(choices: Choices, request: Request) -> dict[str, Any]:
-    """The whole response; the request is aborted as soon as its client disconnects (so a
-    `curl -m 2` with a large max_tokens does not keep the engine busy for nobody)."""
-    collecting = asyncio.ensure_future(choices.collect())
-    while True:
-        done, _ = await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)
-        if done:
-            return collecting.result()
-        if await request.is_disconnected():
-            collecting.cancel()  # the caller's `finish` aborts the engine requests
-            raise ClientGone
+    return JSONResponse(whole)

@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Request
 from app.auth import client_identity
 from app.deps import RuntimeDep
 from app.errors import ApiError
-from app.routes.openai import check_model, tokenize_off_loop
 from app.schemas import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -21,6 +20,7 @@ from app.schemas import (
     TokenizeResponse,
     error_responses,
 )
+from app.serving import check_model, tokenize_off_loop
 from app.tools import ToolUse, chat_prompt
 
 router = APIRouter(dependencies=[Depends(client_identity)], responses=error_responses(401))
