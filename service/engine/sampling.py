@@ -37,8 +37,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, vocab]
-        # keeps the top one
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        cut = mass_before >= params.top_p
+        # the top one stays: a top_p below float32's range (5e-324) compares as 0 >= 0
+        cut[..., 0] = False
+        sorted_probs = sorted_probs.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

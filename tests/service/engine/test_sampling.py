@@ -42,6 +42,9 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     assert probs[0, 2:].sum() == 0
     only_top = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.01))
     assert only_top[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    # a top_p below float32's smallest number (JSON allows 5e-324) still keeps the top one
+    tiniest = target_probs(LOGITS, SamplingParams(temperature=1.0, top_p=5e-324))
+    assert tiniest[0].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_top_k_then_top_p() -> None:
