@@ -1,4 +1,5 @@
-"""Optional API keys (`Authorization: Bearer KEY`) and the per-key concurrency limit.
+"""Optional API keys (`Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients
+send it) and the per-key concurrency limit.
 
 Keys come from `--api-keys` (comma-separated) and/or `--api-key-file` (one per line). Only
 their SHA-256 digests are kept, and a presented key is compared with every one of them by
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends, Request
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
 from app.errors import ApiError
 from app.settings import Settings
@@ -64,30 +65,42 @@ def _unauthorized(message: str) -> ApiError:
 bearer = HTTPBearer(
     auto_error=False, description="An API key, when the server is started with keys"
 )
+api_key_header = APIKeyHeader(
+    name="x-api-key",
+    auto_error=False,
+    description="An API key, as Anthropic's clients send it (instead of the bearer token)",
+)
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+HeaderKey = Annotated[str | None, Depends(api_key_header)]
 
 
-def _identify(request: Request, credentials: HTTPAuthorizationCredentials | None) -> str:
+def _identify(
+    request: Request, credentials: HTTPAuthorizationCredentials | None, header_key: str | None
+) -> str:
     keys: ApiKeys = request.app.state.api_keys
     if not keys.enabled:
         return ANONYMOUS
-    if credentials is None or not credentials.credentials.strip():
-        raise _unauthorized("You didn't provide an API key: send `Authorization: Bearer YOUR_KEY`.")
-    identity = keys.identify(credentials.credentials.strip())
+    key = (credentials.credentials if credentials is not None else header_key or "").strip()
+    if not key:
+        raise _unauthorized(
+            "You didn't provide an API key: send `Authorization: Bearer YOUR_KEY` "
+            "(or `x-api-key: YOUR_KEY`)."
+        )
+    identity = keys.identify(key)
     if identity is None:
         raise _unauthorized("Incorrect API key provided.")
     return identity
 
 
-def client_identity(request: Request, credentials: Credentials) -> str:
-    """The caller's key id, or 401 in OpenAI's shape; `anonymous` when auth is off."""
-    return _identify(request, credentials)
+def client_identity(request: Request, credentials: Credentials, header_key: HeaderKey) -> str:
+    """The caller's key id, or 401; `anonymous` when auth is off."""
+    return _identify(request, credentials, header_key)
 
 
-def metrics_identity(request: Request, credentials: Credentials) -> str:
+def metrics_identity(request: Request, credentials: Credentials, header_key: HeaderKey) -> str:
     """/metrics asks for a key only when `--metrics-auth` is set."""
     settings: Settings = request.app.state.settings
-    return _identify(request, credentials) if settings.metrics_auth else ANONYMOUS
+    return _identify(request, credentials, header_key) if settings.metrics_auth else ANONYMOUS
 
 
 ClientDep = Annotated[str, Depends(client_identity)]

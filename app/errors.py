@@ -1,4 +1,5 @@
-"""Every error leaves as OpenAI's JSON shape: {"error": {message, type, param, code}}."""
+"""Every error leaves as OpenAI's JSON shape, {"error": {message, type, param, code}}, but
+those of Anthropic's Messages routes, which leave in Anthropic's (app/messages_api/errors.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
+
+from app.messages_api import errors as messages_errors
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,15 @@ class ApiError(Exception):
         )
         self.headers = headers
 
+    def renamed(self, names: dict[str, str]) -> ApiError:
+        """This error with its fields named as another wire format names them (each key of
+        `names`, a part of a field's path, replaced by its value in `param` and the message)."""
+        param, message = self.param, self.message
+        for old, new in names.items():
+            param = None if param is None else param.replace(old, new)
+            message = message.replace(old, new)
+        return ApiError(self.status, message, self.type, param, self.code, self.headers)
+
 
 def error_response(
     request: Request,
@@ -50,7 +63,10 @@ def error_response(
         request.app.state.metrics.requests.labels(outcome).inc()
     # a lone surrogate echoed back stays valid
     message = message.encode("utf-8", "replace").decode("utf-8")
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    if request.url.path.startswith(messages_errors.PATH_PREFIX):
+        body = messages_errors.error_body(status, message)
+    else:
+        body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -84,14 +100,16 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 def _says_most(errors: list[dict]) -> dict:
     """A union reports one error per member: the member whose own check failed says most, then
     one that found its field in the body (a field the body has, not one it lacks: a body of
-    chat messages is not a prompt missing)."""
+    chat messages is not a prompt missing), and one whose value was of its member's type first
+    (a list of blocks with a wrong block is not a string of the wrong type)."""
     checked = (e for e in errors if e.get("type") == "value_error")
-    in_member = (
+    in_member = [
         e
         for e in errors
         if e.get("type") != "missing" and not all(_is_field(p) for p in e.get("loc", ())[1:])
-    )
-    return next(checked, None) or next(in_member, None) or errors[0]
+    ]
+    of_its_type = (e for e in in_member if not str(e.get("type")).endswith("_type"))
+    return next(checked, None) or next(of_its_type, None) or next(iter(in_member), errors[0])
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict"}
@@ -109,9 +127,29 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     code = "request_too_large" if exc.status_code == 413 else None
+    headers = exc.headers
+    if exc.status_code == 405:  # Starlette names the methods of one route of the path only
+        headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
     return error_response(
-        request, exc.status_code, str(exc.detail), kind, code=code, headers=exc.headers
+        request, exc.status_code, str(exc.detail), kind, code=code, headers=headers
     )
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods every route of the request's path takes (GET and DELETE of one resource are
+    two routes), through the routers the app includes."""
+    methods: set[str] = set()
+    routes = list(request.app.routes)
+    while routes:
+        route = routes.pop()
+        if route.matches(request.scope)[0] == Match.NONE:
+            continue
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            routes += included.routes
+        else:
+            methods |= getattr(route, "methods", None) or set()
+    return sorted(methods)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

@@ -54,6 +54,7 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of the prompt, the tokens the prefix cache gave
     finish_reason: str | None = None
     _last_output_at: float | None = None
     _sent_text: bool = False
@@ -70,6 +71,7 @@ class Generation:
             self._time(output)
             self.stats.observe(output)
             self.completion_tokens += len(output.token_ids)
+            self.cached_prompt_tokens = output.cached_prompt_tokens
             self._unsent_logprobs.extend(output.logprobs or [])
             delta = self.text_stream.push(output.token_ids)
             if delta.stopped:

@@ -53,9 +53,14 @@ class BodySizeLimit:
 
 
 def check_generation_limits(
-    body: GenerationRequest, settings: Settings, max_tokens: int, max_tokens_param: str
+    body: GenerationRequest,
+    settings: Settings,
+    max_tokens: int,
+    max_tokens_param: str,
+    stop_param: str = "stop",
 ) -> None:
-    """400 naming the field for a request beyond the server's limits (before tokenizing)."""
+    """400 naming the field (the stop strings' as the request calls them) for a request beyond
+    the server's limits (before tokenizing)."""
     # chat's `max_tokens` beside `max_completion_tokens` is not used, but is held to the cap
     # all the same, as the published schema says
     for param, value in ((max_tokens_param, max_tokens), ("max_tokens", body.max_tokens)):
@@ -76,13 +81,15 @@ def check_generation_limits(
     stops = body.stop or []
     if len(stops) > settings.max_stop_sequences:
         raise ApiError(
-            400, f"stop: at most {settings.max_stop_sequences} stop sequences", param="stop"
+            400,
+            f"{stop_param}: at most {settings.max_stop_sequences} stop sequences",
+            param=stop_param,
         )
     if any(len(s) > settings.max_stop_length for s in stops):
         raise ApiError(
             400,
-            f"stop: a stop sequence may have at most {settings.max_stop_length} characters",
-            param="stop",
+            f"{stop_param}: a stop sequence may have at most {settings.max_stop_length} characters",
+            param=stop_param,
         )
     options = body.speculation
     for name, server_max in (("k", settings.spec_k), ("w", settings.spec_w)):

@@ -19,7 +19,8 @@ from app.metrics import Metrics, RouteCounter
 from app.metrics import router as metrics_router
 from app.openapi import finish_openapi
 from app.ranks import start_rank_zero, world_size
-from app.routes import health, openai, tokenize
+from app.responses_api.store import ResponseStore
+from app.routes import health, messages, openai, responses, tokenize
 from app.settings import Settings
 from service.model.loader import LoadedModel, load_model
 from service.runtime import Runtime
@@ -67,11 +68,16 @@ def create_app(
         settings.max_concurrent_per_key, settings.retry_after_seconds
     )
     app.state.tokenizer_lock = threading.Lock()
+    app.state.responses = ResponseStore(
+        settings.stored_responses, settings.stored_responses_mb << 20
+    )
     app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
     app.add_middleware(RouteCounter, metrics=app.state.metrics)
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(openai.router)
+    app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(tokenize.router)
     app.include_router(metrics_router)
     finish_openapi(app)

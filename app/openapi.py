@@ -106,10 +106,12 @@ def _limits_as_configured(components: Schema, settings: Settings) -> None:
         # a choice is a request
         _bound(properties["n"], "integer", maximum=min(MAX_N, settings.max_waiting))
         _bound(properties["stop"], "string", maxLength=settings.max_stop_length)
-        _bound(properties["stop"], "array", maxItems=settings.max_stop_sequences)
-        for branch in properties["stop"]["anyOf"]:
-            if branch.get("type") == "array":
-                branch["items"]["maxLength"] = settings.max_stop_length
+        _bound_stops(properties["stop"], settings)
+    messages = components["MessagesRequest"]["properties"]
+    _bound(messages["max_tokens"], "integer", maximum=settings.max_tokens_cap)
+    _bound_stops(messages["stop_sequences"], settings)
+    responses = components["ResponsesRequest"]["properties"]
+    _bound(responses["max_output_tokens"], "integer", maximum=settings.max_tokens_cap)
     options = components["SpeculationOptions"]
     speculation = options["properties"]
     _bound(speculation["k"], "integer", maximum=settings.spec_k)
@@ -119,6 +121,14 @@ def _limits_as_configured(components: Schema, settings: Settings) -> None:
     for branch in speculation["strategy"]["anyOf"]:
         if "enum" in branch:
             branch["enum"] = [name for name in branch["enum"] if name in enabled]
+
+
+def _bound_stops(field: Schema, settings: Settings) -> None:
+    """A list of stop strings: its count and their lengths."""
+    _bound(field, "array", maxItems=settings.max_stop_sequences)
+    for branch in field["anyOf"]:
+        if branch.get("type") == "array":
+            branch["items"]["maxLength"] = settings.max_stop_length
 
 
 def _token_ids_below(components: Schema, vocab_size: int) -> None:

@@ -53,14 +53,27 @@ MAX_COMPLETION_LOGPROBS = 5  # alternatives per token on /v1/completions (OpenAI
 MAX_TOP_LOGPROBS = 20  # alternatives per token on /v1/chat/completions (OpenAI's limit)
 
 
-class _Request(BaseModel):
+class StrictRequest(BaseModel):
     """Request parts are validated strictly, as their JSON schema reads: `"5"` is no integer
     and `false` no token id (pydantic's lax mode would take both)."""
 
     model_config = ConfigDict(strict=True, allow_inf_nan=False)
 
 
-class SpeculationOptions(_Request):
+class LenientPart(StrictRequest):
+    """A request part of Anthropic's or the Responses API's: strict as the rest, unknown keys
+    ignored (`cache_control`, and the fields newer clients send)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+def check_unique_names(names: list[str]) -> None:
+    """A request's tools are told apart by their names."""
+    if twice := sorted({name for name in names if names.count(name) > 1}):
+        raise ValueError(f"tool names must be unique: {', '.join(twice)} more than once")
+
+
+class SpeculationOptions(StrictRequest):
     """Extension: per-request speculation; unset fields take the server settings, and k and w
     may not exceed the server's `--spec-k` / `--spec-w`."""
 
@@ -74,7 +87,7 @@ class SpeculationOptions(_Request):
     _whole_options = field_validator("k", "w", mode="before")(integral)  # 626.0 is 626
 
 
-class StreamOptions(_Request):
+class StreamOptions(StrictRequest):
     include_usage: bool = False
     # usage on every chunk (as vLLM), for exact per-token timing
     continuous_usage_stats: bool = False
@@ -153,15 +166,15 @@ def logit_bias_schema(token_id_key: str) -> dict[str, Any]:
     }
 
 
-class TextFormat(_Request):
+class TextFormat(StrictRequest):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Request):
+class JsonObjectFormat(StrictRequest):
     type: Literal["json_object"]
 
 
-class JsonSchema(_Request):
+class JsonSchema(StrictRequest):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     name: str = Field(..., max_length=64, pattern="^[a-zA-Z0-9_-]+$")
@@ -170,7 +183,7 @@ class JsonSchema(_Request):
     strict: bool | None = None  # the output always matches the schema, strict or not
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(StrictRequest):
     type: Literal["json_schema"]
     json_schema: JsonSchema
 
@@ -178,7 +191,7 @@ class JsonSchemaFormat(_Request):
 ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 
-class GenerationRequest(_Request):
+class GenerationRequest(StrictRequest):
     """Fields common to both endpoints; unknown fields are ignored, as OpenAI does."""
 
     model_config = ConfigDict(extra="ignore")
@@ -340,17 +353,17 @@ class CompletionRequest(GenerationRequest):
         return prompt  # type: ignore[return-value]
 
 
-class TextPart(_Request):
+class TextPart(StrictRequest):
     type: Literal["text"]
     text: Text
 
 
-class FunctionCall(_Request):
+class FunctionCall(StrictRequest):
     name: str
     arguments: Text = Field(description="the arguments, as JSON text (as this server answers them)")
 
 
-class AssistantToolCall(_Request):
+class AssistantToolCall(StrictRequest):
     """A call an assistant message made, as a response's `tool_calls` gave it."""
 
     id: str
@@ -358,7 +371,7 @@ class AssistantToolCall(_Request):
     function: FunctionCall
 
 
-class ChatMessage(_Request):
+class ChatMessage(StrictRequest):
     """One turn; besides text, an assistant's tool calls and a tool's result, so that a client
     can send a conversation with tools back (the roles' rules are in the published schema too)."""
 
@@ -437,7 +450,7 @@ FUNCTION_NAME = "^[a-zA-Z0-9_-]{1,64}$"
 MAX_TOOLS = 128  # OpenAI's limit
 
 
-class FunctionDefinition(_Request):
+class FunctionDefinition(StrictRequest):
     name: str = Field(pattern=FUNCTION_NAME)
     description: Text | None = None
     parameters: dict[str, Any] | None = Field(
@@ -448,18 +461,44 @@ class FunctionDefinition(_Request):
     )
 
 
-class ChatTool(_Request):
+class ChatTool(StrictRequest):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Request):
+class FunctionName(StrictRequest):
     name: str
 
 
-class NamedToolChoice(_Request):
+class NamedToolChoice(StrictRequest):
     type: Literal["function"]
     function: FunctionName
+
+
+# the published rule that a `tool_choice` asking for a call (`required`, or a named function)
+# comes with tools
+CALL_NEEDS_TOOLS = {
+    "if": {
+        "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+        "required": ["tool_choice"],
+    },
+    "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+}
+
+
+def tools_own_the_format(field: str, text_only: dict[str, Any]) -> dict[str, Any]:
+    """The published rule that with tools shown (`tool_choice` not `none`) the answer's format
+    is theirs: `field` asks for text only (`text_only`), or is null."""
+    return {
+        "if": {
+            "properties": {
+                "tools": {"type": "array", "minItems": 1},
+                "tool_choice": {"not": {"const": "none"}},
+            },
+            "required": ["tools"],
+        },
+        "then": {"properties": {field: {"anyOf": [{"type": "null"}, text_only]}}},
+    }
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -476,37 +515,10 @@ class ChatCompletionRequest(GenerationRequest):
             },
             "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
             "allOf": [
-                {
-                    "if": {
-                        "properties": {
-                            "tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}
-                        },
-                        "required": ["tool_choice"],
-                    },
-                    "then": {
-                        "properties": {"tools": {"type": "array", "minItems": 1}},
-                        "required": ["tools"],
-                    },
-                },
-                {
-                    "if": {
-                        "properties": {
-                            "tools": {"type": "array", "minItems": 1},
-                            "tool_choice": {"not": {"const": "none"}},
-                        },
-                        "required": ["tools"],
-                    },
-                    "then": {
-                        "properties": {
-                            "response_format": {
-                                "anyOf": [
-                                    {"type": "null"},
-                                    {"properties": {"type": {"const": "text"}}},
-                                ]
-                            }
-                        }
-                    },
-                },
+                CALL_NEEDS_TOOLS,
+                tools_own_the_format(
+                    "response_format", {"properties": {"type": {"const": "text"}}}
+                ),
             ],
         }
     )
@@ -549,9 +561,7 @@ class ChatCompletionRequest(GenerationRequest):
     @field_validator("tools")
     @classmethod
     def _unique_names(cls, tools: list[ChatTool] | None) -> list[ChatTool] | None:
-        names = [tool.function.name for tool in tools or []]
-        if twice := sorted({name for name in names if names.count(name) > 1}):
-            raise ValueError(f"function names must be unique: {', '.join(twice)} more than once")
+        check_unique_names([tool.function.name for tool in tools or []])
         return tools
 
     @property
@@ -718,7 +728,7 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizePromptRequest(_Request):
+class TokenizePromptRequest(StrictRequest):
     """vLLM's /tokenize of a prompt: its ids as /v1/completions encodes it."""
 
     model_config = ConfigDict(extra="ignore")
@@ -731,7 +741,7 @@ class TokenizePromptRequest(_Request):
     )
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(StrictRequest):
     """vLLM's /tokenize of chat messages: the ids /v1/chat/completions prompts the model with
     (the chat template, and the tools as that route shows them)."""
 
@@ -758,7 +768,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(StrictRequest):
     """vLLM's /detokenize: token ids (of the model's vocabulary) back to text."""
 
     model_config = ConfigDict(extra="ignore")
@@ -775,6 +785,16 @@ class DetokenizeResponse(BaseModel):
 
 # CompletionResponse doubles as its own chunk
 STREAM_MODELS = (ChatCompletionChunk, CompletionResponse)
+
+
+def named_event_stream_schema(events: str) -> dict[str, Any]:
+    """One server-sent event of a stream that names its events (`event:` then `data:`)."""
+    return {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+        "description": events,
+    }
 
 
 def event_stream_schema(chunk: type[BaseModel]) -> dict[str, Any]:

@@ -8,19 +8,22 @@ import asyncio
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Request
+from fastapi import Depends, Request
+from pydantic import ValidationError
 from xgrammar import CompiledGrammar
 
-from app.auth import ConcurrencyLimit
+from app.auth import ClientDep, ConcurrencyLimit
 from app.choices import Choices, choice_params, submit_all
+from app.deps import ConcurrencyDep, MetricsDep, RuntimeDep, SettingsDep
 from app.errors import ApiError
 from app.generation import Generation, Kind
 from app.limits import check_prompt_length
 from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
 from app.schemas import (
+    ChatCompletionRequest,
     GenerationRequest,
     JsonObjectFormat,
     JsonSchemaFormat,
@@ -56,6 +59,31 @@ class Serving:
     metrics: Metrics
     limit: ConcurrencyLimit
     client: str
+
+
+async def _serving(
+    client: ClientDep,
+    runtime: RuntimeDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    limit: ConcurrencyDep,
+) -> Serving:
+    return Serving(runtime, settings, metrics, limit, client)
+
+
+# a generation route's parts: 401 without a key, 503 while the model loads
+ServingDep = Annotated[Serving, Depends(_serving)]
+
+
+def chat_request(fields: dict[str, Any], param: str) -> ChatCompletionRequest:
+    """The chat request another wire format's request translates to; what the chat route
+    refuses of it is a 400 naming `param`, the field it came from."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ApiError(400, f"{param}: {where}: {first['msg']}", param=param) from error
 
 
 def check_model(request: Request, model: str | None) -> None:
@@ -249,9 +277,10 @@ async def start(
     return _choices(kind, body, request, serving, handles, logprobs, tools)
 
 
-async def collect(choices: Choices, request: Request) -> dict[str, Any] | None:
+async def collect(choices: Choices, request: Request | None) -> dict[str, Any] | None:
     """The whole response of `choices`, or None if its client left before it was ready (then
-    nobody reads an answer); an engine failure as the ApiError of its status."""
+    nobody reads an answer; no `request`: no client to watch, as for a background response); an
+    engine failure as the ApiError of its status."""
     try:
         body_json = await _collect_while_connected(choices, request)
     except ClientGone:
@@ -318,9 +347,11 @@ class ClientGone(Exception):
     """The client of a non-streaming request disconnected before its answer was ready."""
 
 
-async def _collect_while_connected(choices: Choices, request: Request) -> dict[str, Any]:
+async def _collect_while_connected(choices: Choices, request: Request | None) -> dict[str, Any]:
     """The whole response; the request is aborted as soon as its client disconnects (so a
     `curl -m 2` with a large max_tokens does not keep the engine busy for nobody)."""
+    if request is None:
+        return await choices.collect()
     collecting = asyncio.ensure_future(choices.collect())
     while True:
         done, _ = await asyncio.wait({collecting}, timeout=DISCONNECT_POLL_SECONDS)

@@ -188,6 +188,15 @@ class Settings(BaseSettings):
         description="Temperature when a request gives none (OpenAI's default is 1; 0 = greedy)",
     )
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
+    stored_responses: int = Field(
+        1000,
+        ge=0,
+        description="Responses API: responses kept in memory for retrieval and "
+        "previous_response_id, least recently used dropped first (0: none kept)",
+    )
+    stored_responses_mb: int = Field(
+        64, ge=1, description="Responses API: memory the kept responses may take, in MiB"
+    )
     log_level: str = Field("info", description="Logging level")
 
     # Limits: a request beyond one gets a 4xx in OpenAI's error shape (README: Limits).

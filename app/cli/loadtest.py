@@ -14,7 +14,8 @@ from pathlib import Path
 from app.background import serving_process
 from app.cli.flags import dataset, model_flags
 from app.cli.serve_flags import loadtest_server_flags
-from service.bench import loadtest, prefix_workloads
+from service.bench import agent_loop, loadtest, prefix_workloads
+from service.bench.specbench import specbench_questions
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -72,11 +73,12 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workload",
-        choices=("specbench", *prefix_workloads.WORKLOADS),
+        choices=("specbench", *prefix_workloads.WORKLOADS, "agent"),
         default="specbench",
         help="specbench: its questions, off vs auto; chat: conversations behind a long system "
         "prompt, document: questions about one long document, each with the prefix cache and "
-        "without",
+        "without; agent: a loop of tool calls through /v1/responses (previous_response_id) and "
+        "through chat completions (the whole transcript each turn)",
     )
     parser.add_argument(
         "--conversations",
@@ -88,8 +90,8 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         "--turns",
         type=int,
         default=None,
-        help="chat/document: turns per conversation (default: 6 "
-        "for chat, 4 for document: 32 questions)",
+        help="chat/document/agent: turns per conversation (default: 6 "
+        "for chat, 4 for document: 32 questions; 8 for agent)",
     )
     model_flags(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
@@ -104,6 +106,18 @@ def run(args: argparse.Namespace) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
+    if args.workload == "agent":
+        if args.url:
+            sys.exit("ngrammys loadtest: --workload agent starts its own servers; leave out --url")
+        agent_loop.run_command(
+            lambda: serving_process(loadtest_server_flags(args, prefix_cache=True)),
+            specbench_questions(args.dataset),
+            args.conversations,
+            args.turns or agent_loop.DEFAULT_TURNS,
+            args.modes[-1],
+            args.json,
+        )
+        return
     if args.workload != "specbench":
         if args.url:
             sys.exit(

@@ -8,8 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.auth import ClientDep, client_identity
-from app.deps import ConcurrencyDep, MetricsDep, RuntimeDep, SettingsDep
+from app.auth import client_identity
 from app.generation import Kind
 from app.limits import check_generation_limits
 from app.schemas import (
@@ -26,6 +25,7 @@ from app.schemas import (
 from app.serving import (
     CLIENT_CLOSED_REQUEST,
     Serving,
+    ServingDep,
     check_model,
     checked_ids,
     collect,
@@ -68,12 +68,9 @@ async def models(request: Request) -> dict[str, object]:
 async def completions(
     body: CompletionRequest,
     request: Request,
-    client: ClientDep,
-    runtime: RuntimeDep,
-    settings: SettingsDep,
-    metrics: MetricsDep,
-    limit: ConcurrencyDep,
+    serving: ServingDep,
 ) -> Response:
+    runtime, settings = serving.runtime, serving.settings
     check_model(request, body.model)
     max_tokens = body.max_tokens or min(COMPLETIONS_DEFAULT_MAX_TOKENS, settings.max_tokens_cap)
     check_generation_limits(body, settings, max_tokens, "max_tokens")
@@ -83,7 +80,6 @@ async def completions(
         )
     else:
         prompt_ids = checked_ids(body.prompt, runtime.vocab_size)
-    serving = Serving(runtime, settings, metrics, limit, client)
     return await _respond(
         "text_completion",
         body,
@@ -104,12 +100,9 @@ async def completions(
 async def chat_completions(
     body: ChatCompletionRequest,
     request: Request,
-    client: ClientDep,
-    runtime: RuntimeDep,
-    settings: SettingsDep,
-    metrics: MetricsDep,
-    limit: ConcurrencyDep,
+    serving: ServingDep,
 ) -> Response:
+    runtime, settings = serving.runtime, serving.settings
     check_model(request, body.model)
     asked = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens or settings.max_tokens
@@ -118,7 +111,6 @@ async def chat_completions(
     prompt_ids, tools = await tokenize_off_loop(
         request, "messages", chat_prompt, runtime.tokenizer, body.messages, tools
     )
-    serving = Serving(runtime, settings, metrics, limit, client)
     return await _respond(
         "chat.completion",
         body,

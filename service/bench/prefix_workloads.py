@@ -159,7 +159,7 @@ async def _run(
         return time.perf_counter() - started, [done[i] for i in range(len(workload.conversations))]
 
 
-def _prefix_counters(base_url: str) -> tuple[float, float] | None:
+def prefix_counters(base_url: str) -> tuple[float, float] | None:
     """The server's prefix cache queries and hits so far (None: it exports none)."""
     text = httpx.get(f"{base_url}/metrics", timeout=30).text
     found = dict(
@@ -172,9 +172,9 @@ def run_setting(
     base_url: str, workload: Workload, setting: str, mode: str, max_tokens: int
 ) -> WorkloadResult:
     """The whole workload once against a server."""
-    before = _prefix_counters(base_url)
+    before = prefix_counters(base_url)
     seconds, conversations = asyncio.run(_run(base_url, workload, mode, max_tokens))
-    after = _prefix_counters(base_url)
+    after = prefix_counters(base_url)
     timings = [t for conversation in conversations for t in conversation]
     result = WorkloadResult(setting, seconds, timings, [t.text for t in timings])
     if before is not None and after is not None and after[0] > before[0]:

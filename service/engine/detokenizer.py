@@ -38,6 +38,7 @@ class TextStream:
         self._pending = ""  # decoded but held back (a possible stop-string start)
         self.text = ""  # everything released so far
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once one did
 
     def push(self, token_ids: Sequence[int]) -> TextDelta:
         """Add a round's tokens; return the text that can be sent."""
@@ -68,7 +69,7 @@ class TextStream:
     def _release(self, final: bool) -> TextDelta:
         hits = [(self._pending.find(s), s) for s in self.stop if s in self._pending]
         if hits:
-            cut = min(hits)[0]
+            cut, self.stop_string = min(hits)
             return self._emit(self._pending[:cut], "", stopped=True)
         keep = 0 if final else _longest_stop_prefix_suffix(self._pending, self.stop, self._failures)
         return self._emit(

@@ -32,6 +32,7 @@ class RoundOutput:
     logprobs: list[TokenLogprob] | None = None  # one per token in `token_ids`, when asked for
     # of the step, this request's structured output (masks, drafts cut, ...)
     grammar_seconds: float = 0.0
+    cached_prompt_tokens: int = 0  # the request's prompt tokens the prefix cache gave
 
     @property
     def realized_tokens_per_second(self) -> float:

@@ -44,6 +44,7 @@ class Request:
     status: Status = Status.WAITING
     kv_row: int | None = None  # KV cache row while running
     num_cached: int = 0  # prompt tokens already in the KV row
+    num_prefix_cached: int = 0  # of them, those the prefix cache gave at admission
     num_generated: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     started_at: float | None = None  # admitted to the running batch

@@ -183,7 +183,7 @@ class Scheduler:
             if self.prefix is not None:
                 if budget is not None:
                     self.prefix.evict_until(budget - bound)
-                candidate.num_cached = self.prefix.load(
+                candidate.num_cached = candidate.num_prefix_cached = self.prefix.load(
                     self.cache, candidate.kv_row, candidate.prompt_ids
                 )
             self.running.append(candidate)

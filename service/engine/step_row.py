@@ -102,6 +102,7 @@ def take_round(
         k=row.k,
         w=row.w,
         predicted_tokens_per_second=row.forecast,
+        cached_prompt_tokens=request.num_prefix_cached,
     )
 
 

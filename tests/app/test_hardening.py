@@ -534,10 +534,12 @@ def test_openapi_documents_what_the_server_answers(server: str) -> None:
     for path, operations in schema["paths"].items():
         for operation in operations.values():
             assert "422" not in operation["responses"], path  # validation errors are 400
-    for route in ("/v1/completions", "/v1/chat/completions"):
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
         responses = schema["paths"][route]["post"]["responses"]
         assert {"200", "400", "401", "404", "413", "429", "500", "503", "504"} <= set(responses)
         assert "text/event-stream" in responses["200"]["content"]
+        error = responses["400"]["content"]["application/json"]["schema"]["$ref"]
+        assert error.endswith("AnthropicError" if route == "/v1/messages" else "ErrorResponse")
     assert "ChatCompletionChunk" in schema["components"]["schemas"]
     # this server asks for no key: the schema says so
     assert "securitySchemes" not in schema["components"]
@@ -548,11 +550,18 @@ def test_openapi_documents_what_the_server_answers(server: str) -> None:
 
 def test_openapi_asks_for_a_key_where_the_server_does(keyed: str) -> None:
     schema = httpx.get(f"{keyed}/openapi.json").json()
-    assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
-    assert all(
-        "security" in schema["paths"][route]["post"]
-        for route in ("/v1/completions", "/v1/chat/completions")
+    schemes = schema["components"]["securitySchemes"]
+    assert schemes["HTTPBearer"]["scheme"] == "bearer"
+    assert (schemes["APIKeyHeader"]["in"], schemes["APIKeyHeader"]["name"]) == (
+        "header",
+        "x-api-key",
     )
+    for route in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+        # either scheme
+        assert schema["paths"][route]["post"]["security"] == [
+            {"HTTPBearer": []},
+            {"APIKeyHeader": []},
+        ]
     assert not any(
         "security" in op for path in ("/health", "/ready") for op in schema["paths"][path].values()
     )

@@ -32,6 +32,7 @@ from app.settings import Settings
 from service.model.loader import LoadedModel
 from tests.helpers.http import QUIET, wait_ready
 from tests.helpers.models import make_tiny_model
+from tests.stress.fuzz_hooks import SERVED_MODEL
 
 KEY = "fuzz-key"
 FULL = os.environ.get("NGRAMMYS_STRESS_FULL") == "1"
@@ -50,7 +51,7 @@ def long_context_served(embedded) -> LoadedModel:
     a schema cannot count tokens, so a prompt beyond the context is the one 400 it cannot
     state (every other limit is in the published schema)."""
     model = make_tiny_model(vocab_size=embedded.model.config.vocab_size, context=1 << 16)
-    return LoadedModel(model, embedded.tokenizer, "tiny-random-llama", 0.0, False)
+    return LoadedModel(model, embedded.tokenizer, SERVED_MODEL, 0.0, False)
 
 
 def test_the_published_schema_holds_for_generated_requests(long_context_served, tmp_path) -> None:

@@ -222,3 +222,43 @@ def test_the_chat_workload_resends_the_conversation_and_the_document_one_the_doc
         prefix_workloads.build("document", [questions[0], *questions[2:]], conversations=1, turns=1)
     with pytest.raises(ValueError, match="short questions"):
         prefix_workloads.build("chat", questions[:2], conversations=1, turns=1)
+
+
+def test_the_agent_workload_runs_the_loop_through_responses_and_through_chat(
+    tiny_served, tmp_path
+) -> None:
+    """`ngrammys loadtest --workload agent`: the same tool-calling loop continued by
+    `previous_response_id` and resent whole on chat completions, each on a server of its own."""
+    model_dir = tmp_path / "model"
+    tiny_served.model.save_pretrained(model_dir)
+    tiny_served.tokenizer.save_pretrained(model_dir)
+    dataset = tmp_path / "questions.jsonl"
+    rows = [("rag", "Rivers flow to the sea. " * 3), ("qa", "Why is the sea salty?")]
+    dataset.write_text(
+        "\n".join(
+            json.dumps({"question_id": str(i), "category": c, "turns": [t]})
+            for i, (c, t) in enumerate(rows)
+        )
+    )
+    report = tmp_path / "agent.json"
+    flags = ["--workload", "agent", "--conversations", "2", "--turns", "2", "--modes", "off"]
+    main(
+        [
+            "loadtest",
+            "--dataset",
+            str(dataset),
+            *flags,
+            "--model",
+            str(model_dir),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--json",
+            str(report),
+        ]
+    )
+    responses, chat = json.loads(report.read_text())["results"]
+    assert (responses["setting"], chat["setting"]) == ("responses", "chat")
+    assert responses["turns"] == chat["turns"] == 4  # a call, then the answer
+    # a later turn's prompt starts as the earlier one did, either way
+    assert responses["hit_rate"] > 0 and chat["hit_rate"] > 0
+    assert 0 <= responses["same_answers"] == chat["same_answers"] <= 4

@@ -1,0 +1,97 @@
+"""A streamed message: the chat route's chunks as Anthropic's server-sent events.
+
+`message_start`; per content block `content_block_start`, its deltas (`text_delta`, or one
+`input_json_delta` holding a tool call's whole input, as the chat stream sends each call whole)
+and `content_block_stop`; then `message_delta` (stop reason, output tokens) and `message_stop`.
+An engine failure after the stream began ends it with an `error` event, as Anthropic's does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from app.choices import Choices
+from app.deltas import End, TextDelta, ToolCallDelta, answer_deltas
+from app.messages_api.errors import stream_error
+from app.messages_api.translate import message_body, stop_reason, tool_use_block
+from app.sse import named_event
+
+
+@dataclass
+class _Blocks:
+    """The content blocks sent so far: their count, and whether a text block is open."""
+
+    count: int = 0
+    text_open: bool = False
+
+    def text(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if not self.text_open:
+            events.append(self._start({"type": "text", "text": ""}))
+            self.text_open = True
+        delta = {"type": "text_delta", "text": text}
+        return [*events, self._delta(delta)]
+
+    def tool_use(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        block = tool_use_block(call)
+        whole = json.dumps(block["input"], ensure_ascii=False)
+        events = [*self.close(), self._start({**block, "input": {}})]
+        events.append(self._delta({"type": "input_json_delta", "partial_json": whole}))
+        return [*events, *self._stop()]
+
+    def close(self) -> list[dict[str, Any]]:
+        """Stop an open text block."""
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return self._stop()
+
+    def _start(self, block: dict[str, Any]) -> dict[str, Any]:
+        self.count += 1
+        return {"type": "content_block_start", "index": self.count - 1, "content_block": block}
+
+    def _delta(self, delta: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "content_block_delta", "index": self.count - 1, "delta": delta}
+
+    def _stop(self) -> list[dict[str, Any]]:
+        return [{"type": "content_block_stop", "index": self.count - 1}]
+
+
+async def message_events(choices: Choices, message_id: str, model: str) -> AsyncIterator[str]:
+    """The SSE body of a streamed message (one choice: Messages has no `n`)."""
+    generation = choices.generations[0]
+    input_tokens = len(generation.handle.prompt_ids)
+    start = message_body(message_id, model, [], None, None, input_tokens, 0)
+    yield named_event({"type": "message_start", "message": start})
+    blocks, end = _Blocks(), End(None, None)
+    async for part in answer_deltas(choices):
+        if isinstance(part, TextDelta):
+            events = blocks.text(part.text)
+        elif isinstance(part, ToolCallDelta):
+            events = blocks.tool_use(part.call)
+        else:
+            end, events = part, blocks.close()
+        for payload in events:
+            yield named_event(payload)
+    stop_string = generation.text_stream.stop_string
+    reason = stop_reason(end.finish_reason, stop_string)
+    last: dict[str, Any] = {
+        "type": "message_delta",
+        "delta": {
+            "stop_reason": reason,
+            "stop_sequence": stop_string if reason == "stop_sequence" else None,
+        },
+        "usage": {"output_tokens": generation.completion_tokens},
+    }
+    if end.stats:
+        last["speculative_decoding_stats"] = end.stats
+    yield named_event(last)
+    yield named_event({"type": "message_stop"})
+
+
+def message_failure(error: Exception) -> list[str]:
+    """The `error` event that ends a stream the engine failed, as Anthropic's do."""
+    return [named_event(stream_error(error))]
