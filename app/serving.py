@@ -5,7 +5,9 @@ Shared by the wire formats (app/routes/: OpenAI's and Anthropic's), which render
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, TypeVar
@@ -312,6 +314,8 @@ def _choices(
     """The request's `body.n` choices, from its engine requests (one, or one per choice), each
     parsing its own answer's tool calls."""
     runtime, options = serving.runtime, body.stream_options
+    # what a call's id is made of, with its answer (a replayed conversation keeps its text)
+    prompt_digest = hashlib.sha256(array("q", handles[0].prompt_ids).tobytes()).digest()
 
     def generation(handle: RequestHandle, **shared: Any) -> Generation:
         return Generation(
@@ -325,7 +329,7 @@ def _choices(
             logprobs=None
             if logprobs is None
             else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
-            tool_calls=tools.output_parser(),
+            tool_calls=tools.output_parser(prompt_digest),
             **shared,
         )
 

@@ -13,11 +13,12 @@ that wrote a malformed call) is content, as it was written.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import secrets
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 ToolFormat = Literal["generic", "hermes"]
@@ -30,6 +31,18 @@ _ID_ALPHABET = string.ascii_letters + string.digits
 def new_call_id() -> str:
     """`call_` and 24 random letters and digits, as OpenAI's ids look."""
     return "call_" + "".join(secrets.choice(_ID_ALPHABET) for _ in range(24))
+
+
+def answer_call_id(seed: bytes, index: int) -> str:
+    """The id of an answer's call `index`, of `seed` (the prompt's and the answer's digest): the
+    same request answered alike gets the same ids, so a conversation replayed (or sent through
+    another route) puts the same text before the model."""
+    number = int.from_bytes(hashlib.sha256(seed + index.to_bytes(4, "little")).digest(), "little")
+    digits = []
+    for _ in range(24):
+        number, digit = divmod(number, len(_ID_ALPHABET))
+        digits.append(_ID_ALPHABET[digit])
+    return "call_" + "".join(digits)
 
 
 @dataclass(frozen=True)
@@ -109,8 +122,10 @@ class ToolCallStream:
     `<tool_call>` could begin (a partial tag, and the whitespace before it, are held back); from
     the tag on, everything is held back."""
 
-    def __init__(self, format: ToolFormat) -> None:
-        self.format = format
+    def __init__(self, format: ToolFormat, id_seed: bytes | None = None) -> None:
+        """`id_seed`: the prompt's digest, of which (and of the answer) the calls' ids are made;
+        None: random ids."""
+        self.format, self.id_seed = format, id_seed
         self._undecided = ""  # content not sent yet: it may begin a tag
         # the text from the first tag on
         self._calls: list[str] | None = [] if format == "generic" else None
@@ -144,7 +159,11 @@ class ToolCallStream:
         parsed = PARSERS[self.format](text)
         if parsed is None:
             return Parsed(self._dropped + text, [])
-        return Parsed(self._dropped + parsed.content if parsed.content else "", parsed.calls)
+        calls = parsed.calls
+        if self.id_seed is not None:
+            seed = self.id_seed + text.encode("utf-8", "surrogatepass")
+            calls = [replace(call, id=answer_call_id(seed, i)) for i, call in enumerate(calls)]
+        return Parsed(self._dropped + parsed.content if parsed.content else "", calls)
 
 
 def _undecided_tail(text: str) -> int:

@@ -71,9 +71,12 @@ class ToolUse:
             return None
         return _hermes_grammar(self) if self.native else _generic_grammar(self)
 
-    def output_parser(self) -> ToolCallStream | None:
-        """A new parser of one choice's answer, or None when the answer is plain text."""
-        return ToolCallStream("hermes" if self.native else "generic") if self.listed else None
+    def output_parser(self, id_seed: bytes | None = None) -> ToolCallStream | None:
+        """A new parser of one choice's answer, or None when the answer is plain text
+        (`id_seed`: see `ToolCallStream`)."""
+        if not self.listed:
+            return None
+        return ToolCallStream("hermes" if self.native else "generic", id_seed)
 
 
 def tool_use(body: ChatCompletionRequest) -> ToolUse:

@@ -184,8 +184,9 @@ def test_tool_use_blocks_are_the_chat_routes_calls_and_results_go_back(server, c
         model=MODEL, max_tokens=CAP, messages=ask, tools=[WEATHER], tool_choice={"type": "any"}
     ) as stream:
         final = stream.get_final_message()
-    assert [(b.type, b.name, b.input) for b in final.content] == [
-        (b.type, b.name, b.input) for b in message.content
+    # the same calls, with the same ids: an id is made of the prompt and the answer
+    assert [(b.type, b.id, b.name, b.input) for b in final.content] == [
+        (b.type, b.id, b.name, b.input) for b in message.content
     ]
     answered = [
         *ask,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections import defaultdict
 from dataclasses import replace
 
@@ -577,6 +578,25 @@ def test_generic_answers_parse_into_content_or_calls() -> None:
         and stream.push('."}') == ""
         and stream.finish().content == "Hi."
     )
+
+
+def test_a_calls_id_is_made_of_the_prompt_and_the_answer() -> None:
+    """The same request answered alike gets the same ids (a conversation replayed, or sent
+    through another route, puts the same text before the model); another prompt or answer,
+    others; without a seed they are random."""
+    answer = '{"tool_calls": [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]}'
+
+    def ids(seed: bytes | None, text: str = answer) -> list[str]:
+        stream = ToolCallStream("generic", seed)
+        stream.push(text)
+        return [call.id for call in stream.finish().calls]
+
+    first = ids(b"prompt")
+    assert first == ids(b"prompt") and len(set(first)) == 2
+    assert all(re.fullmatch("call_[A-Za-z0-9]{24}", i) for i in first)
+    assert not set(first) & set(ids(b"other prompt"))
+    assert ids(b"prompt", answer.replace('"a"', '"c"'))[1] != first[1]
+    assert ids(None) != ids(None)
 
 
 # --- refusals -------------------------------------------------------------------------------
