@@ -1,6 +1,7 @@
 """A streamed chat answer as the parts other wire formats render (Anthropic's Messages,
-OpenAI's Responses): text deltas, tool calls (each whole, as the chat stream sends them), and
-the end with its finish reason and speculation statistics. One choice: those APIs have no `n`.
+OpenAI's Responses): reasoning and text deltas, tool calls (each whole, as the chat stream sends
+them), and the end with its finish reason and speculation statistics. One choice: those APIs
+have no `n`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolCallDelta:
     call: dict[str, Any]  # chat's tool call: id, type, function {name, arguments}
 
@@ -28,12 +34,16 @@ class End:
     stats: dict[str, Any] | None
 
 
-async def answer_deltas(choices: Choices) -> AsyncIterator[TextDelta | ToolCallDelta | End]:
+async def answer_deltas(
+    choices: Choices,
+) -> AsyncIterator[ReasoningDelta | TextDelta | ToolCallDelta | End]:
     """The answer's parts as its chunks come; End last (an engine failure raises instead)."""
     finish_reason, stats = None, None
     async for chunk in choices.chunks():
         for choice in chunk["choices"]:
             delta = choice.get("delta", {})
+            if delta.get("reasoning_content"):
+                yield ReasoningDelta(delta["reasoning_content"])
             if delta.get("content"):
                 yield TextDelta(delta["content"])
             for call in delta.get("tool_calls") or []:

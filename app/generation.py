@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
+from app.reasoning import ReasoningStream
 from app.schemas import Usage, completion_body
 from app.tool_parsing import ToolCall, ToolCallStream
 from service.engine.async_engine import AsyncEngine, RequestHandle, RequestTimeout
@@ -50,6 +51,8 @@ class Generation:
     logprobs: LogprobsFormatter | None = None  # set when the request asked for logprobs
     # set when the answer may hold tool calls (chat with tools)
     tool_calls: ToolCallStream | None = None
+    # set when the server parses reasoning (chat with `--reasoning-parser`)
+    reasoning: ReasoningStream | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
@@ -113,15 +116,16 @@ class Generation:
     def response(self, pieces: list[Piece]) -> dict[str, Any]:
         """The whole response object, of all the pieces this choice gave."""
         logprobs = [lp for piece in pieces for lp in piece.logprobs]
-        text = "".join(p.text for p in pieces)
+        reasoning, text = self._split("".join(p.text for p in pieces), final=True)
         if self.tool_calls is None:
-            return self._body(
+            body = self._body(
                 text, self.finish_reason, self.usage(), chunk=False, logprobs=logprobs
             )
+            return self._with_reasoning(body, "message", reasoning)
         content = self.tool_calls.push(text)  # the stream's split, so both ways answer alike
         rest = self.tool_calls.finish()
         content += rest.content
-        return self._body(
+        body = self._body(
             None if rest.calls and not content else content,
             self._finish_reason(rest.calls),
             self.usage(),
@@ -129,6 +133,25 @@ class Generation:
             logprobs=logprobs,
             tool_calls=[call.as_openai() for call in rest.calls],
         )
+        return self._with_reasoning(body, "message", reasoning)
+
+    def _split(self, text: str, final: bool = False) -> tuple[str, str]:
+        """`text` as (reasoning, answer); all answer without a reasoning parser."""
+        if self.reasoning is None:
+            return "", text
+        split = self.reasoning.push(text)
+        reasoning, answer = split.reasoning, split.answer
+        if final:
+            rest = self.reasoning.finish()
+            reasoning, answer = reasoning + rest.reasoning, answer + rest.answer
+        return reasoning, answer
+
+    def _with_reasoning(self, body: dict[str, Any], part: str, reasoning: str) -> dict[str, Any]:
+        """`body` with the choice's `reasoning_content` (vLLM's name), where reasoning is parsed:
+        a response's message always, a chunk's delta when it carries some."""
+        if self.reasoning is not None and (reasoning or part == "message"):
+            body["choices"][0][part]["reasoning_content"] = reasoning or None
+        return body
 
     def _finish_reason(self, calls: list[ToolCall]) -> str | None:
         """`tool_calls` for an answer that made calls, unless it was cut short."""
@@ -154,13 +177,16 @@ class Generation:
 
     def chunk(self, piece: Piece) -> dict[str, Any] | None:
         """The chunk of `piece`; None when it carries nothing (its text held back as a possible
-        tool call, and no logprobs)."""
-        text: str | None = piece.text
+        tool call or tag, and no logprobs)."""
+        reasoning, answer = self._split(piece.text)
+        text: str | None = answer
         if self.tool_calls is not None:
-            text = self.tool_calls.push(piece.text) or None
-            if text is None and not (self.logprobs and piece.logprobs):
-                return None
-        return self._body(
+            text = self.tool_calls.push(answer) or None
+        elif self.reasoning is not None:
+            text = answer or None
+        if text is None and not reasoning and not (self.logprobs and piece.logprobs):
+            return None
+        body = self._body(
             text,
             None,
             self._chunk_usage(piece.completion_tokens),
@@ -168,18 +194,29 @@ class Generation:
             with_stats=False,
             logprobs=piece.logprobs,
         )
+        return self._with_reasoning(body, "delta", reasoning)
 
     def final_chunks(self) -> list[dict[str, Any]]:
         """The choice's last chunks: with tools, the content held back and each call (whole,
-        in one part), then the one with the finish reason and statistics."""
+        in one part), then the one with the finish reason and statistics. (Before them, what
+        the reasoning parser held back.)"""
+        usage = self._chunk_usage(self.completion_tokens)
+        chunks, answer = [], ""
+        if self.reasoning is not None:
+            held = self.reasoning.finish()
+            if held.reasoning:
+                body = self._body(None, None, usage, chunk=True, with_stats=False)
+                chunks.append(self._with_reasoning(body, "delta", held.reasoning))
+            answer = held.answer
         if self.tool_calls is None:
-            return [self._body(None, self.finish_reason, None, chunk=True)]
-        rest, usage = self.tool_calls.finish(), self._chunk_usage(self.completion_tokens)
-        chunks = (
-            [self._body(rest.content, None, usage, chunk=True, with_stats=False)]
-            if rest.content
-            else []
-        )
+            if answer:
+                chunks.append(self._body(answer, None, usage, chunk=True, with_stats=False))
+            return [*chunks, self._body(None, self.finish_reason, None, chunk=True)]
+        content = self.tool_calls.push(answer) if answer else ""
+        rest = self.tool_calls.finish()
+        content += rest.content
+        if content:
+            chunks.append(self._body(content, None, usage, chunk=True, with_stats=False))
         chunks += [
             self._body(
                 None, None, usage, chunk=True, with_stats=False, tool_calls=[call.as_delta(index)]

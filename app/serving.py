@@ -24,6 +24,7 @@ from app.generation import Generation, Kind
 from app.limits import check_prompt_length
 from app.logprobs import LogprobsFormatter
 from app.metrics import Metrics
+from app.reasoning import ReasoningStream, opened_in_prompt
 from app.schemas import (
     ChatCompletionRequest,
     GenerationRequest,
@@ -316,6 +317,11 @@ def _choices(
     runtime, options = serving.runtime, body.stream_options
     # what a call's id is made of, with its answer (a replayed conversation keeps its text)
     prompt_digest = hashlib.sha256(array("q", handles[0].prompt_ids).tobytes()).digest()
+    thinks = kind == "chat.completion" and serving.settings.reasoning_parser == "think"
+    opened = thinks and opened_in_prompt(runtime.tokenizer, handles[0].prompt_ids)
+
+    def reasoning() -> ReasoningStream | None:
+        return ReasoningStream(opened) if thinks else None
 
     def generation(handle: RequestHandle, **shared: Any) -> Generation:
         return Generation(
@@ -330,6 +336,7 @@ def _choices(
             if logprobs is None
             else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
             tool_calls=tools.output_parser(prompt_digest),
+            reasoning=reasoning(),
             **shared,
         )
 

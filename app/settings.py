@@ -188,6 +188,12 @@ class Settings(BaseSettings):
         description="Temperature when a request gives none (OpenAI's default is 1; 0 = greedy)",
     )
     max_tokens: int = Field(256, ge=1, description="Default max_tokens when a request gives none")
+    reasoning_parser: Literal["none", "think"] = Field(
+        "none",
+        description="think: a chat answer's <think>...</think> section (opened by the answer or "
+        "by the chat template) is returned apart, as reasoning_content (reasoning items, thinking "
+        "blocks); none: the answer is all text",
+    )
     stored_responses: int = Field(
         1000,
         ge=0,

@@ -1,6 +1,7 @@
 """A streamed message: the chat route's chunks as Anthropic's server-sent events.
 
-`message_start`; per content block `content_block_start`, its deltas (`text_delta`, or one
+`message_start`; per content block `content_block_start`, its deltas (`thinking_delta`,
+`text_delta`, or one
 `input_json_delta` holding a tool call's whole input, as the chat stream sends each call whole)
 and `content_block_stop`; then `message_delta` (stop reason, output tokens) and `message_stop`.
 An engine failure after the stream began ends it with an `error` event, as Anthropic's does.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.choices import Choices
-from app.deltas import End, TextDelta, ToolCallDelta, answer_deltas
+from app.deltas import End, ReasoningDelta, TextDelta, ToolCallDelta, answer_deltas
 from app.messages_api.errors import stream_error
 from app.messages_api.translate import message_body, stop_reason, tool_use_block
 from app.sse import named_event
@@ -22,17 +23,25 @@ from app.sse import named_event
 
 @dataclass
 class _Blocks:
-    """The content blocks sent so far: their count, and whether a text block is open."""
+    """The content blocks sent so far: their count, and the kind of the open one (its deltas
+    may still come: `thinking` or `text`)."""
 
     count: int = 0
-    text_open: bool = False
+    open: str | None = None
 
     def text(self, text: str) -> list[dict[str, Any]]:
+        return self._extend("text", {"type": "text_delta", "text": text})
+
+    def thinking(self, text: str) -> list[dict[str, Any]]:
+        return self._extend("thinking", {"type": "thinking_delta", "thinking": text})
+
+    def _extend(self, kind: str, delta: dict[str, Any]) -> list[dict[str, Any]]:
         events = []
-        if not self.text_open:
-            events.append(self._start({"type": "text", "text": ""}))
-            self.text_open = True
-        delta = {"type": "text_delta", "text": text}
+        if self.open != kind:
+            empty = {"type": "thinking", "thinking": "", "signature": ""}
+            block = empty if kind == "thinking" else {"type": "text", "text": ""}
+            events = [*self.close(), self._start(block)]
+            self.open = kind
         return [*events, self._delta(delta)]
 
     def tool_use(self, call: dict[str, Any]) -> list[dict[str, Any]]:
@@ -43,10 +52,10 @@ class _Blocks:
         return [*events, *self._stop()]
 
     def close(self) -> list[dict[str, Any]]:
-        """Stop an open text block."""
-        if not self.text_open:
+        """Stop the open block."""
+        if self.open is None:
             return []
-        self.text_open = False
+        self.open = None
         return self._stop()
 
     def _start(self, block: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +77,9 @@ async def message_events(choices: Choices, message_id: str, model: str) -> Async
     yield named_event({"type": "message_start", "message": start})
     blocks, end = _Blocks(), End(None, None)
     async for part in answer_deltas(choices):
-        if isinstance(part, TextDelta):
+        if isinstance(part, ReasoningDelta):
+            events = blocks.thinking(part.text)
+        elif isinstance(part, TextDelta):
             events = blocks.text(part.text)
         elif isinstance(part, ToolCallDelta):
             events = blocks.tool_use(part.call)

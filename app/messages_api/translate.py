@@ -204,7 +204,12 @@ def whole_message(
     """The message of a whole chat response."""
     choice = chat["choices"][0]
     answer = choice["message"]
-    content = [{"type": "text", "text": answer["content"]}] if answer.get("content") else []
+    content = []
+    if answer.get("reasoning_content"):
+        thinking = answer["reasoning_content"]
+        content.append({"type": "thinking", "thinking": thinking, "signature": ""})
+    if answer.get("content"):
+        content.append({"type": "text", "text": answer["content"]})
     content += [tool_use_block(call) for call in answer.get("tool_calls") or []]
     reason = stop_reason(choice["finish_reason"], stop_string)
     return message_body(

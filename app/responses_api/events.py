@@ -18,9 +18,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from app.choices import Choices
-from app.deltas import TextDelta, ToolCallDelta, answer_deltas
+from app.deltas import ReasoningDelta, TextDelta, ToolCallDelta, answer_deltas
 from app.generation import Generation
-from app.responses_api.translate import ResponseState, call_item, message_item
+from app.responses_api.translate import (
+    ResponseState,
+    call_item,
+    message_item,
+    reasoning_item,
+    reasoning_part,
+)
 from app.sse import named_event
 
 
@@ -31,9 +37,22 @@ class _Items:
         self.output: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None
         self._text = ""
+        self._thought: dict[str, Any] | None = None  # the reasoning item still coming
+        self._thinking = ""
+
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
+        events = []
+        if self._thought is None:
+            events = self.close()
+            self._thought, self._thinking = reasoning_item("", "in_progress"), ""
+            self.output.append(self._thought)
+            events.append(self._added(self._thought))
+        self._thinking += text
+        delta = {"type": "response.reasoning_text.delta", **self._at(self._thought), "delta": text}
+        return [*events, delta]
 
     def text(self, text: str) -> list[dict[str, Any]]:
-        events = []
+        events = self._close_reasoning()
         if self._message is None:
             self._message, self._text = message_item("", "in_progress"), ""
             self.output.append(self._message)
@@ -62,11 +81,27 @@ class _Items:
             },
         ]
 
+    def _close_reasoning(self) -> list[dict[str, Any]]:
+        thought = self._thought
+        if thought is None:
+            return []
+        self._thought = None
+        where = self._at(thought)
+        thought.update(status="completed", content=[reasoning_part(self._thinking)])
+        return [
+            {"type": "response.reasoning_text.done", **where, "text": self._thinking},
+            {
+                "type": "response.output_item.done",
+                "output_index": where["output_index"],
+                "item": thought,
+            },
+        ]
+
     def close(self) -> list[dict[str, Any]]:
-        """Finish the message item whose text was coming."""
+        """Finish the item whose text was coming."""
         message = self._message
         if message is None:
-            return []
+            return self._close_reasoning()
         where, part = self._where(), _part(self._text)
         self._message = None
         message.update(status="completed", content=[part])
@@ -90,8 +125,10 @@ class _Items:
     def _where(self) -> dict[str, Any]:
         """Where the coming text goes: its message item and part."""
         assert self._message is not None
-        index = self.output.index(self._message)
-        return {"item_id": self._message["id"], "output_index": index, "content_index": 0}
+        return self._at(self._message)
+
+    def _at(self, item: dict[str, Any]) -> dict[str, Any]:
+        return {"item_id": item["id"], "output_index": self.output.index(item), "content_index": 0}
 
 
 def _part(text: str) -> dict[str, Any]:
@@ -117,7 +154,9 @@ class ResponseEvents:
         yield self._sse({"type": "response.in_progress", "response": state.as_dict()})
         items = _Items()
         async for part in answer_deltas(self.choices):
-            if isinstance(part, TextDelta):
+            if isinstance(part, ReasoningDelta):
+                events = items.reasoning(part.text)
+            elif isinstance(part, TextDelta):
                 events = items.text(part.text)
             elif isinstance(part, ToolCallDelta):
                 events = items.call(part.call)

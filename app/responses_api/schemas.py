@@ -1,9 +1,9 @@
 """OpenAI's Responses wire format: the request, its input items, and the response object.
 
 Accepted and ignored, as a server without them answers: `include`, `metadata` (echoed back),
-`reasoning` (a model without a reasoning parser answers without reasoning items), `truncation`
-`"disabled"`, `user`. Input this server cannot read (images, files, item references, hosted
-tools such as web search) is refused by its `type`.
+`reasoning` (the server's `--reasoning-parser` decides whether answers carry reasoning items),
+`truncation` `"disabled"`, `user`. Input this server cannot read (images, files, item
+references, hosted tools such as web search) is refused by its `type`.
 """
 
 from __future__ import annotations
@@ -216,6 +216,14 @@ class OutputFunctionCall(BaseModel):
     status: str
 
 
+class OutputReasoning(BaseModel):
+    type: Literal["reasoning"]
+    id: str
+    summary: list[Any]
+    content: list[dict[str, Any]]
+    status: str
+
+
 class ResponseUsage(BaseModel):
     input_tokens: int
     input_tokens_details: dict[str, int]
@@ -234,7 +242,9 @@ class ResponseObject(BaseModel):
     created_at: int
     status: Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
     model: str
-    output: list[Annotated[OutputMessage | OutputFunctionCall, Field(discriminator="type")]]
+    output: list[
+        Annotated[OutputReasoning | OutputMessage | OutputFunctionCall, Field(discriminator="type")]
+    ]
     error: dict[str, Any] | None
     incomplete_details: dict[str, Any] | None
     usage: ResponseUsage | None

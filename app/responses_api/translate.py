@@ -118,6 +118,22 @@ def message_item(text: str, status: str = "completed") -> dict[str, Any]:
     }
 
 
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
+    """The answer's reasoning (with a reasoning parser): not shown to the model again."""
+    content = [reasoning_part(text)] if text else []
+    return {
+        "type": "reasoning",
+        "id": new_id("rs"),
+        "summary": [],
+        "content": content,
+        "status": status,
+    }
+
+
 def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
     """A chat tool call as a `function_call` item (its call id is the chat call's id)."""
     return {
@@ -233,7 +249,8 @@ class ResponseState:
 def whole_output(chat: dict[str, Any]) -> list[dict[str, Any]]:
     """The output items of a whole chat response."""
     answer = chat["choices"][0]["message"]
-    items = [message_item(answer["content"])] if answer.get("content") else []
+    items = [reasoning_item(answer["reasoning_content"])] if answer.get("reasoning_content") else []
+    items += [message_item(answer["content"])] if answer.get("content") else []
     return items + [call_item(call) for call in answer.get("tool_calls") or []]
 
 

@@ -59,3 +59,32 @@ def make_tiny_family_model(
         **config,
     )
     return transformers.AutoModelForCausalLM.from_config(made).eval()
+
+
+def make_successor_model(
+    successors: dict[int, int], default: int, vocab_size: int = TINY_VOCAB, seed: int = 0
+) -> LlamaForCausalLM:
+    """A 1-layer Llama whose greedy next token depends on the current token only: `successors[t]`
+    after t, `default` after any other, so a test can make it write a script. Its layer adds
+    nothing (zero output projections), so the logits are the head's of the token's own
+    embedding: token t (the i-th key) is the unit vector i, any other the last one, and the head
+    scores each successor on the directions of the tokens it follows."""
+    hidden = 64
+    if len(successors) >= hidden:
+        raise ValueError(f"at most {hidden - 1} tokens have successors of their own")
+    model = make_tiny_model(seed=seed, vocab_size=vocab_size, num_layers=1, hidden_size=hidden)
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        embedding = torch.zeros(vocab_size, hidden)
+        embedding[:, hidden - 1] = 1.0
+        head = torch.zeros(vocab_size, hidden)
+        head[default, hidden - 1] = 10.0
+        for i, (token, successor) in enumerate(successors.items()):
+            embedding[token] = 0.0
+            embedding[token, i] = 1.0
+            head[successor, i] = 10.0
+        model.model.embed_tokens.weight.copy_(embedding)
+        model.lm_head.weight.copy_(head)
+    return model
