@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-OPEN, CLOSE = "<think>", "</think>"
+from service.grammar.compiler import REASONING_CLOSE as CLOSE
+from service.grammar.compiler import REASONING_OPEN as OPEN
+
 PARSERS = ("none", "think")
 
 

@@ -46,7 +46,7 @@ from service.engine.params import (
 )
 from service.engine.scheduler import DoesNotFit
 from service.grammar import GrammarBusy, GrammarError, GrammarSpec
-from service.grammar.compiler import json_source
+from service.grammar.compiler import ReasoningStart, json_source
 from service.runtime import Runtime
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks for its client
@@ -135,6 +135,7 @@ def _params(
     max_tokens: int,
     logprobs: int | None,
     tools: ToolUse,
+    reasoning: ReasoningStart,
 ) -> GenerationParams:
     settings = serving.settings
     options = body.speculation or SpeculationOptions()
@@ -144,13 +145,15 @@ def _params(
         speculation = SpeculationParams(k, w, options.mode or settings.spec_mode)
     except ValueError as error:
         raise ApiError(400, str(error), param="speculation") from error
+    grammar = tools.grammar() or _grammar(body.response_format)
     return GenerationParams(
         max_new_tokens=max_tokens,
         speculation=speculation,
         strategy=options.strategy or settings.spec_strategy,
         sampling=_sampling(body, settings, serving.runtime.vocab_size),
         logprobs=logprobs,
-        grammar=tools.grammar() or _grammar(body.response_format),
+        # the reasoning is free: the grammar holds the answer after it
+        grammar=None if grammar is None else replace(grammar, reasoning=reasoning),
     )
 
 
@@ -234,7 +237,8 @@ async def start(
     if not prompt_ids:  # e.g. a prompt of control characters the tokenizer drops
         raise ApiError(400, f"{prompt_param}: the prompt holds no tokens", param=prompt_param)
     check_prompt_length(len(prompt_ids), settings, prompt_param)
-    params = _params(body, serving, max_tokens, logprobs, tools)
+    reasoning = _reasoning_start(kind, serving, prompt_ids)
+    params = _params(body, serving, max_tokens, logprobs, tools, reasoning)
     if params.grammar is not None:
         params = replace(
             params, compiled_grammar=await _compiled_grammar(runtime, params.grammar, settings)
@@ -277,7 +281,16 @@ async def start(
         limit.release(client)
         raise
     serving.metrics.prompt_tokens.inc(len(prompt_ids))  # once: the choices share the prompt
-    return _choices(kind, body, request, serving, handles, logprobs, tools)
+    return _choices(kind, body, request, serving, handles, logprobs, tools, reasoning)
+
+
+def _reasoning_start(kind: Kind, serving: Serving, prompt_ids: list[int]) -> ReasoningStart:
+    """Where the answer starts with respect to a reasoning section, where the server parses
+    reasoning (chat, `--reasoning-parser think`): inside one the chat template opened, or
+    before one it may open."""
+    if kind != "chat.completion" or serving.settings.reasoning_parser == "none":
+        return "none"
+    return "opened" if opened_in_prompt(serving.runtime.tokenizer, prompt_ids) else "may_open"
 
 
 async def collect(choices: Choices, request: Request | None) -> dict[str, Any] | None:
@@ -311,17 +324,16 @@ def _choices(
     handles: list[RequestHandle],
     logprobs: int | None,
     tools: ToolUse,
+    reasoning: ReasoningStart,
 ) -> Choices:
     """The request's `body.n` choices, from its engine requests (one, or one per choice), each
     parsing its own answer's tool calls."""
     runtime, options = serving.runtime, body.stream_options
     # what a call's id is made of, with its answer (a replayed conversation keeps its text)
     prompt_digest = hashlib.sha256(array("q", handles[0].prompt_ids).tobytes()).digest()
-    thinks = kind == "chat.completion" and serving.settings.reasoning_parser == "think"
-    opened = thinks and opened_in_prompt(runtime.tokenizer, handles[0].prompt_ids)
 
-    def reasoning() -> ReasoningStream | None:
-        return ReasoningStream(opened) if thinks else None
+    def reasoning_stream() -> ReasoningStream | None:
+        return None if reasoning == "none" else ReasoningStream(reasoning == "opened")
 
     def generation(handle: RequestHandle, **shared: Any) -> Generation:
         return Generation(
@@ -336,7 +348,7 @@ def _choices(
             if logprobs is None
             else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
             tool_calls=tools.output_parser(prompt_digest),
-            reasoning=reasoning(),
+            reasoning=reasoning_stream(),
             **shared,
         )
 

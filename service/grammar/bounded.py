@@ -29,7 +29,7 @@ from service.grammar.compiler import GrammarCompiler, GrammarSpec
 from service.grammar.limits import GrammarLimits, cache_key, check_limits
 from service.grammar.worker import CompileWorker, lowest_priority
 
-Key = tuple[str, str]
+Key = tuple[str, str, str]
 # seconds a server's new worker may take to import and read the vocabulary
 FIRST_START_TIMEOUT = 120.0
 

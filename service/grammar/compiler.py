@@ -26,6 +26,14 @@ import orjson
 import xgrammar
 
 GrammarKind = Literal["json_object", "json_schema", "structural_tag", "regex"]
+# where the output stands to a reasoning section (`<think>...</think>`) before what the grammar
+# holds it to: none is allowed; the output may start with one; or the prompt opened one, so
+# the output starts inside it
+ReasoningStart = Literal["none", "may_open", "opened"]
+REASONING_OPEN, REASONING_CLOSE = "<think>", "</think>"
+# whitespace the output may put between its reasoning and the held part (Qwen3 writes "\n\n");
+# bounded, so a small model cannot pad forever
+_AFTER_REASONING = r"[ \t\r\n]{0,4}"
 
 # keywords xgrammar accepts but does not enforce (checked: an instance breaking them passes)
 UNENFORCED_KEYWORDS = frozenset(
@@ -64,11 +72,13 @@ class GrammarSpec:
     `json_object`: any JSON object. `json_schema`: `source` is the schema's JSON text.
     `structural_tag`: `source` is an xgrammar structural tag (free text with tagged JSON, as a
     template's tool calls). `regex`: `source` is the pattern. `field` is what an error names.
+    `reasoning`: the reasoning section allowed before the held part; the reasoning is free text.
     """
 
     kind: GrammarKind
     source: str = ""
     field: str = "response_format"
+    reasoning: ReasoningStart = "none"
 
 
 class GrammarCompiler:
@@ -143,22 +153,50 @@ def new_xgrammar_compiler(info: xgrammar.TokenizerInfo) -> xgrammar.GrammarCompi
 def compile_spec(compiler: xgrammar.GrammarCompiler, spec: GrammarSpec) -> xgrammar.CompiledGrammar:
     """`spec` compiled by `compiler`, or `GrammarError` naming `spec.field`."""
     try:
-        if spec.kind == "json_object":
-            return compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, strict_mode=False
-            )
-        if spec.kind == "json_schema":
-            check_schema(spec.source, spec.field)
-            return compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=True)
-        if spec.kind == "structural_tag":
-            return compiler.compile_structural_tag(spec.source)
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.source)
+        return compiler.compile_grammar(_after_reasoning(_grammar(spec), spec.reasoning))
     except GrammarError:
         raise
     except Exception as error:  # xgrammar's own messages say what it could not take
         raise GrammarError(f"cannot be compiled: {_last_line(error)}", spec.field) from error
+
+
+def _grammar(spec: GrammarSpec) -> xgrammar.Grammar:
+    """What `spec` holds the output to, uncompiled."""
+    if spec.kind == "json_object":
+        return xgrammar.Grammar.from_json_schema(
+            '{"type": "object"}', any_whitespace=False, strict_mode=False
+        )
+    if spec.kind == "json_schema":
+        check_schema(spec.source, spec.field)
+        return xgrammar.Grammar.from_json_schema(
+            spec.source, any_whitespace=False, strict_mode=True
+        )
+    if spec.kind == "structural_tag":
+        return xgrammar.Grammar.from_structural_tag(spec.source)
+    if spec.kind == "regex":
+        return xgrammar.Grammar.from_regex(spec.source)
     raise GrammarError(f"unknown kind {spec.kind!r}", spec.field)
+
+
+def _after_reasoning(held: xgrammar.Grammar, start: ReasoningStart) -> xgrammar.Grammar:
+    """`held` behind the reasoning section `start` allows: free text up to `</think>` (after
+    `<think>` unless the prompt opened it), a little whitespace, then `held`."""
+    if start == "none":
+        return held
+    section = {
+        "type": "tag",
+        "begin": "" if start == "opened" else REASONING_OPEN,
+        "content": {"type": "any_text"},
+        "end": REASONING_CLOSE,
+    }
+    reasoned = xgrammar.Grammar.concat(
+        xgrammar.Grammar.from_structural_tag(
+            json_source({"type": "structural_tag", "format": section})
+        ),
+        xgrammar.Grammar.from_regex(_AFTER_REASONING),
+        held,
+    )
+    return reasoned if start == "opened" else xgrammar.Grammar.union(reasoned, held)
 
 
 def json_source(value: Any) -> str:

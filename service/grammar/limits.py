@@ -61,13 +61,13 @@ def json_depth(text: str) -> int:
     return deepest
 
 
-def cache_key(spec: GrammarSpec) -> tuple[str, str]:
-    """The spec's kind and its source with JSON whitespace removed: equal grammars, written
-    apart only by spacing, share one compile. Keys keep their order (a schema's properties
-    are generated in it)."""
+def cache_key(spec: GrammarSpec) -> tuple[str, str, str]:
+    """The spec's kind, reasoning and source with JSON whitespace removed: equal grammars,
+    written apart only by spacing, share one compile. Keys keep their order (a schema's
+    properties are generated in it)."""
     if spec.kind in ("json_schema", "structural_tag"):
         try:
-            return spec.kind, json_source(json.loads(spec.source))
+            return spec.kind, spec.reasoning, json_source(json.loads(spec.source))
         except (ValueError, RecursionError):
             pass  # not JSON: compiled as it is (and refused by the compile)
-    return spec.kind, spec.source
+    return spec.kind, spec.reasoning, spec.source

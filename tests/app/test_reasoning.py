@@ -141,3 +141,31 @@ def test_without_the_parser_the_reasoning_is_answer_text(embedded) -> None:
     message = reply["choices"][0]["message"]
     assert message["content"] == f"<think>{REASONING}</think>{ANSWER}"
     assert "reasoning_content" not in message
+
+
+def test_structured_output_holds_the_answer_after_the_reasoning(server) -> None:
+    # the script's reasoning is not JSON and its answer is '"Two"': the grammar lets the
+    # reasoning through and holds the answer to the schema, which the model must then follow
+    schema = {"type": "string", "enum": ["One"]}
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    message = (
+        client.chat.completions.create(
+            model="thinker",
+            messages=MESSAGES,
+            max_tokens=32,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "prime", "schema": schema},
+            },
+        )
+        .choices[0]
+        .message
+    )
+    assert (message.model_extra["reasoning_content"], message.content) == (REASONING, '"One"')
+    response = client.responses.create(
+        model="thinker",
+        input=MESSAGES,
+        max_output_tokens=32,
+        text={"format": {"type": "json_schema", "name": "prime", "schema": schema}},
+    )
+    assert response.output[0].content[0].text == REASONING and response.output_text == '"One"'
