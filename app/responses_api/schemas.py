@@ -75,6 +75,7 @@ class ReasoningItem(LenientPart):
     """An earlier answer's reasoning: not shown to the model again (chat templates drop it)."""
 
     type: Literal["reasoning"]
+    id: str | None = None
 
 
 def _item_type(item: Any) -> str:
@@ -250,6 +251,17 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None
     previous_response_id: str | None
     speculative_decoding_stats: SpeculativeDecodingStats | None = None
+
+
+class InputItemList(BaseModel):
+    """A page of a response's input items (messages, function calls and their outputs,
+    reasoning), each with its `id`."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 class DeletedResponse(BaseModel):

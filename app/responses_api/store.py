@@ -8,6 +8,7 @@ import asyncio
 import json
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 from app.responses_api.translate import Conversation, ResponseState
 
@@ -16,11 +17,13 @@ from app.responses_api.translate import Conversation, ResponseState
 class StoredResponse:
     state: ResponseState
     conversation: Conversation  # its turns and its answer, for a later turn to continue
+    input_items: list[dict[str, Any]]  # what it was given, as `.../input_items` lists it
     task: asyncio.Task[None] | None = None  # a background response's run, while it runs
 
     def size(self) -> int:
         """Bytes it takes, about: its JSON."""
-        return len(json.dumps([self.state.as_dict(), self.conversation], ensure_ascii=False))
+        parts = [self.state.as_dict(), self.conversation, self.input_items]
+        return len(json.dumps(parts, ensure_ascii=False))
 
 
 class ResponseStore:

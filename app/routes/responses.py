@@ -1,5 +1,5 @@
-"""OpenAI's Responses API: `POST /v1/responses`, and a stored response's `GET`, `DELETE` and
-`POST .../cancel`.
+"""OpenAI's Responses API: `POST /v1/responses`, and a stored response's `GET`, `DELETE`,
+`GET .../input_items` and `POST .../cancel`.
 
 A request is translated into the chat request it asks for (app/responses_api/), served by the
 chat route's parts (app/serving.py), and its answer translated back: a response object, or the
@@ -11,9 +11,9 @@ once and runs stored, to be polled or cancelled.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.auth import client_identity
@@ -21,7 +21,13 @@ from app.choices import Choices
 from app.errors import ApiError
 from app.limits import check_generation_limits
 from app.responses_api.events import ResponseEvents
-from app.responses_api.schemas import DeletedResponse, ResponseObject, ResponsesRequest
+from app.responses_api.input_items import input_items, items_page
+from app.responses_api.schemas import (
+    DeletedResponse,
+    InputItemList,
+    ResponseObject,
+    ResponsesRequest,
+)
 from app.responses_api.store import ResponseStore, StoredResponse
 from app.responses_api.translate import (
     ResponseState,
@@ -79,20 +85,20 @@ async def create_response(
     check_model(request, body.model)
     store: ResponseStore = request.app.state.responses
     try:
-        choices, conversation = await _start(body, request, serving, store)
+        choices, conversation, items = await _start(body, request, serving, store)
     except ApiError as error:
         raise error.renamed(FIELD_NAMES) from error
     state = ResponseState(body, choices.generations[0].model)
 
     def keep(state: ResponseState) -> None:
         if body.store:
-            store.put(StoredResponse(state, conversation + answer_messages(state.output)))
+            store.put(StoredResponse(state, conversation + answer_messages(state.output), items))
 
     if body.stream:
         events = ResponseEvents(choices, state, keep)
         return GenerationStream(choices, events.body(), events.failure)
     if body.background:
-        stored = StoredResponse(state, conversation)
+        stored = StoredResponse(state, conversation, items)
         stored.task = asyncio.create_task(_in_background(choices, stored, store))
         store.put(stored)
         return JSONResponse(state.as_dict())
@@ -106,9 +112,11 @@ async def create_response(
 
 async def _start(
     body: ResponsesRequest, request: Request, serving: Serving, store: ResponseStore
-) -> tuple[Choices, list[dict[str, Any]]]:
-    """The request's choices, submitted, and the conversation it continues with its input."""
+) -> tuple[Choices, list[dict[str, Any]], list[dict[str, Any]]]:
+    """The request's choices, submitted; the conversation it continues with its input, and
+    the input items of both."""
     earlier: list[dict[str, Any]] = []
+    earlier_items: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         previous = _stored(store, body.previous_response_id, "previous_response_id")
         if previous.task is not None:
@@ -118,6 +126,7 @@ async def _start(
                 param="previous_response_id",
             )
         earlier = previous.conversation
+        earlier_items = previous.input_items + previous.state.output
     max_tokens = body.max_output_tokens or serving.settings.max_tokens
     form = chat_form(body, earlier, max_tokens)
     check_generation_limits(form.chat, serving.settings, max_tokens, "max_output_tokens")
@@ -128,7 +137,7 @@ async def _start(
     choices = await start(
         "chat.completion", form.chat, request, serving, prompt_ids, max_tokens, "input", None, tools
     )
-    return choices, form.conversation
+    return choices, form.conversation, earlier_items + input_items(body)
 
 
 async def _in_background(choices: Choices, stored: StoredResponse, store: ResponseStore) -> None:
@@ -167,6 +176,24 @@ def _stored(store: ResponseStore, response_id: str, param: str = "response_id") 
 )
 async def get_response(response_id: str, request: Request) -> dict[str, Any]:
     return _stored(request.app.state.responses, response_id).state.as_dict()
+
+
+@router.get(
+    "/responses/{response_id}/input_items",
+    response_model=InputItemList,
+    responses=error_responses(400, 404),
+)
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    after: str | None = Query(None, description="the id of the item the page starts after"),
+    limit: int = Query(20, ge=1, le=100),
+    order: Literal["asc", "desc"] = Query("desc", description="desc: the last given first"),
+    include: list[str] | None = Query(None, description="accepted and ignored"),
+) -> dict[str, Any]:
+    """What a stored response was given: the conversation it continued and its own input."""
+    stored = _stored(request.app.state.responses, response_id)
+    return items_page(stored.input_items, after, limit, order)
 
 
 @router.delete(

@@ -236,6 +236,20 @@ def test_function_calls_are_the_chat_routes_and_their_outputs_go_back(server, cl
     )
     assert continued.output_text == answered.output_text
     assert continued.usage.input_tokens == answered.usage.input_tokens
+    # what the continued response was given: the first turn's input and output, then its own
+    given = list(client.responses.input_items.list(continued.id, order="asc", limit=1))
+    assert [item.type for item in given] == ["message", *["function_call"] * len(calls)] + [
+        "function_call_output"
+    ] * len(calls)
+    assert given[0].content[0].text == ask and given[0].role == "user"
+    assert [item.id for item in given[1 : 1 + len(calls)]] == [c.id for c in calls]
+    assert len({item.id for item in given}) == len(given)
+    newest = client.responses.input_items.list(continued.id)  # `desc` by default
+    assert [item.id for item in newest.data] == [item.id for item in given][::-1]
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(continued.id, after="msg_unknown")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
 
 
 def test_a_json_schema_format_holds_the_text_to_it(client) -> None:
@@ -317,17 +331,17 @@ def state(size: int) -> ResponseState:
 
 def test_the_store_keeps_the_most_recently_used_within_its_bounds() -> None:
     store = ResponseStore(max_count=2, max_bytes=1 << 20)
-    first, second, third = (StoredResponse(state(1), []) for _ in range(3))
+    first, second, third = (StoredResponse(state(1), [], []) for _ in range(3))
     store.put(first)
     store.put(second)
     assert store.get(first.state.id) is first  # now the most recently used
     store.put(third)
     assert first.state.id in store and second.state.id not in store and third.state.id in store
     small = ResponseStore(max_count=10, max_bytes=3 * first.size())
-    for stored in (first, second, third, StoredResponse(state(1), [])):
+    for stored in (first, second, third, StoredResponse(state(1), [], [])):
         small.put(stored)
     assert first.state.id not in small and third.state.id in small
-    huge = StoredResponse(state(1), [{"role": "user", "content": "x" * (4 << 20)}])
+    huge = StoredResponse(state(1), [{"role": "user", "content": "x" * (4 << 20)}], [])
     store.put(huge)
     assert huge.state.id not in store  # larger than all the memory: not kept
     assert ResponseStore(0, 1 << 20).get(first.state.id) is None
