@@ -17,7 +17,7 @@ from typing import Any
 from app.choices import Choices
 from app.deltas import End, ReasoningDelta, TextDelta, ToolCallDelta, answer_deltas
 from app.messages_api.errors import stream_error
-from app.messages_api.translate import message_body, stop_reason, tool_use_block
+from app.messages_api.translate import message_body, message_usage, stop_reason, tool_use_block
 from app.sse import named_event
 
 
@@ -72,8 +72,10 @@ class _Blocks:
 async def message_events(choices: Choices, message_id: str, model: str) -> AsyncIterator[str]:
     """The SSE body of a streamed message (one choice: Messages has no `n`)."""
     generation = choices.generations[0]
-    input_tokens = len(generation.handle.prompt_ids)
-    start = message_body(message_id, model, [], None, None, input_tokens, 0)
+    prompt_tokens = len(generation.handle.prompt_ids)
+    # what the prefix cache gives is known once the request runs: the last event tells it
+    usage = {"input_tokens": prompt_tokens, "output_tokens": 0}
+    start = message_body(message_id, model, [], None, None, usage)
     yield named_event({"type": "message_start", "message": start})
     blocks, end = _Blocks(), End(None, None)
     async for part in answer_deltas(choices):
@@ -95,7 +97,9 @@ async def message_events(choices: Choices, message_id: str, model: str) -> Async
             "stop_reason": reason,
             "stop_sequence": stop_string if reason == "stop_sequence" else None,
         },
-        "usage": {"output_tokens": generation.completion_tokens},
+        "usage": message_usage(
+            prompt_tokens, generation.cached_prompt_tokens, generation.completion_tokens
+        ),
     }
     if end.stats:
         last["speculative_decoding_stats"] = end.stats

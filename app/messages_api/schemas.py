@@ -220,7 +220,11 @@ class MessageToolUseBlock(BaseModel):
 
 
 class MessageUsage(BaseModel):
-    input_tokens: int
+    input_tokens: int = Field(description="the prompt's tokens computed")
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = Field(
+        None, description="the prompt's tokens the prefix cache gave"
+    )
     output_tokens: int
 
 

@@ -179,8 +179,7 @@ def message_body(
     content: list[dict[str, Any]],
     reason: StopReason | None,
     stop_sequence: str | None,
-    input_tokens: int,
-    output_tokens: int,
+    usage: dict[str, int | None],
     stats: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
@@ -191,17 +190,30 @@ def message_body(
         "content": content,
         "stop_reason": reason,
         "stop_sequence": stop_sequence,
-        "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+        "usage": usage,
     }
     if stats:
         body["speculative_decoding_stats"] = stats
     return body
 
 
+def message_usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage: `input_tokens` those of the prompt computed, `cache_read_input_tokens`
+    those the prefix cache gave (their sum is the prompt); caching is automatic, so none are
+    counted as `cache_creation_input_tokens`."""
+    return {
+        "input_tokens": prompt_tokens - cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached_tokens,
+        "output_tokens": output_tokens,
+    }
+
+
 def whole_message(
-    message_id: str, model: str, chat: dict[str, Any], stop_string: str | None
+    message_id: str, model: str, chat: dict[str, Any], stop_string: str | None, cached_tokens: int
 ) -> dict[str, Any]:
-    """The message of a whole chat response."""
+    """The message of a whole chat response (`cached_tokens`: of its prompt, those the prefix
+    cache gave)."""
     choice = chat["choices"][0]
     answer = choice["message"]
     content = []
@@ -218,7 +230,8 @@ def whole_message(
         content,
         reason,
         stop_string if reason == "stop_sequence" else None,
-        chat["usage"]["prompt_tokens"],
-        chat["usage"]["completion_tokens"],
+        message_usage(
+            chat["usage"]["prompt_tokens"], cached_tokens, chat["usage"]["completion_tokens"]
+        ),
         choice.get("speculative_decoding_stats"),
     )

@@ -101,7 +101,8 @@ async def messages(
     if whole is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # nobody reads it
     stop_string = generation.text_stream.stop_string
-    return JSONResponse(whole_message(message_id, model, whole, stop_string))
+    cached = generation.cached_prompt_tokens
+    return JSONResponse(whole_message(message_id, model, whole, stop_string, cached))
 
 
 @router.post("/messages/count_tokens", response_model=TokenCount, responses=_errors(400, 404))

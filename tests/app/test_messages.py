@@ -13,6 +13,7 @@ import pytest
 from app.background import serving
 from app.main import create_app
 from app.settings import Settings
+from service.model.prefix_cache import BLOCK_TOKENS
 from tests.helpers.http import QUIET, wait_ready
 
 KEY = "messages-key"
@@ -72,6 +73,11 @@ def raw_events(server: str, body: dict) -> list[tuple[str, dict]]:
     return events
 
 
+def prompt_of(usage: anthropic.types.Usage) -> int:
+    """The prompt's tokens: those computed and those the prefix cache gave."""
+    return usage.input_tokens + usage.cache_read_input_tokens
+
+
 def test_a_message_is_the_chat_routes_answer_to_the_same_conversation(server, client) -> None:
     reference = chat(server, {"messages": QUESTION})
     message = client.messages.create(model=MODEL, max_tokens=16, messages=QUESTION)
@@ -82,10 +88,14 @@ def test_a_message_is_the_chat_routes_answer_to_the_same_conversation(server, cl
         message.stop_reason
         == {"length": "max_tokens", "stop": "end_turn"}[reference["choices"][0]["finish_reason"]]
     )
-    assert message.usage.input_tokens == reference["usage"]["prompt_tokens"]
+    prompt_tokens = reference["usage"]["prompt_tokens"]
+    assert prompt_of(message.usage) == prompt_tokens
+    # the chat route computed the same prompt: its whole blocks came from the prefix cache
+    assert message.usage.cache_read_input_tokens >= prompt_tokens // BLOCK_TOKENS * BLOCK_TOKENS > 0
+    assert message.usage.cache_creation_input_tokens == 0
     assert message.usage.output_tokens == reference["usage"]["completion_tokens"]
     counted = client.messages.count_tokens(model=MODEL, messages=QUESTION)
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == prompt_tokens
 
 
 def test_the_system_prompt_and_turns_map_to_chat_messages(server, client) -> None:
@@ -113,7 +123,7 @@ def test_the_system_prompt_and_turns_map_to_chat_messages(server, client) -> Non
     system = [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]
     message = client.messages.create(model=MODEL, max_tokens=16, system=system, messages=turns)
     assert message.content[0].text == reference["choices"][0]["message"]["content"]
-    assert message.usage.input_tokens == reference["usage"]["prompt_tokens"]
+    assert prompt_of(message.usage) == reference["usage"]["prompt_tokens"]
 
 
 def test_a_stream_sends_anthropics_events_and_the_same_text(server, client) -> None:
@@ -124,17 +134,18 @@ def test_a_stream_sends_anthropics_events_and_the_same_text(server, client) -> N
     assert names[1] == "content_block_start" and names[-3] == "content_block_stop"
     assert set(names[2:-3]) == {"content_block_delta"}
     start = events[0][1]["message"]
-    assert start["content"] == [] and start["usage"]["input_tokens"] == whole.usage.input_tokens
+    # the start counts the whole prompt; the end what the prefix cache gave of it
+    assert start["content"] == [] and start["usage"]["input_tokens"] == prompt_of(whole.usage)
     text = "".join(p["delta"]["text"] for name, p in events if name == "content_block_delta")
     assert text == whole.content[0].text
     end = events[-2][1]
     assert end["delta"]["stop_reason"] == whole.stop_reason
-    assert end["usage"]["output_tokens"] == whole.usage.output_tokens
+    assert end["usage"] == whole.usage.model_dump(exclude_none=True)
     with client.messages.stream(model=MODEL, max_tokens=16, messages=QUESTION) as stream:
         streamed = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert streamed == whole.content[0].text == final.content[0].text
-    assert final.stop_reason == whole.stop_reason
+    assert final.stop_reason == whole.stop_reason and final.usage == whole.usage
 
 
 def test_a_stop_sequence_ends_the_message_and_is_named(client) -> None:
