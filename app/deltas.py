@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from app.choices import Choices
 
@@ -34,9 +34,7 @@ class End:
     stats: dict[str, Any] | None
 
 
-async def answer_deltas(
-    choices: Choices,
-) -> AsyncIterator[ReasoningDelta | TextDelta | ToolCallDelta | End]:
+async def answer_deltas(choices: Choices) -> AsyncIterator[Part]:
     """The answer's parts as its chunks come; End last (an engine failure raises instead)."""
     finish_reason, stats = None, None
     async for chunk in choices.chunks():
@@ -51,3 +49,29 @@ async def answer_deltas(
             finish_reason = choice.get("finish_reason") or finish_reason
             stats = choice.get("speculative_decoding_stats") or stats
     yield End(finish_reason, stats)
+
+
+Part = ReasoningDelta | TextDelta | ToolCallDelta | End
+
+
+class PartEvents(Protocol):
+    """A wire format's events for each kind of part, kept in order by its open block or item."""
+
+    def reasoning(self, text: str) -> list[dict[str, Any]]: ...
+
+    def text(self, text: str) -> list[dict[str, Any]]: ...
+
+    def call(self, call: dict[str, Any]) -> list[dict[str, Any]]: ...
+
+    def close(self) -> list[dict[str, Any]]: ...
+
+
+def events_of(part: Part, events: PartEvents) -> list[dict[str, Any]]:
+    """The events `events` renders for `part` (for the end: those closing what is open)."""
+    if isinstance(part, ReasoningDelta):
+        return events.reasoning(part.text)
+    if isinstance(part, TextDelta):
+        return events.text(part.text)
+    if isinstance(part, ToolCallDelta):
+        return events.call(part.call)
+    return events.close()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.choices import Choices
-from app.deltas import End, ReasoningDelta, TextDelta, ToolCallDelta, answer_deltas
+from app.deltas import End, answer_deltas, events_of
 from app.messages_api.errors import stream_error
 from app.messages_api.translate import message_body, message_usage, stop_reason, tool_use_block
 from app.sse import named_event
@@ -32,7 +32,7 @@ class _Blocks:
     def text(self, text: str) -> list[dict[str, Any]]:
         return self._extend("text", {"type": "text_delta", "text": text})
 
-    def thinking(self, text: str) -> list[dict[str, Any]]:
+    def reasoning(self, text: str) -> list[dict[str, Any]]:
         return self._extend("thinking", {"type": "thinking_delta", "thinking": text})
 
     def _extend(self, kind: str, delta: dict[str, Any]) -> list[dict[str, Any]]:
@@ -44,7 +44,7 @@ class _Blocks:
             self.open = kind
         return [*events, self._delta(delta)]
 
-    def tool_use(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+    def call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         block = tool_use_block(call)
         whole = json.dumps(block["input"], ensure_ascii=False)
         events = [*self.close(), self._start({**block, "input": {}})]
@@ -79,16 +79,10 @@ async def message_events(choices: Choices, message_id: str, model: str) -> Async
     yield named_event({"type": "message_start", "message": start})
     blocks, end = _Blocks(), End(None, None)
     async for part in answer_deltas(choices):
-        if isinstance(part, ReasoningDelta):
-            events = blocks.thinking(part.text)
-        elif isinstance(part, TextDelta):
-            events = blocks.text(part.text)
-        elif isinstance(part, ToolCallDelta):
-            events = blocks.tool_use(part.call)
-        else:
-            end, events = part, blocks.close()
-        for payload in events:
+        for payload in events_of(part, blocks):
             yield named_event(payload)
+        if isinstance(part, End):
+            end = part
     stop_string = generation.text_stream.stop_string
     reason = stop_reason(end.finish_reason, stop_string)
     last: dict[str, Any] = {

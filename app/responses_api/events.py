@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from app.choices import Choices
-from app.deltas import ReasoningDelta, TextDelta, ToolCallDelta, answer_deltas
+from app.deltas import End, answer_deltas, events_of
 from app.generation import Generation
 from app.responses_api.translate import (
     ResponseState,
@@ -154,14 +154,8 @@ class ResponseEvents:
         yield self._sse({"type": "response.in_progress", "response": state.as_dict()})
         items = _Items()
         async for part in answer_deltas(self.choices):
-            if isinstance(part, ReasoningDelta):
-                events = items.reasoning(part.text)
-            elif isinstance(part, TextDelta):
-                events = items.text(part.text)
-            elif isinstance(part, ToolCallDelta):
-                events = items.call(part.call)
-            else:
-                events = items.close()
+            events = events_of(part, items)
+            if isinstance(part, End):
                 state.finish(
                     items.output,
                     part.finish_reason,

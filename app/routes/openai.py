@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.auth import client_identity
-from app.generation import Kind
+from app.choices import Choices
 from app.limits import check_generation_limits
 from app.schemas import (
     ChatCompletionChunk,
@@ -17,14 +17,12 @@ from app.schemas import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
-    GenerationRequest,
     ModelList,
     error_responses,
     event_stream_schema,
 )
 from app.serving import (
     CLIENT_CLOSED_REQUEST,
-    Serving,
     ServingDep,
     check_model,
     checked_ids,
@@ -33,7 +31,7 @@ from app.serving import (
     tokenize_off_loop,
 )
 from app.sse import GenerationStream
-from app.tools import ToolUse, chat_prompt, tool_use
+from app.tools import chat_prompt, tool_use
 
 router = APIRouter(
     prefix="/v1", dependencies=[Depends(client_identity)], responses=error_responses(401)
@@ -80,7 +78,7 @@ async def completions(
         )
     else:
         prompt_ids = checked_ids(body.prompt, runtime.vocab_size)
-    return await _respond(
+    choices = await start(
         "text_completion",
         body,
         request,
@@ -90,6 +88,7 @@ async def completions(
         "prompt",
         body.num_logprobs,
     )
+    return await _respond(choices, body.stream, request)
 
 
 @router.post(
@@ -111,7 +110,7 @@ async def chat_completions(
     prompt_ids, tools = await tokenize_off_loop(
         request, "messages", chat_prompt, runtime.tokenizer, body.messages, tools
     )
-    return await _respond(
+    choices = await start(
         "chat.completion",
         body,
         request,
@@ -122,24 +121,13 @@ async def chat_completions(
         body.num_logprobs,
         tools,
     )
+    return await _respond(choices, body.stream, request)
 
 
-async def _respond(
-    kind: Kind,
-    body: GenerationRequest,
-    request: Request,
-    serving: Serving,
-    prompt_ids: list[int],
-    max_tokens: int,
-    prompt_param: str,
-    logprobs: int | None,
-    tools: ToolUse = ToolUse(),
-) -> Response:
-    """The request's answer in OpenAI's shape: a stream of chunks, or the whole response."""
-    choices = await start(
-        kind, body, request, serving, prompt_ids, max_tokens, prompt_param, logprobs, tools
-    )
-    if body.stream:
+async def _respond(choices: Choices, stream: bool, request: Request) -> Response:
+    """The submitted request's answer in OpenAI's shape: a stream of chunks, or the whole
+    response."""
+    if stream:
         return GenerationStream(choices)
     whole = await collect(choices, request)
     if whole is None:

@@ -15,20 +15,12 @@ from app.main import create_app
 from app.settings import Settings
 from service.model.prefix_cache import BLOCK_TOKENS
 from tests.helpers.http import QUIET, wait_ready
+from tests.helpers.tools import CHAT_WEATHER, MESSAGES_WEATHER
 
 KEY = "messages-key"
 MODEL = "tiny-random-llama"
 CAP = 256
 QUESTION = [{"role": "user", "content": "List the first five prime numbers."}]
-WEATHER = {
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "input_schema": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}},
-        "required": ["city"],
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -165,22 +157,17 @@ def test_tool_use_blocks_are_the_chat_routes_calls_and_results_go_back(server, c
         server,
         {
             "messages": ask,
-            "tools": [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": WEATHER["name"],
-                        "description": WEATHER["description"],
-                        "parameters": WEATHER["input_schema"],
-                    },
-                }
-            ],
+            "tools": [CHAT_WEATHER],
             "tool_choice": "required",
             "max_tokens": CAP,
         },
     )["choices"][0]
     message = client.messages.create(
-        model=MODEL, max_tokens=CAP, messages=ask, tools=[WEATHER], tool_choice={"type": "any"}
+        model=MODEL,
+        max_tokens=CAP,
+        messages=ask,
+        tools=[MESSAGES_WEATHER],
+        tool_choice={"type": "any"},
     )
     calls = [block for block in message.content if block.type == "tool_use"]
     assert (
@@ -192,7 +179,11 @@ def test_tool_use_blocks_are_the_chat_routes_calls_and_results_go_back(server, c
     ]
     assert all(c.id for c in calls) and isinstance(calls[0].input["city"], str)
     with client.messages.stream(
-        model=MODEL, max_tokens=CAP, messages=ask, tools=[WEATHER], tool_choice={"type": "any"}
+        model=MODEL,
+        max_tokens=CAP,
+        messages=ask,
+        tools=[MESSAGES_WEATHER],
+        tool_choice={"type": "any"},
     ) as stream:
         final = stream.get_final_message()
     # the same calls, with the same ids: an id is made of the prompt and the answer
@@ -211,7 +202,11 @@ def test_tool_use_blocks_are_the_chat_routes_calls_and_results_go_back(server, c
         },
     ]
     reply = client.messages.create(
-        model=MODEL, max_tokens=8, messages=answered, tools=[WEATHER], tool_choice={"type": "none"}
+        model=MODEL,
+        max_tokens=8,
+        messages=answered,
+        tools=[MESSAGES_WEATHER],
+        tool_choice={"type": "none"},
     )
     assert reply.content[0].type == "text"
 
@@ -287,15 +282,15 @@ def test_errors_come_in_anthropics_shape(server, client) -> None:
         ({**body, "stop_sequences": ["x" * 10_000]}, "stop_sequences"),
         ({**body, "temperature": 1.5}, "temperature"),
         (
-            {**body, "tool_choice": {"type": "tool", "name": "nope"}, "tools": [WEATHER]},
+            {**body, "tool_choice": {"type": "tool", "name": "nope"}, "tools": [MESSAGES_WEATHER]},
             "tool_choice",
         ),
         (
-            {**body, "tools": [{**WEATHER, "input_schema": {"type": "nonsense"}}]},
+            {**body, "tools": [{**MESSAGES_WEATHER, "input_schema": {"type": "nonsense"}}]},
             "tools",
         ),
         (
-            {**body, "tools": [{**WEATHER, "input_schema": {"allOf": [{}, {}]}}]},
+            {**body, "tools": [{**MESSAGES_WEATHER, "input_schema": {"allOf": [{}, {}]}}]},
             "tools.0.input_schema.allOf",
         ),
         ({k: v for k, v in body.items() if k != "max_tokens"}, "max_tokens"),

@@ -20,21 +20,12 @@ from app.responses_api.translate import ResponseState
 from app.settings import Settings
 from service.model.prefix_cache import BLOCK_TOKENS
 from tests.helpers.http import QUIET, slowed, wait_ready, wait_until
+from tests.helpers.tools import CHAT_WEATHER, RESPONSES_WEATHER
 
 KEY = "responses-key"
 MODEL = "tiny-random-llama"
 CAP = 256
 QUESTION = "List the first five prime numbers."
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "description": "The weather in a city",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}},
-        "required": ["city"],
-    },
-}
 
 
 @pytest.fixture(scope="module")
@@ -175,20 +166,16 @@ def test_a_stream_sends_the_typed_events_and_the_same_text(server, client) -> No
 
 
 def test_function_calls_are_the_chat_routes_and_their_outputs_go_back(server, client) -> None:
-    chat_tool = {
-        "type": "function",
-        "function": {k: v for k, v in WEATHER.items() if k != "type"},
-    }
     ask = "What is the weather in Paris?"
     reference = chat(
         client,
         [{"role": "user", "content": ask}],
-        tools=[chat_tool],
+        tools=[CHAT_WEATHER],
         tool_choice="required",
         max_tokens=CAP,
     )["choices"][0]
     response = client.responses.create(
-        input=ask, tools=[WEATHER], tool_choice="required", max_output_tokens=CAP
+        input=ask, tools=[RESPONSES_WEATHER], tool_choice="required", max_output_tokens=CAP
     )
     calls = [item for item in response.output if item.type == "function_call"]
     assert reference["finish_reason"] == "tool_calls" and response.status == "completed"
@@ -198,7 +185,12 @@ def test_function_calls_are_the_chat_routes_and_their_outputs_go_back(server, cl
     ]
     events = raw_events(
         server,
-        {"input": ask, "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": CAP},
+        {
+            "input": ask,
+            "tools": [RESPONSES_WEATHER],
+            "tool_choice": "required",
+            "max_output_tokens": CAP,
+        },
     )
     done = [e for e in events if e["type"] == "response.function_call_arguments.done"]
     assert [e["arguments"] for e in done] == [c.arguments for c in calls]
@@ -219,7 +211,7 @@ def test_function_calls_are_the_chat_routes_and_their_outputs_go_back(server, cl
                 for c in calls
             ],
         ],
-        tools=[WEATHER],
+        tools=[RESPONSES_WEATHER],
         tool_choice="none",
         max_output_tokens=8,
     )
@@ -230,7 +222,7 @@ def test_function_calls_are_the_chat_routes_and_their_outputs_go_back(server, cl
         input=[
             {"type": "function_call_output", "call_id": c.call_id, "output": "Sunny"} for c in calls
         ],
-        tools=[WEATHER],
+        tools=[RESPONSES_WEATHER],
         tool_choice="none",
         max_output_tokens=8,
     )
@@ -302,14 +294,17 @@ def test_bad_requests_get_openai_errors_naming_the_responses_fields(server) -> N
         ({"input": QUESTION, "background": True, "stream": True}, None),
         ({"input": QUESTION, "tools": [{"type": "web_search"}]}, "tools.0.type"),
         (
-            {"input": QUESTION, "tools": [{**WEATHER, "parameters": {"allOf": [{}, {}]}}]},
+            {
+                "input": QUESTION,
+                "tools": [{**RESPONSES_WEATHER, "parameters": {"allOf": [{}, {}]}}],
+            },
             "tools.0.parameters.allOf",
         ),
         (
             {
                 "input": QUESTION,
                 "tool_choice": {"type": "function", "name": "x"},
-                "tools": [WEATHER],
+                "tools": [RESPONSES_WEATHER],
             },
             "tool_choice",
         ),

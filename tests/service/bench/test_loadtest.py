@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,38 +87,35 @@ def test_repeats_alternate_the_modes_and_the_comparison_averages_them(embedded) 
     assert table[2].endswith(f"| {means[(1, 'auto')] / means[(1, 'off')]:.2f}x |")
 
 
-def test_the_loadtest_command_runs_its_own_server_process(tiny_served, tmp_path) -> None:
-    """`ngrammys loadtest` without --url: a child `ngrammys serve`, warmed up, then stopped."""
+def run_loadtest(
+    tiny_served, tmp_path: Path, rows: list[tuple[str, str]], flags: list[str]
+) -> dict[str, Any]:
+    """`ngrammys loadtest` with `flags` on the questions `rows` (category, text), its server a
+    child process serving the tiny model; the JSON report."""
     model_dir = tmp_path / "model"
     tiny_served.model.save_pretrained(model_dir)
     tiny_served.tokenizer.save_pretrained(model_dir)
     dataset = tmp_path / "questions.jsonl"
     dataset.write_text(
         "\n".join(
-            json.dumps({"question_id": q.question_id, "category": q.category, "turns": [q.text]})
-            for q in QUESTIONS
+            json.dumps({"question_id": str(i), "category": category, "turns": [text]})
+            for i, (category, text) in enumerate(rows)
         )
     )
-    report = tmp_path / "load.json"
+    report = tmp_path / "report.json"
+    cache = str(tmp_path / "cache")
     main(
-        [
-            "loadtest",
-            "--dataset",
-            str(dataset),
-            "--concurrency",
-            "1",
-            "2",
-            "--max-tokens",
-            "4",
-            "--model",
-            str(model_dir),
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--json",
-            str(report),
-        ]
+        ["loadtest", "--dataset", str(dataset), *flags, "--model", str(model_dir)]
+        + ["--cache-dir", cache, "--json", str(report)]
     )
-    levels = json.loads(report.read_text())["levels"]
+    return json.loads(report.read_text())
+
+
+def test_the_loadtest_command_runs_its_own_server_process(tiny_served, tmp_path) -> None:
+    """`ngrammys loadtest` without --url: a child `ngrammys serve`, warmed up, then stopped."""
+    rows = [(q.category, q.text) for q in QUESTIONS]
+    flags = ["--concurrency", "1", "2", "--max-tokens", "4"]
+    levels = run_loadtest(tiny_served, tmp_path, rows, flags)["levels"]
     assert [(level["concurrency"], level["mode"]) for level in levels] == [
         (1, "off"),
         (1, "auto"),
@@ -154,10 +153,6 @@ def test_the_prefix_workloads_run_with_the_cache_and_without_on_servers_of_their
 ) -> None:
     """`ngrammys loadtest --workload chat`: a server with the prefix cache and one without,
     the same conversations (later turns re-send the earlier answers), the cache's hit rate."""
-    model_dir = tmp_path / "model"
-    tiny_served.model.save_pretrained(model_dir)
-    tiny_served.tokenizer.save_pretrained(model_dir)
-    dataset = tmp_path / "questions.jsonl"
     rows = [
         ("rag", "Passage about rivers and the sea. " * 40),
         ("summarization", "An article on tides. " * 60),
@@ -165,37 +160,9 @@ def test_the_prefix_workloads_run_with_the_cache_and_without_on_servers_of_their
         ("qa", "What makes waves?"),
         ("stem", "What is a tide?"),
     ]
-    dataset.write_text(
-        "\n".join(
-            json.dumps({"question_id": str(i), "category": c, "turns": [t]})
-            for i, (c, t) in enumerate(rows)
-        )
-    )
-    report = tmp_path / "prefix.json"
-    main(
-        [
-            "loadtest",
-            "--dataset",
-            str(dataset),
-            "--workload",
-            "chat",
-            "--conversations",
-            "2",
-            "--turns",
-            "3",
-            "--max-tokens",
-            "4",
-            "--modes",
-            "off",
-            "--model",
-            str(model_dir),
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--json",
-            str(report),
-        ]
-    )
-    cached, uncached = json.loads(report.read_text())["results"]
+    flags = ["--workload", "chat", "--conversations", "2", "--turns", "3", "--max-tokens", "4"]
+    report = run_loadtest(tiny_served, tmp_path, rows, [*flags, "--modes", "off"])
+    cached, uncached = report["results"]
     assert (cached["setting"], uncached["setting"]) == ("cache", "no cache")
     assert cached["requests"] == uncached["requests"] == 6
     assert (
@@ -229,34 +196,9 @@ def test_the_agent_workload_runs_the_loop_through_responses_and_through_chat(
 ) -> None:
     """`ngrammys loadtest --workload agent`: the same tool-calling loop continued by
     `previous_response_id` and resent whole on chat completions, each on a server of its own."""
-    model_dir = tmp_path / "model"
-    tiny_served.model.save_pretrained(model_dir)
-    tiny_served.tokenizer.save_pretrained(model_dir)
-    dataset = tmp_path / "questions.jsonl"
     rows = [("rag", "Rivers flow to the sea. " * 3), ("qa", "Why is the sea salty?")]
-    dataset.write_text(
-        "\n".join(
-            json.dumps({"question_id": str(i), "category": c, "turns": [t]})
-            for i, (c, t) in enumerate(rows)
-        )
-    )
-    report = tmp_path / "agent.json"
     flags = ["--workload", "agent", "--conversations", "2", "--turns", "2", "--modes", "off"]
-    main(
-        [
-            "loadtest",
-            "--dataset",
-            str(dataset),
-            *flags,
-            "--model",
-            str(model_dir),
-            "--cache-dir",
-            str(tmp_path / "cache"),
-            "--json",
-            str(report),
-        ]
-    )
-    responses, chat = json.loads(report.read_text())["results"]
+    responses, chat = run_loadtest(tiny_served, tmp_path, rows, flags)["results"]
     assert (responses["setting"], chat["setting"]) == ("responses", "chat")
     assert responses["turns"] == chat["turns"] == 4  # a call, then the answer
     # a later turn's prompt starts as the earlier one did, either way
