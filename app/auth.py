@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 from collections import Counter
 from pathlib import Path
 from typing import Annotated
@@ -45,6 +46,15 @@ class ApiKeys:
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
+
+    def internal_key(self) -> str | None:
+        """A new key for the server's own calls of its routes (the batch runner's), accepted
+        from now on and never written anywhere; None when keys are off."""
+        if not self.enabled:
+            return None
+        key = secrets.token_urlsafe(32)
+        self._digests.append(_digest(key))
+        return key
 
     def identify(self, key: str) -> str | None:
         """A stable, non-secret id of `key` (its digest's prefix) if it is accepted, else None."""

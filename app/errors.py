@@ -90,11 +90,18 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
             "invalid_request_error",
             code="invalid_json",
         )
-    location = [str(part) for part in first.get("loc", ())[1:] if _is_field(part)]
+    text, param = validation_text([first], skip=1)
+    return error_response(request, 400, text, "invalid_request_error", param)
+
+
+def validation_text(errors: list[dict], skip: int = 0) -> tuple[str, str | None]:
+    """A pydantic validation's most telling error as a message naming its field, and the field
+    (its location past the first `skip` parts: 1 for a request body's `body`)."""
+    first = _says_most(errors)
+    message = str(first.get("msg")).removeprefix("Value error, ")
+    location = [str(part) for part in first.get("loc", ())[skip:] if _is_field(part)]
     param = ".".join(location) or None
-    return error_response(
-        request, 400, f"{param}: {message}" if param else message, "invalid_request_error", param
-    )
+    return (f"{param}: {message}" if param else message), param
 
 
 def _says_most(errors: list[dict]) -> dict:

@@ -23,33 +23,36 @@ class BodySizeLimit:
     handlers, so it leaves in OpenAI's shape and is counted like any invalid request.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, by_path: dict[str, int] | None = None) -> None:
+        """`by_path`: the limits of paths that take more (file uploads)."""
+        self.app, self.default, self.by_path = app, limit, by_path or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.by_path.get(scope["path"], self.default)
         declared = dict(scope.get("headers", ())).get(b"content-length", b"0")
         received = int(declared) if declared.isdigit() else 0
 
         async def limited_receive() -> Message:
             nonlocal received
-            if received > self.limit:
-                raise self._too_large()
+            if received > limit:
+                raise _too_large(limit)
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise self._too_large()
+                if received > limit:
+                    raise _too_large(limit)
             return message
 
         await self.app(scope, limited_receive, send)
 
-    def _too_large(self) -> HTTPException:
-        return HTTPException(
-            413, f"the request body is larger than this server's limit of {self.limit} bytes"
-        )
+
+def _too_large(limit: int) -> HTTPException:
+    return HTTPException(
+        413, f"the request body is larger than this server's limit of {limit} bytes"
+    )
 
 
 def check_generation_limits(

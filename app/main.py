@@ -8,11 +8,14 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TypeVar
 
 from fastapi import FastAPI
 
 from app.auth import ApiKeys, ConcurrencyLimit
+from app.batches.runner import BatchRunner
+from app.batches.store import BatchStore, StoreError
 from app.errors import install_error_handlers
 from app.limits import BodySizeLimit
 from app.metrics import Metrics, RouteCounter
@@ -20,7 +23,7 @@ from app.metrics import router as metrics_router
 from app.openapi import finish_openapi
 from app.ranks import start_rank_zero, world_size
 from app.responses_api.store import ResponseStore
-from app.routes import health, messages, openai, responses, tokenize
+from app.routes import batches, health, messages, openai, responses, tokenize
 from app.settings import Settings
 from service.model.loader import LoadedModel, load_model
 from service.runtime import Runtime
@@ -50,9 +53,15 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(_load(app, settings, loader, on_load_failure))
+        tasks = [asyncio.create_task(_load(app, settings, loader, on_load_failure))]
+        if settings.batch_store is not None:
+            tasks += _open_batch_store(app, settings.batch_store)
         yield
-        task.cancel()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if app.state.batch_store is not None:
+            app.state.batch_store.close()
         if app.state.runtime is not None:
             app.state.runtime.close()
 
@@ -71,7 +80,12 @@ def create_app(
     app.state.responses = ResponseStore(
         settings.stored_responses, settings.stored_responses_mb << 20
     )
-    app.add_middleware(BodySizeLimit, limit=settings.max_body_bytes)
+    app.state.batch_store = app.state.batch_store_error = app.state.batch_runner = None
+    app.add_middleware(
+        BodySizeLimit,
+        limit=settings.max_body_bytes,
+        by_path={"/v1/files": settings.batch_file_mb << 20},
+    )
     app.add_middleware(RouteCounter, metrics=app.state.metrics)
     install_error_handlers(app)
     app.include_router(health.router)
@@ -79,9 +93,27 @@ def create_app(
     app.include_router(responses.router)
     app.include_router(messages.router)
     app.include_router(tokenize.router)
+    app.include_router(batches.router)
     app.include_router(metrics_router)
     finish_openapi(app)
     return app
+
+
+def _open_batch_store(app: FastAPI, directory: Path) -> list[asyncio.Task[None]]:
+    """The batch store, and its runner's task; a store that cannot be opened (another server
+    holds it, a corrupt database) leaves batch jobs answering 503 with the reason, and the
+    rest of the server serving."""
+    try:
+        store = BatchStore(directory)
+    except StoreError as error:
+        log.error("batch jobs are unavailable: %s", error)
+        app.state.batch_store_error = str(error)
+        return []
+    settings: Settings = app.state.settings
+    runner = BatchRunner(app, store, settings.batch_concurrency, app.state.api_keys.internal_key())
+    app.state.batch_store, app.state.batch_runner = store, runner
+    app.state.metrics.watch_batches(runner)
+    return [asyncio.create_task(runner.run())]
 
 
 async def _load(

@@ -26,11 +26,14 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.auth import metrics_identity
+from app.batches.store import STATUSES as BATCH_STATUSES
+from app.batches.store import StoreError
 from service.controller.profile_keeper import OUTCOMES, ProfileState
 from service.engine.outputs import RoundOutput, StepStats
 from service.engine.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from app.batches.runner import BatchRunner
     from drafting.suffix import SuffixIndex
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -192,6 +195,11 @@ class Metrics:
             registry=self.registry,
         ).set_function(lambda: index.nbytes)
 
+    def watch_batches(self, runner: BatchRunner) -> None:
+        """Batches by status (read from the store at scrape time), and the lines and tokens
+        the batch runner has answered."""
+        self.registry.register(_BatchCollector(runner))
+
     def record_step(self, stats: StepStats) -> None:
         """One pass of the engine (called on the engine's thread; the client is thread-safe)."""
         self.forward.labels(tree_size_bucket(stats.tokens)).observe(stats.pass_seconds)
@@ -241,6 +249,34 @@ class _ProfileCollector:
         for outcome in OUTCOMES:
             remeasures.add_metric([outcome], 0 if state is None else state.remeasures[outcome])
         yield remeasures
+
+
+class _BatchCollector:
+    def __init__(self, runner: BatchRunner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[Metric]:
+        batches = GaugeMetricFamily("ngrammys_batches", "Batch jobs by status", labels=["status"])
+        try:
+            counts = self.runner.store.status_counts()
+        except StoreError:  # the store's own error is the batches' to report; the scrape goes on
+            counts = {}
+        for status in BATCH_STATUSES:
+            batches.add_metric([status], counts.get(status, 0))
+        yield batches
+        lines = CounterMetricFamily(
+            "ngrammys_batch_lines",
+            "Batch lines answered since start: completed (200) or failed (an error answer)",
+            labels=["outcome"],
+        )
+        for outcome, count in self.runner.lines_answered.items():
+            lines.add_metric([outcome], count)
+        yield lines
+        yield CounterMetricFamily(
+            "ngrammys_batch_generation_tokens",
+            "Tokens generated for batch lines since start (rate: batch tokens/s)",
+            value=self.runner.tokens,
+        )
 
 
 class _KVCacheCollector:

@@ -51,6 +51,9 @@ from service.runtime import Runtime
 
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks for its client
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before its answer
+# "batch": the request runs at idle priority, in the capacity interactive requests leave (the
+# batch runner's lines; any client may ask it for its own offline work)
+PRIORITY_HEADER = "x-ngrammys-priority"
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,8 @@ async def start(
     check_prompt_length(len(prompt_ids), settings, prompt_param)
     reasoning = _reasoning_start(kind, serving, prompt_ids)
     params = _params(body, serving, max_tokens, logprobs, tools, reasoning)
+    if request.headers.get(PRIORITY_HEADER) == "batch":
+        params = replace(params, priority="batch")
     if params.grammar is not None:
         params = replace(
             params, compiled_grammar=await _compiled_grammar(runtime, params.grammar, settings)

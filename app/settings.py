@@ -203,6 +203,20 @@ class Settings(BaseSettings):
     stored_responses_mb: int = Field(
         64, ge=1, description="Responses API: memory the kept responses may take, in MiB"
     )
+    batch_store: Path | None = Field(
+        None,
+        description="Batch jobs (/v1/files, /v1/batches): the directory of their store (SQLite "
+        "and the files), kept across restarts; one server a store. Unset: batch jobs are off",
+    )
+    batch_concurrency: int = Field(
+        16, ge=1, description="Batch jobs: lines of a batch in flight at once (at idle priority)"
+    )
+    batch_file_mb: int = Field(
+        100, ge=1, description="Batch jobs: the largest file an upload may carry, in MiB"
+    )
+    batch_max_files: int = Field(
+        1000, ge=1, description="Batch jobs: files the store keeps at most (outputs included)"
+    )
     log_level: str = Field("info", description="Logging level")
 
     # Limits: a request beyond one gets a 4xx in OpenAI's error shape (README: Limits).

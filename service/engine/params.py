@@ -12,6 +12,9 @@ from xgrammar import CompiledGrammar
 from service.grammar import GrammarSpec
 
 SpeculationMode = Literal["off", "fixed", "auto"]
+# When a request may run: "interactive" first come, first served; "batch" (offline work) only in
+# the room interactive requests leave (`service/engine/scheduler.py`, `Scheduler.admit`)
+Priority = Literal["interactive", "batch"]
 
 
 @dataclass(frozen=True)
@@ -141,9 +144,15 @@ class GenerationParams:
     grammar: GrammarSpec | None = None  # structured output: what the output must match
     # `grammar` compiled already (the HTTP edge's `BoundedCompiler`); None: the engine compiles it
     compiled_grammar: CompiledGrammar | None = field(default=None, compare=False, repr=False)
+    # "batch": admitted only while no interactive request waits, and beside running interactive
+    # ones only where one more row barely slows their pass; it changes when a request runs,
+    # never what it generates
+    priority: Priority = "interactive"
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.priority not in ("interactive", "batch"):
+            raise ValueError(f"priority must be interactive or batch, got {self.priority!r}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")

@@ -3,6 +3,12 @@
 - Admission: first come, first served, while a running slot is free and the KV budget holds
   with the request (rows × the longest row any of them can reach × bytes per token bounds the
   KV memory); nothing behind a request that does not fit jumps the queue, nothing is preempted.
+- Priority classes (`GenerationParams.priority`), each first come, first served: interactive
+  requests go first; a batch request is admitted only while no interactive request waits, and
+  beside running interactive ones only where the cost profile says the pass, its row added,
+  costs at most `BATCH_SLOWDOWN` more than the interactive rows' alone (without a profile,
+  never). A running batch row is not preempted when interactive load arrives: it runs to its
+  end, and interactive requests take the slots rows leave.
 - Chunked prefill: decoding rows bring their pending token (and tree); prefilling rows share
   what is left of `max_tokens_per_pass`, oldest first. While others decode, prompt chunks take
   as many tokens as keep the pass within `prefill_pass_ms`, priced by the cost profile
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 
 from drafting import common_prefix
 from service.controller.cost_profile import CostProfile, PassShape
+from service.engine.params import Priority
 from service.engine.request import Request, Status
 from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
 from service.model.prefix_cache import BLOCK_TOKENS, PrefixCache
@@ -83,6 +90,11 @@ CPU_MAX_RUNNING_REQUESTS = 16
 GPU_MAX_RUNNING_REQUESTS = 64
 # what cached prefix blocks may hold when the KV budget is unbounded
 UNBOUNDED_BUDGET_PREFIX_CACHE_BYTES = 2**30
+# Beside running interactive requests, batch rows may make their pass cost at most this much more
+# than the interactive rows' alone: on a GPU, where a 64-row pass costs about a one-row one,
+# that admits many; on a CPU, where every row adds its compute, next to none. Batch work uses
+# the room interactive requests leave, and never costs them more than a few percent of speed.
+BATCH_SLOWDOWN = 0.05
 
 
 class DoesNotFit(ValueError):
@@ -163,13 +175,18 @@ class Scheduler:
         self.waiting.append(request)
 
     def admit(self) -> list[Request]:
-        """Move waiting requests into the batch, oldest first, while they fit."""
+        """Move waiting requests into the batch while a slot is free and they fit: the oldest
+        interactive request first; with none waiting, the oldest batch request if it may run
+        beside the running interactive rows (`_batch_row_fits`). Within a class nothing
+        overtakes a request that must wait (for memory, or for a running prefill of its
+        prompt), and no batch request overtakes a waiting interactive one. Nothing running is
+        preempted: a batch row admitted while the server was quiet runs to its end."""
+        self.drop_aborted_waiting()
         admitted = []
-        while self.waiting and len(self.running) < self.max_running:
-            candidate = self.waiting[0]
-            if candidate.aborted:
-                self.waiting.popleft()
-                continue
+        while len(self.running) < self.max_running:
+            candidate = self._next_candidate()
+            if candidate is None:
+                break
             budget = self.config.kv_cache_bytes
             bound = self.memory_bound([*self.running, candidate])
             if budget is not None and bound > budget:
@@ -177,18 +194,57 @@ class Scheduler:
             if self._joins_running_prefill(candidate):
                 # FCFS as well: it waits a few passes at most, for entries it then need not compute
                 break
-            self.waiting.popleft()
-            candidate.status, candidate.started_at = Status.RUNNING, time.monotonic()
-            candidate.kv_row = self.cache.add_row()
-            if self.prefix is not None:
-                if budget is not None:
-                    self.prefix.evict_until(budget - bound)
-                candidate.num_cached = candidate.num_prefix_cached = self.prefix.load(
-                    self.cache, candidate.kv_row, candidate.prompt_ids
-                )
-            self.running.append(candidate)
+            self.waiting.remove(candidate)
+            self._start(candidate, None if budget is None else budget - bound)
             admitted.append(candidate)
         return admitted
+
+    def _next_candidate(self) -> Request | None:
+        """The request admission tries next: the oldest interactive one waiting; with none, the
+        oldest batch one if a batch row fits beside the running ones; else None."""
+        interactive = self._oldest_waiting("interactive")
+        if interactive is not None:
+            return interactive
+        batch = self._oldest_waiting("batch")
+        if batch is not None and self._batch_row_fits(batch):
+            return batch
+        return None
+
+    def _oldest_waiting(self, priority: Priority) -> Request | None:
+        """The oldest waiting request of `priority` not asked to stop."""
+        return next(
+            (r for r in self.waiting if r.params.priority == priority and not r.aborted), None
+        )
+
+    def _batch_row_fits(self, candidate: Request) -> bool:
+        """Whether batch `candidate` may join the running rows: always when no interactive
+        request runs; beside interactive rows, only where the cost profile prices the pass with
+        it (every running row and it, one token each) at most `1 + BATCH_SLOWDOWN` times the
+        interactive rows' pass alone. Against the interactive rows alone, not the running
+        ones: each batch row looks cheap beside many, and their slowdowns would compound. No
+        profile, no price: none joins."""
+        interactive = [r for r in self.running if r.params.priority == "interactive"]
+        if not interactive:
+            return True
+        if self.profile is None:
+            return False
+        alone = self.profile.cost(len(interactive), _mean_context(interactive), len(interactive))
+        rows = [*self.running, candidate]
+        beside = self.profile.cost(len(rows), _mean_context(rows), len(rows))
+        return beside <= (1 + BATCH_SLOWDOWN) * alone
+
+    def _start(self, request: Request, prefix_room: int | None) -> None:
+        """Give an admitted request its KV row, with the cached blocks of its prompt; cached
+        blocks beyond `prefix_room` bytes (None: unbounded) are evicted first."""
+        request.status, request.started_at = Status.RUNNING, time.monotonic()
+        request.kv_row = self.cache.add_row()
+        if self.prefix is not None:
+            if prefix_room is not None:
+                self.prefix.evict_until(prefix_room)
+            request.num_cached = request.num_prefix_cached = self.prefix.load(
+                self.cache, request.kv_row, request.prompt_ids
+            )
+        self.running.append(request)
 
     def _prefix_room(self) -> int:
         """Bytes the cached prefix blocks may hold now: the KV budget less what the running
@@ -271,8 +327,7 @@ class Scheduler:
             return config.max_prefill_tokens_while_decoding
         if self.profile is None:
             return self.unpriced_prefill_tokens
-        context = sum(r.context_length for r in self.running) / len(self.running)
-        cost = self.profile.at(context, len(self.running))
+        cost = self.profile.at(_mean_context(self.running), len(self.running))
         fits = cost.tokens_within(
             config.prefill_pass_ms / 1e3,
             PassShape(decoding + prefilling, prefilling),
@@ -293,3 +348,8 @@ class Scheduler:
         if moved is not None:
             self.running[row] = last
             last.kv_row = row
+
+
+def _mean_context(requests: list[Request]) -> float:
+    """The mean context length of `requests` (not empty): what a pass over them attends to."""
+    return sum(r.context_length for r in requests) / len(requests)

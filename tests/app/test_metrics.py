@@ -52,6 +52,9 @@ EXPECTED = {  # name -> type, as issue-level contract
     "ngrammys_prefix_cache_bytes": "gauge",
     "ngrammys_kv_cache_bytes": "gauge",
     "ngrammys_suffix_index_bytes": "gauge",
+    "ngrammys_batches": "gauge",
+    "ngrammys_batch_lines": "counter",
+    "ngrammys_batch_generation_tokens": "counter",
 }
 PROCESS = {  # prometheus_client's standard process series (Linux)
     "process_virtual_memory_bytes": "gauge",
@@ -72,8 +75,9 @@ def exported_types(text: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(embedded):
-    settings = Settings(spec_mode="fixed", spec_k=4, spec_w=4, **QUIET)
+def server(embedded, tmp_path_factory):
+    store = tmp_path_factory.mktemp("batches")  # batch jobs on: their series too
+    settings = Settings(spec_mode="fixed", spec_k=4, spec_w=4, batch_store=store, **QUIET)
     with serving(create_app(settings, loader=lambda _: embedded)) as base:
         wait_ready(base)
         yield base

@@ -10,9 +10,10 @@ import torch
 from drafting import default_mixer
 from service.controller.calibration import Calibration
 from service.controller.cost_profile import CostProfile
-from service.engine.params import GenerationParams
+from service.engine.params import GenerationParams, Priority
 from service.engine.request import Request, Status
 from service.engine.scheduler import (
+    BATCH_SLOWDOWN,
     CPU_PREFILL_TOKENS_WHILE_DECODING,
     LEAST_PRICED_PREFILL_TOKENS,
     DoesNotFit,
@@ -21,19 +22,21 @@ from service.engine.scheduler import (
     kv_capacity_bound,
 )
 from service.model.kv_cache import INITIAL_CAPACITY, TreeKVCache
-from tests.helpers.costs import linear_profile
+from tests.helpers.costs import COMPUTE_BOUND, linear_profile
 
 MIXER = default_mixer(None)
 # One byte per KV token: a row's bound is then its capacity in bytes (256 for a short request).
 BYTES_PER_TOKEN = 1
 
 
-def make_request(prompt_tokens: int = 8, new_tokens: int = 8, name: str = "r") -> Request:
+def make_request(
+    prompt_tokens: int = 8, new_tokens: int = 8, name: str = "r", priority: Priority = "interactive"
+) -> Request:
     prompt = list(range(2, 2 + prompt_tokens))
     return Request(
         name,
         prompt,
-        GenerationParams(new_tokens),
+        GenerationParams(new_tokens, priority=priority),
         MIXER.for_request(prompt),
         Calibration().for_request(),
         None,
@@ -313,3 +316,107 @@ def test_limits_below_one_are_refused(limits: dict[str, int]) -> None:
         SchedulerConfig(**limits)
     with pytest.raises(ValueError, match="must be > 0"):
         SchedulerConfig(prefill_pass_ms=0)  # no prompt chunk would ever be priced in
+
+
+def batch(name: str, prompt_tokens: int = 8) -> Request:
+    return make_request(prompt_tokens, name=name, priority="batch")
+
+
+def test_requests_are_interactive_unless_asked_and_a_class_must_be_known() -> None:
+    assert GenerationParams().priority == "interactive"
+    assert make_request().params.priority == "interactive"
+    with pytest.raises(ValueError, match="priority must be interactive or batch"):
+        GenerationParams(priority="urgent")  # type: ignore[arg-type]
+
+
+def test_an_interactive_request_goes_before_batch_requests_queued_earlier() -> None:
+    """Interactive first; then (here, with nothing interactive running) batch ones, in their
+    order of arrival."""
+    scheduler = make_scheduler(max_running=2)
+    early, later = batch("early"), batch("later")
+    interactive = make_request(name="interactive")
+    for request in (early, later, interactive):
+        scheduler.add(request)
+    assert scheduler.admit() == [interactive]  # it runs: no batch row beside it, unpriced
+    assert early.status is Status.WAITING and list(scheduler.waiting) == [early, later]
+    scheduler.finish(interactive)
+    assert scheduler.admit() == [early, later]
+
+
+def test_a_batch_request_waits_while_an_interactive_one_waits_or_runs_unpriced() -> None:
+    """A batch request that would fit does not pass an interactive request waiting for memory,
+    nor join a running interactive one without a cost profile to say it is cheap; once the
+    interactive ones are gone (aborted, finished), it runs."""
+    scheduler = make_scheduler(max_running=4, kv_bytes=2 * 512 - 1)
+    running = make_request(name="running")
+    scheduler.add(running)
+    assert scheduler.admit() == [running]
+    long = make_request(300, 100, "long")  # 512 columns: 2 × 512 with `running`, over the budget
+    waiting = batch("waiting")  # 2 × 256 beside `running`: it would fit
+    for request in (long, waiting):
+        scheduler.add(request)
+    assert scheduler.admit() == []  # the interactive one waits for memory; the batch one for it
+    long.aborted = True
+    assert scheduler.admit() == []  # an interactive request runs, and nothing prices a batch row
+    assert long.status is Status.FINISHED and list(scheduler.waiting) == [waiting]
+    scheduler.finish(running)
+    assert scheduler.admit() == [waiting]
+
+
+def test_batch_requests_are_first_come_first_served_among_themselves() -> None:
+    """A batch request waiting for memory holds back the batch requests behind it."""
+    scheduler = make_scheduler(max_running=4, kv_bytes=2 * 512 - 1)
+    first = batch("first")
+    scheduler.add(first)
+    assert scheduler.admit() == [first]
+    long, short = batch("long", prompt_tokens=300), batch("short")
+    for request in (long, short):
+        scheduler.add(request)
+    assert scheduler.admit() == []
+    scheduler.finish(first)
+    assert scheduler.admit() == [long]
+
+
+def test_a_running_batch_row_is_not_preempted_by_interactive_load() -> None:
+    scheduler = make_scheduler(max_running=1)
+    running = batch("running")
+    scheduler.add(running)
+    assert scheduler.admit() == [running]
+    interactive = make_request(name="interactive")
+    scheduler.add(interactive)
+    assert scheduler.admit() == [] and scheduler.running == [running]
+    scheduler.finish(running)
+    assert scheduler.admit() == [interactive]
+
+
+@pytest.mark.parametrize(
+    "profile, admitted",
+    [
+        # a pass costs the same whatever its rows (a GPU far below its knee): every free slot
+        (linear_profile(0.010, 0.0), 7),
+        # every row adds a whole one-row pass (compute-bound): none
+        (linear_profile(0.0, 0.001), 0),
+        (COMPUTE_BOUND, 0),
+        # each row adds 1%: the batch rows together may add 5% to the interactive row's 1.01 s
+        (linear_profile(1.0, 0.01), 5),
+    ],
+)
+def test_batch_rows_join_running_interactive_ones_where_the_profile_says_they_are_nearly_free(
+    profile: CostProfile, admitted: int
+) -> None:
+    """Priced against the interactive rows' pass alone, not the running rows' (each batch row
+    looks cheaper beside the last, and their slowdowns would add up)."""
+    scheduler = make_scheduler(max_running=8)
+    scheduler.profile = profile
+    interactive = make_request(name="interactive")
+    scheduler.add(interactive)
+    assert scheduler.admit() == [interactive]
+    decoding(interactive)
+    waiting = [batch(f"batch{i}") for i in range(10)]
+    for request in waiting:
+        scheduler.add(request)
+    assert scheduler.admit() == waiting[:admitted]
+    rows = len(scheduler.running)
+    assert profile.cost(rows, 8, rows) <= (1 + BATCH_SLOWDOWN) * profile.cost(1, 8, 1)
+    scheduler.finish(interactive)  # batch rows alone: they fill the batch
+    assert scheduler.admit() == waiting[admitted : admitted + 8 - rows + 1]
