@@ -71,7 +71,11 @@ def records(client: openai.OpenAI, file_id: str | None) -> list[dict]:
 
 def test_a_batch_answers_each_line_as_its_route_does(server, client) -> None:
     bodies = {
-        "primes": {"messages": MESSAGES, "max_tokens": 8},
+        "primes": {
+            "messages": MESSAGES,
+            "max_tokens": 8,
+            "speculation": {"mode": "fixed", "k": 4, "w": 4},
+        },
         "hello": {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 6},
         "json": {
             "messages": MESSAGES,
@@ -98,10 +102,17 @@ def test_a_batch_answers_each_line_as_its_route_does(server, client) -> None:
     outputs = records(client, done.output_file_id)
     assert [r["custom_id"] for r in outputs] == ["primes", "hello", "json"]  # the input's order
     for record in outputs:
-        reference = client.chat.completions.create(model=MODEL, **bodies[record["custom_id"]])
+        reference = httpx.post(
+            f"{server}/v1/chat/completions",
+            json=bodies[record["custom_id"]],
+            headers={"Authorization": f"Bearer {KEY}"},
+        ).json()
         answer = record["response"]["body"]["choices"][0]["message"]["content"]
         assert record["response"]["status_code"] == 200 and record["error"] is None
-        assert answer == reference.choices[0].message.content
+        assert answer == reference["choices"][0]["message"]["content"]
+    stats = outputs[0]["response"]["body"]["choices"][0]["speculative_decoding_stats"]
+    summed = done.model_extra["speculative_decoding_stats"]  # the lines' speculation, summed
+    assert summed["num_draft_tokens"] == stats["num_draft_tokens"] > 0
     (failure,) = records(client, done.error_file_id)
     assert failure["custom_id"] == "too-long" and failure["response"]["status_code"] == 400
     assert failure["response"]["body"]["error"]["param"] == "max_tokens"
