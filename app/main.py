@@ -29,6 +29,7 @@ from service.model.loader import LoadedModel, load_model
 from service.runtime import Runtime
 
 log = logging.getLogger(__name__)
+STORE_RETRY_SECONDS = 5.0  # how often a batch store that could not be opened is tried again
 
 Loader = Callable[[Settings], LoadedModel]
 T = TypeVar("T")
@@ -55,7 +56,7 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tasks = [asyncio.create_task(_load(app, settings, loader, on_load_failure))]
         if settings.batch_store is not None:
-            tasks += _open_batch_store(app, settings.batch_store)
+            tasks.append(asyncio.create_task(_run_batches(app, settings.batch_store)))
         yield
         for task in tasks:
             task.cancel()
@@ -99,21 +100,26 @@ def create_app(
     return app
 
 
-def _open_batch_store(app: FastAPI, directory: Path) -> list[asyncio.Task[None]]:
-    """The batch store, and its runner's task; a store that cannot be opened (another server
-    holds it, a corrupt database) leaves batch jobs answering 503 with the reason, and the
-    rest of the server serving."""
-    try:
-        store = BatchStore(directory)
-    except StoreError as error:
-        log.error("batch jobs are unavailable: %s", error)
-        app.state.batch_store_error = str(error)
-        return []
+async def _run_batches(app: FastAPI, directory: Path) -> None:
+    """Open the batch store and run its batches. A store that cannot be opened (another server
+    holds it, as the old pod of a rolling restart does until it exits; a corrupt database)
+    leaves batch jobs answering 503 with the reason, and the rest of the server serving; it is
+    tried again every `STORE_RETRY_SECONDS`."""
+    while True:
+        try:
+            store = await asyncio.to_thread(BatchStore, directory)
+            break
+        except StoreError as error:
+            if app.state.batch_store_error != str(error):
+                log.error("batch jobs are unavailable until the store opens: %s", error)
+            app.state.batch_store_error = str(error)
+            await asyncio.sleep(STORE_RETRY_SECONDS)
     settings: Settings = app.state.settings
     runner = BatchRunner(app, store, settings.batch_concurrency, app.state.api_keys.internal_key())
     app.state.batch_store, app.state.batch_runner = store, runner
+    app.state.batch_store_error = None
     app.state.metrics.watch_batches(runner)
-    return [asyncio.create_task(runner.run())]
+    await runner.run()
 
 
 async def _load(

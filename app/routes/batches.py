@@ -35,18 +35,19 @@ WINDOW_SECONDS = {"24h": 24 * 3600}
 
 
 def _store(request: Request) -> BatchStore:
-    """The server's batch store; 404 when batch jobs are off, 503 when its store could not be
-    opened (the reason given)."""
-    store: BatchStore | None = request.app.state.batch_store
-    if store is None:
-        problem = request.app.state.batch_store_error
-        if problem is not None:
-            raise ApiError(503, problem, "service_unavailable", code="batch_store_unavailable")
+    """The server's batch store; 404 when batch jobs are off, 503 while its store is not open
+    (the reason given: held by another server, unreadable; it is tried again)."""
+    state = request.app.state
+    if state.settings.batch_store is None:
         raise ApiError(
             404,
             "batch jobs are off on this server: it is started without --batch-store",
             code="batches_off",
         )
+    store: BatchStore | None = state.batch_store
+    if store is None:
+        problem = state.batch_store_error or "the batch store is opening"
+        raise ApiError(503, problem, "service_unavailable", code="batch_store_unavailable")
     return store
 
 

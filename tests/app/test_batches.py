@@ -219,27 +219,35 @@ def test_without_a_store_batch_jobs_are_off(tiny_served) -> None:
     assert reply.status_code == 404 and "--batch-store" in reply.json()["error"]["message"]
 
 
-def test_a_store_another_server_holds_or_that_is_corrupt_is_a_clear_503(
+def test_a_store_another_server_holds_is_a_clear_503_until_it_is_free(
     tiny_served, tmp_path
 ) -> None:
-    held = batch_store.BatchStore(tmp_path / "held")
-    corrupt = tmp_path / "corrupt"
-    corrupt.mkdir()
-    (corrupt / "store.sqlite3").write_bytes(b"not a database" * 100)
-    try:
-        for directory, says in (
-            (tmp_path / "held", "in use by another server"),
-            (corrupt, "cannot be read"),
-        ):
-            settings = Settings(batch_store=directory, **QUIET)
-            with serving(create_app(settings, loader=lambda _: tiny_served)) as base:
-                wait_ready(base)
-                reply = httpx.get(f"{base}/v1/files")
-                chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES})
-            assert reply.status_code == 503 and says in reply.json()["error"]["message"]
-            assert chat.status_code == 200
-    finally:
-        held.close()
+    """As in a rolling restart: the old server holds the store; the new one serves everything
+    else, answers 503 on batch jobs, and takes the store once the old one lets go."""
+    held = batch_store.BatchStore(tmp_path)
+    settings = Settings(batch_store=tmp_path, **QUIET)
+    with serving(create_app(settings, loader=lambda _: tiny_served)) as base:
+        wait_ready(base)
+        try:
+            reply = httpx.get(f"{base}/v1/files")
+            chat = httpx.post(f"{base}/v1/chat/completions", json={"messages": MESSAGES})
+        finally:
+            held.close()
+        assert reply.status_code == 503
+        assert "in use by another server" in reply.json()["error"]["message"]
+        assert chat.status_code == 200
+        wait_until(lambda: httpx.get(f"{base}/v1/files").status_code == 200, timeout=30)
+
+
+def test_a_corrupt_store_is_a_clear_503(tiny_served, tmp_path) -> None:
+    (tmp_path / "store.sqlite3").write_bytes(b"not a database" * 100)
+    settings = Settings(batch_store=tmp_path, **QUIET)
+    with serving(create_app(settings, loader=lambda _: tiny_served)) as base:
+        wait_ready(base)
+        wait_until(lambda: "cannot be read" in httpx.get(f"{base}/v1/files").text)
+        reply = httpx.get(f"{base}/v1/batches")
+    assert reply.status_code == 503
+    assert "cannot be read: file is not a database" in reply.json()["error"]["message"]
 
 
 def test_a_batch_priority_request_waits_while_an_interactive_one_runs(app, server) -> None:
