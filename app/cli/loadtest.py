@@ -1,6 +1,7 @@
 """`ngrammys loadtest`: concurrent streaming clients against a server, started here unless `--url`
-names one: off vs auto on Spec-Bench questions (`service/bench/loadtest.py`), or a workload of
-long shared prefixes with the prefix cache and without (`service/bench/prefix_workloads.py`)."""
+names one: off vs auto on Spec-Bench questions (`service/bench/loadtest.py`), a workload of
+long shared prefixes with the prefix cache and without (`service/bench/prefix_workloads.py`), an
+agent loop (`service/bench/agent_loop.py`), or a batch job (`service/bench/batch_workload.py`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import argparse
 import logging
 import signal
 import sys
-from contextlib import nullcontext
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from app.background import serving_process
 from app.cli.flags import dataset, model_flags
 from app.cli.serve_flags import loadtest_server_flags
-from service.bench import agent_loop, loadtest, prefix_workloads
+from drafting.suffix import DEFAULT_CAPACITY
+from service.bench import agent_loop, batch_workload, loadtest, prefix_workloads
 from service.bench.specbench import specbench_questions
 
 
@@ -73,12 +77,14 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--workload",
-        choices=("specbench", *prefix_workloads.WORKLOADS, "agent"),
+        choices=("specbench", *prefix_workloads.WORKLOADS, "agent", "batch"),
         default="specbench",
         help="specbench: its questions, off vs auto; chat: conversations behind a long system "
         "prompt, document: questions about one long document, each with the prefix cache and "
         "without; agent: a loop of tool calls through /v1/responses (previous_response_id) and "
-        "through chat completions (the whole transcript each turn)",
+        "through chat completions (the whole transcript each turn); batch: a batch job against "
+        "the same requests from 16 clients, and 2 interactive clients with a batch running and "
+        "without",
     )
     parser.add_argument(
         "--conversations",
@@ -93,6 +99,15 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="chat/document/agent: turns per conversation (default: 6 "
         "for chat, 4 for document: 32 questions; 8 for agent)",
     )
+    parser.add_argument(
+        "--lines", type=int, default=500, help="batch: the batch's lines (requests)"
+    )
+    parser.add_argument(
+        "--interactive-requests",
+        type=int,
+        default=16,
+        help="batch: the interactive clients' requests, with the batch running and without",
+    )
     model_flags(parser)
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument(
@@ -106,6 +121,19 @@ def run(args: argparse.Namespace) -> None:
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the table
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server started here stops too
+    if args.workload == "batch":
+        if args.url:
+            sys.exit("ngrammys loadtest: --workload batch starts its own servers; leave out --url")
+        batch_workload.run_command(
+            lambda: _batch_server(args),
+            specbench_questions(args.dataset),
+            args.lines,
+            args.interactive_requests,
+            args.max_tokens,
+            args.modes[-1],
+            args.json,
+        )
+        return
     if args.workload == "agent":
         if args.url:
             sys.exit("ngrammys loadtest: --workload agent starts its own servers; leave out --url")
@@ -150,3 +178,20 @@ def run(args: argparse.Namespace) -> None:
         args.json,
         args.png,
     )
+
+
+@contextmanager
+def _batch_server(args: argparse.Namespace) -> Iterator[str]:
+    """A server of the batch workload: a store of its own, the prefix cache, and the suffix
+    index at its default size (the batch's lines teach it what their answers look like)."""
+    with tempfile.TemporaryDirectory(prefix="ngrammys-batches-") as store:
+        flags = loadtest_server_flags(args, prefix_cache=True) + [
+            "--suffix-cache-tokens",
+            str(DEFAULT_CAPACITY),
+            "--batch-store",
+            store,
+            "--max-waiting",
+            str(max(64, batch_workload.CLIENT_CONCURRENCY * 2)),
+        ]
+        with serving_process(flags) as base:
+            yield base

@@ -95,6 +95,11 @@ CASES = {
         **KEDA_OFF,
     },
     "inference-gateway-example": on_gpu("inference-gateway.yaml"),
+    # beside the cache's claim: two claims from one template
+    "batch-store": {
+        "batchStore": {"enabled": True, "storageClassName": "fast-ssd"},
+        "cache": {"persistence": {"enabled": True}},
+    },
 }
 # validated against their CRDs' schemas
 CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "HTTPRoute"}
@@ -251,6 +256,7 @@ def test_custom_resources_validate_against_their_crd_schemas(rendered: dict, gat
         "multi-node-example",
         "lws-cpu-hpa",
         "inference-gateway-example",
+        "batch-store",
     ],
 )
 def test_helm_lint_strict_finds_nothing(case: str) -> None:
@@ -816,6 +822,59 @@ def test_with_a_group_the_pool_selects_the_leaders(rendered: dict) -> None:
     )
 
 
+def _claims(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {c["metadata"]["name"]: c for c in by_kind(docs).get("PersistentVolumeClaim", [])}
+
+
+def test_the_batch_store_is_a_kept_claim_mounted_where_the_server_looks(rendered: dict) -> None:
+    docs = rendered["batch-store"]
+    values = helm_sdk().Chart.load(CHART).values["batchStore"]
+    claims = _claims(docs)
+    assert set(claims) == {"demo-ngrammys-cache", "demo-ngrammys-batches"}
+    claim = claims["demo-ngrammys-batches"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert claim["spec"]["resources"]["requests"]["storage"] == values["size"] == "10Gi"
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["storageClassName"] == "fast-ssd"
+    # The server's store is where the claim is mounted.
+    store = _config(docs)["NGRAMMYS_BATCH_STORE"]
+    assert store == values["mountPath"] == "/var/lib/ngrammys/batches"
+    pod = _deployment(docs)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "batch-store"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "demo-ngrammys-batches"}
+    (mount,) = [m for m in _container(docs)["volumeMounts"] if m["name"] == "batch-store"]
+    assert mount["mountPath"] == store and not mount.get("readOnly")
+    # One server owns the store: the old pod goes before the new one starts.
+    assert _deployment(docs)["spec"]["strategy"] == {"type": "Recreate"}
+    assert _deployment(docs)["spec"]["replicas"] == 1
+    told = notes(CASES["batch-store"])
+    assert (
+        "/var/lib/ngrammys/batches on the claim demo-ngrammys-batches (kept on uninstall)" in told
+    )
+
+    default = rendered["default"]
+    assert "NGRAMMYS_BATCH_STORE" not in _config(default)
+    assert "PersistentVolumeClaim" not in by_kind(default)
+    assert all(
+        v["name"] != "batch-store"
+        for v in _deployment(default)["spec"]["template"]["spec"]["volumes"]
+    )
+    assert _deployment(default)["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert "Batch jobs" not in notes()
+
+
+def test_the_batch_store_can_be_an_existing_claim() -> None:
+    docs = render({"batchStore": {"enabled": True, "existingClaim": "my-batches"}})
+    assert _claims(docs) == {}  # the chart makes none
+    pod = _deployment(docs)["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "batch-store"]
+    assert volume["persistentVolumeClaim"] == {"claimName": "my-batches"}
+    assert _config(docs)["NGRAMMYS_BATCH_STORE"] == "/var/lib/ngrammys/batches"
+    assert "on the claim my-batches." in notes(
+        {"batchStore": {"enabled": True, "existingClaim": "my-batches"}}
+    )
+
+
 BAD_VALUES = {
     "negative replicas": {"replicaCount": -1},
     "unknown top-level key": {"replicas": 2},
@@ -855,6 +914,11 @@ BAD_VALUES = {
     "endpoint picker failure mode": {
         "inferencePool": {"enabled": True, "endpointPicker": {"failureMode": "Retry"}}
     },
+    "batch store not absolute": {"batchStore": {"enabled": True, "mountPath": "batches"}},
+    "batch store read-only": {"batchStore": {"accessModes": ["ReadOnlyMany"]}},
+    "batch store size": {"batchStore": {"size": "ten gigs"}},
+    "typo in the batch store": {"batchStore": {"enable": True}},
+    "batch store as a setting": {"settings": {"batch_store": "/tmp/batches"}},
 }
 
 
@@ -908,6 +972,30 @@ def test_values_schema_accepts_the_shipped_values(case: str) -> None:
         ({"cache": {"mountPath": "/opt/ngrammys/cache/"}}, "hide the baked cache"),
         ({"gpu": {"enabled": True, "count": 2}, "tensorParallelSize": 4}, "disagree"),
         ({"leaderWorkerSet": {"enabled": True}}, "needs gpu.enabled"),
+        (
+            {"batchStore": {"enabled": True}, "replicaCount": 2},
+            "needs replicaCount 1, not 2: one server owns a batch store",
+        ),
+        (
+            {"batchStore": {"enabled": True}, **KEDA_OFF},
+            r"autoscaling.enabled \(HPA or KEDA\): one server",
+        ),
+        (
+            {"batchStore": {"enabled": True}, **KEDA_ON},
+            r"autoscaling.enabled \(HPA or KEDA\): one server",
+        ),
+        (
+            {
+                "batchStore": {"enabled": True},
+                "gpu": {"enabled": True},
+                "leaderWorkerSet": {"enabled": True},
+            },
+            "not leaderWorkerSet.enabled: one server owns a batch store",
+        ),
+        (
+            {"batchStore": {"enabled": True, "mountPath": "/var/cache/ngrammys/"}},
+            "batchStore.mountPath must differ",
+        ),
     ],
 )
 def test_checks_the_schema_cannot_express(values: dict[str, Any], message: str) -> None:

@@ -115,4 +115,19 @@ name: {{ include "ngrammys.fullname" . }}
 {{- if and .Values.leaderWorkerSet.enabled (not .Values.gpu.enabled) }}
 {{- fail "leaderWorkerSet.enabled needs gpu.enabled: the ranks of a group talk over NCCL, one GPU each" }}
 {{- end }}
+{{- if .Values.batchStore.enabled }}
+{{- $owner := "one server owns a batch store (a file lock; another answers 503 on the batch routes)" }}
+{{- if gt (int .Values.replicaCount) 1 }}
+{{- fail (printf "batchStore.enabled needs replicaCount 1, not %d: %s" (int .Values.replicaCount) $owner) }}
+{{- end }}
+{{- if .Values.autoscaling.enabled }}
+{{- fail (printf "batchStore.enabled cannot be combined with autoscaling.enabled (HPA or KEDA): %s" $owner) }}
+{{- end }}
+{{- if .Values.leaderWorkerSet.enabled }}
+{{- fail (printf "batchStore.enabled needs the Deployment, not leaderWorkerSet.enabled: %s, and a group's rollout cannot Recreate" $owner) }}
+{{- end }}
+{{- if eq (trimSuffix "/" .Values.batchStore.mountPath) (trimSuffix "/" .Values.cache.mountPath) }}
+{{- fail "batchStore.mountPath must differ from cache.mountPath: two volumes cannot share a mount path" }}
+{{- end }}
+{{- end }}
 {{- end }}

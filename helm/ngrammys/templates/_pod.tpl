@@ -180,6 +180,10 @@ spec:
           mountPath: {{ $values.apiKey.mountPath }}
           readOnly: true
         {{- end }}
+        {{- if and $serves $values.batchStore.enabled }}
+        - name: batch-store
+          mountPath: {{ $values.batchStore.mountPath }}
+        {{- end }}
   volumes:
     - name: cache
       {{- if $values.cache.persistence.enabled }}
@@ -217,6 +221,12 @@ spec:
         items:
           - key: {{ $values.apiKey.secretKey }}
             path: {{ $values.apiKey.secretKey }}
+    {{- end }}
+    {{- if and $serves $values.batchStore.enabled }}
+    # Batch jobs' store: SQLite and the files, owned by this pod's server (a file lock).
+    - name: batch-store
+      persistentVolumeClaim:
+        claimName: {{ default (printf "%s-batches" (include "ngrammys.fullname" $root)) $values.batchStore.existingClaim }}
     {{- end }}
   {{- with $values.nodeSelector }}
   nodeSelector:

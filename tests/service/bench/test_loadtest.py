@@ -204,3 +204,24 @@ def test_the_agent_workload_runs_the_loop_through_responses_and_through_chat(
     # a later turn's prompt starts as the earlier one did, either way
     assert responses["hit_rate"] > 0 and chat["hit_rate"] > 0
     assert 0 <= responses["same_answers"] == chat["same_answers"] <= 4
+
+
+def test_the_batch_workload_runs_a_batch_a_client_and_interactive_clients_beside_it(
+    tiny_served, tmp_path
+) -> None:
+    """`ngrammys loadtest --workload batch`: the batch and the same requests from clients, and
+    interactive clients with a batch running and without, each on a server of its own."""
+    rows = [
+        ("extraction", "Extract the names: Ada met Alan in London."),
+        ("summarization", "Summarize: the tide rises twice a day. " * 4),
+        ("qa", "Why is the sea salty?"),
+        ("writing", "Write a line about the sea."),
+    ]
+    flags = ["--workload", "batch", "--lines", "6", "--interactive-requests", "2"]
+    report = run_loadtest(tiny_served, tmp_path, rows, [*flags, "--max-tokens", "4"])
+    assert report["batch"]["lines"] == report["client"]["requests"] == 6
+    assert (
+        report["batch"]["tokens_per_second"] > 0 and report["batch"]["tokens_per_pass_first"] >= 1
+    )
+    assert report["interactive"]["requests"] == report["interactive_with_batch"]["requests"] == 2
+    assert report["interactive_with_batch"]["batch_lines_meanwhile"] >= 0
