@@ -118,7 +118,7 @@ class BatchRunner:
         whose lines ask for another endpoint fails here, with the lines named."""
         try:
             content = await self._call(self.store.read_content, batch.input_file_id)
-            lines = parse_lines(content, self.app.state.model_name)
+            lines = await self._call(parse_lines, content, self.app.state.model_name)
         except (StoreError, ApiError) as error:
             message = error.message if isinstance(error, ApiError) else str(error)
             batch.errors = [{"code": "invalid_file", "message": message, "line": None}]

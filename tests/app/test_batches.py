@@ -162,18 +162,24 @@ def test_a_cancelled_batch_keeps_what_was_answered(app, client) -> None:
         client.batches.cancel(batch.id)  # ended
 
 
-def test_files_are_listed_read_and_deleted(client) -> None:
+def test_files_are_listed_read_and_deleted_and_lines_of_another_endpoint_fail(client) -> None:
     uploaded = upload(client, [line("x", {"messages": MESSAGES})])
     assert uploaded.id in [f.id for f in client.files.list(purpose="batch")]
     assert (
         client.files.content(uploaded.id).text
         == jsonl([line("x", {"messages": MESSAGES})]).decode()
     )
+    mismatched = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    failed = finished(client, mismatched.id)
+    assert failed.status == "failed" and failed.errors.data[0].code == "mismatched_endpoint"
+    assert failed.errors.data[0].line == 1
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_unknown")
     assert client.files.delete(uploaded.id).deleted
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(uploaded.id)
-    with pytest.raises(openai.NotFoundError):
-        client.batches.retrieve("batch_unknown")
     with pytest.raises(openai.BadRequestError):
         client.batches.create(
             input_file_id="file-unknown", endpoint="/v1/chat/completions", completion_window="24h"
