@@ -831,7 +831,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 ERROR_MEANINGS = {
     400: "Invalid request (the field is named in `param`)",
     401: "Missing or wrong API key",
-    404: "Unknown model",
+    404: "Unknown model, or no such stored response, file or batch (or batch jobs are off)",
     413: "Request body too large",
     429: "Queue full, or too many concurrent requests for this API key (see Retry-After)",
     500: "The engine failed on this request",
