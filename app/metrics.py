@@ -282,8 +282,8 @@ class _BatchCollector:
 class _KVCacheCollector:
     """vLLM's KV cache series: the share of the KV budget the running requests may reach (the
     Gateway API Inference Extension's KVCacheUtilization; cached prefix blocks count as free,
-    as they give way to any request), and the prompt tokens looked up in and found in the
-    prefix cache (hit rate = hits / queries)."""
+    as they give way to any request), the preemptions, and the prompt tokens looked up in and
+    found in the prefix cache (hit rate = hits / queries)."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -300,6 +300,11 @@ class _KVCacheCollector:
             "ngrammys_kv_cache_bytes",
             "Bytes held by the running requests' KV buffers (0 while idle)",
             value=self.scheduler.cache.nbytes,
+        )
+        yield CounterMetricFamily(
+            "ngrammys_num_preemptions",
+            "Running batch requests that gave their KV row up for interactive load",
+            value=self.scheduler.preemptions,
         )
         prefix = self.scheduler.prefix
         if prefix is None:

@@ -159,7 +159,8 @@ class AsyncEngine:
             self._take_new()
             self._apply_aborts()
             if self.engine.has_work:
-                self._step()
+                if not self._step():  # nothing may run yet (batch requests held back)
+                    self._wait_for_work()
             elif not self._warm_up_once():
                 self._wait_for_work()
 
@@ -193,7 +194,8 @@ class AsyncEngine:
                 self.engine.abort(handle.request)
                 self._close(handle)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step, its rounds delivered; whether a pass ran (or failed)."""
         try:
             results, stats = self.engine.step()
         except Exception as error:  # a bug outside any one request: fail the batch, keep serving
@@ -204,7 +206,7 @@ class AsyncEngine:
                     self.engine.abort(handle.request)
                     handle.deliver(error)
                     self._close(handle)
-            return
+            return True
         delivered: list[tuple[RequestHandle, Delivery]] = []
         for request, output in results:
             handle = self._live.get(request.request_id)
@@ -219,6 +221,7 @@ class AsyncEngine:
         _deliver_together(delivered)
         if stats is not None and self.on_step is not None:
             self.on_step(stats)
+        return bool(results) or stats is not None
 
     def _close(self, handle: RequestHandle) -> None:
         if self._live.pop(handle.request_id, None) is not None:

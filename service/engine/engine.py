@@ -202,9 +202,7 @@ class Engine:
         for request in self.scheduler.running:
             chunk = schedule.prefill_tokens.get(request, 0)
             rows.append(
-                StepRow(
-                    request, request.prompt_ids[request.num_cached : request.num_cached + chunk]
-                )
+                StepRow(request, request.token_ids[request.num_cached : request.num_cached + chunk])
             )
         return rows, schedule.tree_budget
 
@@ -259,7 +257,8 @@ class Engine:
         return StepOutput([(row.request, error) for row in rows], None)
 
     def _drop_aborted(self) -> None:
-        self.scheduler.drop_aborted_waiting()
+        for request in self.scheduler.drop_aborted_waiting():  # a preempted one has drafted
+            request.drafts.close()
         for request in [r for r in self.scheduler.running if r.aborted]:
             self._finish(request, "abort")
 

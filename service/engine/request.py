@@ -43,12 +43,19 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
     kv_row: int | None = None  # KV cache row while running
-    num_cached: int = 0  # prompt tokens already in the KV row
-    num_prefix_cached: int = 0  # of them, those the prefix cache gave at admission
+    num_cached: int = 0  # committed tokens the prefix cache and prompt chunks put in the KV row
+    num_prefix_cached: int = 0  # of the prompt's, those the prefix cache gave at admission
     num_generated: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    started_at: float | None = None  # admitted to the running batch
+    started_at: float | None = None  # first admitted to the running batch
     aborted: bool = False  # asked to stop; leaves the batch at the next step
+    preemptions: int = 0  # times its row was given up for interactive load (batch requests)
+    # the committed tokens its row must hold before it decodes: all of the prompt's but the
+    # last; after a preemption, all but the newest (recomputed, `Scheduler.preempt`)
+    prefill_target: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefill_target = len(self.prompt_ids) - 1
 
     @property
     def speculation(self) -> SpeculationParams:
@@ -60,8 +67,8 @@ class Request:
 
     @property
     def prefill_remaining(self) -> int:
-        """Prompt tokens still to put in the cache (all but the pending last one)."""
-        return self.num_prompt_tokens - 1 - self.num_cached
+        """Committed tokens still to put in the cache before the row decodes."""
+        return self.prefill_target - self.num_cached
 
     @property
     def token_budget(self) -> int:

@@ -2,13 +2,16 @@
 
 - Admission: first come, first served, while a running slot is free and the KV budget holds
   with the request (rows × the longest row any of them can reach × bytes per token bounds the
-  KV memory); nothing behind a request that does not fit jumps the queue, nothing is preempted.
+  KV memory); nothing behind a request that does not fit jumps the queue.
 - Priority classes (`GenerationParams.priority`), each first come, first served: interactive
   requests go first; a batch request is admitted only while no interactive request waits, and
   beside running interactive ones only where the cost profile says the pass, its row added,
   costs at most `BATCH_SLOWDOWN` more than the interactive rows' alone (without a profile,
-  never). A running batch row is not preempted when interactive load arrives: it runs to its
-  end, and interactive requests take the slots rows leave.
+  never). Batch rows give way when interactive load arrives: an interactive request that finds
+  no slot or no memory preempts the newest batch rows, and batch rows beyond that price beside
+  running interactive ones are preempted too (`preempt`: the row's whole blocks stay in the
+  prefix cache, and the request waits at the head of the batch queue to recompute the rest).
+  Their prompt chunks beside interactive rows are held to the same price.
 - Chunked prefill: decoding rows bring their pending token (and tree); prefilling rows share
   what is left of `max_tokens_per_pass`, oldest first. While others decode, prompt chunks take
   as many tokens as keep the pass within `prefill_pass_ms`, priced by the cost profile
@@ -26,6 +29,7 @@ docs/architecture.md, "Batching and the scheduler", says why each rule is so.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -52,6 +56,9 @@ class SchedulerConfig:
     prefix_cache: bool = True  # keep computed KV blocks for later requests with the same prefix
     # the cap until a cost profile prices one: `for_device`
     unpriced_prefill_tokens: int | None = None
+    # with no interactive request running, batch requests start only once none has run or
+    # waited for this long (a pass in flight cannot be preempted: see `_batch_may_start`)
+    batch_idle_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if (
@@ -65,6 +72,8 @@ class SchedulerConfig:
             raise ValueError("max_prefill_tokens_while_decoding must be >= 1")
         if self.prefill_pass_ms <= 0:
             raise ValueError("prefill_pass_ms must be > 0")
+        if self.batch_idle_seconds < 0:
+            raise ValueError("batch_idle_seconds must be >= 0")
 
     def for_device(self, device_type: str) -> SchedulerConfig:
         """This config with the batch size and the unpriced prefill cap resolved for a device
@@ -136,6 +145,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefix = PrefixCache(self._prefix_room) if config.prefix_cache else None
         self.profile: CostProfile | None = None  # prices the prompt chunks while others decode
+        self.preemptions = 0  # rows given up for interactive load since start (metrics)
+        self._interactive_at = -math.inf  # when an interactive request last ran or waited
 
     @property
     def has_work(self) -> bool:
@@ -176,27 +187,31 @@ class Scheduler:
 
     def admit(self) -> list[Request]:
         """Move waiting requests into the batch while a slot is free and they fit: the oldest
-        interactive request first; with none waiting, the oldest batch request if it may run
-        beside the running interactive rows (`_batch_row_fits`). Within a class nothing
-        overtakes a request that must wait (for memory, or for a running prefill of its
-        prompt), and no batch request overtakes a waiting interactive one. Nothing running is
-        preempted: a batch row admitted while the server was quiet runs to its end."""
+        interactive request first, preempting the newest batch rows for a slot or memory if it
+        has none; with none waiting, the oldest batch request if it may run beside the running
+        interactive rows (`_batch_rows_fit`). Within a class nothing overtakes a request that
+        must wait (for memory, or for a running prefill of its prompt), and no batch request
+        overtakes a waiting interactive one. Then batch rows the running interactive ones
+        leave no room for are preempted, newest first."""
         self.drop_aborted_waiting()
+        if any(not _is_batch(r) for r in (*self.running, *self.waiting)):
+            self._interactive_at = time.monotonic()
         admitted = []
-        while len(self.running) < self.max_running:
-            candidate = self._next_candidate()
-            if candidate is None:
-                break
-            budget = self.config.kv_cache_bytes
+        while (candidate := self._next_candidate()) is not None:
             bound = self.memory_bound([*self.running, candidate])
-            if budget is not None and bound > budget:
-                break  # FCFS: it waits for memory, and nothing behind it overtakes
+            budget = self.config.kv_cache_bytes
+            if len(self.running) >= self.max_running or (budget is not None and bound > budget):
+                if not _is_batch(candidate) and self._preempt_newest_batch_row():
+                    continue
+                break  # FCFS: it waits for a slot or memory, and nothing behind it overtakes
             if self._joins_running_prefill(candidate):
                 # FCFS as well: it waits a few passes at most, for entries it then need not compute
                 break
             self.waiting.remove(candidate)
             self._start(candidate, None if budget is None else budget - bound)
             admitted.append(candidate)
+        while not self._batch_rows_fit(self.running) and self._preempt_newest_batch_row():
+            pass
         return admitted
 
     def _next_candidate(self) -> Request | None:
@@ -206,9 +221,19 @@ class Scheduler:
         if interactive is not None:
             return interactive
         batch = self._oldest_waiting("batch")
-        if batch is not None and self._batch_row_fits(batch):
+        if batch is not None and self._batch_may_start(batch):
             return batch
         return None
+
+    def _batch_may_start(self, batch: Request) -> bool:
+        """Beside running interactive rows, where the price allows (`_batch_rows_fit`); with
+        none running, once no interactive request has run or waited for `batch_idle_seconds`.
+        A pass cannot be preempted once it runs, so a batch pass started in the moment between
+        one interactive answer and the next request would delay that request by its whole
+        length: batch work waits for the interactive load to pause, not for a gap in it."""
+        if any(not _is_batch(r) for r in self.running):
+            return self._batch_rows_fit([*self.running, batch])
+        return time.monotonic() - self._interactive_at >= self.config.batch_idle_seconds
 
     def _oldest_waiting(self, priority: Priority) -> Request | None:
         """The oldest waiting request of `priority` not asked to stop."""
@@ -216,34 +241,61 @@ class Scheduler:
             (r for r in self.waiting if r.params.priority == priority and not r.aborted), None
         )
 
-    def _batch_row_fits(self, candidate: Request) -> bool:
-        """Whether batch `candidate` may join the running rows: always when no interactive
-        request runs; beside interactive rows, only where the cost profile prices the pass with
-        it (every running row and it, one token each) at most `1 + BATCH_SLOWDOWN` times the
-        interactive rows' pass alone. Against the interactive rows alone, not the running
-        ones: each batch row looks cheap beside many, and their slowdowns would compound. No
-        profile, no price: none joins."""
-        interactive = [r for r in self.running if r.params.priority == "interactive"]
-        if not interactive:
+    def _batch_rows_fit(self, rows: list[Request]) -> bool:
+        """Whether `rows` may run together as far as priority goes: always without interactive
+        rows or without batch rows; with both, only where the cost profile prices their pass
+        (one token each) at most `1 + BATCH_SLOWDOWN` times the interactive rows' pass alone.
+        Against the interactive rows alone, not the running ones: each batch row looks cheap
+        beside many, and their slowdowns would compound. No profile, no price: no batch row
+        runs beside an interactive one."""
+        interactive = [r for r in rows if not _is_batch(r)]
+        if not interactive or len(interactive) == len(rows):
             return True
         if self.profile is None:
             return False
         alone = self.profile.cost(len(interactive), _mean_context(interactive), len(interactive))
-        rows = [*self.running, candidate]
-        beside = self.profile.cost(len(rows), _mean_context(rows), len(rows))
-        return beside <= (1 + BATCH_SLOWDOWN) * alone
+        return (
+            self.profile.cost(len(rows), _mean_context(rows), len(rows))
+            <= (1 + BATCH_SLOWDOWN) * alone
+        )
+
+    def _preempt_newest_batch_row(self) -> bool:
+        """Preempt the running batch request that arrived last; False if none runs."""
+        batch = [r for r in self.running if _is_batch(r)]
+        if not batch:
+            return False
+        self.preempt(max(batch, key=lambda r: r.arrival))
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Give up a running request's KV row (for interactive load): the whole blocks of its
+        committed entries stay in the prefix cache (while there is room), and it waits at the
+        head of the queue; readmitted, it loads them and recomputes the rest of its prompt and
+        output as prompt chunks. What it generates does not change."""
+        self._free_row(request)
+        request.status, request.num_cached = Status.WAITING, 0
+        request.prefill_target = request.context_length - 1
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
 
     def _start(self, request: Request, prefix_room: int | None) -> None:
-        """Give an admitted request its KV row, with the cached blocks of its prompt; cached
-        blocks beyond `prefix_room` bytes (None: unbounded) are evicted first."""
-        request.status, request.started_at = Status.RUNNING, time.monotonic()
+        """Give an admitted request its KV row, with the cached blocks its committed tokens
+        start with (its prompt's; a preempted request's output too); cached blocks beyond
+        `prefix_room` bytes (None: unbounded) are evicted first."""
+        first = request.started_at is None
+        request.status = Status.RUNNING
+        if first:
+            request.started_at = time.monotonic()
         request.kv_row = self.cache.add_row()
         if self.prefix is not None:
             if prefix_room is not None:
                 self.prefix.evict_until(prefix_room)
-            request.num_cached = request.num_prefix_cached = self.prefix.load(
-                self.cache, request.kv_row, request.prompt_ids
+            request.num_cached = self.prefix.load(
+                self.cache, request.kv_row, request.token_ids, counted=first
             )
+            if first:
+                request.num_prefix_cached = request.num_cached
         self.running.append(request)
 
     def _prefix_room(self) -> int:
@@ -295,10 +347,14 @@ class Scheduler:
 
     def schedule(self) -> Schedule:
         """Split this pass's token budget: one token per decoding row first, then prefill
-        chunks oldest first (each prefilling row brings at least one token). While others
-        decode, prompts get `prefill_cap`; in a burst (more requests waiting for their first
-        token than decoding) their share of the pass if larger, in proportion to their number."""
-        prefilling = [r for r in self.running if r.prefill_remaining > 0]
+        chunks, interactive before batch and oldest first within each (each prefilling row
+        brings at least one token). While others decode, prompts get `prefill_cap`; in a burst
+        (more requests waiting for their first token than decoding) their share of the pass if
+        larger, in proportion to their number. Beside interactive rows, batch chunks together
+        get `_batch_prefill_cap`."""
+        prefilling = sorted(
+            (r for r in self.running if r.prefill_remaining > 0), key=_is_batch
+        )  # stable: oldest first within a class
         decoding = len(self.running) - len(prefilling)
         left = self.config.max_tokens_per_pass - decoding
         prefill_left = left
@@ -308,13 +364,38 @@ class Scheduler:
             prefill_left = min(
                 left, max(cap, left * len(prefilling) // len(self.running)) if burst else cap
             )
+        batch_left = self._batch_prefill_cap(sum(map(_is_batch, prefilling)))
         prefill: dict[Request, int] = {}
         for request in prefilling:
-            chunk = max(1, min(request.prefill_remaining, prefill_left))
+            share = prefill_left
+            if _is_batch(request) and batch_left is not None:
+                share = min(share, batch_left)
+                batch_left -= min(request.prefill_remaining, share)
+            chunk = max(1, min(request.prefill_remaining, share))
             prefill[request] = chunk
             left -= chunk
             prefill_left -= chunk
         return Schedule(prefill, max(left, 0))
+
+    def _batch_prefill_cap(self, batch_prefilling: int) -> int | None:
+        """Prompt tokens the chunks of `batch_prefilling` batch rows may take together beside
+        running interactive rows: as many as keep the pass (every other row one token) within
+        `1 + BATCH_SLOWDOWN` times the interactive rows' pass alone, by the cost profile (the
+        admission's price, `_batch_rows_fit`, with the chunks in it); None: no interactive row
+        runs, or no batch row prefills."""
+        interactive = [r for r in self.running if not _is_batch(r)]
+        if not interactive or not batch_prefilling:
+            return None
+        if self.profile is None:  # unpriced, no batch row runs beside interactive ones
+            return 0
+        alone = self.profile.cost(len(interactive), _mean_context(interactive), len(interactive))
+        rows = len(self.running)
+        fits = self.profile.at(_mean_context(self.running), rows).tokens_within(
+            (1 + BATCH_SLOWDOWN) * alone,
+            PassShape(rows, batch_prefilling),
+            self.config.max_tokens_per_pass,
+        )
+        return fits - (rows - batch_prefilling)  # each other row brings one token
 
     def prefill_cap(self, decoding: int, prefilling: int) -> int:
         """Prompt tokens a pass may carry beside `decoding` one-token rows: the configured
@@ -338,9 +419,17 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """Take a request out of the batch and free its KV row."""
         request.status = Status.FINISHED
+        if not _is_batch(request):
+            self._interactive_at = time.monotonic()
+        self._free_row(request)
+
+    def _free_row(self, request: Request) -> None:
+        """Free a request's KV row (if it holds one), keeping its whole blocks in the prefix
+        cache unless its pass failed (which may have left its entries half written); the last
+        row moves into the freed slot."""
         if request.kv_row is None:
             return
-        if request.finish_reason != "error":  # a failed pass may have left its entries half written
+        if request.finish_reason != "error":
             self.keep_prefix(request)
         row, request.kv_row = request.kv_row, None
         moved = self.cache.remove_row(row)
@@ -348,6 +437,10 @@ class Scheduler:
         if moved is not None:
             self.running[row] = last
             last.kv_row = row
+
+
+def _is_batch(request: Request) -> bool:
+    return request.params.priority == "batch"
 
 
 def _mean_context(requests: list[Request]) -> float:

@@ -172,7 +172,8 @@ class TreeKVCache(Cache):
         last = self.num_rows - 1
         moved = None
         if row != last:
-            for buffer in self._buffers or ():
+            # a row added since the buffers last grew holds no entries (none to move)
+            for buffer in (self._buffers or ()) if self.lengths[last] else ():
                 buffer[:, row, :, : self.lengths[last]] = buffer[:, last, :, : self.lengths[last]]
             self.lengths[row] = self.lengths[last]
             moved = last

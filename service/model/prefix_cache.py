@@ -101,12 +101,17 @@ class PrefixCache:
         """How many tokens `match` would find, nothing marked or counted."""
         return len(self.match(token_ids, touch=False)) * BLOCK_TOKENS
 
-    def load(self, cache: TreeKVCache, row: int, prompt_ids: Sequence[int]) -> int:
-        """Fill an empty KV row with the cached blocks its prompt starts with, all but the
-        prompt's last token (whose pass gives the first logits); returns the tokens loaded."""
-        blocks = self.match(prompt_ids[: len(prompt_ids) - 1])
-        self.stats.queried_tokens += len(prompt_ids)
-        self.stats.hit_tokens += len(blocks) * BLOCK_TOKENS
+    def load(
+        self, cache: TreeKVCache, row: int, token_ids: Sequence[int], counted: bool = True
+    ) -> int:
+        """Fill an empty KV row with the cached blocks its committed tokens start with (a
+        prompt's, or a preempted request's prompt and output), all but the newest token (whose
+        pass gives the next logits); returns the tokens loaded. `counted`: the lookup counts in
+        the prompt statistics (not a preempted request's return)."""
+        blocks = self.match(token_ids[: len(token_ids) - 1])
+        if counted:
+            self.stats.queried_tokens += len(token_ids)
+            self.stats.hit_tokens += len(blocks) * BLOCK_TOKENS
         if blocks:
             cache.append_entries(row, [(block.keys, block.values) for block in blocks])
         return len(blocks) * BLOCK_TOKENS

@@ -51,6 +51,7 @@ EXPECTED = {  # name -> type, as issue-level contract
     "ngrammys_prefix_cache_hits": "counter",
     "ngrammys_prefix_cache_bytes": "gauge",
     "ngrammys_kv_cache_bytes": "gauge",
+    "ngrammys_num_preemptions": "counter",
     "ngrammys_suffix_index_bytes": "gauge",
     "ngrammys_batches": "gauge",
     "ngrammys_batch_lines": "counter",

@@ -93,7 +93,7 @@ class OracleDrafter:
         return [Draft(d, self.name, rank) for rank, d in enumerate(drafts[:k]) if d]
 
 
-def make_engine(runner: ModelRunner, tables: TableSlot, **limits: int | bool) -> Engine:
+def make_engine(runner: ModelRunner, tables: TableSlot, **limits: int | float | bool) -> Engine:
     """An engine with the scheduler's `limits`, priced as a device where trees are nearly free (so
     auto rows speculate), with no EOS stop (every run goes its full length)."""
     engine = Engine(

@@ -52,9 +52,11 @@ def make_scheduler(
     cache: TreeKVCache | None = None,
     prefix_cache: bool = False,
     pass_ms: float = 100.0,
+    batch_idle_seconds: float = 0.0,
 ) -> Scheduler:
     """A scheduler whose requests (prompts that all start alike) are admitted as if new:
-    without a prefix cache, unless asked for (its own tests, test_prefix_cache.py)."""
+    without a prefix cache, unless asked for (its own tests, test_prefix_cache.py), and batch
+    requests without waiting for interactive load to pause (but in their own test)."""
     config = SchedulerConfig(
         max_running_requests=max_running,
         max_tokens_per_pass=tokens_per_pass,
@@ -62,6 +64,7 @@ def make_scheduler(
         max_prefill_tokens_while_decoding=prefill_cap,
         prefill_pass_ms=pass_ms,
         prefix_cache=prefix_cache,
+        batch_idle_seconds=batch_idle_seconds,
     )
     return Scheduler(
         config.for_device("cpu"), cache or TreeKVCache(num_layers=1, rows=0), BYTES_PER_TOKEN
@@ -377,16 +380,68 @@ def test_batch_requests_are_first_come_first_served_among_themselves() -> None:
     assert scheduler.admit() == [long]
 
 
-def test_a_running_batch_row_is_not_preempted_by_interactive_load() -> None:
-    scheduler = make_scheduler(max_running=1)
-    running = batch("running")
-    scheduler.add(running)
-    assert scheduler.admit() == [running]
+def running_batch(scheduler: Scheduler, count: int) -> list[Request]:
+    """`count` batch requests admitted and decoding, each with a few tokens generated."""
+    rows = [batch(f"batch{i}") for i in range(count)]
+    for request in rows:
+        scheduler.add(request)
+    assert scheduler.admit() == rows
+    for request in rows:
+        request.drafts.history.extend([50, 51, 52])
+        request.num_generated = 3
+        request.num_cached = request.context_length - 1
+    return rows
+
+
+FREE_ROWS = linear_profile(0.010, 0.0)  # a pass costs the same whatever its rows
+
+
+def test_an_interactive_request_preempts_the_newest_batch_row_for_a_slot() -> None:
+    """Where batch rows cost nothing beside it, the interactive request takes the newest batch
+    row's slot alone; the preempted request waits at the head of the queue, with everything it
+    committed (prompt and output) to recompute, and comes back first when a slot frees."""
+    scheduler = make_scheduler(max_running=2)
+    scheduler.profile = FREE_ROWS
+    older, newer = running_batch(scheduler, 2)
+    later = batch("later")
+    interactive = make_request(name="interactive")
+    for request in (later, interactive):
+        scheduler.add(request)
+    assert scheduler.admit() == [interactive]
+    assert scheduler.running == [older, interactive] and interactive.kv_row == 1
+    assert newer.status is Status.WAITING and list(scheduler.waiting) == [newer, later]
+    assert newer.kv_row is None and newer.prefill_remaining == newer.num_prompt_tokens + 3 - 1
+    assert (newer.preemptions, older.preemptions, scheduler.preemptions) == (1, 0, 1)
+    scheduler.finish(interactive)
+    assert scheduler.admit() == [newer]
+
+
+def test_an_interactive_request_preempts_batch_rows_for_memory() -> None:
+    """A budget for two short rows: the interactive one needs two rows' worth, and preempts
+    both batch rows; nothing is preempted for a request of the same class."""
+    scheduler = make_scheduler(max_running=4, kv_bytes=2 * 256)
+    scheduler.profile = FREE_ROWS
+    rows = running_batch(scheduler, 2)
+    scheduler.add(batch("third"))
+    assert scheduler.admit() == [] and scheduler.preemptions == 0
+    long = make_request(300, 100, "long")  # 512 columns: the whole budget
+    scheduler.add(long)
+    assert scheduler.admit() == [long]
+    assert scheduler.running == [long] and all(r.status is Status.WAITING for r in rows)
+    assert [r.request_id for r in scheduler.waiting] == ["batch0", "batch1", "third"]
+
+
+def test_without_a_profile_every_batch_row_gives_way_to_a_running_interactive_one() -> None:
+    scheduler = make_scheduler(max_running=8)
+    rows = running_batch(scheduler, 3)
     interactive = make_request(name="interactive")
     scheduler.add(interactive)
-    assert scheduler.admit() == [] and scheduler.running == [running]
-    scheduler.finish(running)
     assert scheduler.admit() == [interactive]
+    assert scheduler.running == [interactive]
+    assert list(scheduler.waiting) == rows  # in their order of arrival
+    assert scheduler.admit() == []  # while it runs, they wait
+    scheduler.finish(interactive)
+    assert scheduler.admit() == rows
 
 
 @pytest.mark.parametrize(
@@ -420,3 +475,55 @@ def test_batch_rows_join_running_interactive_ones_where_the_profile_says_they_ar
     assert profile.cost(rows, 8, rows) <= (1 + BATCH_SLOWDOWN) * profile.cost(1, 8, 1)
     scheduler.finish(interactive)  # batch rows alone: they fill the batch
     assert scheduler.admit() == waiting[admitted : admitted + 8 - rows + 1]
+    # interactive load again: the newest batch rows give way until the price holds again
+    scheduler.add(again := make_request(name="again"))
+    assert scheduler.admit() == [again]
+    assert {r.request_id for r in scheduler.running} == {
+        r.request_id for r in [again, *waiting[:admitted]]
+    }
+    assert list(scheduler.waiting)[: 8 - admitted] == waiting[admitted:8]
+
+
+def test_batch_prompt_chunks_beside_interactive_rows_are_held_to_the_price() -> None:
+    """Each token adds 1% to a pass: beside one decoding interactive row, a batch prompt's
+    chunk takes the tokens that keep the pass within 5% of the interactive row's alone; alone,
+    its whole prompt."""
+    profile = linear_profile(1.0, 0.01)
+    scheduler = make_scheduler(max_running=4, prefill_cap=None, pass_ms=10_000)
+    scheduler.profile = profile
+    stream = make_request(name="stream")
+    scheduler.add(stream)
+    scheduler.admit()
+    decoding(stream)
+    prompt = batch("prompt", prompt_tokens=101)
+    scheduler.add(prompt)
+    assert scheduler.admit() == [prompt]
+    chunk = scheduler.schedule().prefill_tokens[prompt]
+    limit = (1 + BATCH_SLOWDOWN) * profile.cost(1, 8)
+    assert profile.cost(1 + chunk, 8) <= limit < profile.cost(2 + chunk, 8) and chunk == 5
+    scheduler.finish(stream)
+    assert scheduler.schedule().prefill_tokens[prompt] == 100
+
+
+def test_batch_requests_wait_for_interactive_load_to_pause(monkeypatch) -> None:
+    """With no interactive request running, a batch request starts only once none has run or
+    waited for `batch_idle_seconds`: not in the moment between one answer and the next."""
+    now = [100.0]
+    monkeypatch.setattr("service.engine.scheduler.time.monotonic", lambda: now[0])
+    scheduler = make_scheduler(max_running=4, batch_idle_seconds=1.0)
+    work = batch("work")
+    scheduler.add(work)
+    assert scheduler.admit() == [work]  # nothing interactive ever ran
+    scheduler.finish(work)
+    interactive = make_request(name="interactive")
+    scheduler.add(interactive)
+    assert scheduler.admit() == [interactive]
+    later = batch("later")
+    scheduler.add(later)
+    now[0] += 5.0
+    scheduler.finish(interactive)
+    assert scheduler.admit() == []  # an interactive request ran a moment ago
+    now[0] += 0.9
+    assert scheduler.admit() == []
+    now[0] += 0.2
+    assert scheduler.admit() == [later]
