@@ -53,6 +53,10 @@ class PostgresServer:
     bin: Path
     data: Path
 
+    @property
+    def options(self) -> str:
+        return f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.data} {SERVER_OPTIONS}"
+
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://{USER}:{self.password}@127.0.0.1:{self.port}/{database}"
 
@@ -73,6 +77,12 @@ class PostgresServer:
             check=True,
             stdout=subprocess.DEVNULL,
         )
+
+    def start(self) -> None:
+        self.pg_ctl("-l", str(self.data / "log"), "-w", "-o", self.options, "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self.pg_ctl("-m", mode, "-w", "stop")
 
 
 @contextmanager
@@ -107,11 +117,10 @@ def postgres_server() -> Iterator[PostgresServer]:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        options = f"-p {server.port} -c listen_addresses=127.0.0.1 -k {data} {SERVER_OPTIONS}"
-        server.pg_ctl("-l", str(data / "log"), "-w", "-o", options, "start")
+        server.start()
         try:
             yield server
         finally:
-            server.pg_ctl("-m", "immediate", "stop")
+            server.stop("immediate")
     finally:
         shutil.rmtree(data, ignore_errors=True)
