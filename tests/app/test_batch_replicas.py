@@ -22,7 +22,8 @@ import psycopg
 from app.background import serving, serving_process
 from app.main import create_app
 from app.settings import Settings
-from tests.app.test_batch_restart import chat_requests_served, flags, wait_ready
+from tests.app.test_batch_restart import chat_lines, chat_requests_served, flags, wait_ready
+from tests.app.test_batches import jsonl
 from tests.helpers.http import MESSAGES, QUIET, slowed, wait_until
 from tests.helpers.http import wait_ready as wait_app_ready
 
@@ -31,22 +32,9 @@ LEASE_SECONDS = 2
 ENDED = ("completed", "failed", "expired", "cancelled")
 
 
-def requests_lines(count: int, tag: str) -> bytes:
-    lines = [
-        {
-            "custom_id": f"{tag}-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"messages": MESSAGES, "max_tokens": 16 + i % 8, "seed": i},
-        }
-        for i in range(count)
-    ]
-    return "\n".join(json.dumps(line) for line in lines).encode()
-
-
 def start_batch(client: openai.OpenAI, tag: str, count: int = LINES):
     uploaded = client.files.create(
-        file=(f"{tag}.jsonl", io.BytesIO(requests_lines(count, tag))), purpose="batch"
+        file=(f"{tag}.jsonl", io.BytesIO(jsonl(chat_lines(count, tag, 16)))), purpose="batch"
     )
     return client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"

@@ -57,6 +57,19 @@ def chat_requests_served(base: str) -> float:
     return total
 
 
+def chat_lines(count: int, tag: str, max_tokens: int) -> list[dict]:
+    """`count` batch lines of chat requests, `tag-0`, ..., of `max_tokens` and up to 7 more."""
+    return [
+        {
+            "custom_id": f"{tag}-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": MESSAGES, "max_tokens": max_tokens + i % 8, "seed": i},
+        }
+        for i in range(count)
+    ]
+
+
 def test_a_batch_killed_mid_way_finishes_after_a_restart_answering_each_line_once(
     tiny_served, tmp_path
 ) -> None:
@@ -64,15 +77,7 @@ def test_a_batch_killed_mid_way_finishes_after_a_restart_answering_each_line_onc
     tiny_served.model.save_pretrained(model)
     tiny_served.tokenizer.save_pretrained(model)
     store = tmp_path / "store"
-    lines = [
-        {
-            "custom_id": f"line-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"messages": MESSAGES, "max_tokens": 24 + i % 8, "seed": i},
-        }
-        for i in range(LINES)
-    ]
+    lines = chat_lines(LINES, "line", 24)
     pids: list[int] = []
     with serving_process(flags(model, store, tmp_path / "cache"), started=pids.append) as base:
         wait_ready(base)
