@@ -124,15 +124,22 @@ class PostgresBatchStore(BatchStore):
 
     # --- leases -----------------------------------------------------------------------------
 
-    def hold(self, batch_id: str, owner: str, seconds: float) -> Lease | None:
+    def hold(
+        self, batch_id: str, owner: str, seconds: float, renewing: bool = False
+    ) -> Lease | None:
         """Claim the batch (its lease free, expired, or `owner`'s already) for `seconds` from
-        now; None while another replica's lease on it runs."""
+        now; None while another replica's lease on it runs. Renewing, only while `owner` holds
+        it: a lease another replica took, and gave up when it ended the batch, stays lost."""
+        held = (
+            "lease_owner = ?"
+            if renewing
+            else "(lease_owner IS NULL OR lease_owner = ? OR lease_until < now())"
+        )
         with self._transaction() as db:
             row = db.execute(
                 "UPDATE batches SET lease_owner = ?, "
                 "lease_until = now() + ? * interval '1 second' "
-                "WHERE id = ? AND (lease_owner IS NULL OR lease_owner = ? OR lease_until < now()) "
-                "RETURNING cancel_asked_at",
+                f"WHERE id = ? AND {held} RETURNING cancel_asked_at",
                 (owner, float(seconds), batch_id, owner),
             ).fetchone()
         return None if row is None else Lease(cancel_asked=row[0] is not None)

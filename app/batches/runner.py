@@ -160,7 +160,9 @@ class BatchRunner:
         while True:
             await asyncio.sleep(self.lease_seconds / 3)
             try:
-                lease = await self._call(self.store.hold, batch_id, self.owner, self.lease_seconds)
+                lease = await self._call(
+                    self.store.hold, batch_id, self.owner, self.lease_seconds, True
+                )
             except StoreError as error:
                 log.error("batch %s: its lease cannot be renewed, work stops: %s", batch_id, error)
                 lease = None

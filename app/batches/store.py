@@ -217,9 +217,12 @@ class BatchStore(ABC):
     # --- leases: what a store one server owns has (a backend that several replicas share
     # overrides them) ------------------------------------------------------------------------
 
-    def hold(self, batch_id: str, owner: str, seconds: float) -> Lease | None:
-        """Claim or renew the batch's lease for `owner`, for `seconds` from now: None if
-        another owner holds it, or there is no such batch. One server a store: always its own."""
+    def hold(
+        self, batch_id: str, owner: str, seconds: float, renewing: bool = False
+    ) -> Lease | None:
+        """Claim the batch's lease for `owner` (`renewing`: renew the one it holds), for
+        `seconds` from now: None if another owner holds it (renewing: if `owner` does not hold
+        it any more), or there is no such batch. One server a store: always its own."""
         row = self._read(
             lambda db: db.execute(
                 "SELECT cancel_asked_at FROM batches WHERE id = ?", (batch_id,)
@@ -324,7 +327,8 @@ class BatchStore(ABC):
 
     def unfinished_batches(self) -> list[BatchRecord]:
         """The batches with work left, oldest first."""
-        return [b for b in self._batches("ORDER BY seq", ()) if b.status in UNFINISHED]
+        unfinished = ", ".join(repr(s) for s in UNFINISHED)
+        return self._batches(f"WHERE {self.status_sql} IN ({unfinished}) ORDER BY seq", ())
 
     def status_counts(self) -> dict[str, int]:
         """Batches by the status they show (`cancelling` while a cancel is under way)."""

@@ -105,8 +105,10 @@ def test_one_replica_holds_a_batch_until_its_lease_expires(shared) -> None:
     with pytest.raises(LeaseLost):  # the first cannot write what the second now works
         first.save_batch(batch, "first")
     assert first.hold(batch.id, "first", 5) is None
-    second.release(batch.id, "second")
-    assert first.hold(batch.id, "first", 5) is not None  # given up: taken at once
+    second.release(batch.id, "second")  # (the second ended the batch)
+    assert first.hold(batch.id, "first", 5, renewing=True) is None  # the first's stays lost
+    assert first.hold(batch.id, "first", 5) is not None  # given up: claimed at once
+    assert first.hold(batch.id, "first", 5, renewing=True) is not None
 
 
 def test_two_replicas_racing_for_a_line_keep_one_answer(shared) -> None:
