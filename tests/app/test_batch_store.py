@@ -14,6 +14,7 @@ import pytest
 from app.batches.opening import open_store
 from app.batches.postgres_store import redacted
 from app.batches.store import BatchRecord, BatchStore, LeaseLost, StoreError
+from tests.helpers import postgres as helper
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -153,3 +154,12 @@ def test_a_url_is_named_without_its_password() -> None:
         == "postgresql://user@db.example:5432/batches"
     )
     assert redacted("postgres://db/batches") == "postgres://db/batches"
+
+
+def test_without_postgresql_installed_its_tests_fail_saying_how_to_install_it(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(helper.shutil, "which", lambda _: None)
+    monkeypatch.setattr(helper.glob, "glob", lambda _: [])
+    with pytest.raises(pytest.fail.Exception, match="make test-tools"):
+        helper.server_binaries()
