@@ -23,10 +23,15 @@ setup: $(STAMP)
 serve: setup
 	$(BIN)/ngrammys serve --host $(HOST) --port $(PORT)
 
-# The metrics tests scrape with a real Prometheus and check with promtool (Debian's package).
+# Debian's packages the tests run: the metrics tests scrape with a real Prometheus and check with
+# promtool; the batch store's tests start throwaway PostgreSQL servers (initdb, pg_ctl of the
+# postgresql package; they fail, not skip, without them). Each is installed where it is missing.
 test-tools:
-	command -v prometheus >/dev/null 2>&1 || { apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; }
+	missing=""; \
+	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	if [ -n "$$missing" ]; then apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 
 # tests/deploy validates the KEDA, Prometheus Operator and Gateway API resources with their CRD schemas,
 # which npm packages carry (Node.js and npm are on the machine; without them that test skips).

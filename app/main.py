@@ -8,14 +8,14 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import TypeVar
 
 from fastapi import FastAPI
 
 from app.auth import ApiKeys, ConcurrencyLimit
+from app.batches.opening import open_store
 from app.batches.runner import BatchRunner
-from app.batches.store import BatchStore, StoreError
+from app.batches.store import StoreError
 from app.errors import install_error_handlers
 from app.limits import BodySizeLimit
 from app.metrics import Metrics, RouteCounter
@@ -100,14 +100,14 @@ def create_app(
     return app
 
 
-async def _run_batches(app: FastAPI, directory: Path) -> None:
+async def _run_batches(app: FastAPI, location: str) -> None:
     """Open the batch store and run its batches. A store that cannot be opened (another server
-    holds it, as the old pod of a rolling restart does until it exits; a corrupt database)
-    leaves batch jobs answering 503 with the reason, and the rest of the server serving; it is
-    tried again every `STORE_RETRY_SECONDS`."""
+    holds it, as the old pod of a rolling restart does until it exits; a corrupt database; a
+    PostgreSQL that does not answer) leaves batch jobs answering 503 with the reason, and the
+    rest of the server serving; it is tried again every `STORE_RETRY_SECONDS`."""
     while True:
         try:
-            store = await asyncio.to_thread(BatchStore, directory)
+            store = await asyncio.to_thread(open_store, location)
             break
         except StoreError as error:
             if app.state.batch_store_error != str(error):
@@ -115,7 +115,13 @@ async def _run_batches(app: FastAPI, directory: Path) -> None:
             app.state.batch_store_error = str(error)
             await asyncio.sleep(STORE_RETRY_SECONDS)
     settings: Settings = app.state.settings
-    runner = BatchRunner(app, store, settings.batch_concurrency, app.state.api_keys.internal_key())
+    runner = BatchRunner(
+        app,
+        store,
+        settings.batch_concurrency,
+        app.state.api_keys.internal_key(),
+        settings.batch_lease_seconds,
+    )
     app.state.batch_store, app.state.batch_runner = store, runner
     app.state.batch_store_error = None
     app.state.metrics.watch_batches(runner)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafting import STRATEGY_NAMES
@@ -18,6 +18,9 @@ from service.model.loader import DEFAULT_CACHE_DIR
 
 DEVICE_ROUND_SWITCH = {"auto": None, "on": True, "off": False}
 Strategy = Literal[STRATEGY_NAMES]  # type: ignore[valid-type]
+# a directory or a database URL, kept as written (a Path would fold a URL's "//"); a Path given
+# in code is taken as its string
+StoreLocation = Annotated[str, BeforeValidator(lambda value: str(value))]
 
 
 class Settings(BaseSettings):
@@ -203,10 +206,18 @@ class Settings(BaseSettings):
     stored_responses_mb: int = Field(
         64, ge=1, description="Responses API: memory the kept responses may take, in MiB"
     )
-    batch_store: Path | None = Field(
+    batch_store: StoreLocation | None = Field(
         None,
-        description="Batch jobs (/v1/files, /v1/batches): the directory of their store (SQLite "
-        "and the files), kept across restarts; one server a store. Unset: batch jobs are off",
+        description="Batch jobs (/v1/files, /v1/batches): their store, kept across restarts: a "
+        "directory (SQLite and the files; one server a store) or a postgresql:// URL (several "
+        "replicas share it, each batch worked under a lease). Unset: batch jobs are off",
+    )
+    batch_lease_seconds: float = Field(
+        30,
+        gt=0,
+        description="Batch jobs on a PostgreSQL store: how long a replica's claim on a batch "
+        "lasts unless renewed (every third of it); a batch whose replica died is taken over "
+        "once it has expired",
     )
     batch_concurrency: int = Field(
         16, ge=1, description="Batch jobs: lines of a batch in flight at once (at idle priority)"

@@ -89,3 +89,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--full"):
         os.environ["NGRAMMYS_STRESS_FULL"] = "1"
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server for the session (tests/helpers/postgres.py); each test that needs a
+    store takes a database of its own (`postgres.new_database()`)."""
+    from tests.helpers.postgres import postgres_server
+
+    with postgres_server() as server:
+        yield server

@@ -9,6 +9,14 @@ line's: 200 goes to the output file, the rest to the error file. Each answer is 
 store before the next step counts it, so after a restart the runner sends only the lines that
 have no answer yet.
 
+Leases: before working a batch the runner claims it in the store (`hold`), and renews the claim
+every third of `--batch-lease-seconds` while it works, reading with each renewal whether a
+cancel was asked for (through any replica). A renewal that fails, or finds the batch held by
+another replica, stops the work; the batch's writes are made under the lease, so a runner that
+lost it writes nothing more of it. Replicas sharing a PostgreSQL store thus work different
+batches at once, and a batch whose replica died is taken over once its lease has expired, with
+the lines that have no answer; a store one server owns (SQLite) grants every claim.
+
 States (OpenAI's): `validating` (the file read again, each line's url checked against the
 batch's endpoint) → `in_progress` → `finalizing` (the output and error files written, lines in
 the input's order) → `completed`; `failed` (validation, or the store), `cancelling` →
@@ -21,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -30,7 +40,14 @@ import httpx
 from fastapi import FastAPI
 
 from app.batches.lines import BatchLine, parse_lines
-from app.batches.store import BatchRecord, BatchStatus, BatchStore, StoreError
+from app.batches.store import (
+    UNFINISHED,
+    BatchRecord,
+    BatchStatus,
+    BatchStore,
+    LeaseLost,
+    StoreError,
+)
 from app.errors import ApiError
 from app.serving import PRIORITY_HEADER
 
@@ -46,8 +63,18 @@ SUMMED_STATS = ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens
 class BatchRunner:
     """The one task that works through the batches (`run`), woken by new work (`wake`)."""
 
-    def __init__(self, app: FastAPI, store: BatchStore, concurrency: int, key: str | None) -> None:
+    def __init__(
+        self,
+        app: FastAPI,
+        store: BatchStore,
+        concurrency: int,
+        key: str | None,
+        lease_seconds: float,
+    ) -> None:
         self.app, self.store, self.concurrency = app, store, concurrency
+        self.lease_seconds = lease_seconds
+        # this server as its leases name it: where to look when a batch seems stuck
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         headers = {PRIORITY_HEADER: "batch"}
         if key is not None:
             headers["Authorization"] = f"Bearer {key}"
@@ -59,6 +86,8 @@ class BatchRunner:
         )
         self._wake = asyncio.Event()
         self._cancel: set[str] = set()  # batches asked to stop while they run
+        self._lost: set[str] = set()  # batches whose lease this server no longer holds
+        self._current: str | None = None  # the batch this server works now
         self.lines_answered = {"completed": 0, "failed": 0}  # since start (metrics)
         self.tokens = 0  # completion tokens of answered lines since start (metrics)
 
@@ -66,9 +95,11 @@ class BatchRunner:
         self._wake.set()
 
     def cancel(self, batch_id: str) -> None:
-        """Stop the batch's lines in flight (its cancel is asked for in the store already)."""
-        self._cancel.add(batch_id)
-        self._wake.set()
+        """Stop the batch's lines in flight if this server works it (its cancel is asked for
+        in the store already: the replica that works it reads it with its lease)."""
+        if batch_id == self._current:
+            self._cancel.add(batch_id)
+            self._wake.set()
 
     async def run(self) -> None:
         """Forever: each unfinished batch to its end, then wait for more."""
@@ -82,13 +113,69 @@ class BatchRunner:
                         log.error("batch jobs: %s", error)
                         batches = []
                     for batch in batches:
-                        await self._advance(batch)
+                        if self.app.state.draining:
+                            break
+                        await self._work(batch.id)
                 try:
                     await asyncio.wait_for(self._wake.wait(), IDLE_POLL_SECONDS)
                 except TimeoutError:
                     pass
         finally:
             await self._client.aclose()
+
+    async def _work(self, batch_id: str) -> None:
+        """The batch as far as it goes now, if this server can claim it: under its lease,
+        renewed meanwhile, and given up afterwards (for another replica to take at once)."""
+        try:
+            lease = await self._call(self.store.hold, batch_id, self.owner, self.lease_seconds)
+            if lease is None:
+                return  # another replica works it
+            self._lost.discard(batch_id)
+            batch = await self._call(self.store.get_batch, batch_id)
+        except StoreError as error:  # tried again at the next look
+            log.error("batch %s: %s", batch_id, error)
+            return
+        try:
+            if batch is None or batch.status not in UNFINISHED:
+                return  # ended by another replica since the list was read
+            if lease.cancel_asked:
+                self._cancel.add(batch_id)
+            renewal = asyncio.create_task(self._renew(batch_id))
+            self._current = batch_id
+            try:
+                await self._advance(batch)
+            finally:
+                self._current = None
+                renewal.cancel()
+                await asyncio.gather(renewal, return_exceptions=True)
+        finally:
+            try:
+                await self._call(self.store.release, batch_id, self.owner)
+            except StoreError as error:  # the lease expires by itself
+                log.error("batch %s: its lease cannot be given up: %s", batch_id, error)
+
+    async def _renew(self, batch_id: str) -> None:
+        """Every third of the lease: renew it, and take up a cancel asked for through any
+        replica; once it cannot be renewed, mark the batch lost (its work stops)."""
+        while True:
+            await asyncio.sleep(self.lease_seconds / 3)
+            try:
+                lease = await self._call(
+                    self.store.hold, batch_id, self.owner, self.lease_seconds, True
+                )
+            except StoreError as error:
+                log.error("batch %s: its lease cannot be renewed, work stops: %s", batch_id, error)
+                lease = None
+            else:
+                if lease is None:
+                    log.warning("batch %s: another server holds its lease, work stops", batch_id)
+            if lease is None:
+                self._lost.add(batch_id)
+                self._wake.set()
+                return
+            if lease.cancel_asked and batch_id not in self._cancel:
+                self._cancel.add(batch_id)
+                self._wake.set()
 
     async def _advance(self, batch: BatchRecord) -> None:
         """`batch` as far as it goes now: to its end, or to the server's draining."""
@@ -104,13 +191,15 @@ class BatchRunner:
                 batch.status in ("validating", "in_progress") and batch.id in self._cancel
             ):
                 await self._finalize(batch)
+        except LeaseLost:  # another replica works it now
+            log.warning("batch %s: its lease was lost; another server goes on with it", batch.id)
         except Exception as error:  # a store that fails, or a bug: this batch fails, not the runner
             log.exception("batch %s failed", batch.id)
             code = "batch_store_error" if isinstance(error, StoreError) else "batch_runner_error"
             batch.errors = [{"code": code, "message": str(error), "line": None}]
             try:
                 await self._set_status(batch, "failed")
-            except StoreError:
+            except (StoreError, LeaseLost):
                 log.exception("batch %s: the store cannot record its failure", batch.id)
 
     async def _validated(self, batch: BatchRecord) -> list[BatchLine]:
@@ -147,6 +236,8 @@ class BatchRunner:
         in_flight: set[asyncio.Task[None]] = set()
         try:
             while True:
+                if batch.id in self._lost:
+                    raise LeaseLost(f"batch {batch.id}: its lease is lost")
                 if batch.id in self._cancel or self.app.state.draining:
                     break
                 if time.time() >= batch.expires_at:
@@ -180,8 +271,8 @@ class BatchRunner:
             reply = await self._client.post(line.url, json=line.body)
             if reply.status_code not in RETRIED_STATUSES:
                 break
-            if self.app.state.draining:
-                return  # answered after the restart
+            if self.app.state.draining or batch.id in self._lost:
+                return  # answered after the restart, or by the replica that holds the lease
             await asyncio.sleep(float(reply.headers.get("retry-after") or 1) or 1)
         try:
             body: Any = reply.json()
@@ -239,7 +330,11 @@ class BatchRunner:
                     self.store.add_file, name, "batch_output", content, len(records)
                 )
                 setattr(batch, attribute, made.id)
-                await self._call(self.store.save_batch, batch)
+                try:
+                    await self._call(self.store.save_batch, batch, self.owner)
+                except LeaseLost:  # the replica that holds the batch now writes its own
+                    await self._call(self.store.delete_file, made.id)
+                    raise
         batch.speculation = _summed_stats(record for ok, record in results if ok)
         final: BatchStatus = ended or ("cancelled" if batch.id in self._cancel else "completed")
         await self._set_status(batch, final)
@@ -248,7 +343,7 @@ class BatchRunner:
     async def _set_status(self, batch: BatchRecord, status: BatchStatus) -> None:
         batch.status = status
         batch.times[f"{status}_at"] = int(time.time())
-        await self._call(self.store.save_batch, batch)
+        await self._call(self.store.save_batch, batch, self.owner)
 
     async def _call(self, work: Callable[..., T], *args: Any) -> T:
         """A store call, off the event loop."""

@@ -1,32 +1,29 @@
-"""The batch store: files, batches and every finished line, in SQLite beside a directory of
-file contents, so that a server killed at any point and started again on the same store goes on
-where it stopped.
+"""The batch store: files, batches and every finished line, kept so that a server killed at any
+point and started again on the same store goes on where it stopped.
 
-Durability: SQLite in WAL mode with `synchronous=FULL` (a committed line survives a power cut),
-one transaction per change; a file's content is written, synced and renamed into place before
-its row is committed, so a row never names a missing content. A finished line is one row keyed
-by (batch, line number): it is answered once, however often the server restarts. One server
-owns a store at a time (an exclusive lock on its directory); a second is told so at start.
+`BatchStore` holds what both backends share: the records, and every query (written once, in
+the SQL both SQLite and PostgreSQL speak). A backend (`sqlite_store`: one server, a directory;
+`postgres_store`: several replicas, one database) supplies the connection, its transactions,
+where file contents live, and the leases by which a replica claims a batch.
 
-Every failure of the disk or the database (a full disk, a corrupt file) is a `StoreError` with
-what failed and where, for the API to answer and the runner to fail the batch with; never an
-exception that ends the server.
+A finished line is one row keyed by (batch, line number), inserted with `ON CONFLICT DO
+NOTHING`: it is answered once, however often a server restarts or two replicas race for it.
+
+Every failure of the disk or the database (a full disk, a corrupt file, a database gone) is a
+`StoreError` with what failed and where, for the API to answer and the runner to fail the batch
+with; never an exception that ends the server.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import sqlite3
-import threading
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, Protocol, TypeVar, get_args
 
 T = TypeVar("T")
 BatchStatus = Literal[
@@ -45,23 +42,27 @@ UNFINISHED: tuple[BatchStatus, ...] = ("validating", "in_progress", "finalizing"
 # the statuses that end a batch, each with its timestamp field
 ENDED: tuple[BatchStatus, ...] = ("failed", "completed", "expired", "cancelled")
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS files (
-    id TEXT PRIMARY KEY, filename TEXT NOT NULL, purpose TEXT NOT NULL,
-    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, lines INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS batches (
-    id TEXT PRIMARY KEY, seq INTEGER NOT NULL, body TEXT NOT NULL, cancel_asked_at INTEGER
-);
-CREATE TABLE IF NOT EXISTS results (
-    batch_id TEXT NOT NULL, line INTEGER NOT NULL, ok INTEGER NOT NULL, record TEXT NOT NULL,
-    PRIMARY KEY (batch_id, line)
-);
-"""
-
 
 class StoreError(Exception):
-    """The store could not be read or written: what failed, and the store's directory."""
+    """The store could not be read or written: what failed, and which store (a directory, or a
+    database named without its password)."""
+
+
+class LeaseLost(Exception):
+    """This server no longer holds the batch's lease: another replica took it over (this one
+    was too slow to renew it), so this one stops working the batch and writes nothing of it."""
+
+
+@dataclass
+class Lease:
+    """A batch held by this server until the lease expires, unless renewed; `cancel_asked`:
+    a cancel was asked for, through any replica."""
+
+    cancel_asked: bool
+
+
+# a file's row as FileRecord has it
+FILE_COLUMNS = "id, filename, purpose, bytes, created_at, lines"
 
 
 def new_id(prefix: str) -> str:
@@ -161,118 +162,127 @@ class BatchRecord:
         return json.dumps(fields)
 
 
-class BatchStore:
-    """Files, batches and finished lines in `directory` (thread-safe: one connection behind a
-    lock; callers on the event loop call in a thread)."""
+class Connection(Protocol):
+    """What the queries need of a database connection: `execute` with `?` placeholders,
+    returning a cursor (`fetchone`, `fetchall`, `rowcount`)."""
 
-    def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
-        self._lock = threading.Lock()
-        try:
-            (self.directory / "files").mkdir(parents=True, exist_ok=True)
-            self._owner = open(self.directory / "lock", "w")  # noqa: SIM115 (held while serving)
-        except OSError as error:
-            raise StoreError(
-                f"the batch store {self.directory} cannot be opened: {error}"
-            ) from error
-        try:
-            fcntl.flock(self._owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            self._owner.close()
-            raise StoreError(
-                f"the batch store {self.directory} is in use by another server"
-            ) from error
-        try:
-            self._db = sqlite3.connect(
-                self.directory / "store.sqlite3", isolation_level=None, check_same_thread=False
-            )
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
-            self._db.executescript(_SCHEMA)
-        except sqlite3.Error as error:
-            self.close()
-            raise StoreError(f"the batch store {self.directory} cannot be read: {error}") from error
+    def execute(self, sql: str, args: Any = ()) -> Any: ...
 
-    def close(self) -> None:
-        db = getattr(self, "_db", None)
-        if db is not None:
-            db.close()
-        self._owner.close()  # (releases the lock)
 
-    @contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._lock, self._failing_as_store_errors():
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+class BatchStore(ABC):
+    """Files, batches and finished lines, whichever the backend (thread-safe; callers on the
+    event loop call in a thread)."""
 
-    def _read(self, query: Callable[[sqlite3.Connection], T]) -> T:
-        with self._lock, self._failing_as_store_errors():
-            return query(self._db)
+    name: str  # the store as messages name it: "the batch store <where>"
+    # the errors of the backend's database and disk, each raised as a StoreError
+    errors: tuple[type[BaseException], ...]
+    # the SQL the backends differ in: a batch's status, read from its JSON body; the order
+    # files were added in
+    status_sql: str
+    file_order_sql: str
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def _transaction(self) -> AbstractContextManager[Connection]:
+        """A connection in a transaction: committed when the block ends, rolled back if it
+        raises; a failure of the database a StoreError."""
+
+    @abstractmethod
+    def _read(self, query: Callable[[Connection], T]) -> T:
+        """`query`'s result, read on the connection; a failure a StoreError."""
+
+    @abstractmethod
+    def _put_content(self, db: Connection, file_id: str, content: bytes) -> None:
+        """Keep a file's content, in the transaction that adds its row."""
+
+    @abstractmethod
+    def _drop_content(self, file_id: str) -> None:
+        """Forget a file's content, once its row is gone (or was never committed)."""
+
+    @abstractmethod
+    def read_content(self, file_id: str) -> bytes: ...
+
+    def _describe(self, error: BaseException) -> str:
+        return str(error)
 
     @contextmanager
-    def _failing_as_store_errors(self) -> Iterator[None]:
+    def _failing_as_store_errors(self, what: str = "failed") -> Iterator[None]:
         try:
             yield
-        except (sqlite3.Error, OSError) as error:
-            raise StoreError(f"the batch store {self.directory} failed: {error}") from error
+        except self.errors as error:
+            raise StoreError(f"{self.name} {what}: {self._describe(error)}") from error
+
+    # --- leases: what a store one server owns has (a backend that several replicas share
+    # overrides them) ------------------------------------------------------------------------
+
+    def hold(
+        self, batch_id: str, owner: str, seconds: float, renewing: bool = False
+    ) -> Lease | None:
+        """Claim the batch's lease for `owner` (`renewing`: renew the one it holds), for
+        `seconds` from now: None if another owner holds it (renewing: if `owner` does not hold
+        it any more), or there is no such batch. One server a store: always its own."""
+        row = self._read(
+            lambda db: db.execute(
+                "SELECT cancel_asked_at FROM batches WHERE id = ?", (batch_id,)
+            ).fetchone()
+        )
+        return None if row is None else Lease(cancel_asked=row[0] is not None)
+
+    def release(self, batch_id: str, owner: str) -> None:
+        """Give the batch's lease up (another replica may take the batch at once)."""
+
+    def _held_by(self, owner: str) -> tuple[str, tuple[Any, ...]]:
+        """The condition (SQL and arguments) that `owner` holds a batch's lease."""
+        return "", ()
 
     # --- files ----------------------------------------------------------------------------
 
-    def content_path(self, file_id: str) -> Path:
-        return self.directory / "files" / file_id
-
     def add_file(self, filename: str, purpose: str, content: bytes, lines: int) -> FileRecord:
-        """Keep `content` as a new file: on disk (synced) before its row."""
+        """Keep `content` as a new file: its content durable when its row is committed."""
         record = FileRecord(
             new_id("file-"), filename, purpose, len(content), int(time.time()), lines
         )
-        path = self.content_path(record.id)
-        with self._failing_as_store_errors():
-            _write_synced(path, content)
         try:
             with self._transaction() as db:
                 db.execute(
-                    "INSERT INTO files VALUES (?, ?, ?, ?, ?, ?)",
+                    f"INSERT INTO files ({FILE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)",
                     (record.id, filename, purpose, record.bytes, record.created_at, lines),
                 )
+                self._put_content(db, record.id, content)
         except StoreError:
-            path.unlink(missing_ok=True)
+            self._drop_content(record.id)
             raise
         return record
 
     def get_file(self, file_id: str) -> FileRecord | None:
         row = self._read(
-            lambda db: db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
+            lambda db: db.execute(
+                f"SELECT {FILE_COLUMNS} FROM files WHERE id = ?", (file_id,)
+            ).fetchone()
         )
         return None if row is None else FileRecord(*row)
-
-    def read_content(self, file_id: str) -> bytes:
-        with self._failing_as_store_errors():
-            return self.content_path(file_id).read_bytes()
 
     def list_files(self, purpose: str | None) -> list[FileRecord]:
         """Every file (of `purpose`), oldest first."""
         rows = self._read(
             lambda db: db.execute(
-                "SELECT * FROM files WHERE ? IS NULL OR purpose = ? ORDER BY created_at, rowid",
+                f"SELECT {FILE_COLUMNS} FROM files WHERE CAST(? AS TEXT) IS NULL OR purpose = ? "
+                f"ORDER BY {self.file_order_sql}",
                 (purpose, purpose),
             ).fetchall()
         )
         return [FileRecord(*row) for row in rows]
 
     def count_files(self) -> int:
-        return self._read(lambda db: db.execute("SELECT COUNT(*) FROM files").fetchone()[0])
+        count: int = self._read(lambda db: db.execute("SELECT COUNT(*) FROM files").fetchone()[0])
+        return count
 
     def delete_file(self, file_id: str) -> bool:
         with self._transaction() as db:
             deleted = db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
-        with self._failing_as_store_errors():
-            self.content_path(file_id).unlink(missing_ok=True)
+        self._drop_content(file_id)
         return bool(deleted)
 
     # --- batches --------------------------------------------------------------------------
@@ -281,16 +291,26 @@ class BatchStore:
         with self._transaction() as db:
             seq = db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM batches").fetchone()[0]
             db.execute(
-                "INSERT INTO batches VALUES (?, ?, ?, NULL)", (batch.id, seq, batch._stored())
+                "INSERT INTO batches (id, seq, body) VALUES (?, ?, ?)",
+                (batch.id, seq, batch._stored()),
             )
 
-    def save_batch(self, batch: BatchRecord) -> None:
-        """Write `batch`'s status, times, files and errors."""
+    def save_batch(self, batch: BatchRecord, owner: str | None = None) -> None:
+        """Write `batch`'s status, times, files and errors; with `owner`, only while it holds
+        the batch's lease (LeaseLost if it does not), so a replica that lost a batch to
+        another cannot overwrite what the other writes."""
+        held, args = self._held_by(owner) if owner is not None else ("", ())
         with self._transaction() as db:
-            db.execute("UPDATE batches SET body = ? WHERE id = ?", (batch._stored(), batch.id))
+            updated = db.execute(
+                f"UPDATE batches SET body = ? WHERE id = ?{held}",
+                (batch._stored(), batch.id, *args),
+            ).rowcount
+        if owner is not None and not updated:
+            raise LeaseLost(f"batch {batch.id}: its lease is held by another server")
 
     def ask_cancel(self, batch_id: str) -> None:
-        """Record that the batch is to stop (once: the first ask's time is kept)."""
+        """Record that the batch is to stop (once: the first ask's time is kept); the server
+        working it reads this when it renews its lease."""
         with self._transaction() as db:
             db.execute(
                 "UPDATE batches SET cancel_asked_at = COALESCE(cancel_asked_at, ?) WHERE id = ?",
@@ -307,37 +327,38 @@ class BatchStore:
 
     def unfinished_batches(self) -> list[BatchRecord]:
         """The batches with work left, oldest first."""
-        return [b for b in self._batches("ORDER BY seq", ()) if b.status in UNFINISHED]
+        unfinished = ", ".join(repr(s) for s in UNFINISHED)
+        return self._batches(f"WHERE {self.status_sql} IN ({unfinished}) ORDER BY seq", ())
 
     def status_counts(self) -> dict[str, int]:
         """Batches by the status they show (`cancelling` while a cancel is under way)."""
+        status = self.status_sql
         rows = self._read(
             lambda db: db.execute(
-                "SELECT CASE WHEN cancel_asked_at IS NOT NULL AND json_extract(body, '$.status') "
+                f"SELECT CASE WHEN cancel_asked_at IS NOT NULL AND {status} "
                 f"IN ({', '.join(repr(s) for s in UNFINISHED)}) THEN 'cancelling' "
-                "ELSE json_extract(body, '$.status') END, COUNT(*) FROM batches GROUP BY 1"
+                f"ELSE {status} END, COUNT(*) FROM batches GROUP BY 1"
             ).fetchall()
         )
         return dict(rows)
 
     def _batches(self, where: str, args: tuple[Any, ...]) -> list[BatchRecord]:
-        def query(db: sqlite3.Connection) -> list[tuple[str, int | None, int, int]]:
-            return db.execute(
+        def query(db: Connection) -> list[tuple[str, int | None, int, int]]:
+            rows: list[tuple[str, int | None, int, int]] = db.execute(
                 "SELECT body, cancel_asked_at, "
                 "(SELECT COUNT(*) FROM results r WHERE r.batch_id = b.id AND ok), "
                 "(SELECT COUNT(*) FROM results r WHERE r.batch_id = b.id AND NOT ok) "
                 f"FROM batches b {where}",
                 args,
             ).fetchall()
+            return rows
 
         batches = []
         for body, cancel_asked_at, completed, failed in self._read(query):
             try:
                 batch = BatchRecord(**json.loads(body))
             except (ValueError, TypeError) as error:
-                raise StoreError(
-                    f"the batch store {self.directory} holds a batch it cannot read: {error}"
-                ) from error
+                raise StoreError(f"{self.name} holds a batch it cannot read: {error}") from error
             batch.completed, batch.failed = completed, failed
             batch.cancel_asked_at = cancel_asked_at
             batches.append(batch)
@@ -347,12 +368,13 @@ class BatchStore:
 
     def record_line(self, batch_id: str, line: int, ok: bool, record: dict[str, Any]) -> bool:
         """Keep a line's answer (`ok`: for the output file, else the error file); False if the
-        line was answered already (its first answer stays)."""
+        line was answered already (its first answer stays, also when two replicas race)."""
         with self._transaction() as db:
             return bool(
                 db.execute(
-                    "INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?)",
-                    (batch_id, line, int(ok), json.dumps(record, ensure_ascii=False)),
+                    "INSERT INTO results (batch_id, line, ok, record) VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT DO NOTHING",
+                    (batch_id, line, ok, json.dumps(record, ensure_ascii=False)),
                 ).rowcount
             )
 
@@ -372,18 +394,3 @@ class BatchStore:
             ).fetchall()
         )
         return [(bool(ok), record) for ok, record in rows]
-
-
-def _write_synced(path: Path, content: bytes) -> None:
-    """`content` at `path`, whole or not at all: written beside it, synced, renamed."""
-    partial = path.with_suffix(".partial")
-    with open(partial, "wb") as out:
-        out.write(content)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(partial, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)

@@ -21,14 +21,15 @@ from tests.helpers.http import MESSAGES, wait_until
 LINES = 40
 
 
-def flags(model: Path, store: Path) -> list[str]:
+def flags(model: Path, store: Path | str, cache: Path) -> list[str]:
+    """A server of the tiny model with a batch store (a directory, or a PostgreSQL URL)."""
     return [
         "--model",
         str(model),
         "--dtype",
         "float32",
         "--cache-dir",
-        str(store.parent / "cache"),
+        str(cache),
         "--batch-store",
         str(store),
         "--batch-concurrency",
@@ -56,6 +57,19 @@ def chat_requests_served(base: str) -> float:
     return total
 
 
+def chat_lines(count: int, tag: str, max_tokens: int) -> list[dict]:
+    """`count` batch lines of chat requests, `tag-0`, ..., of `max_tokens` and up to 7 more."""
+    return [
+        {
+            "custom_id": f"{tag}-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": MESSAGES, "max_tokens": max_tokens + i % 8, "seed": i},
+        }
+        for i in range(count)
+    ]
+
+
 def test_a_batch_killed_mid_way_finishes_after_a_restart_answering_each_line_once(
     tiny_served, tmp_path
 ) -> None:
@@ -63,17 +77,9 @@ def test_a_batch_killed_mid_way_finishes_after_a_restart_answering_each_line_onc
     tiny_served.model.save_pretrained(model)
     tiny_served.tokenizer.save_pretrained(model)
     store = tmp_path / "store"
-    lines = [
-        {
-            "custom_id": f"line-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"messages": MESSAGES, "max_tokens": 24 + i % 8, "seed": i},
-        }
-        for i in range(LINES)
-    ]
+    lines = chat_lines(LINES, "line", 24)
     pids: list[int] = []
-    with serving_process(flags(model, store), started=pids.append) as base:
+    with serving_process(flags(model, store, tmp_path / "cache"), started=pids.append) as base:
         wait_ready(base)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         content = "\n".join(json.dumps(line) for line in lines).encode()
@@ -86,7 +92,7 @@ def test_a_batch_killed_mid_way_finishes_after_a_restart_answering_each_line_onc
     with sqlite3.connect(store / "store.sqlite3") as db:
         (kept,) = db.execute("SELECT COUNT(*) FROM results").fetchone()
     assert 4 <= kept < LINES, "the kill came too late to interrupt the batch"
-    with serving_process(flags(model, store)) as base:
+    with serving_process(flags(model, store, tmp_path / "cache")) as base:
         wait_ready(base)
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         wait_until(lambda: client.batches.retrieve(batch.id).status == "completed", timeout=300)

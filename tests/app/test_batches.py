@@ -1,21 +1,25 @@
 """Batch jobs through the real `openai` client: upload, create, poll, download; each output
 line is what the same body gets from its route, bad lines are refused at upload naming the
 line, a line the route refuses lands in the error file, a cancel keeps what was answered, and a
-failing store fails the batch with its reason while the server goes on."""
+failing store fails the batch with its reason while the server goes on. The tests of the API
+run on each backend of the store: SQLite, and a real PostgreSQL (tests/helpers/postgres.py)."""
 
 from __future__ import annotations
 
 import io
 import json
 import sqlite3
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import openai
+import psycopg
 import pytest
 
 from app.background import serving
-from app.batches import store as batch_store
+from app.batches.sqlite_store import SqliteBatchStore
 from app.main import create_app
 from app.settings import Settings
 from tests.helpers.http import MESSAGES, QUIET, runtime_of, slowed, wait_ready, wait_until
@@ -34,9 +38,17 @@ def jsonl(lines: list[dict | str]) -> bytes:
     return "\n".join(item if isinstance(item, str) else json.dumps(item) for item in lines).encode()
 
 
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def app(tiny_served, tmp_path_factory):
-    store = tmp_path_factory.mktemp("batches")
+def app(tiny_served, tmp_path_factory, backend, request):
+    if backend == "sqlite":
+        store = tmp_path_factory.mktemp("batches")
+    else:
+        store = request.getfixturevalue("postgres").new_database()
     settings = Settings(api_keys=KEY, max_tokens=8, max_tokens_cap=CAP, batch_store=store, **QUIET)
     return create_app(settings, loader=lambda _: tiny_served)
 
@@ -199,21 +211,53 @@ class FullDisk:
         return self.connection.execute(sql, *args)
 
 
+# what each backend says of a full disk
+FULL_DISK = {
+    "sqlite": "database or disk is full",
+    "postgresql": 'could not extend file "base/1/2": No space left on device',
+}
+
+
+@contextmanager
+def full_disk(app, backend: str, monkeypatch) -> Iterator[None]:
+    """The store's writes of lines and files fail as on a full disk: SQLite's connection
+    answering so, or PostgreSQL itself raising the error its full disk gives (a trigger)."""
+    store = app.state.batch_store
+    if backend == "sqlite":
+        monkeypatch.setattr(store, "_db", FullDisk(store._db))
+        yield
+        return
+    url = app.state.settings.batch_store
+    with psycopg.connect(url, autocommit=True) as db:
+        db.execute(
+            "CREATE FUNCTION disk_full() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+            f"RAISE EXCEPTION '{FULL_DISK[backend]}' USING ERRCODE = 'disk_full'; END $$"
+        )
+        for table in ("results", "files"):
+            db.execute(
+                f"CREATE TRIGGER disk_full BEFORE INSERT ON {table} "
+                "FOR EACH ROW EXECUTE FUNCTION disk_full()"
+            )
+        try:
+            yield
+        finally:
+            db.execute("DROP FUNCTION disk_full CASCADE")
+
+
 def test_a_failing_store_fails_the_batch_and_the_server_goes_on(
-    app, server, client, monkeypatch
+    app, server, client, backend, monkeypatch
 ) -> None:
     uploaded = upload(client, [line("x", {"messages": MESSAGES})])
-    store = app.state.batch_store
-    monkeypatch.setattr(store, "_db", FullDisk(store._db))
-    batch = client.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    done = finished(client, batch.id)
-    assert done.status == "failed"
-    assert "database or disk is full" in done.errors.data[0].message
-    with pytest.raises(openai.InternalServerError) as refused:
-        upload(client, [line("y", {"messages": MESSAGES})])
-    assert "database or disk is full" in refused.value.body["message"]
+    with full_disk(app, backend, monkeypatch):
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = finished(client, batch.id)
+        assert done.status == "failed"
+        assert FULL_DISK[backend] in done.errors.data[0].message
+        with pytest.raises(openai.InternalServerError) as refused:
+            upload(client, [line("y", {"messages": MESSAGES})])
+        assert FULL_DISK[backend] in refused.value.body["message"]
     reply = client.chat.completions.create(model=MODEL, messages=MESSAGES)
     assert reply.choices[0].message.content is not None
 
@@ -230,7 +274,7 @@ def test_a_store_another_server_holds_is_a_clear_503_until_it_is_free(
 ) -> None:
     """As in a rolling restart: the old server holds the store; the new one serves everything
     else, answers 503 on batch jobs, and takes the store once the old one lets go."""
-    held = batch_store.BatchStore(tmp_path)
+    held = SqliteBatchStore(tmp_path)
     settings = Settings(batch_store=tmp_path, **QUIET)
     with serving(create_app(settings, loader=lambda _: tiny_served)) as base:
         wait_ready(base)
@@ -256,6 +300,7 @@ def test_a_corrupt_store_is_a_clear_503(tiny_served, tmp_path) -> None:
     assert "cannot be read: file is not a database" in reply.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True, scope="module")  # (no store)
 def test_a_batch_priority_request_waits_while_an_interactive_one_runs(app, server) -> None:
     """Without a cost profile no batch row runs beside an interactive one: a request with the
     batch priority header waits for the interactive request to end."""

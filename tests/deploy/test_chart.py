@@ -100,6 +100,11 @@ CASES = {
         "batchStore": {"enabled": True, "storageClassName": "fast-ssd"},
         "cache": {"persistence": {"enabled": True}},
     },
+    # PostgreSQL: the replicas share it, so autoscaling is allowed
+    "batch-store-postgres": {
+        "batchStore": {"enabled": True, "url": {"secretName": "ngrammys-batch-store"}},
+        **KEDA_OFF,
+    },
 }
 # validated against their CRDs' schemas
 CUSTOM_KINDS = {"ScaledObject", "ServiceMonitor", "HTTPRoute"}
@@ -257,6 +262,7 @@ def test_custom_resources_validate_against_their_crd_schemas(rendered: dict, gat
         "lws-cpu-hpa",
         "inference-gateway-example",
         "batch-store",
+        "batch-store-postgres",
     ],
 )
 def test_helm_lint_strict_finds_nothing(case: str) -> None:
@@ -875,6 +881,33 @@ def test_the_batch_store_can_be_an_existing_claim() -> None:
     )
 
 
+def test_the_batch_store_can_be_a_postgres_url_the_replicas_share(rendered: dict) -> None:
+    docs = rendered["batch-store-postgres"]
+    assert "NGRAMMYS_BATCH_STORE" not in _config(docs)  # it carries a password: from the Secret
+    (store,) = [e for e in _container(docs)["env"] if e["name"] == "NGRAMMYS_BATCH_STORE"]
+    assert store["valueFrom"] == {"secretKeyRef": {"name": "ngrammys-batch-store", "key": "url"}}
+    assert "demo-ngrammys-batches" not in _claims(docs)  # no claim, no volume, no mount
+    pod = _deployment(docs)["spec"]["template"]["spec"]
+    assert all(v["name"] != "batch-store" for v in pod["volumes"])
+    assert all(m["name"] != "batch-store" for m in _container(docs)["volumeMounts"])
+    # Replicas share it: autoscaling and rolling updates are allowed.
+    assert "HorizontalPodAutoscaler" in by_kind(docs)
+    assert _deployment(docs)["spec"]["strategy"]["type"] == "RollingUpdate"
+    told = notes(CASES["batch-store-postgres"])
+    assert "the key url of the Secret ngrammys-batch-store" in told and "lease" in told
+
+    url = {"batchStore": {"enabled": True, "url": {"secretName": "s", "key": "dsn"}}}
+    assert _deployment(render({**url, "replicaCount": 3}))["spec"]["replicas"] == 3
+    # In a group, the leader serves and reads the store; the workers do not.
+    grouped = {**url, "gpu": {"enabled": True}, "leaderWorkerSet": {"enabled": True}}
+    template = _group(render(grouped))["spec"]["leaderWorkerTemplate"]
+    leader, worker = (
+        template[role]["spec"]["containers"][0] for role in ("leaderTemplate", "workerTemplate")
+    )
+    assert "NGRAMMYS_BATCH_STORE" in [e["name"] for e in leader["env"]]
+    assert "NGRAMMYS_BATCH_STORE" not in [e["name"] for e in worker["env"]]
+
+
 BAD_VALUES = {
     "negative replicas": {"replicaCount": -1},
     "unknown top-level key": {"replicas": 2},
@@ -919,6 +952,8 @@ BAD_VALUES = {
     "batch store size": {"batchStore": {"size": "ten gigs"}},
     "typo in the batch store": {"batchStore": {"enable": True}},
     "batch store as a setting": {"settings": {"batch_store": "/tmp/batches"}},
+    "batch store url in the values": {"batchStore": {"url": "postgresql://u:p@db/batches"}},
+    "batch store url's secret name": {"batchStore": {"url": {"secretName": "Not A Name"}}},
 }
 
 

@@ -97,6 +97,14 @@ name: {{ include "ngrammys.fullname" . }}
 {{- end }}
 
 {{/* Checks the schema cannot express. */}}
+{{/*
+The batch store is on the chart's claim (SQLite, one server) rather than at a PostgreSQL URL:
+"true" or empty.
+*/}}
+{{- define "ngrammys.batchClaim" -}}
+{{- if and .Values.batchStore.enabled (not .Values.batchStore.url.secretName) }}true{{ end }}
+{{- end }}
+
 {{- define "ngrammys.validate" -}}
 {{- if eq (trimSuffix "/" .Values.cache.mountPath) (trimSuffix "/" .Values.image.cacheDir) }}
 {{- fail "cache.mountPath must differ from image.cacheDir: the volume would hide the baked cache" }}
@@ -115,8 +123,8 @@ name: {{ include "ngrammys.fullname" . }}
 {{- if and .Values.leaderWorkerSet.enabled (not .Values.gpu.enabled) }}
 {{- fail "leaderWorkerSet.enabled needs gpu.enabled: the ranks of a group talk over NCCL, one GPU each" }}
 {{- end }}
-{{- if .Values.batchStore.enabled }}
-{{- $owner := "one server owns a batch store (a file lock; another answers 503 on the batch routes)" }}
+{{- if include "ngrammys.batchClaim" . }}
+{{- $owner := "one server owns a batch store on a claim (a file lock; another answers 503 on the batch routes; batchStore.url shares a PostgreSQL store between replicas)" }}
 {{- if gt (int .Values.replicaCount) 1 }}
 {{- fail (printf "batchStore.enabled needs replicaCount 1, not %d: %s" (int .Values.replicaCount) $owner) }}
 {{- end }}

@@ -119,6 +119,15 @@ spec:
         - name: MASTER_PORT
           value: {{ $values.leaderWorkerSet.rendezvousPort | quote }}
         {{- end }}
+        {{- if and $serves $values.batchStore.enabled $values.batchStore.url.secretName }}
+        # Batch jobs' store: the PostgreSQL URL the replicas share, from its Secret (it carries
+        # the password).
+        - name: NGRAMMYS_BATCH_STORE
+          valueFrom:
+            secretKeyRef:
+              name: {{ $values.batchStore.url.secretName }}
+              key: {{ $values.batchStore.url.key }}
+        {{- end }}
         {{- with $values.extraEnv }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -180,7 +189,7 @@ spec:
           mountPath: {{ $values.apiKey.mountPath }}
           readOnly: true
         {{- end }}
-        {{- if and $serves $values.batchStore.enabled }}
+        {{- if and $serves (include "ngrammys.batchClaim" $root) }}
         - name: batch-store
           mountPath: {{ $values.batchStore.mountPath }}
         {{- end }}
@@ -222,7 +231,7 @@ spec:
           - key: {{ $values.apiKey.secretKey }}
             path: {{ $values.apiKey.secretKey }}
     {{- end }}
-    {{- if and $serves $values.batchStore.enabled }}
+    {{- if and $serves (include "ngrammys.batchClaim" $root) }}
     # Batch jobs' store: SQLite and the files, owned by this pod's server (a file lock).
     - name: batch-store
       persistentVolumeClaim:
