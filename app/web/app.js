@@ -215,7 +215,8 @@ async function run(route, body, answer, controls) {
       if (chunk.speculation_trace) { answer.addRound(chunk.speculation_trace); continue; }
       const choice = chunk.choices && chunk.choices[0];
       const text = choice && (choice.text || (choice.delta && choice.delta.content));
-      if (text) answer.addText(text);
+      // untraced text (a server without the extension): plain; traced, the rounds hold it all
+      if (text && answer.rounds.length === 0) answer.addText(text);
     }
   } catch (error) {
     if (error.name !== "AbortError") showError(String(error));

@@ -78,6 +78,7 @@ def test_the_page_shows_where_each_token_came_from(page_server: str, tmp_path: P
         page.locator(".msg.assistant").screenshot(path=str(tmp_path / "answer.png"))
         ARTIFACTS.mkdir(exist_ok=True)
         shutil.copy(tmp_path / "answer.png", ARTIFACTS / "web-page-answer.png")
+        page.screenshot(path=str(ARTIFACTS / "web-page.png"), full_page=True)
         browser.close()
     assert errors == []
     # the API's greedy text for the same request (asked after the page's: the page's request is
