@@ -25,11 +25,14 @@ serve: setup
 
 # Debian's packages the tests run: the metrics tests scrape with a real Prometheus and check with
 # promtool; the batch store's tests start throwaway PostgreSQL servers (initdb, pg_ctl of the
-# postgresql package; they fail, not skip, without them). Each is installed where it is missing.
+# postgresql package); the web page's test drives Debian's Chromium with Playwright (never
+# `playwright install`, which downloads a browser). They fail, not skip, without them. Each is
+# installed where it is missing.
 test-tools:
 	missing=""; \
 	command -v prometheus >/dev/null 2>&1 || missing="$$missing prometheus"; \
 	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
 

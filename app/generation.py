@@ -17,6 +17,7 @@ from app.metrics import Metrics
 from app.reasoning import ReasoningStream
 from app.schemas import Usage, completion_body
 from app.tool_parsing import ToolCall, ToolCallStream
+from app.trace import RoundTracer
 from service.engine.async_engine import AsyncEngine, RequestHandle, RequestTimeout
 from service.engine.detokenizer import TextStream
 from service.engine.logprobs import TokenLogprob
@@ -35,6 +36,8 @@ class Piece:
     logprobs: list[TokenLogprob]
     # the choice's tokens by then (its chunk may be sent after more came)
     completion_tokens: int = 0
+    # the round's `speculation_trace` (app/trace.py), when the request asked for it
+    trace: dict[str, Any] | None = None
 
 
 @dataclass
@@ -53,6 +56,8 @@ class Generation:
     tool_calls: ToolCallStream | None = None
     # set when the server parses reasoning (chat with `--reasoning-parser`)
     reasoning: ReasoningStream | None = None
+    # set when the request asked for `speculation.trace`: then every round gives a piece
+    tracer: RoundTracer | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)
@@ -68,8 +73,8 @@ class Generation:
         return ("chatcmpl-" if self.kind == "chat.completion" else "cmpl-") + self.request_id
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """Text deltas, one per round that released text (or, with logprobs, reached a stop);
-        ends at a stop or the end."""
+        """Text deltas, one per round that released text (or, with logprobs, reached a stop;
+        traced, one per round); ends at a stop or the end."""
         async for output in self.engine.stream(self.handle):
             self._time(output)
             self.stats.observe(output)
@@ -82,11 +87,12 @@ class Generation:
                 self.engine.abort(self.handle)
             else:
                 self.finish_reason = output.finish_reason
-            if delta.text:
-                if not self._sent_text:
+            trace = None if self.tracer is None else self.tracer.trace(output)
+            if delta.text or trace is not None:
+                if delta.text and not self._sent_text:
                     self._sent_text = True
                     self.metrics.ttft.observe(time.monotonic() - self.handle.submitted_at)
-                yield self._piece(delta.text)
+                yield self._piece(delta.text, trace)
             if delta.stopped:
                 break
         else:
@@ -95,9 +101,9 @@ class Generation:
         if self._unsent_logprobs:  # tokens whose text was held back, cut by a stop, or empty
             yield self._piece("")
 
-    def _piece(self, text: str) -> Piece:
+    def _piece(self, text: str, trace: dict[str, Any] | None = None) -> Piece:
         piece, self._unsent_logprobs = (
-            Piece(text, self._unsent_logprobs, self.completion_tokens),
+            Piece(text, self._unsent_logprobs, self.completion_tokens, trace),
             [],
         )
         return piece
@@ -115,6 +121,15 @@ class Generation:
 
     def response(self, pieces: list[Piece]) -> dict[str, Any]:
         """The whole response object, of all the pieces this choice gave."""
+        return self._with_traces(self._response(pieces), pieces)
+
+    def _with_traces(self, body: dict[str, Any], pieces: list[Piece]) -> dict[str, Any]:
+        """`body` with the choice's rounds, when the request asked for `speculation.trace`."""
+        if self.tracer is not None:
+            body["choices"][0]["speculation_trace"] = [p.trace for p in pieces if p.trace]
+        return body
+
+    def _response(self, pieces: list[Piece]) -> dict[str, Any]:
         logprobs = [lp for piece in pieces for lp in piece.logprobs]
         reasoning, text = self._split("".join(p.text for p in pieces), final=True)
         if self.tool_calls is None:
@@ -177,14 +192,19 @@ class Generation:
 
     def chunk(self, piece: Piece) -> dict[str, Any] | None:
         """The chunk of `piece`; None when it carries nothing (its text held back as a possible
-        tool call or tag, and no logprobs)."""
+        tool call or tag, and no logprobs or trace)."""
         reasoning, answer = self._split(piece.text)
         text: str | None = answer
         if self.tool_calls is not None:
             text = self.tool_calls.push(answer) or None
         elif self.reasoning is not None:
             text = answer or None
-        if text is None and not reasoning and not (self.logprobs and piece.logprobs):
+        if (
+            text is None
+            and not reasoning
+            and not (self.logprobs and piece.logprobs)
+            and piece.trace is None
+        ):
             return None
         body = self._body(
             text,
@@ -194,6 +214,8 @@ class Generation:
             with_stats=False,
             logprobs=piece.logprobs,
         )
+        if piece.trace is not None:
+            body["speculation_trace"] = piece.trace
         return self._with_reasoning(body, "delta", reasoning)
 
     def final_chunks(self) -> list[dict[str, Any]]:

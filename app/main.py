@@ -23,7 +23,8 @@ from app.metrics import router as metrics_router
 from app.openapi import finish_openapi
 from app.ranks import start_rank_zero, world_size
 from app.responses_api.store import ResponseStore
-from app.routes import batches, health, messages, openai, responses, tokenize
+from app.routes import batches, health, messages, openai, responses, status, tokenize
+from app.routes.web import install_web_ui
 from app.settings import Settings
 from service.model.loader import LoadedModel, load_model
 from service.runtime import Runtime
@@ -95,7 +96,10 @@ def create_app(
     app.include_router(messages.router)
     app.include_router(tokenize.router)
     app.include_router(batches.router)
+    app.include_router(status.router)
     app.include_router(metrics_router)
+    if settings.web_ui:
+        install_web_ui(app)
     finish_openapi(app)
     return app
 

@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.auth import metrics_identity
 from app.batches.store import STATUSES as BATCH_STATUSES
 from app.batches.store import StoreError
+from app.live import LiveStats
 from service.controller.profile_keeper import OUTCOMES, ProfileState
 from service.engine.outputs import RoundOutput, StepStats
 from service.engine.scheduler import Scheduler
@@ -55,6 +56,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.live = LiveStats()  # the same figures as plain numbers, for the status route
         r = self.registry
         # process_resident_memory_bytes, process_cpu_seconds_total, open fds: the standard series
         ProcessCollector(registry=r)
@@ -202,6 +204,7 @@ class Metrics:
 
     def record_step(self, stats: StepStats) -> None:
         """One pass of the engine (called on the engine's thread; the client is thread-safe)."""
+        self.live.record_step(stats)
         self.forward.labels(tree_size_bucket(stats.tokens)).observe(stats.pass_seconds)
         self.batch_size.observe(stats.batch_size)
         self.pass_tokens.observe(stats.tokens)
@@ -210,6 +213,7 @@ class Metrics:
 
     def record_round(self, output: RoundOutput) -> None:
         """One request's round: its tokens and speculation."""
+        self.live.record_round(output)
         self.generation_tokens.inc(len(output.token_ids))
         self.tokens_per_pass.observe(len(output.token_ids))
         self.k.set(output.k)

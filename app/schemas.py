@@ -83,6 +83,11 @@ class SpeculationOptions(StrictRequest):
     k: int | None = Field(None, ge=0, le=64)
     w: int | None = Field(None, ge=0, le=64)
     strategy: Strategy | None = None
+    trace: bool = Field(
+        False,
+        description="a `speculation_trace` of each round: on every streamed chunk that carries "
+        "one, and as the list of a choice's rounds in a whole response (docs/web-ui.md)",
+    )
 
     _whole_options = field_validator("k", "w", mode="before")(integral)  # 626.0 is 626
 
@@ -595,6 +600,31 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class TraceToken(BaseModel):
+    """One committed token of a traced round."""
+
+    text: str = Field(description="its text (a character split across tokens: the last one's)")
+    source: str = Field(
+        description="the strategy that drafted it, or `model` for the model's own token"
+    )
+
+
+class RoundTrace(BaseModel):
+    """Extension (`speculation.trace`): what one round of speculative decoding did."""
+
+    round: int = Field(description="the round's index in the choice, from 0")
+    k: int = Field(description="speculations the round drafted (0: plain decoding)")
+    w: int = Field(description="tokens per speculation")
+    tree_size: int = Field(description="drafted tree nodes (the root excluded)")
+    committed: int = Field(description="tokens the round committed")
+    accepted: int = Field(description="drafted tokens the model agreed with")
+    forecast_tokens_per_second: float | None = Field(
+        description="the controller's forecast (auto mode; null otherwise)"
+    )
+    realized_tokens_per_second: float
+    tokens: list[TraceToken]
+
+
 class CompletionLogprobs(_Open):
     tokens: list[str]
     token_logprobs: list[float]
@@ -622,6 +652,8 @@ class CompletionChoice(_Open):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     speculative_decoding_stats: SpeculativeDecodingStats | None = None
+    # a whole response's rounds, when the request asked for `speculation.trace`
+    speculation_trace: list[RoundTrace] | None = None
 
 
 class CompletionResponse(_Open):
@@ -631,6 +663,8 @@ class CompletionResponse(_Open):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    # a streamed chunk's round, when the request asked for `speculation.trace`
+    speculation_trace: RoundTrace | None = None
 
 
 class MessageToolCall(_Open):
@@ -651,6 +685,8 @@ class ChatChoice(_Open):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     speculative_decoding_stats: SpeculativeDecodingStats | None = None
+    # the rounds, when the request asked for `speculation.trace`
+    speculation_trace: list[RoundTrace] | None = None
 
 
 class ChatCompletionResponse(_Open):
@@ -698,6 +734,8 @@ class ChatCompletionChunk(_Open):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # the chunk's round, when the request asked for `speculation.trace`
+    speculation_trace: RoundTrace | None = None
 
 
 class ErrorDetail(BaseModel):

@@ -35,6 +35,7 @@ from app.schemas import (
 )
 from app.settings import Settings
 from app.tools import ToolUse
+from app.trace import RoundTracer
 from service.engine.async_engine import QueueFull, RequestHandle, RequestTimeout, ShuttingDown
 from service.engine.detokenizer import TextStream
 from service.engine.engine import ContextTooLong
@@ -337,6 +338,8 @@ def _choices(
     # what a call's id is made of, with its answer (a replayed conversation keeps its text)
     prompt_digest = hashlib.sha256(array("q", handles[0].prompt_ids).tobytes()).digest()
 
+    traced = body.speculation is not None and body.speculation.trace
+
     def reasoning_stream() -> ReasoningStream | None:
         return None if reasoning == "none" else ReasoningStream(reasoning == "opened")
 
@@ -354,6 +357,7 @@ def _choices(
             else LogprobsFormatter(runtime.tokenizer, kind == "chat.completion"),
             tool_calls=tools.output_parser(prompt_digest),
             reasoning=reasoning_stream(),
+            tracer=RoundTracer(runtime.tokenizer) if traced else None,
             **shared,
         )
 

@@ -300,6 +300,11 @@ class Settings(BaseSettings):
         None, description="A file of API keys, one per line (# comments and blank lines skipped)"
     )
     metrics_auth: bool = Field(False, description="Require an API key on /metrics too")
+    web_ui: bool = Field(
+        True,
+        description="Serve the chat page with its speculation view at / (its data routes ask "
+        "for an API key as the others do)",
+    )
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> Settings:

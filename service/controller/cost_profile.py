@@ -164,3 +164,13 @@ class PassCost:
             else:
                 high = middle - 1
         return low
+
+
+def slowdown_grid(
+    profile: CostProfile, context_length: int, k_max: int, w_max: int
+) -> list[list[float]]:
+    """[w][k] slowdown of a pass over 1 + k·w tokens (the tree with no shared prefix)."""
+    return [
+        [profile.slowdown(1 + k * w, context_length) for k in range(1, k_max + 1)]
+        for w in range(1, w_max + 1)
+    ]

@@ -1,4 +1,5 @@
-"""The profile as a picture: slowdown of verifying k × w drafted tokens vs one token."""
+"""The profile as a picture: slowdown of verifying k × w drafted tokens vs one token (the
+numbers: `cost_profile.slowdown_grid`, which the status route serves without matplotlib)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from service.controller.cost_profile import CostProfile  # noqa: E402
-
-
-def slowdown_grid(
-    profile: CostProfile, context_length: int, k_max: int, w_max: int
-) -> list[list[float]]:
-    """[w][k] slowdown of a pass over 1 + k·w tokens (the tree with no shared prefix)."""
-    return [
-        [profile.slowdown(1 + k * w, context_length) for k in range(1, k_max + 1)]
-        for w in range(1, w_max + 1)
-    ]
+from service.controller.cost_profile import CostProfile, slowdown_grid  # noqa: E402
 
 
 def write_heatmap(
