@@ -21,20 +21,24 @@ const LEGEND = [
 const sourceClass = (source) =>
   SOURCE_CLASS[source] || (/self_draft|draft_model/.test(source) ? "src-model-draft" : "src-other");
 
-// --- settings, kept in the browser -----------------------------------------------------------
-const FIELDS = ["mode", "k", "w", "strategy", "temperature", "top-p", "max-tokens", "key"];
+// --- settings, kept in the browser: the API key for the tab's session only -----------------
+const FIELDS = ["mode", "k", "w", "strategy", "temperature", "top-p", "max-tokens"];
+const SETTINGS = "ngrammys.settings";
+const KEY = "ngrammys.key";
 
 function loadSettings() {
-  const saved = JSON.parse(localStorage.getItem("ngrammys.settings") || "{}");
+  const saved = JSON.parse(localStorage.getItem(SETTINGS) || "{}");
   for (const name of FIELDS) {
     if (saved[name] !== undefined) $("set-" + name).value = saved[name];
   }
+  $("set-key").value = sessionStorage.getItem(KEY) || "";
 }
 
 function saveSettings() {
   const saved = {};
   for (const name of FIELDS) saved[name] = $("set-" + name).value;
-  localStorage.setItem("ngrammys.settings", JSON.stringify(saved));
+  localStorage.setItem(SETTINGS, JSON.stringify(saved));
+  sessionStorage.setItem(KEY, $("set-key").value);
 }
 
 function headers() {
@@ -390,6 +394,7 @@ function start() {
   loadSettings();
   legend();
   $("settings").addEventListener("input", saveSettings);
+  $("set-key").addEventListener("change", pollStatus); // a key entered: the panel at once
   $("chat-form").addEventListener("submit", sendChat);
   $("completion-form").addEventListener("submit", sendCompletion);
   $("chat-clear").addEventListener("click", () => { history = []; $("chat-log").replaceChildren(); });

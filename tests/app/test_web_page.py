@@ -1,7 +1,8 @@
 """The web page in a real browser: Debian's Chromium, driven by Playwright, against a served
-embedded model. The page must render the very text the API answers, mark drafted tokens with
-their strategy, plot one point per round and log no console error. Also: the page is public
-while its data routes ask for a key, and `--no-web-ui` turns it off."""
+embedded model that asks for an API key. The page must take the key once (kept for the tab's
+session), render the very text the API answers, mark drafted tokens with their strategy, plot
+one point per round and log no console error. Also: the page is public while its data routes
+ask for a key, and `--no-web-ui` turns it off."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def chromium() -> str:
 
 @pytest.fixture(scope="module")
 def page_server(embedded) -> Iterator[str]:
-    app = create_app(Settings(spec_k=8, spec_w=6, **QUIET), loader=lambda _: embedded)
+    app = create_app(Settings(spec_k=8, spec_w=6, api_keys=KEY, **QUIET), loader=lambda _: embedded)
     with serving_ready(app) as base:
         speculating(app)  # a cost profile under which auto mode drafts, on any machine
         yield base
@@ -55,6 +56,15 @@ def test_the_page_shows_where_each_token_came_from(page_server: str, tmp_path: P
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda error: errors.append(str(error)))
         page.goto(page_server + "/")
+        page.wait_for_selector("#server-state:has-text('API key')")  # the data routes ask
+        page.fill("#set-key", KEY)
+        page.press("#set-key", "Tab")  # entered once: kept for the tab's session
+        # before the key, the browser itself logs the status route's 401 (how the page learns
+        # that the server asks for one): that, and nothing else, until the key is in
+        assert errors and all("status of 401" in error for error in errors)
+        errors.clear()
+        page.reload()
+        assert page.input_value("#set-key") == KEY
         # the status route answered: the strategies are in the settings
         page.wait_for_selector("#set-strategy option[value=context]", state="attached")
         page.select_option("#set-mode", "auto")
@@ -92,6 +102,7 @@ def test_the_page_shows_where_each_token_came_from(page_server: str, tmp_path: P
             "temperature": 0,
             "speculation": {"mode": "auto", "strategy": "context"},
         },
+        headers={"Authorization": f"Bearer {KEY}"},
     ).json()["choices"][0]["message"]["content"]
     assert rendered == reference
 
