@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,19 +153,25 @@ def records(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tupl
     return b.gep(record, [ir.Constant(i64, BLOCK * r)]), scales, sums
 
 
-def chunk_matmul(isa: Isa | None = None) -> Any:
-    """`chunk_matmul(isa)(x, packed, d, m, out, chunks)`: out[:R, C·U] = x[R, K] @ W.T for a
-    Q4_1 `Int8Tiles` (packed, d, m) of `isa` (this CPU's best by default), as
-    `int8_kernel.int8_matmul("Q4_1", isa)` computes it; `out` has room for R rounded up to a
-    whole `GROUP` of rows. The rows are quantized over numba's threads, then the tiles split
-    into `chunks` parts over them (0 or 1: the calling thread)."""
-    return _chunk_matmul(isa or _required_isa())
+# the `Int8Tiles` kinds this kernel serves: 4-bit weights with a min, their scales a float a
+# block or factored (Q4_K's)
+CHUNK_KINDS = ("Q4_1", "Q4_K")
+
+
+def chunk_matmul(isa: Isa | None = None, kind: str = "Q4_1") -> Any:
+    """`chunk_matmul(isa, kind)(x, packed, d, m, out, chunks)`: out[:R, C·U] = x[R, K] @ W.T
+    for an `Int8Tiles` (packed, d, m) of `kind` (`CHUNK_KINDS`) and `isa` (this CPU's best by
+    default), as `int8_kernel.int8_matmul(kind, isa)` computes it; `out` has room for R rounded
+    up to a whole `GROUP` of rows. The rows are quantized over numba's threads, then the tiles
+    split into `chunks` parts over them (0 or 1: the calling thread)."""
+    assert kind in CHUNK_KINDS
+    return _chunk_matmul(isa or _required_isa(), kind)
 
 
 @functools.cache
-def _chunk_matmul(isa: Isa) -> Any:
+def _chunk_matmul(isa: Isa, kind: str) -> Any:
     quantize = compile_ir(_quantize_ir(), "quantize", [ctypes.c_int64] * 4)
-    tiles_kernel = compile_ir(_ir("Q4_1", isa, (GROUP,), records), "tiles", [ctypes.c_int64] * 11)
+    tiles_kernel = compile_ir(_ir(kind, isa, (GROUP,), records), "tiles", [ctypes.c_int64] * 11)
 
     @njit(parallel=True, nogil=True)
     def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled
@@ -183,16 +189,17 @@ def _chunk_matmul(isa: Isa) -> Any:
     return matmul
 
 
-def warm_up(isa: Isa | None = None) -> None:
-    """Build and compile the kernel now, not in the first long prompt's pass (like
-    `int8_kernel.warm_up`)."""
+def warm_up(kinds: Iterable[str], isa: Isa | None = None) -> None:
+    """Build and compile the kernels of `kinds` (those of `CHUNK_KINDS` among them) now, not in
+    the first long prompt's pass (like `int8_kernel.warm_up`)."""
     isa = isa or _required_isa()
     scales = np.zeros((1, 1, isa.columns), np.float32)
-    chunk_matmul(isa)(
-        np.zeros((1, BLOCK), np.float32),
-        np.zeros((1, 1, isa.tile_bytes), np.uint8),
-        scales,
-        scales,
-        np.empty((GROUP, isa.columns), np.float32),
-        0,
-    )
+    for kind in sorted(set(kinds) & set(CHUNK_KINDS)):
+        chunk_matmul(isa, kind)(
+            np.zeros((1, BLOCK), np.float32),
+            np.zeros((1, 1, isa.block_bytes(kind)), np.uint8),
+            scales,
+            scales,
+            np.empty((GROUP, isa.columns), np.float32),
+            0,
+        )

@@ -28,10 +28,17 @@ Q8_1's weights (Q5_1's and Q5_K's q, 0..31, with a min as Q4_1's) are re-laid as
 nibbles and a fifth vector of their fifth bits (5 bits a weight, not 8); four of their product
 pairs (≤ 4·2·31·127) are summed in int16.
 
+A K-quant's scales and mins are a float16 d (dmin) a super-block of 256 weights times a 6-bit
+integer a block of 32 (`gguf_blocks`: the float layouts widen them to a float32 a block). Here
+they stay that compact (kinds "Q4_K" and "Q5_K", `FACTORED`): a float32 a super-block and a
+byte a block and column (`_factored_scales`), which the kernel multiplies back, exactly, before
+it uses them: the bits of a float32 a block, at 0.09 bytes a weight instead of 0.25.
+
 A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
 integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) is re-laid as 6-bit weights
-and an int16 scale a 16 (kind "Q6_K", `_scaled`), half of int16's bytes; where every weight
-fits 4 bits so (Q3_K's, scale·(q - 4): `gguf_blocks`), as 4-bit ones (kind "Q3_K"). Each
+and an int16 scale a 16 (kind "Q6_K", `_scaled`), half of int16's bytes, with d a
+super-block's; where every weight fits 4 bits so (Q3_K's, scale·(q - 4): `gguf_blocks`), as
+4-bit ones (kind "Q3_K"). Each
 sub-block's sum is exact, then times its scale: on AVX2 by the sign trick within int16, on
 VNNI with the activations entering as xq + 128 as Q8_0's (|sums| < 2^31 either way).
 
@@ -81,17 +88,17 @@ class Isa:
     def vector_bytes(self) -> int:
         return 4 * self.columns
 
-    @property
-    def tile_bytes(self) -> int:
-        """A Q4_1 block of a tile: four vectors (Q8_0's: eight)."""
-        return BLOCK * self.columns // 2
-
-    def block_bytes(self, kind: str) -> int:
-        """A block of a tile of `kind`: 32 weights a column, 4, 5 or 8 bits each (Q6_K: four
+    def weight_bytes(self, kind: str) -> int:
+        """A block's weights in a tile of `kind`: 32 a column, 4, 5 or 8 bits each (Q6_K: four
         vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales;
         Q3_K: the nibbles and the scales)."""
         sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "Q6_K": 7, "Q3_K": 5}
-        return self.vector_bytes * sizes[kind]
+        return self.vector_bytes * sizes[FACTORED.get(kind, kind)]
+
+    def block_bytes(self, kind: str) -> int:
+        """A block of a tile of `kind`: its weights, then for `FACTORED` kinds a byte a column
+        of the block's scale factor and one of its min factor."""
+        return self.weight_bytes(kind) + (2 * self.columns if kind in FACTORED else 0)
 
 
 VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128)
@@ -128,13 +135,17 @@ REQUIRED_FEATURES = " or ".join(" + ".join(isa.features) for isa in ISAS)  # for
 class Int8Tiles:
     """A weight [out_features, in_features] re-laid for the kernel of `isa`."""
 
-    kind: str  # "Q4_1", "Q8_0", "Q8_1", or for int16 weights "Q6_K" or "Q3_K"
+    # "Q4_1", "Q8_0", "Q8_1", their factored kinds "Q4_K" and "Q5_K" (`FACTORED`), or for
+    # int16 weights "Q6_K" or "Q3_K"
+    kind: str
     isa: Isa
     # [U, B, `Isa.block_bytes`] uint8: tile u, block b (module docstring)
     packed: np.ndarray
-    d: np.ndarray  # [U, B, columns] float32 scales of the tile's columns
-    # [U, B, columns] Q4_1, Q8_1: float32 mins; the others: int32 -offset·Σ w (activations
-    # enter as xq + offset)
+    # float32 scales of the tile's columns: [U, B, columns], or a super-block's [U, B/8,
+    # columns] (`per_super_block`: the factored kinds' and the int16 kinds')
+    d: np.ndarray
+    # Q4_1, Q8_1: [U, B, columns] float32 mins; Q4_K, Q5_K: a super-block's [U, B/8, columns];
+    # the others: [U, B, columns] int32 -offset·Σ w (activations enter as xq + offset)
     m: np.ndarray
     out_features: int
     in_features: int
@@ -162,12 +173,28 @@ class Int8Tiles:
         the file's."""
         units, blocks, _ = self.packed.shape
         lanes = self.isa.columns
-        q = _weights(self.kind, self.packed.reshape(units, blocks, -1, lanes, 4))  # [U,B,c,32]
-        w = self.d[..., None] * q.astype(np.float32)
+        weights = self.packed[:, :, : self.isa.weight_bytes(self.kind)]
+        kind = FACTORED.get(self.kind, self.kind)
+        q = _weights(kind, weights.reshape(units, blocks, -1, lanes, 4))  # [U,B,c,32]
+        d, m = self.block_scales()
+        w = d[..., None] * q.astype(np.float32)
         if self.kind in FLOAT_MINS:
-            w = w + self.m[..., None]
+            w = w + m[..., None]
         w = w.transpose(0, 2, 1, 3).reshape(units * lanes, blocks * BLOCK)
         return np.ascontiguousarray(w[: self.out_features])
+
+    def block_scales(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each block's d and m [U, B, columns], as the kernel makes them: a factored kind's
+        super-block float times the block's byte (exact), an int16 kind's super-block d."""
+        d, m = self.d, self.m
+        if self.kind in PER_SUPER_BLOCK:
+            d = np.repeat(d, SUPER_BLOCKS, axis=1)
+        if self.kind in FACTORED:
+            lanes, at = self.isa.columns, self.isa.weight_bytes(self.kind)
+            factors = self.packed[:, :, at : at + 2 * lanes].astype(np.float32)
+            d = d * factors[:, :, :lanes]
+            m = np.repeat(m, SUPER_BLOCKS, axis=1) * factors[:, :, lanes:]
+        return d, m
 
 
 def _weights(kind: str, vectors: np.ndarray) -> np.ndarray:
@@ -222,9 +249,17 @@ def int8_tiles(
     isa = isa or _required_isa()
     if kind == "Q8_0" and qs.dtype == np.int16:
         kind = _scaled_kind(qs)
+    starts = range(0, qs.shape[0], RELAY_TILES)
+    factors: list[tuple[Factored, Factored] | None] = [None] * len(starts)
+    if kind in FLOAT_MINS:  # a K-quant's scales and mins: a float a super-block, a byte a block
+        scales = [_factored_scales(d[at : at + RELAY_TILES]) for at in starts]
+        mins = [_factored_scales(m[at : at + RELAY_TILES]) for at in starts]
+        if all(f is not None for f in scales + mins):
+            kind = next(name for name, base in FACTORED.items() if base == kind)
+            factors = list(zip(scales, mins))  # type: ignore[arg-type]
     parts = [
-        _relaid(kind, qs[at : at + RELAY_TILES], d[at : at + RELAY_TILES], m, at, isa)
-        for at in range(0, qs.shape[0], RELAY_TILES)
+        _relaid(kind, qs[at : at + RELAY_TILES], d[at : at + RELAY_TILES], m, at, isa, f)
+        for at, f in zip(starts, factors)
     ]
     return Int8Tiles(
         parts[0][0],
@@ -236,44 +271,105 @@ def int8_tiles(
 
 
 def _relaid(
-    kind: str, qs: np.ndarray, d: np.ndarray, m: np.ndarray, at: int, isa: Isa
+    kind: str,
+    qs: np.ndarray,
+    d: np.ndarray,
+    m: np.ndarray,
+    at: int,
+    isa: Isa,
+    factors: tuple[Factored, Factored] | None = None,
 ) -> tuple[str, np.ndarray, np.ndarray, np.ndarray]:
-    """`int8_tiles` of the tiles from `at` on (`qs` and `d` are theirs, `m` the whole weight's):
-    their kind, packed bytes, d and m."""
+    """`int8_tiles` of the tiles from `at` on (`qs` and `d` are theirs, `m` the whole weight's;
+    `factors`: a factored kind's scales and mins, `_factored_scales`): their kind, packed
+    bytes, d and m."""
     tiles, blocks, _, width = qs.shape
     lanes = isa.columns
 
-    def columns(a: np.ndarray, dtype: type) -> np.ndarray:  # [T, B, width] -> [U, B, lanes]
-        a = a.transpose(0, 2, 1).reshape(-1, lanes, blocks)
+    def columns(a: np.ndarray, dtype: type) -> np.ndarray:  # [T, b, width] -> [U, b, lanes]
+        a = a.transpose(0, 2, 1).reshape(-1, lanes, a.shape[1])
         return np.ascontiguousarray(a.transpose(0, 2, 1), dtype=dtype)
 
     if kind in SCALED_BITS:  # activations enter as xq + offset: the sums start from -offset·Σ w
         scaled = _scaled(qs, lanes, SCALED_BITS[kind])
         m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
-        return kind, scaled, columns(d, np.float32), m
+        supers = d.reshape(tiles, -1, SUPER_BLOCKS, width)
+        assert (supers == supers[:, :, :1]).all(), "an int16 kind's d is its super-block's"
+        return kind, scaled, columns(supers[:, :, 0], np.float32), m
     if kind == "Q8_0":
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
         m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
     else:  # Q4_1, Q8_1: nibbles, and Q8_1's fifth bits (bit 4h + g: weight 16h + 4g + i's)
         # [T, B, 32 inputs, width columns] -> [U, c, B, half, g, i]
-        q = np.concatenate([qs & 15, qs >> 4], axis=2) if kind == "Q4_1" else qs.view(np.uint8)
+        base = FACTORED.get(kind, kind)
+        q = np.concatenate([qs & 15, qs >> 4], axis=2) if base == "Q4_1" else qs.view(np.uint8)
         q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)
         nibbles = (q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)  # [U, c, B, g, i]
-        if kind == "Q8_1":
+        if base == "Q8_1":
             fifth = sum((q[:, :, :, h, g] >> 4) << (4 * h + g) for h in (0, 1) for g in range(4))
             nibbles = np.concatenate([nibbles, fifth[:, :, :, None]], axis=3)  # [U, c, B, 5, i]
         q = nibbles
-        m = columns(m[at : at + tiles], np.float32)
+        m = m[at : at + tiles]
     packed = np.ascontiguousarray(  # [U, B, g, c, i]
-        q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.block_bytes(kind) // q.itemsize)
+        q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.weight_bytes(kind) // q.itemsize)
     ).view(np.uint8)
-    return kind, packed, columns(d, np.float32), m
+    if factors is None:
+        return kind, packed, columns(d, np.float32), m if kind == "Q8_0" else columns(m, np.float32)
+    (d_super, d_bytes), (m_super, m_bytes) = factors  # after the weights: the bytes a column
+    packed = np.concatenate([packed, columns(d_bytes, np.uint8), columns(m_bytes, np.uint8)], 2)
+    return kind, packed, columns(d_super, np.float32), columns(m_super, np.float32)
 
 
+# A scale factored: a float32 a super-block [T, B/8, width] and a byte a block [T, B, width]
+Factored = tuple[np.ndarray, np.ndarray]
+
+
+def _factored_scales(a: np.ndarray) -> Factored | None:
+    """Float32 block scales (or mins) [T, B, width] as a float32 s a super-block of
+    `SUPER_BLOCKS` blocks and a byte f a block with s·f each block's value exactly, or None
+    where some super-block's do not factor so. A K-quant's always do (d·sc, -(dmin·mn): a
+    float16 times a 6-bit integer); s is the values' greatest common divisor, which any such
+    factoring's products equal. The values are taken as integers times a power of two (their
+    24-bit significands shifted to the super-block's least exponent)."""
+    tiles, blocks, width = a.shape
+    if blocks % SUPER_BLOCKS:
+        return None
+    v = a.reshape(tiles, blocks // SUPER_BLOCKS, SUPER_BLOCKS, width)
+    negative = (v < 0).any(axis=2)
+    if ((v > 0).any(axis=2) & negative).any():  # a super-block of mixed signs
+        return None
+    significand, exponent = np.frexp(np.abs(v))
+    n = (significand * np.float32(2**24)).astype(np.int64)  # exact: 24 bits
+    e = exponent.astype(np.int64) - 24
+    nonzero = n > 0
+    low = np.where(nonzero, e, np.iinfo(np.int64).max).min(axis=2, keepdims=True)
+    shift = np.where(nonzero, e - low, 0)
+    if shift.max(initial=0) > 38:  # beyond int64 (n < 2^24); no byte factors reach that far
+        return None
+    n <<= shift
+    g = np.gcd.reduce(n, axis=2, keepdims=True)
+    factors = n // np.maximum(g, 1)
+    if factors.max(initial=0) > 255:
+        return None
+    s = np.ldexp(g.astype(np.float64), np.where(g > 0, low, 0))[:, :, 0]
+    s = np.where(negative, -s, s).astype(np.float32)
+    factors = factors.astype(np.uint8)
+    if not (s[:, :, None] * factors.astype(np.float32) == v).all():  # e.g. s out of float32
+        return None
+    return s, factors.reshape(tiles, blocks, width)
+
+
+# blocks a K-quant's super-block (256 weights)
+SUPER_BLOCKS = 8
+# the kinds whose block scales and mins are a float32 a super-block times a byte a block
+# (K-quants': `_factored_scales`), and the kinds of their weights. The file's compact scales
+# then cost the kernel 0.09 bytes a weight, where a float32 d and m a block cost 0.25.
+FACTORED = {"Q4_K": "Q4_1", "Q5_K": "Q8_1"}
 # the kinds whose weights are unsigned with a float min a block (w = d·q + m)
-FLOAT_MINS = ("Q4_1", "Q8_1")
+FLOAT_MINS = ("Q4_1", "Q8_1", *FACTORED)
 # the kinds of int16 weights re-laid on AVX2 as a few bits times a scale a 16, and their bits
 SCALED_BITS = {"Q6_K": 6, "Q3_K": 4}
+# the kinds whose d is a super-block's (`Int8Tiles.d`)
+PER_SUPER_BLOCK = (*FACTORED, *SCALED_BITS)
 
 
 def _scaled_kind(qs: np.ndarray) -> str:
@@ -436,18 +532,23 @@ def _ir(
     function = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name="tiles")
     packed0, d0, m0, xq, dx, xs, out0, rows, blocks, out_stride, count = function.args
     const = lambda value: ir.Constant(i64, value)  # noqa: E731
-    block_bytes = isa.block_bytes(kind)
+    block_bytes, weight_bytes = isa.block_bytes(kind), isa.weight_bytes(kind)
+    factored, base = kind in FACTORED, FACTORED.get(kind, kind)
     start, tile_head = function.append_basic_block("start"), function.append_basic_block("tile")
     ir.IRBuilder(start).branch(tile_head)
+
+    def super_block(b: Any, block: Any) -> Any:  # a block's super-block
+        return b.udiv(block, const(SUPER_BLOCKS))
 
     b = ir.IRBuilder(tile_head)
     tile = b.phi(i64, "tile")
     tile.add_incoming(const(0), start)
     packed = b.gep(packed0, [b.mul(tile, b.mul(blocks, const(block_bytes)))])
-    d = b.gep(d0, [b.mul(tile, b.mul(blocks, const(lanes)))])
+    d_rows = super_block(b, blocks) if kind in PER_SUPER_BLOCK else blocks
+    d = b.gep(d0, [b.mul(tile, b.mul(d_rows, const(lanes)))])
     m = b.gep(
         b.bitcast(m0, (f32 if kind in FLOAT_MINS else i32).as_pointer()),
-        [b.mul(tile, b.mul(blocks, const(lanes)))],
+        [b.mul(tile, b.mul(d_rows if factored else blocks, const(lanes)))],
     )
     out = b.gep(out0, [b.mul(tile, const(lanes))])
 
@@ -466,7 +567,7 @@ def _ir(
                 for weight, inputs in products
             ]
         if kind in FLOAT_MINS or kind in SCALED_BITS:
-            run = 4 if kind == "Q8_1" else len(pairs)  # pairs summed in int16 before widening
+            run = 4 if base == "Q8_1" else len(pairs)  # pairs summed in int16 before widening
             for at in range(0, len(pairs), run):
                 total = pairs[at]
                 for pair in pairs[at + 1 : at + run]:
@@ -500,16 +601,26 @@ def _ir(
         for total in totals:
             total.add_incoming(ir.Constant(floats, [0.0] * lanes), head)
         weights = b.gep(packed, [b.mul(block, const(block_bytes))])
+        scale_row = super_block(b, block) if kind in PER_SUPER_BLOCK else block
         scales = b.load(
-            b.bitcast(b.gep(d, [b.mul(block, const(lanes))]), floats.as_pointer()), align=4
+            b.bitcast(b.gep(d, [b.mul(scale_row, const(lanes))]), floats.as_pointer()), align=4
         )
         column_terms = b.load(
             b.bitcast(
-                b.gep(m, [b.mul(block, const(lanes))]),
+                b.gep(m, [b.mul(scale_row if factored else block, const(lanes))]),
                 (floats if kind in FLOAT_MINS else ints).as_pointer(),
             ),
             align=4,
         )
+        if factored:  # the block's factors (bytes after its weights) times the super-block's
+            factor_bytes = ir.VectorType(i8, lanes)
+
+            def factor(at: int) -> Any:
+                pointer = b.bitcast(b.gep(weights, [const(at)]), factor_bytes.as_pointer())
+                return b.uitofp(b.zext(b.load(pointer, align=1), ints), floats)
+
+            scales = b.fmul(scales, factor(weight_bytes))  # exact (`_factored_scales`)
+            column_terms = b.fmul(column_terms, factor(weight_bytes + lanes))
 
         def splat(pointer: Any) -> Any:
             first = b.insert_element(
@@ -524,7 +635,7 @@ def _ir(
                 b.bitcast(b.gep(weights, [const(isa.vector_bytes * g)]), vector.as_pointer()),
                 align=1,
             )
-            for g in range(block_bytes // isa.vector_bytes)
+            for g in range(weight_bytes // isa.vector_bytes)
         ]
         filled = lambda value: ir.Constant(vector, [value] * isa.vector_bytes)  # noqa: E731
         if kind in FLOAT_MINS:  # (weights, input offset) pairs: low nibbles 4g.., high 16+4g..
@@ -534,7 +645,7 @@ def _ir(
                 (b.and_(b.lshr(v, filled(4)), filled(15)), BLOCK // 2 + 4 * g)
                 for g, v in enumerate(nibbles)
             ]
-            if kind == "Q8_1":  # pair k's fifth bits: bit k of the fifth vector
+            if base == "Q8_1":  # pair k's fifth bits: bit k of the fifth vector
                 operands = [
                     (
                         b.or_(

@@ -55,7 +55,7 @@ from service.cache_files import (
 )
 from service.kernels.gguf_blocks import BLOCK_TYPES, unpack
 from service.kernels.gguf_file import GGUFTensor, read_gguf
-from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul
+from service.kernels.int8_chunk_kernel import CHUNK_KINDS, CHUNK_MIN_ROWS, GROUP, chunk_matmul
 from service.kernels.int8_chunk_kernel import warm_up as warm_up_chunks
 from service.kernels.int8_kernel import (
     REQUIRED_FEATURES,
@@ -370,7 +370,7 @@ class PackedLinear(nn.Module):
         if self._int8 is not None:  # what every call needs, looked up once
             kind, isa = self._int8.kind, self._int8.isa  # the kernels of the tiles' own layout
             self._int8_kernel = int8_matmul(kind, isa)
-            self._chunk_kernel = chunk_matmul(isa) if kind == "Q4_1" else None
+            self._chunk_kernel = chunk_matmul(isa, kind) if kind in CHUNK_KINDS else None
             self._int8_columns = self._int8.padded_features
 
     def extra_repr(self) -> str:
@@ -837,8 +837,7 @@ def pack_gguf_linears(
     if int8_activations:
         kinds = {m._int8.kind for m in model.modules() if isinstance(m, PackedLinear) and m._int8}
         warm_up_int8(kinds)
-        if "Q4_1" in kinds:
-            warm_up_chunks()
+        warm_up_chunks(kinds)
     large_passes = (
         "every pass"
         if kernel_max_rows == UNBOUNDED_ROWS

@@ -17,26 +17,35 @@ from service.kernels.int8_kernel import (
 )
 from service.kernels.packed_linear import PackedLinear, tiles_from_blocks
 from tests.helpers.kernels import needs_int8
-from tests.helpers.packed import random_blocks
+from tests.helpers.packed import Q4_1, Q4_K, random_blocks
 
 pytestmark = needs_int8
 
 
-def tiles(out_features: int, in_features: int, seed: int, isa):
+def tiles(out_features: int, in_features: int, seed: int, isa, kind=Q4_1):
     t = tiles_from_blocks(
-        random_blocks(out_features, in_features, seed=seed), out_features, in_features
+        random_blocks(out_features, in_features, seed=seed, kind=kind),
+        out_features,
+        in_features,
+        kind.name,
     )
-    return int8_tiles("Q4_1", t.qs, t.d, t.m, out_features, isa)
+    relaid = int8_tiles("Q4_1", t.qs, t.d, t.m, out_features, isa)
+    assert relaid.kind == ("Q4_K" if kind is Q4_K else "Q4_1")  # a Q4_K's scales factored
+    return relaid
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 100])
-@pytest.mark.parametrize("out_features,in_features", [(16, 32), (70, 96), (96, 576), (48, 1536)])
+@pytest.mark.parametrize(
+    "kind,out_features,in_features",
+    [(Q4_1, 16, 32), (Q4_1, 70, 96), (Q4_1, 96, 576), (Q4_1, 48, 1536), (Q4_K, 40, 768)],
+    ids=str,
+)
 @pytest.mark.parametrize("threads", [0, 2])
 @pytest.mark.parametrize("isa", supported_isas(), ids=lambda isa: isa.name)
 def test_the_chunk_kernel_gives_the_every_size_kernels_bits(
-    rows, out_features, in_features, threads, isa
+    rows, kind, out_features, in_features, threads, isa
 ) -> None:
-    t = tiles(out_features, in_features, seed=rows, isa=isa)
+    t = tiles(out_features, in_features, seed=rows, isa=isa, kind=kind)
     # rows of unlike ranges
     scale = torch.rand(rows, 1, generator=torch.Generator().manual_seed(rows)) * 8
     x = (
@@ -44,16 +53,22 @@ def test_the_chunk_kernel_gives_the_every_size_kernels_bits(
     ).numpy()
     x[0, :BLOCK] = 0  # an all-zero block: scale 0
     want = np.empty((rows, t.padded_features), np.float32)
-    int8_matmul("Q4_1", isa)(x, t.packed, t.d, t.m, want, threads)
+    int8_matmul(t.kind, isa)(x, t.packed, t.d, t.m, want, threads)
     got = np.full((-(-rows // GROUP) * GROUP, want.shape[1]), np.nan, np.float32)
-    chunk_matmul(isa)(x, t.packed, t.d, t.m, got, threads)
+    chunk_matmul(isa, t.kind)(x, t.packed, t.d, t.m, got, threads)
     assert np.array_equal(got[:rows], want)
 
 
-def test_a_packed_linear_takes_it_for_long_passes_and_keeps_each_rows_bits() -> None:
-    blocks = random_blocks(96, 576, seed=5)
-    layer = PackedLinear(tiles_from_blocks(blocks, 96, 576), int8_activations=True)
-    x = torch.randn(CHUNK_MIN_ROWS + 3, 576, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("kind,in_features", [(Q4_1, 576), (Q4_K, 512)], ids=str)
+def test_a_packed_linear_takes_it_for_long_passes_and_keeps_each_rows_bits(
+    kind, in_features
+) -> None:
+    blocks = random_blocks(96, in_features, seed=5, kind=kind)
+    layer = PackedLinear(
+        tiles_from_blocks(blocks, 96, in_features, kind.name), int8_activations=True
+    )
+    assert layer._chunk_kernel is not None
+    x = torch.randn(CHUNK_MIN_ROWS + 3, in_features, generator=torch.Generator().manual_seed(2))
     together = layer(x)
     assert together.shape == (CHUNK_MIN_ROWS + 3, 96)
     for row in (0, CHUNK_MIN_ROWS // 2, CHUNK_MIN_ROWS + 2):

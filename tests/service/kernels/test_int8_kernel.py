@@ -93,7 +93,7 @@ def test_the_kernel_computes_the_files_weights_on_the_rounded_activations(
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q3_K, Q5_K, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_K, Q5_K, Q6_K])
 @pytest.mark.parametrize(
     "out_features,in_features,rows", [(70, 256, 1), (40, 512, 5), (24, 768, 70)]
 )
@@ -101,7 +101,8 @@ def test_a_k_quant_computes_its_weights_on_the_rounded_activations(
     out_features, in_features, rows, kind, isa
 ) -> None:
     """Q6_K's and Q3_K's weights are int16 integers (scale·q) times d, re-laid as a few bits
-    times a scale a 16; Q5_K's are bytes with a min a 32."""
+    times a scale a 16 and d a super-block; Q4_K's and Q5_K's are nibbles or bytes with a scale
+    and a min a 32, each a byte times a float a super-block."""
     blocks = random_blocks(out_features, in_features, seed=rows, kind=kind)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
     got = run(kind, blocks, out_features, x, isa=isa)
@@ -125,7 +126,7 @@ def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     assert torch.isfinite(run(kind, blocks, 96, x, isa=isa)).all()
 
 
-@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q5_1, Q5_K, Q8_0, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q8_0, Q6_K])
 def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
     """AVX2 and VNNI reach the same exact integer sums, then take the same float steps. The
     extremes are where AVX2's int16 pairs would saturate if summed unguarded: 15·127 nibble
@@ -174,7 +175,7 @@ def test_q3_k_as_four_bits_and_as_six_gives_the_same_bits(isa, monkeypatch) -> N
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q5_1, Q5_K, Q8_0, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q8_0, Q6_K])
 def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
     """Every weight at its type's extreme (a nibble of 15; Q5_1's and Q5_K's q of 31; an int8 of
     -128; Q6_K's -128·(0 - 32), Q3_K's -32·(0 - 4))
@@ -186,7 +187,7 @@ def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
     )  # [rows, blocks, bytes]
     if kind is Q4_1 or kind is Q5_1:
         per_block[..., 4:] = 0xFF  # every nibble 15 and high bit set (after d and m)
-    elif kind is Q5_K:
+    elif kind is Q5_K or kind is Q4_K:
         per_block[..., 16:] = 0xFF  # (after d, dmin, the scales and mins)
     elif kind is Q8_0:
         per_block[..., 2:] = np.int8(-128).view(np.uint8)  # (after d)
@@ -200,6 +201,47 @@ def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
         x = torch.full((1, 256), sign)
         got = run(kind, blocks, 16, x, isa=isa)
         torch.testing.assert_close(got, reference(blocks, x, kind), rtol=1e-5, atol=1e-4)
+
+
+@ISAS
+@pytest.mark.parametrize("kind", [Q4_K, Q5_K])
+def test_factored_scales_give_the_bits_of_a_float_a_block(kind, isa, monkeypatch) -> None:
+    """Q4_K's and Q5_K's scales and mins are kept as the file has them, a byte a block times a
+    float a super-block (0.09 bytes a weight, where a float32 scale and min a block take 0.25),
+    and the kernel's d·sc is exact: the outputs are the bits of the unfactored layout's."""
+    blocks = random_blocks(40, 768, seed=9, kind=kind)
+    x = torch.randn(6, 768, generator=torch.Generator().manual_seed(9))
+    tiles = tiles_from_blocks(blocks, 40, 768, kind.name)
+    factored = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 40, isa)
+    assert factored.kind == kind.name and factored.d.shape[1] == 768 // 256
+    factored_bytes = factored.packed.nbytes + factored.d.nbytes + factored.m.nbytes
+    got = run(kind, blocks, 40, x, isa=isa)
+    monkeypatch.setattr(int8_kernel, "_factored_scales", lambda a: None)
+    unfactored = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 40, isa)
+    assert unfactored.kind == {"Q4_K": "Q4_1", "Q5_K": "Q8_1"}[kind.name]
+    assert factored_bytes < unfactored.packed.nbytes + unfactored.d.nbytes + unfactored.m.nbytes
+    assert torch.equal(got, run(kind, blocks, 40, x, isa=isa))
+
+
+def test_scales_factor_only_as_exact_products_of_a_byte() -> None:
+    """A super-block's values factor into s·f (f a byte) exactly, or not at all: mixed signs,
+    unrelated floats and factors past a byte stay a float a block."""
+    rng = np.random.default_rng(0)
+    d = rng.standard_normal((2, 3, 1, 32)).astype(np.float16).astype(np.float32)
+    values = np.abs(d) * rng.integers(0, 64, (2, 3, 8, 32)).astype(np.float32)
+    s, f = int8_kernel._factored_scales(values.reshape(2, 24, 32))
+    assert np.array_equal(np.repeat(s, 8, axis=1) * f.astype(np.float32), values.reshape(2, 24, 32))
+    assert int8_kernel._factored_scales(-values.reshape(2, 24, 32)) is not None
+    assert int8_kernel._factored_scales(np.zeros((1, 8, 32), np.float32)) is not None
+    mixed = values.reshape(2, 24, 32).copy()
+    mixed[0, 0, 0], mixed[0, 1, 0] = 1.0, -1.0
+    assert int8_kernel._factored_scales(mixed) is None
+    unrelated = rng.standard_normal((1, 8, 32)).astype(np.float32)
+    assert int8_kernel._factored_scales(unrelated) is None
+    past_a_byte = np.ones((1, 8, 32), np.float32)
+    past_a_byte[0, 0] = 256
+    assert int8_kernel._factored_scales(past_a_byte) is None
+    assert int8_kernel._factored_scales(np.ones((1, 4, 32), np.float32)) is None  # no super-block
 
 
 @pytest.mark.parametrize("isa", [VNNI, AVX2], ids=lambda isa: isa.name)
@@ -252,9 +294,9 @@ def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
 
 def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path) -> None:
     """A Q4_K_M-like file (Q2_K, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; one IQ4_NL linear,
-    not served) packs every served type on the 8-bit path, Q6_K's int16 weights too, but
-    Q2_K's (no 8-bit kernel takes its half-block mins: float32 activations there); speculation
-    there equals plain decoding."""
+    not served) packs every served type on the 8-bit path, Q6_K's int16 weights too, Q4_K's
+    and Q5_K's scales factored, but Q2_K's (no 8-bit kernel takes its half-block mins: float32
+    activations there); speculation there equals plain decoding."""
     plain, packed, path = tiny_mixed_twins(tmp_path)
     assert pack_gguf_linears(packed, path, int8_activations=True) == 2 * len(LLAMA_LINEARS)
     kinds = set()
@@ -270,7 +312,7 @@ def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path
             torch.testing.assert_close(
                 module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5
             )
-    assert kinds == {"Q4_1", "Q8_0", "Q8_1", "Q6_K"}
+    assert kinds == {"Q4_1", "Q4_K", "Q8_0", "Q8_1", "Q5_K", "Q6_K"}
     assert_speculation_equals_plain_decoding(packed)
 
 
