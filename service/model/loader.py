@@ -40,6 +40,7 @@ from service.kernels.packed_linear import (
 )
 from service.model.attention import layer_windows
 from service.model.decoder_pass import LEAN_MODEL_TYPES
+from service.model.freed_memory import hand_back_freed_memory
 from service.model.gguf_model import empty_model, fill_from_gguf, pack_embedding
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,7 @@ def load_model(
     or float32, else none (see `resolve_quantization`).
     """
     started = time.perf_counter()
+    hand_back_freed_memory()
     path = Path(source) if source else embedded_gguf_path()
     if not path.exists():
         raise FileNotFoundError(f"no model at {path}")
