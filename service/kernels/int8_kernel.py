@@ -24,6 +24,10 @@ On AVX2 no product pair may leave int16 (`vpmaddubsw` saturates): a Q4_1 block's
 most 2·15·127 = 3810, so a block's eight products are summed in int16 (≤ 30480) before one
 `vpmaddwd`; a Q8_0 weight (down to -128) times an unsigned activation byte could reach 65280,
 so Q8_0 takes llama.cpp's sign trick: |w| (unsigned) times xq with w's sign, ≤ 2·128·127.
+VNNI sums in int32 from the first product, so there a signed kind's weights enter as the bytes
+w + c (Q8_0's c = 128: `SIGNED_OFFSETS`) and each sum starts from -c·Σxq, the sum of the
+activations it multiplies (a row's two half-block sums, computed once a pass: `half_sums`):
+the same exact integers, with no column term to store and no shifted copy of the activations.
 Q8_1's weights (Q5_1's and Q5_K's q, 0..31, with a min as Q4_1's) are re-laid as Q4_1's
 nibbles and a fifth vector of their fifth bits (5 bits a weight, not 8); four of their product
 pairs (≤ 4·2·31·127) are summed in int16.
@@ -38,9 +42,9 @@ A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact 
 integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) is re-laid as 6-bit weights
 and an int16 scale a 16 (kind "Q6_K", `_scaled`), half of int16's bytes, with d a
 super-block's; where every weight fits 4 bits so (Q3_K's, scale·(q - 4): `gguf_blocks`), as
-4-bit ones (kind "Q3_K"). Each
-sub-block's sum is exact, then times its scale: on AVX2 by the sign trick within int16, on
-VNNI with the activations entering as xq + 128 as Q8_0's (|sums| < 2^31 either way).
+4-bit ones (kind "Q3_K"). Each sub-block's sum is exact, then times its scale: on AVX2 by
+the sign trick within int16, on VNNI from the stored bits w + 2^(bits-1) as Q8_0's, each half
+block's sum starting from -2^(bits-1) times its activations' (|sums| < 2^31 either way).
 
 The inner kernel is LLVM IR built here with llvmlite (numba's own compiler: nothing to
 install) and compiled for this CPU at load: numba's vectorizer emits none of these instructions
@@ -80,9 +84,10 @@ class Isa:
     name: str
     features: tuple[str, ...]  # what the CPU must have (LLVM's names)
     columns: int  # output columns of a tile: one vector of int32 / float32 lanes
-    # Q8_0, Q6_K, Q3_K: added to the activations so that they enter unsigned (VNNI's operand
-    # order); the sums then start from -offset·Σw (`Int8Tiles.m`). AVX2 takes the sign trick.
-    q8_offset: int
+    # The signed kinds' weights (Q8_0's, Q6_K's, Q3_K's) enter as w + c, unsigned (VNNI's
+    # operand order), and each sum less c times the activations' (`SIGNED_OFFSETS`); without
+    # it (AVX2) they take the sign trick.
+    offset_weights: bool
 
     @property
     def vector_bytes(self) -> int:
@@ -101,8 +106,8 @@ class Isa:
         return self.weight_bytes(kind) + (2 * self.columns if kind in FACTORED else 0)
 
 
-VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, 128)
-AVX2 = Isa("AVX2", ("avx2", "fma"), 8, 0)
+VNNI = Isa("AVX-512 VNNI", ("avx512f", "avx512bw", "avx512vnni"), 16, True)
+AVX2 = Isa("AVX2", ("avx2", "fma"), 8, False)
 ISAS = (VNNI, AVX2)  # the first the CPU has is used
 
 
@@ -145,7 +150,7 @@ class Int8Tiles:
     # columns] (`per_super_block`: the factored kinds' and the int16 kinds')
     d: np.ndarray
     # Q4_1, Q8_1: [U, B, columns] float32 mins; Q4_K, Q5_K: a super-block's [U, B/8, columns];
-    # the others: [U, B, columns] int32 -offset·Σ w (activations enter as xq + offset)
+    # the others: none ([U, 0, columns])
     m: np.ndarray
     out_features: int
     in_features: int
@@ -176,6 +181,8 @@ class Int8Tiles:
         weights = self.packed[:, :, : self.isa.weight_bytes(self.kind)]
         kind = FACTORED.get(self.kind, self.kind)
         q = _weights(kind, weights.reshape(units, blocks, -1, lanes, 4))  # [U,B,c,32]
+        if kind == "Q8_0" and self.isa.offset_weights:
+            q = q.astype(np.uint8).astype(np.int32) - SIGNED_OFFSETS[kind]
         d, m = self.block_scales()
         w = d[..., None] * q.astype(np.float32)
         if self.kind in FLOAT_MINS:
@@ -289,15 +296,16 @@ def _relaid(
         a = a.transpose(0, 2, 1).reshape(-1, lanes, a.shape[1])
         return np.ascontiguousarray(a.transpose(0, 2, 1), dtype=dtype)
 
-    if kind in SCALED_BITS:  # activations enter as xq + offset: the sums start from -offset·Σ w
+    no_mins = np.zeros((-(-tiles * width // lanes), 0, lanes), np.float32)
+    if kind in SCALED_BITS:  # stored as w + 2^(bits-1): `SIGNED_OFFSETS`
         scaled = _scaled(qs, lanes, SCALED_BITS[kind])
-        m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
         supers = d.reshape(tiles, -1, SUPER_BLOCKS, width)
         assert (supers == supers[:, :, :1]).all(), "an int16 kind's d is its super-block's"
-        return kind, scaled, columns(supers[:, :, 0], np.float32), m
-    if kind == "Q8_0":
+        return kind, scaled, columns(supers[:, :, 0], np.float32), no_mins
+    if kind == "Q8_0":  # int8, or w + 128 as a byte for `Isa.offset_weights`
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
-        m = columns(-isa.q8_offset * qs.astype(np.int32).sum(axis=2), np.int32)
+        q = q.view(np.uint8) ^ np.uint8(0x80) if isa.offset_weights else q
+        m = no_mins
     else:  # Q4_1, Q8_1: nibbles, and Q8_1's fifth bits (bit 4h + g: weight 16h + 4g + i's)
         # [T, B, 32 inputs, width columns] -> [U, c, B, half, g, i]
         base = FACTORED.get(kind, kind)
@@ -370,6 +378,8 @@ FLOAT_MINS = ("Q4_1", "Q8_1", *FACTORED)
 SCALED_BITS = {"Q6_K": 6, "Q3_K": 4}
 # the kinds whose d is a super-block's (`Int8Tiles.d`)
 PER_SUPER_BLOCK = (*FACTORED, *SCALED_BITS)
+# the signed kinds, and c: their weights as bytes w + c, for `Isa.offset_weights`
+SIGNED_OFFSETS = {"Q8_0": 128, **{kind: 2 ** (bits - 1) for kind, bits in SCALED_BITS.items()}}
 
 
 def _scaled_kind(qs: np.ndarray) -> str:
@@ -460,6 +470,21 @@ def quantize_rows(x, xq, dx, xs):  # pragma: no cover - compiled
             xs[r, b] = scale * np.float32(total)
 
 
+@njit(cache=True, nogil=True)
+def half_sums(xq, out):  # pragma: no cover - compiled
+    """Per row and block of 32 of xq [R, K], the sums of its two halves of 16 as one int32
+    (the first in the low 16 bits, both signed: |sum| <= 16·127) in out [R, K/32]."""
+    rows, width = xq.shape
+    for r in range(rows):
+        for b in range(width // BLOCK):
+            low = 0
+            high = 0
+            for j in range(BLOCK // 2):
+                low += xq[r, b * BLOCK + j]
+                high += xq[r, b * BLOCK + BLOCK // 2 + j]
+            out[r, b] = (low & 0xFFFF) | (high << 16)
+
+
 Addresses = Callable[[Any, Sequence[Any], Any, int, Any], tuple[Any, Any, Any]]
 
 
@@ -547,17 +572,18 @@ def _ir(
     d_rows = super_block(b, blocks) if kind in PER_SUPER_BLOCK else blocks
     d = b.gep(d0, [b.mul(tile, b.mul(d_rows, const(lanes)))])
     m = b.gep(
-        b.bitcast(m0, (f32 if kind in FLOAT_MINS else i32).as_pointer()),
+        b.bitcast(m0, f32.as_pointer()),
         [b.mul(tile, b.mul(d_rows if factored else blocks, const(lanes)))],
     )
+    # the signed kinds' weights offset (`Isa.offset_weights`): c, and each sum less c·Σxq
+    weight_offset = SIGNED_OFFSETS.get(kind, 0) if isa.offset_weights else 0
     out = b.gep(out0, [b.mul(tile, const(lanes))])
 
     def dot(b: Any, sums: Any, products: list[tuple[Any, Any]]) -> Any:
         """sums + Σ over (weights, inputs) pairs of their lanes' products, four bytes a lane."""
         if isa.name == VNNI.name:
-            for weight, inputs in products:  # unsigned first
-                pair = [weight, inputs] if kind in FLOAT_MINS else [inputs, weight]
-                sums = b.call(dpbusd, [sums, *pair])
+            for weight, inputs in products:  # unsigned weights (`offset`) first
+                sums = b.call(dpbusd, [sums, weight, inputs])
             return sums
         if kind in FLOAT_MINS:  # unsigned weights: Q4_1's ≤ 15 (module docstring), Q8_1's ≤ 31
             pairs = [b.call(maddubs, [weight, inputs]) for weight, inputs in products]
@@ -605,12 +631,16 @@ def _ir(
         scales = b.load(
             b.bitcast(b.gep(d, [b.mul(scale_row, const(lanes))]), floats.as_pointer()), align=4
         )
-        column_terms = b.load(
-            b.bitcast(
-                b.gep(m, [b.mul(scale_row if factored else block, const(lanes))]),
-                (floats if kind in FLOAT_MINS else ints).as_pointer(),
-            ),
-            align=4,
+        column_terms = (
+            b.load(
+                b.bitcast(
+                    b.gep(m, [b.mul(scale_row if factored else block, const(lanes))]),
+                    floats.as_pointer(),
+                ),
+                align=4,
+            )
+            if kind in FLOAT_MINS
+            else None
         )
         if factored:  # the block's factors (bytes after its weights) times the super-block's
             factor_bytes = ir.VectorType(i8, lanes)
@@ -629,6 +659,10 @@ def _ir(
             return b.shuffle_vector(
                 first, ir.Constant(floats, None), ir.Constant(ints, [0] * lanes)
             )
+
+        def splat_int(value: Any) -> Any:
+            first = b.insert_element(ir.Constant(ints, None), value, ir.Constant(i32, 0))
+            return b.shuffle_vector(first, ir.Constant(ints, None), ir.Constant(ints, [0] * lanes))
 
         vectors = [
             b.load(
@@ -655,7 +689,7 @@ def _ir(
                     )
                     for k, (w, at) in enumerate(operands)
                 ]
-        elif kind in SCALED_BITS:  # (w, input offset) pairs, w = the bits - 2^(bits-1)
+        elif kind in SCALED_BITS:  # (w, input offset) pairs: the bits (w + 2^(bits-1)), or w
             six = SCALED_BITS[kind] == 6
 
             def bits_of(half: int, g: int, v: Any) -> Any:
@@ -665,8 +699,14 @@ def _ir(
                 high = b.and_(b.lshr(vectors[4 + half], filled(2 * g)), filled(3))
                 return b.or_(nibble, b.shl(high, filled(4)))
 
+            signed = not weight_offset  # the sign trick takes w itself
             operands = [
-                (b.sub(bits_of(half, g, v), filled(32 if six else 8)), 16 * half + 4 * g)
+                (
+                    b.sub(bits_of(half, g, v), filled(SIGNED_OFFSETS[kind]))
+                    if signed
+                    else bits_of(half, g, v),
+                    16 * half + 4 * g,
+                )
                 for half in (0, 1)
                 for g, v in enumerate(vectors[:4])
             ]
@@ -682,7 +722,7 @@ def _ir(
                 )
                 for h in (0, 1)
             ]
-        else:  # four int8 weights a lane
+        else:  # four int8 weights a lane (or w + 128)
             operands = [(v, 4 * g) for g, v in enumerate(vectors)]
         news = []
         for r, total in enumerate(totals):
@@ -695,17 +735,24 @@ def _ir(
                     first, ir.Constant(ints, None), ir.Constant(ints, [0] * lanes)
                 )
                 products.append((weight, b.bitcast(splatted, vector)))
+            # where each sum starts: 0, or for offset weights -c·Σxq of its half blocks (the
+            # row's two int16 sums, `half_sums`, in place of dx·Σxq)
+            starts = [ir.Constant(ints, [0] * lanes)] * 2
+            if weight_offset:
+                halves = b.load(b.bitcast(row_xs, i32.as_pointer()), align=4)
+                low = b.sext(b.trunc(halves, i16), i32)
+                high = b.ashr(halves, ir.Constant(i32, 16))
+                starts = [
+                    splat_int(b.mul(half, ir.Constant(i32, -weight_offset))) for half in (low, high)
+                ]
             if kind in SCALED_BITS:  # each sub-block's exact sum times its scale
-                zero = ir.Constant(ints, [0] * lanes)
                 sums = b.add(
-                    b.mul(dot(b, zero, products[:4]), sub_scales[0]),
-                    b.mul(dot(b, zero, products[4:]), sub_scales[1]),
+                    b.mul(dot(b, starts[0], products[:4]), sub_scales[0]),
+                    b.mul(dot(b, starts[1], products[4:]), sub_scales[1]),
                 )
-                if isa.q8_offset:  # VNNI: the activations entered as xq + offset
-                    sums = b.add(sums, column_terms)
             else:
-                start_sums = ir.Constant(ints, [0] * lanes) if kind in FLOAT_MINS else column_terms
-                sums = dot(b, start_sums, products)
+                start = starts[0] if not weight_offset else b.add(starts[0], starts[1])
+                sums = dot(b, start, products)
             new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
             if kind in FLOAT_MINS:
                 new = b.call(fma, [column_terms, splat(row_xs), new])
@@ -754,8 +801,8 @@ def int8_matmul(kind: str = "Q4_1", isa: Isa | None = None) -> Any:
 @functools.cache
 def _int8_matmul(kind: str, isa: Isa) -> Any:
     tiles_kernel = compile_ir(_ir(kind, isa), "tiles", [ctypes.c_int64] * 11)
-    # signed weights on VNNI: the activations are the unsigned operand
-    offset = isa.q8_offset if kind not in FLOAT_MINS else 0
+    # offset weights (`Isa.offset_weights`) take each row's half-block sums where dx·Σxq was
+    halves = isa.offset_weights and kind in SIGNED_OFFSETS
 
     @njit(nogil=True)
     def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled
@@ -765,11 +812,8 @@ def _int8_matmul(kind: str, isa: Isa) -> Any:
         dx = np.empty((rows, blocks), np.float32)
         xs = np.empty((rows, blocks), np.float32)
         quantize_rows(x, xq, dx, xs)
-        if offset:
-            shifted = xq.view(np.uint8)
-            for r in range(rows):
-                for k in range(width):
-                    shifted[r, k] = np.uint8(xq[r, k] + offset)
+        if halves:
+            half_sums(xq, xs.view(np.int32))
         split_tiles(
             tiles_kernel,
             packed,
