@@ -1,5 +1,5 @@
-"""Packed linears (Q4_1, Q8_0, Q8_1, Q6_K and Q3_K layouts) computed with 8-bit activations
-(`--quantization gguf-int8`).
+"""Packed linears (Q4_1, Q8_0, Q8_1, Q5_0, Q6_K and Q3_K layouts, and Q4_K and Q5_K scales)
+computed with 8-bit activations (`--quantization gguf-int8`).
 
 On a CPU the packed Q4_1 kernel of `service/kernels/packed_kernels.py` multiplies in float32:
 past a few rows a pass is bound by float32 multiply-adds, and a tree of 16 tokens costs several
@@ -30,7 +30,9 @@ activations it multiplies (a row's two half-block sums, computed once a pass: `h
 the same exact integers, with no column term to store and no shifted copy of the activations.
 Q8_1's weights (Q5_1's and Q5_K's q, 0..31, with a min as Q4_1's) are re-laid as Q4_1's
 nibbles and a fifth vector of their fifth bits (5 bits a weight, not 8); four of their product
-pairs (≤ 4·2·31·127) are summed in int16.
+pairs (≤ 4·2·31·127) are summed in int16. Q5_0's weights (`gguf_blocks` widens them to Q8_0's
+int8, all in [-16, 15]) are re-laid the same way as w + 16 (kind "Q5_0"), each sum starting
+from -16·Σxq on both instruction sets: 0.75 bytes a weight where int8 took 1.125.
 
 A K-quant's scales and mins are a float16 d (dmin) a super-block of 256 weights times a 6-bit
 integer a block of 32 (`gguf_blocks`: the float layouts widen them to a float32 a block). Here
@@ -97,7 +99,7 @@ class Isa:
         """A block's weights in a tile of `kind`: 32 a column, 4, 5 or 8 bits each (Q6_K: four
         vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales;
         Q3_K: the nibbles and the scales)."""
-        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "Q6_K": 7, "Q3_K": 5}
+        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "Q5_0": 5, "Q6_K": 7, "Q3_K": 5}
         return self.vector_bytes * sizes[FACTORED.get(kind, kind)]
 
     def block_bytes(self, kind: str) -> int:
@@ -140,8 +142,8 @@ REQUIRED_FEATURES = " or ".join(" + ".join(isa.features) for isa in ISAS)  # for
 class Int8Tiles:
     """A weight [out_features, in_features] re-laid for the kernel of `isa`."""
 
-    # "Q4_1", "Q8_0", "Q8_1", their factored kinds "Q4_K" and "Q5_K" (`FACTORED`), or for
-    # int16 weights "Q6_K" or "Q3_K"
+    # "Q4_1", "Q8_0", "Q8_1", their factored kinds "Q4_K" and "Q5_K" (`FACTORED`), "Q5_0"
+    # (int8 weights of 5 bits), or for int16 weights "Q6_K" or "Q3_K"
     kind: str
     isa: Isa
     # [U, B, `Isa.block_bytes`] uint8: tile u, block b (module docstring)
@@ -181,8 +183,9 @@ class Int8Tiles:
         weights = self.packed[:, :, : self.isa.weight_bytes(self.kind)]
         kind = FACTORED.get(self.kind, self.kind)
         q = _weights(kind, weights.reshape(units, blocks, -1, lanes, 4))  # [U,B,c,32]
-        if kind == "Q8_0" and self.isa.offset_weights:
-            q = q.astype(np.uint8).astype(np.int32) - SIGNED_OFFSETS[kind]
+        offset = weight_offset(self.kind, self.isa)
+        if offset and kind not in SCALED_BITS:  # stored as the bytes w + c
+            q = q.astype(np.uint8).astype(np.int32) - offset
         d, m = self.block_scales()
         w = d[..., None] * q.astype(np.float32)
         if self.kind in FLOAT_MINS:
@@ -220,7 +223,7 @@ def _weights(kind: str, vectors: np.ndarray) -> np.ndarray:
     q = nibbles(vectors[:, :, :4])
     if kind == "Q4_1":
         return q
-    if kind == "Q8_1":  # bit 4h + g of the fifth vector: weight 16h + 4g + i's fifth bit
+    if kind in FIVE_BITS:  # bit 4h + g of the fifth vector: weight 16h + 4g + i's fifth bit
         fifth = vectors[:, :, 4].astype(np.int32)  # [U, B, c, i]
         bits = np.stack([(fifth >> (4 * h + g)) & 1 for h in (0, 1) for g in range(4)], axis=2)
         return q | (
@@ -256,6 +259,10 @@ def int8_tiles(
     isa = isa or _required_isa()
     if kind == "Q8_0" and qs.dtype == np.int16:
         kind = _scaled_kind(qs)
+    elif kind == "Q8_0" and all(
+        _fits_5_bits(qs[at : at + RELAY_TILES]) for at in range(0, qs.shape[0], RELAY_TILES)
+    ):
+        kind = "Q5_0"  # (a Q5_0 file's, re-laid as Q8_0 by `gguf_blocks`)
     starts = range(0, qs.shape[0], RELAY_TILES)
     factors: list[tuple[Factored, Factored] | None] = [None] * len(starts)
     if kind in FLOAT_MINS:  # a K-quant's scales and mins: a float a super-block, a byte a block
@@ -306,22 +313,25 @@ def _relaid(
         q = qs.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 8, 4)  # [U, c, B, g, i]
         q = q.view(np.uint8) ^ np.uint8(0x80) if isa.offset_weights else q
         m = no_mins
-    else:  # Q4_1, Q8_1: nibbles, and Q8_1's fifth bits (bit 4h + g: weight 16h + 4g + i's)
+    else:  # Q4_1, Q8_1, Q5_0: nibbles, and the fifth bits (bit 4h + g: weight 16h + 4g + i's)
         # [T, B, 32 inputs, width columns] -> [U, c, B, half, g, i]
         base = FACTORED.get(kind, kind)
-        q = np.concatenate([qs & 15, qs >> 4], axis=2) if base == "Q4_1" else qs.view(np.uint8)
+        if base == "Q4_1":
+            q = np.concatenate([qs & 15, qs >> 4], axis=2)
+        else:  # Q5_0's w + 16 (0..31), as Q8_1's q
+            q = (qs + np.int8(weight_offset(kind, isa))).view(np.uint8)
         q = q.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)
         nibbles = (q[:, :, :, 0] & 15) | ((q[:, :, :, 1] & 15) << 4)  # [U, c, B, g, i]
-        if base == "Q8_1":
+        if base in FIVE_BITS:
             fifth = sum((q[:, :, :, h, g] >> 4) << (4 * h + g) for h in (0, 1) for g in range(4))
             nibbles = np.concatenate([nibbles, fifth[:, :, :, None]], axis=3)  # [U, c, B, 5, i]
         q = nibbles
-        m = m[at : at + tiles]
+        m = m[at : at + tiles] if kind in FLOAT_MINS else no_mins
     packed = np.ascontiguousarray(  # [U, B, g, c, i]
         q.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, isa.weight_bytes(kind) // q.itemsize)
     ).view(np.uint8)
     if factors is None:
-        return kind, packed, columns(d, np.float32), m if kind == "Q8_0" else columns(m, np.float32)
+        return kind, packed, columns(d, np.float32), columns(m, np.float32) if m.size else m
     (d_super, d_bytes), (m_super, m_bytes) = factors  # after the weights: the bytes a column
     packed = np.concatenate([packed, columns(d_bytes, np.uint8), columns(m_bytes, np.uint8)], 2)
     return kind, packed, columns(d_super, np.float32), columns(m_super, np.float32)
@@ -380,6 +390,21 @@ SCALED_BITS = {"Q6_K": 6, "Q3_K": 4}
 PER_SUPER_BLOCK = (*FACTORED, *SCALED_BITS)
 # the signed kinds, and c: their weights as bytes w + c, for `Isa.offset_weights`
 SIGNED_OFFSETS = {"Q8_0": 128, **{kind: 2 ** (bits - 1) for kind, bits in SCALED_BITS.items()}}
+# the kinds of 5-bit weights (nibbles and a vector of fifth bits): Q8_1's q, Q5_0's w + 16
+FIVE_BITS = ("Q8_1", "Q5_0")
+
+
+def weight_offset(kind: str, isa: Isa) -> int:
+    """c where `kind`'s weights are stored as w + c, each sum then starting from -c·Σxq: Q5_0's
+    16 everywhere (its w + 16 is 5 bits), the signed kinds' for `Isa.offset_weights`; else 0."""
+    if kind == "Q5_0":
+        return 16
+    return SIGNED_OFFSETS.get(kind, 0) if isa.offset_weights else 0
+
+
+def _fits_5_bits(qs: np.ndarray) -> bool:
+    """Whether int8 weights are all in [-16, 15] (a Q5_0 file's are: kind "Q5_0")."""
+    return qs.dtype == np.int8 and qs.size > 0 and qs.min() >= -16 and qs.max() <= 15
 
 
 def _scaled_kind(qs: np.ndarray) -> str:
@@ -576,7 +601,8 @@ def _ir(
         [b.mul(tile, b.mul(d_rows if factored else blocks, const(lanes)))],
     )
     # the signed kinds' weights offset (`Isa.offset_weights`): c, and each sum less c·Σxq
-    weight_offset = SIGNED_OFFSETS.get(kind, 0) if isa.offset_weights else 0
+    offset = weight_offset(kind, isa)
+    nibbled = base == "Q4_1" or base in FIVE_BITS  # weights as nibbles (and fifth bits)
     out = b.gep(out0, [b.mul(tile, const(lanes))])
 
     def dot(b: Any, sums: Any, products: list[tuple[Any, Any]]) -> Any:
@@ -585,15 +611,15 @@ def _ir(
             for weight, inputs in products:  # unsigned weights (`offset`) first
                 sums = b.call(dpbusd, [sums, weight, inputs])
             return sums
-        if kind in FLOAT_MINS:  # unsigned weights: Q4_1's ≤ 15 (module docstring), Q8_1's ≤ 31
+        if nibbled:  # unsigned weights: Q4_1's ≤ 15 (module docstring), 5 bits' ≤ 31
             pairs = [b.call(maddubs, [weight, inputs]) for weight, inputs in products]
         elif kind in SCALED_BITS:  # a sub-block's: |w| ≤ 32, so four pairs ≤ 4·2·32·127 < 2^15
             pairs = [
                 b.call(maddubs, [b.call(sign, [weight, weight]), b.call(sign, [inputs, weight])])
                 for weight, inputs in products
             ]
-        if kind in FLOAT_MINS or kind in SCALED_BITS:
-            run = 4 if base == "Q8_1" else len(pairs)  # pairs summed in int16 before widening
+        if nibbled or kind in SCALED_BITS:
+            run = 4 if base in FIVE_BITS else len(pairs)  # pairs summed in int16 before widening
             for at in range(0, len(pairs), run):
                 total = pairs[at]
                 for pair in pairs[at + 1 : at + run]:
@@ -672,14 +698,14 @@ def _ir(
             for g in range(weight_bytes // isa.vector_bytes)
         ]
         filled = lambda value: ir.Constant(vector, [value] * isa.vector_bytes)  # noqa: E731
-        if kind in FLOAT_MINS:  # (weights, input offset) pairs: low nibbles 4g.., high 16+4g..
+        if nibbled:  # (weights, input offset) pairs: low nibbles 4g.., high 16+4g..
             nibbles = vectors[:4]
             operands = [(b.and_(v, filled(15)), 4 * g) for g, v in enumerate(nibbles)]
             operands += [
                 (b.and_(b.lshr(v, filled(4)), filled(15)), BLOCK // 2 + 4 * g)
                 for g, v in enumerate(nibbles)
             ]
-            if base == "Q8_1":  # pair k's fifth bits: bit k of the fifth vector
+            if base in FIVE_BITS:  # pair k's fifth bits: bit k of the fifth vector
                 operands = [
                     (
                         b.or_(
@@ -699,7 +725,7 @@ def _ir(
                 high = b.and_(b.lshr(vectors[4 + half], filled(2 * g)), filled(3))
                 return b.or_(nibble, b.shl(high, filled(4)))
 
-            signed = not weight_offset  # the sign trick takes w itself
+            signed = not offset  # the sign trick takes w itself
             operands = [
                 (
                     b.sub(bits_of(half, g, v), filled(SIGNED_OFFSETS[kind]))
@@ -728,8 +754,8 @@ def _ir(
         for r, total in enumerate(totals):
             inputs, row_dx, row_xs = addresses(b, (xq, dx, xs, blocks), row, r, block)
             products = []
-            for weight, offset in operands:  # xq[offset : offset + 4] in every 32-bit lane
-                word = b.load(b.bitcast(b.gep(inputs, [const(offset)]), i32.as_pointer()), align=1)
+            for weight, at in operands:  # xq[at : at + 4] in every 32-bit lane
+                word = b.load(b.bitcast(b.gep(inputs, [const(at)]), i32.as_pointer()), align=1)
                 first = b.insert_element(ir.Constant(ints, None), word, ir.Constant(i32, 0))
                 splatted = b.shuffle_vector(
                     first, ir.Constant(ints, None), ir.Constant(ints, [0] * lanes)
@@ -738,20 +764,18 @@ def _ir(
             # where each sum starts: 0, or for offset weights -c·Σxq of its half blocks (the
             # row's two int16 sums, `half_sums`, in place of dx·Σxq)
             starts = [ir.Constant(ints, [0] * lanes)] * 2
-            if weight_offset:
+            if offset:
                 halves = b.load(b.bitcast(row_xs, i32.as_pointer()), align=4)
                 low = b.sext(b.trunc(halves, i16), i32)
                 high = b.ashr(halves, ir.Constant(i32, 16))
-                starts = [
-                    splat_int(b.mul(half, ir.Constant(i32, -weight_offset))) for half in (low, high)
-                ]
+                starts = [splat_int(b.mul(half, ir.Constant(i32, -offset))) for half in (low, high)]
             if kind in SCALED_BITS:  # each sub-block's exact sum times its scale
                 sums = b.add(
                     b.mul(dot(b, starts[0], products[:4]), sub_scales[0]),
                     b.mul(dot(b, starts[1], products[4:]), sub_scales[1]),
                 )
             else:
-                start = starts[0] if not weight_offset else b.add(starts[0], starts[1])
+                start = starts[0] if not offset else b.add(starts[0], starts[1])
                 sums = dot(b, start, products)
             new = b.call(fma, [b.sitofp(sums, floats), b.fmul(scales, splat(row_dx)), total])
             if kind in FLOAT_MINS:
@@ -802,7 +826,7 @@ def int8_matmul(kind: str = "Q4_1", isa: Isa | None = None) -> Any:
 def _int8_matmul(kind: str, isa: Isa) -> Any:
     tiles_kernel = compile_ir(_ir(kind, isa), "tiles", [ctypes.c_int64] * 11)
     # offset weights (`Isa.offset_weights`) take each row's half-block sums where dx·Σxq was
-    halves = isa.offset_weights and kind in SIGNED_OFFSETS
+    halves = weight_offset(kind, isa) > 0
 
     @njit(nogil=True)
     def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled

@@ -77,7 +77,7 @@ def run(
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q4_1, Q5_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q5_0, Q5_1, Q8_0])
 @pytest.mark.parametrize(
     "out_features,in_features,rows", [(70, 96, 1), (32, 64, 3), (100, 576, 16), (48, 1536, 70)]
 )
@@ -114,7 +114,7 @@ def test_a_k_quant_computes_its_weights_on_the_rounded_activations(
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q4_1, Q5_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q4_1, Q5_0, Q5_1, Q8_0])
 def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     blocks = random_blocks(96, 192, kind=kind)
     x = torch.randn(9, 192, generator=torch.Generator().manual_seed(1))
@@ -126,7 +126,7 @@ def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
     assert torch.isfinite(run(kind, blocks, 96, x, isa=isa)).all()
 
 
-@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q8_0, Q6_K])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K])
 def test_the_instruction_sets_compute_the_same_bits(kind) -> None:
     """AVX2 and VNNI reach the same exact integer sums, then take the same float steps. The
     extremes are where AVX2's int16 pairs would saturate if summed unguarded: 15·127 nibble
@@ -175,18 +175,40 @@ def test_q3_k_as_four_bits_and_as_six_gives_the_same_bits(isa, monkeypatch) -> N
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q8_0, Q6_K])
+def test_q5_0_as_five_bits_and_as_eight_gives_the_same_bits(isa, monkeypatch) -> None:
+    """Q5_0's weights (re-laid as Q8_0's int8 by `gguf_blocks`) all fit [-16, 15]: the 8-bit
+    path takes them as 5 bits (w + 16, as Q8_1's q) with each sum starting from -16·Σxq, 0.75
+    bytes a weight where int8 took 1.125, and computes the same integers; a Q8_0 file's stay
+    8-bit."""
+    blocks = random_blocks(48, 512, seed=8, kind=Q5_0)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(8))
+    tiles = tiles_from_blocks(blocks, 48, 512, "Q5_0")
+    five = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 48, isa)
+    assert (five.kind, five.m.size) == ("Q5_0", 0)
+    eight_bit = tiles_from_blocks(random_blocks(48, 512, seed=8, kind=Q8_0), 48, 512, "Q8_0")
+    assert int8_tiles("Q8_0", eight_bit.qs, eight_bit.d, eight_bit.m, 48, isa).kind == "Q8_0"
+    got = run(Q5_0, blocks, 48, x, isa=isa)
+    monkeypatch.setattr(int8_kernel, "_fits_5_bits", lambda qs: False)
+    eight = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 48, isa)
+    assert eight.kind == "Q8_0" and eight.packed.nbytes > five.packed.nbytes
+    assert torch.equal(got, run(Q5_0, blocks, 48, x, isa=isa))
+
+
+@ISAS
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K])
 def test_extreme_weights_and_activations_do_not_saturate(kind, isa) -> None:
-    """Every weight at its type's extreme (a nibble of 15; Q5_1's and Q5_K's q of 31; an int8 of
-    -128; Q6_K's -128·(0 - 32), Q3_K's -32·(0 - 4))
+    """Every weight at its type's extreme (a nibble of 15; Q5_1's and Q5_K's q of 31, Q5_0's
+    31 - 16; an int8 of -128; Q6_K's -128·(0 - 32), Q3_K's -32·(0 - 4))
     against activations of ±127 after rounding: the sums must be the exact ones, on AVX2 too,
     where products are summed in int16."""
     blocks = random_blocks(16, 256, seed=2, kind=kind)
     per_block = blocks.reshape(
-        16, 256 // 32 if kind in (Q4_1, Q5_1, Q8_0) else 1, -1
+        16, 256 // 32 if kind in (Q4_1, Q5_0, Q5_1, Q8_0) else 1, -1
     )  # [rows, blocks, bytes]
     if kind is Q4_1 or kind is Q5_1:
         per_block[..., 4:] = 0xFF  # every nibble 15 and high bit set (after d and m)
+    elif kind is Q5_0:
+        per_block[..., 2:] = 0xFF  # (after d)
     elif kind is Q5_K or kind is Q4_K:
         per_block[..., 16:] = 0xFF  # (after d, dmin, the scales and mins)
     elif kind is Q8_0:
@@ -295,8 +317,9 @@ def test_every_packed_linear_computes_with_8_bit_activations(tiny_int8) -> None:
 def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path) -> None:
     """A Q4_K_M-like file (Q2_K, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0; one IQ4_NL linear,
     not served) packs every served type on the 8-bit path, Q6_K's int16 weights too, Q4_K's
-    and Q5_K's scales factored, but Q2_K's (no 8-bit kernel takes its half-block mins: float32
-    activations there); speculation there equals plain decoding."""
+    and Q5_K's scales factored, Q5_0's weights as 5 bits, but Q2_K's (no 8-bit kernel takes
+    its half-block mins: float32 activations there); speculation there equals plain
+    decoding."""
     plain, packed, path = tiny_mixed_twins(tmp_path)
     assert pack_gguf_linears(packed, path, int8_activations=True) == 2 * len(LLAMA_LINEARS)
     kinds = set()
@@ -312,7 +335,7 @@ def test_a_mixed_file_computes_every_served_type_with_8_bit_activations(tmp_path
             torch.testing.assert_close(
                 module(x), quantized(x) @ module.dequantized().T, rtol=1e-5, atol=1e-5
             )
-    assert kinds == {"Q4_1", "Q4_K", "Q8_0", "Q8_1", "Q5_K", "Q6_K"}
+    assert kinds == {"Q4_1", "Q4_K", "Q5_0", "Q8_0", "Q8_1", "Q5_K", "Q6_K"}
     assert_speculation_equals_plain_decoding(packed)
 
 
