@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from service.kernels.int8_kernel import BLOCK, Isa, _ir, _required_isa, split_tiles
+from service.kernels.int8_kernel import BLOCK, Int8Tiles, Isa, _ir, _required_isa, split_tiles
 from service.kernels.native import compile_ir
 
 # rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill AVX-512's
@@ -158,20 +158,30 @@ def records(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tupl
 CHUNK_KINDS = ("Q4_1", "Q4_K")
 
 
-def chunk_matmul(isa: Isa | None = None, kind: str = "Q4_1") -> Any:
-    """`chunk_matmul(isa, kind)(x, packed, d, m, out, chunks)`: out[:R, C·U] = x[R, K] @ W.T
-    for an `Int8Tiles` (packed, d, m) of `kind` (`CHUNK_KINDS`) and `isa` (this CPU's best by
-    default), as `int8_kernel.int8_matmul(kind, isa)` computes it; `out` has room for R rounded
-    up to a whole `GROUP` of rows. The rows are quantized over numba's threads, then the tiles
-    split into `chunks` parts over them (0 or 1: the calling thread)."""
+def chunk_matmul(isa: Isa | None = None, kind: str = "Q4_1", half: bool = False) -> Any:
+    """`chunk_matmul(isa, kind, half)(x, packed, d, m, out, chunks)`: out[:R, C·U] = x[R, K] @
+    W.T for an `Int8Tiles` (packed, d, m) of `kind` (`CHUNK_KINDS`), `isa` (this CPU's best by
+    default) and scales (`half`: float16), as `int8_kernel.int8_matmul(kind, isa, half)`
+    computes it; `out` has room for R rounded up to a whole `GROUP` of rows. The rows are
+    quantized over numba's threads, then the tiles split into `chunks` parts over them (0 or 1:
+    the calling thread)."""
     assert kind in CHUNK_KINDS
-    return _chunk_matmul(isa or _required_isa(), kind)
+    return _chunk_matmul(isa or _required_isa(), kind, half)
+
+
+def chunk_matmul_of(tiles: Int8Tiles) -> Any | None:
+    """`chunk_matmul` for `tiles`, or None where their kind has none."""
+    if tiles.kind not in CHUNK_KINDS:
+        return None
+    return chunk_matmul(tiles.isa, tiles.kind, tiles.half_scales)
 
 
 @functools.cache
-def _chunk_matmul(isa: Isa, kind: str) -> Any:
+def _chunk_matmul(isa: Isa, kind: str, half: bool) -> Any:
     quantize = compile_ir(_quantize_ir(), "quantize", [ctypes.c_int64] * 4)
-    tiles_kernel = compile_ir(_ir(kind, isa, (GROUP,), records), "tiles", [ctypes.c_int64] * 11)
+    tiles_kernel = compile_ir(
+        _ir(kind, isa, (GROUP,), records, half), "tiles", [ctypes.c_int64] * 11
+    )
 
     @njit(parallel=True, nogil=True)
     def matmul(x, packed, d, m, out, chunks):  # pragma: no cover - compiled
@@ -189,13 +199,13 @@ def _chunk_matmul(isa: Isa, kind: str) -> Any:
     return matmul
 
 
-def warm_up(kinds: Iterable[str], isa: Isa | None = None) -> None:
-    """Build and compile the kernels of `kinds` (those of `CHUNK_KINDS` among them) now, not in
+def warm_up(served: Iterable[Int8Tiles]) -> None:
+    """Build and compile the kernels of the `served` tiles (those of `CHUNK_KINDS`) now, not in
     the first long prompt's pass (like `int8_kernel.warm_up`)."""
-    isa = isa or _required_isa()
-    scales = np.zeros((1, 1, isa.columns), np.float32)
-    for kind in sorted(set(kinds) & set(CHUNK_KINDS)):
-        chunk_matmul(isa, kind)(
+    keys = {(t.kind, t.isa, t.half_scales) for t in served if t.kind in CHUNK_KINDS}
+    for kind, isa, half in sorted(keys, key=str):
+        scales = np.zeros((1, 1, isa.columns), np.uint16 if half else np.float32)
+        chunk_matmul(isa, kind, half)(
             np.zeros((1, BLOCK), np.float32),
             np.zeros((1, 1, isa.block_bytes(kind)), np.uint8),
             scales,

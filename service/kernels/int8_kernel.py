@@ -38,7 +38,9 @@ A K-quant's scales and mins are a float16 d (dmin) a super-block of 256 weights 
 integer a block of 32 (`gguf_blocks`: the float layouts widen them to a float32 a block). Here
 they stay that compact (kinds "Q4_K" and "Q5_K", `FACTORED`): a float32 a super-block and a
 byte a block and column (`_factored_scales`), which the kernel multiplies back, exactly, before
-it uses them: the bits of a float32 a block, at 0.09 bytes a weight instead of 0.25.
+it uses them: the bits of a float32 a block, at 0.09 bytes a weight instead of 0.25. Scales
+and mins that are all float16 (the other types' own, and Q6_K's and Q3_K's d) are kept in two
+bytes, widened exactly as they are loaded (`Int8Tiles.half_scales`).
 
 A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
 integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) is re-laid as 6-bit weights
@@ -148,8 +150,8 @@ class Int8Tiles:
     isa: Isa
     # [U, B, `Isa.block_bytes`] uint8: tile u, block b (module docstring)
     packed: np.ndarray
-    # float32 scales of the tile's columns: [U, B, columns], or a super-block's [U, B/8,
-    # columns] (`per_super_block`: the factored kinds' and the int16 kinds')
+    # float32 scales of the tile's columns (or float16's bits, `half_scales`): [U, B, columns],
+    # or a super-block's [U, B/8, columns] (`PER_SUPER_BLOCK`: the factored and int16 kinds)
     d: np.ndarray
     # Q4_1, Q8_1: [U, B, columns] float32 mins; Q4_K, Q5_K: a super-block's [U, B/8, columns];
     # the others: none ([U, 0, columns])
@@ -161,6 +163,12 @@ class Int8Tiles:
     def padded_features(self) -> int:
         """The output columns the kernel writes: whole tiles."""
         return self.packed.shape[0] * self.isa.columns
+
+    @property
+    def half_scales(self) -> bool:
+        """Whether d and m are float16, held as their bits (uint16: numba has no float16
+        arrays), where every value is one (`int8_tiles`)."""
+        return self.d.dtype == np.uint16
 
     def rows(self, first: int, count: int) -> Int8Tiles:
         """Output rows first..first+count-1 (`first` a whole number of tiles in), as views."""
@@ -196,7 +204,11 @@ class Int8Tiles:
     def block_scales(self) -> tuple[np.ndarray, np.ndarray]:
         """Each block's d and m [U, B, columns], as the kernel makes them: a factored kind's
         super-block float times the block's byte (exact), an int16 kind's super-block d."""
-        d, m = self.d, self.m
+        d, m = (
+            (a.view(np.float16).astype(np.float32) for a in (self.d, self.m))
+            if self.half_scales
+            else (self.d, self.m)
+        )
         if self.kind in PER_SUPER_BLOCK:
             d = np.repeat(d, SUPER_BLOCKS, axis=1)
         if self.kind in FACTORED:
@@ -275,13 +287,16 @@ def int8_tiles(
         _relaid(kind, qs[at : at + RELAY_TILES], d[at : at + RELAY_TILES], m, at, isa, f)
         for at, f in zip(starts, factors)
     ]
-    return Int8Tiles(
-        parts[0][0],
-        isa,
-        *(np.concatenate([part[i] for part in parts]) for i in (1, 2, 3)),
-        out_features,
-        qs.shape[1] * BLOCK,
-    )
+    packed, scales, mins = (np.concatenate([part[i] for part in parts]) for i in (1, 2, 3))
+    if _half_exact(scales) and _half_exact(mins):  # the file's float16 scales: half the bytes
+        scales, mins = (a.astype(np.float16).view(np.uint16) for a in (scales, mins))
+    return Int8Tiles(parts[0][0], isa, packed, scales, mins, out_features, qs.shape[1] * BLOCK)
+
+
+def _half_exact(a: np.ndarray) -> bool:
+    """Whether every value of float32 `a` is a float16 (a file's scales, and Q4_0's -8·d)."""
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
 def _relaid(
@@ -534,6 +549,7 @@ def _ir(
     isa: Isa,
     row_groups: Sequence[int] = ROW_GROUPS,
     addresses: Addresses = row_major,
+    half: bool = False,
 ) -> str:
     """The tile kernel's LLVM IR for `isa`: tiles(packed, d, m, xq, dx, xs, out, rows, blocks,
     out_stride, count) computes out[r, Cu : Cu + C] (C = `isa.columns`) for the `count` tiles
@@ -595,9 +611,12 @@ def _ir(
     tile.add_incoming(const(0), start)
     packed = b.gep(packed0, [b.mul(tile, b.mul(blocks, const(block_bytes)))])
     d_rows = super_block(b, blocks) if kind in PER_SUPER_BLOCK else blocks
-    d = b.gep(d0, [b.mul(tile, b.mul(d_rows, const(lanes)))])
+    # d and m: float32, or float16 (`half`, widened exactly as they are loaded)
+    scale_type = ir.HalfType() if half else f32
+    scale_vector = ir.VectorType(scale_type, lanes)
+    d = b.gep(b.bitcast(d0, scale_type.as_pointer()), [b.mul(tile, b.mul(d_rows, const(lanes)))])
     m = b.gep(
-        b.bitcast(m0, f32.as_pointer()),
+        b.bitcast(m0, scale_type.as_pointer()),
         [b.mul(tile, b.mul(d_rows if factored else blocks, const(lanes)))],
     )
     # the signed kinds' weights offset (`Isa.offset_weights`): c, and each sum less c·Σxq
@@ -654,19 +673,15 @@ def _ir(
             total.add_incoming(ir.Constant(floats, [0.0] * lanes), head)
         weights = b.gep(packed, [b.mul(block, const(block_bytes))])
         scale_row = super_block(b, block) if kind in PER_SUPER_BLOCK else block
-        scales = b.load(
-            b.bitcast(b.gep(d, [b.mul(scale_row, const(lanes))]), floats.as_pointer()), align=4
-        )
+
+        def scales_at(array: Any, at: Any) -> Any:  # a block's lanes of d or m, as float32
+            pointer = b.bitcast(b.gep(array, [b.mul(at, const(lanes))]), scale_vector.as_pointer())
+            loaded = b.load(pointer, align=2)
+            return b.fpext(loaded, floats) if half else loaded
+
+        scales = scales_at(d, scale_row)
         column_terms = (
-            b.load(
-                b.bitcast(
-                    b.gep(m, [b.mul(scale_row if factored else block, const(lanes))]),
-                    floats.as_pointer(),
-                ),
-                align=4,
-            )
-            if kind in FLOAT_MINS
-            else None
+            scales_at(m, scale_row if factored else block) if kind in FLOAT_MINS else None
         )
         if factored:  # the block's factors (bytes after its weights) times the super-block's
             factor_bytes = ir.VectorType(i8, lanes)
@@ -814,17 +829,23 @@ def _ir(
     return str(module)
 
 
-def int8_matmul(kind: str = "Q4_1", isa: Isa | None = None) -> Any:
-    """`int8_matmul(kind, isa)(x, packed, d, m, out, chunks)`: out[R, C·U] = x[R, K] @ W.T for
-    the weight of (packed, d, m) (`Int8Tiles` of that kind and instruction set, this CPU's best
-    by default), x quantized per row and block first; the tiles split into `chunks` parts over
-    numba's threads (0 or 1: the calling thread)."""
-    return _int8_matmul(kind, isa or _required_isa())
+def int8_matmul(kind: str = "Q4_1", isa: Isa | None = None, half: bool = False) -> Any:
+    """`int8_matmul(kind, isa, half)(x, packed, d, m, out, chunks)`: out[R, C·U] = x[R, K] @
+    W.T for the weight of (packed, d, m) (`Int8Tiles` of that kind and instruction set, this
+    CPU's best by default; `half`: its d and m float16, `Int8Tiles.half_scales`), x quantized
+    per row and block first; the tiles split into `chunks` parts over numba's threads (0 or 1:
+    the calling thread)."""
+    return _int8_matmul(kind, isa or _required_isa(), half)
+
+
+def matmul_of(tiles: Int8Tiles) -> Any:
+    """`int8_matmul` for `tiles`' kind, instruction set and scales."""
+    return int8_matmul(tiles.kind, tiles.isa, tiles.half_scales)
 
 
 @functools.cache
-def _int8_matmul(kind: str, isa: Isa) -> Any:
-    tiles_kernel = compile_ir(_ir(kind, isa), "tiles", [ctypes.c_int64] * 11)
+def _int8_matmul(kind: str, isa: Isa, half: bool) -> Any:
+    tiles_kernel = compile_ir(_ir(kind, isa, half=half), "tiles", [ctypes.c_int64] * 11)
     # offset weights (`Isa.offset_weights`) take each row's half-block sums where dx·Σxq was
     halves = weight_offset(kind, isa) > 0
 
@@ -884,21 +905,19 @@ def split_tiles(
             )
 
 
-def warm_up(kinds: Iterable[str], isa: Isa | None = None) -> None:
-    """Build and compile the kernels of `kinds` (`Int8Tiles.kind`) for `isa` (this CPU's best
-    by default) now (LLVM, then numba, which cannot cache code that calls into this process's
-    own machine code), not in the first request's pass, which would otherwise wait seconds for
-    them. Each kind's take about half a second: a model's own kinds only."""
-    isa = isa or _required_isa()
+def warm_up(served: Iterable[Int8Tiles]) -> None:
+    """Build and compile the kernels of the `served` tiles (their kinds, instruction sets and
+    scales) now (LLVM, then numba, which cannot cache code that calls into this process's own
+    machine code), not in the first request's pass, which would otherwise wait seconds for
+    them. Each kernel takes about half a second: a model's own only."""
     x = np.zeros((1, BLOCK), np.float32)
-    for kind in sorted(set(kinds)):
-        extra = np.float32 if kind in FLOAT_MINS else np.int32
-        scales = np.zeros((1, 1, isa.columns), np.float32)
-        int8_matmul(kind, isa)(
+    for kind, isa, half in sorted({(t.kind, t.isa, t.half_scales) for t in served}, key=str):
+        scales = np.zeros((1, 1, isa.columns), np.uint16 if half else np.float32)
+        int8_matmul(kind, isa, half)(
             x,
             np.zeros((1, 1, isa.block_bytes(kind)), np.uint8),
             scales,
-            np.zeros((1, 1, isa.columns), extra),
+            scales,
             np.empty((1, isa.columns), np.float32),
             0,
         )

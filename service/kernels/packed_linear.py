@@ -55,15 +55,15 @@ from service.cache_files import (
 )
 from service.kernels.gguf_blocks import BLOCK_TYPES, unpack
 from service.kernels.gguf_file import GGUFTensor, read_gguf
-from service.kernels.int8_chunk_kernel import CHUNK_KINDS, CHUNK_MIN_ROWS, GROUP, chunk_matmul
+from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul_of
 from service.kernels.int8_chunk_kernel import warm_up as warm_up_chunks
 from service.kernels.int8_kernel import (
     REQUIRED_FEATURES,
     Int8Tiles,
     best_isa,
-    int8_matmul,
     int8_supported,
     int8_tiles,
+    matmul_of,
 )
 from service.kernels.int8_kernel import warm_up as warm_up_int8
 from service.kernels.packed_kernels_gen import TILE
@@ -368,9 +368,9 @@ class PackedLinear(nn.Module):
         self._tiles = tiles if isinstance(tiles, PackedTiles) else None  # numpy views
         self._int8 = tiles if isinstance(tiles, Int8Tiles) else None
         if self._int8 is not None:  # what every call needs, looked up once
-            kind, isa = self._int8.kind, self._int8.isa  # the kernels of the tiles' own layout
-            self._int8_kernel = int8_matmul(kind, isa)
-            self._chunk_kernel = chunk_matmul(isa, kind) if kind in CHUNK_KINDS else None
+            # the kernels of the tiles' own layout
+            self._int8_kernel = matmul_of(self._int8)
+            self._chunk_kernel = chunk_matmul_of(self._int8)
             self._int8_columns = self._int8.padded_features
 
     def extra_repr(self) -> str:
@@ -835,9 +835,9 @@ def pack_gguf_linears(
             )
         setattr(parent, attr, packed)
     if int8_activations:
-        kinds = {m._int8.kind for m in model.modules() if isinstance(m, PackedLinear) and m._int8}
-        warm_up_int8(kinds)
-        warm_up_chunks(kinds)
+        served = [m._int8 for m in model.modules() if isinstance(m, PackedLinear) and m._int8]
+        warm_up_int8(served)
+        warm_up_chunks(served)
     large_passes = (
         "every pass"
         if kernel_max_rows == UNBOUNDED_ROWS

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul
+from service.kernels.int8_chunk_kernel import CHUNK_MIN_ROWS, GROUP, chunk_matmul_of
 from service.kernels.int8_kernel import (
     BLOCK,
-    int8_matmul,
     int8_tiles,
+    matmul_of,
     supported_isas,
 )
 from service.kernels.packed_linear import PackedLinear, tiles_from_blocks
@@ -53,9 +53,9 @@ def test_the_chunk_kernel_gives_the_every_size_kernels_bits(
     ).numpy()
     x[0, :BLOCK] = 0  # an all-zero block: scale 0
     want = np.empty((rows, t.padded_features), np.float32)
-    int8_matmul(t.kind, isa)(x, t.packed, t.d, t.m, want, threads)
+    matmul_of(t)(x, t.packed, t.d, t.m, want, threads)
     got = np.full((-(-rows // GROUP) * GROUP, want.shape[1]), np.nan, np.float32)
-    chunk_matmul(isa, t.kind)(x, t.packed, t.d, t.m, got, threads)
+    chunk_matmul_of(t)(x, t.packed, t.d, t.m, got, threads)
     assert np.array_equal(got[:rows], want)
 
 

@@ -16,8 +16,8 @@ from service.kernels.int8_kernel import (
     AVX2,
     BLOCK,
     VNNI,
-    int8_matmul,
     int8_tiles,
+    matmul_of,
     supported_isas,
 )
 from service.kernels.packed_linear import (
@@ -72,7 +72,7 @@ def run(
     tiles = tiles_from_blocks(blocks, out_features, x.shape[1], kind.name)
     t = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, out_features, isa)
     out = np.empty((x.shape[0], t.padded_features), np.float32)
-    int8_matmul(t.kind, isa)(x.numpy(), t.packed, t.d, t.m, out, chunks)
+    matmul_of(t)(x.numpy(), t.packed, t.d, t.m, out, chunks)
     return torch.from_numpy(out[:, :out_features])
 
 
@@ -243,6 +243,25 @@ def test_factored_scales_give_the_bits_of_a_float_a_block(kind, isa, monkeypatch
     assert unfactored.kind == {"Q4_K": "Q4_1", "Q5_K": "Q8_1"}[kind.name]
     assert factored_bytes < unfactored.packed.nbytes + unfactored.d.nbytes + unfactored.m.nbytes
     assert torch.equal(got, run(kind, blocks, 40, x, isa=isa))
+
+
+@ISAS
+@pytest.mark.parametrize("kind", [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q6_K])
+def test_a_files_float16_scales_stay_float16_with_the_same_bits(kind, isa, monkeypatch) -> None:
+    """Scales (and mins) that are all float16, as a file's are, are kept in two bytes and
+    widened exactly in the kernel: the bits of float32 scales."""
+    blocks = random_blocks(40, 512, seed=10, kind=kind)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(10))
+    tiles = tiles_from_blocks(blocks, 40, 512, kind.name)
+    half = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 40, isa)
+    assert half.half_scales and half.d.itemsize == 2
+    got = run(kind, blocks, 40, x, isa=isa)
+    monkeypatch.setattr(int8_kernel, "_half_exact", lambda a: False)
+    assert not int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 40, isa).half_scales
+    assert torch.equal(got, run(kind, blocks, 40, x, isa=isa))
+    monkeypatch.undo()
+    scaled = tiles.d * np.float32(1 + 2**-20)  # a float32 past float16's bits: kept float32
+    assert not int8_tiles(tiles.kind, tiles.qs, scaled, tiles.m, 40, isa).half_scales
 
 
 def test_scales_factor_only_as_exact_products_of_a_byte() -> None:
