@@ -320,6 +320,19 @@ def _take_head_dim(config: PretrainedConfig, contents: GGUFContents) -> None:
         config.head_dim = int(key_length)
 
 
+def _take_rotary_dims(config: PretrainedConfig, contents: GGUFContents) -> None:
+    """Set a partial rotary embedding's `partial_rotary_factor` from the file's
+    `{arch}.rope.dimension_count`, the dimensions of each head it turns, which llama.cpp reads:
+    transformers' GGUF mapping drops it, which would turn the whole of each head of a
+    Phi-4-mini (whose rotary embedding covers three quarters of it)."""
+    dims = contents.number("rope.dimension_count")
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    if dims is not None and dims < head_dim:
+        config.rope_parameters["partial_rotary_factor"] = int(dims) / head_dim
+
+
 def _save_gguf_header(contents: GGUFContents, directory: Path) -> None:
     """Save the config and tokenizer of the GGUF of `contents` (read from its metadata) in
     `directory` (a temporary one that `cached_directory` renames into place once whole)."""
@@ -329,6 +342,7 @@ def _save_gguf_header(contents: GGUFContents, directory: Path) -> None:
     )
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     _take_head_dim(config, contents)
+    _take_rotary_dims(config, contents)
     config.save_pretrained(directory)
     AutoTokenizer.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True
