@@ -4,6 +4,7 @@ speculation on a packed model equals its plain decoding."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,7 @@ def _add_model_rest(
     Gemma's norms as llama.cpp stores them (1 + weight: its norms scale by that), its sandwich
     norms under their llama.cpp names, and its window. The padding token, the dimensions of
     each head the rotary embedding turns (Phi-4-mini's are a part of it), and Phi-3's window
-    (0: none) and original context, as llama.cpp writes them."""
+    and rope scaling (`_add_phi3_rope`), as llama.cpp writes them."""
     config = model.config
     rope = config.rope_parameters
     rope = rope.get("full_attention", rope)  # Gemma 3's: per layer type
@@ -181,8 +182,7 @@ def _add_model_rest(
     if gemma:
         writer.add_sliding_window(config.sliding_window)
     if config.model_type == "phi3":
-        writer.add_sliding_window(config.sliding_window or 0)
-        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        _add_phi3_rope(writer, config)
     embedding = model.model.embed_tokens.weight.detach().numpy()
     if embedding_type is None:
         writer.add_tensor("token_embd.weight", embedding)
@@ -215,6 +215,24 @@ def _add_model_rest(
             norms |= {"attn_q_norm": layer.self_attn.q_norm, "attn_k_norm": layer.self_attn.k_norm}
         for kind, norm in norms.items():
             add_norm(f"blk.{index}.{kind}.weight", norm)
+
+
+def _add_phi3_rope(writer: gguf.GGUFWriter, config) -> None:
+    """Phi-3's window (0: none), original context and, for its long-context rope scaling
+    (LongRoPE), the attention factor and the per-frequency factors as tensors, as llama.cpp's
+    converter writes them."""
+    writer.add_sliding_window(config.sliding_window or 0)
+    original = config.original_max_position_embeddings
+    writer.add_rope_scaling_orig_ctx_len(original)
+    rope = config.rope_parameters
+    if rope.get("rope_type") != "longrope":
+        return
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    for kind in ("long", "short"):
+        writer.add_tensor(
+            f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], np.float32)
+        )
 
 
 def tiny_gguf_twins(directory: Path):

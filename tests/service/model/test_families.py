@@ -23,17 +23,23 @@ from tests.helpers.passes import DRAFTS, PROMPT, assert_nodes_match, prefilled
 
 load_kernels()  # from the source tree's cache, not each test's own cache directory
 PHI3 = {"pad_token_id": 0}  # (its default padding token is past a tiny vocabulary)
+HALF_ROTARY = {"rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 # config fields beyond the shared ones; "Phi3Config:partial": Phi-4-mini's partial rotary
-# embedding, on half of each 16-wide head
+# embedding, on half of each 16-wide head; "Phi3Config:longrope": with its long-context rope
+# scaling too, of a factor per rotated frequency pair (the short ones within the original
+# context of 64, which the tests' sequences stay in)
 FAMILY_FIELDS: dict[str, dict] = {
     "Phi3Config": PHI3,
-    "Phi3Config:partial": PHI3
+    "Phi3Config:partial": PHI3 | {"rope_parameters": {"rope_type": "default"} | HALF_ROTARY},
+    "Phi3Config:longrope": PHI3
     | {
+        "original_max_position_embeddings": 64,
         "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10000.0,
-            "partial_rotary_factor": 0.5,
+            "rope_type": "longrope",
+            "short_factor": [1.0, 1.25, 2.5, 6.0],
+            "long_factor": [1.5, 4.0, 9.0, 30.0],
         }
+        | HALF_ROTARY,
     },
 }
 OTHER = [11, 12, 13, 14, 15, 11, 12, 13, 14, 15, 11, 12]
@@ -62,6 +68,7 @@ def family_model(config_name: str) -> transformers.PreTrainedModel:
         "Gemma3TextConfig",
         "Phi3Config",
         "Phi3Config:partial",
+        "Phi3Config:longrope",
     ],
 )
 def test_a_gguf_of_the_family_serves_packed_on_the_lean_pass(config_name, tmp_path) -> None:
@@ -85,17 +92,18 @@ def test_a_gguf_of_the_family_serves_packed_on_the_lean_pass(config_name, tmp_pa
     assert_speculation_equals_plain_decoding(model)
 
 
-@pytest.mark.parametrize("config_name", ["Phi3Config", "Phi3Config:partial"])
+@pytest.mark.parametrize("config_name", ["Phi3Config", "Phi3Config:partial", "Phi3Config:longrope"])
 @pytest.mark.parametrize("quantization", ["auto", pytest.param("gguf-int8", marks=needs_int8)])
 def test_a_phi3_gguf_serves_packed_as_its_model_decodes(
     config_name, quantization, tmp_path
 ) -> None:
     """A Phi-3 GGUF as llama.cpp writes one (q/k/v and gate/up as fused tensors, the rotary
-    embedding's dimensions in `phi3.rope.dimension_count`, which transformers' GGUF loading
-    drops) through the loader: every linear packed into Phi-3's own modules, the partial
-    rotary embedding the file's. With float activations (what `auto` serves) greedy output
-    equals that of the model the file was written from, with speculation off, fixed and auto,
-    batched and alone; the 8-bit path's speculation equals its plain decoding."""
+    embedding's dimensions in `phi3.rope.dimension_count`, LongRoPE's factors as tensors, none
+    of which transformers' GGUF loading reads) through the loader: every linear packed into
+    Phi-3's own modules, the rotary embedding the file's. With float activations (what `auto`
+    serves) greedy output equals that of the model the file was written from, with speculation
+    off, fixed and auto, batched and alone; the 8-bit path's speculation equals its plain
+    decoding."""
     plain = family_model(config_name)
     write_tiny_gguf(plain, tmp_path / "phi3.gguf", loadable=True)
     loaded = load_model(tmp_path / "phi3.gguf", cache_dir=tmp_path, quantization=quantization)
@@ -103,8 +111,7 @@ def test_a_phi3_gguf_serves_packed_as_its_model_decodes(
     assert loaded.quantization == ("gguf" if quantization == "auto" else quantization)
     for layer in served.model.layers:
         assert all(isinstance(layer.get_submodule(n), PackedLinear) for n in PHI3_LINEARS.values())
-    factor = served.config.rope_parameters["partial_rotary_factor"]
-    assert factor == plain.config.rope_parameters["partial_rotary_factor"]
+    assert served.config.rope_parameters == plain.config.rope_parameters
     if quantization == "gguf-int8":
         assert_speculation_equals_plain_decoding(served)
         return
