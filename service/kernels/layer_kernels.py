@@ -61,12 +61,19 @@ def rotate_and_store(
     entries = np.empty((tokens, 2, kv_heads, dim), np.float32)  # each token's keys and values
     for t in range(tokens):
         for h in range(heads + kv_heads):
-            out = queries[t, h] if h < heads else entries[t, 0, h - heads]
             for i in range(half):
                 low, high = qkv[t, h, i], qkv[t, h, i + half]
-                out[i] = low * cos[t, i] + (-high) * sin[t, i]
-                out[i + half] = high * cos[t, i + half] + low * sin[t, i + half]
-            out[turned:] = qkv[t, h, turned:]
+                rotated_low = low * cos[t, i] + (-high) * sin[t, i]
+                rotated_high = high * cos[t, i + half] + low * sin[t, i + half]
+                if h < heads:
+                    queries[t, h, i] = rotated_low
+                    queries[t, h, i + half] = rotated_high
+                else:
+                    entries[t, 0, h - heads, i] = rotated_low
+                    entries[t, 0, h - heads, i + half] = rotated_high
+        if turned < dim:  # a partial rotary embedding: the rest of each head as it is
+            queries[t, :, turned:] = qkv[t, :heads, turned:]
+            entries[t, 0, :, turned:] = qkv[t, heads : heads + kv_heads, turned:]
         entries[t, 1] = qkv[t, heads + kv_heads :]
     _store_entries(entries, keys, values, rows, positions)
 
