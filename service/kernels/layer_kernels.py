@@ -47,14 +47,17 @@ def rotate_and_store(
     """Rotary embedding of a pass's queries and keys, and the cache write of its keys and values.
 
     qkv [T, heads + 2 * kv_heads, head_dim]: the fused projection's output (queries, keys,
-    values); cos, sin [T, head_dim]: each token's rotary tables. Writes the rotated queries to
+    values); cos, sin [T, rotary_dim]: each token's rotary tables, which turn the first
+    rotary_dim dimensions of each head (all of them but for a partial rotary embedding,
+    Phi-4-mini's); the rest pass as they are. Writes the rotated queries to
     queries [T, heads, head_dim], the rotated keys and the values to keys/values [rows, kv_heads,
     capacity, head_dim] at (rows[t], positions[t]): float32, or float16 given as its uint16
     bits (rounded to the nearest, ties to even, as torch and numpy round). Rotation as
     transformers' `rotate_half` convention: x * cos + [-x2, x1] * sin."""
     tokens, _, dim = qkv.shape
     kv_heads = keys.shape[1]
-    half = dim // 2
+    turned = cos.shape[1]
+    half = turned // 2
     entries = np.empty((tokens, 2, kv_heads, dim), np.float32)  # each token's keys and values
     for t in range(tokens):
         for h in range(heads + kv_heads):
@@ -68,6 +71,9 @@ def rotate_and_store(
                 else:
                     entries[t, 0, h - heads, i] = rotated_low
                     entries[t, 0, h - heads, i + half] = rotated_high
+        if turned < dim:  # a partial rotary embedding: the rest of each head as it is
+            queries[t, :, turned:] = qkv[t, :heads, turned:]
+            entries[t, 0, :, turned:] = qkv[t, heads : heads + kv_heads, turned:]
         entries[t, 1] = qkv[t, heads + kv_heads :]
     _store_entries(entries, keys, values, rows, positions)
 

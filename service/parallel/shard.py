@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from service.kernels.packed_linear import PACKED_MODEL_TYPES, PackedLinear
+from service.kernels.packed_linear import LLAMA_MODULE_TYPES, PackedLinear
 
 
 class NotShardable(ValueError):
@@ -72,9 +72,9 @@ class VocabParallelHead(nn.Module):
 def check_shardable(model: PreTrainedModel, world: int) -> None:
     """Raise `NotShardable`, saying why, unless `model` splits evenly over `world` ranks."""
     config = model.config
-    if getattr(config, "model_type", None) not in PACKED_MODEL_TYPES:
+    if getattr(config, "model_type", None) not in LLAMA_MODULE_TYPES:
         raise NotShardable(
-            f"tensor parallelism supports {', '.join(PACKED_MODEL_TYPES)} models, "
+            f"tensor parallelism supports {', '.join(LLAMA_MODULE_TYPES)} models, "
             f"not {getattr(config, 'model_type', None)!r}"
         )
     if any(isinstance(module, PackedLinear) for module in model.modules()):

@@ -4,6 +4,7 @@ speculation on a packed model equals its plain decoding."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,8 @@ from service.bench import random_gguf
 from service.engine.engine import Engine
 from service.engine.params import GenerationParams, SpeculationParams
 from service.kernels.packed_linear import (
-    LLAMA_LINEARS,
     PackedLinear,
+    gguf_linears,
     tiles_from_blocks,
     unpermute_rows,
 )
@@ -92,18 +93,21 @@ def write_tiny_gguf(
 ) -> None:
     """Quantize a tiny model's linears (`linear_type(layer index, llama.cpp's name)`, Q4_1 by
     default) and its LM head (Q8_0 by default) into a GGUF of its architecture (llama.cpp's
-    names, and for a Llama its q/k permutation), and set the model's weights to exactly what
-    that file holds (random blocks for the K-quants gguf-py cannot write). `loadable`: with the
-    rest a served model needs (`_add_model_rest`), so that `load_model` converts and serves the
-    file; a model with tied embeddings then gets no output tensor: its token embedding, in
-    `head_type`, is the head, as llama.cpp writes such a model."""
+    names, for a Llama its q/k permutation, Phi-3's fused modules as they are), and set the
+    model's weights to exactly what that file holds (random blocks for the K-quants gguf-py
+    cannot write). `loadable`: with the rest a served model needs (`_add_model_rest`), so that
+    `load_model` converts and serves the file; a model with tied embeddings then gets no output
+    tensor: its token embedding, in `head_type`, is the head, as llama.cpp writes such a
+    model."""
     config = model.config
-    writer = gguf.GGUFWriter(path, GGUF_ARCHITECTURES.get(config.model_type, config.model_type))
+    architecture = GGUF_ARCHITECTURES.get(config.model_type, config.model_type)
+    writer = gguf.GGUFWriter(path, architecture)
+    linears = gguf_linears(architecture)
     tied_table = loadable and config.tie_word_embeddings
     if loadable:
         _add_model_rest(writer, model, head_type if tied_table else None)
     for index, layer in enumerate(model.model.layers):
-        for kind, name in LLAMA_LINEARS.items():
+        for kind, name in linears.items():
             linear = layer.get_submodule(name)
             weight = linear.weight.detach().numpy()
             heads = (
@@ -116,7 +120,7 @@ def write_tiny_gguf(
             )
             stored = permute_rows(weight, heads) if heads else weight
             dtype = linear_type(index, kind)
-            blocks = _quantize(stored, dtype, seed=index * 100 + list(LLAMA_LINEARS).index(kind))
+            blocks = _quantize(stored, dtype, seed=index * 100 + list(linears).index(kind))
             served = gguf.quants.dequantize(blocks, dtype)
             if heads:
                 served = served[unpermute_rows(served.shape[0], heads)]
@@ -147,10 +151,13 @@ def _add_model_rest(
     transformers needs beside the linears to load a GGUF as a model and tokenizer. The token
     embedding in float32, or quantized to `embedding_type` (the model's set to the file's).
     Gemma's norms as llama.cpp stores them (1 + weight: its norms scale by that), its sandwich
-    norms under their llama.cpp names, and its window."""
+    norms under their llama.cpp names, and its window. The padding token, the dimensions of
+    each head the rotary embedding turns (Phi-4-mini's are a part of it), and Phi-3's window
+    and rope scaling (`_add_phi3_rope`), as llama.cpp writes them."""
     config = model.config
     rope = config.rope_parameters
     rope = rope.get("full_attention", rope)  # Gemma 3's: per layer type
+    head_dim = model.model.layers[0].self_attn.head_dim
     shape = random_gguf.ModelShape(
         config.hidden_size,
         config.intermediate_size,
@@ -166,11 +173,16 @@ def _add_model_rest(
         eos=config.eos_token_id,
     )
     random_gguf.add_llama_metadata(writer, shape)
-    writer.add_key_length(model.model.layers[0].self_attn.head_dim)  # Qwen3's is no quotient
-    writer.add_value_length(model.model.layers[0].self_attn.head_dim)
+    if config.pad_token_id is not None:  # (Phi-3's default is past a tiny vocabulary)
+        writer.add_pad_token_id(config.pad_token_id)
+    writer.add_key_length(head_dim)  # Qwen3's is no quotient
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     gemma = hasattr(model.model.layers[0], "post_feedforward_layernorm")
     if gemma:
         writer.add_sliding_window(config.sliding_window)
+    if config.model_type == "phi3":
+        _add_phi3_rope(writer, config)
     embedding = model.model.embed_tokens.weight.detach().numpy()
     if embedding_type is None:
         writer.add_tensor("token_embd.weight", embedding)
@@ -195,14 +207,32 @@ def _add_model_rest(
                 "ffn_norm": layer.pre_feedforward_layernorm,
                 "post_ffw_norm": layer.post_feedforward_layernorm,
             }
-        for kind in ("attn_q", "attn_k", "attn_v"):  # Qwen2's biases
-            bias = layer.get_submodule(LLAMA_LINEARS[kind]).bias
+        for kind, name in gguf_linears(writer.arch).items():  # Qwen2's q/k/v biases
+            bias = layer.get_submodule(name).bias
             if bias is not None:
                 writer.add_tensor(f"blk.{index}.{kind}.bias", bias.detach().numpy())
         if hasattr(layer.self_attn, "q_norm"):  # Qwen3's
             norms |= {"attn_q_norm": layer.self_attn.q_norm, "attn_k_norm": layer.self_attn.k_norm}
         for kind, norm in norms.items():
             add_norm(f"blk.{index}.{kind}.weight", norm)
+
+
+def _add_phi3_rope(writer: gguf.GGUFWriter, config) -> None:
+    """Phi-3's window (0: none), original context and, for its long-context rope scaling
+    (LongRoPE), the attention factor and the per-frequency factors as tensors, as llama.cpp's
+    converter writes them."""
+    writer.add_sliding_window(config.sliding_window or 0)
+    original = config.original_max_position_embeddings
+    writer.add_rope_scaling_orig_ctx_len(original)
+    rope = config.rope_parameters
+    if rope.get("rope_type") != "longrope":
+        return
+    scale = config.max_position_embeddings / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+    for kind in ("long", "short"):
+        writer.add_tensor(
+            f"rope_factors_{kind}.weight", np.array(rope[f"{kind}_factor"], np.float32)
+        )
 
 
 def tiny_gguf_twins(directory: Path):

@@ -91,7 +91,7 @@ def test_tree_nodes_past_the_window_equal_sequential_decoding(config_name) -> No
     assert_nodes_match(reference, PROMPT, tree, runner.forward(cache, [RowInput(tree)])[0])
 
 
-@pytest.mark.parametrize("config_name", ["MistralConfig", "Gemma3TextConfig"])
+@pytest.mark.parametrize("config_name", ["MistralConfig", "Gemma3TextConfig", "Phi3Config"])
 @pytest.mark.parametrize(
     "int8", [False, pytest.param(True, marks=needs_int8)], ids=["gguf", "gguf-int8"]
 )
@@ -99,7 +99,8 @@ def test_packed_windowed_layers_attend_through_the_kernel_within_the_window(
     config_name, int8, tmp_path
 ) -> None:
     """The packed path's attention kernel (every row on the 8-bit path) with windows: Mistral's
-    on every layer, Gemma 3's on its local ones (its norms and rotary tables per layer)."""
+    and Phi-3's on every layer (Phi-3's fused projections packed as they are), Gemma 3's on its
+    local ones (its norms and rotary tables per layer)."""
     served, reference = twins(config_name)
     path = tmp_path / "model.gguf"
     write_tiny_gguf(reference, path)  # the reference now holds the file's weights

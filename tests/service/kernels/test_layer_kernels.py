@@ -35,15 +35,18 @@ def test_rms_norm_matches_torch_and_each_token_stands_alone(tokens: int) -> None
     assert torch.equal(alone[0], out[-1])  # a token's result does not depend on the pass size
 
 
-def test_rotate_and_store_gives_the_torch_operators_bits() -> None:
-    """Queries rotated, keys rotated and values written at each token's (row, position)."""
+@pytest.mark.parametrize("turned", [16, 8, 6])
+def test_rotate_and_store_gives_the_torch_operators_bits(turned: int) -> None:
+    """Queries rotated, keys rotated and values written at each token's (row, position); with
+    a partial rotary embedding (`turned` of 16 dimensions, as Phi-4-mini's) the rest of each
+    head as it was."""
     kernels = loaded_layer_kernels()
     heads, kv_heads, dim, tokens = 4, 2, 16, 5
     generator = torch.Generator().manual_seed(0)
     qkv = torch.randn(tokens, heads + 2 * kv_heads, dim, generator=generator)
     cos, sin = (
-        torch.randn(tokens, dim, generator=generator),
-        torch.randn(tokens, dim, generator=generator),
+        torch.randn(tokens, turned, generator=generator),
+        torch.randn(tokens, turned, generator=generator),
     )
     rows, positions = torch.tensor([0, 0, 2, 1, 2]), torch.tensor([3, 4, 0, 7, 1])
     keys, values = torch.zeros(3, kv_heads, 8, dim), torch.zeros(3, kv_heads, 8, dim)
