@@ -672,7 +672,7 @@ def read_packed_linears(
 
 # The architectures whose linears are packed: the lean pass's (`service/model/decoder_pass.py`);
 # their projections are Llama's modules, under Llama's names
-PACKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+PACKED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 # Bumped whenever what saved tiles hold changes (so that older files are not read)
 TILES_FORMAT = 2
 
