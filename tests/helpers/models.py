@@ -41,15 +41,11 @@ def make_tiny_model(
 
 
 def make_tiny_family_model(
-    config_name: str,
-    seed: int = 2,
-    vocab_size: int = TINY_VOCAB,
-    attn_implementation: str = "sdpa",
-    **config: object,
+    config_name: str, seed: int = 2, vocab_size: int = TINY_VOCAB, **config: object
 ) -> transformers.PreTrainedModel:
     """A 2-layer random model of a family (`config_name`: "Qwen3Config"...), 64 wide (two Q4_1
-    blocks a row), heads 16 wide; `config`: more of the family config's fields. Gemma 2 takes
-    `attn_implementation="eager"` (transformers' SDPA cannot cap its scores)."""
+    blocks a row), heads 16 wide; `config`: more of the family config's fields. Its attention
+    is transformers' default kind for it: SDPA, but eager for Gemma 2 (SDPA cannot cap)."""
     torch.manual_seed(seed)
     made = getattr(transformers, config_name)(
         vocab_size=vocab_size,
@@ -60,7 +56,6 @@ def make_tiny_family_model(
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=512,
-        attn_implementation=attn_implementation,
         **config,
     )
     return transformers.AutoModelForCausalLM.from_config(made).eval()
@@ -103,14 +98,13 @@ GEMMA2_CAPS = {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}
 def make_tiny_gemma2(
     seed: int = 5, window: int = 4, **config: object
 ) -> transformers.PreTrainedModel:
-    """A tiny random Gemma 2 (`make_tiny_family_model`, on transformers' eager attention, the
-    kind that caps) whose caps bite: its local layers see `window` positions, its q and k
-    projections (×30) and its untied LM head (×15) are scaled up, so that about a third of its
-    attention scores and a fifth of its logits pass `GEMMA2_CAPS`."""
+    """A tiny random Gemma 2 (`make_tiny_family_model`) whose caps bite: its local layers see
+    `window` positions, its q and k projections (×30) and its untied LM head (×15) are scaled
+    up, so that about a third of its attention scores and a fifth of its logits pass
+    `GEMMA2_CAPS`."""
     model = make_tiny_family_model(
         "Gemma2Config",
         seed=seed,
-        attn_implementation="eager",
         sliding_window=window,
         tie_word_embeddings=False,
         **(GEMMA2_CAPS | config),

@@ -19,12 +19,14 @@ load_kernels()  # from the source tree's cache, not each test's own cache direct
 
 
 @pytest.mark.parametrize(
-    "config_name", ["LlamaConfig", "Qwen2Config", "Qwen3Config", "Gemma3TextConfig"]
+    "config_name",
+    ["LlamaConfig", "Qwen2Config", "Qwen3Config", "Gemma2Config", "Gemma3TextConfig"],
 )
 def test_a_gguf_of_the_family_serves_packed_on_the_lean_pass(config_name, tmp_path) -> None:
     """Qwen2 and Qwen3 keep their q/k rows as written (llama.cpp permutes a Llama's alone);
     Qwen2's biased q/k/v stay unpacked; Qwen3's and Gemma 3's q/k norms come from the file,
-    Gemma's norms stored as llama.cpp stores them (1 + weight)."""
+    Gemma's norms stored as llama.cpp stores them (1 + weight), Gemma 2's caps from its
+    header."""
     plain = make_tiny_family_model(
         config_name,
         seed=4,
