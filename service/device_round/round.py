@@ -214,7 +214,6 @@ class DeviceRound:
         table = None if choice.table is None else self.tables[choice.table]
         if table is not None:
             table.sync_fallback()
-        head = self.runner.model.get_output_embeddings()
 
         def draft(inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return draft_trees(inputs[:, :width], template, table)  # [R, N] each
@@ -228,7 +227,7 @@ class DeviceRound:
             inputs: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, hidden: torch.Tensor
         ) -> torch.Tensor:
             recent, starts = inputs[:, :width], inputs[:, width]
-            logits = head(hidden)  # [R * N, vocab]
+            logits = self.runner.logits(hidden)  # [R * N, vocab]
             choices = (logits.argmax(-1) if choose is None else choose(logits)).view(
                 rows, template.num_nodes
             )

@@ -14,6 +14,8 @@ lanes (8 or 4 when the head size is not a multiple of 16):
   l + lanes/2, then l + lanes/4, ...). Keys go `lanes` at a time through one transposing
   tree, so a block of scores costs `lanes - 1` vector additions instead of `lanes` horizontal
   sums; every key takes the same path through it, so its score does not depend on its block.
+  A model with soft-capped scores (Gemma 2's) then caps each: cap * tanh(score / cap)
+  (`VectorIR.soft_cap`).
 - p_j = exp(score_j - max): a Cephes polynomial in vector lanes (within a few float32 ulps);
   the sum of the p_j in lanes (column j in lane j mod `lanes`, blocks in order) and then the
   same fixed tree.
@@ -85,6 +87,12 @@ class VectorIR:
         )
         self.maxnum = ir.Function(
             self.module, ir.FunctionType(v, [v, v]), name=f"llvm.maxnum.v{self.lanes}f32"
+        )
+        self.fabs = ir.Function(
+            self.module, ir.FunctionType(v, [v]), name=f"llvm.fabs.v{self.lanes}f32"
+        )
+        self.copysign = ir.Function(
+            self.module, ir.FunctionType(v, [v, v]), name=f"llvm.copysign.v{self.lanes}f32"
         )
         self.reduce_max = ir.Function(
             self.module,
@@ -179,6 +187,23 @@ class VectorIR:
         )
         return b.fmul(e, b.bitcast(power, self.vector))
 
+    def soft_cap(self, x: Any, cap: float) -> Any:
+        """cap * tanh(x / cap), Gemma 2's cap of its attention scores (transformers' order: the
+        division, tanh, the product). tanh(y) = sign(y) (1 - e) / (1 + e), e = exp(-2|y|) by
+        `exp` (its argument is never positive): within a few float32 ulps of 1 in absolute
+        terms, far below what a score's sum of products rounds."""
+        b = self.b
+        y = b.fdiv(x, self.filled(cap))
+        e = self.exp(b.fmul(b.call(self.fabs, [y]), self.filled(-2.0)))
+        one = self.filled(1.0)
+        tanh = b.call(self.copysign, [b.fdiv(b.fsub(one, e), b.fadd(one, e)), y])
+        return b.fmul(tanh, self.filled(cap))
+
+    def scaled(self, sums: Any, scale: Any, cap: float) -> Any:
+        """Scores from dot products: times `scale`, then capped at `cap` (0: uncapped)."""
+        scores = self.b.fmul(sums, scale)
+        return self.soft_cap(scores, cap) if cap else scores
+
     def maxnum_call(self, a: Any, b_: Any) -> Any:
         return self.b.call(self.maxnum, [a, b_])
 
@@ -188,12 +213,13 @@ class _Emitter(VectorIR):
     positions)` for one token and one KV head: q [group, head_dim] its query heads, keys and
     values [capacity, head_dim] the KV head's row, `tree` [tree_len] the token's path columns,
     out [group, head_dim]; scores [group * padded] float32 and positions [padded] int64 are
-    scratch, padded = n rounded up to `lanes`."""
+    scratch, padded = n rounded up to `lanes`. Scores capped at `softcap` (0: uncapped)."""
 
-    def __init__(self, head_dim: int, group: int, half: bool) -> None:
+    def __init__(self, head_dim: int, group: int, half: bool, softcap: float = 0.0) -> None:
         super().__init__(lanes_for(head_dim), "ngrammys_attention")
         ir = self.ir
         self.group, self.head_dim, self.chunks = group, head_dim, head_dim // self.lanes
+        self.softcap = softcap
         self.entry = ir.HalfType() if half else ir.FloatType()  # the cache's keys and values
         f32p, i64p, entries = self.f32.as_pointer(), self.i64.as_pointer(), self.entry.as_pointer()
         self.begin(
@@ -309,7 +335,9 @@ class _Emitter(VectorIR):
             ]
             for h, sums in enumerate(self.lane_sums(queries, keys, columns)):
                 self.store_vector(
-                    b.fmul(sums, scale), scores, b.add(b.mul(self.const(h), padded), first)
+                    self.scaled(sums, scale, self.softcap),
+                    scores,
+                    b.add(b.mul(self.const(h), padded), first),
                 )
             return []
 
@@ -400,9 +428,10 @@ class _Emitter(VectorIR):
 
 
 @functools.cache
-def token_attention(head_dim: int, group: int, half: bool = False) -> Any:
-    """`token_attention(head_dim, group, half)(queries, keys, values, tokens, rows, starts,
-    columns, column_offsets, scale, out)`: attention of the flat tokens `tokens` [n] of a pass.
+def token_attention(head_dim: int, group: int, half: bool = False, softcap: float = 0.0) -> Any:
+    """`token_attention(head_dim, group, half, softcap)(queries, keys, values, tokens, rows,
+    starts, columns, column_offsets, scale, out)`: attention of the flat tokens `tokens` [n] of
+    a pass, each score capped at `softcap` (Gemma 2's; 0: uncapped).
 
     queries [T, heads, head_dim]; keys, values [rows, kv_heads, capacity, head_dim] (the cache's
     whole buffers: float32, or with `half` float16 as uint16 bits), heads = group * kv_heads;
@@ -411,7 +440,7 @@ def token_attention(head_dim: int, group: int, half: bool = False) -> Any:
     out[tokens[i]] [heads, head_dim]. One task per (token, KV head) over numba's threads."""
     pointer = ctypes.c_int64
     attend = compile_ir(
-        _Emitter(head_dim, group, half).build(),
+        _Emitter(head_dim, group, half, softcap).build(),
         "attend",
         [
             pointer,
@@ -456,13 +485,13 @@ def token_attention(head_dim: int, group: int, half: bool = False) -> Any:
     return attention
 
 
-def warm_up(head_dim: int, group: int, half: bool) -> None:
-    """Build and compile the kernel for a model's heads now (LLVM, then numba for these
-    argument types), not in the first request's pass."""
+def warm_up(head_dim: int, group: int, half: bool, softcap: float = 0.0) -> None:
+    """Build and compile the kernel for a model's heads (and cap) now (LLVM, then numba for
+    these argument types), not in the first request's pass."""
     index = np.zeros(1, np.int64)
     queries = np.zeros((1, group, head_dim), np.float32)
     cache = np.zeros((1, 1, 1, head_dim), np.uint16 if half else np.float32)
-    token_attention(head_dim, group, half)(
+    token_attention(head_dim, group, half, softcap)(
         queries,
         cache,
         cache,

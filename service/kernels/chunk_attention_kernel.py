@@ -10,7 +10,8 @@ takes much less time so (docs/benchmarks.md, "Prompt tokens' own kernels").
 
 Each query's arithmetic is fixed by the query alone, whatever its block holds or where the
 chunk starts, so a prompt gets the same bits however it is cut into chunks:
-- score_j = (fused multiply-adds from 0 over dims 0, 1, ... in order) × scale;
+- score_j = (fused multiply-adds from 0 over dims 0, 1, ... in order) × scale, capped as
+  `VectorIR.soft_cap` caps it for a model with soft-capped scores (Gemma 2's);
 - max over its columns j ≤ its position; p_j = exp(score_j - max) by `VectorIR.exp`;
 - sum = Σ p_j in column order; out[c] = (Σ_j p_j·v_j[c] by fused multiply-adds in column
   order) / sum.
@@ -52,15 +53,15 @@ class _ChunkEmitter(VectorIR):
     the `count` (≤ LANES) tokens at positions first, first + 1, ... of one KV head's `group`
     query heads. qt [group, head_dim, LANES] their queries (lane i: token i), keys and values
     [first + count, head_dim] float32, out [group, head_dim, LANES]; scores [group, first +
-    count, LANES] is scratch."""
+    count, LANES] is scratch. Scores capped at `softcap` (0: uncapped)."""
 
-    def __init__(self, head_dim: int, group: int) -> None:
+    def __init__(self, head_dim: int, group: int, softcap: float = 0.0) -> None:
         super().__init__(LANES, "ngrammys_chunk_attention")
         if not chunk_kernel_fits(head_dim):
             raise ValueError(
                 f"the chunk attention kernel needs a head size divisible by {LANES}, not {head_dim}"
             )
-        self.head_dim, self.group = head_dim, group
+        self.head_dim, self.group, self.softcap = head_dim, group, softcap
         f32p = self.f32.as_pointer()
         self.begin(
             "chunk", [f32p, f32p, f32p, self.i64, self.i64, self.ir.DoubleType(), f32p, f32p]
@@ -128,7 +129,7 @@ class _ChunkEmitter(VectorIR):
             for c in range(COLUMNS):
                 for h in range(group):
                     self.store_vector(
-                        b.fmul(sums[c * group + h], scale),
+                        self.scaled(sums[c * group + h], scale, self.softcap),
                         scores,
                         self.score_at(padded, h, b.add(first_column, self.const(c))),
                     )
@@ -222,17 +223,17 @@ def _widen_ir() -> str:
 
 
 @functools.cache
-def chunk_attention(head_dim: int, group: int, half: bool = False) -> Any:
-    """`chunk_attention(head_dim, group, half)(queries, keys, values, rows, tokens, firsts,
-    counts, scale, out)`: causal attention of prompt blocks. Block i is counts[i] (≤ LANES)
-    consecutive flat tokens from tokens[i], at positions firsts[i], firsts[i] + 1, ... of KV
-    row rows[i]; each attends to that row's columns up to its own position. queries [T, heads,
-    head_dim]; keys, values [rows, kv_heads, capacity, head_dim] (float32, or with `half`
-    float16 as uint16 bits); writes out[token] [heads, head_dim]. One task per (block, KV head)
-    over numba's threads."""
+def chunk_attention(head_dim: int, group: int, half: bool = False, softcap: float = 0.0) -> Any:
+    """`chunk_attention(head_dim, group, half, softcap)(queries, keys, values, rows, tokens,
+    firsts, counts, scale, out)`: causal attention of prompt blocks, scores capped at `softcap`
+    (0: uncapped). Block i is counts[i] (≤ LANES) consecutive flat tokens from tokens[i], at
+    positions firsts[i], firsts[i] + 1, ... of KV row rows[i]; each attends to that row's
+    columns up to its own position. queries [T, heads, head_dim]; keys, values [rows, kv_heads,
+    capacity, head_dim] (float32, or with `half` float16 as uint16 bits); writes out[token]
+    [heads, head_dim]. One task per (block, KV head) over numba's threads."""
     pointer = ctypes.c_int64
     kernel = compile_ir(
-        _ChunkEmitter(head_dim, group).build(),
+        _ChunkEmitter(head_dim, group, softcap).build(),
         "chunk",
         [
             pointer,
@@ -293,12 +294,13 @@ def chunk_attention(head_dim: int, group: int, half: bool = False) -> Any:
     return attention
 
 
-def warm_up(head_dim: int, group: int, half: bool) -> None:
-    """Build and compile the kernel for a model's heads now, not in the first prompt's pass."""
+def warm_up(head_dim: int, group: int, half: bool, softcap: float = 0.0) -> None:
+    """Build and compile the kernel for a model's heads (and cap) now, not in the first
+    prompt's pass."""
     index = np.zeros(1, np.int64)
     queries = np.zeros((1, group, head_dim), np.float32)
     cache = np.zeros((1, 1, 1, head_dim), np.uint16 if half else np.float32)
-    chunk_attention(head_dim, group, half)(
+    chunk_attention(head_dim, group, half, softcap)(
         queries,
         cache,
         cache,

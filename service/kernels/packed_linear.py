@@ -687,7 +687,7 @@ def read_packed_linears(
 
 
 # The architectures whose projections are Llama's modules, under Llama's names
-LLAMA_MODULE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+LLAMA_MODULE_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 # The architectures whose linears are packed: the lean pass's (`service/model/decoder_pass.py`),
 # Phi-3's fused projections under its own names (`PHI3_LINEARS`)
 PACKED_MODEL_TYPES = (*LLAMA_MODULE_TYPES, "phi3")

@@ -35,7 +35,7 @@ twice (`service/model_drafts/draft_rows.py`). A row that brings nothing this pas
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -467,14 +467,21 @@ def ragged_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Per-row attention of a flat pass; other calls (no layout) go to the model's own kind.
-    `sliding_window` (transformers' windowed layers give theirs) restricts either to it."""
+    `sliding_window` (transformers' windowed layers give theirs) restricts either to it;
+    `softcap` (Gemma 2's `attn_logit_softcapping`) caps the scores of either (`_attend`, with
+    the arithmetic of transformers' eager attention, the one kind of Gemma 2's that caps)."""
     window: Any = kwargs.get("sliding_window")
+    softcap: Any = kwargs.get("softcap")
     if pass_layout is None:
+        queries, keys = query.shape[2], key.shape[2]
+        masked = 1 < queries < keys or (window and keys > window) or (softcap and queries > 1)
+        if attention_mask is None and masked:
+            attention_mask = _causal_after_cache(queries, keys, query.device, query.dtype, window)
+        if softcap is not None:  # the model's own kind, eager, is not registered by name
+            capped = _attend(query, key, value, attention_mask, scaling, 1, softcap)
+            return capped.transpose(1, 2), None  # [b, n, heads, head_dim], as eager's
         fallback = getattr(module.config, "ngrammys_inner_attention", "sdpa")
         inner = ALL_ATTENTION_FUNCTIONS.get_interface(fallback, sdpa_attention_forward)
-        queries, keys = query.shape[2], key.shape[2]
-        if attention_mask is None and (1 < queries < keys or (window and keys > window)):
-            attention_mask = _causal_after_cache(queries, keys, query.device, query.dtype, window)
         return inner(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -487,6 +494,7 @@ def ragged_attention(
             layout.batched_mask,
             scaling,
             layout.query_groups,
+            softcap,
         )
         return out[None, :, :, 0], None  # [1, T, heads, head_dim]
     heads, head_dim = query.shape[1], query.shape[3]
@@ -495,7 +503,9 @@ def ragged_attention(
         assert layout.query_index is not None and layout.batched_tokens is not None
         padded = query[0][:, layout.query_index].transpose(0, 1)  # [rows, heads, D, head_dim]
         # [rows, heads, D, head_dim]
-        out = _attend(padded, key, value, layout.batched_mask, scaling, layout.query_groups)
+        out = _attend(
+            padded, key, value, layout.batched_mask, scaling, layout.query_groups, softcap
+        )
         # [n, heads, d]
         batched = out.transpose(1, 2).reshape(-1, heads, head_dim)[layout.batched_slots]
         if not layout.separate_rows:
@@ -503,7 +513,7 @@ def ragged_attention(
     flat = query.new_empty(query.shape[2], heads, head_dim)  # [T, heads, head_dim]
     if batched is not None:
         flat[layout.batched_tokens] = batched
-    _attend_separate_rows(query, key, value, layout, scaling, flat)
+    _attend_separate_rows(query, key, value, layout, scaling, flat, softcap)
     return flat[None], None  # [1, T, heads, head_dim]
 
 
@@ -512,10 +522,11 @@ def kernel_attention(
     buffers: tuple[torch.Tensor, torch.Tensor],  # the layer's whole key and value buffers
     layout: PassLayout,
     scaling: float,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """A layout's attention [1, T, heads, head_dim] on the packed CPU path: the chunk kernel for
     its prompt tokens, the attention kernel for its narrow rows' tokens, a call each for the
-    wider rows."""
+    wider rows; each caps its scores at `softcap` (None: uncapped)."""
     queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
     flat = torch.empty_like(queries)
     keys, values = buffers
@@ -527,7 +538,7 @@ def kernel_attention(
     )
     if layout.chunk_queries is not None:
         chunk = layout.chunk_queries
-        chunk_attention(head_dim, group, half)(
+        chunk_attention(head_dim, group, half, softcap or 0.0)(
             *arrays,
             chunk.rows,
             chunk.tokens,
@@ -538,7 +549,7 @@ def kernel_attention(
         )
     if layout.kernel_queries is not None:
         narrow = layout.kernel_queries
-        token_attention(head_dim, group, half)(
+        token_attention(head_dim, group, half, softcap or 0.0)(
             *arrays,
             narrow.tokens,
             narrow.rows,
@@ -548,7 +559,7 @@ def kernel_attention(
             np.float32(scaling),
             flat.numpy(),
         )
-    _attend_separate_rows(query, *buffers, layout, scaling, flat)
+    _attend_separate_rows(query, *buffers, layout, scaling, flat, softcap)
     return flat[None]
 
 
@@ -565,6 +576,7 @@ def _attend_separate_rows(
     layout: PassLayout,
     scaling: float | None,
     flat: torch.Tensor,
+    softcap: float | None = None,
 ) -> None:
     """Attention of each of the layout's separate rows, one call a row, into flat
     [T, heads, head_dim] (`key`, `value`: [rows, kv_heads, at least pass_end, head_dim])."""
@@ -578,6 +590,7 @@ def _attend_separate_rows(
             layout.row_masks[row],
             scaling,
             layout.query_groups,
+            softcap,
         )[0].transpose(0, 1)  # [width, heads, head_dim]
 
 
@@ -588,6 +601,7 @@ def _attend(
     mask: torch.Tensor | None,
     scaling: float | None,
     query_groups: int,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Masked attention [b, heads, n, head_dim] of `query` [b, heads, n, head_dim] over `key`
     and `value` [b, kv_heads, L, head_dim]. With `query_groups` > 1 the query heads that share
@@ -595,15 +609,41 @@ def _attend(
     attend as g*n queries of one head, nothing copied but the queries. Grouped heads with a
     mask have no fused kernel on a GPU (flash takes no mask) and ran on the far slower math
     backend there; on a CPU too the folded call is faster (docs/benchmarks.md, "Attention on
-    the GPU"). `mask` must then hold its n rows g times (`build_layout` repeats them)."""
+    the GPU"). `mask` must then hold its n rows g times (`build_layout` repeats them).
+    Scores capped at `softcap` take `_capped_attention` (SDPA cannot cap)."""
+    attend = F.scaled_dot_product_attention if softcap is None else _capped_attention(softcap)
     if query_groups == 1:
-        return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True
-        )
+        return attend(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
     b, heads, n, head_dim = query.shape
     folded = query.reshape(b, heads // query_groups, query_groups * n, head_dim)
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    out = attend(folded, key, value, attn_mask=mask, scale=scaling)
     return out.reshape(b, heads, n, head_dim)
+
+
+def _capped_attention(softcap: float) -> Callable[..., torch.Tensor]:
+    """SDPA's call with each score capped at `softcap` (cap * tanh(score / cap)) after the
+    scaling and before the mask, in the order of transformers' eager Gemma 2 attention: scores
+    in the queries' dtype, the softmax in float32, rounded back before the values' matmul."""
+
+    def attend(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        scale: float | None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        groups = query.shape[1] // key.shape[1]  # > 1 with `enable_gqa` only
+        if groups > 1:
+            key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        scores = torch.matmul(query, key.transpose(2, 3)) * (scale or query.shape[-1] ** -0.5)
+        scores = torch.tanh(scores / softcap) * softcap
+        if attn_mask is not None:
+            scores = scores + attn_mask
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.matmul(weights, value)
+
+    return attend
 
 
 def _causal_after_cache(

@@ -25,9 +25,11 @@ Phi-3's fused modules are used as they are, and a partial rotary embedding (Phi-
 Weights, cache writes and attention (`service/model/attention.py`) are the model's own (on the
 packed path one-token rows attend through a kernel: the same softmax, summed in position
 order). Qwen3's and Gemma 3's RMSNorm of each query and key head before the rotary embedding
-is one norm call each; Gemma 3's norms scale by 1 + weight, in float32 (`_rms_norm`), wrap the
-attention and the MLP on both sides, and its local and global layers take rotary tables of
-their own. Models whose layers differ otherwise take transformers' own forward:
+is one norm call each; Gemma's norms (2 and 3) scale by 1 + weight, in float32 (`_rms_norm`),
+wrap the attention and the MLP on both sides, and Gemma 3's local and global layers take rotary
+tables of their own. Gemma 2's attention scores are soft-capped (cap * tanh(score / cap),
+`attn_logit_softcapping`) by every attention path, its final logits by the runner
+(`service/model/runner.py`). Models whose layers differ otherwise take transformers' own forward:
 `supports_lean_pass` decides.
 """
 
@@ -60,9 +62,9 @@ from service.model.kv_cache import TreeKVCache
 
 # Model types whose decoder layer is exactly: RMSNorm (weight * normed) → q/k/v (optional
 # bias) → (Qwen3: RMSNorm of each q and k head) → rotary → attention → o_proj → residual →
-# RMSNorm → down(act(gate) * up) → residual; and Gemma 3's (the module docstring); and Phi-3's,
-# whose q/k/v and gate/up are one module each already and whose rotary embedding may cover a
-# part of each head: the packed path's families
+# RMSNorm → down(act(gate) * up) → residual; and Gemma 2's and 3's (the module docstring); and
+# Phi-3's, whose q/k/v and gate/up are one module each already and whose rotary embedding may
+# cover a part of each head: the packed path's families
 LEAN_MODEL_TYPES = PACKED_MODEL_TYPES
 
 Projection = Callable[[torch.Tensor], torch.Tensor]
@@ -122,7 +124,8 @@ def lean_hidden(
     heads = model.config.num_attention_heads
     kernels = _layer_kernels(model)
     windows = layer_windows(model.config)
-    sandwich = hasattr(base.layers[0], "post_feedforward_layernorm")  # Gemma 3's norms
+    sandwich = hasattr(base.layers[0], "post_feedforward_layernorm")  # Gemma's norms
+    softcap = getattr(model.config, "attn_logit_softcapping", None)  # Gemma 2's
     for index, layer in enumerate(base.layers):
         cos, sin = rotary[index]
         attn, projections = layer.self_attn, fused_projections(layer)
@@ -136,11 +139,18 @@ def lean_hidden(
         attending = layout.for_window(windows[index])
         if attending.kernel_queries is not None or attending.chunk_queries is not None:
             out = kernel_attention(
-                queries, (layer_cache.keys, layer_cache.values), attending, attn.scaling
+                queries, (layer_cache.keys, layer_cache.values), attending, attn.scaling, softcap
             )  # [1, T, heads, head_dim]
         else:
             out, _ = ragged_attention(
-                attn, queries, keys, values, None, scaling=attn.scaling, pass_layout=attending
+                attn,
+                queries,
+                keys,
+                values,
+                None,
+                scaling=attn.scaling,
+                pass_layout=attending,
+                softcap=softcap,
             )
         attended = projections.o(out.reshape(tokens, -1))
         if sandwich:

@@ -265,24 +265,29 @@ def random_model(
 
 
 def check_supported(config: PretrainedConfig) -> None:
-    """Refuse models whose attention or output logits are soft-capped, and models with
-    sliding-window attention that the context can outgrow, but those
-    whose windows the passes apply (`WINDOWED_MODEL_TYPES`, service/model/attention.py):
-    elsewhere the tree pass would attend densely over the whole cache, and past the window the
-    output would differ from the model's own. A window switched off, on no layer, or at least
-    the context long is no window at all."""
-    for capped in ("attn_logit_softcapping", "final_logit_softcapping"):  # Gemma 2's
-        if getattr(config, capped, None):
-            raise UnsupportedModel(
-                f"{config.model_type} models with {capped} are not supported: the passes "
-                "do not cap the logits, so their output would differ from the model's"
-            )
+    """Refuse models whose attention or output logits are soft-capped, but those whose caps
+    the passes apply (`SOFT_CAPPED_MODEL_TYPES`), and models with sliding-window attention that
+    the context can outgrow, but those whose windows the passes apply (`WINDOWED_MODEL_TYPES`,
+    service/model/attention.py): elsewhere the tree pass would attend densely over the whole
+    cache, and past the window the output would differ from the model's own. A window switched
+    off, on no layer, or at least the context long is no window at all."""
+    for capped in SOFT_CAPS:
+        _check_cap(config.model_type, capped, getattr(config, capped, None))
     windows = [w for w in layer_windows(config) if w is not None]
     _check_window(
         config.model_type,
         min(windows, default=None),
         getattr(config, "max_position_embeddings", None),
     )
+
+
+def _check_cap(model_type: str, field: str, cap: float | None) -> None:
+    if cap and model_type not in SOFT_CAPPED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"{model_type} models with {field} are not supported: the passes cap the logits "
+            f"of {', '.join(SOFT_CAPPED_MODEL_TYPES)} models only, so their output would "
+            "differ from the model's"
+        )
 
 
 def _check_window(model_type: str, window: int | None, context: int | None) -> None:
@@ -301,13 +306,21 @@ def _check_window(model_type: str, window: int | None, context: int | None) -> N
 # The model types whose layers' sliding windows every pass applies: the lean pass's; their
 # llama.cpp architecture names, for a GGUF's header
 WINDOWED_MODEL_TYPES = LEAN_MODEL_TYPES
-WINDOWED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+WINDOWED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# The config fields of soft-capped logits (Gemma 2's attention scores and output logits; the
+# keys of llama.cpp's GGUF header too, after the architecture), and the model types whose caps
+# every pass applies (service/model/decoder_pass.py, runner.py), by the same name in llama.cpp:
+# other models' layers may cap elsewhere or otherwise
+SOFT_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+SOFT_CAPPED_MODEL_TYPES = ("gemma2",)
 
 
 def check_gguf_supported(contents: GGUFContents) -> None:
-    """`check_supported` from a GGUF's header (llama.cpp's `{arch}.attention.sliding_window`
-    and `{arch}.context_length`), before its config and tokenizer are converted (a large
-    vocabulary's take a minute)."""
+    """`check_supported` from a GGUF's header (llama.cpp's `{arch}.attention.sliding_window`,
+    `{arch}.context_length` and its caps, `{arch}.attn_logit_softcapping`...), before its
+    config and tokenizer are converted (a large vocabulary's take a minute)."""
+    for capped in SOFT_CAPS:
+        _check_cap(contents.architecture, capped, contents.number(capped))
     window, context = (
         contents.number(key) for key in ("attention.sliding_window", "context_length")
     )
@@ -316,6 +329,17 @@ def check_gguf_supported(contents: GGUFContents) -> None:
         None if window is None else int(window),
         None if context is None else int(context),
     )
+
+
+def _take_soft_caps(config: PretrainedConfig, contents: GGUFContents) -> None:
+    """Set Gemma 2's caps from the file's `{arch}.attn_logit_softcapping` and
+    `{arch}.final_logit_softcapping`, which llama.cpp reads: transformers' GGUF mapping skips
+    them, leaving the config class's defaults (Gemma 2's released models' values, which
+    llama.cpp also takes where the file has none)."""
+    for field in SOFT_CAPS:
+        cap = contents.number(field)
+        if cap is not None and hasattr(config, field):
+            setattr(config, field, float(cap))
 
 
 def _take_head_dim(config: PretrainedConfig, contents: GGUFContents) -> None:
@@ -375,6 +399,7 @@ def _save_gguf_header(contents: GGUFContents, directory: Path) -> None:
     _take_head_dim(config, contents)
     _take_rotary_dims(config, contents)
     _take_long_rope(config, contents)
+    _take_soft_caps(config, contents)
     config.save_pretrained(directory)
     AutoTokenizer.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True

@@ -106,6 +106,9 @@ class ModelRunner:
             * self.kv_dtype.itemsize
         )
         self.query_groups: int = config.num_attention_heads // config.num_key_value_heads
+        # Gemma 2's caps of its attention scores and of its output logits (0: none)
+        self.attention_cap: float = getattr(config, "attn_logit_softcapping", None) or 0.0
+        self.logit_cap: float = getattr(config, "final_logit_softcapping", None) or 0.0
         # on the packed CPU path, prompt tokens attend through the chunk kernel (their own bits)
         self.chunk_kernel = bool(
             self.lean
@@ -116,9 +119,10 @@ class ModelRunner:
         if self.lean and attention_kernel_width(
             self.model
         ):  # compile them now, not in the first request's pass
-            warm_up_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
+            half = self.kv_dtype == torch.float16
+            warm_up_attention(head_dim, self.query_groups, half, self.attention_cap)
             if self.chunk_kernel:
-                warm_up_chunk_attention(head_dim, self.query_groups, self.kv_dtype == torch.float16)
+                warm_up_chunk_attention(head_dim, self.query_groups, half, self.attention_cap)
 
     @property
     def capture_seconds(self) -> float:
@@ -151,9 +155,8 @@ class ModelRunner:
         `token_ids` [flat tokens] on the model's device, when the tokens were drafted there
         (`service/device_round/`): the trees then give only the pass's shape, and the host
         never reads a token."""
-        head = self.model.get_output_embeddings()
         if all(row.logits_from == 0 and row.cached == 0 for row in rows):  # no gather
-            return head(self.every_node_hidden(cache, rows, token_ids))
+            return self.logits(self.every_node_hidden(cache, rows, token_ids))
         hidden, offsets = self._hidden(cache, rows, token_ids)
         wanted = [
             offset + node - row.cached
@@ -162,7 +165,17 @@ class ModelRunner:
         ]
         if not wanted:
             return hidden.new_empty(0, self.vocab_size)
-        return head(hidden[wanted])  # [num_wanted, vocab]
+        return self.logits(hidden[wanted])  # [num_wanted, vocab]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits [n, vocab] of final-norm hidden states [n, hidden]: its LM head's,
+        capped as the model caps them (Gemma 2's `final_logit_softcapping`: cap * tanh(logit /
+        cap), in transformers' order). Every pass's logits leave the model here, so sampling,
+        greedy choices, log-probabilities and verification all see the capped ones."""
+        logits = self.model.get_output_embeddings()(hidden)
+        if not self.logit_cap:
+            return logits
+        return torch.tanh(logits / self.logit_cap) * self.logit_cap
 
     @torch.inference_mode()
     def every_node_hidden(

@@ -44,7 +44,8 @@ def make_tiny_family_model(
     config_name: str, seed: int = 2, vocab_size: int = TINY_VOCAB, **config: object
 ) -> transformers.PreTrainedModel:
     """A 2-layer random model of a family (`config_name`: "Qwen3Config"...), 64 wide (two Q4_1
-    blocks a row), heads 16 wide; `config`: more of the family config's fields."""
+    blocks a row), heads 16 wide; `config`: more of the family config's fields. Its attention
+    is transformers' default kind for it: SDPA, but eager for Gemma 2 (SDPA cannot cap)."""
     torch.manual_seed(seed)
     made = getattr(transformers, config_name)(
         vocab_size=vocab_size,
@@ -55,7 +56,6 @@ def make_tiny_family_model(
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=512,
-        attn_implementation="sdpa",
         **config,
     )
     return transformers.AutoModelForCausalLM.from_config(made).eval()
@@ -87,4 +87,31 @@ def make_successor_model(
             head[successor, i] = 10.0
         model.model.embed_tokens.weight.copy_(embedding)
         model.lm_head.weight.copy_(head)
+    return model
+
+
+# Gemma 2's caps for the tiny models, low enough to bite: attention scores past 5 and logits
+# past 3 are soft-capped (`make_tiny_gemma2` scales its weights so that many are)
+GEMMA2_CAPS = {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}
+
+
+def make_tiny_gemma2(
+    seed: int = 5, window: int = 4, **config: object
+) -> transformers.PreTrainedModel:
+    """A tiny random Gemma 2 (`make_tiny_family_model`) whose caps bite: its local layers see
+    `window` positions, its q and k projections (×30) and its untied LM head (×15) are scaled
+    up, so that about a third of its attention scores and a fifth of its logits pass
+    `GEMMA2_CAPS`."""
+    model = make_tiny_family_model(
+        "Gemma2Config",
+        seed=seed,
+        sliding_window=window,
+        tie_word_embeddings=False,
+        **(GEMMA2_CAPS | config),
+    )
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30.0)
+            layer.self_attn.k_proj.weight.mul_(30.0)
+        model.lm_head.weight.mul_(15.0)
     return model

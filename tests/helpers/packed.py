@@ -151,9 +151,9 @@ def _add_model_rest(
     transformers needs beside the linears to load a GGUF as a model and tokenizer. The token
     embedding in float32, or quantized to `embedding_type` (the model's set to the file's).
     Gemma's norms as llama.cpp stores them (1 + weight: its norms scale by that), its sandwich
-    norms under their llama.cpp names, and its window. The padding token, the dimensions of
-    each head the rotary embedding turns (Phi-4-mini's are a part of it), and Phi-3's window
-    and rope scaling (`_add_phi3_rope`), as llama.cpp writes them."""
+    norms under their llama.cpp names, its window and Gemma 2's caps. The padding token, the
+    dimensions of each head the rotary embedding turns (Phi-4-mini's are a part of it), and
+    Phi-3's window and rope scaling (`_add_phi3_rope`), as llama.cpp writes them."""
     config = model.config
     rope = config.rope_parameters
     rope = rope.get("full_attention", rope)  # Gemma 3's: per layer type
@@ -183,6 +183,10 @@ def _add_model_rest(
         writer.add_sliding_window(config.sliding_window)
     if config.model_type == "phi3":
         _add_phi3_rope(writer, config)
+    if getattr(config, "attn_logit_softcapping", None):  # Gemma 2's caps
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     embedding = model.model.embed_tokens.weight.detach().numpy()
     if embedding_type is None:
         writer.add_tensor("token_embd.weight", embedding)

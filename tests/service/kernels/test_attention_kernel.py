@@ -12,14 +12,15 @@ from service.kernels.attention_kernel import lanes_for, token_attention
 from service.model.attention import kernel_array
 
 
-def kernel_attention_of(queries, keys, values, starts, paths, rows=None, scale=0.25):
-    """Token i (of KV row rows[i], default i) over columns [0, starts[i]) then `paths[i]`."""
+def kernel_attention_of(queries, keys, values, starts, paths, rows=None, scale=0.25, softcap=0.0):
+    """Token i (of KV row rows[i], default i) over columns [0, starts[i]) then `paths[i]`,
+    scores capped at `softcap` (0: uncapped)."""
     out = torch.full_like(queries, float("nan"))
     columns = [c for path in paths for c in path]
     offsets = torch.tensor([0, *[len(p) for p in paths]]).cumsum(0)
     rows = torch.arange(queries.shape[0]) if rows is None else torch.tensor(rows)
     token_attention(
-        queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16
+        queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16, softcap
     )(
         queries.numpy(),
         kernel_array(keys),
@@ -65,6 +66,37 @@ def test_the_attention_kernel_matches_sdpa_over_each_rows_own_columns() -> None:
     torch.testing.assert_close(
         out, sdpa_of(queries, keys, values, starts, paths), rtol=1e-5, atol=1e-6
     )
+
+
+def capped_attention_of(queries, keys, values, starts, paths, scale, softcap):
+    """Transformers' eager Gemma 2 attention of token i over its columns: scores scaled, then
+    capped (softcap * tanh(score / softcap)), then the softmax."""
+    expected = []
+    for i, (start, path) in enumerate(zip(starts, paths)):
+        seen = list(range(start)) + path
+        group = queries.shape[1] // keys.shape[1]
+        k, v = (t[i, :, seen].float().repeat_interleave(group, dim=0) for t in (keys, values))
+        scores = (queries[i, :, None] @ k.transpose(1, 2))[:, 0] * scale  # [heads, columns]
+        weights = torch.softmax(torch.tanh(scores / softcap) * softcap, dim=-1)
+        expected.append((weights[:, None] @ v)[:, 0])
+    return torch.stack(expected)
+
+
+@pytest.mark.parametrize("dim", [16, 8])
+def test_capped_scores_match_transformers_eager_attention(dim: int) -> None:
+    """Gemma 2's soft-capped scores, most past the cap: the kernel's tanh (by its exp) agrees
+    with torch's to float32 rounding, and the cap bites (uncapped attention differs)."""
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, capacity, cap = 4, 2, 40, 5.0
+    keys = 4 * torch.randn(3, kv_heads, capacity, dim, generator=generator)
+    values = torch.randn(3, kv_heads, capacity, dim, generator=generator)
+    queries = 4 * torch.randn(3, heads, dim, generator=generator)
+    starts, paths = [31, 5, 8], [[31], [5], [8, 10, 11]]
+    out = kernel_attention_of(queries, keys, values, starts, paths, softcap=cap)
+    expected = capped_attention_of(queries, keys, values, starts, paths, 0.25, cap)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    uncapped = sdpa_of(queries, keys, values, starts, paths)
+    assert not torch.allclose(out, uncapped, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])

@@ -20,12 +20,13 @@ from tests.helpers.kernels import needs_numba
 pytestmark = needs_numba
 
 
-def chunk_attention_of(queries, keys, values, blocks, scale=0.125):
-    """`blocks`: (row, first flat token, its position, count) each."""
+def chunk_attention_of(queries, keys, values, blocks, scale=0.125, softcap=0.0):
+    """`blocks`: (row, first flat token, its position, count) each; scores capped at `softcap`
+    (0: uncapped)."""
     out = torch.full_like(queries, float("nan"))
     rows, tokens, firsts, counts = (np.array(column, dtype=np.int64) for column in zip(*blocks))
     chunk_attention(
-        queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16
+        queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16, softcap
     )(
         queries.numpy(),
         kernel_array(keys),
@@ -69,6 +70,24 @@ def test_each_prompt_token_attends_causally_as_sdpa_does(dtype) -> None:
             enable_gqa=True,
         )
         torch.testing.assert_close(got[token], want[:, 0], rtol=2e-5, atol=2e-6)
+
+
+def test_capped_scores_match_transformers_eager_attention() -> None:
+    """Gemma 2's soft-capped scores, most past the cap: each prompt token as transformers'
+    eager attention computes it (scaled, capped, then the softmax), and the cap bites."""
+    generator = torch.Generator().manual_seed(2)
+    dim, cap = 16, 5.0
+    keys = 4 * torch.randn(1, 2, 40, dim, generator=generator)
+    values = torch.randn(1, 2, 40, dim, generator=generator)
+    queries = 4 * torch.randn(30, 4, dim, generator=generator)
+    got = chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 30), softcap=cap)
+    uncapped = chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 30))
+    for token in range(30):
+        k, v = (t[0, :, : 11 + token].repeat_interleave(2, dim=0) for t in (keys, values))
+        scores = (queries[token, :, None] @ k.transpose(1, 2))[:, 0] * 0.125
+        weights = torch.softmax(torch.tanh(scores / cap) * cap, dim=-1)
+        torch.testing.assert_close(got[token], (weights[:, None] @ v)[:, 0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, uncapped, rtol=1e-2, atol=1e-2)
 
 
 def test_a_tokens_bits_do_not_depend_on_its_block() -> None:

@@ -32,6 +32,7 @@ def tiny_model(config_name: str) -> transformers.PreTrainedModel:
         ("LlamaConfig", True),
         ("Qwen2Config", True),  # biases on q, k, v: the fused projection carries them
         ("Qwen3Config", True),  # norms on each q and k head
+        ("Gemma2Config", True),  # Gemma's norms, soft-capped scores and logits
         ("Gemma3TextConfig", True),  # norms of 1 + weight on both sides, q/k norms, two ropes
         ("Phi3Config", True),  # q/k/v and gate/up fused in the model
         ("Phi3Config:partial", True),  # Phi-4-mini's: rotary on a part of each head
@@ -66,6 +67,7 @@ def lean_and_reference_tree_logits(
         "LlamaConfig",
         "Qwen2Config",
         "Qwen3Config",
+        "Gemma2Config",
         "Gemma3TextConfig",
         "Phi3Config",
         "Phi3Config:partial",

@@ -65,6 +65,7 @@ def family_model(config_name: str) -> transformers.PreTrainedModel:
         "LlamaConfig",
         "Qwen2Config",
         "Qwen3Config",
+        "Gemma2Config",
         "Gemma3TextConfig",
         "Phi3Config",
         "Phi3Config:partial",
@@ -74,8 +75,8 @@ def family_model(config_name: str) -> transformers.PreTrainedModel:
 def test_a_gguf_of_the_family_serves_packed_on_the_lean_pass(config_name, tmp_path) -> None:
     """Qwen2 and Qwen3 keep their q/k rows as written (llama.cpp permutes a Llama's alone);
     Qwen2's biased q/k/v stay unpacked; Qwen3's and Gemma 3's q/k norms come from the file,
-    Gemma's norms stored as llama.cpp stores them (1 + weight); Phi-3's fused q/k/v and
-    gate/up are packed as they are, four linears a layer."""
+    Gemma's norms stored as llama.cpp stores them (1 + weight), Gemma 2's caps from its header;
+    Phi-3's fused q/k/v and gate/up are packed as they are, four linears a layer."""
     plain = family_model(config_name)
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(plain, path, loadable=True)  # plain now holds the file's weights

@@ -148,43 +148,56 @@ def _tiny(config_class, **fields):
 
 
 def test_a_sliding_window_model_is_refused_at_load(tmp_path) -> None:
-    """Gemma 2's windows (its soft-capping off, which is refused too): not applied."""
-    from transformers import Gemma2Config, Gemma2ForCausalLM
+    """Starcoder2's windows (transformers' own layers, every one windowed): not applied."""
+    from transformers import Starcoder2Config, Starcoder2ForCausalLM
 
     directory = tmp_path / "windowed"
-    uncapped = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
-    Gemma2ForCausalLM(_tiny(Gemma2Config, sliding_window=16, **uncapped)).save_pretrained(directory)
+    config = _tiny(Starcoder2Config, sliding_window=16, bos_token_id=0, eos_token_id=1)
+    Starcoder2ForCausalLM(config).save_pretrained(directory)
     with pytest.raises(UnsupportedModel, match=r"sliding-window.*\(16 tokens\).*\(512\)"):
         load_model(directory)
 
 
-def test_a_windowed_gguf_is_refused_before_any_conversion(tmp_path) -> None:
-    """Its header says so (a Gemma 2 window of 512 in a context of 32,768: its attention
-    soft-capping is not applied, so its windows are not either): refused before
-    the config and tokenizer are read (here there are none to read)."""
+def _header_only_gguf(path, architecture: str, numbers: dict[str, float]) -> None:
+    """A GGUF of `architecture` with a header only: a 32,768 context and `numbers` (llama.cpp's
+    keys after the architecture's name, as float32)."""
     import gguf
 
-    path = tmp_path / "windowed.gguf"
-    writer = gguf.GGUFWriter(path, "gemma2")
+    writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(32768)
-    writer.add_sliding_window(512)
+    for key, value in numbers.items():
+        writer.add_float32(f"{architecture}.{key}", value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
-    with pytest.raises(UnsupportedModel, match=r"gemma2 .*sliding-window.*\(512 tokens\)"):
+
+
+def test_a_windowed_gguf_is_refused_before_any_conversion(tmp_path) -> None:
+    """Its header says so (a Starcoder2 window of 512 in a context of 32,768, which its layers
+    do not apply): refused before the config and tokenizer are read (here there are none to
+    read)."""
+    path = tmp_path / "windowed.gguf"
+    _header_only_gguf(path, "starcoder2", {"attention.sliding_window": 512})
+    with pytest.raises(UnsupportedModel, match=r"starcoder2 .*sliding-window.*\(512 tokens\)"):
         load_model(path, cache_dir=tmp_path)
     assert not (tmp_path / "gguf").exists()
 
 
 @pytest.mark.parametrize("field", ["attn_logit_softcapping", "final_logit_softcapping"])
-def test_soft_capped_logits_are_refused(field: str) -> None:
-    """Gemma 2 caps its attention scores and its output logits; the passes do neither."""
-    from transformers import Gemma2Config
+def test_soft_capped_logits_are_refused_but_gemma_2s(field: str, tmp_path) -> None:
+    """The passes cap Gemma 2's attention scores and output logits (its layers, its config's
+    caps); a cap on another model (here a Gemma 3 given one) is refused, from its config or
+    from its GGUF header before any conversion."""
+    from transformers import Gemma2Config, Gemma3TextConfig
 
-    uncapped = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
-    config = _tiny(Gemma2Config, sliding_window=None, **{**uncapped, field: 30.0})
-    with pytest.raises(UnsupportedModel, match=field):
-        check_supported(config)
+    check_supported(_tiny(Gemma2Config, sliding_window=16, **{field: 30.0}))
+    with pytest.raises(UnsupportedModel, match=f"gemma3_text .*{field}.*gemma2"):
+        check_supported(_tiny(Gemma3TextConfig, sliding_window=16, **{field: 30.0}))
+    path = tmp_path / "capped.gguf"
+    _header_only_gguf(path, "gemma3", {field: 30.0})
+    with pytest.raises(UnsupportedModel, match=f"gemma3 .*{field}"):
+        load_model(path, cache_dir=tmp_path)
+    assert not (tmp_path / "gguf").exists()
 
 
 @pytest.mark.parametrize(
@@ -200,15 +213,8 @@ def test_soft_capped_logits_are_refused(field: str) -> None:
             False,  # applied
         ),
         ("Gemma3TextConfig", {"sliding_window": 16}, False),  # local layers: applied
-        (  # every other layer, not applied
-            "Gemma2Config",
-            {
-                "sliding_window": 16,
-                "attn_logit_softcapping": None,
-                "final_logit_softcapping": None,
-            },
-            True,
-        ),
+        ("Gemma2Config", {"sliding_window": 16}, False),  # every other layer, capped: applied
+        ("Starcoder2Config", {"sliding_window": 16}, True),  # every layer, not applied
         ("LlamaConfig", {}, False),  # dense attention only
     ],
 )
