@@ -1,4 +1,4 @@
-"""Q4_1 linears with 8-bit activations for passes of many rows (prompt chunks, large trees).
+"""Linears with 8-bit activations for passes of many rows (prompt chunks, large trees).
 
 `service/kernels/int8_kernel.py` serves every pass size, but runs a prompt chunk far below
 the rate the cores' `vpdpbusd` allows (docs/benchmarks.md, "Prompt tokens' own kernels").
@@ -29,7 +29,17 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from service.kernels.int8_kernel import BLOCK, Int8Tiles, Isa, _ir, _required_isa, split_tiles
+from service.kernels.int8_kernel import (
+    BLOCK,
+    FLOAT_MINS,
+    SCALED_BITS,
+    Int8Tiles,
+    Isa,
+    _ir,
+    _required_isa,
+    split_tiles,
+    weight_offset,
+)
 from service.kernels.native import compile_ir
 
 # rows sharing each block's weights: 8 sums, 8 totals and 8 weight vectors fill AVX-512's
@@ -44,11 +54,12 @@ RECORD_BYTES = SUMS_AT + 4 * GROUP
 CHUNK_MIN_ROWS = GROUP
 
 
-def _quantize_ir() -> str:
+def _quantize_ir(halves: bool = False) -> str:
     """`quantize(x, records, row, blocks)`: one row of x (float32, blocks * 32) into its place
     `row` (< GROUP) of its group's records, which start at `records`: per block of 32,
     dx = max|x| / 127, xq = round(x / dx) half away from zero, dx·Σxq; `int8_kernel.quantize_rows`'
-    steps, in vector lanes."""
+    steps, in vector lanes. With `halves`, the block's two half sums of xq as one int32 instead
+    of dx·Σxq (`int8_kernel.half_sums`: for weights stored offset)."""
     from llvmlite import ir
 
     i8, i32, i64, f32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -102,6 +113,7 @@ def _quantize_ir() -> str:
     record = b.gep(records, [b.mul(block, ir.Constant(i64, RECORD_BYTES))])
     here = b.gep(record, [b.mul(row, ir.Constant(i64, BLOCK))])
     total = ir.Constant(ints, [0] * 16)
+    half_totals = []
     for h, value in enumerate(values):
         v = b.fmul(value, splat(inverse))
         q = b.call(
@@ -116,13 +128,18 @@ def _quantize_ir() -> str:
             b.fcmp_ordered("<", v, ir.Constant(floats, [0.0] * 16)), b.neg(magnitude), magnitude
         )
         total = b.add(total, signed)
+        half_totals.append(b.call(reduce_add, [signed]))
         b.store(
             b.trunc(signed, bytes16),
             b.bitcast(b.gep(here, [ir.Constant(i64, 16 * h)]), bytes16.as_pointer()),
             align=1,
         )
-    dx_sum = b.fmul(scale, b.sitofp(b.call(reduce_add, [total]), f32))
-    for at, value in ((SCALES_AT, scale), (SUMS_AT, dx_sum)):
+    if halves:  # low half in the low 16 bits, as `int8_kernel.half_sums` packs them
+        low = b.and_(half_totals[0], ir.Constant(i32, 0xFFFF))
+        sums = b.bitcast(b.or_(low, b.shl(half_totals[1], ir.Constant(i32, 16))), f32)
+    else:
+        sums = b.fmul(scale, b.sitofp(b.call(reduce_add, [total]), f32))
+    for at, value in ((SCALES_AT, scale), (SUMS_AT, sums)):
         b.store(
             value,
             b.gep(b.bitcast(b.gep(record, [ir.Constant(i64, at)]), f32.as_pointer()), [row]),
@@ -153,9 +170,8 @@ def records(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tupl
     return b.gep(record, [ir.Constant(i64, BLOCK * r)]), scales, sums
 
 
-# the `Int8Tiles` kinds this kernel serves: 4-bit weights with a min, their scales a float a
-# block or factored (Q4_K's)
-CHUNK_KINDS = ("Q4_1", "Q4_K")
+# the `Int8Tiles` kinds this kernel serves: all of them
+CHUNK_KINDS = (*FLOAT_MINS, "Q8_0", "Q5_0", *SCALED_BITS)
 
 
 def chunk_matmul(isa: Isa | None = None, kind: str = "Q4_1", half: bool = False) -> Any:
@@ -178,7 +194,8 @@ def chunk_matmul_of(tiles: Int8Tiles) -> Any | None:
 
 @functools.cache
 def _chunk_matmul(isa: Isa, kind: str, half: bool) -> Any:
-    quantize = compile_ir(_quantize_ir(), "quantize", [ctypes.c_int64] * 4)
+    halves = weight_offset(kind, isa) > 0
+    quantize = compile_ir(_quantize_ir(halves), "quantize", [ctypes.c_int64] * 4)
     tiles_kernel = compile_ir(
         _ir(kind, isa, (GROUP,), records, half), "tiles", [ctypes.c_int64] * 11
     )

@@ -720,16 +720,14 @@ def _ir(
                 (b.and_(b.lshr(v, filled(4)), filled(15)), BLOCK // 2 + 4 * g)
                 for g, v in enumerate(nibbles)
             ]
-            if base in FIVE_BITS:  # pair k's fifth bits: bit k of the fifth vector
-                operands = [
-                    (
-                        b.or_(
-                            w, b.shl(b.and_(b.lshr(vectors[4], filled(k)), filled(1)), filled(4))
-                        ),
-                        at,
-                    )
-                    for k, (w, at) in enumerate(operands)
-                ]
+            if base in FIVE_BITS:  # pair k's fifth bits: bit k of the fifth vector, to bit 4
+
+                def fifth(k: int) -> Any:
+                    v = vectors[4]
+                    moved = b.shl(v, filled(4 - k)) if k < 4 else b.lshr(v, filled(k - 4))
+                    return b.and_(moved if k != 4 else v, filled(16))
+
+                operands = [(b.or_(w, fifth(k)), at) for k, (w, at) in enumerate(operands)]
         elif kind in SCALED_BITS:  # (w, input offset) pairs: the bits (w + 2^(bits-1)), or w
             six = SCALED_BITS[kind] == 6
 

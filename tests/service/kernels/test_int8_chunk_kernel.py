@@ -17,7 +17,7 @@ from service.kernels.int8_kernel import (
 )
 from service.kernels.packed_linear import PackedLinear, tiles_from_blocks
 from tests.helpers.kernels import needs_int8
-from tests.helpers.packed import Q4_1, Q4_K, random_blocks
+from tests.helpers.packed import Q3_K, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, random_blocks
 
 pytestmark = needs_int8
 
@@ -29,15 +29,21 @@ def tiles(out_features: int, in_features: int, seed: int, isa, kind=Q4_1):
         in_features,
         kind.name,
     )
-    relaid = int8_tiles("Q4_1", t.qs, t.d, t.m, out_features, isa)
-    assert relaid.kind == ("Q4_K" if kind is Q4_K else "Q4_1")  # a Q4_K's scales factored
+    relaid = int8_tiles(t.kind, t.qs, t.d, t.m, out_features, isa)
+    assert relaid.kind == KINDS[kind.name]
     return relaid
+
+
+# the 8-bit kind each file type's weights take (`int8_kernel`)
+KINDS = {"Q4_1": "Q4_1", "Q4_K": "Q4_K", "Q5_0": "Q5_0", "Q5_1": "Q8_1", "Q5_K": "Q5_K"}
+KINDS |= {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q3_K": "Q3_K"}
 
 
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 33, 100])
 @pytest.mark.parametrize(
     "kind,out_features,in_features",
-    [(Q4_1, 16, 32), (Q4_1, 70, 96), (Q4_1, 96, 576), (Q4_1, 48, 1536), (Q4_K, 40, 768)],
+    [(Q4_1, 16, 32), (Q4_1, 70, 96), (Q4_1, 96, 576), (Q4_1, 48, 1536)]
+    + [(kind, 40, 768) for kind in (Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K, Q3_K)],
     ids=str,
 )
 @pytest.mark.parametrize("threads", [0, 2])
@@ -59,7 +65,7 @@ def test_the_chunk_kernel_gives_the_every_size_kernels_bits(
     assert np.array_equal(got[:rows], want)
 
 
-@pytest.mark.parametrize("kind,in_features", [(Q4_1, 576), (Q4_K, 512)], ids=str)
+@pytest.mark.parametrize("kind,in_features", [(Q4_1, 576), (Q4_K, 512), (Q5_0, 576)], ids=str)
 def test_a_packed_linear_takes_it_for_long_passes_and_keeps_each_rows_bits(
     kind, in_features
 ) -> None:
