@@ -44,7 +44,7 @@ bytes, widened exactly as they are loaded (`Int8Tiles.half_scales`).
 
 A wide type (Q6_K: `service/kernels/gguf_blocks.py` makes its weights the exact int16
 integers scale·(q - 32), |w| ≤ 4096, times the super-block's d) is re-laid as 6-bit weights
-and an int16 scale a 16 (kind "Q6_K", `_scaled`), half of int16's bytes, with d a
+and an int8 scale a 16 (kind "Q6_K", `_scaled`): the file's 0.82 bytes a weight, with d a
 super-block's; where every weight fits 4 bits so (Q3_K's, scale·(q - 4): `gguf_blocks`), as
 4-bit ones (kind "Q3_K"). Each sub-block's sum is exact, then times its scale: on AVX2 by
 the sign trick within int16, on VNNI from the stored bits w + 2^(bits-1) as Q8_0's, each half
@@ -97,12 +97,17 @@ class Isa:
     def vector_bytes(self) -> int:
         return 4 * self.columns
 
+    def weight_vectors(self, kind: str) -> int:
+        """A block's whole vectors of weights in a tile of `kind`: 32 a column, 4, 5 or 8 bits
+        each (Q6_K: four vectors of low nibbles, two of high bits; Q3_K: the nibbles)."""
+        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "Q5_0": 5, "Q6_K": 6, "Q3_K": 4}
+        return sizes[FACTORED.get(kind, kind)]
+
     def weight_bytes(self, kind: str) -> int:
-        """A block's weights in a tile of `kind`: 32 a column, 4, 5 or 8 bits each (Q6_K: four
-        vectors of low nibbles, two of high bits, one of the two sub-blocks' int16 scales;
-        Q3_K: the nibbles and the scales)."""
-        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "Q5_0": 5, "Q6_K": 7, "Q3_K": 5}
-        return self.vector_bytes * sizes[FACTORED.get(kind, kind)]
+        """A block's weights in a tile of `kind`: its vectors, then for `SCALED_BITS` kinds the
+        two sub-blocks' int8 scales, a byte a column each."""
+        scales = 2 * self.columns if kind in SCALED_BITS else 0
+        return self.vector_bytes * self.weight_vectors(kind) + scales
 
     def block_bytes(self, kind: str) -> int:
         """A block of a tile of `kind`: its weights, then for `FACTORED` kinds a byte a column
@@ -188,9 +193,14 @@ class Int8Tiles:
         the file's."""
         units, blocks, _ = self.packed.shape
         lanes = self.isa.columns
-        weights = self.packed[:, :, : self.isa.weight_bytes(self.kind)]
+        vectors = self.isa.vector_bytes * self.isa.weight_vectors(self.kind)
+        weights = self.packed[:, :, :vectors].reshape(units, blocks, -1, lanes, 4)
         kind = FACTORED.get(self.kind, self.kind)
-        q = _weights(kind, weights.reshape(units, blocks, -1, lanes, 4))  # [U,B,c,32]
+        q = _weights(kind, weights)  # [U,B,c,32]
+        if kind in SCALED_BITS:  # times each sub-block's scale
+            scales = self.packed[:, :, vectors : self.isa.weight_bytes(kind)].view(np.int8)
+            scales = scales.reshape(units, blocks, 2, lanes).transpose(0, 1, 3, 2)  # [U,B,c,2]
+            q = np.repeat(scales.astype(np.int32), 16, axis=3) * q
         offset = weight_offset(self.kind, self.isa)
         if offset and kind not in SCALED_BITS:  # stored as the bytes w + c
             q = q.astype(np.uint8).astype(np.int32) - offset
@@ -220,7 +230,7 @@ class Int8Tiles:
 
 
 def _weights(kind: str, vectors: np.ndarray) -> np.ndarray:
-    """The integer weights [U, B, c, 32] (times their scale a 16 for `SCALED_BITS`) of a
+    """The integer weights [U, B, c, 32] (for `SCALED_BITS` before their scale a 16) of a
     block's re-laid vectors [U, B, v, c, 4] of `kind` (the inverse of `_relaid`)."""
 
     def nibbles(v: np.ndarray) -> np.ndarray:  # [U, B, 4, c, 4] -> [U, B, c, 32]: 16h + 4g + i
@@ -244,14 +254,12 @@ def _weights(kind: str, vectors: np.ndarray) -> np.ndarray:
             .reshape(q.shape)
             << 4
         )
-    bits = SCALED_BITS[kind]  # low nibbles, for 6 bits two vectors of high bits, then scales
+    bits = SCALED_BITS[kind]  # low nibbles, for 6 bits two vectors of high bits
     if bits > 4:
         high = vectors[:, :, 4:6].astype(np.int32)  # [U, B, h, c, i]: bits 2g, 2g+1
         top = np.stack([(high >> (2 * g)) & 3 for g in range(4)], axis=3)  # [U, B, h, g, c, i]
         q = q | (top.transpose(0, 1, 4, 2, 3, 5).reshape(q.shape) << 4)
-    scales = vectors[:, :, -1].reshape(*vectors.shape[:2], -1).view(np.int16)  # [U, B, 2 c]
-    scales = scales.reshape(*vectors.shape[:2], 2, -1).transpose(0, 1, 3, 2)  # [U, B, c, 2]
-    return np.repeat(scales.astype(np.int32), 16, axis=3) * (q - 2 ** (bits - 1))
+    return q - 2 ** (bits - 1)
 
 
 def int8_tiles(
@@ -433,26 +441,59 @@ def _scaled_kind(qs: np.ndarray) -> str:
 
 
 def _factored(qs: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Int16 weights [T, B, 32, width] as a scale s [T, B, 2, width] a 16 and w [T, B, 2, 16,
-    width] in [-2^(bits-1), 2^(bits-1)) with s·w the weight, or None where they do not fit. s
-    is the 16 products' greatest common divisor, signed so that w fits where it can: any such
-    factoring gives the same products, hence the same sums."""
+    """Int16 weights [T, B, 32, width] as a scale s [T, B, 2, width] a 16, an int8, and w [T,
+    B, 2, 16, width] in [-2^(bits-1), 2^(bits-1)) with s·w the weight, or None where they do
+    not fit. Any such factoring gives the same products, hence the same sums. s is the 16
+    products' greatest common divisor G, signed so that w fits where it can; where G does not
+    fit a byte, G divided by the least k that leaves w·k in range (`_byte_scales`)."""
     tiles, blocks, _, width = qs.shape
-    top = 2 ** (bits - 1) - 1
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     products = qs.astype(np.int32).reshape(tiles, blocks, 2, 16, width)
-    s = np.gcd.reduce(np.abs(products), axis=3)  # [T, B, 2, width]
-    s[s == 0] = 1
-    w = products // s[:, :, :, None]
-    flip = w.max(axis=3) > top
+    g = np.gcd.reduce(np.abs(products), axis=3)  # [T, B, 2, width]
+    g[g == 0] = 1
+    w = products // g[:, :, :, None]
+    flip = w.max(axis=3) > high
     w = np.where(flip[:, :, :, None], -w, w)
-    if w.min() < -top - 1 or w.max() > top:
+    if w.min() < low or w.max() > high:  # then no smaller scale fits either
         return None
-    return np.where(flip, -s, s), w
+    s = np.where(flip, -g, g)
+    wide = np.nonzero((s < -128) | (s > 127))  # (a Q6_K's scale times common factors)
+    if wide[0].size:
+        narrowed = _byte_scales(s[wide], w[wide[0], wide[1], wide[2], :, wide[3]], low, high)
+        if narrowed is None:
+            return None
+        s[wide], w[wide[0], wide[1], wide[2], :, wide[3]] = narrowed
+    return s, w
+
+
+def _byte_scales(
+    g: np.ndarray, w: np.ndarray, low: int, high: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Sub-blocks' scales g [n] (past a byte) and weights w [n, 16] in [low, high] as g / k and
+    w·k for the least k that fits both (a Q6_K or Q3_K file's own factoring, its int8 scale
+    times q - 32 or q - 4, is one), or None where none does."""
+    s, narrowed = np.zeros_like(g), np.empty_like(w)
+    left = np.arange(len(g))
+    for k in range(1, high - low + 1):
+        for sign in (1, -1):
+            scaled, scale = sign * k * w[left], sign * (g[left] // k)
+            fits = (
+                (g[left] % k == 0)
+                & (scale >= -128)
+                & (scale <= 127)
+                & (scaled.min(axis=1) >= low)
+                & (scaled.max(axis=1) <= high)
+            )
+            s[left[fits]], narrowed[left[fits]] = scale[fits], scaled[fits]
+            left = left[~fits]
+        if not left.size:
+            return s, narrowed
+    return None
 
 
 def _scaled(qs: np.ndarray, lanes: int, bits: int) -> np.ndarray:
     """Int16 weights (`gguf_blocks`: Q6_K's scale·(q - 32), Q3_K's scale·(q - 4), a scale a 16
-    weights) as the kind of `bits` (`SCALED_BITS`): per 16 weights an int16 scale s and w
+    weights) as the kind of `bits` (`SCALED_BITS`): per 16 weights an int8 scale s and w
     (`_factored`), stored as w + 2^(bits-1). A block's bytes: four vectors of the low nibbles
     (as Q4_1's), for 6 bits two of the high bits (vector h, byte 4c+i: bits 2g, 2g+1 hold
     weight 16h+4g+i's), then one of the two sub-blocks' scales."""
@@ -460,7 +501,6 @@ def _scaled(qs: np.ndarray, lanes: int, bits: int) -> np.ndarray:
     factored = _factored(qs, bits)
     assert factored is not None
     s, w = factored
-    assert np.abs(s).max() <= 4096
     stored = (w + 2 ** (bits - 1)).astype(np.uint8).reshape(tiles, blocks, 32, width)
     # [T, B, 32, width] -> [U, c, B, half, g, i]: input 16 half + 4 g + i of column c
     by_input = stored.transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2, 4, 4)
@@ -470,7 +510,7 @@ def _scaled(qs: np.ndarray, lanes: int, bits: int) -> np.ndarray:
         top = by_input >> 4
         high = sum(top[:, :, :, :, g] << (2 * g) for g in range(4)).astype(np.uint8)  # [U,c,B,h,i]
         parts.append(high.transpose(0, 2, 3, 1, 4).reshape(-1, blocks, 8 * lanes))
-    scales = s.astype(np.int16).transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2)
+    scales = s.astype(np.int8).transpose(0, 3, 1, 2).reshape(-1, lanes, blocks, 2)
     parts.append(
         np.ascontiguousarray(scales.transpose(0, 2, 3, 1))
         .reshape(-1, blocks, 2 * lanes)
@@ -710,7 +750,7 @@ def _ir(
                 b.bitcast(b.gep(weights, [const(isa.vector_bytes * g)]), vector.as_pointer()),
                 align=1,
             )
-            for g in range(weight_bytes // isa.vector_bytes)
+            for g in range(isa.weight_vectors(kind))
         ]
         filled = lambda value: ir.Constant(vector, [value] * isa.vector_bytes)  # noqa: E731
         if nibbled:  # (weights, input offset) pairs: low nibbles 4g.., high 16+4g..
@@ -749,12 +789,16 @@ def _ir(
                 for half in (0, 1)
                 for g, v in enumerate(vectors[:4])
             ]
-            packed_scales = b.bitcast(vectors[-1], shorts)
+            scale_bytes = ir.VectorType(i8, 2 * lanes)  # after the vectors: an int8 a column
+            at = const(isa.vector_bytes * isa.weight_vectors(kind))
+            packed_scales = b.load(
+                b.bitcast(b.gep(weights, [at]), scale_bytes.as_pointer()), align=1
+            )
             sub_scales = [
                 b.sext(
                     b.shuffle_vector(
                         packed_scales,
-                        ir.Constant(shorts, None),
+                        ir.Constant(scale_bytes, None),
                         ir.Constant(ints, list(range(h * lanes, (h + 1) * lanes))),
                     ),
                     ints,

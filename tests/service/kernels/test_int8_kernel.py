@@ -153,6 +153,10 @@ def test_q6_k_sub_blocks_with_common_factors_or_zero_scales_compute_their_weight
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(6))
     got = run(Q6_K, blocks, 48, x, isa=isa)
     torch.testing.assert_close(got, reference(blocks, quantized(x), Q6_K), rtol=1e-5, atol=1e-5)
+    tiles = tiles_from_blocks(blocks, 48, 512, "Q6_K")
+    relaid = int8_tiles(tiles.kind, tiles.qs, tiles.d, tiles.m, 48, isa)
+    # 6 bits a weight and an int8 scale a 16: the file's 0.82 bytes a weight, d a super-block
+    assert relaid.packed.shape[2] == 6 * isa.vector_bytes + 2 * isa.columns
 
 
 @ISAS
