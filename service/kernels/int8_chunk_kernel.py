@@ -171,7 +171,7 @@ def records(b: Any, arrays: Sequence[Any], row: Any, r: int, block: Any) -> tupl
 
 
 # the `Int8Tiles` kinds this kernel serves: all of them
-CHUNK_KINDS = (*FLOAT_MINS, "Q8_0", "Q5_0", *SCALED_BITS)
+CHUNK_KINDS = (*FLOAT_MINS, "Q4_0", "Q5_0", "Q8_0", *SCALED_BITS)
 
 
 def chunk_matmul(isa: Isa | None = None, kind: str = "Q4_1", half: bool = False) -> Any:

@@ -1,4 +1,4 @@
-"""Packed linears (Q4_1, Q8_0, Q8_1, Q5_0, Q6_K and Q3_K layouts, and Q4_K and Q5_K scales)
+"""Packed linears (Q4_0, Q4_1, Q8_0, Q8_1, Q5_0, Q6_K and Q3_K layouts, and Q4_K and Q5_K scales)
 computed with 8-bit activations (`--quantization gguf-int8`).
 
 On a CPU the packed Q4_1 kernel of `service/kernels/packed_kernels.py` multiplies in float32:
@@ -32,7 +32,8 @@ Q8_1's weights (Q5_1's and Q5_K's q, 0..31, with a min as Q4_1's) are re-laid as
 nibbles and a fifth vector of their fifth bits (5 bits a weight, not 8); four of their product
 pairs (≤ 4·2·31·127) are summed in int16. Q5_0's weights (`gguf_blocks` widens them to Q8_0's
 int8, all in [-16, 15]) are re-laid the same way as w + 16 (kind "Q5_0"), each sum starting
-from -16·Σxq on both instruction sets: 0.75 bytes a weight where int8 took 1.125.
+from -16·Σxq on both instruction sets: 0.75 bytes a weight where int8 took 1.125; Q4_0's
+(`gguf_blocks`: Q4_1's with m = -8d) as nibbles w + 8 the same way (kind "Q4_0"), with no min.
 
 A K-quant's scales and mins are a float16 d (dmin) a super-block of 256 weights times a 6-bit
 integer a block of 32 (`gguf_blocks`: the float layouts widen them to a float32 a block). Here
@@ -100,7 +101,7 @@ class Isa:
     def weight_vectors(self, kind: str) -> int:
         """A block's whole vectors of weights in a tile of `kind`: 32 a column, 4, 5 or 8 bits
         each (Q6_K: four vectors of low nibbles, two of high bits; Q3_K: the nibbles)."""
-        sizes = {"Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "Q5_0": 5, "Q6_K": 6, "Q3_K": 4}
+        sizes = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8, "Q8_1": 5, "Q5_0": 5, "Q6_K": 6, "Q3_K": 4}
         return sizes[FACTORED.get(kind, kind)]
 
     def weight_bytes(self, kind: str) -> int:
@@ -243,7 +244,7 @@ def _weights(kind: str, vectors: np.ndarray) -> np.ndarray:
     if kind == "Q8_0":
         return by_input(vectors.view(np.int8))
     q = nibbles(vectors[:, :, :4])
-    if kind == "Q4_1":
+    if kind in NIBBLES:
         return q
     if kind in FIVE_BITS:  # bit 4h + g of the fifth vector: weight 16h + 4g + i's fifth bit
         fifth = vectors[:, :, 4].astype(np.int32)  # [U, B, c, i]
@@ -277,6 +278,8 @@ def int8_tiles(
     tiles at a time, so that the re-laying's temporaries stay small beside a large weight (a
     128k-row head's would take gigabytes)."""
     isa = isa or _required_isa()
+    if kind == "Q4_1" and np.array_equal(m, -8 * d):  # a Q4_0 file's (`gguf_blocks`)
+        kind = "Q4_0"
     if kind == "Q8_0" and qs.dtype == np.int16:
         kind = _scaled_kind(qs)
     elif kind == "Q8_0" and all(
@@ -339,7 +342,7 @@ def _relaid(
     else:  # Q4_1, Q8_1, Q5_0: nibbles, and the fifth bits (bit 4h + g: weight 16h + 4g + i's)
         # [T, B, 32 inputs, width columns] -> [U, c, B, half, g, i]
         base = FACTORED.get(kind, kind)
-        if base == "Q4_1":
+        if base in NIBBLES:
             q = np.concatenate([qs & 15, qs >> 4], axis=2)
         else:  # Q5_0's w + 16 (0..31), as Q8_1's q
             q = (qs + np.int8(weight_offset(kind, isa))).view(np.uint8)
@@ -413,15 +416,19 @@ SCALED_BITS = {"Q6_K": 6, "Q3_K": 4}
 PER_SUPER_BLOCK = (*FACTORED, *SCALED_BITS)
 # the signed kinds, and c: their weights as bytes w + c, for `Isa.offset_weights`
 SIGNED_OFFSETS = {"Q8_0": 128, **{kind: 2 ** (bits - 1) for kind, bits in SCALED_BITS.items()}}
+# the kinds of 4-bit weights (nibbles): Q4_1's q, Q4_0's w + 8
+NIBBLES = ("Q4_1", "Q4_0")
 # the kinds of 5-bit weights (nibbles and a vector of fifth bits): Q8_1's q, Q5_0's w + 16
 FIVE_BITS = ("Q8_1", "Q5_0")
+# the kinds stored as w + c on every instruction set (their w + c fits their bits), and c
+UNSIGNED_OFFSETS = {"Q4_0": 8, "Q5_0": 16}
 
 
 def weight_offset(kind: str, isa: Isa) -> int:
-    """c where `kind`'s weights are stored as w + c, each sum then starting from -c·Σxq: Q5_0's
-    16 everywhere (its w + 16 is 5 bits), the signed kinds' for `Isa.offset_weights`; else 0."""
-    if kind == "Q5_0":
-        return 16
+    """c where `kind`'s weights are stored as w + c, each sum then starting from -c·Σxq:
+    `UNSIGNED_OFFSETS` everywhere, the signed kinds' for `Isa.offset_weights`; else 0."""
+    if kind in UNSIGNED_OFFSETS:
+        return UNSIGNED_OFFSETS[kind]
     return SIGNED_OFFSETS.get(kind, 0) if isa.offset_weights else 0
 
 
@@ -661,7 +668,7 @@ def _ir(
     )
     # the signed kinds' weights offset (`Isa.offset_weights`): c, and each sum less c·Σxq
     offset = weight_offset(kind, isa)
-    nibbled = base == "Q4_1" or base in FIVE_BITS  # weights as nibbles (and fifth bits)
+    nibbled = base in NIBBLES or base in FIVE_BITS  # weights as nibbles (and fifth bits)
     out = b.gep(out0, [b.mul(tile, const(lanes))])
 
     def dot(b: Any, sums: Any, products: list[tuple[Any, Any]]) -> Any:

@@ -17,7 +17,7 @@ from service.kernels.int8_kernel import (
 )
 from service.kernels.packed_linear import PackedLinear, tiles_from_blocks
 from tests.helpers.kernels import needs_int8
-from tests.helpers.packed import Q3_K, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, random_blocks
+from tests.helpers.packed import Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, random_blocks
 
 pytestmark = needs_int8
 
@@ -35,7 +35,8 @@ def tiles(out_features: int, in_features: int, seed: int, isa, kind=Q4_1):
 
 
 # the 8-bit kind each file type's weights take (`int8_kernel`)
-KINDS = {"Q4_1": "Q4_1", "Q4_K": "Q4_K", "Q5_0": "Q5_0", "Q5_1": "Q8_1", "Q5_K": "Q5_K"}
+KINDS = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q4_K": "Q4_K", "Q5_0": "Q5_0", "Q5_1": "Q8_1"}
+KINDS |= {"Q5_K": "Q5_K"}
 KINDS |= {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q3_K": "Q3_K"}
 
 
@@ -43,7 +44,7 @@ KINDS |= {"Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q3_K": "Q3_K"}
 @pytest.mark.parametrize(
     "kind,out_features,in_features",
     [(Q4_1, 16, 32), (Q4_1, 70, 96), (Q4_1, 96, 576), (Q4_1, 48, 1536)]
-    + [(kind, 40, 768) for kind in (Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K, Q3_K)],
+    + [(kind, 40, 768) for kind in (Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K, Q3_K)],
     ids=str,
 )
 @pytest.mark.parametrize("threads", [0, 2])
