@@ -12,11 +12,14 @@ Each query's arithmetic is fixed by the query alone, whatever its block holds or
 chunk starts, so a prompt gets the same bits however it is cut into chunks:
 - score_j = (fused multiply-adds from 0 over dims 0, 1, ... in order) × scale, capped as
   `VectorIR.soft_cap` caps it for a model with soft-capped scores (Gemma 2's);
-- max over its columns j ≤ its position; p_j = exp(score_j - max) by `VectorIR.exp`;
+- max over its columns j ≤ its position (and, in a layer of sliding window W, j > its position
+  - W); p_j = exp(score_j - max) by `VectorIR.exp`;
 - sum = Σ p_j in column order; out[c] = (Σ_j p_j·v_j[c] by fused multiply-adds in column
   order) / sum.
-Columns past a query's position (the later tokens of its block) count as p = 0, which adds
-nothing to its sums. A float16 cache (the 8-bit path's) is widened to float32 first.
+Columns past a query's position (the later tokens of its block), and in a windowed layer those
+at or below its position - W, count as p = 0, which adds nothing to its sums: the columns a
+block reads start at its first token's window, so where its block starts does not matter. A
+float16 cache (the 8-bit path's) is widened to float32 first.
 
 Only prompt tokens that need no logits come here (`service/model/attention.py`): a prompt's
 last token and every tree node attend through `attention_kernel.py`, so a tree node's bits
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 import numba
@@ -53,15 +57,16 @@ class _ChunkEmitter(VectorIR):
     the `count` (≤ LANES) tokens at positions first, first + 1, ... of one KV head's `group`
     query heads. qt [group, head_dim, LANES] their queries (lane i: token i), keys and values
     [first + count, head_dim] float32, out [group, head_dim, LANES]; scores [group, first +
-    count, LANES] is scratch. Scores capped at `softcap` (0: uncapped)."""
+    count, LANES] is scratch. Scores capped at `softcap` (0: uncapped); a token sees the
+    `window` columns up to its own (0: all)."""
 
-    def __init__(self, head_dim: int, group: int, softcap: float = 0.0) -> None:
+    def __init__(self, head_dim: int, group: int, softcap: float = 0.0, window: int = 0) -> None:
         super().__init__(LANES, "ngrammys_chunk_attention")
         if not chunk_kernel_fits(head_dim):
             raise ValueError(
                 f"the chunk attention kernel needs a head size divisible by {LANES}, not {head_dim}"
             )
-        self.head_dim, self.group, self.softcap = head_dim, group, softcap
+        self.head_dim, self.group, self.softcap, self.window = head_dim, group, softcap, window
         f32p = self.f32.as_pointer()
         self.begin(
             "chunk", [f32p, f32p, f32p, self.i64, self.i64, self.ir.DoubleType(), f32p, f32p]
@@ -88,12 +93,25 @@ class _ChunkEmitter(VectorIR):
         group, sweeps = self.group, self.head_dim // DIMS
         blocks = b.udiv(b.add(n, self.const(COLUMNS - 1)), self.const(COLUMNS))
         padded = b.mul(blocks, self.const(COLUMNS))  # the scores' columns
+        low = self.const(0)  # the first column any token of the block sees
+        if self.window:
+            bottom = b.sub(first, self.const(self.window - 1))
+            low = b.select(b.icmp_signed(">", bottom, low), bottom, low)
+        low_block = b.udiv(low, self.const(COLUMNS))
 
-        def seen(j: Any) -> Any:  # lanes whose token sits at or after column j
-            return b.icmp_signed(">=", lane, self.splat(b.sub(j, first)))
+        def seen(j: Any) -> Any:  # lanes whose token sits at or after column j (within W)
+            offset = self.splat(b.sub(j, first))
+            at_or_after = b.icmp_signed(">=", lane, offset)
+            if not self.window:
+                return at_or_after
+            within = b.icmp_signed("<", lane, b.add(offset, self.splat(self.const(self.window))))
+            return b.and_(at_or_after, within)
 
-        def score_block(block: Any, _: list[Any]) -> list[Any]:  # COLUMNS columns, all dims
-            first_column = b.mul(block, self.const(COLUMNS))
+        def from_low(body: Any) -> Any:  # a loop body over columns j = low + i
+            return lambda i, carried: body(b.add(low, i), carried)
+
+        def score_block(i: Any, _: list[Any]) -> list[Any]:  # COLUMNS columns, all dims
+            first_column = b.mul(b.add(low_block, i), self.const(COLUMNS))
             last = b.sub(n, self.const(1))
             columns = []
             for c in range(COLUMNS):  # past n: the last column again (those scores are never read)
@@ -135,7 +153,8 @@ class _ChunkEmitter(VectorIR):
                     )
             return []
 
-        self.loop(blocks, "scores", [], score_block)
+        self.loop(b.sub(blocks, low_block), "scores", [], score_block)
+        columns = b.sub(n, low)
 
         def highest(j: Any, carried: list[Any]) -> list[Any]:
             return [
@@ -150,7 +169,7 @@ class _ChunkEmitter(VectorIR):
                 for h, top in enumerate(carried)
             ]
 
-        tops = self.loop(n, "max", [self.filled(float("-inf"))] * group, highest)
+        tops = self.loop(columns, "max", [self.filled(float("-inf"))] * group, from_low(highest))
 
         def exponentials(j: Any, carried: list[Any]) -> list[Any]:
             sums = []
@@ -165,7 +184,7 @@ class _ChunkEmitter(VectorIR):
                 sums.append(b.fadd(total, p))
             return sums
 
-        totals = self.loop(n, "exp", [self.filled(0.0)] * group, exponentials)
+        totals = self.loop(columns, "exp", [self.filled(0.0)] * group, from_low(exponentials))
 
         for heads in (
             range(h, min(group, h + HEADS)) for h in range(0, group, HEADS)
@@ -187,10 +206,10 @@ class _ChunkEmitter(VectorIR):
                     return updated
 
                 sums = self.loop(
-                    n,
+                    columns,
                     f"values{heads[0]}_{sweep}",
                     [self.filled(0.0)] * (len(heads) * DIMS),
-                    weighted,
+                    from_low(weighted),
                 )
                 for i, h in enumerate(heads):
                     for k, d in enumerate(dims):
@@ -223,17 +242,20 @@ def _widen_ir() -> str:
 
 
 @functools.cache
-def chunk_attention(head_dim: int, group: int, half: bool = False, softcap: float = 0.0) -> Any:
-    """`chunk_attention(head_dim, group, half, softcap)(queries, keys, values, rows, tokens,
-    firsts, counts, scale, out)`: causal attention of prompt blocks, scores capped at `softcap`
-    (0: uncapped). Block i is counts[i] (≤ LANES) consecutive flat tokens from tokens[i], at
-    positions firsts[i], firsts[i] + 1, ... of KV row rows[i]; each attends to that row's
-    columns up to its own position. queries [T, heads, head_dim]; keys, values [rows, kv_heads,
+def chunk_attention(
+    head_dim: int, group: int, half: bool = False, softcap: float = 0.0, window: int = 0
+) -> Any:
+    """`chunk_attention(head_dim, group, half, softcap, window)(queries, keys, values, rows,
+    tokens, firsts, counts, scale, out)`: causal attention of prompt blocks, scores capped at
+    `softcap` (0: uncapped). Block i is counts[i] (≤ LANES) consecutive flat tokens from
+    tokens[i], at positions firsts[i], firsts[i] + 1, ... of KV row rows[i]; each attends to
+    that row's columns up to its own position (the last `window` of them; 0: all). queries [T,
+    heads, head_dim]; keys, values [rows, kv_heads,
     capacity, head_dim] (float32, or with `half` float16 as uint16 bits); writes out[token]
     [heads, head_dim]. One task per (block, KV head) over numba's threads."""
     pointer = ctypes.c_int64
     kernel = compile_ir(
-        _ChunkEmitter(head_dim, group, softcap).build(),
+        _ChunkEmitter(head_dim, group, softcap, window).build(),
         "chunk",
         [
             pointer,
@@ -294,20 +316,23 @@ def chunk_attention(head_dim: int, group: int, half: bool = False, softcap: floa
     return attention
 
 
-def warm_up(head_dim: int, group: int, half: bool, softcap: float = 0.0) -> None:
-    """Build and compile the kernel for a model's heads (and cap) now, not in the first
-    prompt's pass."""
+def warm_up(
+    head_dim: int, group: int, half: bool, softcap: float = 0.0, windows: Iterable[int] = ()
+) -> None:
+    """Build and compile the kernels for a model's heads (its cap, and its sliding windows
+    beside none) now, not in the first prompt's pass."""
     index = np.zeros(1, np.int64)
     queries = np.zeros((1, group, head_dim), np.float32)
     cache = np.zeros((1, 1, 1, head_dim), np.uint16 if half else np.float32)
-    chunk_attention(head_dim, group, half, softcap)(
-        queries,
-        cache,
-        cache,
-        index,
-        index,
-        index,
-        np.ones(1, np.int64),
-        np.float32(1.0),
-        np.empty_like(queries),
-    )
+    for window in {0, *windows}:
+        chunk_attention(head_dim, group, half, softcap, window)(
+            queries,
+            cache,
+            cache,
+            index,
+            index,
+            index,
+            np.ones(1, np.int64),
+            np.float32(1.0),
+            np.empty_like(queries),
+        )

@@ -112,6 +112,7 @@ class PassLayout:
     # the layouts of windowed layers, by window (`for_window`); windows the pass fits in share
     # this one
     windowed: dict[int, PassLayout] = field(default_factory=dict)
+    window: int = 0  # a windowed layer's window, which its chunk kernel applies (0: none)
 
     def for_window(self, window: int | None) -> PassLayout:
         """The layout a layer of sliding window `window` (None: none) attends with."""
@@ -168,9 +169,7 @@ def build_layout(
     along its queries here, once a pass, not in every layer.
 
     `windows`: the sliding windows of the model's layers, each getting its own masks
-    (`PassLayout.for_window`); no prompt rows (`prompts`) then: the chunk kernel attends
-    without a window."""
-    assert not (windows and prompts), "the chunk kernel has no window"
+    (`PassLayout.for_window`), and its window passed to the chunk kernel."""
     cached = cached or [0] * len(trees)
     widths = [tree.num_nodes - c for tree, c in zip(trees, cached)]
     # first node attended by row
@@ -253,7 +252,7 @@ def build_layout(
     )
     for window in set(windows):
         if window < int(positions.max(initial=0)) + 1:  # some query sees past it
-            layout.windowed[window] = replace(layout, **masks(window), windowed={})
+            layout.windowed[window] = replace(layout, **masks(window), windowed={}, window=window)
     return layout
 
 
@@ -538,7 +537,7 @@ def kernel_attention(
     )
     if layout.chunk_queries is not None:
         chunk = layout.chunk_queries
-        chunk_attention(head_dim, group, half, softcap or 0.0)(
+        chunk_attention(head_dim, group, half, softcap or 0.0, layout.window)(
             *arrays,
             chunk.rows,
             chunk.tokens,

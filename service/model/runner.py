@@ -111,10 +111,7 @@ class ModelRunner:
         self.logit_cap: float = getattr(config, "final_logit_softcapping", None) or 0.0
         # on the packed CPU path, prompt tokens attend through the chunk kernel (their own bits)
         self.chunk_kernel = bool(
-            self.lean
-            and attention_kernel_width(self.model)
-            and chunk_kernel_fits(head_dim)
-            and not self.windows  # the chunk kernel attends without a window
+            self.lean and attention_kernel_width(self.model) and chunk_kernel_fits(head_dim)
         )
         if self.lean and attention_kernel_width(
             self.model
@@ -122,7 +119,9 @@ class ModelRunner:
             half = self.kv_dtype == torch.float16
             warm_up_attention(head_dim, self.query_groups, half, self.attention_cap)
             if self.chunk_kernel:
-                warm_up_chunk_attention(head_dim, self.query_groups, half, self.attention_cap)
+                warm_up_chunk_attention(
+                    head_dim, self.query_groups, half, self.attention_cap, self.windows
+                )
 
     @property
     def capture_seconds(self) -> float:

@@ -20,13 +20,17 @@ from tests.helpers.kernels import needs_numba
 pytestmark = needs_numba
 
 
-def chunk_attention_of(queries, keys, values, blocks, scale=0.125, softcap=0.0):
+def chunk_attention_of(queries, keys, values, blocks, scale=0.125, softcap=0.0, window=0):
     """`blocks`: (row, first flat token, its position, count) each; scores capped at `softcap`
-    (0: uncapped)."""
+    (0: uncapped), each token seeing the `window` columns up to its own (0: all)."""
     out = torch.full_like(queries, float("nan"))
     rows, tokens, firsts, counts = (np.array(column, dtype=np.int64) for column in zip(*blocks))
     chunk_attention(
-        queries.shape[2], queries.shape[1] // keys.shape[1], keys.dtype == torch.float16, softcap
+        queries.shape[2],
+        queries.shape[1] // keys.shape[1],
+        keys.dtype == torch.float16,
+        softcap,
+        window,
     )(
         queries.numpy(),
         kernel_array(keys),
@@ -72,6 +76,34 @@ def test_each_prompt_token_attends_causally_as_sdpa_does(dtype) -> None:
         torch.testing.assert_close(got[token], want[:, 0], rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [1, 5, 16, 17, 40])
+def test_a_windowed_layers_tokens_attend_to_their_window(window, dtype) -> None:
+    """A layer of sliding window W: each token over the W columns up to its own position, as
+    transformers' masks rule (a key at or below position - W is not seen), from blocks that
+    start anywhere; and the window bites (the prompt outgrows it)."""
+    generator = torch.Generator().manual_seed(3)
+    dim, capacity = 32, 80
+    keys = torch.randn(2, 2, capacity, dim, generator=generator).to(dtype)
+    values = torch.randn(2, 2, capacity, dim, generator=generator).to(dtype)
+    queries = torch.randn(70, 4, dim, generator=generator)
+    blocks = blocks_of(0, 0, 9, 50) + blocks_of(1, 50, 3, 20, size=7)
+    got = chunk_attention_of(queries, keys, values, blocks, window=window)
+    for token in range(70):
+        row, position = (0, 9 + token) if token < 50 else (1, token - 47)
+        low = max(0, position - window + 1)
+        want = F.scaled_dot_product_attention(
+            queries[token, :, None],
+            keys[row, :, low : position + 1].float(),
+            values[row, :, low : position + 1].float(),
+            scale=0.125,
+            enable_gqa=True,
+        )
+        torch.testing.assert_close(got[token], want[:, 0], rtol=2e-5, atol=2e-6)
+    dense = chunk_attention_of(queries, keys, values, blocks)
+    assert not torch.allclose(got, dense, rtol=1e-3, atol=1e-3)
+
+
 def test_capped_scores_match_transformers_eager_attention() -> None:
     """Gemma 2's soft-capped scores, most past the cap: each prompt token as transformers'
     eager attention computes it (scaled, capped, then the softmax), and the cap bites."""
@@ -105,6 +137,10 @@ def test_a_tokens_bits_do_not_depend_on_its_block() -> None:
     # a chunk starting at 33
     later = chunk_attention_of(queries[23:], keys, values, blocks_of(0, 0, 33, 37))
     assert torch.equal(later, whole[23:])
+    windowed = chunk_attention_of(queries, keys, values, blocks_of(0, 0, 10, 60), window=9)
+    for size in (1, 5, 7):  # a windowed token's block starts below, at or above its window
+        blocks = blocks_of(0, 0, 10, 60, size)
+        assert torch.equal(chunk_attention_of(queries, keys, values, blocks, window=9), windowed)
 
 
 def test_the_prompt_prefix_is_the_chain_before_the_logits() -> None:
