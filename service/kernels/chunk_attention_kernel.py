@@ -296,9 +296,13 @@ def chunk_attention(
                 for h in range(group):
                     for i in range(count):
                         qt[h, :, i] = queries[token + i, kv_head * group + h]
-                if half:
-                    widen(keys[row, kv_head].ctypes.data, widened[0].ctypes.data, n * head_dim)
-                    widen(values[row, kv_head].ctypes.data, widened[1].ctypes.data, n * head_dim)
+                if half:  # the columns the block reads: from its first token's window on
+                    low = max(0, firsts[block] - window + 1) if window else 0
+                    size = (n - low) * head_dim
+                    widen(keys[row, kv_head, low:].ctypes.data, widened[0, low:].ctypes.data, size)
+                    widen(
+                        values[row, kv_head, low:].ctypes.data, widened[1, low:].ctypes.data, size
+                    )
                 kernel(
                     qt.ctypes.data,
                     widened[0].ctypes.data if half else keys[row, kv_head].ctypes.data,
