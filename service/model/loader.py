@@ -50,8 +50,9 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ngrammys"
 # Bumped whenever a GGUF's cached config is made otherwise (so that older ones are not read):
-# 2, a partial rotary embedding and LongRoPE from the file's header and tensors
-GGUF_HEADER_FORMAT = 2
+# 2, a partial rotary embedding and LongRoPE from the file's header and tensors; 3, Gemma's
+# attention scale as llama.cpp derives it
+GGUF_HEADER_FORMAT = 3
 
 
 class UnsupportedModel(ValueError):
@@ -342,6 +343,26 @@ def _take_soft_caps(config: PretrainedConfig, contents: GGUFContents) -> None:
             setattr(config, field, float(cap))
 
 
+# Gemma's 27B models, by architecture and layer count: llama.cpp scales their attention scores by
+# 1/sqrt(hidden / heads), every other size's by 1/sqrt(head size)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _take_attention_scale(config: PretrainedConfig, contents: GGUFContents) -> None:
+    """Set a Gemma's `query_pre_attn_scalar` (its scores scaled by its inverse square root) as
+    llama.cpp derives it, the file having no key for it: hidden / heads for a 27B model (by its
+    layer count), else the head size. transformers' GGUF mapping leaves the config class's
+    default (256), which only the sizes whose heads are 256 wide share."""
+    layers = GEMMA_27B_LAYERS.get(contents.architecture)
+    if layers is None or not hasattr(config, "query_pre_attn_scalar"):
+        return
+    if contents.number("block_count") == layers:
+        hidden, heads = (contents.number(k) for k in ("embedding_length", "attention.head_count"))
+        config.query_pre_attn_scalar = int(hidden) // int(heads)
+    elif (key_length := contents.number("attention.key_length")) is not None:
+        config.query_pre_attn_scalar = int(key_length)
+
+
 def _take_head_dim(config: PretrainedConfig, contents: GGUFContents) -> None:
     """Set `config.head_dim` from the file's `{arch}.attention.key_length`, which llama.cpp
     reads: transformers' GGUF mapping leaves some architectures (Qwen3's) at the config
@@ -400,6 +421,7 @@ def _save_gguf_header(contents: GGUFContents, directory: Path) -> None:
     _take_rotary_dims(config, contents)
     _take_long_rope(config, contents)
     _take_soft_caps(config, contents)
+    _take_attention_scale(config, contents)
     config.save_pretrained(directory)
     AutoTokenizer.from_pretrained(
         gguf.parent, gguf_file=gguf.name, local_files_only=True

@@ -45,8 +45,12 @@ def make_tiny_family_model(
 ) -> transformers.PreTrainedModel:
     """A 2-layer random model of a family (`config_name`: "Qwen3Config"...), 64 wide (two Q4_1
     blocks a row), heads 16 wide; `config`: more of the family config's fields. Its attention
-    is transformers' default kind for it: SDPA, but eager for Gemma 2 (SDPA cannot cap)."""
+    is transformers' default kind for it: SDPA, but eager for Gemma 2 (SDPA cannot cap). A
+    Gemma scales its scores by 1/sqrt(head size), as every released size but 27B does (and as
+    llama.cpp reads a GGUF of it)."""
     torch.manual_seed(seed)
+    if config_name.startswith("Gemma"):
+        config = {"query_pre_attn_scalar": 16} | config
     made = getattr(transformers, config_name)(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -100,8 +104,7 @@ def make_tiny_gemma2(
 ) -> transformers.PreTrainedModel:
     """A tiny random Gemma 2 (`make_tiny_family_model`) whose caps bite: its local layers see
     `window` positions, its q and k projections (×30) and its untied LM head (×15) are scaled
-    up, so that about a third of its attention scores and a fifth of its logits pass
-    `GEMMA2_CAPS`."""
+    up, so that many of its attention scores and logits pass `GEMMA2_CAPS`."""
     model = make_tiny_family_model(
         "Gemma2Config",
         seed=seed,

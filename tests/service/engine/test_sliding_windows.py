@@ -120,16 +120,18 @@ def test_packed_windowed_layers_attend_through_the_kernel_within_the_window(
 def test_a_gemma_3_gguf_serves_packed_as_transformers_runs_the_file(quantization, tmp_path) -> None:
     """A Gemma 3 GGUF as llama.cpp writes one (norms stored as 1 + weight, the tied embedding
     quantized, no output tensor) through the loader: packed linears, the embedding kept packed
-    and scaled by √hidden as Gemma's. On the float-activation path greedy output past the
-    window equals transformers' own model of the file, with speculation off, fixed and auto,
-    batched and alone; the 8-bit path's speculation equals its plain decoding."""
+    and scaled by √hidden as Gemma's, the attention scale the head size's as llama.cpp derives
+    it. On the float-activation path greedy output past the window equals transformers' own
+    model of the file (given that scale: its GGUF loading keeps its class's 1/sqrt(256)), with
+    speculation off, fixed and auto, batched and alone; the 8-bit path's speculation equals its
+    plain decoding."""
     from transformers import AutoModelForCausalLM
 
     from service.kernels.packed_embedding import PackedEmbedding
     from service.model.loader import load_model
 
     model = make_tiny_family_model("Gemma3TextConfig", seed=5, **FAMILIES["Gemma3TextConfig"])
-    write_tiny_gguf(model, tmp_path / "gemma3.gguf", loadable=True)
+    write_tiny_gguf(model, tmp_path / "gemma3.gguf", loadable=True)  # model: the file's weights
     loaded = load_model(tmp_path / "gemma3.gguf", cache_dir=tmp_path, quantization=quantization)
     served = loaded.model
     embedding = served.get_input_embeddings()
@@ -138,8 +140,9 @@ def test_a_gemma_3_gguf_serves_packed_as_transformers_runs_the_file(quantization
     if quantization == "gguf-int8":
         assert_speculation_equals_plain_decoding(served)
         return
+    assert served.config.query_pre_attn_scalar == model.config.query_pre_attn_scalar == 16
     reference = AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="gemma3.gguf", dtype=torch.float32
+        tmp_path, gguf_file="gemma3.gguf", dtype=torch.float32, query_pre_attn_scalar=16
     ).eval()
     want = {tuple(p): reference_greedy(reference, p, NEW_TOKENS) for p in (PROMPT, OTHER)}
     engine = engine_for(served)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import Gemma2Config, LlamaConfig
 
 import service.model.loader as model_loader
+from service.kernels.gguf_file import GGUFContents
 from service.model.loader import (
     UnsupportedModel,
     check_supported,
@@ -229,3 +231,30 @@ def test_only_windows_the_context_can_outgrow_are_refused(
             check_supported(config)
     else:
         check_supported(config)
+
+
+@pytest.mark.parametrize(
+    "architecture,layers,scalar",
+    [
+        ("gemma2", 46, 4608 // 32),
+        ("gemma2", 42, 128),
+        ("gemma3", 62, 4608 // 32),
+        ("gemma3", 26, 128),
+    ],
+)
+def test_a_gemma_ggufs_attention_scale_is_llama_cpps(architecture, layers, scalar) -> None:
+    """A Gemma GGUF has no key for its attention scale: a 27B model (46 layers for Gemma 2, 62
+    for Gemma 3) scales by 1/sqrt(hidden / heads), every other size by 1/sqrt(head size), as
+    llama.cpp derives it; transformers' mapping would leave the class's 256."""
+    numbers = {"block_count": layers, "embedding_length": 4608, "attention.head_count": 32}
+    numbers |= {"attention.key_length": 128}
+    contents = GGUFContents(
+        Path("model.gguf"), architecture, {}, {f"{architecture}.{k}": v for k, v in numbers.items()}
+    )
+    config = Gemma2Config()
+    assert config.query_pre_attn_scalar == 256
+    model_loader._take_attention_scale(config, contents)
+    assert config.query_pre_attn_scalar == scalar
+    llama = LlamaConfig()
+    model_loader._take_attention_scale(llama, GGUFContents(Path("m.gguf"), "llama", {}, {}))
+    assert not hasattr(llama, "query_pre_attn_scalar")
