@@ -10,7 +10,7 @@ import torch
 
 from drafting import Draft, TableSlot, TokenHistory, default_mixer
 from service.engine.engine import Engine
-from service.engine.params import SamplingParams
+from service.engine.params import GenerationParams, SamplingParams, SpeculationParams
 from service.engine.sampling import PositionUniforms, choose_tokens
 from service.engine.scheduler import SchedulerConfig
 from service.model.runner import ModelRunner
@@ -105,3 +105,28 @@ def make_engine(runner: ModelRunner, tables: TableSlot, **limits: int | float | 
     )
     engine.profile = MEMORY_BOUND
     return engine
+
+
+# the speculation settings the family tests decode with: off, fixed, and auto
+SPECULATIONS = (
+    SpeculationParams(),
+    SpeculationParams(2, 2),
+    SpeculationParams(4, 3),
+    SpeculationParams(6, 5, mode="auto"),
+)
+
+
+def assert_decodes_as(
+    engine: Engine,
+    want: dict[tuple[int, ...], list[int]],
+    new_tokens: int,
+    speculations: tuple[SpeculationParams, ...] = SPECULATIONS,
+) -> None:
+    """`engine`'s greedy output of each prompt of `want` (two: the first alone, then both
+    batched) equals what `want` says, with each of `speculations`."""
+    first, second = want
+    for speculation in speculations:
+        params = GenerationParams(max_new_tokens=new_tokens, speculation=speculation)
+        assert engine.complete(list(first), params).token_ids == want[first], speculation
+        batched = engine.complete_many([(list(first), params), (list(second), params)])
+        assert [r.token_ids for r in batched] == [want[first], want[second]]

@@ -18,7 +18,7 @@ from service.model.prefix_cache import BLOCK_TOKENS
 from service.model.runner import ModelRunner, RowInput
 from service.model.tables import compute_tables
 from service.model.tree import build_tree
-from tests.helpers.engines import make_engine, reference_greedy
+from tests.helpers.engines import assert_decodes_as, make_engine, reference_greedy
 from tests.helpers.kernels import needs_int8
 from tests.helpers.models import make_tiny_family_model
 from tests.helpers.packed import assert_speculation_equals_plain_decoding, write_tiny_gguf
@@ -146,15 +146,12 @@ def test_a_gemma_3_gguf_serves_packed_as_transformers_runs_the_file(quantization
     ).eval()
     want = {tuple(p): reference_greedy(reference, p, NEW_TOKENS) for p in (PROMPT, OTHER)}
     engine = engine_for(served)
-    for speculation in (
-        SpeculationParams(),
-        SpeculationParams(4, 3),
-        SpeculationParams(6, 5, mode="auto"),
-    ):
-        params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=speculation)
-        assert engine.complete(PROMPT, params).token_ids == want[tuple(PROMPT)], speculation
-        batched = engine.complete_many([(PROMPT, params), (OTHER, params)])
-        assert [r.token_ids for r in batched] == [want[tuple(PROMPT)], want[tuple(OTHER)]]
+    assert_decodes_as(
+        engine,
+        want,
+        NEW_TOKENS,
+        (SpeculationParams(), SpeculationParams(4, 3), SpeculationParams(6, 5, mode="auto")),
+    )
 
 
 def test_a_prompt_from_the_prefix_cache_and_seeded_sampling_decode_as_without() -> None:

@@ -9,13 +9,12 @@ import pytest
 import transformers
 
 from drafting import TableSlot
-from service.engine.params import GenerationParams, SpeculationParams
 from service.kernels.packed_linear import PHI3_LINEARS, PackedLinear, load_kernels
 from service.model.loader import load_model
 from service.model.runner import ModelRunner, RowInput
 from service.model.tables import compute_tables
 from service.model.tree import build_tree
-from tests.helpers.engines import make_engine, reference_greedy
+from tests.helpers.engines import assert_decodes_as, make_engine, reference_greedy
 from tests.helpers.kernels import needs_int8
 from tests.helpers.models import make_tiny_family_model
 from tests.helpers.packed import assert_speculation_equals_plain_decoding, write_tiny_gguf
@@ -120,13 +119,4 @@ def test_a_phi3_gguf_serves_packed_as_its_model_decodes(
     engine = make_engine(
         ModelRunner(served), TableSlot(compute_tables(served, batch_size=16, show_progress=False))
     )
-    for speculation in (
-        SpeculationParams(),
-        SpeculationParams(2, 2),
-        SpeculationParams(4, 3),
-        SpeculationParams(6, 5, mode="auto"),
-    ):
-        params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=speculation)
-        assert engine.complete(PROMPT, params).token_ids == want[tuple(PROMPT)], speculation
-        batched = engine.complete_many([(PROMPT, params), (OTHER, params)])
-        assert [r.token_ids for r in batched] == [want[tuple(PROMPT)], want[tuple(OTHER)]]
+    assert_decodes_as(engine, want, NEW_TOKENS)

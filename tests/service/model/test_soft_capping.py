@@ -18,7 +18,7 @@ from service.model.loader import load_model
 from service.model.runner import ModelRunner, RowInput
 from service.model.tables import compute_tables
 from service.model.tree import build_tree
-from tests.helpers.engines import make_engine
+from tests.helpers.engines import assert_decodes_as, make_engine
 from tests.helpers.kernels import needs_int8
 from tests.helpers.models import GEMMA2_CAPS, make_tiny_gemma2
 from tests.helpers.packed import assert_speculation_equals_plain_decoding, write_tiny_gguf
@@ -93,16 +93,7 @@ def test_greedy_output_equals_transformers_generate() -> None:
     served, reference = twins()
     want = {tuple(p): generated(reference, p) for p in (PROMPT, OTHER)}
     engine = engine_for(served)
-    for speculation in (
-        SpeculationParams(),
-        SpeculationParams(2, 2),
-        SpeculationParams(4, 3),
-        SpeculationParams(6, 5, mode="auto"),
-    ):
-        params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=speculation)
-        assert engine.complete(PROMPT, params).token_ids == want[tuple(PROMPT)], speculation
-        batched = engine.complete_many([(PROMPT, params), (OTHER, params)])
-        assert [r.token_ids for r in batched] == [want[tuple(PROMPT)], want[tuple(OTHER)]]
+    assert_decodes_as(engine, want, NEW_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -144,15 +135,12 @@ def test_a_gemma_2_gguf_serves_packed_with_the_files_caps(tmp_path) -> None:
     want = {tuple(p): generated(model, p) for p in (PROMPT, OTHER)}
     engine = engine_for(served)
     assert engine.runner.lean
-    for speculation in (
-        SpeculationParams(),
-        SpeculationParams(4, 3),
-        SpeculationParams(6, 5, mode="auto"),
-    ):
-        params = GenerationParams(max_new_tokens=NEW_TOKENS, speculation=speculation)
-        assert engine.complete(PROMPT, params).token_ids == want[tuple(PROMPT)], speculation
-        batched = engine.complete_many([(PROMPT, params), (OTHER, params)])
-        assert [r.token_ids for r in batched] == [want[tuple(PROMPT)], want[tuple(OTHER)]]
+    assert_decodes_as(
+        engine,
+        want,
+        NEW_TOKENS,
+        (SpeculationParams(), SpeculationParams(4, 3), SpeculationParams(6, 5, mode="auto")),
+    )
 
 
 def test_fixed_shape_passes_and_the_device_round_cap_too() -> None:
