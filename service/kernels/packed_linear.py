@@ -428,13 +428,22 @@ class PackedLinear(nn.Module):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected inputs of {self.in_features} features, got {x.shape[-1]}")
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._int8 is not None:
-            return self._int8_forward(x, rows)
-        if self.kernels is None or rows.shape[0] > self.kernel_max_rows or x.device.type != "cpu":
+        if self._int8 is None and (
+            self.kernels is None or rows.shape[0] > self.kernel_max_rows or x.device.type != "cpu"
+        ):
             return F.linear(x, self.dequantized(reuse=x.device.type == "cpu").to(x.device, x.dtype))
-        if rows.dtype != torch.float32:
-            rows = rows.float()
-        xs = rows.contiguous().numpy()
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            rows = rows.float().contiguous()
+        return self._shaped(self.apply(rows.numpy()), x)
+
+    def apply(self, xs: np.ndarray) -> np.ndarray:
+        """The layer's output for float32 rows xs [R, in_features] (C-contiguous), as the
+        kernels leave it: [R, at least out_features] (8-bit kernels pad to whole tiles). The
+        packed CPU pass (`service/model/packed_pass.py`) calls this directly, without torch."""
+        if self._int8 is not None:
+            return self._int8_apply(xs)
+        if self.kernels is None or xs.shape[0] > self.kernel_max_rows:
+            return F.linear(torch.from_numpy(xs), self.dequantized(reuse=True)).numpy()
         t = self._tiles
         out = np.empty((xs.shape[0], t.qs.shape[0] * TILE), np.float32)
         # Tiny layers run on the calling thread: a parallel launch costs more than it saves.
@@ -449,9 +458,9 @@ class PackedLinear(nn.Module):
             weights = (t.qs, t.d, t.m) if self.kind in WITH_MINS else (t.qs, t.d)
             matmul = getattr(self.kernels, f"{name}_matmul{'' if threads else '_serial'}")
             matmul(xs, *weights, out, threads)
-        return self._shaped(out, x)
+        return out
 
-    def _int8_forward(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _int8_apply(self, xs: np.ndarray) -> np.ndarray:
         """The 8-bit kernels, whatever the pass size (from CHUNK_MIN_ROWS rows on, a Q4_1 layer's
         many-row kernel, with the same bits): a prompt chunk's rows then compute as they would
         in a pass of their own. Lean: a one-token pass makes over a hundred of these calls, so
@@ -459,9 +468,6 @@ class PackedLinear(nn.Module):
         (docs/benchmarks.md, "Figures behind design choices")."""
         assert self._int8 is not None
         t = self._int8
-        if rows.dtype != torch.float32 or not rows.is_contiguous():
-            rows = rows.float().contiguous()
-        xs = rows.numpy()
         threads = _threads() if xs.shape[0] * t.packed.size >= PARALLEL_MIN_BYTES else 0
         threads = threads if threads > 1 else 0
         if (
@@ -469,10 +475,10 @@ class PackedLinear(nn.Module):
         ):  # the same bits, faster
             padded = np.empty((-(-xs.shape[0] // GROUP) * GROUP, self._int8_columns), np.float32)
             self._chunk_kernel(xs, t.packed, t.d, t.m, padded, threads)
-            return self._shaped(padded[: xs.shape[0]], x)
+            return padded[: xs.shape[0]]
         out = np.empty((xs.shape[0], self._int8_columns), np.float32)
         self._int8_kernel(xs, t.packed, t.d, t.m, out, threads)
-        return self._shaped(out, x)
+        return out
 
     def _shaped(self, out: np.ndarray, x: torch.Tensor) -> torch.Tensor:
         """A kernel's output [rows, whole tiles] as the layer's: its columns, x's dtype and

@@ -512,7 +512,7 @@ def ragged_attention(
     flat = query.new_empty(query.shape[2], heads, head_dim)  # [T, heads, head_dim]
     if batched is not None:
         flat[layout.batched_tokens] = batched
-    _attend_separate_rows(query, key, value, layout, scaling, flat, softcap)
+    attend_separate_rows(query, key, value, layout, scaling, flat, softcap)
     return flat[None], None  # [1, T, heads, head_dim]
 
 
@@ -529,37 +529,64 @@ def kernel_attention(
     queries = query[0].transpose(0, 1)  # [T, heads, head_dim]
     flat = torch.empty_like(queries)
     keys, values = buffers
-    arrays = (queries.numpy(), kernel_array(keys), kernel_array(values))
+    attend_through_kernels(
+        queries.numpy(),
+        kernel_array(keys),
+        kernel_array(values),
+        layout,
+        scaling,
+        softcap,
+        flat.numpy(),
+    )
+    attend_separate_rows(query, *buffers, layout, scaling, flat, softcap)
+    return flat[None]
+
+
+def attend_through_kernels(
+    queries: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    layout: PassLayout,
+    scaling: float,
+    softcap: float | None,
+    out: np.ndarray,
+) -> None:
+    """The attention of the layout's tokens that the kernels answer, into out [T, heads,
+    head_dim]: its prompt tokens' by the chunk kernel, its narrow rows' by the attention kernel
+    (`attend_separate_rows` does the rest). queries [T, heads, head_dim]; keys, values: the
+    layer's whole buffers as `kernel_array` gives them."""
     head_dim, group, half = (
         queries.shape[2],
         queries.shape[1] // keys.shape[1],
-        keys.dtype == torch.float16,
+        keys.dtype == np.uint16,
     )
     if layout.chunk_queries is not None:
         chunk = layout.chunk_queries
         chunk_attention(head_dim, group, half, softcap or 0.0, layout.window)(
-            *arrays,
+            queries,
+            keys,
+            values,
             chunk.rows,
             chunk.tokens,
             chunk.firsts,
             chunk.counts,
             np.float32(scaling),
-            flat.numpy(),
+            out,
         )
     if layout.kernel_queries is not None:
         narrow = layout.kernel_queries
         token_attention(head_dim, group, half, softcap or 0.0)(
-            *arrays,
+            queries,
+            keys,
+            values,
             narrow.tokens,
             narrow.rows,
             narrow.starts,
             narrow.columns,
             narrow.column_offsets,
             np.float32(scaling),
-            flat.numpy(),
+            out,
         )
-    _attend_separate_rows(query, *buffers, layout, scaling, flat, softcap)
-    return flat[None]
 
 
 def kernel_array(tensor: torch.Tensor) -> np.ndarray:
@@ -568,7 +595,7 @@ def kernel_array(tensor: torch.Tensor) -> np.ndarray:
     return array.view(np.uint16) if tensor.dtype == torch.float16 else array
 
 
-def _attend_separate_rows(
+def attend_separate_rows(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,

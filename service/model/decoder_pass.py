@@ -15,16 +15,14 @@ What it does differently, nothing else:
   enough to run on every thread;
 - rotary embedding once over the queries and keys together;
 - no per-layer decorators, keyword plumbing or output records.
-On the packed CPU path RMSNorm and the rotary embedding with the cache write are one numba
-call each (`service/kernels/layer_kernels.py`), and the packed layers are called through
-`forward`, without `nn.Module.__call__`.
+The packed CPU path runs the same layers in numpy and numba instead
+(`service/model/packed_pass.py`); its projections and rotary tables come from here.
 
 Phi-3's fused modules are used as they are, and a partial rotary embedding (Phi-4-mini's
 `partial_rotary_factor`) turns the first dimensions of each head, as its model does.
 
-Weights, cache writes and attention (`service/model/attention.py`) are the model's own (on the
-packed path one-token rows attend through a kernel: the same softmax, summed in position
-order). Qwen3's and Gemma 3's RMSNorm of each query and key head before the rotary embedding
+Weights, cache writes and attention (`service/model/attention.py`) are the model's own.
+Qwen3's and Gemma 3's RMSNorm of each query and key head before the rotary embedding
 is one norm call each; Gemma's norms (2 and 3) scale by 1 + weight, in float32 (`_rms_norm`),
 wrap the attention and the MLP on both sides, and Gemma 3's local and global layers take rotary
 tables of their own. Gemma 2's attention scores are soft-capped (cap * tanh(score / cap),
@@ -53,8 +51,6 @@ from service.kernels.packed_linear import (
 )
 from service.model.attention import (
     PassLayout,
-    kernel_array,
-    kernel_attention,
     layer_windows,
     ragged_attention,
 )
@@ -67,7 +63,6 @@ from service.model.kv_cache import TreeKVCache
 # cover a part of each head: the packed path's families
 LEAN_MODEL_TYPES = PACKED_MODEL_TYPES
 
-Projection = Callable[[torch.Tensor], torch.Tensor]
 # Rows of up to this many tokens attend through the packed path's attention kernel. It reads a
 # row's keys once per query, so it beats SDPA on one-token rows (no padding to the longest row)
 # and on the small trees auto mode builds on a CPU, but loses to a call of their own on wide
@@ -92,12 +87,13 @@ INT8_KV_DTYPE = torch.float16
 
 @dataclass(frozen=True)
 class FusedProjections:
-    """One decoder layer's input projections, each computed by one call."""
+    """One decoder layer's projections. q/k/v and gate/up are each one module where their parts
+    fuse (`fuse_projections`), else their modules, whose outputs go side by side."""
 
-    qkv: Projection  # [T, hidden] -> [T, (heads + 2 * kv_heads) * head_dim]
-    gate_up: Projection  # [T, hidden] -> [T, 2 * intermediate]
-    o: Projection  # [T, heads * head_dim] -> [T, hidden]
-    down: Projection  # [T, intermediate] -> [T, hidden]
+    qkv: tuple[nn.Module, ...]  # [T, hidden] -> [T, (heads + 2 * kv_heads) * head_dim]
+    gate_up: tuple[nn.Module, ...]  # [T, hidden] -> [T, 2 * intermediate]
+    o: nn.Module  # [T, heads * head_dim] -> [T, hidden]
+    down: nn.Module  # [T, intermediate] -> [T, hidden]
     act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation of the gate
 
 
@@ -115,64 +111,61 @@ def supports_lean_pass(model: PreTrainedModel) -> bool:
 def lean_hidden(
     model: PreTrainedModel, input_ids: torch.Tensor, layout: PassLayout, cache: TreeKVCache
 ) -> torch.Tensor:
-    """The final-norm hidden states [T, hidden] of a flat pass (`input_ids`: [1, T])."""
+    """The final-norm hidden states [T, hidden] of a flat pass (`input_ids`: [1, T]), in torch
+    operators (the packed CPU path's pass: `service/model/packed_pass.py`)."""
     base = model.base_model
     x = base.embed_tokens(input_ids)  # [1, T, hidden]
-    rotary = _rotary_tables(model, x, layout)  # per layer
+    rotary = rotary_tables(model, x, layout)  # per layer
     x = x[0]  # [T, hidden]
     tokens = x.shape[0]
     heads = model.config.num_attention_heads
-    kernels = _layer_kernels(model)
     windows = layer_windows(model.config)
-    sandwich = hasattr(base.layers[0], "post_feedforward_layernorm")  # Gemma's norms
+    sandwich = has_sandwich_norms(model)
     softcap = getattr(model.config, "attn_logit_softcapping", None)  # Gemma 2's
     for index, layer in enumerate(base.layers):
         cos, sin = rotary[index]
         attn, projections = layer.self_attn, fused_projections(layer)
-        qkv = projections.qkv(_rms_norm(x, layer.input_layernorm, kernels)).view(
+        qkv = project(projections.qkv, _rms_norm(x, layer.input_layernorm)).view(
             tokens, -1, attn.head_dim
         )
         if hasattr(attn, "q_norm"):
-            _norm_heads(qkv, (attn.q_norm, attn.k_norm), heads, kernels)
-        layer_cache = cache.layers[index]
-        queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, layer_cache, kernels)
-        attending = layout.for_window(windows[index])
-        if attending.kernel_queries is not None or attending.chunk_queries is not None:
-            out = kernel_attention(
-                queries, (layer_cache.keys, layer_cache.values), attending, attn.scaling, softcap
-            )  # [1, T, heads, head_dim]
-        else:
-            out, _ = ragged_attention(
-                attn,
-                queries,
-                keys,
-                values,
-                None,
-                scaling=attn.scaling,
-                pass_layout=attending,
-                softcap=softcap,
-            )
-        attended = projections.o(out.reshape(tokens, -1))
+            _norm_heads(qkv, (attn.q_norm, attn.k_norm), heads)
+        queries, keys, values = _queries_and_cache(qkv, cos, sin, heads, cache.layers[index])
+        out, _ = ragged_attention(
+            attn,
+            queries,
+            keys,
+            values,
+            None,
+            scaling=attn.scaling,
+            pass_layout=layout.for_window(windows[index]),
+            softcap=softcap,
+        )
+        attended = projections.o.forward(out.reshape(tokens, -1))
         if sandwich:
-            x = x + _rms_norm(attended, layer.post_attention_layernorm, kernels)
-            gate, up = projections.gate_up(
-                _rms_norm(x, layer.pre_feedforward_layernorm, kernels)
+            x = x + _rms_norm(attended, layer.post_attention_layernorm)
+            gate, up = project(
+                projections.gate_up, _rms_norm(x, layer.pre_feedforward_layernorm)
             ).chunk(2, dim=-1)
             x = x + _rms_norm(
-                projections.down(projections.act(gate) * up),
+                projections.down.forward(projections.act(gate) * up),
                 layer.post_feedforward_layernorm,
-                kernels,
             )
             continue
         x = x + attended
-        gate, up = projections.gate_up(_rms_norm(x, layer.post_attention_layernorm, kernels)).chunk(
+        gate, up = project(projections.gate_up, _rms_norm(x, layer.post_attention_layernorm)).chunk(
             2, dim=-1
         )
-        x = x + projections.down(projections.act(gate) * up)
-    return _rms_norm(x, base.norm, kernels)
+        x = x + projections.down.forward(projections.act(gate) * up)
+    return _rms_norm(x, base.norm)
 
 
-def _rotary_tables(
+def has_sandwich_norms(model: PreTrainedModel) -> bool:
+    """Whether `model`'s layers norm the attention's and the MLP's outputs too (Gemma's)."""
+    return hasattr(model.base_model.layers[0], "post_feedforward_layernorm")
+
+
+def rotary_tables(
     model: PreTrainedModel, x: torch.Tensor, layout: PassLayout
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's rotary tables cos, sin [T, rotary dims] for the pass: one pair for all, or
@@ -192,7 +185,7 @@ def _rotary_tables(
 def attention_kernel_width(model: PreTrainedModel) -> int:
     """Rows of up to this many tokens attend through the attention kernel in `model`'s passes
     (0: none, off the packed CPU path)."""
-    if not supports_lean_pass(model) or _layer_kernels(model) is None:
+    if not supports_lean_pass(model) or packed_pass_kernels(model) is None:
         return 0
     int8 = model.base_model.layers[0].mlp.down_proj.int8_activations
     return INT8_ATTENTION_KERNEL_WIDTH if int8 else ATTENTION_KERNEL_WIDTH
@@ -208,9 +201,10 @@ def kv_cache_dtype(model: PreTrainedModel) -> torch.dtype:
     )
 
 
-def _layer_kernels(model: PreTrainedModel) -> Any:
+def packed_pass_kernels(model: PreTrainedModel) -> Any:
     """The per-layer kernels (`service/kernels/layer_kernels.py`) when `model`'s passes run the
-    packed CPU path (its linears packed, with the numba kernels; float32 on a CPU), else None."""
+    packed CPU path (its linears packed, with the numba kernels; float32 on a CPU; the pass of
+    `service/model/packed_pass.py`), else None."""
     down = model.base_model.layers[0].mlp.down_proj
     if not isinstance(down, PackedLinear) or down.kernels is None:
         return None
@@ -227,80 +221,78 @@ def _queries_and_cache(
     sin: torch.Tensor,
     heads: int,
     cache_layer: Any,
-    kernels: Any,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pass's rotated queries [1, heads, T, head_dim], and the cache rows' keys and values
     [rows, kv_heads, pass_end, head_dim] with the pass's rotated keys and its values written in.
     `qkv`: [T, heads + 2 * kv_heads, head_dim]; `cos`, `sin`: [T, rotary dims]."""
     kv_heads = (qkv.shape[1] - heads) // 2
     new_values = qkv[None, :, heads + kv_heads :].transpose(1, 2)  # [1, kv_heads, T, head_dim]
-    if kernels is None:
-        # [T, heads + kv_heads, head_dim]
-        qk = _rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])
-        keys, values = cache_layer.update(qk[None, :, heads:].transpose(1, 2), new_values)
-        return qk[None, :, :heads].transpose(1, 2), keys, values
-    queries = qkv.new_empty(qkv.shape[0], heads, qkv.shape[2])
-
-    def rotate_and_store(keys: torch.Tensor, values: torch.Tensor, layout: PassLayout) -> None:
-        kernels.rotate_and_store(
-            qkv.numpy(),
-            cos.numpy(),
-            sin.numpy(),
-            heads,
-            kernel_array(keys),
-            kernel_array(values),
-            layout.write_rows.numpy(),
-            layout.write_positions.numpy(),
-            queries.numpy(),
-        )
-
-    keys, values = cache_layer.write_with(new_values, rotate_and_store)
-    return queries[None].transpose(1, 2), keys, values
+    # [T, heads + kv_heads, head_dim]
+    qk = _rotate(qkv[:, : heads + kv_heads], cos[:, None], sin[:, None])
+    keys, values = cache_layer.update(qk[None, :, heads:].transpose(1, 2), new_values)
+    return qk[None, :, :heads].transpose(1, 2), keys, values
 
 
 def fused_projections(layer: nn.Module) -> FusedProjections:
-    """The layer's q/k/v and gate/up projections as one call each, and its o and down
+    """The layer's q/k/v and gate/up projections, fused where they can be, and its o and down
     projections (made on first use)."""
     fused = _FUSED.get(layer)
     if fused is None:
         attn, mlp = layer.self_attn, layer.mlp
         fused = FusedProjections(
-            _direct(attn.qkv_proj)  # Phi-3's, fused in the model
+            (attn.qkv_proj,)  # Phi-3's, fused in the model
             if hasattr(attn, "qkv_proj")
             else fuse_projections([attn.q_proj, attn.k_proj, attn.v_proj]),
-            _direct(mlp.gate_up_proj)
+            (mlp.gate_up_proj,)
             if hasattr(mlp, "gate_up_proj")
             else fuse_projections([mlp.gate_proj, mlp.up_proj]),
-            _direct(attn.o_proj),
-            _direct(mlp.down_proj),
+            attn.o_proj,
+            mlp.down_proj,
             mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn,
         )
         _FUSED[layer] = fused
     return fused
 
 
-def _direct(module: nn.Module) -> Projection:
-    """A packed layer's `forward` itself: `nn.Module.__call__`'s hook machinery costs time on
-    every call, a visible share of a one-token pass's many small matmuls (there are no hooks
-    to run on a served model's layers)."""
-    return module.forward if isinstance(module, PackedLinear) else module
+def project(modules: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:
+    """The outputs of `modules` (a `FusedProjections` entry) side by side. Each is called
+    through `forward`: `nn.Module.__call__`'s hook machinery costs time on every call, a visible
+    share of a one-token pass's many small matmuls (a served model's layers have no hooks)."""
+    if len(modules) == 1:
+        return modules[0].forward(x)
+    return torch.cat([module.forward(x) for module in modules], dim=-1)
 
 
-def fuse_projections(modules: Sequence[nn.Module]) -> Projection:
-    """One linear layer computing `modules`' outputs side by side. The modules' own weights
-    become views of the fused weight, so memory is not doubled and they keep working alone.
-    Modules of mixed kinds (or packed ones not tile-aligned) are called one by one instead."""
+def fuse_projections(modules: Sequence[nn.Module]) -> tuple[nn.Module, ...]:
+    """One linear layer computing `modules`' outputs side by side, where they fuse. The modules'
+    own weights become views of the fused weight, so memory is not doubled and they keep
+    working alone. Packed modules of mixed kinds fuse in runs of one kind (a Q4_K_M file's q
+    and k beside a v of another type); others stay as they are."""
     if all(isinstance(m, PackedLinear) for m in modules):
-        fused = fuse_packed(modules)  # type: ignore[arg-type]
-        if fused is not None:
-            return _direct(fused)
-    elif all(type(m) is nn.Linear for m in modules) and len({m.bias is None for m in modules}) == 1:
-        return _fuse_linears(modules)  # type: ignore[arg-type]
-    return lambda x: torch.cat([m(x) for m in modules], dim=-1)
+        return _fuse_packed_runs(modules)  # type: ignore[arg-type]
+    if all(type(m) is nn.Linear for m in modules) and len({m.bias is None for m in modules}) == 1:
+        return (_fuse_linears(modules),)  # type: ignore[arg-type]
+    return tuple(modules)
+
+
+def _fuse_packed_runs(modules: Sequence[PackedLinear]) -> tuple[PackedLinear, ...]:
+    """`modules` as the fewest layers, each the longest run of consecutive ones that fuse."""
+    layers: list[PackedLinear] = []
+    start = 0
+    while start < len(modules):
+        end, layer = start + 1, modules[start]
+        for last in range(len(modules), start + 1, -1):
+            fused = fuse_packed(modules[start:last])
+            if fused is not None:
+                end, layer = last, fused
+                break
+        layers.append(layer)
+        start = end
+    return tuple(layers)
 
 
 @torch.no_grad()
-def _fuse_linears(modules: Sequence[nn.Linear]) -> Projection:
+def _fuse_linears(modules: Sequence[nn.Linear]) -> nn.Linear:
     weight = torch.cat([m.weight for m in modules])  # [sum of out_features, in_features]
     bias = None if modules[0].bias is None else torch.cat([m.bias for m in modules])
     offset = 0
@@ -310,21 +302,18 @@ def _fuse_linears(modules: Sequence[nn.Linear]) -> Projection:
         if bias is not None:
             module.bias = nn.Parameter(bias[offset : offset + rows], requires_grad=False)
         offset += rows
-    return lambda x: F.linear(x, weight, bias)
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
 
 
-def _rms_norm(x: torch.Tensor, norm: nn.Module, kernels: Any = None) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """transformers' Llama RMSNorm: normalize in float32, round to the input's dtype, then
-    scale (one fused call when that rounding is a no-op; one kernel call on the packed path).
-    Gemma's (no `variance_epsilon`): scale by 1 + weight in float32, then round (on the packed
-    path the kernel's call, with 1 + weight made once)."""
-    gemma = not hasattr(norm, "variance_epsilon")
-    if kernels is not None:
-        out = torch.empty_like(x)
-        eps = norm.eps if gemma else norm.variance_epsilon
-        kernels.rms_norm(x.numpy(), _norm_scale(norm, gemma).numpy(), eps, out.numpy())
-        return out
-    if gemma:
+    scale (one fused call when that rounding is a no-op). Gemma's (no `variance_epsilon`):
+    scale by 1 + weight in float32, then round."""
+    if is_gemma_norm(norm):
         normed = F.rms_norm(x.float(), (x.shape[-1],), None, norm.eps)
         return (normed * (1.0 + norm.weight.float())).type_as(x)
     eps = norm.variance_epsilon
@@ -333,29 +322,18 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module, kernels: Any = None) -> torch.Te
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-# Gemma's norms' 1 + weight (float32), made once a norm
-_GEMMA_SCALES: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
+def is_gemma_norm(norm: nn.Module) -> bool:
+    """Whether `norm` is Gemma's RMSNorm (scaling by 1 + weight; no `variance_epsilon`)."""
+    return not hasattr(norm, "variance_epsilon")
 
 
-def _norm_scale(norm: nn.Module, gemma: bool) -> torch.Tensor:
-    """What a norm multiplies the normalized input by: its weight, Gemma's 1 + weight."""
-    if not gemma:
-        return norm.weight.detach()
-    scale = _GEMMA_SCALES.get(norm)
-    if scale is None:
-        scale = _GEMMA_SCALES[norm] = 1.0 + norm.weight.detach().float()
-    return scale
-
-
-def _norm_heads(
-    qkv: torch.Tensor, norms: tuple[nn.Module, nn.Module], heads: int, kernels: Any
-) -> None:
+def _norm_heads(qkv: torch.Tensor, norms: tuple[nn.Module, nn.Module], heads: int) -> None:
     """Qwen3's RMSNorm of each query head and each key head over head_dim (`norms`: the
     queries', the keys'), in place in `qkv` [T, heads + 2 * kv_heads, head_dim]."""
     kv_heads = (qkv.shape[1] - heads) // 2
     for norm, part in zip(norms, (slice(0, heads), slice(heads, heads + kv_heads))):
         x = qkv[:, part]
-        qkv[:, part] = _rms_norm(x.reshape(-1, x.shape[-1]), norm, kernels).view(x.shape)
+        qkv[:, part] = _rms_norm(x.reshape(-1, x.shape[-1]), norm).view(x.shape)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

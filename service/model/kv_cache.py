@@ -192,6 +192,16 @@ class TreeKVCache(Cache):
         dtype = self.dtype or like.dtype
         self._attach((like.new_zeros(shape, dtype=dtype), like.new_zeros(shape, dtype=dtype)))
 
+    def pass_buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's keys and values [layers, rows, kv_heads, capacity, head_dim] for the
+        pass begun, made at its first write (`like`: as `make_buffers` takes it) and grown to
+        fit: for a pass that writes and reads them itself (`service/model/packed_pass.py`)."""
+        if self._buffers is None:
+            self.make_buffers(like)
+        self.fit_buffers()
+        assert self._buffers is not None
+        return self._buffers
+
     def fit_buffers(self) -> None:
         """Grow the buffers to the rows and capacity now (copying what is there): the keys,
         then the values, each old buffer freed once copied, so memory peaks at the old values

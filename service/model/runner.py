@@ -37,9 +37,11 @@ from service.model.decoder_pass import (
     attention_kernel_width,
     kv_cache_dtype,
     lean_hidden,
+    packed_pass_kernels,
     supports_lean_pass,
 )
 from service.model.kv_cache import TreeKVCache
+from service.model.packed_pass import packed_hidden
 from service.model.static_pass import FixedShape, StaticPasses
 from service.model.tree import TokenTree
 
@@ -109,13 +111,13 @@ class ModelRunner:
         # Gemma 2's caps of its attention scores and of its output logits (0: none)
         self.attention_cap: float = getattr(config, "attn_logit_softcapping", None) or 0.0
         self.logit_cap: float = getattr(config, "final_logit_softcapping", None) or 0.0
+        # the packed CPU path's pass and its kernels (None: the lean pass in torch operators)
+        self.packed_kernels = packed_pass_kernels(self.model) if self.lean else None
+        # rows of up to this many tokens attend through the attention kernel (0: none)
+        self.attention_width = attention_kernel_width(self.model) if self.lean else 0
         # on the packed CPU path, prompt tokens attend through the chunk kernel (their own bits)
-        self.chunk_kernel = bool(
-            self.lean and attention_kernel_width(self.model) and chunk_kernel_fits(head_dim)
-        )
-        if self.lean and attention_kernel_width(
-            self.model
-        ):  # compile them now, not in the first request's pass
+        self.chunk_kernel = bool(self.attention_width and chunk_kernel_fits(head_dim))
+        if self.attention_width:  # compile them now, not in the first request's pass
             half = self.kv_dtype == torch.float16
             warm_up_attention(head_dim, self.query_groups, half, self.attention_cap)
             if self.chunk_kernel:
@@ -231,7 +233,7 @@ class ModelRunner:
             self.device,
             [row.cached for row in rows],
             self.dtype,
-            attention_kernel_width(self.model),
+            self.attention_width,
             self.query_groups,
             prompts,
             self.windows,
@@ -246,7 +248,11 @@ class ModelRunner:
             )
         )
         if self.lean:
-            hidden = lean_hidden(self.model, input_ids, layout, cache)  # [T, hidden]
+            hidden = (  # [T, hidden]
+                lean_hidden(self.model, input_ids, layout, cache)
+                if self.packed_kernels is None
+                else packed_hidden(self.model, input_ids, layout, cache, self.packed_kernels)
+            )
         else:
             hidden = self.model.base_model(
                 input_ids=input_ids,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from service.kernels.layer_kernels import half_bits
 from service.kernels.packed_linear import load_kernels, loaded_layer_kernels
 from service.model import decoder_pass
+from service.model import runner as runner_module
 from service.model.attention import build_layout
 from service.model.decoder_pass import _rotate, attention_kernel_width
 from service.model.runner import ModelRunner, RowInput
@@ -153,10 +154,12 @@ def test_the_packed_pass_with_its_layer_kernels_matches_the_torch_operators(
 ) -> None:
     _, packed, _, _ = tiny_packed
     runner = ModelRunner(packed)
-    assert decoder_pass._layer_kernels(packed) is loaded_layer_kernels()
+    assert decoder_pass.packed_pass_kernels(packed) is loaded_layer_kernels()
     tree = build_tree(PROMPT[-1], DRAFTS)
     with_kernels = runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
-    monkeypatch.setattr(decoder_pass, "_layer_kernels", lambda model: None)
+    for module in (decoder_pass, runner_module):  # the torch operators' pass
+        monkeypatch.setattr(module, "packed_pass_kernels", lambda model: None)
+    runner = ModelRunner(packed)  # its layouts without the kernels' queries
     without = runner.forward(prefilled(runner, [PROMPT]), [RowInput(tree)])[0]
     torch.testing.assert_close(with_kernels, without, rtol=1e-4, atol=1e-4)
 

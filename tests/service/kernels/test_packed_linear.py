@@ -29,6 +29,7 @@ from service.kernels.packed_linear import (
     tune_kernel_max_rows,
     unpermute_rows,
 )
+from service.model.decoder_pass import fuse_projections, project
 from service.model.runner import ModelRunner
 from service.model.tables import compute_tables
 from tests.helpers.batch import LENGTHS, MODES, PROMPTS
@@ -165,6 +166,25 @@ def test_fused_layers_compute_each_layers_outputs_from_the_same_memory(use_numba
         torch.testing.assert_close(fused(x), alone, rtol=1e-5, atol=1e-5)  # float32 sums, 576 long
     assert torch.equal(torch.cat([layer(x) for layer in layers], dim=-1), alone)
     assert all(np.shares_memory(layer.tiles().qs, fused.tiles().qs) for layer in layers)
+
+
+@needs_numba
+def test_projections_of_mixed_kinds_fuse_in_runs_of_one_kind() -> None:
+    """A Q4_K_M file's q and k of one type beside a v of another: q and k become one layer, v
+    stays its own, and the outputs side by side are each layer's alone, bit for bit."""
+    kinds = [Q4_1, Q4_1, Q8_0]
+    layers = [
+        PackedLinear(
+            tiles_from_blocks(random_blocks(o, 576, seed=o, kind=kind), o, 576, kind.name),
+            kernels,
+        )
+        for o, kind in zip((96, 32, 64), kinds)
+    ]
+    x = torch.randn(3, 576, generator=torch.Generator().manual_seed(0))
+    alone = torch.cat([layer(x) for layer in layers], dim=-1)
+    fused = fuse_projections(layers)
+    assert [layer.out_features for layer in fused] == [128, 64] and fused[1] is layers[2]
+    assert torch.equal(project(fused, x), alone)
 
 
 def test_layers_that_do_not_fill_whole_tiles_are_not_fused() -> None:

@@ -87,7 +87,7 @@ def test_fused_projections_share_the_layers_memory() -> None:
     x = torch.randn(3, 64)
     with torch.inference_mode():
         alone = torch.cat([m(x) for m in modules], dim=-1)
-        qkv = fuse_projections(modules)
+        (qkv,) = fuse_projections(modules)
         assert torch.equal(qkv(x), alone)
         assert torch.equal(
             torch.cat([m(x) for m in modules], dim=-1), alone
