@@ -94,7 +94,8 @@ class FusedProjections:
     gate_up: tuple[nn.Module, ...]  # [T, hidden] -> [T, 2 * intermediate]
     o: nn.Module  # [T, heads * head_dim] -> [T, hidden]
     down: nn.Module  # [T, intermediate] -> [T, hidden]
-    act: Callable[[torch.Tensor], torch.Tensor]  # the MLP's activation of the gate
+    # the MLP's activation of the gate (a module's `forward`, as `project` calls projections)
+    act: Callable[[torch.Tensor], torch.Tensor]
 
 
 # Per decoder layer, made once: a self-draft view shares the target's layers and their fusion.
@@ -165,21 +166,34 @@ def has_sandwich_norms(model: PreTrainedModel) -> bool:
     return hasattr(model.base_model.layers[0], "post_feedforward_layernorm")
 
 
-def rotary_tables(
-    model: PreTrainedModel, x: torch.Tensor, layout: PassLayout
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's rotary tables cos, sin [T, rotary dims] for the pass: one pair for all, or
-    Gemma 3's by layer type (its local layers' base differs from its global ones')."""
+@dataclass(frozen=True)
+class RotaryTables:
+    """A pass's rotary tables: each distinct pair cos, sin [T, rotary dims] once (one for all
+    layers, or Gemma 3's per layer type: its local layers' base differs from its global ones'),
+    and which pair each layer takes."""
+
+    pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    of_layer: tuple[int, ...]  # layer -> its index in `pairs`
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pairs[self.of_layer[layer]]
+
+
+def rotary_tables(model: PreTrainedModel, x: torch.Tensor, layout: PassLayout) -> RotaryTables:
+    """The pass's rotary tables for `model`'s layers (`x`: the embedded pass, for its dtype)."""
     rotary = model.base_model.rotary_emb
     layers = model.config.num_hidden_layers
     if not hasattr(rotary, "layer_types"):
         cos, sin = rotary(x, position_ids=layout.position_ids)  # [1, T, head_dim] each
-        return [(cos[0].contiguous(), sin[0].contiguous())] * layers
-    tables = {}
-    for kind in rotary.layer_types:
+        return RotaryTables(((cos[0].contiguous(), sin[0].contiguous()),), (0,) * layers)
+    kinds = list(dict.fromkeys(rotary.layer_types))
+    pairs = []
+    for kind in kinds:
         cos, sin = rotary(x, position_ids=layout.position_ids, layer_type=kind)
-        tables[kind] = (cos[0].contiguous(), sin[0].contiguous())
-    return [tables[kind] for kind in model.config.layer_types[:layers]]
+        pairs.append((cos[0].contiguous(), sin[0].contiguous()))
+    return RotaryTables(
+        tuple(pairs), tuple(kinds.index(kind) for kind in model.config.layer_types[:layers])
+    )
 
 
 def attention_kernel_width(model: PreTrainedModel) -> int:
@@ -248,10 +262,17 @@ def fused_projections(layer: nn.Module) -> FusedProjections:
             else fuse_projections([mlp.gate_proj, mlp.up_proj]),
             attn.o_proj,
             mlp.down_proj,
-            mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn,
+            _called_directly(mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn),
         )
         _FUSED[layer] = fused
     return fused
+
+
+def _called_directly(
+    act: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An activation module's `forward` itself (a function as it is)."""
+    return act.forward if isinstance(act, nn.Module) else act
 
 
 def project(modules: tuple[nn.Module, ...], x: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,6 @@ from service.model.attention import (
 )
 from service.model.decoder_pass import (
     fused_projections,
-    has_sandwich_norms,
     is_gemma_norm,
     rotary_tables,
 )
@@ -110,14 +109,9 @@ def packed_layer(layer: nn.Module) -> PackedLayer:
             _array_projection((projections.o,)),
             _array_projection(projections.gate_up),
             _array_projection((projections.down,)),
-            _direct(projections.act),
+            projections.act,
         )
     return made
-
-
-def _direct(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An activation module's `forward` itself (as `decoder_pass.project` calls projections)."""
-    return act.forward if isinstance(act, nn.Module) else act
 
 
 def _array_projection(modules: tuple[nn.Module, ...]) -> ArrayProjection:
@@ -148,8 +142,8 @@ def packed_hidden(
     packed CPU path (`kernels`: `decoder_pass.packed_pass_kernels(model)`)."""
     base, config = model.base_model, model.config
     embedded = base.embed_tokens(input_ids)  # [1, T, hidden]
-    rotary = rotary_tables(model, embedded, layout)  # per layer, shared where layers share
-    arrays = {id(pair): (pair[0].numpy(), pair[1].numpy()) for pair in rotary}
+    rotary = rotary_tables(model, embedded, layout)
+    arrays = [(cos.numpy(), sin.numpy()) for cos, sin in rotary.pairs]
     x = embedded[0].numpy()  # [T, hidden]
     tokens, heads = x.shape[0], config.num_attention_heads
     head_dim = base.layers[0].self_attn.head_dim
@@ -158,7 +152,6 @@ def packed_hidden(
     keys, values = (kernel_array(buffer) for buffer in buffers)
     rows, positions = layout.write_rows.numpy(), layout.write_positions.numpy()
     windows = layer_windows(config)
-    sandwich = has_sandwich_norms(model)
     softcap = getattr(config, "attn_logit_softcapping", None)  # Gemma 2's
 
     def norm(rows: np.ndarray, by: Norm) -> np.ndarray:
@@ -177,7 +170,7 @@ def packed_hidden(
                     tokens, -1, head_dim
                 )
         queries = np.empty((tokens, heads, head_dim), np.float32)
-        cos, sin = arrays[id(rotary[index])]
+        cos, sin = arrays[rotary.of_layer[index]]
         kernels.rotate_and_store(
             qkv, cos, sin, heads, keys[index], values[index], rows, positions, queries
         )
@@ -190,6 +183,7 @@ def packed_hidden(
             softcap,
         )
         attended = packed.o(out)
+        sandwich = len(packed.norms) == 4
         if sandwich:
             x = x + norm(attended, packed.norms[1])
             gate_up = packed.gate_up(norm(x, packed.norms[2]))
