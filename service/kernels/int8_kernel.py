@@ -77,9 +77,11 @@ BLOCK = 32  # inputs per block (Q4_1's, and the activations' scale)
 RELAY_TILES = 64  # `int8_tiles` re-lays a weight this many of its 32-column tiles at a time
 # Rows sharing each loaded (and unpacked) block, largest first, while a whole group is left
 # (their accumulators and the block fit AVX-512's 32 registers; on AVX2's 16 some spill, and
-# yet 4 measured faster than 2 or 1 from 4 rows on). Passes of 8 rows or more take
-# `int8_chunk_kernel.py`, which groups 8.
-ROW_GROUPS = (4, 1)
+# yet 4 measured faster than 2 or 1 from 4 rows on). Two and three rows get groups of their
+# own: a 2- or 3-token tree then unpacks each block once, not once a row, where unpacking
+# makes up much of a one-row pass (docs/benchmarks.md, "Tree costs"). Passes of 8 rows or
+# more take `int8_chunk_kernel.py`, which groups 8.
+ROW_GROUPS = (4, 3, 2, 1)
 
 
 @dataclass(frozen=True)

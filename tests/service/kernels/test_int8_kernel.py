@@ -115,14 +115,16 @@ def test_a_k_quant_computes_its_weights_on_the_rounded_activations(
 
 
 @ISAS
-@pytest.mark.parametrize("kind", [Q4_1, Q5_0, Q5_1, Q8_0])
+@pytest.mark.parametrize("kind", [Q3_K, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q8_0, Q6_K])
 def test_a_rows_result_does_not_depend_on_the_pass(kind, isa) -> None:
-    blocks = random_blocks(96, 192, kind=kind)
-    x = torch.randn(9, 192, generator=torch.Generator().manual_seed(1))
-    together = run(kind, blocks, 96, x, chunks=2, isa=isa)
-    for row in range(9):
-        alone = run(kind, blocks, 96, x[row : row + 1], chunks=0, isa=isa)
-        assert torch.equal(alone[0], together[row])
+    """Passes of 2, 3, 6 and 9 rows go through every row group (4, 3, 2, alone)."""
+    blocks = random_blocks(96, 256, kind=kind)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    alone = [run(kind, blocks, 96, x[row : row + 1], chunks=0, isa=isa)[0] for row in range(9)]
+    for rows in (2, 3, 6, 9):
+        together = run(kind, blocks, 96, x[:rows], chunks=2, isa=isa)
+        for row in range(rows):
+            assert torch.equal(alone[row], together[row])
     x[:, :BLOCK] = 0  # an all-zero block: scale 0, no division by it
     assert torch.isfinite(run(kind, blocks, 96, x, isa=isa)).all()
 
