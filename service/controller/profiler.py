@@ -57,13 +57,16 @@ PASS_CODE = (
     "model/runner.py",
     "model/static_pass.py",
     "model/decoder_pass.py",
+    "model/packed_pass.py",
     "model/attention.py",
     "model/kv_cache.py",
     "kernels/packed_linear.py",
     "kernels/packed_kernels.py",
     "kernels/layer_kernels.py",
     "kernels/int8_kernel.py",
+    "kernels/int8_chunk_kernel.py",
     "kernels/attention_kernel.py",
+    "kernels/chunk_attention_kernel.py",
 )
 ROWS = (1, 4, 16)
 # A GPU serves more rows a pass (a pass there is host-bound, so rows are nearly free), and its
