@@ -28,6 +28,7 @@ from tests.helpers.http import MESSAGES, QUIET, slowed, wait_until
 from tests.helpers.http import wait_ready as wait_app_ready
 
 LINES = 24
+CANCELLED_LINES = 10 * LINES
 LEASE_SECONDS = 2
 ENDED = ("completed", "failed", "expired", "cancelled")
 
@@ -76,15 +77,17 @@ def test_a_killed_replicas_batch_is_finished_by_the_other_once_its_lease_expires
             (index,) = [i for i, b in enumerate(bases) if chat_requests_served(b) > before[i]]
             return index
 
-        # a cancel asked through the other replica stops the batch where it runs
+        # a cancel asked through the other replica stops the batch where it runs (a batch long
+        # enough that the working replica's next lease renewal, which reads the cancel, comes
+        # before its last line even on a fast machine)
         before = [chat_requests_served(b) for b in bases]
-        cancelled = start_batch(clients[0], "cancelled")
+        cancelled = start_batch(clients[0], "cancelled", CANCELLED_LINES)
         wait_until(lambda: clients[0].batches.retrieve(cancelled.id).request_counts.completed >= 2)
         other = 1 - working(before)
         clients[other].batches.cancel(cancelled.id)
         wait_until(lambda: clients[0].batches.retrieve(cancelled.id).status in ENDED, 60)
         done = clients[0].batches.retrieve(cancelled.id)
-        assert done.status == "cancelled" and done.request_counts.completed < LINES
+        assert done.status == "cancelled" and done.request_counts.completed < CANCELLED_LINES
 
         # the replica working a batch dies; the other goes on with it after the lease
         before = [chat_requests_served(b) for b in bases]

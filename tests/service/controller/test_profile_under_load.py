@@ -23,6 +23,9 @@ from service.controller.profiler import measure_profile
 from service.model.runner import ModelRunner
 
 GRID = {"rows": (1, 4), "context_lengths": (32, 256), "repeats": 5}
+# attempts the steady-load test allows: beside a busy core (and on a CI machine, other work
+# still) one attempt's repeats can disagree, which the keeper answers by measuring again
+ATTEMPTS = 3
 SPIN_SECONDS = 600  # a bound on the neighbour's life, should the test die without stopping it
 
 
@@ -77,7 +80,10 @@ def test_a_profile_measured_beside_a_steady_busy_core_is_valid() -> None:
     with busy_core():
         machine = steady(MachineLoad())
         assert machine.others_cores is not None and machine.others_cores > 0.5
-        profile, problems = measure_profile(runner, machine, **GRID)
+        for _ in range(ATTEMPTS):  # as the keeper measures again after a rejected attempt
+            profile, problems = measure_profile(runner, machine, **GRID)
+            if not problems:
+                break
     assert problems == []
     assert profile.rows == [1, 4]
 
